@@ -1,0 +1,30 @@
+# Two entry points for a newcomer: `make serve` and `make test`.
+# Both create .venv on first use. torch==2.13.0 goes in first, because on a machine without
+# torch a bare `torch` requirement pulls a multi-GB CUDA build; GPU users keep their own torch.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m trtdisagg up
+
+lint: $(STAMP)
+	$(PY) -m ruff check trtdisagg tests tools
+	$(PY) -m mypy
+
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache

@@ -1,0 +1,139 @@
+"""Real server processes for e2e tests: start on a free port, wait for /health, always stop.
+
+Waiting is on health with a bounded deadline, never on a sleep of a guessed length. A server that
+dies during start-up fails the test at once with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@attrs.define(eq=False)
+class Server:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    port: int
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{tail}")
+            try:
+                if client.get(url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            # Polling a health endpoint at a short interval is the readiness signal itself.
+            time.sleep(0.1)
+    tail = log_path.read_text(errors="replace")[-4000:]
+    raise TimeoutError(f"{url} not healthy after {timeout}s:\n{tail}")
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def spawn(
+    args: list[str],
+    *,
+    port: int,
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> Iterator[Server]:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trtdisagg", *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=full_env,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log_path, timeout)
+        yield Server(url=url, proc=proc, log_path=log_path, port=port)
+    finally:
+        stop(proc)
+
+
+def worker_config(**overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "model": "tiny",
+        "max_batch_size": 64,
+        "max_num_tokens": 256,
+        "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 16384},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    return config
+
+
+@contextlib.contextmanager
+def running_worker(
+    tmp_path: Path, role: str = "ctx", *, env: dict[str, str] | None = None, **overrides: Any
+) -> Iterator[Server]:
+    port = free_port()
+    config_path = tmp_path / f"{role}-{port}.yaml"
+    config_path.write_text(yaml.safe_dump(worker_config(**overrides)))
+    with spawn(
+        [role, "--config", str(config_path), "--port", str(port)],
+        port=port,
+        log_path=tmp_path / f"{role}-{port}.log",
+        env=env,
+    ) as server:
+        yield server
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """Value of one Prometheus sample (`name{labels}`), or 0.0 if absent."""
+    prefix = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(prefix + " "):
+            return float(line.split()[-1])
+    return 0.0

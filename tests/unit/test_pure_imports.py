@@ -1,0 +1,38 @@
+"""Pure modules import no torch, trio, zmq or nixl, so they stay fast to test and easy to reuse.
+
+Extend PURE_MODULES when adding a pure module.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+PURE_MODULES: tuple[str, ...] = (
+    "trtdisagg.kv.page_table",
+    "trtdisagg.kv.hashing",
+    "trtdisagg.kv.block_pool",
+    "trtdisagg.worker.request",
+    "trtdisagg.worker.scheduler",
+)
+FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl")
+
+_PROBE = """
+import importlib, sys
+importlib.import_module({module!r})
+forbidden = {forbidden!r}
+print(sorted({{m for m in sys.modules if m.split(".")[0] in forbidden}}))
+"""
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_module_is_pure(module: str) -> None:
+    # A fresh interpreter: in this one, other tests may already have imported anything.
+    code = _PROBE.format(module=module, forbidden=FORBIDDEN)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"{module} imports {result.stdout.strip()}"

@@ -1,0 +1,305 @@
+"""JSON edge of the OpenAI API: strict structuring with field-named errors, and SSE framing.
+
+This is the only place HTTP bodies turn into attrs objects. Types are checked strictly (JSON
+`true` is not an integer, `"5"` is not a number) because a lenient cast hides client bugs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import attrs
+import cattrs
+
+from trtdisagg.api.errors import ApiError, bad_request
+from trtdisagg.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPart,
+    prune,
+)
+
+T = TypeVar("T")
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _strict_int(value: object, _cls: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {_json_type(value)}")
+    return value
+
+
+def _strict_float(value: object, _cls: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number, got {_json_type(value)}")
+    return float(value)
+
+
+def _strict_bool(value: object, _cls: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected a boolean, got {_json_type(value)}")
+    return value
+
+
+def _strict_str(value: object, _cls: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {_json_type(value)}")
+    return value
+
+
+def _int_list(value: object) -> list[int]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected an array of integers, got {_json_type(value)}")
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise TypeError(f"element {i}: expected an integer, got {_json_type(item)}")
+    return value
+
+
+def _prompt(value: object, _cls: object) -> str | list[int] | list[str] | list[list[int]]:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise TypeError(f"expected a string or an array, got {_json_type(value)}")
+    if all(isinstance(v, str) for v in value) and value:
+        return [str(v) for v in value]
+    if all(isinstance(v, list) for v in value) and value:
+        return [_int_list(v) for v in value]
+    return _int_list(value)
+
+
+def _stop(value: object, _cls: object) -> str | list[str]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return [str(v) for v in value]
+    raise TypeError(f"expected a string or an array of strings, got {_json_type(value)}")
+
+
+def _content(value: object, _cls: object) -> str | list[ContentPart]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return [_converter.structure(part, ContentPart) for part in value]
+    raise TypeError(f"expected a string or an array of content parts, got {_json_type(value)}")
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=False)
+    converter.register_structure_hook(int, _strict_int)
+    converter.register_structure_hook(float, _strict_float)
+    converter.register_structure_hook(bool, _strict_bool)
+    converter.register_structure_hook(str, _strict_str)
+    for cls in (CompletionRequest, ChatCompletionRequest, ChatMessage):
+        attrs.resolve_types(cls)
+    prompt_type = attrs.fields(CompletionRequest).prompt.type
+    stop_type = attrs.fields(CompletionRequest).stop.type
+    content_type = attrs.fields(ChatMessage).content.type
+    for union, hook in ((prompt_type, _prompt), (stop_type, _stop), (content_type, _content)):
+        converter.register_structure_hook_func(_is_type(union), _optional(hook))
+    converter.register_structure_hook_factory(_is_list_of_attrs, _strict_list_factory(converter))
+    return converter
+
+
+def _is_type(expected: Any) -> Any:
+    return lambda t: t == expected
+
+
+def _optional(hook: Any) -> Any:
+    return lambda value, t: None if value is None else hook(value, t)
+
+
+def _is_list_of_attrs(t: Any) -> bool:
+    return getattr(t, "__origin__", None) is list and attrs.has(t.__args__[0])
+
+
+def _strict_list_factory(converter: cattrs.Converter) -> Any:
+    def factory(t: Any) -> Any:
+        item = t.__args__[0]
+
+        def hook(value: object, _t: object) -> list[Any]:
+            if not isinstance(value, list):
+                raise TypeError(f"expected an array, got {_json_type(value)}")
+            out = []
+            for i, element in enumerate(value):
+                try:
+                    out.append(converter.structure(element, item))
+                except Exception as exc:
+                    exc.add_note(cattrs.IterableValidationNote(f"index {i}", i, item))
+                    raise cattrs.IterableValidationError("bad element", [exc], t) from None
+            return out
+
+        return hook
+
+    return factory
+
+
+_converter = _make_converter()
+
+
+def _describe(exc: Exception) -> tuple[str, str | None]:
+    """Turn a cattrs error group into 'field: problem' and the field's name."""
+    if not isinstance(exc, cattrs.BaseValidationError):
+        return str(exc), None
+    messages: list[str] = []
+    first_param: str | None = None
+
+    def walk(group: BaseException, path: str) -> None:
+        nonlocal first_param
+        if isinstance(group, BaseExceptionGroup):
+            for sub in group.exceptions:
+                note = next(
+                    (
+                        n
+                        for n in getattr(sub, "__notes__", [])
+                        if hasattr(n, "name") or hasattr(n, "index")
+                    ),
+                    None,
+                )
+                name = getattr(note, "name", None)
+                index = getattr(note, "index", None)
+                sub_path = path
+                if name is not None:
+                    sub_path = f"{path}.{name}" if path else str(name)
+                elif index is not None:
+                    sub_path = f"{path}[{index}]"
+                walk(sub, sub_path)
+            return
+        if isinstance(group, KeyError):
+            messages.append(f"{path}: required field missing")
+        elif isinstance(group, cattrs.ForbiddenExtraKeysError):
+            messages.append(f"{path or 'body'}: unknown fields {sorted(group.extra_fields)}")
+        elif "NoneType" in str(group) or "not None" in str(group):
+            messages.append(f"{path}: must not be null")
+        else:
+            messages.append(f"{path}: {group}")
+        if first_param is None:
+            first_param = path.split(".")[0].split("[")[0] or None
+
+    walk(exc, "")
+    return "; ".join(messages), first_param
+
+
+def structure_body(data: object, cls: type[T]) -> T:
+    """Structure a decoded JSON body, raising a 400 ApiError that names the bad field."""
+    if not isinstance(data, dict):
+        raise bad_request(f"request body must be a JSON object, got {_json_type(data)}")
+    try:
+        return _converter.structure(data, cls)
+    except (cattrs.BaseValidationError, TypeError, ValueError) as exc:
+        message, param = _describe(exc)
+        raise bad_request(message, param=param) from None
+
+
+def parse_json(raw: bytes | str) -> object:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+
+
+def to_json(value: object) -> Any:
+    """attrs value → JSON-ready data, with None-valued keys dropped."""
+    if attrs.has(type(value)):
+        return prune(_converter.unstructure(value))
+    return prune(value)
+
+
+def unstructure(value: object) -> Any:
+    return _converter.unstructure(value)
+
+
+def sse_event(payload: object) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def validate_request(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Semantic checks after structuring; each failure names its field."""
+    if req.n != 1:
+        raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n")
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_tokens: must be at least 1, got {max_tokens}", param="max_tokens")
+    if req.temperature is not None and not 0.0 <= req.temperature <= 100.0:
+        raise bad_request(
+            f"temperature: must be in [0, 100], got {req.temperature}", param="temperature"
+        )
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise bad_request(f"top_p: must be in (0, 1], got {req.top_p}", param="top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_request(f"top_k: must be -1, 0 or positive, got {req.top_k}", param="top_k")
+    if req.min_tokens < 0:
+        raise bad_request(
+            f"min_tokens: must not be negative, got {req.min_tokens}", param="min_tokens"
+        )
+    if isinstance(req, CompletionRequest):
+        _validate_prompt(req)
+        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+            raise bad_request(f"logprobs: must be in [0, 20], got {req.logprobs}", param="logprobs")
+    else:
+        if req.messages is None:
+            raise bad_request("messages: required field missing", param="messages")
+        if not req.messages:
+            raise bad_request("messages: must not be empty", param="messages")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise bad_request(
+                f"top_logprobs: must be in [0, 20], got {req.top_logprobs}", param="top_logprobs"
+            )
+
+
+def _validate_prompt(req: CompletionRequest) -> None:
+    prompt = req.prompt
+    if prompt is None and req.prompt_token_ids is None:
+        raise bad_request("prompt: required field missing", param="prompt")
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and isinstance(prompt[0], str | list)
+        and len(prompt) != 1
+    ):
+        raise bad_request(
+            f"prompt: batched prompts are not supported, got {len(prompt)}", param="prompt"
+        )
+    if prompt is not None and len(prompt) == 0:
+        raise bad_request("prompt: must not be empty", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        inner = prompt[0]
+        if len(inner) == 0:
+            raise bad_request("prompt: must not be empty", param="prompt")
+
+
+def single_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a validated completion request, unwrapped from a batch of one."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        inner = prompt[0]
+        return inner if isinstance(inner, str) else list(inner)
+    if prompt is None:
+        return list(req.prompt_token_ids or [])
+    return prompt  # type: ignore[return-value]
+
+
+def error_status(exc: ApiError) -> int:
+    return exc.status

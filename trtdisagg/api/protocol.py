@@ -1,0 +1,144 @@
+"""OpenAI request and response bodies, shared by the coordinator and the workers.
+
+Requests are structured from JSON through one strict converter: a wrong type is a 400 that names
+the field (`max_tokens: expected an integer, got str`). Unknown keys are ignored, as OpenAI
+clients send many optional fields we do not act on; fields we cannot honour (`n > 1`) are refused
+explicitly in `validate()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+RequestTypeName = Literal["context_and_generation", "context_only", "generation_only"]
+
+
+@attrs.frozen(kw_only=True)
+class StreamOptions:
+    include_usage: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class DisaggregatedParams:
+    """What crosses between the legs of a disaggregated request (DESIGN.md §2)."""
+
+    request_type: RequestTypeName = "context_and_generation"
+    first_gen_tokens: list[int] | None = None
+    ctx_request_id: int | None = None
+    disagg_request_id: int | None = None
+    ctx_dp_rank: int | None = None
+    ctx_info_endpoint: str | None = None
+    opaque_state: str | None = None
+    draft_tokens: list[int] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ContentPart:
+    type: str
+    text: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ChatMessage:
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content if part.type == "text")
+
+
+@attrs.frozen(kw_only=True)
+class _SamplingFields:
+    """Fields common to both routes (attrs inheritance keeps one definition)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    return_perf_metrics: bool = False
+    disaggregated_params: DisaggregatedParams | None = None
+    conversation_id: str | None = None
+    # Coordinator-internal: the prompt already tokenised by ctx, so gen need not re-tokenise.
+    prompt_token_ids: list[int] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    logprobs: int | None = None
+    echo: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+AnyRequest = CompletionRequest | ChatCompletionRequest
+
+
+@attrs.frozen(kw_only=True)
+class PromptTokensDetails:
+    cached_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = attrs.Factory(PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int = 0) -> Usage:
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+@attrs.frozen(kw_only=True)
+class PerfMetrics:
+    """Per-request phase breakdown, seconds unless named otherwise."""
+
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    first_token_s: float | None = None
+    decode_s: float | None = None
+    kv_transfer_bytes: int | None = None
+    kv_transfer_s: float | None = None
+    ctx_s: float | None = None
+    coordinator_queue_s: float | None = None
+    gen_first_token_s: float | None = None
+
+
+def prune(value: Any) -> Any:
+    """Drop None-valued keys recursively: OpenAI bodies omit what they do not carry."""
+    if isinstance(value, dict):
+        return {k: prune(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [prune(v) for v in value]
+    return value

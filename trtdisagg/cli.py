@@ -1,0 +1,122 @@
+"""Command line: argv → config objects → trio.run(serve_*). The only reader of argv and env.
+
+python -m trtdisagg ctx  --config conf/ctx.yaml [--port N] [--model M] ...
+python -m trtdisagg gen  --config conf/gen.yaml [--port N] [--model M] ...
+python -m trtdisagg coordinator --config conf/disagg.yaml [--port N]
+python -m trtdisagg up [conf/local.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from trtdisagg.config import ConfigError, Role, load_worker_config
+
+
+def _setup_logging(level: str, prefix: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], role: Role) -> None:
+    p = sub.add_parser(role.value, help=f"run a {role.value} worker instance")
+    p.add_argument("--config", help="worker YAML (conf/ctx.yaml, conf/gen.yaml)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--model", help='"tiny" or a local Hugging Face checkpoint directory')
+    p.add_argument("--served-model-name", dest="served_model_name")
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tp", dest="tensor_parallel_size", type=int)
+    p.add_argument("--pp", dest="pipeline_parallel_size", type=int)
+    p.add_argument("--max-batch-size", dest="max_batch_size", type=int)
+    p.add_argument("--max-num-tokens", dest="max_num_tokens", type=int)
+    p.add_argument("--cpu-threads", dest="cpu_threads", type=int)
+    p.add_argument("--log-level", dest="log_level")
+    p.set_defaults(role=role)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trtdisagg", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _worker_parser(sub, Role.CTX)
+    _worker_parser(sub, Role.GEN)
+    coord = sub.add_parser("coordinator", help="run the OpenAI front end")
+    coord.add_argument("--config", required=True, help="coordinator YAML (conf/disagg.yaml)")
+    coord.add_argument("--host", dest="hostname")
+    coord.add_argument("--port", type=int)
+    coord.add_argument("--log-level", dest="log_level", default="info")
+    up = sub.add_parser("up", help="start a local cluster (ctx, gen, coordinator)")
+    up.add_argument("config", nargs="?", help="cluster YAML (default: 1 ctx + 1 gen on tiny)")
+    up.add_argument("--log-level", dest="log_level", default="info")
+    return parser
+
+
+_WORKER_KEYS = (
+    "host", "port", "model", "served_model_name", "device", "dtype", "tensor_parallel_size",
+    "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "cpu_threads", "log_level",
+)  # fmt: skip
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from trtdisagg.worker.serve import serve_worker
+
+    overrides: dict[str, object] = {k: getattr(args, k) for k in _WORKER_KEYS}
+    overrides["role"] = args.role.value
+    if "TRTDISAGG_API_KEY" in os.environ:
+        overrides["api_key"] = os.environ["TRTDISAGG_API_KEY"]
+    config = load_worker_config(args.config, overrides)
+    _setup_logging(config.log_level, f"[{config.role.value}:{config.port}]")
+    trio.run(_until_terminated, serve_worker, config)
+    return 0
+
+
+async def _until_terminated(serve: object, config: object) -> None:
+    """Run a service until SIGTERM/SIGINT, then cancel it so its cleanup runs."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve, config)  # type: ignore[arg-type]
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                logging.getLogger("trtdisagg").info(
+                    "received %s, stopping", signal.Signals(signum).name
+                )
+                nursery.cancel_scope.cancel()
+                return
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command in ("ctx", "gen"):
+            return _run_worker(args)
+        if args.command == "coordinator":
+            from trtdisagg.coordinator.config import load_coordinator_config
+            from trtdisagg.coordinator.serve import run_coordinator
+
+            overrides = {"hostname": args.hostname, "port": args.port}
+            if "TRTDISAGG_API_KEY" in os.environ:
+                overrides["api_key"] = os.environ["TRTDISAGG_API_KEY"]
+            coord = load_coordinator_config(args.config, overrides)
+            _setup_logging(args.log_level, "[coordinator]")
+            return run_coordinator(coord)
+        if args.command == "up":
+            from trtdisagg.launcher import run_local_cluster
+
+            _setup_logging(args.log_level, "[up]")
+            return run_local_cluster(args.config)
+    except ConfigError as exc:
+        print(f"trtdisagg: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2

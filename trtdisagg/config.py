@@ -1,0 +1,170 @@
+"""Configuration: frozen attrs classes, loaded from YAML through one cattrs converter.
+
+Keys follow TensorRT-LLM's worker and `disagg_config.yaml` names where one exists (DESIGN.md §4).
+Unknown keys and wrong types fail at start-up with the key path (`$.kv_cache_config.layout`),
+never deep inside a request.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import cattrs
+import yaml
+
+from trtdisagg.kv.page_table import Layout
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid; the message names the key path."""
+
+
+class Role(enum.Enum):
+    CTX = "ctx"
+    GEN = "gen"
+
+
+class TransceiverBackend(enum.Enum):
+    NIXL = "NIXL"
+    LOOPBACK = "LOOPBACK"
+
+
+def _positive(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"$.{attr.name}: must be positive, got {value}")
+
+
+def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise ConfigError(f"$.{attr.name}: must not be negative, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class KvCacheConfig:
+    tokens_per_block: int = attrs.field(default=32, validator=_positive)
+    max_tokens: int | None = 65536
+    free_gpu_memory_fraction: float | None = None
+    layout: Layout = Layout.HND
+    enable_block_reuse: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_tokens is None and self.free_gpu_memory_fraction is None:
+            raise ConfigError("$.kv_cache_config: set max_tokens or free_gpu_memory_fraction")
+        if self.max_tokens is not None and self.max_tokens < self.tokens_per_block:
+            raise ConfigError(
+                f"$.kv_cache_config.max_tokens: {self.max_tokens} is less than one block "
+                f"({self.tokens_per_block} tokens)"
+            )
+        fraction = self.free_gpu_memory_fraction
+        if fraction is not None and not 0.0 < fraction < 1.0:
+            raise ConfigError(
+                f"$.kv_cache_config.free_gpu_memory_fraction: must be in (0, 1), got {fraction}"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class CacheTransceiverConfig:
+    backend: TransceiverBackend | None = None
+    kv_transfer_timeout_ms: int = attrs.field(default=60000, validator=_positive)
+    kv_cache_bounce_size_mb: int = attrs.field(default=0, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class WorkerConfig:
+    role: Role = Role.CTX
+    model: str = "tiny"
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8001
+    device: str = "cpu"
+    dtype: str = "float32"
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
+    pipeline_parallel_size: int = attrs.field(default=1, validator=_positive)
+    max_batch_size: int = attrs.field(default=64, validator=_positive)
+    max_num_tokens: int = attrs.field(default=8192, validator=_positive)
+    max_seq_len: int | None = None  # default: the model's max_position_embeddings
+    kv_cache_config: KvCacheConfig = attrs.Factory(KvCacheConfig)
+    cache_transceiver_config: CacheTransceiverConfig = attrs.Factory(CacheTransceiverConfig)
+    # torch intra-op threads on CPU. Workers of one machine share its cores, and OpenMP threads
+    # that spin against each other slow a step down tenfold, so the default is 1 per worker.
+    cpu_threads: int = attrs.field(default=1, validator=_positive)
+    api_key: str | None = None
+    max_request_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
+    log_level: str = "info"
+
+    def __attrs_post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"$.device: must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"$.dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"$.port: must be in [0, 65536), got {self.port}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    return converter
+
+
+_converter = _make_converter()
+
+
+def _format_error(exc: Exception, source: str) -> ConfigError:
+    messages = cattrs.transform_error(exc) if isinstance(exc, cattrs.BaseValidationError) else []
+    if not messages:
+        messages = [str(exc)]
+    # transform_error words unknown keys as "extra fields found (x) @ $"; keep its key path.
+    return ConfigError(f"{source}: " + "; ".join(messages))
+
+
+T = TypeVar("T")
+
+
+def structure(data: object, cls: type[T], *, source: str = "config") -> T:
+    """Build `cls` from plain data, turning every failure into one ConfigError with key paths."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: $ must be a mapping, got {type(data).__name__}")
+    try:
+        return _converter.structure(data, cls)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
+        raise _format_error(exc, source) from None
+
+
+def unstructure(value: object) -> Any:
+    return _converter.unstructure(value)
+
+
+def read_yaml(path: str | Path) -> object:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+
+
+def load_worker_config(
+    path: str | Path | None, overrides: dict[str, object] | None = None
+) -> WorkerConfig:
+    """Read a worker YAML file (or defaults), apply CLI overrides, validate."""
+    data = read_yaml(path) if path is not None else {}
+    source = str(path) if path is not None else "worker config"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: $ must be a mapping, got {type(data).__name__}")
+    merged = {**data, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    return structure(merged, WorkerConfig, source=source)

@@ -1,0 +1,470 @@
+"""The KV block pool: which request holds which block, and the prefix cache over them.
+
+A rank's KV memory is ``num_blocks`` blocks of ``tokens_per_block`` tokens. Each block is in
+exactly one of three sets:
+
+1. FREE: holds nothing worth keeping (never written, or its cached content was evicted).
+2. USED: referenced by at least one live ``BlockTable``. A block of a shared cached prefix has one
+   reference per table that holds it.
+3. REUSABLE: no references, but it holds a full, computed block registered in the prefix cache
+   under its chained hash (see ``hashing``). A new request with the same prefix takes it back
+   (USED again); allocation evicts these, least recently used first, when FREE runs out.
+
+Invariant: ``free + reusable + used == total`` at all times; with no live tables, ``used == 0``.
+
+Free blocks are kept as runs of consecutive block ids, and allocation hands out runs: first the
+run right after the table's last block (so a growing request stays contiguous), then the smallest
+run that fits, then the largest runs first. A run of consecutive blocks is one contiguous byte
+range of the KV pool and one descriptor in a KV transfer (DESIGN.md §7), which matters more for
+transfer speed than anything else.
+
+With ``enable_block_reuse``, the pool records a KV event for every change to the set of cached
+hashes (STORED when a block is registered, REMOVED when one is evicted), for the KV-aware router.
+
+Pure: no I/O, no torch. The executor owns the pool and is its only caller.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+from collections.abc import Sequence
+from typing import Final
+
+import attrs
+
+from trtdisagg.kv.hashing import hash_block
+
+DEFAULT_MAX_PENDING_EVENTS: Final = 65536
+
+
+class KvEventKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+@attrs.frozen(kw_only=True)
+class KvEvent:
+    """A change to the set of cached block hashes, for a KV-aware router.
+
+    ``block_hashes`` of a STORED event are one chain, in order; ``parent_hash`` is the hash of the
+    block before the first of them (None if the chain starts at the sequence's first block).
+    REMOVED events have no parent. ``event_id`` increases by one per event, so a consumer can
+    tell when it missed some.
+    """
+
+    kind: KvEventKind
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None = None
+    event_id: int
+
+
+@attrs.frozen(kw_only=True)
+class BlockPoolStatistics:
+    total_blocks: int
+    free_blocks: int  # never cached, or evicted
+    reusable_blocks: int  # cached prefix blocks with no references: evictable, LRU
+    used_blocks: int  # referenced by at least one live table
+    num_dropped_events: int = 0  # KV events discarded because nobody drained them
+
+
+@attrs.define(eq=False, kw_only=True)
+class BlockTable:
+    """The blocks of one request, in token order. Created by ``BlockPool.open_table`` only.
+
+    ``block_ids[i]`` holds tokens ``[i * T, (i + 1) * T)``. The first ``num_cached_tokens // T``
+    blocks were taken from the prefix cache when the table was opened.
+    """
+
+    block_ids: list[int] = attrs.field(factory=list)
+    num_cached_tokens: int = 0
+    # Chained hashes of the leading blocks that are full and computed; commit() extends it.
+    _hashes: list[int] = attrs.field(factory=list, alias="hashes")
+    _num_committed_blocks: int = attrs.field(default=0, alias="num_committed_blocks")
+    _released: bool = attrs.field(default=False, alias="released")
+
+    @property
+    def num_committed_blocks(self) -> int:
+        """Leading blocks that are full and computed (hashed if reuse is on)."""
+        return self._num_committed_blocks
+
+    @property
+    def is_released(self) -> bool:
+        return self._released
+
+
+class _FreeRuns:
+    """Free block ids as maximal runs of consecutive ids, bucketed by run length.
+
+    A run is ``[start, start + length)``. Adjacent runs are always merged, so the number of
+    distinct lengths is at most about ``sqrt(2 * num_blocks)``, which bounds a best-fit search.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self._length_at: dict[int, int] = {}  # start -> length
+        self._start_of_end: dict[int, int] = {}  # end (exclusive) -> start
+        self._starts_by_length: dict[int, set[int]] = {}
+        self._count = 0
+        if num_blocks > 0:
+            self._insert(0, num_blocks)
+            self._count = num_blocks
+
+    def __len__(self) -> int:
+        return self._count
+
+    def runs(self) -> list[tuple[int, int]]:
+        """(start, length) of every run, by start; for tests and invariant checks."""
+        return sorted(self._length_at.items())
+
+    def add(self, block: int) -> None:
+        """Return one block (not currently free) to the free runs, merging with its neighbours."""
+        start, length = block, 1
+        left = self._start_of_end.get(block)
+        if left is not None:
+            length += self._remove(left)
+            start = left
+        if block + 1 in self._length_at:
+            length += self._remove(block + 1)
+        self._insert(start, length)
+        self._count += 1
+
+    def take_at(self, start: int, n: int) -> list[int]:
+        """Up to ``n`` blocks from the front of the run starting exactly at ``start``, if any."""
+        length = self._length_at.get(start)
+        if length is None:
+            return []
+        k = min(n, length)
+        self._remove(start)
+        if length > k:
+            self._insert(start + k, length - k)
+        self._count -= k
+        return list(range(start, start + k))
+
+    def take(self, n: int) -> list[int]:
+        """``n`` blocks (``n <= len(self)``) in as few runs as possible, lowest ids on ties."""
+        taken: list[int] = []
+        while len(taken) < n:
+            need = n - len(taken)
+            fitting = [length for length in self._starts_by_length if length >= need]
+            length = min(fitting) if fitting else max(self._starts_by_length)
+            taken += self.take_at(min(self._starts_by_length[length]), need)
+        return taken
+
+    def _insert(self, start: int, length: int) -> None:
+        self._length_at[start] = length
+        self._start_of_end[start + length] = start
+        self._starts_by_length.setdefault(length, set()).add(start)
+
+    def _remove(self, start: int) -> int:
+        length = self._length_at.pop(start)
+        del self._start_of_end[start + length]
+        starts = self._starts_by_length[length]
+        starts.discard(start)
+        if not starts:
+            del self._starts_by_length[length]
+        return length
+
+
+class BlockPool:
+    """Allocator, reference counts and prefix cache over one rank's KV blocks.
+
+    Args:
+        num_blocks: blocks in the pool.
+        tokens_per_block: tokens per block.
+        enable_block_reuse: keep computed full blocks as a prefix cache and emit KV events.
+        max_pending_events: KV events kept until ``drain_events``; older ones are dropped (and
+            counted) so that a worker nobody polls does not grow without bound.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        tokens_per_block: int,
+        enable_block_reuse: bool,
+        max_pending_events: int = DEFAULT_MAX_PENDING_EVENTS,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
+        if max_pending_events <= 0:
+            raise ValueError(f"max_pending_events must be positive, got {max_pending_events}")
+        self._num_blocks = num_blocks
+        self._tokens_per_block = tokens_per_block
+        self._reuse = enable_block_reuse
+        self._free = _FreeRuns(num_blocks)
+        self._ref_counts = [0] * num_blocks
+        # The hash a block is registered under in the prefix cache (None: not cached).
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # hash -> the one canonical block holding it
+        self._reusable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self._num_used = 0
+        self._events: collections.deque[KvEvent] = collections.deque(maxlen=max_pending_events)
+        self._event_ids = itertools.count()
+        self._num_dropped_events = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self._tokens_per_block
+
+    @property
+    def enable_block_reuse(self) -> bool:
+        return self._reuse
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks a table could still grow into: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._reusable)
+
+    def statistics(self) -> BlockPoolStatistics:
+        return BlockPoolStatistics(
+            total_blocks=self._num_blocks,
+            free_blocks=len(self._free),
+            reusable_blocks=len(self._reusable),
+            used_blocks=self._num_used,
+            num_dropped_events=self._num_dropped_events,
+        )
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self._tokens_per_block)
+
+    # ---- prefix cache ----
+
+    def lookup_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many tokens a new request would reuse from the prefix cache; no side effects.
+
+        Only full blocks count, and never the whole sequence: at least one token is left to
+        compute, because its logits give the next token.
+        """
+        return len(self._match_prefix(token_ids)) * self._tokens_per_block
+
+    def open_table(self, token_ids: Sequence[int], *, reuse: bool = True) -> BlockTable:
+        """A new table holding the cached prefix of ``token_ids`` (if ``reuse``); no new blocks.
+
+        Takes one reference on each reused block. Call ``grow`` for the rest, and ``release``
+        when done (also when ``grow`` fails).
+        """
+        matched = self._match_prefix(token_ids) if reuse else []
+        for _, block in matched:
+            self._take_ref(block)
+        return BlockTable(
+            block_ids=[block for _, block in matched],
+            num_cached_tokens=len(matched) * self._tokens_per_block,
+            hashes=[h for h, _ in matched],
+            num_committed_blocks=len(matched),
+        )
+
+    def _match_prefix(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(hash, block) of the leading cached full blocks, stopping at the first miss."""
+        if not self._reuse or not self._cached:
+            return []
+        t = self._tokens_per_block
+        matched: list[tuple[int, int]] = []
+        parent: int | None = None
+        for i in range((len(token_ids) - 1) // t):
+            parent = hash_block(parent, token_ids[i * t : (i + 1) * t])
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            matched.append((parent, block))
+        return matched
+
+    # ---- allocation ----
+
+    def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
+        """Whether ``grow(table, num_tokens)`` would succeed now."""
+        self._check_live(table)
+        return self.blocks_for(num_tokens) - len(table.block_ids) <= self.num_available_blocks
+
+    def grow(self, table: BlockTable, num_tokens: int) -> bool:
+        """Make ``table`` cover ``num_tokens`` tokens.
+
+        Takes free blocks first (continuing the table's last run when possible), then evicts
+        reusable blocks, least recently used first, emitting one REMOVED event.
+
+        Returns:
+            True if the table now covers ``num_tokens``; False, with nothing changed, if the
+            pool cannot supply the blocks now.
+        """
+        self._check_live(table)
+        needed = self.blocks_for(num_tokens) - len(table.block_ids)
+        if needed <= 0:
+            return True
+        if needed > self.num_available_blocks:
+            return False
+        new: list[int] = []
+        if table.block_ids:
+            new += self._free.take_at(table.block_ids[-1] + 1, needed)
+        from_free = min(needed - len(new), len(self._free))
+        if from_free > 0:
+            new += self._free.take(from_free)
+        evicted: list[int] = []
+        while len(new) < needed:
+            block, _ = self._reusable.popitem(last=False)
+            evicted.append(self._uncache(block))
+            new.append(block)
+        if evicted:
+            self._emit(KvEventKind.REMOVED, evicted, None)
+        for block in new:
+            self._ref_counts[block] = 1
+        self._num_used += len(new)
+        table.block_ids.extend(new)
+        return True
+
+    def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the table's blocks that are now full and computed in the prefix cache.
+
+        ``token_ids`` are the request's tokens from its first (prompt, then output); only the
+        first ``num_computed_tokens`` count. Idempotent. A block whose hash is already cached in
+        another block stays private to this table (it becomes free on release): the cache keeps
+        one canonical copy, and this table's block ids never change under a running request.
+        """
+        self._check_live(table)
+        t = self._tokens_per_block
+        num_full = min(min(num_computed_tokens, len(token_ids)) // t, len(table.block_ids))
+        first = table._num_committed_blocks
+        if num_full <= first:
+            return
+        table._num_committed_blocks = num_full
+        if not self._reuse:
+            return
+        parent = table._hashes[-1] if table._hashes else None
+        run: list[int] = []  # newly stored hashes that chain onto run_parent
+        run_parent = parent
+        for i in range(first, num_full):
+            h = hash_block(parent, token_ids[i * t : (i + 1) * t])
+            table._hashes.append(h)
+            block = table.block_ids[i]
+            if self._hash_of[block] is not None:
+                raise AssertionError(f"block {block} committed twice ({self._hash_of[block]}, {h})")
+            if h in self._cached:
+                # A STORED event's hashes must chain, so a gap starts a new event.
+                self._flush_stored(run, run_parent)
+                run = []
+            else:
+                self._cached[h] = block
+                self._hash_of[block] = h
+                if not run:
+                    run_parent = parent
+                run.append(h)
+            parent = h
+        self._flush_stored(run, run_parent)
+
+    def release(self, table: BlockTable) -> None:
+        """Drop the table's references; a second release is a no-op.
+
+        Blocks left without references become reusable if cached, free otherwise. The table's
+        last block is queued for eviction first: evicting the head of a cached chain would strand
+        the rest, since a lookup stops at the first miss.
+        """
+        if table._released:
+            return
+        table._released = True
+        for block in reversed(table.block_ids):
+            count = self._ref_counts[block] - 1
+            if count < 0:
+                raise AssertionError(f"block {block} released more often than taken")
+            self._ref_counts[block] = count
+            if count > 0:
+                continue
+            self._num_used -= 1
+            if self._hash_of[block] is not None:
+                self._reusable[block] = None
+            else:
+                self._free.add(block)
+        table.block_ids.clear()
+
+    # ---- events ----
+
+    def drain_events(self) -> list[KvEvent]:
+        """KV events since the last drain, oldest first."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    # ---- checks ----
+
+    def check_invariants(self, tables: Sequence[BlockTable] = ()) -> None:
+        """Recount every block's set, O(num_blocks); for tests.
+
+        With ``tables`` (every live table), also check that the reference counts match them.
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        free = {b for start, n in self._free.runs() for b in range(start, start + n)}
+        reusable = set(self._reusable)
+        used = {b for b, count in enumerate(self._ref_counts) if count > 0}
+        _check(len(free) == len(self._free), f"free count {len(self._free)} != {len(free)}")
+        _check(len(used) == self._num_used, f"used count {self._num_used} != {len(used)}")
+        _check(not free & reusable, f"free and reusable: {sorted(free & reusable)}")
+        _check(not free & used, f"free and used: {sorted(free & used)}")
+        _check(not reusable & used, f"reusable and used: {sorted(reusable & used)}")
+        _check(
+            len(free) + len(reusable) + len(used) == self._num_blocks,
+            f"{len(free)} free + {len(reusable)} reusable + {len(used)} used "
+            f"!= {self._num_blocks} total",
+        )
+        for block in reusable:
+            _check(self._hash_of[block] is not None, f"reusable block {block} has no hash")
+        for block in free:
+            _check(self._hash_of[block] is None, f"free block {block} is still cached")
+        for h, block in self._cached.items():
+            _check(self._hash_of[block] == h, f"hash {h} maps to block {block} holding another")
+        _check(
+            len(self._cached) == sum(h is not None for h in self._hash_of),
+            "cached hashes and hashed blocks differ",
+        )
+        if tables:
+            refs = collections.Counter(b for t in tables if not t.is_released for b in t.block_ids)
+            for block, count in enumerate(self._ref_counts):
+                _check(refs[block] == count, f"block {block}: refcount {count}, {refs[block]} refs")
+
+    # ---- internals ----
+
+    def _check_live(self, table: BlockTable) -> None:
+        if table._released:
+            raise ValueError("block table was already released")
+
+    def _take_ref(self, block: int) -> None:
+        if self._ref_counts[block] == 0:
+            # A cached block with no references is reusable; taking it makes it used again.
+            del self._reusable[block]
+            self._num_used += 1
+        self._ref_counts[block] += 1
+
+    def _uncache(self, block: int) -> int:
+        h = self._hash_of[block]
+        if h is None:
+            raise AssertionError(f"reusable block {block} has no hash")
+        del self._cached[h]
+        self._hash_of[block] = None
+        return h
+
+    def _flush_stored(self, hashes: list[int], parent: int | None) -> None:
+        if hashes:
+            self._emit(KvEventKind.STORED, hashes, parent)
+
+    def _emit(self, kind: KvEventKind, hashes: list[int], parent: int | None) -> None:
+        if len(self._events) == self._events.maxlen:
+            self._num_dropped_events += 1
+        self._events.append(
+            KvEvent(
+                kind=kind,
+                block_hashes=tuple(hashes),
+                parent_hash=parent,
+                event_id=next(self._event_ids),
+            )
+        )
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

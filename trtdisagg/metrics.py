@@ -1,0 +1,92 @@
+"""Prometheus metrics (DESIGN.md §9). Each process builds its own registry: no global state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+@attrs.define(eq=False, kw_only=True)
+class WorkerMetrics:
+    registry: CollectorRegistry
+    requests_total: Counter
+    requests_running: Gauge
+    requests_waiting: Gauge
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    e2e_latency: Histogram
+    kv_total_blocks: Gauge
+    kv_free_blocks: Gauge
+    kv_reusable_blocks: Gauge
+    kv_transfer_bytes: Counter
+    kv_transfer_seconds: Histogram
+    kv_transfer_descriptors: Counter
+    kv_transfer_failures: Counter
+    control_bad_frames: Counter
+    preemptions: Counter
+
+    @classmethod
+    def create(cls) -> WorkerMetrics:
+        r = CollectorRegistry()
+        p = "trtdisagg_"
+        return cls(
+            registry=r,
+            requests_total=Counter(
+                p + "requests", "Finished requests", ["role", "status"], registry=r
+            ),
+            requests_running=Gauge(p + "requests_running", "Requests holding KV", registry=r),
+            requests_waiting=Gauge(p + "requests_waiting", "Requests queued", registry=r),
+            time_to_first_token=Histogram(
+                p + "time_to_first_token_seconds",
+                "Arrival to first token",
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            ),
+            inter_token_latency=Histogram(
+                p + "inter_token_latency_seconds",
+                "Time between output tokens",
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            ),
+            e2e_latency=Histogram(
+                p + "e2e_request_latency_seconds",
+                "Arrival to last token",
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            ),
+            kv_total_blocks=Gauge(p + "kv_cache_total_blocks", "KV blocks in the pool", registry=r),
+            kv_free_blocks=Gauge(p + "kv_cache_free_blocks", "KV blocks free", registry=r),
+            kv_reusable_blocks=Gauge(
+                p + "kv_cache_reusable_blocks", "Cached prefix blocks, evictable", registry=r
+            ),
+            kv_transfer_bytes=Counter(p + "kv_transfer_bytes", "KV bytes moved", registry=r),
+            kv_transfer_seconds=Histogram(
+                p + "kv_transfer_seconds",
+                "KV transfer duration per request",
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            ),
+            kv_transfer_descriptors=Counter(
+                p + "kv_transfer_descriptors", "NIXL descriptors submitted", registry=r
+            ),
+            kv_transfer_failures=Counter(
+                p + "kv_transfer_failures", "Failed KV transfers", registry=r
+            ),
+            control_bad_frames=Counter(
+                p + "control_bad_frames", "Malformed control-plane frames dropped", registry=r
+            ),
+            preemptions=Counter(p + "preemptions", "Requests preempted for KV space", registry=r),
+        )
+
+    def render(self, refresh: Callable[[], None] | None = None) -> bytes:
+        if refresh is not None:
+            refresh()
+        return generate_latest(self.registry)

@@ -1,0 +1,41 @@
+"""The forward contract: what the runner hands the model for one step.
+
+Flat-token layout: the new tokens of every sequence in the step are concatenated into one
+dimension of N tokens. Embeddings, norms, projections and the MLP run over all N at once;
+attention runs per sequence, against that sequence's paged KV (`SeqSlice.block_ids`).
+
+A sequence's new tokens are positions `[kv_len - q_len, kv_len)`: prefill chunks, decode steps
+(`q_len == 1`) and tails after a prefix-cache hit all look the same to the model.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SeqSlice:
+    q_start: int  # offset of this sequence's new tokens in the flat token tensors
+    q_len: int  # new tokens this step (prefill chunk length, or 1 for decode)
+    kv_len: int  # tokens in KV after this step (= tokens already cached + q_len)
+    block_ids: torch.Tensor  # long [ceil(kv_len / tokens_per_block)] on the model device
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 < self.q_len <= self.kv_len:
+            raise ValueError(
+                f"need 0 < q_len <= kv_len, got q_len {self.q_len}, kv_len {self.kv_len}"
+            )
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ForwardBatch:
+    input_ids: torch.Tensor  # long [N], all sequences' new tokens, concatenated
+    positions: torch.Tensor  # long [N]
+    slot_mapping: torch.Tensor  # long [N], block_id * tokens_per_block + offset of each new K/V
+    seqs: tuple[SeqSlice, ...]
+    logits_indices: torch.Tensor  # long [S], flat index of each sequence's last new token
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,152 @@
+"""CausalLM: the Llama-family decoder (Llama, Qwen2, Qwen3) over a paged KV cache, in plain torch.
+
+Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj.weight`),
+with layer indices LOCAL to this pipeline stage; the loader maps them to global names and slices
+them for this rank.
+
+Pipeline stages: the first stage embeds token ids, the others take the previous stage's hidden
+states [N, hidden_size]; the last stage applies the final norm and lm_head and returns float32
+logits [S, vocab] at `batch.logits_indices`, the others return hidden states [N, hidden_size].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trtdisagg.kv.cache import KVCache
+from trtdisagg.model.args import ModelArgs
+from trtdisagg.model.attention import Attention, causal_mask
+from trtdisagg.model.batch import ForwardBatch
+from trtdisagg.model.layers import MLP, Embedding, Linear, RMSNorm
+from trtdisagg.model.parallel import Parallel
+from trtdisagg.model.rope import cos_sin, inv_frequencies
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, args: ModelArgs, *, parallel: Parallel, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        h, eps = args.hidden_size, args.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps=eps, dtype=dtype, device=device)
+        self.self_attn = Attention(args, parallel=parallel, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(h, eps=eps, dtype=dtype, device=device)
+        self.mlp = MLP(
+            args.hidden_size, args.intermediate_size, parallel=parallel, dtype=dtype, device=device
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        masks: tuple[torch.Tensor | None, ...],
+        batch: ForwardBatch,
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(
+            h, cos=cos, sin=sin, masks=masks, batch=batch, cache=cache, layer=layer
+        )
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    """HF's `model.` prefix: embeddings, local layers, final norm (each only where present)."""
+
+    def __init__(
+        self, args: ModelArgs, *, parallel: Parallel, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        start, end = parallel.layer_range(args.num_layers)
+        self.embed_tokens: Embedding | None = None
+        self.norm: RMSNorm | None = None
+        if parallel.is_first_stage:
+            self.embed_tokens = Embedding(
+                args.vocab_size, args.hidden_size, dtype=dtype, device=device
+            )
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, parallel=parallel, dtype=dtype, device=device)
+            for _ in range(start, end)
+        )
+        if parallel.is_last_stage:
+            self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps, dtype=dtype, device=device)
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self,
+        args: ModelArgs,
+        *,
+        parallel: Parallel | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        parallel = parallel or Parallel()
+        device = device or torch.device("cpu")
+        self.args = args
+        self.parallel = parallel
+        self.dtype = dtype
+        self.device = device
+        start, end = parallel.layer_range(args.num_layers)
+        self.local_layer_ids: tuple[int, ...] = tuple(range(start, end))
+        kv_start, kv_end = parallel.kv_head_range(args.num_kv_heads)
+        self.local_kv_head_ids: tuple[int, ...] = tuple(range(kv_start, kv_end))
+        self.model = _Body(args, parallel=parallel, dtype=dtype, device=device)
+        self.lm_head: Linear | None = None
+        if parallel.is_last_stage:
+            self.lm_head = Linear(
+                args.hidden_size, args.vocab_size, bias=False, dtype=dtype, device=device
+            )
+            if args.tie_word_embeddings and self.model.embed_tokens is not None:
+                # One stage holds both ends: share the tensor, as HF does.
+                self.lm_head.weight = self.model.embed_tokens.weight
+        # Not a buffer: derived from args, and the loader must not look for it in checkpoints.
+        self._inv_freq = inv_frequencies(
+            args.head_dim, args.rope_theta, args.rope_scaling, device=device
+        )
+
+    @property
+    def local_num_kv_heads(self) -> int:
+        return len(self.local_kv_head_ids)
+
+    @property
+    def local_num_layers(self) -> int:
+        return len(self.local_layer_ids)
+
+    def forward(
+        self, batch: ForwardBatch, cache: KVCache, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run this stage's layers over the batch's new tokens.
+
+        Args:
+            batch: the step's tokens and attention metadata.
+            cache: this rank's KV pool (its local layers, local kv heads).
+            hidden: [N, hidden_size] from the previous stage; None on the first stage.
+
+        Returns:
+            Last stage: float32 logits [S, vocab]; other stages: hidden states [N, hidden_size].
+        """
+        if self.model.embed_tokens is not None:
+            if hidden is not None:
+                raise ValueError(
+                    "the first pipeline stage embeds tokens; it takes no hidden states"
+                )
+            x = self.model.embed_tokens(batch.input_ids)
+        else:
+            if hidden is None:
+                raise ValueError(f"pipeline stage {self.parallel.pp_rank} needs hidden states")
+            x = hidden
+        cos, sin = cos_sin(self._inv_freq, batch.positions, x.dtype)
+        masks = tuple(causal_mask(seq, x.device) for seq in batch.seqs)
+        for layer, block in enumerate(self.model.layers):
+            x = block(x, cos=cos, sin=sin, masks=masks, batch=batch, cache=cache, layer=layer)
+        if self.lm_head is None or self.model.norm is None:
+            return x
+        # The norm is per token, so taking the wanted rows first saves work and changes nothing.
+        last = self.model.norm(x[batch.logits_indices])
+        return self.lm_head(last).float()

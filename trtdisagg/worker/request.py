@@ -1,0 +1,199 @@
+"""A request inside a worker, and the state machine it moves through.
+
+Lifecycle (``RequestState``), by request type:
+
+1. WAITING: queued in the scheduler; holds no blocks. A new request starts here, and a preempted
+   one comes back here (its blocks are gone, so it will recompute prompt and outputs from scratch;
+   its output tokens are kept, so what it produces does not change).
+2. RUNNING: holds a block table; the scheduler gives it a prefill chunk per step while
+   ``num_computed_tokens < num_tokens - 1``, then one decode token per step.
+3. GEN_WAITING_KV (generation_only): blocks are allocated for the whole prompt and the KV cache
+   transfer from the ctx instance is in flight. Not schedulable, not preemptable: a peer is
+   writing into those blocks. When the KV has arrived, it becomes RUNNING with the whole prompt
+   computed and ctx's first token as its first output.
+4. CTX_SENDING (context_only): prefill is done and the first token sampled; the blocks are pinned
+   until the transfer to the gen instance is final. Not schedulable, not preemptable: a peer is
+   reading those blocks.
+5. FINISHED: holds no blocks; ``finish_reason`` says why.
+
+Transitions::
+
+    WAITING ──> RUNNING ──> FINISHED                  context_and_generation
+       ^           │
+       └─preempt───┘
+    WAITING ──> RUNNING ──> CTX_SENDING ──> FINISHED  context_only
+    WAITING ──> GEN_WAITING_KV ──> RUNNING ──> FINISHED   generation_only (preempt as above)
+    any state but FINISHED ──> FINISHED               (abort, error, length)
+
+Pure: no I/O. The scheduler moves requests; the executor reads them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Final
+
+import attrs
+
+from trtdisagg.errors import InvalidTransition
+from trtdisagg.kv.block_pool import BlockTable
+
+
+class RequestType(enum.Enum):
+    CONTEXT_AND_GENERATION = "context_and_generation"
+    CONTEXT_ONLY = "context_only"
+    GENERATION_ONLY = "generation_only"
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    GEN_WAITING_KV = "gen_waiting_kv"
+    CTX_SENDING = "ctx_sending"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_S = RequestState
+_ALLOWED: Final[dict[RequestState, frozenset[RequestState]]] = {
+    _S.WAITING: frozenset({_S.RUNNING, _S.GEN_WAITING_KV, _S.FINISHED}),
+    _S.RUNNING: frozenset({_S.WAITING, _S.CTX_SENDING, _S.FINISHED}),
+    _S.GEN_WAITING_KV: frozenset({_S.RUNNING, _S.FINISHED}),
+    _S.CTX_SENDING: frozenset({_S.FINISHED}),
+    _S.FINISHED: frozenset(),
+}
+# Transitions that only one request type may take: the disaggregated legs.
+_ONLY_FOR: Final[dict[tuple[RequestState, RequestState], RequestType]] = {
+    (_S.WAITING, _S.GEN_WAITING_KV): RequestType.GENERATION_ONLY,
+    (_S.RUNNING, _S.CTX_SENDING): RequestType.CONTEXT_ONLY,
+}
+
+
+def _str_tuple(values: Iterable[str]) -> tuple[str, ...]:
+    # A lone string is an iterable of characters, never a list of stop strings.
+    return (values,) if isinstance(values, str) else tuple(values)
+
+
+def _int_frozenset(values: Iterable[int]) -> frozenset[int]:
+    return frozenset(values)
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_int_frozenset)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per output token; None: none
+    min_tokens: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if any(not s for s in self.stop):
+            raise ValueError("stop must not contain an empty string")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad = sorted(t for t in self.stop_token_ids if t < 0)
+            raise ValueError(f"stop_token_ids must be non-negative, got {bad}")
+
+
+@attrs.define(eq=False, kw_only=True)
+class Request:
+    """One request's tokens, progress and blocks. Changed only by the scheduler and executor."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    request_type: RequestType = RequestType.CONTEXT_AND_GENERATION
+    arrival_time: float
+    state: RequestState = RequestState.WAITING
+    output_token_ids: list[int] = attrs.field(factory=list)
+    # Tokens whose KV is in the cache. Before a step, a RUNNING request has
+    # num_computed_tokens <= num_tokens - 1: the last token is always still to compute.
+    num_computed_tokens: int = 0
+    # Prompt tokens reused from the prefix cache at the last admission (usage.cached_tokens).
+    num_cached_tokens: int = 0
+    block_table: BlockTable | None = None
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: prompt_token_ids must not be empty")
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last token is still to compute: the next step is a prefill chunk."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def to(self, state: RequestState) -> None:
+        """Move to ``state``.
+
+        Raises:
+            InvalidTransition: the lifecycle has no such edge, or not for this request type.
+        """
+        self.check_transition(state)
+        self.state = state
+
+    def check_transition(self, state: RequestState) -> None:
+        """Raise what ``to(state)`` would raise, without moving.
+
+        Raises:
+            InvalidTransition: the lifecycle has no such edge, or not for this request type.
+        """
+        if state not in _ALLOWED[self.state]:
+            raise InvalidTransition(self.request_id, self.state, state)
+        only_for = _ONLY_FOR.get((self.state, state))
+        if only_for is not None and self.request_type is not only_for:
+            raise InvalidTransition(
+                self.request_id,
+                self.state,
+                state,
+                f"only {only_for.value} requests, this is {self.request_type.value}",
+            )

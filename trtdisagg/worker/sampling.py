@@ -1,0 +1,84 @@
+"""Token sampling from one step's logits: greedy, temperature, top-k, top-p, seeded.
+
+Each request owns a `torch.Generator`. A request draws only when a step produces its next token,
+so its random stream does not depend on batch composition or on preemption, and a seeded
+request repeats exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from trtdisagg.worker.request import SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class TokenLogprobs:
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@attrs.frozen(kw_only=True)
+class SampleSpec:
+    params: SamplingParams
+    generator: torch.Generator | None
+    suppress: frozenset[int] = frozenset()  # e.g. EOS before min_tokens is reached
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def sample(
+    logits: torch.Tensor, specs: Sequence[SampleSpec]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: float32 [S, V], one row per spec. Returns token ids and optional logprobs."""
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    for row, spec in zip(logits, specs, strict=True):
+        if spec.suppress:
+            row = row.clone()
+            row[list(spec.suppress)] = float("-inf")
+        token = _sample_row(row, spec)
+        tokens.append(token)
+        logprobs.append(_logprobs(row, token, spec.params.logprobs))
+    return tokens, logprobs
+
+
+def _sample_row(row: torch.Tensor, spec: SampleSpec) -> int:
+    params = spec.params
+    if params.temperature == 0.0 or params.top_k == 1:
+        return int(torch.argmax(row).item())
+    scaled = row / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
+        drop = cumulative - sorted_probs >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    choice = torch.multinomial(probs, 1, generator=spec.generator)
+    return int(choice.item())
+
+
+def _logprobs(row: torch.Tensor, token: int, top_n: int | None) -> TokenLogprobs | None:
+    if top_n is None:
+        return None
+    logp = torch.log_softmax(row.float(), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n > 0:
+        values, ids = torch.topk(logp, top_n)
+        top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(logprob=float(logp[token].item()), top=top)

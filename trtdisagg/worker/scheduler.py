@@ -1,0 +1,470 @@
+"""The scheduler: which requests run in the next forward step, and with how many tokens.
+
+Continuous batching with chunked prefill. Each step carries at most ``max_num_tokens`` tokens and
+``max_batch_size`` sequences, picked in this order:
+
+1. RUNNING requests that decode, one token each, in admission order. A decode that cannot get a
+   block preempts the most recently admitted RUNNING request not yet scheduled this step
+   (possibly itself): its blocks are released, it goes back to the head of the waiting queue and
+   later recomputes prompt and outputs. A request that is the only holder of blocks and still
+   cannot grow is finished with LENGTH: it needs more KV than the pool has. Never a deadlock.
+2. RUNNING requests still in prefill, the next chunk each, within the remaining budget. A chunk
+   is shrunk to the blocks available; if not even one token fits, it preempts as in 1.
+3. WAITING requests, first come first served, while budget, batch slots and blocks allow. The
+   prefix cache gives each its already computed leading blocks. A request whose chunk cannot get
+   blocks stays at the head, and nothing behind it is admitted (no starvation). Nothing is
+   admitted in a step that preempted: those blocks were freed for the running requests.
+
+A chunk that reaches a request's last token samples: that step produces the request's next token.
+GEN_WAITING_KV and CTX_SENDING requests hold blocks that a peer writes or reads; they are never
+scheduled nor preempted, but they do count against ``max_batch_size`` (GEN_WAITING_KV, since it
+will decode) and against the pool.
+
+Calling protocol (the executor, once per step):
+``plan = schedule()`` → run the forward → ``step_done(plan)`` → append each sampled token to
+its request's ``output_token_ids`` → ``finish``/``hold_for_transfer`` the requests that are done.
+Every non-empty plan must get its ``step_done`` before the next ``schedule``. The executor must
+also answer ``plan.finished``: requests the scheduler ended itself (LENGTH).
+
+Pure: no I/O. See ``request`` for the request lifecycle and ``kv.block_pool`` for blocks.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import attrs
+
+from trtdisagg.errors import CapacityError, InvalidTransition
+from trtdisagg.kv.block_pool import BlockPool, BlockPoolStatistics, BlockTable
+from trtdisagg.worker.request import FinishReason, Request, RequestState, RequestType
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ScheduledItem:
+    """One request's part of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
+
+    request: Request
+    num_new_tokens: int
+    samples: bool  # the chunk reaches the last token, so the step produces a token for it
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StepPlan:
+    """What one forward step computes. Decodes come first, then prefill chunks."""
+
+    items: tuple[ScheduledItem, ...]
+    preempted: tuple[Request, ...] = ()  # back to WAITING this step; their blocks are gone
+    finished: tuple[Request, ...] = ()  # ended by the scheduler this step (LENGTH); answer them
+    num_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        """No forward to run (``finished`` may still need answers)."""
+        return not self.items
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStatistics:
+    num_waiting: int
+    num_running: int
+    num_gen_waiting_kv: int
+    num_ctx_sending: int
+    num_preemptions: int  # since start
+    pool: BlockPoolStatistics
+
+
+@attrs.define(eq=False, kw_only=True)
+class _StepBuilder:
+    """The plan under construction inside one ``schedule`` call."""
+
+    budget: int
+    items: list[ScheduledItem] = attrs.field(factory=list)
+    scheduled: set[int] = attrs.field(factory=set)  # request ids
+    preempted: list[Request] = attrs.field(factory=list)
+    finished: list[Request] = attrs.field(factory=list)
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        samples = request.num_computed_tokens + num_new_tokens == request.num_tokens
+        self.items.append(
+            ScheduledItem(request=request, num_new_tokens=num_new_tokens, samples=samples)
+        )
+        self.scheduled.add(request.request_id)
+        self.budget -= num_new_tokens
+
+
+class Scheduler:
+    """Queues, admission, chunking and preemption over one ``BlockPool``.
+
+    Args:
+        pool: the rank's block pool; the scheduler is its only user.
+        max_batch_size: sequences per step (and RUNNING + GEN_WAITING_KV requests at once).
+        max_num_tokens: tokens per step; longer prompts are prefilled in chunks.
+        max_seq_len: most tokens (prompt + output) a sequence may reach.
+    """
+
+    def __init__(
+        self, *, pool: BlockPool, max_batch_size: int, max_num_tokens: int, max_seq_len: int
+    ) -> None:
+        for name, value in (
+            ("max_batch_size", max_batch_size),
+            ("max_num_tokens", max_num_tokens),
+            ("max_seq_len", max_seq_len),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self._pool = pool
+        self._max_batch_size = max_batch_size
+        self._max_num_tokens = max_num_tokens
+        self._max_seq_len = max_seq_len
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []  # admission order: the last is the first victim
+        self._gen_waiting_kv: dict[int, Request] = {}
+        self._ctx_sending: dict[int, Request] = {}
+        self._requests: dict[int, Request] = {}  # every unfinished request, by id
+        self._num_preemptions = 0
+        self._plan_in_flight = False
+
+    @property
+    def pool(self) -> BlockPool:
+        return self._pool
+
+    # ---- intake ----
+
+    def add(self, request: Request) -> None:
+        """Queue a new request (WAITING, FCFS).
+
+        Raises:
+            CapacityError: the prompt can never fit the pool or ``max_seq_len``.
+            ValueError: the id is already known, or the request is not a fresh WAITING one.
+        """
+        self._check_new(request)
+        self._waiting.append(request)
+        self._requests[request.request_id] = request
+
+    def add_generation_only(self, request: Request) -> bool:
+        """Allocate blocks for a generation_only request's whole prompt; it waits for its KV.
+
+        No prefix reuse: the ctx instance sends the whole prompt's KV. On success the request is
+        GEN_WAITING_KV and its ``block_table`` is the transfer's destination. On False nothing
+        changed; the caller keeps the request in its own FIFO and retries after the next step.
+        False also while WAITING requests exist, which arrived first and must not be starved.
+
+        Raises:
+            CapacityError: the prompt can never fit the pool or ``max_seq_len``.
+            ValueError: not a fresh generation_only request, or the id is already known.
+        """
+        if request.request_type is not RequestType.GENERATION_ONLY:
+            raise ValueError(
+                f"request {request.request_id} is {request.request_type.value}, not generation_only"
+            )
+        self._check_new(request)
+        if self._waiting or self._num_slots_taken() >= self._max_batch_size:
+            return False
+        table = self._pool.open_table(request.prompt_token_ids, reuse=False)
+        if not self._pool.grow(table, request.num_prompt_tokens):
+            self._pool.release(table)
+            return False
+        request.to(RequestState.GEN_WAITING_KV)
+        request.block_table = table
+        request.num_cached_tokens = 0
+        self._gen_waiting_kv[request.request_id] = request
+        self._requests[request.request_id] = request
+        return True
+
+    def kv_received(self, request: Request, first_token: int) -> None:
+        """The whole prompt's KV arrived: GEN_WAITING_KV → RUNNING, ``first_token`` as output 0.
+
+        The received blocks join the prefix cache like locally computed ones.
+        """
+        self._expect(request, RequestState.GEN_WAITING_KV, RequestState.RUNNING)
+        table = request.block_table
+        if table is None or len(table.block_ids) < self._pool.blocks_for(request.num_prompt_tokens):
+            raise AssertionError(f"request {request.request_id}: blocks do not cover the prompt")
+        if request.output_token_ids:
+            raise AssertionError(f"request {request.request_id} has outputs before its KV")
+        del self._gen_waiting_kv[request.request_id]
+        request.to(RequestState.RUNNING)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.output_token_ids.append(first_token)
+        self._running.append(request)
+        self._pool.commit(table, request.prompt_token_ids, request.num_computed_tokens)
+
+    # ---- the step ----
+
+    def schedule(self) -> StepPlan:
+        """Pick the next step's work (module docstring, policy 1-3)."""
+        if self._plan_in_flight:
+            raise AssertionError("schedule() called before step_done() of the previous plan")
+        step = _StepBuilder(budget=self._max_num_tokens)
+        self._schedule_decodes(step)
+        self._schedule_prefills(step)
+        if not step.preempted:
+            self._admit_waiting(step)
+        self._plan_in_flight = bool(step.items)
+        return StepPlan(
+            items=tuple(step.items),
+            preempted=tuple(step.preempted),
+            finished=tuple(step.finished),
+            num_tokens=self._max_num_tokens - step.budget,
+        )
+
+    def step_done(self, plan: StepPlan) -> None:
+        """The plan's forward ran: advance each item's computed tokens and cache full blocks.
+
+        Items whose request left RUNNING meanwhile (aborted during the forward) are skipped.
+        """
+        self._plan_in_flight = False
+        for item in plan.items:
+            request = item.request
+            if request.state is not RequestState.RUNNING:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            table = _table(request)
+            # Commit only when a block filled up, so most steps skip building the token list.
+            num_full = request.num_computed_tokens // self._pool.tokens_per_block
+            if self._pool.enable_block_reuse and num_full > table.num_committed_blocks:
+                self._pool.commit(table, request.all_token_ids, request.num_computed_tokens)
+
+    def _schedule_decodes(self, step: _StepBuilder) -> None:
+        for request in list(self._running):
+            if request.state is not RequestState.RUNNING or request.is_prefilling:
+                continue  # preempted earlier in this loop, or a prefill (step 2)
+            self._check_runnable(request)
+            if len(step.items) >= self._max_batch_size or step.budget < 1:
+                return
+            if request.num_tokens >= self._max_seq_len:
+                self._finish_in_step(step, request)
+                continue
+            if self._grow_or_preempt(step, request, request.num_computed_tokens + 1):
+                step.add(request, 1)
+
+    def _schedule_prefills(self, step: _StepBuilder) -> None:
+        for request in list(self._running):
+            if request.state is not RequestState.RUNNING or not request.is_prefilling:
+                continue
+            if request.request_id in step.scheduled:
+                continue
+            if len(step.items) >= self._max_batch_size or step.budget < 1:
+                return
+            chunk = self._fit_chunk(request, min(self._remaining(request), step.budget))
+            if chunk < 1:
+                if not self._grow_or_preempt(step, request, request.num_computed_tokens + 1):
+                    continue
+                chunk = self._fit_chunk(request, min(self._remaining(request), step.budget))
+            if not self._pool.grow(_table(request), request.num_computed_tokens + chunk):
+                raise AssertionError(f"request {request.request_id}: fitted chunk {chunk} failed")
+            step.add(request, chunk)
+
+    def _admit_waiting(self, step: _StepBuilder) -> None:
+        while self._waiting and step.budget > 0 and len(step.items) < self._max_batch_size:
+            if self._num_slots_taken() >= self._max_batch_size:
+                return
+            request = self._waiting[0]
+            table = self._pool.open_table(request.all_token_ids)
+            num_computed = table.num_cached_tokens
+            chunk = min(request.num_tokens - num_computed, step.budget)
+            if not self._pool.grow(table, num_computed + chunk):
+                self._pool.release(table)
+                return  # FCFS: nothing jumps the head
+            self._waiting.popleft()
+            request.to(RequestState.RUNNING)
+            request.block_table = table
+            request.num_computed_tokens = num_computed
+            request.num_cached_tokens = min(num_computed, request.num_prompt_tokens)
+            self._running.append(request)
+            step.add(request, chunk)
+
+    def _grow_or_preempt(self, step: _StepBuilder, request: Request, num_tokens: int) -> bool:
+        """Grow ``request`` to ``num_tokens``, preempting newer requests while needed.
+
+        Returns False when ``request`` itself was preempted or finished instead.
+        """
+        table = _table(request)
+        while not self._pool.grow(table, num_tokens):
+            victim = next(
+                (r for r in reversed(self._running) if r.request_id not in step.scheduled),
+                request,
+            )
+            if victim is request and self._holds_all_blocks(request):
+                # Nobody else will ever free a block: the request needs more KV than the pool.
+                self._finish_in_step(step, request)
+                return False
+            self._preempt(step, victim)
+            if victim is request:
+                return False
+        return True
+
+    def _fit_chunk(self, request: Request, chunk: int) -> int:
+        """``chunk`` cut down to the tokens the table can cover with the blocks available now."""
+        table = _table(request)
+        capacity = (len(table.block_ids) + self._pool.num_available_blocks) * (
+            self._pool.tokens_per_block
+        )
+        return max(0, min(chunk, capacity - request.num_computed_tokens))
+
+    def _preempt(self, step: _StepBuilder, request: Request) -> None:
+        self._running.remove(request)
+        self._pool.release(_table(request))
+        request.block_table = None
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.to(RequestState.WAITING)
+        # Victims go newest first, so pushing each to the front keeps admission order.
+        self._waiting.appendleft(request)
+        self._num_preemptions += 1
+        step.preempted.append(request)
+
+    def _finish_in_step(self, step: _StepBuilder, request: Request) -> None:
+        self.finish(request, FinishReason.LENGTH)
+        step.finished.append(request)
+
+    # ---- endings ----
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request from any state and release its blocks. A no-op if already FINISHED.
+
+        A context_only request whose KV is still to be sent goes through ``hold_for_transfer``
+        instead, and ``release`` ends it.
+        """
+        if request.state is RequestState.FINISHED:
+            return
+        if self._requests.get(request.request_id) is not request:
+            raise ValueError(f"request {request.request_id} is not in this scheduler")
+        request.to(RequestState.FINISHED)
+        self._forget(request)
+        if request.block_table is not None:
+            self._pool.release(request.block_table)
+            request.block_table = None
+        request.finish_reason = reason
+
+    def hold_for_transfer(self, request: Request) -> None:
+        """A context_only request sampled its first token: RUNNING → CTX_SENDING, blocks pinned.
+
+        Raises:
+            InvalidTransition: the request is not a RUNNING context_only request.
+        """
+        self._expect(request, RequestState.RUNNING, RequestState.CTX_SENDING)
+        request.check_transition(RequestState.CTX_SENDING)
+        # The gen side will ask for the whole prompt's KV: it must be computed, in these blocks.
+        num_blocks = len(_table(request).block_ids)
+        prompt_blocks = self._pool.blocks_for(request.num_prompt_tokens)
+        if request.num_computed_tokens < request.num_prompt_tokens or num_blocks < prompt_blocks:
+            raise AssertionError(
+                f"request {request.request_id}: {request.num_computed_tokens} of "
+                f"{request.num_prompt_tokens} prompt tokens computed in {num_blocks} "
+                "blocks; hold_for_transfer() comes after the prefill's step_done()"
+            )
+        request.to(RequestState.CTX_SENDING)
+        self._running.remove(request)
+        self._ctx_sending[request.request_id] = request
+
+    def release(self, request: Request, reason: FinishReason = FinishReason.LENGTH) -> None:
+        """The transfer of a CTX_SENDING request is final: finish it and free its blocks.
+
+        ``reason`` defaults to LENGTH, as a context_only leg ends by producing its one token;
+        pass ERROR or ABORT for a failed or cancelled transfer. A no-op if already FINISHED.
+        """
+        if request.state is RequestState.FINISHED:
+            return
+        self._expect(request, RequestState.CTX_SENDING, RequestState.FINISHED)
+        self.finish(request, reason)
+
+    def abort(self, request_id: int) -> Request | None:
+        """Abort a request in any state; None if unknown (or already finished).
+
+        A CTX_SENDING request is returned untouched: a peer may be reading its blocks, so the
+        caller cancels the transfer and calls ``release`` once the transport says it is final.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.state is not RequestState.CTX_SENDING:
+            self.finish(request, FinishReason.ABORT)
+        return request
+
+    # ---- queries ----
+
+    def get(self, request_id: int) -> Request | None:
+        """An unfinished request by id."""
+        return self._requests.get(request_id)
+
+    def has_work(self) -> bool:
+        """Whether any request is schedulable (WAITING or RUNNING).
+
+        ``schedule`` may still return an empty plan when every block is pinned by transfers;
+        the executor then waits for a transfer to finish rather than spinning.
+        """
+        return bool(self._waiting or self._running)
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            num_gen_waiting_kv=len(self._gen_waiting_kv),
+            num_ctx_sending=len(self._ctx_sending),
+            num_preemptions=self._num_preemptions,
+            pool=self._pool.statistics(),
+        )
+
+    # ---- internals ----
+
+    def _check_new(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id} is already in the scheduler")
+        if request.state is not RequestState.WAITING or request.block_table is not None:
+            raise ValueError(
+                f"request {request.request_id} is {request.state.name}, not a new WAITING request"
+            )
+        num_prompt = request.num_prompt_tokens
+        if num_prompt >= self._max_seq_len:
+            raise CapacityError(
+                f"prompt has {num_prompt} tokens; the maximum sequence length is "
+                f"{self._max_seq_len}, which leaves no room to generate",
+                request_id=request.request_id,
+            )
+        capacity = self._pool.num_blocks * self._pool.tokens_per_block
+        if num_prompt + 1 > capacity:
+            raise CapacityError(
+                f"prompt has {num_prompt} tokens; the KV cache holds {capacity}",
+                request_id=request.request_id,
+            )
+
+    def _check_runnable(self, request: Request) -> None:
+        if request.num_computed_tokens > request.num_tokens - 1:
+            raise AssertionError(
+                f"request {request.request_id}: {request.num_computed_tokens} tokens computed of "
+                f"{request.num_tokens}; a sampled token was not appended after step_done()"
+            )
+
+    def _expect(self, request: Request, state: RequestState, to: RequestState) -> None:
+        if request.state is not state:
+            raise InvalidTransition(request.request_id, request.state, to)
+        if self._requests.get(request.request_id) is not request:
+            raise ValueError(f"request {request.request_id} is not in this scheduler")
+
+    def _forget(self, request: Request) -> None:
+        del self._requests[request.request_id]
+        self._gen_waiting_kv.pop(request.request_id, None)
+        self._ctx_sending.pop(request.request_id, None)
+        if request in self._running:
+            self._running.remove(request)
+        if request in self._waiting:
+            self._waiting.remove(request)
+
+    def _holds_all_blocks(self, request: Request) -> bool:
+        """No other request holds blocks that it could free later."""
+        return self._running == [request] and not self._gen_waiting_kv and not self._ctx_sending
+
+    def _num_slots_taken(self) -> int:
+        return len(self._running) + len(self._gen_waiting_kv)
+
+    def _remaining(self, request: Request) -> int:
+        return request.num_tokens - request.num_computed_tokens
+
+
+def _table(request: Request) -> BlockTable:
+    table = request.block_table
+    if table is None:
+        raise AssertionError(f"request {request.request_id} is RUNNING without blocks")
+    return table

@@ -1,0 +1,207 @@
+"""Tokenizer: text <-> token ids, chat templates, and streaming detokenization.
+
+Reads a Hugging Face tokenizer directory (`tokenizer.json` + `tokenizer_config.json`) with the
+`tokenizers` library and renders `chat_template` with a sandboxed jinja2 environment configured
+like transformers', so prompts and ids agree with `AutoTokenizer` on the same files.
+
+Chat prompts already contain the BOS text when the template writes it: encode them with
+`add_special_tokens=False`, as transformers' `apply_chat_template(tokenize=True)` does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import attrs
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _RustTokenizer
+
+
+class TokenizerError(ValueError):
+    """The tokenizer files are missing or invalid, or a chat template failed to render."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise TokenizerError(f"{path}: not valid JSON ({error})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config stores special tokens as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        return str(value["content"])
+    return None if value is None else str(value)
+
+
+def _ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+class Tokenizer:
+    def __init__(
+        self, *, tokenizer: _RustTokenizer, config: Mapping[str, Any], eos_ids: Iterable[int]
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._id_of(self.bos_token)
+        eos_id = self._id_of(self.eos_token)
+        self.eos_token_ids: frozenset[int] = frozenset(
+            {*eos_ids, *(() if eos_id is None else (eos_id,))}
+        )
+        # When the config says explicitly whether to add BOS/EOS, that wins over the
+        # post-processor (transformers rebuilds the post-processor from these flags).
+        self._add_bos: bool | None = config.get("add_bos_token")
+        self._add_eos: bool | None = config.get("add_eos_token")
+        self.chat_template: str | None = _pick_template(config.get("chat_template"))
+        self._template: jinja2.Template | None = None
+        if self.chat_template is not None:
+            # Compiled once, here: a broken template fails at start-up, not on a request.
+            try:
+                self._template = _compile(self.chat_template)
+            except jinja2.TemplateError as error:
+                raise TokenizerError(f"chat template does not compile: {error}") from None
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Tokenizer:
+        """Load `tokenizer.json`, `tokenizer_config.json` and the eos ids of
+        `generation_config.json` / `config.json` from a model directory.
+
+        Raises:
+            TokenizerError: tokenizer.json is missing or unreadable.
+        """
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise TokenizerError(f"{file} not found: the model directory has no fast tokenizer")
+        try:
+            tokenizer = _RustTokenizer.from_file(str(file))
+        except Exception as error:  # the Rust side raises a bare Exception
+            raise TokenizerError(f"{file}: cannot load ({error})") from None
+        config = _read_json(path / "tokenizer_config.json")
+        if config.get("chat_template") is None and (path / "chat_template.jinja").is_file():
+            config["chat_template"] = (path / "chat_template.jinja").read_text()
+        eos_ids = _ids(_read_json(path / "generation_config.json").get("eos_token_id"))
+        eos_ids |= _ids(_read_json(path / "config.json").get("eos_token_id"))
+        return cls(tokenizer=tokenizer, config=config, eos_ids=eos_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if not add_special_tokens or (self._add_bos is None and self._add_eos is None):
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        if self._add_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        eos_id = self._id_of(self.eos_token)
+        if self._add_eos and eos_id is not None:
+            ids.append(eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any] | Any], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render the chat template over `messages` (dicts, or attrs instances).
+
+        Raises:
+            TokenizerError: no chat template, or the template failed (e.g. `raise_exception`).
+        """
+        if self._template is None:
+            raise TokenizerError("the tokenizer has no chat_template")
+        rendered = [m if isinstance(m, Mapping) else attrs.asdict(m) for m in messages]
+        try:
+            return self._template.render(
+                messages=rendered,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as error:
+            raise TokenizerError(f"chat template: {error}") from None
+
+    def incremental_detokenizer(
+        self, *, skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(tokenizer=self, skip_special_tokens=skip_special_tokens)
+
+
+def _pick_template(value: Any) -> str | None:
+    # A list of named templates is also allowed; the one named "default" is the chat template.
+    if isinstance(value, list):
+        named = {t["name"]: t["template"] for t in value}
+        return named.get("default")
+    return None if value is None else str(value)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _compile(source: str) -> jinja2.Template:
+    # Same environment transformers uses: sandboxed, blocks trimmed, a raise_exception helper.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3.1+ templates
+    return env.from_string(source)
+
+
+@attrs.define(eq=False, kw_only=True)
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas.
+
+    Each step decodes a short window (from `_prefix` to the end) and emits what it adds beyond
+    the already-emitted part of that window. Output is held back while the text ends in U+FFFD:
+    the last tokens may be the first bytes of a multi-byte character. Invariant: the deltas so
+    far, plus `flush()`, concatenate to `decode(all ids)`.
+    """
+
+    tokenizer: Tokenizer
+    skip_special_tokens: bool = True
+    ids: list[int] = attrs.field(factory=list)
+    _prefix: int = 0  # window start: a character boundary before `_read`
+    _read: int = 0  # ids before this are emitted
+
+    def add(self, token_id: int) -> str:
+        """Feed one token id; return the text it completes (may be "")."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
+        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(prefix_text) :]
+
+    def add_many(self, token_ids: Iterable[int]) -> str:
+        return "".join(self.add(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete trailing character decodes as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(prefix_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
