@@ -24,8 +24,13 @@ from trtdisagg.model.rope import apply_rope
 
 
 def causal_mask(seq: SeqSlice, device: torch.device) -> torch.Tensor | None:
-    """bool [q_len, kv_len], True where a query may attend; None when it may attend everywhere."""
-    if seq.q_len == 1:
+    """bool [q_len, kv_len], True where a query may attend.
+
+    None when no explicit mask is needed: a single query sees every key, and when no key is
+    cached before the queries SDPA's own `is_causal` (which aligns the diagonal top-left) is the
+    same mask and lets fused kernels run.
+    """
+    if seq.q_len == 1 or seq.q_len == seq.kv_len:
         return None
     mask = torch.ones(seq.q_len, seq.kv_len, dtype=torch.bool, device=device)
     return mask.tril(diagonal=seq.kv_len - seq.q_len)
@@ -81,12 +86,17 @@ class Attention(nn.Module):
         for seq, mask in zip(batch.seqs, masks, strict=True):
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
             keys, values = cache.gather(layer, seq.block_ids, seq.kv_len)  # [kv_heads, kv_len, D]
+            if self.num_heads != self.num_kv_heads:
+                # Expanded by hand: SDPA's enable_gqa needs torch 2.5, and we support 2.4.
+                group = self.num_heads // self.num_kv_heads
+                keys = keys.repeat_interleave(group, dim=0)
+                values = values.repeat_interleave(group, dim=0)
             attended = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1),  # [heads, q_len, D]
                 keys,
                 values,
                 attn_mask=mask,
-                enable_gqa=self.num_heads != self.num_kv_heads,
+                is_causal=mask is None and seq.q_len > 1,
             )
             out[rows] = attended.transpose(0, 1)
 

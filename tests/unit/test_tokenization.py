@@ -1,0 +1,164 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trtdisagg.model.tiny import TinySpec, write_checkpoint
+from trtdisagg.model.tiny_tokenizer import build_tokenizer, write_tokenizer_files
+from trtdisagg.worker.tokenization import Tokenizer, TokenizerError
+
+VOCAB = 512
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces, trailing\ttabs\t\nand new lines\n\n",
+    "Ünïcödé: 敏捷的棕色狐狸 🦊🚀 ∑ x² — “quotes”",
+    "<|user|>special tokens in text<|end|>",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tok")
+    write_checkpoint(
+        TinySpec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=32),
+        path,
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+@attrs.frozen(kw_only=True)
+class Message:
+    role: str
+    content: str
+
+
+def test_round_trip_and_bos(tok: Tokenizer) -> None:
+    for text in TEXTS[:3]:
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_token_id == 1
+        assert tok.encode(text, add_special_tokens=False) == ids[1:]
+        assert tok.decode(ids) == text
+    special = tok.encode(TEXTS[3], add_special_tokens=False)
+    assert special[0] == 4
+    assert special[-1] == 6
+    assert tok.decode(special) == "special tokens in text"
+    assert tok.decode(special, skip_special_tokens=False) == TEXTS[3]
+
+
+def test_vocab_and_eos(tok: Tokenizer) -> None:
+    assert tok.vocab_size == VOCAB
+    assert tok.eos_token_ids == frozenset({2, 6})  # <|eos|> and the end-of-turn token
+
+
+def test_tokenizer_is_deterministic() -> None:
+    assert build_tokenizer(VOCAB).to_str() == build_tokenizer(VOCAB).to_str()
+    with pytest.raises(ValueError, match="vocab_size 100 < 263"):
+        build_tokenizer(100)
+
+
+def test_chat_template(tok: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    prompt = tok.apply_chat_template(messages)
+    assert prompt == "<|bos|><|system|>\nBe brief.<|end|>\n<|user|>\nHi!<|end|>\n<|assistant|>\n"
+    as_attrs = [Message(role=m["role"], content=m["content"]) for m in messages]
+    assert tok.apply_chat_template(as_attrs, add_generation_prompt=False) == prompt.removesuffix(
+        "<|assistant|>\n"
+    )
+    ids = tok.encode(prompt, add_special_tokens=False)
+    assert ids.count(1) == 1  # the template wrote BOS; encoding must not add another
+    with pytest.raises(TokenizerError, match="unsupported role: tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_matches_transformers(model_dir: Path, tok: Tokenizer) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    for text in TEXTS:
+        assert tok.encode(text) == hf(text)["input_ids"]
+        assert (
+            tok.encode(text, add_special_tokens=False)
+            == hf(text, add_special_tokens=False)["input_ids"]
+        )
+        ids = tok.encode(text)
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
+    for generation in (True, False):
+        expected = hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation
+        )
+        assert tok.apply_chat_template(messages, add_generation_prompt=generation) == expected
+
+
+def test_missing_tokenizer_json(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json not found"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_chat_template_file_and_missing_template(tmp_path: Path) -> None:
+    write_tokenizer_files(tmp_path, VOCAB)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TokenizerError, match="no chat_template"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    )
+    assert (
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+        == "[x]"
+    )
+
+
+def test_detokenizer_holds_back_split_characters(tok: Tokenizer) -> None:
+    ids = tok.encode("a🦊", add_special_tokens=False)
+    assert len(ids) == 5  # 'a' + the emoji's four byte tokens
+    detok = tok.incremental_detokenizer()
+    assert [detok.add(i) for i in ids] == ["a", "", "", "", "🦊"]
+    assert detok.flush() == ""
+
+
+def _stream(tok: Tokenizer, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+    detok = tok.incremental_detokenizer(skip_special_tokens=skip_special_tokens)
+    deltas = [detok.add(i) for i in ids]
+    assert all(not d.endswith("\ufffd") for d in deltas)  # never emits a dangling partial char
+    return "".join(deltas) + detok.flush()
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=40))
+def test_detokenizer_deltas_concatenate_to_text(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False)
+    # Byte-level: any text round-trips (special-token spellings come back as themselves).
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert _stream(tok, ids, skip_special_tokens=False) == text
+    assert _stream(tok, ids) == tok.decode(ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ids=st.lists(st.integers(min_value=0, max_value=VOCAB - 1), max_size=30))
+def test_detokenizer_on_arbitrary_ids(tok: Tokenizer, ids: list[int]) -> None:
+    # A random model emits arbitrary byte sequences, invalid UTF-8 included.
+    detok = tok.incremental_detokenizer()
+    text = "".join(detok.add(i) for i in ids) + detok.flush()
+    assert text == tok.decode(ids)
+
+
+def test_broken_chat_template_fails_at_load(tmp_path: Path) -> None:
+    write_tokenizer_files(tmp_path, VOCAB)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TokenizerError, match="chat template does not compile"):
+        Tokenizer.from_dir(tmp_path)
