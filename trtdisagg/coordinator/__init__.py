@@ -1,0 +1,22 @@
+"""The coordinator: the OpenAI front end that splits requests into ctx and gen legs.
+
+Entry points: `config.load_coordinator_config(path, overrides)`, `serve.run_coordinator(config)`
+(sync, handles fleet mode) and `serve.serve_coordinator(config, task_status=...)` (a Trio
+service). Layout, pure modules marked ◆:
+
+  config ◆       disagg.yaml → CoordinatorConfig, key-path errors
+  routers/ ◆     round_robin, load_balancing, kv_cache_aware, conversation
+  split ◆        ctx/gen request bodies, answer merging, SSE rewriting
+  perf ◆         per-request phase timings
+  cluster ◆      server health and server_info
+  placement      Placement interface and Lease (one reservation)
+  local          LocalPlacement: health checks, routers, KV event polling in this process
+  remote         RemotePlacement: a fleet front end talking to the state process
+  service        DisaggService: one request through its legs, retries, deadlines
+  relay          streaming bodies (gen's SSE relayed as it arrives)
+  upstream       the httpx client and typed upstream errors
+  prompts        prompt token ids at the coordinator (the workers' tokenizer)
+  app, state     HTTP routes of the front end and of the fleet state process
+  serve, fleet   services, process entry points, the SO_REUSEPORT fleet supervisor
+  testing        a fake worker speaking the worker HTTP contract, for tests
+"""

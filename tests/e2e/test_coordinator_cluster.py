@@ -1,0 +1,327 @@
+"""The coordinator as a real process in front of real workers (tiny model, NIXL transceiver).
+
+Workers (2 ctx + 1 gen) are shared by the module; each test starts its own coordinator. Tests
+that send a request through ctx → gen need the workers' KV transceiver; tests that only use
+conditional disaggregation (gen alone), bad input or the fleet machinery do not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.procs import Server, free_port, metric, spawn, worker_config
+
+pytestmark = pytest.mark.timeout(300)
+
+WORKER = {"cache_transceiver_config": {"backend": "NIXL"}}
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Server]]]:
+    tmp = tmp_path_factory.mktemp("workers")
+    with contextlib.ExitStack() as stack:
+        out: dict[str, list[Server]] = {"ctx": [], "gen": []}
+        for role, count in (("ctx", 2), ("gen", 1)):
+            for i in range(count):
+                port = free_port()
+                path = tmp / f"{role}-{i}.yaml"
+                path.write_text(yaml.safe_dump(worker_config(**WORKER)))
+                out[role].append(stack.enter_context(spawn(
+                    [role, "--config", str(path), "--port", str(port)],
+                    port=port, log_path=tmp / f"{role}-{i}.log",
+                )))  # fmt: skip
+        yield out
+
+
+def free_port_pair() -> int:
+    """A port p with p - 1 also free (a fleet's state process listens on p - 1)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port - 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+@contextlib.contextmanager
+def coordinator(
+    tmp_path: Path, workers: dict[str, list[Server]], *, ctx: int = 1, **config: Any
+) -> Iterator[Server]:
+    port = free_port_pair() if config.get("num_workers", 1) > 1 else free_port()
+    data = {
+        "hostname": "127.0.0.1",
+        "port": port,
+        "context_servers": {"urls": [s.url for s in workers["ctx"][:ctx]]},
+        "generation_servers": {"urls": [s.url for s in workers["gen"]]},
+        "health_check_interval": 0.2,
+        "server_start_timeout": 60,
+        "request_timeout": 60,
+        **config,
+    }
+    path = tmp_path / "disagg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with spawn(
+        ["coordinator", "--config", str(path)], port=port, log_path=tmp_path / "coordinator.log"
+    ) as server:
+        yield server
+
+
+def counts(server: Server, role: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return metric(text, "trtdisagg_requests_total", f'role="{role}",status="ok"')
+
+
+def running(server: Server) -> float:
+    return metric(httpx.get(server.url + "/metrics").text, "trtdisagg_requests_running")
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout}s")
+        time.sleep(0.02)  # polling an observable condition, bounded above
+
+
+def aggregated(gen: Server, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(gen.url + "/v1/completions", json={**body, "stream": False}, timeout=120)
+    assert r.status_code == 200, r.text
+    data: dict[str, Any] = r.json()
+    return data
+
+
+def body(prompt: str | list[int], max_tokens: int = 12, **kw: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **kw}  # fmt: skip
+
+
+# ---- without the KV transceiver ----
+
+
+def test_conditional_disagg_short_prompt_is_served_by_gen_alone(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    ctx, gen = workers["ctx"][0], workers["gen"][0]
+    with coordinator(
+        tmp_path, workers, conditional_disagg_config={"max_local_prefill_length": 64}
+    ) as coord:
+        ctx_before, gen_before = counts(ctx, "ctx"), counts(gen, "gen")
+        request = body("The quick brown fox")
+        r = httpx.post(coord.url + "/v1/completions", json=request, timeout=60)
+        assert r.status_code == 200, r.text
+        assert (
+            r.json()["choices"][0]["token_ids"]
+            == aggregated(gen, request)["choices"][0]["token_ids"]
+        )
+        assert counts(ctx, "ctx") == ctx_before
+        assert counts(gen, "gen") == gen_before + 2  # ours and the aggregated reference
+        metrics = httpx.get(coord.url + "/metrics").text
+        assert metric(metrics, "trtdisagg_coordinator_local_prefill_total") == 1
+
+
+def test_bad_input_is_400_naming_the_field(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    with coordinator(tmp_path, workers) as coord:
+        for bad, field in (
+            ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),
+            ({"prompt": "x", "temperature": "hot"}, "temperature"),
+            ({"max_tokens": 4}, "prompt"),
+            ({"prompt": "x", "n": 3}, "n"),
+        ):
+            r = httpx.post(coord.url + "/v1/completions", json=bad)
+            assert r.status_code == 400, (bad, r.text)
+            assert field in r.json()["error"]["message"] and r.json()["error"]["param"] == field
+        r = httpx.post(coord.url + "/v1/chat/completions", json={"messages": "hi"})
+        assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+        assert httpx.get(coord.url + "/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_fleet_of_two_shares_one_port_and_503s_without_its_state_process(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    gen = workers["gen"][0]
+    with coordinator(
+        tmp_path, workers, num_workers=2,
+        generation_servers={"urls": [gen.url], "router": {"type": "kv_cache_aware"}},
+        conditional_disagg_config={"max_local_prefill_length": 64},
+    ) as coord:  # fmt: skip
+        pids: set[int] = set()
+        deadline = time.monotonic() + 30
+        while len(pids) < 2 and time.monotonic() < deadline:
+            with httpx.Client() as fresh:  # a new connection: the kernel picks a front end
+                r = fresh.get(coord.url + "/health")
+                if r.status_code == 200:
+                    pids.add(r.json()["pid"])
+        assert len(pids) == 2, "both front ends should answer on the shared port"
+        for i in range(4):  # gen alone: placed by the state process's kv_cache_aware router
+            r = httpx.post(coord.url + "/v1/completions", json=body(f"hello {i}"), timeout=60)
+            assert r.status_code == 200, r.text
+        state_url = f"http://127.0.0.1:{coord.port - 1}"
+        info = httpx.get(state_url + "/cluster_info").json()
+        assert info["routers"]["generation"]["active_requests"] == {gen.url: 0}
+        state_pid = httpx.get(state_url + "/health").json()["pid"]
+        os.kill(state_pid, signal.SIGKILL)
+        wait_until(lambda: httpx.get(coord.url + "/health").status_code == 503, 10, "503")
+        started = time.monotonic()
+        r = httpx.post(coord.url + "/v1/completions", json=body("hello"), timeout=30)
+        assert r.status_code == 503 and time.monotonic() - started < 5
+        assert coord.alive()  # the front ends keep answering
+
+
+# ---- through ctx → gen: these need the KV transceiver in the workers ----
+
+
+def test_openai_client_through_ctx_and_gen_equals_aggregated(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    gen = workers["gen"][0]
+    with coordinator(tmp_path, workers) as coord:
+        api = openai.OpenAI(base_url=coord.url + "/v1", api_key="unused", max_retries=0)
+        prompt = "Once upon a time there was a little robot who"
+        reference = aggregated(gen, body(prompt, 24))
+        done = api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+        assert done.choices[0].text == reference["choices"][0]["text"]
+        assert done.usage is not None
+        assert done.usage.prompt_tokens == reference["usage"]["prompt_tokens"]
+        assert done.usage.completion_tokens == reference["usage"]["completion_tokens"]
+        assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+        stream = api.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == done.usage.prompt_tokens
+        chat = api.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0
+        )
+        assert chat.choices[0].message.role == "assistant" and chat.usage is not None
+        raw = httpx.post(coord.url + "/v1/completions", json=body(prompt), timeout=60).json()
+        assert "disaggregated_params" not in raw["choices"][0]
+
+
+def test_32_concurrent_requests_equal_aggregated(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    gen = workers["gen"][0]
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
+    bodies = [body(" ".join(words[(i * 3) % 13 :] + words[: i % 7]), 4 + i % 9) for i in range(32)]
+    expected = [aggregated(gen, b)["choices"][0]["token_ids"] for b in bodies]
+    with coordinator(tmp_path, workers, ctx=2) as coord:
+        results: list[Any] = [None] * 32
+
+        def one(i: int) -> None:
+            r = httpx.post(coord.url + "/v1/completions", json=bodies[i], timeout=120)
+            results[i] = r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        assert results == expected
+
+
+def test_first_chunk_arrives_while_gen_is_still_generating(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    gen = workers["gen"][0]
+    with coordinator(tmp_path, workers) as coord:
+        request = body("Once upon a time", 400, stream=True, ignore_eos=True)
+        with httpx.stream("POST", coord.url + "/v1/completions", json=request, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    assert running(gen) == 1  # gen has not finished: the chunk was not buffered
+                    break
+            for _ in r.iter_lines():
+                pass
+
+
+def test_usage_prompt_and_cached_from_ctx_completion_from_gen(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    with coordinator(tmp_path, workers) as coord:
+        prompt = "The context server sends the cache to the generation server over a fast network"
+        first = httpx.post(coord.url + "/v1/completions", json=body(prompt, 5), timeout=60).json()
+        again = httpx.post(coord.url + "/v1/completions", json=body(prompt, 5), timeout=60).json()
+        n = len(first["prompt_token_ids"])
+        assert first["usage"]["prompt_tokens"] == n and first["usage"]["completion_tokens"] == 5
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # ctx's prefix cache
+        request = body(prompt, 5, stream=True, stream_options={"include_usage": True})
+        with httpx.stream("POST", coord.url + "/v1/completions", json=request, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]  # fmt: skip
+        assert events[-1]["usage"]["completion_tokens"] == 5
+        assert events[-1]["usage"]["prompt_tokens"] == n
+
+
+def test_kv_cache_aware_routes_a_shared_prefix_to_the_same_ctx(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    ctxs = workers["ctx"]
+    with coordinator(
+        tmp_path, workers, ctx=2,
+        context_servers={"urls": [s.url for s in ctxs], "router": {"type": "kv_cache_aware"}},
+    ) as coord:  # fmt: skip
+        for p in range(4):
+            prefix = [100 + p * 50 + i for i in range(48)]  # three 16-token blocks
+            before = [counts(s, "ctx") for s in ctxs]
+            r = httpx.post(coord.url + "/v1/completions", json=body(prefix, 2), timeout=60)
+            assert r.status_code == 200, r.text
+            home = next(i for i, s in enumerate(ctxs) if counts(s, "ctx") > before[i])
+            for tail in ([1, 2, 3], [4, 5, 6, 7, 8]):
+                before = [counts(s, "ctx") for s in ctxs]
+                r = httpx.post(
+                    coord.url + "/v1/completions", json=body(prefix + tail, 2), timeout=60
+                )
+                assert r.status_code == 200, r.text
+                assert counts(ctxs[home], "ctx") == before[home] + 1
+
+
+def test_round_robin_alternates_ctx_servers(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    ctxs = workers["ctx"]
+    with coordinator(tmp_path, workers, ctx=2) as coord:
+        served = []
+        for i in range(4):
+            before = [counts(s, "ctx") for s in ctxs]
+            r = httpx.post(coord.url + "/v1/completions", json=body(f"hello {i}", 3), timeout=60)
+            assert r.status_code == 200, r.text
+            served.append(next(j for j, s in enumerate(ctxs) if counts(s, "ctx") > before[j]))
+        assert served in ([0, 1, 0, 1], [1, 0, 1, 0])
+
+
+def test_client_disconnect_mid_stream_frees_gen_within_a_second(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    gen = workers["gen"][0]
+    with coordinator(tmp_path, workers) as coord:
+        request = body("Once upon a time", 2000, stream=True, ignore_eos=True)
+        with httpx.stream("POST", coord.url + "/v1/completions", json=request, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break
+            assert running(gen) == 1
+        wait_until(lambda: running(gen) == 0, 1.0, "gen running 0")

@@ -1,0 +1,467 @@
+"""The coordinator over real HTTP in front of fake workers, all in one trio run.
+
+The fake workers (`trtdisagg.coordinator.testing`) speak the worker contract including
+context_only / generation_only, so the whole split, merge, relay, retry and routing logic runs
+here without a model or a KV transceiver. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import httpx
+import openai
+import pytest
+import trio
+import trio.lowlevel
+
+from trtdisagg.coordinator.config import coordinator_config_from_dict
+from trtdisagg.coordinator.serve import bind_socket, serve_coordinator, serve_http
+from trtdisagg.coordinator.testing import FakeWorker, create_fake_app, fake_tokenize, generate
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@attrs.define(eq=False)
+class Fake:
+    worker: FakeWorker
+    url: str
+    port: int
+    scope: trio.CancelScope
+
+
+@attrs.define(eq=False)
+class Cluster:
+    url: str
+    ctx: list[Fake]
+    gen: list[Fake]
+    nursery: trio.Nursery
+
+    async def stop(self, fake: Fake) -> None:
+        fake.scope.cancel()
+        await trio.lowlevel.checkpoint()
+
+    async def restart(self, fake: Fake) -> None:
+        fake.scope = await self.nursery.start(_serve_fake, fake.worker, fake.port)
+
+
+async def _serve_fake(
+    worker: FakeWorker, port: int, *, task_status: trio.TaskStatus[trio.CancelScope]
+) -> None:
+    with trio.CancelScope() as scope:
+        sock = bind_socket("127.0.0.1", port, reuse_port=False)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_http, create_fake_app(worker), sock)
+            task_status.started(scope)
+
+
+async def _fake(nursery: trio.Nursery, role: str, **knobs: Any) -> Fake:
+    sock = bind_socket("127.0.0.1", 0, reuse_port=False)
+    port = sock.getsockname()[1]
+    sock.close()
+    worker = FakeWorker(role=role, **knobs)
+    scope = await nursery.start(_serve_fake, worker, port)
+    return Fake(worker=worker, url=f"http://127.0.0.1:{port}", port=port, scope=scope)
+
+
+async def start_cluster(
+    nursery: trio.Nursery,
+    *,
+    ctx: int = 1,
+    gen: int = 1,
+    ctx_router: str = "round_robin",
+    gen_router: str = "round_robin",
+    gen_knobs: dict[str, Any] | None = None,
+    **config: Any,
+) -> Cluster:
+    ctxs = [await _fake(nursery, "ctx") for _ in range(ctx)]
+    gens = [await _fake(nursery, "gen", **(gen_knobs or {})) for _ in range(gen)]
+    data = {
+        "hostname": "127.0.0.1",
+        "port": 0,
+        "context_servers": {"urls": [f.url for f in ctxs], "router": {"type": ctx_router}},
+        "generation_servers": {"urls": [f.url for f in gens], "router": {"type": gen_router}},
+        "health_check_interval": 0.1,
+        "server_start_timeout": 10,
+        "request_timeout": 10,
+        **config,
+    }
+    coordinator = coordinator_config_from_dict(data, source="test")
+    host, port = await nursery.start(functools.partial(serve_coordinator, coordinator))
+    return Cluster(url=f"http://{host}:{port}", ctx=ctxs, gen=gens, nursery=nursery)
+
+
+def _body(prompt: str | list[int] = "hello world, this is a prompt", **kw: Any) -> dict[str, Any]:
+    return {"model": "fake", "prompt": prompt, "max_tokens": 6, "temperature": 0, **kw}
+
+
+def _expected(prompt: str | list[int], max_tokens: int = 6) -> list[int]:
+    ids = fake_tokenize(prompt) if isinstance(prompt, str) else prompt
+    return generate(ids, max_tokens)
+
+
+async def _events(response: httpx.Response) -> AsyncIterator[Any]:
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            yield "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
+
+
+async def _wait_health(client: httpx.AsyncClient, url: str, status: int) -> None:
+    """Poll another server's /health (no event to wait on across HTTP), bounded."""
+    with trio.fail_after(5):
+        while (await client.get(url + "/health")).status_code != status:  # noqa: ASYNC110
+            await trio.sleep(0.05)
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=20) as c:
+        yield c
+
+
+async def test_split_answer_equals_aggregated_and_usage_merges(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery)
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["choices"][0]["token_ids"] == _expected(_body()["prompt"])
+    assert "disaggregated_params" not in data["choices"][0] and "prompt_token_ids" not in data
+    n_prompt = len(fake_tokenize(_body()["prompt"]))
+    assert data["usage"] == {
+        "prompt_tokens": n_prompt, "completion_tokens": 6, "total_tokens": n_prompt + 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }  # fmt: skip
+    ctx, gen = c.ctx[0].worker, c.gen[0].worker
+    assert ctx.requests == {"context_only": 1} and gen.requests == {"generation_only": 1}
+    ctx_body, gen_body = ctx.bodies[0], gen.bodies[0]
+    assert ctx_body["stream"] is False
+    disagg_id = ctx_body["disaggregated_params"]["disagg_request_id"]
+    assert 1 << 40 <= disagg_id < (1 << 63) - 1
+    params = gen_body["disaggregated_params"]
+    assert params["request_type"] == "generation_only" and params["disagg_request_id"] == disagg_id
+    assert params["first_gen_tokens"] == _expected(_body()["prompt"])[:1]
+    assert gen_body["prompt_token_ids"] == fake_tokenize(_body()["prompt"])
+    # The second identical prompt is a prefix hit on ctx: cached tokens come from ctx.
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_streaming_relays_chunks_as_they_arrive(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, gen_knobs={"token_delay": 0.05})
+    body = _body(max_tokens=12, stream=True, stream_options={"include_usage": True})
+    started = trio.current_time()
+    times, tokens, usage = [], [], None
+    async with client.stream("POST", c.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        async for event in _events(r):
+            times.append(trio.current_time() - started)
+            if event == "[DONE]":
+                break
+            assert "disaggregated_params" not in json.dumps(event)
+            for choice in event["choices"]:
+                tokens.extend(choice["token_ids"])
+            usage = event.get("usage") or usage
+    assert tokens == _expected(body["prompt"], 12)
+    assert times[0] < times[-1] - 0.3  # first token long before the last: not buffered
+    assert usage is not None and usage["completion_tokens"] == 12
+    assert usage["prompt_tokens"] == len(fake_tokenize(body["prompt"]))
+
+
+async def test_openai_client_chat_and_completions(nursery: trio.Nursery) -> None:
+    c = await start_cluster(nursery)
+    api = openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0)
+    chat = await api.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi there"}], max_tokens=5
+    )
+    assert chat.choices[0].message.content and chat.usage and chat.usage.completion_tokens == 5
+    stream = await api.completions.create(
+        model="fake", prompt="abc", max_tokens=4, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    text, usage = "", None
+    async for chunk in stream:
+        text += "".join(choice.text for choice in chunk.choices)
+        usage = chunk.usage or usage
+    assert text == "".join(f" t{t}" for t in _expected("abc", 4))
+    assert usage is not None and usage.completion_tokens == 4 and usage.prompt_tokens == 3
+    await api.close()
+
+
+async def test_ctx_finished_request_has_no_gen_leg(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery)
+    r = await client.post(c.url + "/v1/completions", json=_body(max_tokens=1))
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    body = _body(max_tokens=1, stream=True, stream_options={"include_usage": True})
+    async with client.stream("POST", c.url + "/v1/completions", json=body) as r:
+        events = [e async for e in _events(r)]
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 1
+    assert c.gen[0].worker.requests == {}
+
+
+async def test_client_disagg_request_id_is_honoured(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery)
+    body = _body(disaggregated_params={"request_type": "context_only", "disagg_request_id": 4242})
+    r = await client.post(c.url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert c.ctx[0].worker.bodies[0]["disaggregated_params"]["disagg_request_id"] == 4242
+    assert c.gen[0].worker.bodies[0]["disaggregated_params"]["disagg_request_id"] == 4242
+
+
+async def test_worker_4xx_is_passed_through_and_not_retried(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, ctx=2, max_retries=3)
+    for fake in c.ctx:
+        fake.worker.fail_status, fake.worker.fail_count = 400, 1
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "fake ctx failure"
+    assert sum(len(f.worker.bodies) for f in c.ctx) == 1
+
+
+async def test_5xx_is_retried_on_another_server_with_a_new_id(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, ctx=2)
+    c.ctx[0].worker.fail_status, c.ctx[0].worker.fail_count = 500, 1
+    r = await client.post(c.url + "/v1/completions", json=_body())  # round robin: ctx 0 first
+    assert r.status_code == 200, r.text
+    first, second = (f.worker.bodies[0] for f in c.ctx)
+    ids = {b["disaggregated_params"]["disagg_request_id"] for b in (first, second)}
+    assert len(ids) == 2
+    # With no retries left the failure is a 502.
+    for fake in c.ctx:
+        fake.worker.fail_status, fake.worker.fail_count = 500, 5
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 502 and "upstream failure" in r.json()["error"]["message"]
+
+
+async def test_gen_timeout_is_504_within_request_timeout(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, request_timeout=1)
+    c.gen[0].worker.hang = True
+    with trio.fail_after(3):
+        r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 504 and "request_timeout" in r.json()["error"]["message"]
+    with trio.fail_after(3):
+        r = await client.post(c.url + "/v1/completions", json=_body(stream=True))
+    assert r.status_code == 504
+
+
+async def test_dead_ctx_is_retried_then_503_then_recovers(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, ctx=2)
+    await c.stop(c.ctx[0])
+    for _ in range(4):  # the dead one is retried around, then out of rotation
+        r = await client.post(c.url + "/v1/completions", json=_body())
+        assert r.status_code == 200, r.text
+    await c.stop(c.ctx[1])
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code in (502, 503)
+    await _wait_health(client, c.url, 503)
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 503, r.text
+    info = (await client.get(c.url + "/cluster_info")).json()
+    assert info["is_ready"] is False and info["server_lists"]["context"] == []
+    await c.restart(c.ctx[1])
+    await _wait_health(client, c.url, 200)
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 200, r.text
+
+
+async def test_client_disconnect_mid_stream_cancels_gen(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, gen_knobs={"token_delay": 0.2})
+    gen = c.gen[0].worker
+    body = _body(max_tokens=50, stream=True)
+    async with client.stream("POST", c.url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                break
+        assert gen.running == 1
+    with trio.fail_after(1):
+        await gen.wait_running(0)
+    metrics = (await client.get(c.url + "/metrics")).text
+    assert 'trtdisagg_requests_total{role="coordinator",status="aborted"} 1.0' in metrics
+    assert "trtdisagg_requests_running 0.0" in metrics
+
+
+async def test_client_disconnect_during_ctx_leg_cancels_it(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, gen_knobs={"token_delay": 0.5})
+    with trio.move_on_after(0.3):
+        await client.post(c.url + "/v1/completions", json=_body())
+    with trio.fail_after(1):
+        await c.gen[0].worker.wait_running(0)
+
+
+async def test_round_robin_alternates_ctx_servers(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, ctx=2)
+    for _ in range(4):
+        assert (await client.post(c.url + "/v1/completions", json=_body())).status_code == 200
+    assert [len(f.worker.bodies) for f in c.ctx] == [2, 2]
+    metrics = (await client.get(c.url + "/metrics")).text
+    assert (
+        f'trtdisagg_router_decisions_total{{router="round_robin",server="{c.ctx[0].url}"}} 2.0'
+        in metrics
+    )
+
+
+async def test_kv_cache_aware_routes_shared_prefixes_together(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, ctx=2, ctx_router="kv_cache_aware")
+    prefixes = [[p * 100 + i for i in range(24)] for p in range(1, 5)]
+    homes = []
+    for prefix in prefixes:
+        await client.post(c.url + "/v1/completions", json=_body(prefix))
+        homes.append(
+            next(
+                i
+                for i, f in enumerate(c.ctx)
+                if f.worker.bodies and f.worker.bodies[-1]["prompt"] == prefix
+            )
+        )
+    for prefix, home in zip(prefixes, homes, strict=True):
+        for tail in ([1, 2, 3], [7, 8, 9, 10, 11]):
+            before = len(c.ctx[home].worker.bodies)
+            r = await client.post(c.url + "/v1/completions", json=_body(prefix + tail))
+            assert r.status_code == 200
+            assert len(c.ctx[home].worker.bodies) == before + 1
+
+
+async def test_conditional_disagg_serves_short_prompts_on_gen_alone(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, conditional_disagg_config={"max_local_prefill_length": 8})
+    r = await client.post(c.url + "/v1/completions", json=_body(list(range(1, 6))))
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == _expected(
+        list(range(1, 6))
+    )
+    assert c.ctx[0].worker.requests == {} and c.gen[0].worker.requests == {
+        "context_and_generation": 1
+    }
+    assert "disaggregated_params" not in c.gen[0].worker.bodies[0]
+    r = await client.post(c.url + "/v1/completions", json=_body(list(range(1, 30))))
+    assert r.status_code == 200 and c.ctx[0].worker.requests == {"context_only": 1}
+    # A text prompt without a tokenizer at the coordinator goes through ctx.
+    r = await client.post(c.url + "/v1/completions", json=_body("hi"))
+    assert r.status_code == 200 and c.ctx[0].worker.requests == {"context_only": 2}
+
+
+async def test_conditional_disagg_counts_only_the_uncached_part(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(
+        nursery,
+        gen_router="kv_cache_aware",
+        conditional_disagg_config={"max_local_prefill_length": 8},
+    )
+    prompt = list(range(1, 42))
+    await client.post(c.url + "/v1/completions", json=_body(prompt))  # via ctx: too long
+    assert c.ctx[0].worker.requests == {"context_only": 1}
+    # gen now holds the prompt's blocks (it received their KV): only the tail is uncached.
+    r = await client.post(c.url + "/v1/completions", json=_body([*prompt, 5, 6]))
+    assert r.status_code == 200
+    assert c.ctx[0].worker.requests == {"context_only": 1}
+    assert c.gen[0].worker.requests["context_and_generation"] == 1
+
+
+async def test_perf_metrics_merge_coordinator_and_worker_phases(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery)
+    r = await client.post(c.url + "/v1/completions", json=_body(return_perf_metrics=True))
+    perf = r.json()["perf_metrics"]
+    for key in ("coordinator_queue_s", "ctx_s", "gen_first_token_s", "decode_s", "e2e_s", "gen"):
+        assert key in perf, perf
+    body = _body(return_perf_metrics=True, stream=True)
+    async with client.stream("POST", c.url + "/v1/completions", json=body) as r:
+        events = [e async for e in _events(r)]
+    assert "gen_first_token_s" in events[-2]["perf_metrics"] and events[-1] == "[DONE]"
+
+
+async def test_32_concurrent_requests_equal_aggregated(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, ctx=2, gen=2, gen_router="load_balancing")
+    prompts = [[i + 1] * (i % 7 + 3) + list(range(i)) for i in range(32)]
+    results: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        body = _body(prompts[i], max_tokens=5 + i % 4, stream=i % 2 == 0)
+        if not body["stream"]:
+            r = await client.post(c.url + "/v1/completions", json=body)
+            results[i] = r.json()["choices"][0]["token_ids"]
+            return
+        tokens: list[int] = []
+        async with client.stream("POST", c.url + "/v1/completions", json=body) as r:
+            async for event in _events(r):
+                if event != "[DONE]":
+                    for choice in event["choices"]:
+                        tokens.extend(choice["token_ids"])
+        results[i] = tokens
+
+    async with trio.open_nursery() as inner:
+        for i in range(32):
+            inner.start_soon(one, i)
+    for i, prompt in enumerate(prompts):
+        assert results[i] == _expected(prompt, 5 + i % 4)
+    assert all(f.worker.running == 0 for f in c.gen)
+    metrics = (await client.get(c.url + "/metrics")).text
+    assert 'trtdisagg_requests_total{role="coordinator",status="ok"} 32.0' in metrics
+
+
+async def test_generation_first_posts_both_legs(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    c = await start_cluster(nursery, schedule_style="generation_first")
+    r = await client.post(c.url + "/v1/completions", json=_body([3, 4, 5, 6]))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == _expected([3, 4, 5, 6])
+    gen_params = c.gen[0].worker.bodies[0]["disaggregated_params"]
+    assert gen_params["ctx_info_endpoint"] == "tcp://fake-ctx:1"
+    assert (
+        gen_params["disagg_request_id"]
+        == c.ctx[0].worker.bodies[0]["disaggregated_params"]["disagg_request_id"]
+    )
+    assert r.json()["usage"]["completion_tokens"] == 6
+
+
+async def test_bad_input_and_routes(nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
+    c = await start_cluster(nursery, api_key="sesame")
+    auth = {"Authorization": "Bearer sesame"}
+    r = await client.post(c.url + "/v1/completions", json=_body(max_tokens="5"), headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "max_tokens" in r.json()["error"]["message"]
+    r = await client.post(c.url + "/v1/completions", content=b"{nope", headers=auth)
+    assert r.status_code == 400
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 401
+    assert (await client.get(c.url + "/nowhere")).status_code == 404
+    assert (await client.get(c.url + "/version")).json()["version"]
+    models = (await client.get(c.url + "/v1/models", headers=auth)).json()
+    assert models["data"][0]["id"] == "fake"
+    info = (await client.get(c.url + "/cluster_info")).json()
+    assert info["is_ready"] and info["server_lists"]["context"] == [c.ctx[0].url]
+    assert (await client.get(c.url + "/prometheus/metrics")).status_code == 200
+    assert c.ctx[0].worker.bodies == []

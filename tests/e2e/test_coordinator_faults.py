@@ -1,0 +1,122 @@
+"""Worker deaths under a real coordinator: 5xx within request_timeout, 503 with no ctx left,
+and service resuming when the workers come back, without restarting the coordinator.
+
+Requests use conditional disaggregation (short prompts prefilled on gen alone), so this runs
+with or without the KV transceiver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.procs import REPO, free_port, metric, spawn, stop, wait_healthy, worker_config
+
+pytestmark = pytest.mark.timeout(300)
+
+REQUEST_TIMEOUT = 20
+
+
+@contextlib.contextmanager
+def worker(tmp_path: Path, role: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    path = tmp_path / f"{role}.yaml"
+    path.write_text(yaml.safe_dump(worker_config(cache_transceiver_config={"backend": "NIXL"})))
+    log_path = tmp_path / f"{role}-{port}-{time.monotonic_ns()}.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trtdisagg", role, "--config", str(path), "--port", str(port)],
+            stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
+        )  # fmt: skip
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log_path, 120)
+        yield proc
+    finally:
+        stop(proc)
+
+
+def running(url: str) -> float:
+    return metric(httpx.get(url + "/metrics").text, "trtdisagg_requests_running")
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if predicate():
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout}s")
+        time.sleep(0.05)  # polling an observable condition, bounded above
+
+
+def status(url: str) -> int:
+    return httpx.get(url + "/health", timeout=2).status_code
+
+
+def test_worker_death_5xx_then_503_then_recovery(tmp_path: Path) -> None:
+    ctx_port, gen_port, port = free_port(), free_port(), free_port()
+    ctx_url, gen_url = f"http://127.0.0.1:{ctx_port}", f"http://127.0.0.1:{gen_port}"
+    config = {
+        "hostname": "127.0.0.1", "port": port,
+        "context_servers": {"urls": [ctx_url]}, "generation_servers": {"urls": [gen_url]},
+        "conditional_disagg_config": {"max_local_prefill_length": 64},
+        "health_check_interval": 0.2, "request_timeout": REQUEST_TIMEOUT, "max_retries": 1,
+    }  # fmt: skip
+    path = tmp_path / "disagg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    short = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+    with contextlib.ExitStack() as stack:
+        ctx = stack.enter_context(worker(tmp_path, "ctx", ctx_port))
+        gen = stack.enter_context(worker(tmp_path, "gen", gen_port))
+        coord = stack.enter_context(spawn(
+            ["coordinator", "--config", str(path)], port=port, log_path=tmp_path / "coord.log",
+        ))  # fmt: skip
+        assert httpx.post(coord.url + "/v1/completions", json=short, timeout=30).status_code == 200
+
+        # gen dies in the middle of a long request: the client gets a 5xx, well within the timeout.
+        outcome: dict[str, Any] = {}
+
+        def long_request() -> None:
+            started = time.monotonic()
+            long = {**short, "max_tokens": 3000, "ignore_eos": True}
+            r = httpx.post(coord.url + "/v1/completions", json=long, timeout=REQUEST_TIMEOUT + 10)
+            outcome.update(status=r.status_code, seconds=time.monotonic() - started, body=r.text)
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        wait_for(lambda: running(gen_url) == 1, 20, "gen busy")
+        gen.send_signal(signal.SIGKILL)
+        thread.join(REQUEST_TIMEOUT + 15)
+        assert 500 <= outcome["status"] < 600, outcome
+        assert outcome["seconds"] < REQUEST_TIMEOUT, outcome
+
+        # With ctx gone too, new requests are refused at once with 503.
+        ctx.send_signal(signal.SIGKILL)
+        wait_for(lambda: status(coord.url) == 503, 5, "coordinator /health 503")
+        started = time.monotonic()
+        r = httpx.post(coord.url + "/v1/completions", json=short, timeout=30)
+        assert r.status_code == 503 and time.monotonic() - started < 2, r.text
+        info = httpx.get(coord.url + "/cluster_info").json()
+        assert info["is_ready"] is False
+        assert info["unhealthy"] == {"context": [ctx_url], "generation": [gen_url]}
+
+        # Both come back on the same ports: service resumes without a coordinator restart.
+        stack.enter_context(worker(tmp_path, "ctx", ctx_port))
+        stack.enter_context(worker(tmp_path, "gen", gen_port))
+        wait_for(lambda: status(coord.url) == 200, 10, "coordinator /health 200")
+        r = httpx.post(coord.url + "/v1/completions", json=short, timeout=30)
+        assert r.status_code == 200, r.text
+        assert coord.alive()

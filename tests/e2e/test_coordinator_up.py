@@ -1,0 +1,93 @@
+"""`python -m trtdisagg up`: a local cluster starts, prints its URL, and stops cleanly on Ctrl-C
+or as soon as any child dies."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.procs import REPO, free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@contextlib.contextmanager
+def cluster(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, int]]:
+    port = free_port()
+    spec = {
+        "log_dir": str(tmp_path / "logs"),
+        "stop_grace": 5,
+        "ctx": [
+            {"model": "tiny", "port": free_port(), "kv_cache_config": {"tokens_per_block": 16}}
+        ],
+        "gen": [
+            {"model": "tiny", "port": free_port(), "kv_cache_config": {"tokens_per_block": 16}}
+        ],
+        "coordinator": {"port": port, "health_check_interval": 0.2},
+    }
+    path = tmp_path / "local.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "up.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trtdisagg", "up", str(path)],
+            stdout=sink, stderr=subprocess.STDOUT, cwd=REPO,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while b"cluster ready" not in out.read_bytes():
+            assert proc.poll() is None, out.read_text()
+            assert time.monotonic() < deadline, out.read_text()
+            time.sleep(0.1)  # waiting on the launcher's own readiness line, bounded above
+        yield proc, out, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _child_pids(text: str) -> dict[str, int]:
+    return {m[1]: int(m[2]) for m in re.finditer(r"started (\S+) \(pid (\d+)\)", text)}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_up_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    with cluster(tmp_path) as (proc, out, port):
+        text = out.read_text()
+        assert f"curl http://127.0.0.1:{port}/v1/completions" in text
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        pids = _child_pids(text)
+        assert set(pids) == {"ctx-0", "gen-0", "coordinator"}
+        for name in pids:
+            assert (tmp_path / "logs" / f"{name}.log").stat().st_size > 0
+        assert "[ctx-0] " in text and "[coordinator] " in text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert all(_gone(pid) for pid in pids.values())
+
+
+def test_up_stops_everything_when_a_child_dies(tmp_path: Path) -> None:
+    with cluster(tmp_path) as (proc, out, _port):
+        pids = _child_pids(out.read_text())
+        os.kill(pids["gen-0"], signal.SIGKILL)
+        assert proc.wait(30) == 1
+        assert "gen-0 exited" in out.read_text()
+        assert all(_gone(pid) for pid in pids.values())

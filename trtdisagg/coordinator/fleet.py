@@ -1,0 +1,165 @@
+"""Fleet mode (``num_workers > 1``): N front-end processes share the public port.
+
+Topologies (as TensorRT-LLM's):
+
+=============  ========================  ================================================
+num_workers    disagg_coordinator_url    processes
+=============  ========================  ================================================
+1              unset                     one self-contained coordinator (no fleet)
+> 1            unset                     state process on ``port - 1`` + N front ends
+any            set                       N front ends delegating to that URL, no state
+=============  ========================  ================================================
+
+Each front end binds its own socket on the public port with ``SO_REUSEPORT`` and the kernel
+spreads connections between them. The supervisor (this process, no event loop) first binds a
+reservation socket without listening: it claims the port (and resolves port 0) and receives no
+connections. Children are started with ``spawn`` and front end ``i`` mints ids with process id
+``i``.
+
+Supervision: SIGINT/SIGTERM stop every child (terminate, then kill after a grace period). A
+front end that exits ends the fleet with its exit code. The state process exiting with
+``EXIT_STARTUP_FAILED`` (its servers never became healthy) ends the fleet too; if it dies
+otherwise, the front ends keep running and answer 503 (not ready) until the fleet is restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+import sys
+import types
+from multiprocessing.process import BaseProcess
+from typing import Final
+
+import attrs
+
+from trtdisagg.coordinator.config import CoordinatorConfig
+from trtdisagg.coordinator.placement import StartupError
+from trtdisagg.coordinator.serve import (
+    EXIT_STARTUP_FAILED,
+    bind_socket,
+    run_service,
+    serve_coordinator,
+    serve_coordinator_state,
+)
+
+log = logging.getLogger("trtdisagg.coordinator.fleet")
+
+STOP_GRACE: Final = 10.0
+
+
+def _setup_child_logging(level: str, prefix: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def front_end_main(config: CoordinatorConfig, process_id: int) -> None:
+    """Entry point of front-end process `process_id` (spawned)."""
+    _setup_child_logging(config.log_level, f"[coordinator-w{process_id}]")
+    try:
+        sock = bind_socket(config.hostname, config.port, reuse_port=True)
+    except StartupError as exc:
+        log.error("start-up failed: %s", exc)
+        sys.exit(EXIT_STARTUP_FAILED)
+
+    async def serve() -> None:
+        await serve_coordinator(config, process_id=process_id, sock=sock)
+
+    sys.exit(run_service(serve))
+
+
+def state_main(config: CoordinatorConfig) -> None:
+    """Entry point of the coordinator state process (spawned)."""
+    _setup_child_logging(config.log_level, "[coordinator-state]")
+
+    async def serve() -> None:
+        await serve_coordinator_state(config)
+
+    sys.exit(run_service(serve))
+
+
+@attrs.define(eq=False, kw_only=True)
+class _Stop(Exception):
+    signum: int
+
+
+def _raise_stop(signum: int, _frame: types.FrameType | None) -> None:
+    raise _Stop(signum=signum)
+
+
+def run_fleet(config: CoordinatorConfig) -> int:
+    """Start and supervise the fleet until a signal (0) or a fatal child exit (non-zero)."""
+    try:
+        reservation = bind_socket(config.hostname, config.port, reuse_port=True, listen=False)
+    except StartupError as exc:
+        log.error("start-up failed: %s", exc)
+        return EXIT_STARTUP_FAILED
+    port = reservation.getsockname()[1]
+    config = attrs.evolve(config, port=port)
+    front_config = attrs.evolve(config, disagg_coordinator_url=config.state_url)
+    spawn = multiprocessing.get_context("spawn")
+    state: BaseProcess | None = None
+    fronts: list[BaseProcess] = []
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if config.disagg_coordinator_url is None:
+            state = spawn.Process(target=state_main, args=(config,), name="coordinator-state")
+            state.start()
+            log.info("coordinator state process pid %d on %s", state.pid, config.state_url)
+        for i in range(config.num_workers):
+            proc = spawn.Process(target=front_end_main, args=(front_config, i), name=f"w{i}")
+            proc.start()
+            fronts.append(proc)
+        log.info(
+            "fleet of %d front ends on http://%s:%d (pids %s), coordinator %s",
+            len(fronts), config.hostname, port, [p.pid for p in fronts], front_config.state_url,
+        )  # fmt: skip
+        return _supervise(state, fronts)
+    except _Stop as stop:
+        log.info("received %s, stopping the fleet", signal.Signals(stop.signum).name)
+        return 0
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _stop_all([*fronts, *([state] if state is not None else [])])
+        reservation.close()
+
+
+def _supervise(state: BaseProcess | None, fronts: list[BaseProcess]) -> int:
+    watched: dict[int, BaseProcess] = {
+        p.sentinel: p for p in [*fronts, *([state] if state is not None else [])]
+    }
+    while True:
+        for sentinel in multiprocessing.connection.wait(list(watched)):
+            assert isinstance(sentinel, int)
+            proc = watched.pop(sentinel)
+            proc.join()
+            if proc is state:
+                if proc.exitcode == EXIT_STARTUP_FAILED:
+                    log.error("coordinator state process failed to start; stopping the fleet")
+                    return 1
+                log.error(
+                    "coordinator state process exited (%s); front ends answer 503 until restarted",
+                    proc.exitcode,
+                )
+                continue
+            log.error("front end %s exited with %s; stopping the fleet", proc.name, proc.exitcode)
+            return proc.exitcode or 1
+
+
+def _stop_all(procs: list[BaseProcess]) -> None:
+    alive = [p for p in procs if p.is_alive()]
+    for proc in alive:
+        proc.terminate()
+    for proc in alive:
+        proc.join(STOP_GRACE)
+        if proc.is_alive():
+            log.warning("%s did not stop within %gs; killing it", proc.name, STOP_GRACE)
+            proc.kill()
+            proc.join(STOP_GRACE)

@@ -1,0 +1,248 @@
+"""LocalPlacement: cluster state, health checks, routers and KV event polling in this process.
+
+Tasks (all in the nursery of `serve`):
+
+* health monitor: every ``health_check_interval`` (0.25 s while starting) checks every server's
+  ``GET /health`` in parallel; a server that passes gets its ``GET /server_info`` read (again
+  after each recovery, as a restart may change it) and rejoins the routers; two failed checks
+  in a row, or one request that could not reach it, take it out of rotation;
+* KV event pollers (roles whose router is `kv_cache_aware`): every ``events_poll_interval``
+  drain each healthy server's ``POST /kv_cache_events`` into the router. A server is also
+  polled right after each request it served (in `finish`), so a prefix stored by one request
+  is visible to the next.
+
+Start-up waits until every listed server is healthy, or ``server_start_timeout``. If by then a
+role has no healthy server at all, start-up fails naming the missing servers; otherwise it logs
+the missing ones and serves with the rest (they join when they become healthy).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Final
+
+import attrs
+import trio
+
+from trtdisagg.coordinator.cluster import Cluster, ServerInfo, ServerRole
+from trtdisagg.coordinator.config import CoordinatorConfig, RouterType
+from trtdisagg.coordinator.placement import StartupError
+from trtdisagg.coordinator.routers import (
+    Router,
+    RouteRequest,
+    Selection,
+    create_router,
+    parse_kv_events,
+)
+from trtdisagg.coordinator.upstream import UpstreamError, WorkerClient
+
+log = logging.getLogger(__name__)
+
+Json = dict[str, Any]
+
+STARTUP_POLL_INTERVAL: Final = 0.25
+FAILED_CHECKS_TO_EVICT: Final = 2
+EVENTS_TIMEOUT: Final = 2.0
+WAITING_LOG_INTERVAL: Final = 5.0
+
+
+@attrs.define(eq=False, kw_only=True)
+class LocalPlacement:
+    config: CoordinatorConfig
+    cluster: Cluster
+    routers: dict[ServerRole, Router]
+    client: WorkerClient
+    _changed: trio.Event = attrs.field(factory=trio.Event)
+    _misses: Counter[str] = attrs.field(factory=Counter)
+    _event_locks: dict[str, trio.Lock] = attrs.field(factory=dict)
+    _last_event_id: dict[str, int] = attrs.field(factory=dict)
+
+    @classmethod
+    def create(cls, config: CoordinatorConfig, client: WorkerClient) -> LocalPlacement:
+        groups = {
+            ServerRole.CONTEXT: config.context_servers,
+            ServerRole.GENERATION: config.generation_servers,
+        }
+        return cls(
+            config=config,
+            cluster=Cluster.from_config(config),
+            routers={
+                role: create_router(group.router, role=role.value) for role, group in groups.items()
+            },
+            client=client,
+        )
+
+    # ---- queries ----
+
+    def is_ready(self) -> bool:
+        return self.cluster.is_ready()
+
+    def not_ready_reason(self) -> str:
+        return self.cluster.not_ready_reason()
+
+    def cluster_info(self) -> Json:
+        return self.cluster.cluster_info()
+
+    def server_info(self, url: str) -> ServerInfo | None:
+        server = self.cluster.servers.get(url)
+        return server.info if server is not None else None
+
+    def model_info(self) -> ServerInfo | None:
+        return self.cluster.first_info()
+
+    def router_type(self, role: ServerRole) -> RouterType:
+        return self.routers[role].type
+
+    def uses_prompt_tokens(self, role: ServerRole) -> bool:
+        return self.routers[role].uses_prompt_tokens
+
+    # ---- reservations ----
+
+    async def select(
+        self, role: ServerRole, request: RouteRequest, *, exclude: str | None
+    ) -> Selection:
+        await trio.lowlevel.checkpoint()
+        return self.routers[role].select(request, exclude=exclude)
+
+    async def finish(self, role: ServerRole, key: int, *, success: bool) -> None:
+        router = self.routers[role]
+        server = router.finish(key, success=success)  # sync: released even if cancelled below
+        if server is not None and router.needs_kv_events and self.cluster.servers[server].healthy:
+            await self.poll_kv_events(role, server)
+
+    def report_unreachable(self, role: ServerRole, url: str, reason: str) -> None:
+        if url in self.cluster.servers and self.cluster.mark_unhealthy(url, reason):
+            log.warning("%s server %s taken out of rotation: %s", role.value, url, reason)
+            self._servers_changed(role)
+
+    # ---- background ----
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Health checks and KV event polling; `started()` once start-up waiting is over.
+
+        Raises:
+            StartupError: after ``server_start_timeout`` a role still has no healthy server.
+        """
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._monitor)
+            await self._wait_for_servers()
+            for role, router in self.routers.items():
+                if router.needs_kv_events:
+                    nursery.start_soon(self._poll_kv_events_forever, role)
+            task_status.started()
+
+    async def _wait_for_servers(self) -> None:
+        timeout = self.config.server_start_timeout
+        deadline = trio.current_time() + timeout
+        next_log = trio.current_time()
+        while not self.cluster.all_healthy() and trio.current_time() < deadline:
+            if trio.current_time() >= next_log:
+                log.info(
+                    "Waiting for servers, context: %s, generation: %s",
+                    self.cluster.missing(ServerRole.CONTEXT),
+                    self.cluster.missing(ServerRole.GENERATION),
+                )
+                next_log = trio.current_time() + WAITING_LOG_INTERVAL
+            with trio.move_on_at(min(deadline, next_log)):
+                await self._wait_changed()
+        missing = {role.value: self.cluster.missing(role) for role in ServerRole}
+        if not self.cluster.has_each_role():
+            raise StartupError(
+                f"servers not healthy after server_start_timeout={timeout:g}s: "
+                f"context missing {missing['context']}, generation missing {missing['generation']}"
+            )
+        self.cluster.started = True
+        if self.cluster.all_healthy():
+            log.info("All servers are ready")
+        else:
+            log.warning("Serving without servers that are not healthy yet: %s", missing)
+
+    async def _wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def _servers_changed(self, role: ServerRole) -> None:
+        self.routers[role].update_servers(self.cluster.views(role))
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _monitor(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        first = True
+        while True:
+            async with trio.open_nursery() as nursery:
+                for url in self.cluster.servers:
+                    nursery.start_soon(self._check, url)
+            if first:
+                task_status.started()
+                first = False
+            if not self.cluster.started:
+                interval = min(self.config.health_check_interval, STARTUP_POLL_INTERVAL)
+            else:
+                interval = self.config.health_check_interval
+            await trio.sleep(interval)
+
+    async def _check(self, url: str) -> None:
+        server = self.cluster.servers[url]
+        role = server.role
+        # Generous: a CPU worker busy with a long forward can be slow to answer /health.
+        timeout = min(max(2 * self.config.health_check_interval, 2.0), 5.0)
+        ok, why = await self.client.is_healthy(url, limit_s=timeout)
+        info = server.info
+        if ok and (not server.healthy or info is None):
+            try:
+                data = await self.client.get_json(
+                    url, "/server_info", limit_s=timeout, role=role.value
+                )
+                info = ServerInfo.parse(data)
+            except UpstreamError as exc:
+                ok, why = False, str(exc)
+        if ok and info is not None:
+            self._misses.pop(url, None)
+            was_known = server.ever_healthy
+            if self.cluster.mark_healthy(url, info):
+                if was_known:
+                    log.info("%s server %s is healthy again", role.value, url)
+                    self.routers[role].reset_server(url)
+                    self._last_event_id.pop(url, None)
+                else:
+                    log.info("%s server %s is healthy", role.value, url)
+                self._servers_changed(role)
+            return
+        self._misses[url] += 1
+        if server.healthy and self._misses[url] < FAILED_CHECKS_TO_EVICT:
+            return
+        if self.cluster.mark_unhealthy(url, why):
+            log.warning("%s server %s is unhealthy: %s", role.value, url, why)
+            self._servers_changed(role)
+
+    async def _poll_kv_events_forever(self, role: ServerRole) -> None:
+        interval = self.routers[role].config.events_poll_interval
+        while True:
+            async with trio.open_nursery() as nursery:
+                for view in self.cluster.views(role):
+                    nursery.start_soon(self.poll_kv_events, role, view.url)
+            await trio.sleep(interval)
+
+    async def poll_kv_events(self, role: ServerRole, url: str) -> None:
+        """Drain one server's KV events into its router; failures are logged, not raised."""
+        lock = self._event_locks.setdefault(url, trio.Lock())
+        async with lock:
+            try:
+                with trio.fail_after(EVENTS_TIMEOUT):
+                    data = await self.client.post_for_json(
+                        url, "/kv_cache_events", limit_s=EVENTS_TIMEOUT, role=role.value
+                    )
+                events = parse_kv_events(data)
+            except (UpstreamError, ValueError, trio.TooSlowError) as exc:
+                log.debug("kv_cache_events from %s failed: %s", url, exc)
+                return
+            if not events:
+                return
+            router = self.routers[role]
+            if events[0].event_id <= self._last_event_id.get(url, -1):
+                log.info("%s restarted its KV event ids: forgetting its cached blocks", url)
+                router.reset_server(url)
+            self._last_event_id[url] = events[-1].event_id
+            router.apply_kv_events(url, events)

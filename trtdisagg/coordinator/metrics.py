@@ -1,0 +1,78 @@
+"""The coordinator's Prometheus metrics (DESIGN.md §9 names), in a per-process registry.
+
+In a fleet every front-end process counts what it served itself (a scrape of the public port
+reaches one of them); the state process counts its own routing decisions.
+"""
+
+from __future__ import annotations
+
+import attrs
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from trtdisagg.metrics import CONTENT_TYPE as CONTENT_TYPE
+
+ROLE = "coordinator"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)  # fmt: skip
+
+
+@attrs.define(eq=False, kw_only=True)
+class CoordinatorMetrics:
+    registry: CollectorRegistry
+    requests_total: Counter
+    """``{role="coordinator", status}``; status: ok | error | aborted (client went away)."""
+    requests_running: Gauge
+    time_to_first_token: Histogram
+    e2e_latency: Histogram
+    router_decisions: Counter
+    """``{router, server}``: one per server chosen, by the process that chose it."""
+    retries: Counter
+    local_prefill: Counter
+    """Requests served by gen alone (conditional disaggregation)."""
+    upstream_errors: Counter
+
+    @classmethod
+    def create(cls) -> CoordinatorMetrics:
+        r = CollectorRegistry()
+        p = "trtdisagg_"
+        return cls(
+            registry=r,
+            requests_total=Counter(
+                p + "requests", "Finished client requests", ["role", "status"], registry=r
+            ),
+            requests_running=Gauge(
+                p + "requests_running", "Client requests in flight", registry=r
+            ),
+            time_to_first_token=Histogram(
+                p + "time_to_first_token_seconds", "Arrival to first token relayed",
+                buckets=_LATENCY_BUCKETS, registry=r,
+            ),
+            e2e_latency=Histogram(
+                p + "e2e_request_latency_seconds", "Arrival to answer complete",
+                buckets=_LATENCY_BUCKETS, registry=r,
+            ),
+            router_decisions=Counter(
+                p + "router_decisions", "Servers chosen by routers", ["router", "server"],
+                registry=r,
+            ),
+            retries=Counter(
+                p + "coordinator_retries", "Request legs retried on another server", registry=r
+            ),
+            local_prefill=Counter(
+                p + "coordinator_local_prefill",
+                "Requests prefilled on gen itself (conditional disaggregation)", registry=r,
+            ),
+            upstream_errors=Counter(
+                p + "coordinator_upstream_errors", "Failed calls to workers", ["role", "kind"],
+                registry=r,
+            ),
+        )  # fmt: skip
+
+    def finished(self, status: str) -> None:
+        self.requests_total.labels(role=ROLE, status=status).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,111 @@
+"""The prompt's token ids at the coordinator, for KV-aware routing and conditional disaggregation.
+
+Routing by cached prefix needs the prompt's tokens exactly as the workers will see them, so the
+coordinator loads the same tokenizer (`trtdisagg.worker.tokenization.Tokenizer.from_dir` on the
+``model_path`` a worker reports in ``/server_info``) and tokenizes the way the worker does
+(`WorkerService._prompt_ids`): completions ``encode(prompt)``; chat
+``encode(apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)``.
+
+When the tokenizer cannot be loaded (the model directory is not on this machine, or the worker
+package is not installed here) text prompts get no token ids: `kv_cache_aware` then routes by load
+alone (round robin among equals) and conditional disaggregation sends the request through ctx.
+Prompts given as token ids always work. The coordinator never rewrites the request body with
+its own token ids: the worker's tokenization stays the source of truth.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import trio
+
+from trtdisagg.api.codec import single_prompt
+from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+AnyRequest = CompletionRequest | ChatCompletionRequest
+
+INLINE_CHARS: Final = 4096
+"""Shorter prompts are tokenized on the event loop; longer ones in a worker thread."""
+
+
+def prompt_text(req: AnyRequest) -> str | None:
+    if isinstance(req, CompletionRequest):
+        prompt = single_prompt(req)
+        return prompt if isinstance(prompt, str) else None
+    return "\n".join(m.text() for m in req.messages or [])
+
+
+def given_token_ids(req: AnyRequest) -> list[int] | None:
+    """Token ids the client gave directly (``prompt_token_ids`` or a token-list prompt)."""
+    if req.prompt_token_ids is not None:
+        return list(req.prompt_token_ids)
+    if isinstance(req, CompletionRequest):
+        prompt = single_prompt(req)
+        if isinstance(prompt, list):
+            return list(prompt)
+    return None
+
+
+@attrs.define(eq=False, kw_only=True)
+class PromptTokenizer:
+    _tokenizer: Any = None
+    _tried: set[str] = attrs.field(factory=set)
+    _lock: trio.Lock = attrs.field(factory=trio.Lock)
+
+    async def token_ids(self, req: AnyRequest, model_path: str | None) -> list[int] | None:
+        """The prompt's token ids, or None when they cannot be known here."""
+        given = given_token_ids(req)
+        if given is not None:
+            return given
+        tokenizer = await self._load(model_path)
+        if tokenizer is None:
+            return None
+        text = prompt_text(req) or ""
+        if len(text) < INLINE_CHARS:
+            return _encode(tokenizer, req)
+        return await trio.to_thread.run_sync(_encode, tokenizer, req)
+
+    async def _load(self, model_path: str | None) -> Any:
+        if self._tokenizer is not None or model_path is None or model_path in self._tried:
+            return self._tokenizer
+        async with self._lock:
+            if self._tokenizer is not None or model_path in self._tried:
+                return self._tokenizer
+            self._tried.add(model_path)
+            try:
+                from trtdisagg.worker.tokenization import Tokenizer
+
+                self._tokenizer = await trio.to_thread.run_sync(
+                    Tokenizer.from_dir, Path(model_path)
+                )
+            except Exception as exc:  # an absent or unreadable model dir only disables a feature
+                log.warning(
+                    "no tokenizer at the coordinator (%s: %s): KV-aware routing and conditional "
+                    "disaggregation will only see prompts given as token ids",
+                    model_path,
+                    exc,
+                )
+                return None
+            log.info("coordinator tokenizer loaded from %s", model_path)
+            return self._tokenizer
+
+
+def _encode(tokenizer: Any, req: AnyRequest) -> list[int] | None:
+    try:
+        if isinstance(req, CompletionRequest):
+            prompt = single_prompt(req)
+            assert isinstance(prompt, str)
+            return list(tokenizer.encode(prompt))
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages or []]
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except Exception as exc:  # the worker will reject the same prompt with a 400 naming it
+        log.debug("coordinator could not tokenize a prompt: %s", exc)
+        return None

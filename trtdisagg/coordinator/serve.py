@@ -1,0 +1,226 @@
+"""Coordinator services and the process entry point.
+
+* `serve_coordinator(config)`: one front end (HTTP + `DisaggService`). With
+  ``disagg_coordinator_url`` unset it owns the cluster state itself (`LocalPlacement`); with it set
+  it is a fleet front end (`RemotePlacement`).
+* `serve_coordinator_state(config)`: a fleet's state process on ``port - 1``.
+* `run_coordinator(config) -> int`: the sync entry point (`python -m trtdisagg coordinator`):
+  one process for ``num_workers: 1``, else the fleet supervisor (`fleet.run_fleet`).
+
+Start-up order inside a service: socket bound → HTTP serving (``/health`` answers 503) → servers
+healthy (or the state process reachable) → ``task_status.started(address)`` and a "ready" log.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+from trtdisagg.coordinator.app import create_app
+from trtdisagg.coordinator.config import CoordinatorConfig
+from trtdisagg.coordinator.local import LocalPlacement
+from trtdisagg.coordinator.metrics import CoordinatorMetrics
+from trtdisagg.coordinator.placement import Placement, StartupError
+from trtdisagg.coordinator.remote import RemotePlacement
+from trtdisagg.coordinator.service import DisaggService
+from trtdisagg.coordinator.state import StateService, create_state_app
+from trtdisagg.coordinator.upstream import WorkerClient, make_http_client
+from trtdisagg.ids import SnowflakeGenerator, derive_node_id
+
+log = logging.getLogger("trtdisagg.coordinator")
+
+EXIT_STARTUP_FAILED: Final = 3
+RESERVATION_GRACE: Final = 30.0
+
+Address = tuple[str, int]
+
+
+def bind_socket(host: str, port: int, *, reuse_port: bool, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to (host, port); IPv4 when the name has an IPv4 address.
+
+    Raises:
+        StartupError: the address cannot be resolved or bound (names both).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise StartupError(f"cannot resolve {host}: {exc}") from None
+    family, _, _, _, address = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+        if listen:
+            sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+async def serve_http(
+    app: object,
+    sock: socket.socket,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve an ASGI app with hypercorn on a bound, listening socket (ownership moves here)."""
+    config = hypercorn.config.Config()
+    config.bind = [f"fd://{sock.detach()}"]
+    config.accesslog = None
+    config.graceful_timeout = 1.0
+    # Longer than any client pool's idle expiry (ours: KEEPALIVE_EXPIRY), so a pooled
+    # connection is never reused just as the server closes it.
+    config.keep_alive_timeout = 75
+    await hypercorn.trio.serve(app, config, task_status=task_status)  # type: ignore[arg-type]
+
+
+def _node_id(config: CoordinatorConfig) -> int:
+    if config.node_id is not None:
+        return config.node_id
+    return derive_node_id(config.hostname, config.port)
+
+
+async def serve_coordinator(
+    config: CoordinatorConfig,
+    *,
+    process_id: int = 0,
+    sock: socket.socket | None = None,
+    task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run one coordinator front end until cancelled.
+
+    Args:
+        config: validated coordinator config.
+        process_id: this process's snowflake process id (a fleet gives each front end its own).
+        sock: a bound, listening socket to serve on (fleet: SO_REUSEPORT); default: bind
+            ``hostname:port``.
+
+    Resource handling: one httpx client for all upstream calls, closed on exit; the socket is
+    owned by hypercorn once serving.
+
+    Raises:
+        StartupError: the port cannot be bound, the servers never became healthy, or the
+            fleet's state process could not be reached within ``server_start_timeout``.
+    """
+    metrics = CoordinatorMetrics.create()
+    ids = SnowflakeGenerator(node_id=_node_id(config), process_id=process_id)
+    listener = sock or bind_socket(config.hostname, config.port, reuse_port=False)
+    async with make_http_client(timeout=config.request_timeout) as http:
+        client = WorkerClient(http=http)
+        placement: Placement
+        if config.disagg_coordinator_url is not None:
+            placement = RemotePlacement.create(config, http)
+        else:
+            placement = LocalPlacement.create(config, client)
+        service = DisaggService(
+            config=config, placement=placement, client=client, ids=ids, metrics=metrics
+        )
+        app = create_app(
+            service,
+            metrics=metrics,
+            api_key=config.api_key,
+            max_body_bytes=config.max_request_body_bytes,
+        )
+        async with trio.open_nursery() as nursery:
+            host, port = listener.getsockname()[:2]
+            await nursery.start(serve_http, app, listener)
+            log.info("coordinator listening on http://%s:%d, waiting for servers", host, port)
+            await nursery.start(placement.serve)
+            log.info("coordinator ready on http://%s:%d", host, port)
+            task_status.started((host, port))
+
+
+async def serve_coordinator_state(
+    config: CoordinatorConfig,
+    *,
+    sock: socket.socket | None = None,
+    task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a fleet's coordinator state process (cluster state + stateful routers) on
+    ``port - 1`` until cancelled. `started()` once the servers are healthy.
+
+    Raises:
+        StartupError: as `serve_coordinator`.
+    """
+    metrics = CoordinatorMetrics.create()
+    listener = sock or bind_socket(config.hostname, config.port - 1, reuse_port=False)
+    async with make_http_client(timeout=config.request_timeout) as http:
+        placement = LocalPlacement.create(config, WorkerClient(http=http))
+        service = StateService(
+            placement=placement,
+            metrics=metrics,
+            reservation_timeout=config.request_timeout + RESERVATION_GRACE,
+        )
+        app = create_state_app(service)
+        async with trio.open_nursery() as nursery:
+            host, port = listener.getsockname()[:2]
+            await nursery.start(serve_http, app, listener)
+            log.info("coordinator state process listening on http://%s:%d", host, port)
+            await nursery.start(placement.serve)
+            nursery.start_soon(service.expire_forever)
+            log.info("coordinator state process ready on http://%s:%d", host, port)
+            task_status.started((host, port))
+
+
+def _first(exc: BaseException, cls: type[BaseException]) -> BaseException | None:
+    if isinstance(exc, cls):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = _first(sub, cls)
+            if found is not None:
+                return found
+    return None
+
+
+async def _until_signal(serve: Callable[[], Awaitable[None]]) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("received %s, stopping", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                return
+
+
+def run_service(serve: Callable[[], Awaitable[None]]) -> int:
+    """`trio.run` one service until SIGINT/SIGTERM (0) or a start-up failure (logged, 3)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call
+    try:
+        trio.run(_until_signal, serve)
+    except BaseException as exc:
+        startup = _first(exc, StartupError)
+        if startup is not None:
+            log.error("start-up failed: %s", startup)
+            return EXIT_STARTUP_FAILED
+        if _first(exc, KeyboardInterrupt) is not None:
+            return 0
+        raise
+    return 0
+
+
+def run_coordinator(config: CoordinatorConfig) -> int:
+    """Run the coordinator (or the whole fleet) in this process until SIGINT/SIGTERM.
+
+    Returns:
+        0 after a signal; non-zero when start-up failed (the reason is logged).
+    """
+    if config.num_workers > 1:
+        from trtdisagg.coordinator.fleet import run_fleet
+
+        return run_fleet(config)
+
+    async def serve() -> None:
+        await serve_coordinator(config)
+
+    return run_service(serve)

@@ -1,0 +1,408 @@
+"""DisaggService: one client request → ctx leg → gen leg (DESIGN.md §2), with retries.
+
+Per request:
+
+1. validate the body (400 naming the field), check readiness (503), start the request deadline
+   (``request_timeout``, 504 when it passes);
+2. tokenize the prompt when a router or conditional disaggregation needs its token ids;
+3. attempt, up to ``1 + max_retries`` times, each attempt with a new ``disagg_request_id``
+   (the client's positive one is used for the first) and excluding the servers that failed:
+   * conditional disaggregation: reserve gen first; if the prompt's uncached part is at most
+     ``max_local_prefill_length`` tokens, gen serves it alone (plain aggregated request);
+   * ``context_first``: ctx leg (non-streaming, ``context_only``); if ctx finished the request,
+     answer with it; else gen leg (``generation_only``) with ctx's params and prompt token ids;
+   * ``generation_first``: both legs posted concurrently (gen waits for the KV);
+4. non-streaming: merge and answer; streaming: hand a `RelayBody` to the HTTP layer.
+
+Worker 4xx answers go back to the client unchanged and are never retried. Unreachable servers,
+5xx answers and unusable bodies are retried on another server; the last failure becomes a 502.
+No retry happens once a stream has started. Every reservation is a `Lease`, released in a
+``finally``; a streaming body takes over the gen lease and releases it when the stream ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Final
+
+import attrs
+import httpx
+import trio
+
+from trtdisagg.api.codec import structure_body, validate_request
+from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
+from trtdisagg.coordinator.cluster import ServerRole
+from trtdisagg.coordinator.config import CoordinatorConfig, ScheduleStyle
+from trtdisagg.coordinator.metrics import CoordinatorMetrics
+from trtdisagg.coordinator.perf import PhaseClock
+from trtdisagg.coordinator.placement import CoordinatorUnavailable, Lease, Placement
+from trtdisagg.coordinator.prompts import PromptTokenizer, prompt_text
+from trtdisagg.coordinator.relay import RelayBody, ReplyBody, StaticBody
+from trtdisagg.coordinator.routers import NoServerAvailable, RouteRequest
+from trtdisagg.coordinator.split import (
+    ClientAsk,
+    CtxResult,
+    SseRewriter,
+    UpstreamProtocolError,
+    answer_as_sse,
+    client_disagg_request_id,
+    ctx_answer,
+    ctx_request,
+    final_answer,
+    gen_first_request,
+    gen_request,
+    local_request,
+    merge_usage,
+    parse_ctx_response,
+)
+from trtdisagg.coordinator.upstream import UpstreamError, UpstreamUnreachable, WorkerClient
+from trtdisagg.errors import TrtDisaggError
+from trtdisagg.ids import SnowflakeGenerator
+
+log = logging.getLogger(__name__)
+
+Json = dict[str, Any]
+
+CTX: Final = ServerRole.CONTEXT
+GEN: Final = ServerRole.GENERATION
+
+
+class RequestTimeout(TrtDisaggError):
+    """The request did not finish within ``request_timeout`` (HTTP 504)."""
+
+
+class NotReady(CoordinatorUnavailable):
+    """The cluster is not ready (HTTP 503)."""
+
+
+@attrs.frozen(kw_only=True)
+class Endpoint:
+    path: str
+    chat: bool
+
+    @property
+    def request_class(self) -> type[CompletionRequest] | type[ChatCompletionRequest]:
+        return ChatCompletionRequest if self.chat else CompletionRequest
+
+
+COMPLETIONS: Final = Endpoint(path="/v1/completions", chat=False)
+CHAT_COMPLETIONS: Final = Endpoint(path="/v1/chat/completions", chat=True)
+
+
+@attrs.frozen(kw_only=True)
+class JsonReply:
+    body: Json
+    status: int = 200
+
+
+@attrs.frozen(kw_only=True)
+class StreamReply:
+    body: ReplyBody
+
+
+Reply = JsonReply | StreamReply
+
+
+@attrs.define(eq=False, kw_only=True)
+class _Call:
+    """Everything one client request carries through its attempts."""
+
+    endpoint: Endpoint
+    raw: Json
+    ask: ClientAsk
+    route: RouteRequest
+    clock: PhaseClock
+    deadline: float
+    headers: dict[str, str]
+    outcome: Callable[[str], None]
+    exclude: dict[ServerRole, str] = attrs.Factory(dict)
+
+
+@attrs.define(eq=False, kw_only=True)
+class DisaggService:
+    config: CoordinatorConfig
+    placement: Placement
+    client: WorkerClient
+    ids: SnowflakeGenerator
+    metrics: CoordinatorMetrics
+    prompts: PromptTokenizer = attrs.Factory(PromptTokenizer)
+
+    async def handle(self, endpoint: Endpoint, raw: object, headers: dict[str, str]) -> Reply:
+        """Serve one client request.
+
+        Raises:
+            ApiError (400), NotReady / NoServerAvailable / CoordinatorUnavailable (503),
+            UpstreamRejected (the worker's 4xx), UpstreamError (502), RequestTimeout (504).
+        """
+        arrival = trio.current_time()
+        req = structure_body(raw, endpoint.request_class)
+        validate_request(req)
+        assert isinstance(raw, dict)
+        if not self.placement.is_ready():
+            raise NotReady(self.placement.not_ready_reason())
+        self.metrics.requests_running.inc()
+        done = False
+
+        def outcome(status: str) -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            self.metrics.requests_running.dec()
+            self.metrics.finished(status)
+            if status == "ok":
+                self.metrics.e2e_latency.observe(trio.current_time() - arrival)
+
+        try:
+            with trio.CancelScope(deadline=arrival + self.config.request_timeout) as scope:
+                call = _Call(
+                    endpoint=endpoint,
+                    raw=raw,
+                    ask=ClientAsk.of(raw, chat=endpoint.chat),
+                    route=await self._route_request(req),
+                    clock=PhaseClock(arrival=arrival),
+                    deadline=arrival + self.config.request_timeout,
+                    headers=headers,
+                    outcome=outcome,
+                )
+                reply = await self._with_retries(call)
+            if scope.cancelled_caught:
+                limit = self.config.request_timeout
+                raise RequestTimeout(f"request did not finish within request_timeout={limit:g}s")
+        except BaseException as exc:
+            outcome("aborted" if _is_cancellation(exc) else "error")
+            raise
+        if isinstance(reply, JsonReply):
+            self.metrics.time_to_first_token.observe(trio.current_time() - arrival)
+            outcome("ok")
+        return reply
+
+    async def _route_request(self, req: CompletionRequest | ChatCompletionRequest) -> RouteRequest:
+        conditional = self.config.conditional_disagg_config is not None
+        need_tokens = conditional or any(self.placement.uses_prompt_tokens(r) for r in ServerRole)
+        tokens = None
+        if need_tokens:
+            info = self.placement.model_info()
+            tokens = await self.prompts.token_ids(req, info.model_path if info else None)
+        return RouteRequest(
+            key=0,
+            prompt_token_ids=tuple(tokens) if tokens is not None else None,
+            prompt_text=prompt_text(req),
+            conversation_id=req.conversation_id,
+        )
+
+    async def _with_retries(self, call: _Call) -> Reply:
+        client_id = client_disagg_request_id(call.raw)
+        attempts = self.config.max_retries + 1
+        for attempt in range(attempts):
+            disagg_id = client_id if attempt == 0 and client_id else self.ids.next_id()
+            try:
+                return await self._attempt(call, disagg_id)
+            except UpstreamError as exc:
+                kind = type(exc).__name__
+                self.metrics.upstream_errors.labels(role=exc.role, kind=kind).inc()
+                if isinstance(exc, UpstreamUnreachable):
+                    self.placement.report_unreachable(ServerRole(exc.role), exc.server, str(exc))
+                if not exc.retryable or attempt == attempts - 1:
+                    raise
+                log.warning("attempt %d of %d failed, retrying: %s", attempt + 1, attempts, exc)
+                self.metrics.retries.inc()
+                call.exclude[ServerRole(exc.role)] = exc.server
+        raise AssertionError("unreachable")
+
+    async def _lease(self, call: _Call, role: ServerRole, key: int) -> Lease:
+        route = attrs.evolve(call.route, key=key)
+        exclude = call.exclude.get(role)
+        try:
+            selection = await self.placement.select(role, route, exclude=exclude)
+        except NoServerAvailable:
+            if exclude is None:
+                raise
+            selection = await self.placement.select(role, route, exclude=None)
+        router = self.placement.router_type(role).value
+        self.metrics.router_decisions.labels(router=router, server=selection.server).inc()
+        return Lease(placement=self.placement, role=role, key=key, selection=selection)
+
+    async def _attempt(self, call: _Call, disagg_id: int) -> Reply:
+        gen: Lease | None = None
+        try:
+            conditional = self.config.conditional_disagg_config
+            if conditional is not None:
+                gen = await self._lease(call, GEN, disagg_id)
+                tokens = call.route.prompt_token_ids
+                if tokens is not None and (
+                    len(tokens) - gen.selection.matched_tokens
+                    <= conditional.max_local_prefill_length
+                ):
+                    self.metrics.local_prefill.inc()
+                    return await self._gen_leg(call, local_request(call.raw), gen, ctx=None)
+            if self.config.schedule_style is ScheduleStyle.GENERATION_FIRST:
+                gen = gen or await self._lease(call, GEN, disagg_id)
+                return await self._generation_first(call, disagg_id, gen)
+            ctx = await self._ctx_leg(call, disagg_id, await self._lease(call, CTX, disagg_id))
+            if ctx.finished:
+                return self._ctx_reply(call, ctx)
+            gen = gen or await self._lease(call, GEN, disagg_id)
+            return await self._gen_leg(call, gen_request(call.raw, ctx), gen, ctx=ctx)
+        finally:
+            if gen is not None:
+                await gen.release_unless_handed_off(success=False)
+
+    async def _ctx_leg(self, call: _Call, disagg_id: int, lease: Lease) -> CtxResult:
+        call.clock.ctx_start = trio.current_time()
+        success = False
+        try:
+            data = await self.client.post_json(
+                lease.server,
+                call.endpoint.path,
+                ctx_request(call.raw, disagg_id),
+                role=CTX.value,
+                headers=call.headers,
+            )
+            try:
+                ctx = parse_ctx_response(data, server=lease.server)
+            except UpstreamProtocolError as exc:
+                raise UpstreamError(str(exc), server=lease.server, role=CTX.value) from None
+            success = True
+            return ctx
+        finally:
+            call.clock.ctx_end = trio.current_time()
+            await lease.release(success=success)
+
+    def _perf(self, call: _Call, ctx: CtxResult | None) -> Callable[[Json | None], Json] | None:
+        if not call.ask.return_perf_metrics:
+            return None
+        ctx_metrics = ctx.perf_metrics if ctx is not None else None
+
+        def merged(gen_metrics: Json | None) -> Json:
+            now = trio.current_time()
+            return call.clock.merged(ctx=ctx_metrics, gen=gen_metrics, now=now)
+
+        return merged
+
+    def _ctx_reply(self, call: _Call, ctx: CtxResult) -> Reply:
+        perf = self._perf(call, ctx)
+        answer = ctx_answer(ctx, ask=call.ask, perf_metrics=perf(None) if perf else None)
+        if not call.ask.stream:
+            return JsonReply(body=answer)
+
+        async def finish(status: str) -> None:
+            await trio.lowlevel.checkpoint()
+            call.outcome(status)
+
+        return StreamReply(body=StaticBody(events=answer_as_sse(answer, call.ask), finish=finish))
+
+    async def _gen_leg(
+        self, call: _Call, body: Json, lease: Lease, *, ctx: CtxResult | None
+    ) -> Reply:
+        call.clock.gen_start = trio.current_time()
+        ctx_usage = ctx.usage if ctx is not None else None
+        perf = self._perf(call, ctx)
+        if not call.ask.stream:
+            success = False
+            try:
+                data = await self.client.post_json(
+                    lease.server, call.endpoint.path, body, role=GEN.value, headers=call.headers
+                )
+                success = True
+            finally:
+                await lease.release(success=success)
+            call.clock.gen_end = trio.current_time()
+            gen_perf = data.get("perf_metrics")
+            metrics = perf(gen_perf if isinstance(gen_perf, dict) else None) if perf else None
+            return JsonReply(
+                body=final_answer(data, ctx_usage=ctx_usage, ask=call.ask, perf_metrics=metrics)
+            )
+        response = await self.client.open_stream(
+            lease.server, call.endpoint.path, body, role=GEN.value, headers=call.headers
+        )
+        return self._relay(call, response, lease, ctx_usage=ctx_usage, perf=perf)
+
+    def _relay(
+        self,
+        call: _Call,
+        response: httpx.Response,
+        lease: Lease,
+        *,
+        ctx_usage: Json | None,
+        perf: Callable[[Json | None], Json] | None,
+    ) -> StreamReply:
+        def first_chunk() -> None:
+            now = trio.current_time()
+            call.clock.gen_first_token = now
+            self.metrics.time_to_first_token.observe(now - call.clock.arrival)
+
+        async def finish(status: str) -> None:
+            call.clock.gen_end = trio.current_time()
+            await lease.release(success=status == "ok")
+            call.outcome(status)
+
+        lease.handed_off = True
+        return StreamReply(
+            body=RelayBody(
+                response=response,
+                rewriter=SseRewriter(ask=call.ask, ctx_usage=ctx_usage, perf=perf),
+                deadline=call.deadline,
+                finish=finish,
+                on_first_chunk=first_chunk,
+            )
+        )
+
+    async def _generation_first(self, call: _Call, disagg_id: int, gen: Lease) -> Reply:
+        """Post gen before ctx answers, so gen allocates while ctx prefills and the KV moves as
+        soon as both sides are ready. gen learns where the KV comes from (ctx's
+        ``ctx_info_endpoint`` from its /server_info) and under which id, but not ctx's first
+        token: this needs workers that accept such a generation_only request. Ours do not yet
+        and answer 400, which goes back to the client (see conf/disagg.yaml)."""
+        ctx_lease = await self._lease(call, CTX, disagg_id)
+        info = self.placement.server_info(ctx_lease.server)
+        tokens = call.route.prompt_token_ids
+        body = gen_first_request(
+            call.raw,
+            disagg_id,
+            ctx_info_endpoint=info.ctx_info_endpoint if info else None,
+            prompt_token_ids=list(tokens) if tokens is not None else None,
+        )
+        gen_result: list[Reply] = []
+        gen_error: list[Exception] = []
+        ctx_result: list[CtxResult] = []
+        ctx_error: list[Exception] = []
+
+        async def run_gen() -> None:
+            try:
+                gen_result.append(await self._gen_leg(call, body, gen, ctx=None))
+            except Exception as exc:
+                gen_error.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_gen)
+            try:
+                ctx_result.append(await self._ctx_leg(call, disagg_id, ctx_lease))
+            except Exception as exc:
+                ctx_error.append(exc)
+            if ctx_error or ctx_result[0].finished:
+                nursery.cancel_scope.cancel()
+        if ctx_error or ctx_result[0].finished:
+            for reply in gen_result:
+                if isinstance(reply, StreamReply):
+                    await reply.body.aclose()
+            if ctx_error:
+                raise ctx_error[0]
+            return self._ctx_reply(call, ctx_result[0])
+        if gen_error:
+            raise gen_error[0]
+        reply, ctx = gen_result[0], ctx_result[0]
+        if isinstance(reply, StreamReply):
+            if isinstance(reply.body, RelayBody):
+                reply.body.rewriter.ctx_usage = ctx.usage
+            return reply
+        body_out = dict(reply.body)
+        body_out["usage"] = merge_usage(ctx.usage, body_out.get("usage"))
+        return JsonReply(body=body_out)
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_cancellation(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)

@@ -1,0 +1,314 @@
+"""Splitting a client request into ctx and gen legs, and merging their answers. Pure functions.
+
+Bodies stay plain JSON mappings here: the coordinator forwards what the client sent (fields it does
+not interpret included) and changes only what the split needs (DESIGN.md §2):
+
+* ctx leg: ``stream: false``, no ``stream_options``, ``disaggregated_params = {request_type:
+  context_only, disagg_request_id}``;
+* gen leg: the client's body with ``prompt_token_ids`` from ctx and ``disaggregated_params = {...ctx
+  choice's params, request_type: generation_only}``; the client's ``stream`` is kept;
+* answer: usage is prompt and cached tokens from ctx, completion tokens from gen; the internal
+  ``disaggregated_params`` and ``prompt_token_ids`` are removed unless the client asked for them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from typing import Any, Final
+
+import attrs
+
+from trtdisagg.api.codec import SSE_DONE, sse_event
+from trtdisagg.errors import TrtDisaggError
+
+Json = dict[str, Any]
+
+CONTEXT_ONLY: Final = "context_only"
+GENERATION_ONLY: Final = "generation_only"
+
+
+class UpstreamProtocolError(TrtDisaggError):
+    """A worker answered 2xx with a body the coordinator cannot use (HTTP 502)."""
+
+
+@attrs.frozen(kw_only=True)
+class ClientAsk:
+    """What the client asked for that changes how answers are shaped."""
+
+    chat: bool
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    return_perf_metrics: bool
+    sent_disaggregated_params: bool
+
+    @classmethod
+    def of(cls, body: Json, *, chat: bool) -> ClientAsk:
+        options = body.get("stream_options") or {}
+        return cls(
+            chat=chat,
+            stream=bool(body.get("stream")),
+            include_usage=bool(options.get("include_usage")),
+            return_token_ids=bool(body.get("return_token_ids")),
+            return_perf_metrics=bool(body.get("return_perf_metrics")),
+            sent_disaggregated_params=body.get("disaggregated_params") is not None,
+        )
+
+
+def client_disagg_request_id(body: Json) -> int | None:
+    """A positive ``disaggregated_params.disagg_request_id`` the client chose, else None."""
+    params = body.get("disaggregated_params")
+    if not isinstance(params, dict):
+        return None
+    value = params.get("disagg_request_id")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def ctx_request(body: Json, disagg_request_id: int) -> Json:
+    out = copy.copy(body)
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["disaggregated_params"] = {
+        "request_type": CONTEXT_ONLY,
+        "disagg_request_id": disagg_request_id,
+    }
+    return out
+
+
+def local_request(body: Json) -> Json:
+    """A plain aggregated request for gen alone (conditional disaggregation)."""
+    out = copy.copy(body)
+    out.pop("disaggregated_params", None)
+    return out
+
+
+@attrs.frozen(kw_only=True)
+class CtxResult:
+    """A validated ctx answer."""
+
+    body: Json
+    finished: bool
+    """ctx already finished the request (stop token, max_tokens 1): no gen leg runs."""
+    params: Json
+    prompt_token_ids: list[int]
+    usage: Json | None
+    perf_metrics: Json | None
+
+
+def parse_ctx_response(data: object, *, server: str) -> CtxResult:
+    """Check a ctx answer has what the gen leg needs.
+
+    Raises:
+        UpstreamProtocolError: not one choice, or (for an unfinished request) no
+            ``disaggregated_params`` with ``ctx_request_id``/``disagg_request_id``, or no
+            ``prompt_token_ids``.
+    """
+    if not isinstance(data, dict):
+        raise UpstreamProtocolError(f"ctx server {server}: answer is not a JSON object")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise UpstreamProtocolError(f"ctx server {server}: expected exactly one choice")
+    choice = choices[0]
+    finished = choice.get("finish_reason") is not None
+    params = choice.get("disaggregated_params")
+    prompt_ids = data.get("prompt_token_ids")
+    if not finished:
+        if not isinstance(params, dict):
+            raise UpstreamProtocolError(f"ctx server {server}: choice has no disaggregated_params")
+        for key in ("ctx_request_id", "disagg_request_id"):
+            if params.get(key) is None:
+                raise UpstreamProtocolError(
+                    f"ctx server {server}: disaggregated_params.{key} is missing"
+                )
+        if not isinstance(prompt_ids, list):
+            raise UpstreamProtocolError(f"ctx server {server}: answer has no prompt_token_ids")
+    usage = data.get("usage")
+    perf = data.get("perf_metrics")
+    return CtxResult(
+        body=data,
+        finished=finished,
+        params=params if isinstance(params, dict) else {},
+        prompt_token_ids=list(prompt_ids) if isinstance(prompt_ids, list) else [],
+        usage=usage if isinstance(usage, dict) else None,
+        perf_metrics=perf if isinstance(perf, dict) else None,
+    )
+
+
+def gen_request(body: Json, ctx: CtxResult) -> Json:
+    out = copy.copy(body)
+    out["prompt_token_ids"] = ctx.prompt_token_ids
+    out["disaggregated_params"] = {**ctx.params, "request_type": GENERATION_ONLY}
+    return out
+
+
+def gen_first_request(
+    body: Json,
+    disagg_request_id: int,
+    *,
+    ctx_info_endpoint: str | None,
+    prompt_token_ids: list[int] | None,
+) -> Json:
+    """The gen leg of ``schedule_style: generation_first``, posted before ctx answers: gen only
+    knows where the KV will come from (ctx's info endpoint) and the id it will come under."""
+    out = copy.copy(body)
+    if prompt_token_ids is not None:
+        out["prompt_token_ids"] = prompt_token_ids
+    out["disaggregated_params"] = {
+        "request_type": GENERATION_ONLY,
+        "ctx_request_id": disagg_request_id,
+        "disagg_request_id": disagg_request_id,
+        "ctx_info_endpoint": ctx_info_endpoint,
+        "schedule_style": "generation_first",
+    }
+    return out
+
+
+# ---- merging answers ----
+
+
+def merge_usage(ctx_usage: Json | None, gen_usage: Json | None) -> Json | None:
+    """Prompt and cached tokens from ctx, completion tokens from gen."""
+    if gen_usage is None:
+        return ctx_usage
+    if ctx_usage is None:
+        return gen_usage
+    prompt = int(ctx_usage.get("prompt_tokens") or gen_usage.get("prompt_tokens") or 0)
+    completion = int(gen_usage.get("completion_tokens", 0))
+    details = ctx_usage.get("prompt_tokens_details") or {}
+    cached = int(details.get("cached_tokens", 0) or 0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _strip(body: Json, ask: ClientAsk) -> bool:
+    """Remove what the client did not ask for; True when something was removed."""
+    removed: list[object] = []
+    if not ask.sent_disaggregated_params:
+        removed.append(body.pop("disaggregated_params", None))
+        for choice in body.get("choices") or []:
+            if isinstance(choice, dict):
+                removed.append(choice.pop("disaggregated_params", None))
+    if not ask.return_token_ids:
+        removed.append(body.pop("prompt_token_ids", None))
+    if not ask.return_perf_metrics:
+        removed.append(body.pop("perf_metrics", None))
+    return any(r is not None for r in removed)
+
+
+def final_answer(
+    gen: Json, *, ctx_usage: Json | None, ask: ClientAsk, perf_metrics: Json | None
+) -> Json:
+    """The client's non-streaming answer from gen's (or gen-alone's) whole answer."""
+    out = copy.deepcopy(gen)
+    if ctx_usage is not None:
+        out["usage"] = merge_usage(ctx_usage, out.get("usage"))
+    _strip(out, ask)
+    if ask.return_perf_metrics and perf_metrics is not None:
+        out["perf_metrics"] = perf_metrics
+    return out
+
+
+def ctx_answer(ctx: CtxResult, *, ask: ClientAsk, perf_metrics: Json | None) -> Json:
+    """The client's answer when ctx already finished the request."""
+    return final_answer(ctx.body, ctx_usage=None, ask=ask, perf_metrics=perf_metrics)
+
+
+def answer_as_sse(answer: Json, ask: ClientAsk) -> list[bytes]:
+    """A whole answer re-framed as SSE events, for a streaming client whose request ctx finished."""
+    choice = dict(answer["choices"][0])
+    head: Json = {k: answer[k] for k in ("id", "created", "model") if k in answer}
+    head["object"] = "chat.completion.chunk" if ask.chat else "text_completion"
+    if ask.chat:
+        message = choice.pop("message", {}) or {}
+        choice["delta"] = {"role": "assistant", "content": message.get("content", "")}
+    events = [sse_event({**head, "choices": [choice]})]
+    extra: Json = {k: answer[k] for k in ("perf_metrics",) if k in answer}
+    if ask.include_usage and "usage" in answer:
+        events.append(sse_event({**head, "choices": [], "usage": answer["usage"], **extra}))
+    elif extra:
+        events.append(sse_event({**head, "choices": [], **extra}))
+    events.append(SSE_DONE)
+    return events
+
+
+@attrs.define(eq=False, kw_only=True)
+class SseRewriter:
+    """Rewrites gen's SSE stream event by event as chunks arrive; never holds a whole event back
+    longer than it takes its last byte to arrive.
+
+    Events that need no change (the common case: token chunks without usage) pass through as the
+    original bytes without being parsed. Usage is merged with ctx's, internal fields are stripped,
+    and the merged perf metrics go into the usage chunk, or into a chunk of their own before
+    ``[DONE]`` when the client did not ask for usage.
+    """
+
+    ask: ClientAsk
+    ctx_usage: Json | None
+    perf: Callable[[Json | None], Json] | None = None
+    """Called with gen's own perf_metrics (or None) when the stream ends."""
+    _buffer: bytes = b""
+    _perf_sent: bool = False
+    _head: Json | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buffer += chunk
+        out: list[bytes] = []
+        while True:
+            end = self._buffer.find(b"\n\n")
+            if end < 0:
+                break
+            event, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
+            out.append(self._event(event))
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _needs_rewrite(self, event: bytes) -> bool:
+        if b'"usage"' in event or b"disaggregated_params" in event:
+            return True
+        if b"prompt_token_ids" in event and not self.ask.return_token_ids:
+            return True
+        return self._head is None or b"perf_metrics" in event
+
+    def _event(self, event: bytes) -> bytes:
+        if event.startswith(SSE_DONE[:-2]) and event.strip() == SSE_DONE.strip():
+            if self.perf is not None and not self._perf_sent:
+                self._perf_sent = True
+                head = {**(self._head or {}), "choices": []}
+                return sse_event({**head, "perf_metrics": self.perf(None)}) + event
+            return event
+        if not event.startswith(b"data: ") or not self._needs_rewrite(event):
+            return event
+        try:
+            data = json.loads(event[6:])
+        except ValueError:
+            return event
+        if not isinstance(data, dict) or "error" in data:
+            return event
+        if self._head is None:
+            self._head = {k: data[k] for k in ("id", "object", "created", "model") if k in data}
+        changed = False
+        if data.get("usage") is not None and self.ctx_usage is not None:
+            data["usage"] = merge_usage(self.ctx_usage, data["usage"])
+            changed = True
+        gen_perf = data.pop("perf_metrics", None)
+        changed = _strip(data, self.ask) or changed or gen_perf is not None
+        if self.perf is not None and (gen_perf is not None or data.get("usage") is not None):
+            data["perf_metrics"] = self.perf(gen_perf if isinstance(gen_perf, dict) else None)
+            self._perf_sent = True
+            changed = True
+        return sse_event(data) if changed else event
+
+
+def error_event(error: Json) -> bytes:
+    return sse_event(error)

@@ -1,0 +1,287 @@
+"""A fake worker that speaks the worker's HTTP contract, for coordinator tests. No model, no KV.
+
+It serves ``/health``, ``/server_info``, ``/kv_cache_events``, ``/metrics``, ``/v1/models`` and
+``/v1/completions`` / ``/v1/chat/completions`` for all three request types, as DESIGN.md §2 and
+§5 describe them: a ``context_only`` answer carries ``prompt_token_ids`` and the choice's
+``disaggregated_params``; a ``generation_only`` answer starts with ctx's first token. Tokens come
+from a deterministic function of the sequence so far, so aggregated and disaggregated answers
+are equal exactly when the coordinator splits and merges correctly.
+
+Knobs for failure tests live on the `FakeWorker` object: ``token_delay`` (seconds per token),
+``fail_status``/``fail_count`` (answer the next N requests with that status) and ``hang``
+(accept requests and never answer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from trtdisagg.kv.hashing import reusable_block_hashes
+
+Json = dict[str, Any]
+
+
+def fake_tokenize(text: str) -> list[int]:
+    return [ord(c) % 500 + 10 for c in text]
+
+
+def next_token(sequence: list[int]) -> int:
+    return sum((i + 1) * t for i, t in enumerate(sequence[-8:])) % 997 + 7
+
+
+def generate(prompt: list[int], count: int) -> list[int]:
+    sequence = list(prompt)
+    for _ in range(count):
+        sequence.append(next_token(sequence))
+    return sequence[len(prompt) :]
+
+
+def text_of(tokens: list[int]) -> str:
+    return "".join(f" t{t}" for t in tokens)
+
+
+def _usage(prompt: int, completion: int, cached: int = 0) -> Json:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+@attrs.define(eq=False, kw_only=True)
+class FakeWorker:
+    role: str
+    model: str = "fake"
+    tokens_per_block: int = 4
+    max_batch_size: int = 64
+    token_delay: float = 0.0
+    fail_status: int | None = None
+    fail_count: int = 0
+    hang: bool = False
+    running: int = 0
+    requests: Counter[str] = attrs.Factory(Counter)
+    """Requests served, by request_type."""
+    bodies: list[Json] = attrs.Factory(list)
+    _stored: set[int] = attrs.Factory(set)
+    _events: list[Json] = attrs.Factory(list)
+    _event_ids: itertools.count[int] = attrs.Factory(itertools.count)
+    _ctx_ids: itertools.count[int] = attrs.Factory(lambda: itertools.count(1))
+    running_changed: trio.Event = attrs.Factory(trio.Event)
+
+    def _set_running(self, delta: int) -> None:
+        self.running += delta
+        self.running_changed.set()
+        self.running_changed = trio.Event()
+
+    async def wait_running(self, value: int) -> None:
+        while self.running != value:
+            await self.running_changed.wait()
+
+    def _store(self, prompt: list[int]) -> int:
+        """Register the prompt's blocks; returns how many prompt tokens were cached before."""
+        hashes = reusable_block_hashes(prompt, self.tokens_per_block)
+        matched = 0
+        for h in hashes:
+            if h not in self._stored:
+                break
+            matched += 1
+        new = [h for h in hashes if h not in self._stored]
+        if new:
+            self._stored.update(new)
+            event = {"event_id": next(self._event_ids), "kind": "stored", "block_hashes": new}
+            self._events.append({**event, "parent_hash": None})
+        return matched * self.tokens_per_block
+
+    def drain_events(self) -> list[Json]:
+        events, self._events = self._events, []
+        return events
+
+    def metrics_text(self) -> str:
+        total = sum(self.requests.values())
+        lines = [
+            f'trtdisagg_requests_total{{role="{self.role}",status="ok"}} {float(total)}',
+            f"trtdisagg_requests_running {float(self.running)}",
+        ]
+        for kind, n in sorted(self.requests.items()):
+            lines.append(f'fake_requests_total{{request_type="{kind}"}} {float(n)}')
+        return "\n".join(lines) + "\n"
+
+    def server_info(self) -> Json:
+        return {
+            "role": self.role,
+            "model": self.model,
+            "model_path": "/nonexistent/fake-model",
+            "max_batch_size": self.max_batch_size,
+            "tokens_per_block": self.tokens_per_block,
+            "kv_hash_algorithm": "blake2b-63-chained-v1",
+            "disaggregated_params": {"ctx_info_endpoint": f"tcp://fake-{self.role}:1"},
+        }
+
+
+def _prompt_ids(body: Json, chat: bool) -> list[int]:
+    if body.get("prompt_token_ids") is not None:
+        return list(body["prompt_token_ids"])
+    if chat:
+        text = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in body["messages"])
+        return fake_tokenize(text)
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+        prompt = prompt[0]
+    return fake_tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _error(status: int, message: str) -> Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "code": status}}
+    return Response(json.dumps(body), status=status, content_type="application/json")
+
+
+def create_fake_app(worker: FakeWorker) -> QuartTrio:
+    app = QuartTrio(__name__)
+    app.config["RESPONSE_TIMEOUT"] = None
+
+    def as_json(value: Any, status: int = 200) -> Response:
+        return Response(json.dumps(value), status=status, content_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return as_json({"status": "ok"})
+
+    @app.get("/server_info")
+    async def server_info() -> Response:
+        return as_json(worker.server_info())
+
+    @app.post("/kv_cache_events")
+    async def kv_cache_events() -> Response:
+        return as_json(worker.drain_events())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(worker.metrics_text(), content_type="text/plain")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return as_json({"object": "list", "data": [{"id": worker.model, "object": "model"}]})
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await _serve(worker, await request.get_json(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> Response:
+        return await _serve(worker, await request.get_json(), chat=True)
+
+    return app
+
+
+async def _serve(worker: FakeWorker, body: Json, *, chat: bool) -> Response:
+    worker.bodies.append(body)
+    if worker.hang:
+        await trio.sleep_forever()
+    if worker.fail_count > 0 and worker.fail_status is not None:
+        worker.fail_count -= 1
+        return _error(worker.fail_status, f"fake {worker.role} failure")
+    if not isinstance(body.get("max_tokens", 16), int):
+        return _error(400, "max_tokens: expected an integer")
+    params = body.get("disaggregated_params") or {}
+    kind = params.get("request_type", "context_and_generation")
+    prompt = _prompt_ids(body, chat)
+    max_tokens = int(body.get("max_tokens") or 16)
+    worker.requests[kind] += 1
+    choice_extra: Json = {}
+    if kind == "context_only":
+        cached = worker._store(prompt)
+        tokens = generate(prompt, 1)
+        finish = "length" if max_tokens == 1 else None
+        if finish is None:
+            choice_extra["disaggregated_params"] = {
+                "request_type": "context_only",
+                "first_gen_tokens": tokens,
+                "ctx_request_id": next(worker._ctx_ids),
+                "disagg_request_id": params.get("disagg_request_id"),
+                "ctx_dp_rank": 0,
+                "ctx_info_endpoint": f"tcp://fake-{worker.role}:1",
+            }
+        answer = _whole(chat, tokens, finish, _usage(len(prompt), 1, cached), worker.model)
+        answer["choices"][0].update(choice_extra)
+        answer["prompt_token_ids"] = prompt
+        return Response(json.dumps(answer), content_type="application/json")
+    if kind == "generation_only":
+        worker._store(prompt)  # the received KV is reusable on gen from now on
+        first = params.get("first_gen_tokens") or generate(prompt, 1)
+        tokens = first + generate(prompt + first, max_tokens - len(first))
+        usage = _usage(len(prompt), max_tokens, 0)
+    else:
+        cached = worker._store(prompt)
+        tokens = generate(prompt, max_tokens)
+        usage = _usage(len(prompt), max_tokens, cached)
+    if body.get("stream"):
+        response = Response(
+            _stream(worker, body, chat, tokens, usage), content_type="text/event-stream"
+        )
+        response.timeout = None
+        return response
+    worker._set_running(+1)
+    try:
+        await trio.sleep(worker.token_delay * len(tokens))
+    finally:
+        worker._set_running(-1)
+    answer = _whole(chat, tokens, "length", usage, worker.model)
+    if body.get("return_perf_metrics"):
+        answer["perf_metrics"] = {"first_token_s": 0.001, "decode_s": 0.002}
+    return Response(json.dumps(answer), content_type="application/json")
+
+
+def _whole(chat: bool, tokens: list[int], finish: str | None, usage: Json, model: str) -> Json:
+    choice: Json = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": tokens}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text_of(tokens)}
+    else:
+        choice["text"] = text_of(tokens)
+    return {
+        "id": "cmpl-fake",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": math.floor(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+async def _stream(
+    worker: FakeWorker, body: Json, chat: bool, tokens: list[int], usage: Json
+) -> AsyncIterator[bytes]:
+    head = {
+        "id": "cmpl-fake",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": math.floor(time.time()),
+        "model": worker.model,
+    }
+    worker._set_running(+1)
+    try:
+        for i, token in enumerate(tokens):
+            await trio.sleep(worker.token_delay)
+            finish = "length" if i == len(tokens) - 1 else None
+            choice: Json = {"index": 0, "finish_reason": finish, "token_ids": [token]}
+            if chat:
+                choice["delta"] = {"content": text_of([token])}
+            else:
+                choice["text"] = text_of([token])
+            yield b"data: " + json.dumps({**head, "choices": [choice]}).encode() + b"\n\n"
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunk: Json = {**head, "choices": [], "usage": usage}
+            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    finally:
+        worker._set_running(-1)

@@ -1,0 +1,201 @@
+"""HTTP to the workers and to the coordinator state process: one `httpx.AsyncClient` per process.
+
+Every transport failure becomes one typed error, so the service decides retries on types, not on
+httpx internals:
+
+* `UpstreamUnreachable`: refused, reset, or died mid-answer (retryable; the server is suspect);
+* `UpstreamFailed`: answered 5xx (retryable);
+* `UpstreamRejected`: answered 4xx (passed to the client as is; never retried);
+* `UpstreamProtocolError` (from `split`): a 2xx body the coordinator cannot use (retryable).
+
+Deadlines are set by the caller with Trio cancel scopes (the request's `request_timeout`); the
+httpx timeouts here are a backstop a little longer than that.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+import attrs
+import httpx
+
+from trtdisagg.errors import TrtDisaggError
+
+Json = dict[str, Any]
+
+ERROR_BODY_LIMIT: Final = 2048
+KEEPALIVE_EXPIRY: Final = 30.0
+"""Idle pooled connections are closed after this; workers' and our servers' keep-alive is 75 s."""
+
+
+class UpstreamError(TrtDisaggError):
+    """A leg failed at `server`; `retryable` says whether another server may succeed."""
+
+    retryable: bool = True
+
+    def __init__(self, message: str, *, server: str, role: str) -> None:
+        super().__init__(message)
+        self.server = server
+        self.role = role
+
+
+class UpstreamUnreachable(UpstreamError):
+    pass
+
+
+class UpstreamFailed(UpstreamError):
+    def __init__(self, message: str, *, server: str, role: str, status: int) -> None:
+        super().__init__(message, server=server, role=role)
+        self.status = status
+
+
+class UpstreamRejected(UpstreamError):
+    """A 4xx answer: the request itself is at fault, so it goes back to the client unchanged."""
+
+    retryable = False
+
+    def __init__(self, *, server: str, role: str, status: int, body: bytes) -> None:
+        super().__init__(f"{role} server {server} answered {status}", server=server, role=role)
+        self.status = status
+        self.body = body[:ERROR_BODY_LIMIT]
+
+    def json_body(self) -> Json:
+        """The worker's error body when it is OpenAI-shaped JSON, else one built around it."""
+        try:
+            data = json.loads(self.body)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            return data
+        text = self.body.decode(errors="replace")
+        return {"error": {"message": text, "type": "invalid_request_error", "code": self.status}}
+
+
+def make_http_client(*, timeout: float, max_connections: int = 1024) -> httpx.AsyncClient:
+    """The process's one client. Keep-alive connections are reused across requests; the pool is
+    large because every in-flight stream holds one connection (a small pool queues requests
+    behind streams, as TensorRT-LLM found with aiohttp's default of 100)."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout + 5.0, connect=min(10.0, timeout)),
+        limits=httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=256,
+            keepalive_expiry=KEEPALIVE_EXPIRY,
+        ),
+        trust_env=False,
+    )
+
+
+def _describe(exc: httpx.TransportError) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+@attrs.define(eq=False, kw_only=True)
+class WorkerClient:
+    """Calls to one role's servers; `role` only labels errors ("context", "generation")."""
+
+    http: httpx.AsyncClient
+
+    async def post_json(
+        self, url: str, path: str, body: Json, *, role: str, headers: dict[str, str] | None = None
+    ) -> Json:
+        """POST a JSON body and return the JSON answer of a 200.
+
+        Raises:
+            UpstreamUnreachable, UpstreamFailed, UpstreamRejected, UpstreamError (not JSON).
+        """
+        try:
+            response = await self.http.post(url + path, json=body, headers=headers)
+        except httpx.TransportError as exc:
+            raise UpstreamUnreachable(
+                f"{role} server {url} unreachable: {_describe(exc)}", server=url, role=role
+            ) from None
+        _check_status(response.status_code, response.content, url=url, role=role)
+        try:
+            data = response.json()
+        except ValueError:
+            raise UpstreamError(
+                f"{role} server {url}: answer is not JSON", server=url, role=role
+            ) from None
+        if not isinstance(data, dict):
+            raise UpstreamError(
+                f"{role} server {url}: answer is not an object", server=url, role=role
+            )
+        return data
+
+    async def open_stream(
+        self, url: str, path: str, body: Json, *, role: str, headers: dict[str, str] | None = None
+    ) -> httpx.Response:
+        """POST and return the open streaming response of a 200; the caller must `aclose()` it.
+
+        Raises:
+            as `post_json`; a non-200 answer is read whole and closed first.
+        """
+        request = self.http.build_request("POST", url + path, json=body, headers=headers)
+        try:
+            response = await self.http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise UpstreamUnreachable(
+                f"{role} server {url} unreachable: {_describe(exc)}", server=url, role=role
+            ) from None
+        if response.status_code != 200:
+            try:
+                content = await response.aread()
+            except httpx.TransportError:
+                content = b""
+            finally:
+                await response.aclose()
+            _check_status(response.status_code, content, url=url, role=role)
+        return response
+
+    async def get_json(self, url: str, path: str, *, limit_s: float, role: str) -> Json:
+        try:
+            response = await self.http.get(url + path, timeout=limit_s)
+        except httpx.TransportError as exc:
+            raise UpstreamUnreachable(
+                f"{role} server {url} unreachable: {_describe(exc)}", server=url, role=role
+            ) from None
+        _check_status(response.status_code, response.content, url=url, role=role)
+        try:
+            data = response.json()
+        except ValueError:
+            raise UpstreamError(f"{url}{path}: answer is not JSON", server=url, role=role) from None
+        if not isinstance(data, dict):
+            raise UpstreamError(f"{url}{path}: answer is not an object", server=url, role=role)
+        return data
+
+    async def is_healthy(self, url: str, *, limit_s: float) -> tuple[bool, str]:
+        """(healthy, why not) from ``GET /health``; never raises for transport errors."""
+        try:
+            response = await self.http.get(url + "/health", timeout=limit_s)
+        except httpx.TransportError as exc:
+            return False, _describe(exc)
+        if response.status_code == 200:
+            return True, ""
+        return False, f"/health answered {response.status_code}"
+
+    async def post_for_json(self, url: str, path: str, *, limit_s: float, role: str) -> object:
+        """POST without a body and return any JSON answer (``/kv_cache_events``)."""
+        try:
+            response = await self.http.post(url + path, timeout=limit_s)
+        except httpx.TransportError as exc:
+            raise UpstreamUnreachable(
+                f"{role} server {url} unreachable: {_describe(exc)}", server=url, role=role
+            ) from None
+        _check_status(response.status_code, response.content, url=url, role=role)
+        try:
+            return response.json()
+        except ValueError:
+            raise UpstreamError(f"{url}{path}: answer is not JSON", server=url, role=role) from None
+
+
+def _check_status(status: int, content: bytes, *, url: str, role: str) -> None:
+    if status == 200:
+        return
+    if 400 <= status < 500:
+        raise UpstreamRejected(server=url, role=role, status=status, body=content)
+    snippet = content[:300].decode(errors="replace")
+    raise UpstreamFailed(
+        f"{role} server {url} answered {status}: {snippet}", server=url, role=role, status=status
+    )

@@ -1,0 +1,342 @@
+"""`python -m trtdisagg up [local.yaml]`: a whole local cluster as child processes.
+
+Starts every ctx and gen worker and the coordinator (``sys.executable -m trtdisagg ctx|gen|
+coordinator --config <generated file>``), writes each one's output to ``<log_dir>/<name>.log``
+and to the terminal with a ``[name]`` prefix, waits until every ``/health`` answers 200, prints
+the URL and a curl line, and runs until Ctrl-C / SIGTERM (exit 0) or until any child exits
+(exit 1). Stopping terminates every child, then kills those still alive after ``stop_grace``.
+
+The cluster file (format documented in ``conf/local.yaml``)::
+
+    log_dir: logs
+    host: 127.0.0.1
+    health_timeout: 300
+    stop_grace: 10
+    ctx:                       # list of worker configs: a path, or a mapping of worker keys
+      - config: ctx.yaml       #   (DESIGN.md §4) with an optional base file under `config:`
+        port: 8001
+    gen:
+      - gen.yaml
+    coordinator:               # disagg.yaml keys (or `config:` a file); server urls are filled
+      port: 8000               # in from ctx/gen unless given
+
+Paths inside the file are relative to the file's directory. Every generated config is written to
+``log_dir`` (ctx-0.yaml, ..., coordinator.yaml) and validated before anything starts, so a bad
+key fails at once with its path (``local.yaml: $.ctx[0]: ...``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import httpx
+import trio
+import yaml
+
+from trtdisagg.config import ConfigError, WorkerConfig, read_yaml, structure
+from trtdisagg.coordinator.config import coordinator_config_from_dict
+
+log = logging.getLogger("trtdisagg.launcher")
+
+Json = dict[str, Any]
+
+DEFAULT_CLUSTER: Final[Json] = {
+    "log_dir": "logs",
+    "host": "127.0.0.1",
+    "ctx": [{"model": "tiny", "cache_transceiver_config": {"backend": "NIXL"}}],
+    "gen": [{"model": "tiny", "cache_transceiver_config": {"backend": "NIXL"}}],
+    "coordinator": {"port": 8000},
+}
+HEALTH_POLL: Final = 0.2
+_TOP_KEYS: Final = {"log_dir", "host", "health_timeout", "stop_grace", "ctx", "gen", "coordinator"}
+
+
+class ChildExited(Exception):
+    def __init__(self, name: str, code: int) -> None:
+        super().__init__(f"{name} exited with code {code}")
+        self.name = name
+        self.code = code
+
+
+@attrs.frozen(kw_only=True)
+class Child:
+    name: str
+    args: tuple[str, ...]
+    url: str
+    log_path: Path
+
+
+@attrs.frozen(kw_only=True)
+class ClusterPlan:
+    children: tuple[Child, ...]
+    coordinator_url: str
+    health_timeout: float
+    stop_grace: float
+    log_dir: Path
+
+
+def _merge(base: Json, over: Json) -> Json:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _entry(item: object, *, where: str, source: str, root: Path) -> Json:
+    """One worker or coordinator entry: a path, or a mapping with an optional `config` file."""
+    if isinstance(item, str):
+        item = {"config": item}
+    if not isinstance(item, dict):
+        raise ConfigError(f"{source}: {where}: expected a path or a mapping")
+    inline = dict(item)
+    path = inline.pop("config", None)
+    if path is None:
+        return inline
+    if not isinstance(path, str):
+        raise ConfigError(f"{source}: {where}.config: expected a path")
+    base = read_yaml(root / path) or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"{root / path}: $ must be a mapping")
+    return _merge(base, inline)
+
+
+def plan_cluster(data: object, *, source: str, root: Path) -> tuple[ClusterPlan, dict[Path, Json]]:
+    """Validate a cluster spec; return the plan and the config files to write (path → data).
+
+    Raises:
+        ConfigError: naming the key path of the first problem found.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: $ must be a mapping")
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{source}: $.{unknown[0]}: unknown key (allowed: {sorted(_TOP_KEYS)})")
+    host = str(data.get("host", "127.0.0.1"))
+    log_dir = Path(str(data.get("log_dir", "logs")))
+    coord = _entry(data.get("coordinator", {}), where="$.coordinator", source=source, root=root)
+    coord_port = int(coord.setdefault("port", 8000))
+    coord.setdefault("hostname", host)
+    files: dict[Path, Json] = {}
+    children: list[Child] = []
+    used = {coord_port}
+    urls: dict[str, list[str]] = {"ctx": [], "gen": []}
+    for role in ("ctx", "gen"):
+        items = data.get(role, [])
+        if not isinstance(items, list) or not items:
+            raise ConfigError(f"{source}: $.{role}: expected a non-empty list of worker configs")
+        for i, item in enumerate(items):
+            where = f"$.{role}[{i}]"
+            worker = _entry(item, where=where, source=source, root=root)
+            worker.setdefault("host", host)
+            if "port" not in worker:
+                worker["port"] = next(p for p in range(coord_port + 1, 65536) if p not in used)
+            worker["role"] = role
+            structure(worker, WorkerConfig, source=f"{source}: {where}")
+            if worker["port"] in used:
+                raise ConfigError(f"{source}: {where}.port: {worker['port']} is already taken")
+            used.add(worker["port"])
+            name = f"{role}-{i}"
+            path = log_dir / f"{name}.yaml"
+            files[path] = {k: v for k, v in worker.items() if k != "role"}
+            url = f"http://{worker['host']}:{worker['port']}"
+            urls[role].append(f"{worker['host']}:{worker['port']}")
+            args = (sys.executable, "-m", "trtdisagg", role, "--config", str(path))
+            children.append(Child(name=name, args=args, url=url, log_path=log_dir / f"{name}.log"))
+    for key, role in (("context_servers", "ctx"), ("generation_servers", "gen")):
+        group = dict(coord.get(key) or {})
+        group.setdefault("urls", urls[role])
+        coord[key] = group
+    config = coordinator_config_from_dict(coord, source=f"{source}: $.coordinator")
+    coord_path = log_dir / "coordinator.yaml"
+    files[coord_path] = coord
+    coordinator_url = f"http://{config.hostname}:{config.port}"
+    args = (sys.executable, "-m", "trtdisagg", "coordinator", "--config", str(coord_path))
+    children.append(
+        Child(
+            name="coordinator", args=args, url=coordinator_url, log_path=log_dir / "coordinator.log"
+        )
+    )
+    plan = ClusterPlan(
+        children=tuple(children),
+        coordinator_url=coordinator_url,
+        health_timeout=float(data.get("health_timeout", 300)),
+        stop_grace=float(data.get("stop_grace", 10)),
+        log_dir=log_dir,
+    )
+    return plan, files
+
+
+async def _pump(proc: trio.Process, child: Child) -> None:
+    """Copy a child's output to its log file and to the terminal, line by line, prefixed."""
+    assert proc.stdout is not None
+    prefix = f"[{child.name}] ".encode()
+    pending = b""
+    with open(child.log_path, "ab") as log_file:  # noqa: ASYNC230  # local file, line-sized writes
+        async for chunk in proc.stdout:
+            log_file.write(chunk)
+            log_file.flush()
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                sys.stdout.buffer.write(prefix + line + b"\n")
+            sys.stdout.buffer.flush()
+        if pending:
+            sys.stdout.buffer.write(prefix + pending + b"\n")
+            sys.stdout.buffer.flush()
+
+
+async def _watch(proc: trio.Process, child: Child) -> None:
+    code = await proc.wait()
+    raise ChildExited(child.name, code)
+
+
+async def _wait_healthy(plan: ClusterPlan) -> None:
+    pending = {c.name: c.url for c in plan.children}
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+        with trio.move_on_after(plan.health_timeout):
+            last_report = trio.current_time()
+            while pending:
+                for name, url in list(pending.items()):
+                    try:
+                        if (await client.get(url + "/health")).status_code == 200:
+                            log.info("%s is healthy at %s", name, url)
+                            del pending[name]
+                    except httpx.HTTPError:
+                        pass
+                if trio.current_time() - last_report > 15:
+                    log.info("still waiting for %s", sorted(pending))
+                    last_report = trio.current_time()
+                await trio.sleep(HEALTH_POLL)
+            return
+    raise TimeoutError(f"not healthy after {plan.health_timeout:g}s: {sorted(pending)}")
+
+
+async def _model_name(url: str) -> str:
+    try:
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+            data = (await client.get(url + "/v1/models")).json()
+            return str(data["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return "tiny"
+
+
+def _announce(plan: ClusterPlan, model: str) -> None:
+    body = f'{{"model": "{model}", "prompt": "The quick brown fox", "max_tokens": 16}}'
+    curl = (
+        f"curl {plan.coordinator_url}/v1/completions -H 'Content-Type: application/json' "
+        f"-d {shlex.quote(body)}"
+    )
+    print(
+        f"\ntrtdisagg cluster ready: {plan.coordinator_url}  (logs in {plan.log_dir}/)\n{curl}\n",
+        flush=True,
+    )
+
+
+async def _stop(procs: list[tuple[trio.Process, Child]], grace: float) -> None:
+    with trio.CancelScope(shield=True):
+        for proc, _ in reversed(procs):
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(grace):
+            for proc, _ in procs:
+                await proc.wait()
+        for proc, child in procs:
+            if proc.returncode is None:
+                log.warning("%s did not stop within %gs; killing it", child.name, grace)
+                proc.kill()
+                await proc.wait()
+
+
+async def _until_signal(
+    cancel_scope: trio.CancelScope, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            log.info("received %s, stopping the cluster", signal.Signals(signum).name)
+            cancel_scope.cancel()
+            return
+
+
+def _first(exc: BaseException, cls: type[BaseException]) -> BaseException | None:
+    if isinstance(exc, cls):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = _first(sub, cls)
+            if found is not None:
+                return found
+    return None
+
+
+async def run_cluster(plan: ClusterPlan) -> int:
+    """Run the cluster until a signal (0), a child exit or a start-up timeout (1).
+
+    Children run in their own sessions, so a Ctrl-C reaches only this process, which then
+    stops them in reverse start order (coordinator first).
+    """
+    procs: list[tuple[trio.Process, Child]] = []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(_until_signal, nursery.cancel_scope)
+            for child in plan.children:
+                proc = await trio.lowlevel.open_process(
+                    list(child.args),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+                procs.append((proc, child))
+                nursery.start_soon(_pump, proc, child)
+                nursery.start_soon(_watch, proc, child)
+                log.info("started %s (pid %d): %s", child.name, proc.pid, shlex.join(child.args))
+            await _wait_healthy(plan)
+            _announce(plan, await _model_name(plan.coordinator_url))
+            await trio.sleep_forever()
+    except BaseException as exc:
+        failure = _first(exc, ChildExited) or _first(exc, TimeoutError)
+        if failure is None:
+            raise
+        log.error("%s; stopping the cluster (see the logs in %s/)", failure, plan.log_dir)
+        return 1
+    finally:
+        await _stop(procs, plan.stop_grace)
+    return 0
+
+
+def run_local_cluster(path: str | None) -> int:
+    """Entry point of ``python -m trtdisagg up [path]``.
+
+    Raises:
+        ConfigError: the cluster file or one of the configs it names is invalid.
+    """
+    if path is None:
+        data: object = DEFAULT_CLUSTER
+        source, root = "default cluster", Path.cwd()
+    else:
+        data = read_yaml(path)
+        source, root = str(path), Path(path).resolve().parent
+    plan, files = plan_cluster(data, source=source, root=root)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    for file, content in files.items():
+        file.write_text(yaml.safe_dump(content, sort_keys=False))
+    for child in plan.children:
+        child.log_path.write_bytes(b"")
+    try:
+        return trio.run(run_cluster, plan)
+    except KeyboardInterrupt:
+        return 0
