@@ -250,11 +250,12 @@ def test_first_chunk_arrives_while_gen_is_still_generating(
         request = body("Once upon a time", 400, stream=True, ignore_eos=True)
         with httpx.stream("POST", coord.url + "/v1/completions", json=request, timeout=60) as r:
             assert r.status_code == 200
-            for line in r.iter_lines():
+            lines = r.iter_lines()
+            for line in lines:
                 if line.startswith("data: {"):
                     assert running(gen) == 1  # gen has not finished: the chunk was not buffered
                     break
-            for _ in r.iter_lines():
+            for _ in lines:
                 pass
 
 

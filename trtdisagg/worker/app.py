@@ -136,7 +136,8 @@ async def _generate(
 ) -> Response:
     started = time.time()
     job = service.start(req)
-    if req.stream:
+    # ctx answers context_only once, whole: the coordinator needs its params, not a stream.
+    if req.stream and job.transfer_key is None:
         response = Response(job.stream(), content_type="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None

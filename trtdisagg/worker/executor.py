@@ -1,9 +1,13 @@
 """The executor loop: one per process, explicit steps each iteration.
 
     admit     commands from HTTP handlers (new requests, aborts) enter the scheduler
+    receive   generation_only requests get blocks, then `request_and_receive_async`
+    poll      finished transfers: gen requests whose KV landed start decoding; ctx requests
+              whose KV was sent (or failed, or timed out) free their pinned blocks
     schedule  the scheduler picks decode tokens and prefill chunks within the step budget
     forward   the runner builds tensors, runs the model and samples, in a worker thread
-    respond   sampled tokens are appended, stop rules checked, outputs sent to the handlers
+    respond   sampled tokens are appended, stop rules checked, outputs sent to the handlers;
+              a context_only request's first token ends its HTTP answer and starts the send
 
 Handlers never touch the scheduler directly: they queue commands, which the loop applies between
 steps. So the scheduler is only ever changed while no forward is in flight, and a block is never
@@ -15,6 +19,7 @@ never stall the loop. An abandoned handler simply aborts its request.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -27,7 +32,8 @@ import trio
 from trtdisagg.api.protocol import PerfMetrics
 from trtdisagg.errors import CapacityError
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.worker.request import FinishReason, Request
+from trtdisagg.transfer.transceiver import KvTransceiver
+from trtdisagg.worker.request import FinishReason, Request, RequestType
 from trtdisagg.worker.runner import ModelRunner, Sampled, StepOutput
 from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, make_generator
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
@@ -50,6 +56,16 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None
     perf: PerfMetrics | None = None
+    context_done: bool = False  # context_only: prefill done, KV pinned for gen; answer now
+
+
+@attrs.frozen(kw_only=True)
+class GenerationSource:
+    """Where a generation_only request's KV and first token come from (ctx's answer)."""
+
+    key: int  # disagg_request_id: the transfer key
+    ctx_info_endpoint: str
+    first_token: int
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -59,9 +75,13 @@ class _Live:
     detokenizer: IncrementalDetokenizer
     stops: StopStrings
     spec: SampleSpec
+    source: GenerationSource | None = None
+    transfer_key: int | None = None
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
+    transfer_bytes: int | None = None
+    transfer_s: float | None = None
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -78,17 +98,33 @@ class Executor:
     metrics: WorkerMetrics
     role: str
     max_seq_len: int
+    transceiver: KvTransceiver | None = None
     clock: Callable[[], float] = time.monotonic
     _live: dict[int, _Live] = attrs.field(factory=dict, alias="live")
     _new: list[_Live] = attrs.field(factory=list, alias="new")
     _aborts: list[int] = attrs.field(factory=list, alias="aborts")
+    _pending_gen: collections.deque[_Live] = attrs.field(
+        factory=collections.deque, alias="pending_gen"
+    )
+    _receiving: dict[int, _Live] = attrs.field(factory=dict, alias="receiving")
+    _sending: dict[int, Request] = attrs.field(factory=dict, alias="sending")
+    _cancelling: dict[int, _Live] = attrs.field(factory=dict, alias="cancelling")
     _wake: trio.Event = attrs.field(factory=trio.Event, alias="wake")
     steps: int = 0
 
     # ---- commands from handlers (sync, never block) ----
 
-    def submit(self, request: Request) -> RequestHandle:
-        """Queue a request. Raises CapacityError if it could never fit, so the caller can 400."""
+    def submit(
+        self,
+        request: Request,
+        *,
+        source: GenerationSource | None = None,
+        transfer_key: int | None = None,
+    ) -> RequestHandle:
+        """Queue a request. Raises CapacityError if it could never fit, so the caller can 400.
+
+        `source` is required for generation_only requests, `transfer_key` for context_only.
+        """
         self._check_fits(request)
         send, receive = trio.open_memory_channel[RequestOutput](math.inf)
         params = request.sampling
@@ -104,6 +140,8 @@ class Executor:
             detokenizer=self.tokenizer.incremental_detokenizer(),
             stops=StopStrings(stops=params.stop),
             spec=spec,
+            source=source,
+            transfer_key=transfer_key,
         )
         self._new.append(live)
         self._wake.set()
@@ -113,8 +151,14 @@ class Executor:
         self._aborts.append(request_id)
         self._wake.set()
 
+    def wake(self) -> None:
+        self._wake.set()
+
     def num_active(self) -> int:
         return len(self._live) + len(self._new)
+
+    def num_transfers(self) -> int:
+        return len(self._receiving) + len(self._sending) + len(self._cancelling)
 
     def _check_fits(self, request: Request) -> None:
         pool = self.scheduler.pool
@@ -135,6 +179,8 @@ class Executor:
         task_status.started()
         while True:
             self._admit()
+            self._poll_transfers()
+            self._receive()
             if not self.scheduler.has_work():
                 self.refresh_gauges()
                 await self._wait_for_work()
@@ -163,16 +209,112 @@ class Executor:
         now = self.clock()
         for live in self._new:
             self._live[live.request.request_id] = live
-            self.scheduler.add(live.request)
+            if live.source is not None:
+                self._pending_gen.append(live)
+            else:
+                self.scheduler.add(live.request)
         self._new.clear()
         for request_id in self._aborts:
             aborted = self._live.get(request_id)
             if aborted is None:
                 continue
-            if not aborted.request.is_finished:
-                self.scheduler.abort(request_id)
-            self._close(aborted, FinishReason.ABORT, now)
+            self._abort(aborted, now)
         self._aborts.clear()
+
+    def _abort(self, live: _Live, now: float) -> None:
+        request = live.request
+        if live in self._pending_gen:
+            self._pending_gen.remove(live)
+        elif live.source is not None and live.source.key in self._receiving:
+            # KV may still be landing in these blocks: free them only once no write can.
+            del self._receiving[live.source.key]
+            assert self.transceiver is not None
+            if not self.transceiver.cancel_request(live.source.key):
+                self._cancelling[live.source.key] = live
+                self._close(live, FinishReason.ABORT, now)
+                return
+            self.scheduler.abort(request.request_id)
+        elif not request.is_finished:
+            self.scheduler.abort(request.request_id)
+        self._close(live, FinishReason.ABORT, now)
+
+    # ---- disaggregation: receive and poll ----
+
+    def _receive(self) -> None:
+        """Give waiting generation_only requests blocks, then ask ctx for their KV."""
+        while self._pending_gen:
+            live = self._pending_gen[0]
+            if not self.scheduler.add_generation_only(live.request):
+                return
+            self._pending_gen.popleft()
+            source = live.source
+            table = live.request.block_table
+            assert source is not None and table is not None and self.transceiver is not None
+            self._receiving[source.key] = live
+            self.transceiver.request_and_receive_async(
+                source.key,
+                source.ctx_info_endpoint,
+                [list(table.block_ids)],
+                live.request.num_prompt_tokens,
+            )
+
+    def _poll_transfers(self) -> None:
+        if self.transceiver is None:
+            return
+        now = self.clock()
+        for outcome in self.transceiver.check_gen_transfer_status():
+            if outcome.key in self._cancelling:
+                live = self._cancelling.pop(outcome.key)
+                self.scheduler.abort(live.request.request_id)
+                continue
+            receiving = self._receiving.pop(outcome.key, None)
+            if receiving is None:
+                continue
+            self._count_transfer(outcome.ok, outcome.num_bytes, outcome.num_descriptors)
+            receiving.transfer_bytes, receiving.transfer_s = outcome.num_bytes, outcome.seconds
+            if outcome.ok:
+                self._kv_arrived(receiving, now)
+            else:
+                self.scheduler.finish(receiving.request, FinishReason.ERROR)
+                error = outcome.error or "KV transfer failed"
+                self._emit(receiving, (), "", (), FinishReason.ERROR, now, error=error)
+                self._close(receiving, FinishReason.ERROR, now, emitted=True)
+        for key in list(self._cancelling):
+            if self.transceiver.cancel_request(key):
+                self.scheduler.abort(self._cancelling.pop(key).request.request_id)
+        for outcome in self.transceiver.check_context_transfer_status():
+            request = self._sending.pop(outcome.key, None)
+            if request is None:
+                continue
+            if not outcome.ok and not outcome.cancelled:
+                self.metrics.kv_transfer_failures.inc()
+                log.warning("KV send %d failed: %s", outcome.key, outcome.error)
+            reason = FinishReason.STOP if outcome.ok else FinishReason.ABORT
+            self.scheduler.release(request, reason)
+
+    def _count_transfer(self, ok: bool, num_bytes: int, descriptors: int) -> None:
+        if not ok:
+            self.metrics.kv_transfer_failures.inc()
+
+    def _kv_arrived(self, live: _Live, now: float) -> None:
+        """gen: the prompt's KV landed; the first token is ctx's, decoding starts next step."""
+        source = live.source
+        assert source is not None
+        request = live.request
+        self.scheduler.kv_received(request, source.first_token)
+        self._after_token(live, source.first_token, None, now)
+
+    def _start_send(self, live: _Live, now: float) -> None:
+        """ctx: the first token is out; pin the blocks and answer, the KV goes when gen asks."""
+        request = live.request
+        key = live.transfer_key
+        table = request.block_table
+        assert key is not None and table is not None and self.transceiver is not None
+        self.scheduler.hold_for_transfer(request)
+        self._sending[key] = request
+        self.transceiver.respond_and_send_async(
+            key, [list(table.block_ids)], request.num_prompt_tokens
+        )
 
     def _specs_for(self, plan: StepPlan) -> dict[int, SampleSpec]:
         now = self.clock()
@@ -198,9 +340,14 @@ class Executor:
             self._append(live, sampled, now)
 
     def _append(self, live: _Live, sampled: Sampled, now: float) -> None:
+        live.request.output_token_ids.append(sampled.token_id)
+        self._after_token(live, sampled.token_id, sampled.logprobs, now)
+
+    def _after_token(
+        self, live: _Live, token: int, logprobs: TokenLogprobs | None, now: float
+    ) -> None:
+        """Stop rules, text and output for the token just appended to the request."""
         request = live.request
-        token = sampled.token_id
-        request.output_token_ids.append(token)
         if live.first_token is None:
             live.first_token = now
             self.metrics.time_to_first_token.observe(now - request.arrival_time)
@@ -227,7 +374,12 @@ class Executor:
             text += live.stops.feed(live.detokenizer.flush())
             if not live.stops.stopped:
                 text += live.stops.flush()
-        self._emit(live, (token,), text, (sampled.logprobs,), reason, now)
+        if reason is None and request.request_type is RequestType.CONTEXT_ONLY:
+            self._start_send(live, now)
+            self._emit(live, (token,), text, (logprobs,), None, now, context_done=True)
+            self._close(live, FinishReason.STOP, now, emitted=True)
+            return
+        self._emit(live, (token,), text, (logprobs,), reason, now)
         if reason is not None:
             self.scheduler.finish(request, reason)
             self._close(live, reason, now, emitted=True)
@@ -251,9 +403,13 @@ class Executor:
         logprobs: tuple[TokenLogprobs | None, ...],
         reason: FinishReason | None,
         now: float,
+        *,
+        error: str | None = None,
+        context_done: bool = False,
     ) -> None:
         request = live.request
-        perf = self._perf(live, now) if reason is not None else None
+        final = reason is not None or context_done
+        perf = self._perf(live, now) if final else None
         output = RequestOutput(
             token_ids=tokens,
             text=text,
@@ -263,6 +419,8 @@ class Executor:
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),
             perf=perf,
+            error=error,
+            context_done=context_done,
         )
         # A gone handler is fine: its abort is already queued.
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
@@ -277,6 +435,8 @@ class Executor:
             prefill_s=first - scheduled,
             first_token_s=first - arrival,
             decode_s=now - first,
+            kv_transfer_bytes=live.transfer_bytes,
+            kv_transfer_s=live.transfer_s,
         )
 
     def _close(

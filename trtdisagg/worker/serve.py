@@ -19,14 +19,26 @@ from trtdisagg.kv.block_pool import BlockPool
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.parallel import Parallel
+from trtdisagg.transfer.messenger import Router, open_router
 from trtdisagg.worker.app import create_app
 from trtdisagg.worker.executor import Executor
 from trtdisagg.worker.runner import build_runner
 from trtdisagg.worker.scheduler import Scheduler
 from trtdisagg.worker.service import WorkerService
 from trtdisagg.worker.tokenization import Tokenizer
+from trtdisagg.worker.transfer_setup import build_transceiver
 
 log = logging.getLogger("trtdisagg.worker")
+
+
+async def _hold_router(
+    host: str, *, task_status: trio.TaskStatus[Router] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Own this rank's control-plane ROUTER for the life of the worker (bound to `host` only)."""
+    address = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+    async with open_router(bind=address) as router:
+        task_status.started(router)
+        await trio.sleep_forever()
 
 
 def hypercorn_config(host: str, port: int) -> HypercornConfig:
@@ -78,8 +90,23 @@ async def serve_worker(
         metrics=metrics,
         max_seq_len=max_seq_len,
     )
-    log.info("cache_transceiver is disabled")
     async with trio.open_nursery() as nursery:
+        transfer = config.cache_transceiver_config
+        if transfer.backend is None:
+            log.info("cache_transceiver is disabled")
+        else:
+            router = await nursery.start(_hold_router, config.host)
+            executor.transceiver = await build_transceiver(
+                config, runner, model_dir, router, executor, metrics
+            )
+            await nursery.start(executor.transceiver.run)
+            service.ctx_info_endpoint = executor.transceiver.info_endpoint
+            log.info(
+                "Using KvCacheTransceiver backend=%s endpoint=%s instance=%s",
+                transfer.backend.value,
+                service.ctx_info_endpoint,
+                executor.transceiver.local.instance_name,
+            )
         await nursery.start(executor.run)
         app = create_app(service)
         serve_http = functools.partial(

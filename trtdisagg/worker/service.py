@@ -22,6 +22,7 @@ from trtdisagg.api.errors import ApiError, bad_request
 from trtdisagg.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DisaggregatedParams,
     PerfMetrics,
     Usage,
 )
@@ -30,7 +31,7 @@ from trtdisagg.errors import CapacityError
 from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.worker import responses
-from trtdisagg.worker.executor import Executor, RequestHandle, RequestOutput
+from trtdisagg.worker.executor import Executor, GenerationSource, RequestHandle, RequestOutput
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
 from trtdisagg.worker.sampling import TokenLogprobs
 from trtdisagg.worker.tokenization import Tokenizer
@@ -117,9 +118,10 @@ class WorkerService:
                 param="model",
             )
         params = req.disaggregated_params
-        if params is not None and params.request_type != "context_and_generation":
+        kind = RequestType(params.request_type if params else "context_and_generation")
+        if kind is not RequestType.CONTEXT_AND_GENERATION and self.executor.transceiver is None:
             raise bad_request(
-                f"disaggregated_params.request_type {params.request_type!r} needs the KV cache "
+                f"disaggregated_params.request_type {kind.value!r} needs the KV cache "
                 "transceiver, and cache_transceiver is disabled on this worker",
                 param="disaggregated_params",
             )
@@ -129,11 +131,18 @@ class WorkerService:
             request_id=next(self._ids),
             prompt_token_ids=prompt_ids,
             sampling=sampling,
-            request_type=RequestType.CONTEXT_AND_GENERATION,
+            request_type=kind,
             arrival_time=time.monotonic(),
         )
+        source, key = None, None
+        if kind is RequestType.GENERATION_ONLY:
+            assert params is not None
+            source = _generation_source(params, self.tokenizer.vocab_size)
+        elif kind is RequestType.CONTEXT_ONLY:
+            assert params is not None
+            key = params.disagg_request_id or (secrets.randbits(62) | 1 << 40)
         try:
-            handle = self.executor.submit(request)
+            handle = self.executor.submit(request, source=source, transfer_key=key)
         except CapacityError as exc:
             raise bad_request(f"prompt: {exc}", param="prompt") from None
         chat = isinstance(req, ChatCompletionRequest)
@@ -144,7 +153,7 @@ class WorkerService:
             chat=chat,
             return_token_ids=req.return_token_ids,
         )
-        return Job(service=self, req=req, handle=handle, meta=meta)
+        return Job(service=self, req=req, handle=handle, meta=meta, transfer_key=key)
 
     def _prompt_ids(self, req: AnyRequest) -> list[int]:
         if req.prompt_token_ids is not None:
@@ -218,12 +227,33 @@ class WorkerService:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
 
+def _generation_source(params: DisaggregatedParams, vocab_size: int) -> GenerationSource:
+    """Validate what a generation_only request must carry from ctx's answer."""
+    field = "disaggregated_params"
+    if not params.first_gen_tokens:
+        raise bad_request(f"{field}.first_gen_tokens: required for generation_only", param=field)
+    first = params.first_gen_tokens[0]
+    if not 0 <= first < vocab_size:
+        raise bad_request(f"{field}.first_gen_tokens: token {first} outside the vocabulary")
+    if not params.ctx_info_endpoint:
+        raise bad_request(f"{field}.ctx_info_endpoint: required for generation_only", param=field)
+    if not params.ctx_info_endpoint.startswith("tcp://"):
+        raise bad_request(
+            f"{field}.ctx_info_endpoint: expected tcp://host:port, got {params.ctx_info_endpoint!r}"
+        )
+    key = params.disagg_request_id
+    if key is None or not 0 < key < 2**63:
+        raise bad_request(f"{field}.disagg_request_id: required, in (0, 2**63)", param=field)
+    return GenerationSource(key=key, ctx_info_endpoint=params.ctx_info_endpoint, first_token=first)
+
+
 @attrs.define(eq=False, kw_only=True)
 class Job:
     service: WorkerService
     req: AnyRequest
     handle: RequestHandle
     meta: responses.ResponseMeta
+    transfer_key: int | None = None
     _done: bool = attrs.field(default=False, alias="done")
 
     @property
@@ -261,9 +291,14 @@ class Job:
             tokens.extend(output.token_ids)
             logprobs.extend(output.logprobs)
             last = output
-        assert last is not None and last.finish_reason is not None
+        assert last is not None
         if last.error is not None:
-            raise ApiError(500, last.error)
+            # A generation_only request fails when its KV cannot come from ctx: upstream's fault.
+            gen = self.handle.request.request_type is RequestType.GENERATION_ONLY
+            raise ApiError(502 if gen else 500, last.error)
+        if last.context_done:
+            return self._context_body(text, tokens, logprobs, last)
+        assert last.finish_reason is not None
         return responses.whole_body(
             self.meta,
             text="".join(text),
@@ -274,6 +309,35 @@ class Job:
             prompt_token_ids=self.handle.request.prompt_token_ids
             if self.req.return_token_ids
             else None,
+            perf=self._perf(last),
+        )
+
+    def _context_body(
+        self,
+        text: list[str],
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None],
+        last: RequestOutput,
+    ) -> dict[str, Any]:
+        """ctx's answer to context_only: the first token plus what gen needs to continue."""
+        request = self.handle.request
+        params = {
+            "request_type": "context_only",
+            "first_gen_tokens": tokens[:1],
+            "ctx_request_id": request.request_id,
+            "disagg_request_id": self.transfer_key,
+            "ctx_dp_rank": 0,
+            "ctx_info_endpoint": self.service.ctx_info_endpoint,
+        }
+        return responses.whole_body(
+            self.meta,
+            text="".join(text),
+            token_ids=tokens,
+            logprobs=self._logprobs(tokens, logprobs),
+            finish_reason=None,
+            usage=self._usage(last),
+            prompt_token_ids=request.prompt_token_ids,
+            extra_choice={"disaggregated_params": params},
             perf=self._perf(last),
         )
 

@@ -1,0 +1,122 @@
+"""Messenger over real sockets on 127.0.0.1, under trio (pytest-trio's trio_mode)."""
+
+from __future__ import annotations
+
+import trio
+import zmq
+
+from trtdisagg.transfer import wire
+from trtdisagg.transfer.messenger import Router, open_dealer, open_router
+
+
+async def _echo(router: Router, *, task_status: trio.TaskStatus[None]) -> None:
+    task_status.started()
+    while True:
+        identity, message = await router.receive_message()
+        await router.send_message(identity, message)
+
+
+def _cancel(key: int, name: str = "gen") -> wire.Cancel:
+    return wire.Cancel(key=key, instance_name=name, instance_rank=0)
+
+
+async def test_request_reply_with_several_dealers() -> None:
+    async with open_router() as router, trio.open_nursery() as nursery:
+        assert router.endpoint.startswith("tcp://127.0.0.1:")
+        await nursery.start(_echo, router)
+
+        async def client(name: str) -> None:
+            async with open_dealer(router.endpoint) as dealer:
+                for key in range(200):
+                    await dealer.send_message(_cancel(key, name))
+                    with trio.fail_after(10):
+                        assert await dealer.receive_message() == _cancel(key, name)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as clients:
+                for i in range(4):
+                    clients.start_soon(client, f"gen{i}")
+        stats = router.statistics()
+        assert (stats.received, stats.sent, stats.bad_frames) == (800, 800, 0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_garbage_frames_are_counted_and_dropped() -> None:
+    async with open_router() as router, trio.open_nursery() as nursery:
+        await nursery.start(_echo, router)
+        raw: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(router.endpoint)
+            raw.send_multipart([b"one", b"two"], flags=zmq.NOBLOCK)  # wrong frame count
+            raw.send_multipart([b"\xc1 not msgpack"], flags=zmq.NOBLOCK)  # undecodable
+            raw.send_multipart([wire.encode(_cancel(42))], flags=zmq.NOBLOCK)  # real
+            with trio.fail_after(10):
+                while not raw.poll(0):  # noqa: ASYNC110 (a raw zmq socket has no trio event)
+                    await trio.sleep(0.005)
+            assert wire.decode(raw.recv(flags=zmq.NOBLOCK)) == _cancel(42)
+        finally:
+            raw.close(linger=0)
+        stats = router.statistics()
+        assert stats.bad_frames == 2
+        assert stats.sent == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_dealer_counts_garbage_from_its_router() -> None:
+    async with open_router() as router, open_dealer(router.endpoint) as dealer:
+        await dealer.send(b"hello")
+        with trio.fail_after(10):
+            identity, payload = await router.receive()
+        assert payload == b"hello"
+        await router.send(identity, b"\x93garbage")
+        await router.send_message(identity, _cancel(1))
+        with trio.fail_after(10):
+            assert await dealer.receive_message() == _cancel(1)
+        assert dealer.statistics().bad_frames == 1
+
+
+async def test_reply_to_a_gone_peer_is_unroutable() -> None:
+    async with open_router() as router:
+        await router.send(b"nobody", b"x")
+        with trio.fail_after(10):
+            while router.statistics().unroutable == 0:  # noqa: ASYNC110 (a counter)
+                await trio.sleep(0.005)
+        # and the router still serves
+        async with open_dealer(router.endpoint) as dealer:
+            await dealer.send(b"ping")
+            with trio.fail_after(10):
+                assert (await router.receive())[1] == b"ping"
+
+
+async def test_backpressure_keeps_order_and_loses_nothing() -> None:
+    count, padding = 3000, bytes(4096)
+    async with (
+        open_router(queue_size=8, high_water_mark=4) as router,
+        open_dealer(router.endpoint, queue_size=8, high_water_mark=4) as dealer,
+    ):
+
+        async def produce() -> None:
+            for i in range(count):
+                await dealer.send(i.to_bytes(4, "little") + padding)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(produce)
+                for i in range(count):
+                    if i % 500 == 0:
+                        await trio.sleep(0.05)  # a slow consumer: the inbox fills up
+                    _, payload = await router.receive()
+                    assert int.from_bytes(payload[:4], "little") == i
+        assert router.statistics().received == count
+
+
+async def test_body_exception_is_not_wrapped() -> None:
+    class Boom(Exception):
+        pass
+
+    try:
+        async with open_router():
+            raise Boom
+    except Boom:
+        pass

@@ -1,0 +1,148 @@
+"""Loopback agent, agent registry, and the purity of the transfer layer's pure modules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from trtdisagg.transfer.agents.base import (
+    MemoryRegion,
+    XferStatus,
+    make_agent,
+    pool_regions,
+)
+from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.errors import AgentError
+from trtdisagg.transfer.fragments import Fragment, Fragments
+from trtdisagg.transfer.peers import PeerRegistrar
+from trtdisagg.transfer.testing import make_instance
+from trtdisagg.transfer.wire import WriteNotice, decode, encode
+
+PURE = (
+    "trtdisagg.transfer.errors",
+    "trtdisagg.transfer.rank_info",
+    "trtdisagg.transfer.wire",
+    "trtdisagg.transfer.peers",
+    "trtdisagg.transfer.fragments",
+    "trtdisagg.transfer.mappers",
+    "trtdisagg.transfer.sessions",
+    "trtdisagg.transfer.testing",
+    "trtdisagg.transfer.agents.base",
+    "trtdisagg.transfer.agents.loopback",
+)
+
+
+def test_pure_modules_import_no_io_or_torch() -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for m in {PURE!r}: importlib.import_module(m)\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'trio', 'zmq', 'nixl'}))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def _agents() -> tuple[LoopbackAgent, LoopbackAgent]:
+    fabric = LoopbackFabric()
+    ctx = make_agent("LOOPBACK", "ctx/0", fabric=fabric)
+    gen = make_agent("LOOPBACK", "gen/0", fabric=fabric)
+    assert isinstance(ctx, LoopbackAgent)
+    assert isinstance(gen, LoopbackAgent)
+    return ctx, gen
+
+
+def test_loopback_write_through_a_mapper() -> None:
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    # one slot = 2 layers x K/V x 2 heads x 4 tokens x 4 dims x 4 bytes = 512 bytes
+    ctx_info, gen_info = (
+        make_instance(
+            instance_name=name,
+            tp_size=1,
+            pp_size=1,
+            layer_num_per_pp=(2,),
+            num_kv_heads=2,
+            head_dim=4,
+            tokens_per_block=4,
+            num_slots=8,
+            element_bytes=4,
+            base_address=lambda rank, memory=memory: memory.ctypes.data,  # type: ignore[misc]
+        )[0]
+        for name, memory in (("ctx", src), ("gen", dst))
+    )
+    ctx, gen = _agents()
+    ctx.register_memory(pool_regions(ctx_info.page_table))
+    gen.register_memory(pool_regions(gen_info.page_table))
+    remote = ctx.add_remote(gen.local_metadata())
+    plan = PeerRegistrar(ctx_info).register(gen_info)
+    fragments = plan.fragments(src_blocks=[[2, 3, 5]], dst_blocks=[[0, 1, 6]], num_tokens=12)
+    assert len(fragments) == 2  # [2, 3] -> [0, 1] merged, [5] -> [6]
+    notice = encode(WriteNotice(key=9, instance_name="ctx", instance_rank=0))
+    handle = ctx.submit_write(fragments, remote, notice)
+    assert ctx.poll(handle) is XferStatus.DONE
+    ctx.release(handle)
+    assert bytes(dst[0:1024]) == bytes(src[1024:2048])
+    assert bytes(dst[3072:3584]) == bytes(src[2560:3072])
+    assert not dst[1024:3072].any()
+    assert not dst[3584:].any()
+    ((sender, payload),) = gen.get_notifications()
+    assert sender == "ctx/0"
+    assert decode(payload) == WriteNotice(key=9, instance_name="ctx", instance_rank=0)
+    assert gen.get_notifications() == []
+
+
+def test_loopback_refuses_out_of_bounds_and_unknown_remotes() -> None:
+    src = np.ones(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    ctx, gen = _agents()
+    ctx.register_memory([MemoryRegion(address=src.ctypes.data, size=64)])
+    gen.register_memory([MemoryRegion(address=dst.ctypes.data, size=32)])
+    good = Fragment(src_addr=src.ctypes.data, dst_addr=dst.ctypes.data, size=32)
+    with pytest.raises(AgentError, match="unknown remote agent 'gen/0'"):
+        ctx.submit_write(Fragments.of([good]), "gen/0", b"")
+    remote = ctx.add_remote(gen.local_metadata())
+    too_long = Fragment(src_addr=src.ctypes.data, dst_addr=dst.ctypes.data, size=33)
+    with pytest.raises(
+        AgentError, match=r"ctx/0 -> gen/0: 1 fragments' destinations .* not inside"
+    ):
+        ctx.submit_write(Fragments.of([too_long]), remote, b"")
+    unregistered = Fragment(src_addr=src.ctypes.data + 60, dst_addr=dst.ctypes.data, size=8)
+    with pytest.raises(AgentError, match=r"sources \[0x[0-9a-f]+, 0x[0-9a-f]+\) are not inside"):
+        ctx.submit_write(Fragments.of([unregistered]), remote, b"")
+    assert not dst.any()
+    assert gen.get_notifications() == []
+    empty = ctx.submit_write(Fragments.of([]), remote, b"never sent")
+    assert ctx.poll(empty) is XferStatus.DONE
+    assert gen.get_notifications() == []
+    with pytest.raises(AgentError, match="no loopback agent 'nobody'"):
+        ctx.add_remote(b"nobody")
+    gen.close()
+    with pytest.raises(AgentError, match="no loopback agent"):
+        ctx.submit_write(Fragments.of([good]), remote, b"")
+
+
+def test_registry_selects_by_config_name() -> None:
+    with pytest.raises(AgentError, match=r"unknown transfer backend 'UCX'; known: \['LOOPBACK', "):
+        make_agent("UCX", "x")
+    with pytest.raises(AgentError, match="needs a LoopbackFabric"):
+        make_agent("LOOPBACK", "x")
+    fabric = LoopbackFabric()
+    make_agent("LOOPBACK", "x", fabric=fabric)
+    with pytest.raises(AgentError, match="already exists"):
+        make_agent("LOOPBACK", "x", fabric=fabric)
+
+
+def test_fragments_sequence() -> None:
+    items = [Fragment(src_addr=10, dst_addr=20, size=4), Fragment(src_addr=14, dst_addr=30, size=2)]
+    fragments = Fragments.of(items)
+    assert list(fragments) == items
+    assert fragments[1] == items[1]
+    assert fragments[1:] == Fragments.of(items[1:])
+    assert (len(fragments), fragments.num_bytes) == (2, 6)
+    assert len(Fragments.of([])) == 0
+    with pytest.raises(ValueError, match="read-only"):
+        fragments.rows[0, 0] = 1

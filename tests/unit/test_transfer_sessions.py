@@ -1,0 +1,221 @@
+"""Session state machines: transitions, no-op late/duplicate events, cancellation vs quiescence."""
+
+from __future__ import annotations
+
+import pytest
+
+from trtdisagg.transfer.sessions import (
+    EarlyMessages,
+    ReceiverSession,
+    ReceiverStatus,
+    SenderSession,
+    SenderStatus,
+    SessionRegistry,
+)
+from trtdisagg.transfer.wire import RequestData, ResultStatus, pack_block_ids
+
+OK, ERROR = ResultStatus.OK, ResultStatus.ERROR
+
+
+def _request(rank: int, key: int = 1) -> RequestData:
+    return RequestData(
+        key=key,
+        instance_name="gen",
+        instance_rank=rank,
+        block_ids=(pack_block_ids([rank]),),
+        num_tokens=4,
+    )
+
+
+def _sender(expected: tuple[int, ...] = (0, 1)) -> SenderSession:
+    session = SenderSession(key=1, deadline=10.0)
+    session.bind("gen", frozenset(expected))
+    return session
+
+
+def _receiver(expected: tuple[int, ...] = (0, 1)) -> ReceiverSession:
+    return ReceiverSession(key=1, peer_instance="ctx", expected=frozenset(expected), deadline=10.0)
+
+
+def test_sender_happy_path() -> None:
+    s = _sender()
+    assert s.status is SenderStatus.INIT
+    assert s.add_request(_request(0))
+    assert s.status is SenderStatus.INIT
+    assert s.take_writes() == []
+    s.set_source([[3, 4]], 5)
+    assert s.status is SenderStatus.READY
+    assert [r.instance_rank for r in s.take_writes()] == [0]
+    assert s.status is SenderStatus.TRANSFERRING
+    assert not s.is_quiescent
+    assert s.take_writes() == []  # in flight: never handed out twice
+    assert s.write_finished(0, OK)
+    assert s.status is SenderStatus.INIT  # waiting for gen rank 1
+    assert s.add_request(_request(1))
+    assert s.status is SenderStatus.READY
+    (request,) = s.take_writes()
+    assert s.write_finished(request.instance_rank, OK)
+    assert s.status is SenderStatus.TRANSFERRED
+    assert s.is_terminal
+    assert s.is_quiescent
+
+
+def test_sender_ignores_duplicates_unexpected_and_late() -> None:
+    s = _sender(expected=(0,))
+    s.set_source([[1]], 1)
+    assert s.add_request(_request(0))
+    assert not s.add_request(_request(0))  # duplicate
+    assert not s.add_request(_request(5))  # not an overlapping gen rank
+    assert not s.write_finished(0, OK)  # never in flight
+    s.take_writes()
+    assert s.write_finished(0, OK)
+    assert not s.write_finished(0, OK)  # late duplicate
+    assert not s.add_request(_request(0))  # after TRANSFERRED
+    assert s.status is SenderStatus.TRANSFERRED
+
+
+def test_sender_failed_write_is_error() -> None:
+    s = _sender(expected=(0,))
+    s.set_source([[1]], 1)
+    s.add_request(_request(0))
+    s.take_writes()
+    s.write_finished(0, ERROR, "nixl said no")
+    assert s.status is SenderStatus.ERROR
+    assert s.error == "nixl said no"
+
+
+def test_sender_cancelled_write_cancels_the_session() -> None:
+    s = _sender(expected=(0,))
+    s.set_source([[1]], 1)
+    s.add_request(_request(0))
+    s.take_writes()
+    s.write_finished(0, ResultStatus.CANCELLED)
+    assert s.status is SenderStatus.CANCELLED
+
+
+def test_sender_cancel_is_not_quiescence() -> None:
+    s = _sender()
+    s.set_source([[1]], 1)
+    s.add_request(_request(0))
+    s.add_request(_request(1))
+    s.take_writes()
+    assert s.cancel() is False  # writes in flight: blocks must stay pinned
+    assert s.status is SenderStatus.CANCELLED
+    assert s.take_writes() == []
+    s.write_finished(0, OK)
+    s.write_finished(1, OK)
+    assert s.status is SenderStatus.CANCELLED
+    assert s.is_quiescent
+    assert s.cancel() is True
+
+
+def test_sender_terminal_states_are_sticky() -> None:
+    s = _sender(expected=(0,))
+    s.set_source([[1]], 1)
+    s.add_request(_request(0))
+    s.take_writes()
+    s.write_finished(0, OK)
+    s.cancel()
+    s.fail("late failure")
+    assert s.status is SenderStatus.TRANSFERRED
+    with pytest.raises(ValueError, match="source set twice"):
+        s.set_source([[1]], 1)
+
+
+def test_sender_deadline() -> None:
+    s = _sender()
+    assert not s.expired(9.9)
+    assert s.expired(10.0)
+    s.fail("timed out")
+    assert s.status is SenderStatus.ERROR
+    assert not s.expired(11.0)
+
+
+def test_receiver_happy_path_needs_results_and_notices() -> None:
+    r = _receiver()
+    assert r.status is ReceiverStatus.INIT
+    r.mark_requested()
+    assert r.status is ReceiverStatus.TRANSFERRING
+    assert r.on_result(0, OK, num_bytes=0, num_descriptors=0, error="")  # non-elected duplicate
+    assert r.on_result(1, OK, num_bytes=100, num_descriptors=2, error="")
+    assert r.status is ReceiverStatus.TRANSFERRING  # rank 1's bytes not confirmed landed
+    assert r.on_notice(1)
+    assert r.status is ReceiverStatus.TRANSFERRED
+    assert (r.num_bytes, r.num_descriptors) == (100, 2)
+
+
+def test_receiver_notice_may_come_first() -> None:
+    r = _receiver(expected=(3,))
+    r.mark_requested()
+    assert r.on_notice(3)
+    assert not r.on_notice(3)
+    r.on_result(3, OK, num_bytes=8, num_descriptors=1, error="")
+    assert r.status is ReceiverStatus.TRANSFERRED
+
+
+def test_receiver_ignores_unexpected_duplicate_and_late() -> None:
+    r = _receiver(expected=(0,))
+    r.mark_requested()
+    assert not r.on_result(9, OK, num_bytes=0, num_descriptors=0, error="")
+    assert not r.on_notice(9)
+    assert r.on_result(0, OK, num_bytes=0, num_descriptors=0, error="")
+    assert not r.on_result(0, ERROR, num_bytes=0, num_descriptors=0, error="dup")
+    assert r.status is ReceiverStatus.TRANSFERRED
+
+
+def test_receiver_error_result_and_quiescence() -> None:
+    r = _receiver()
+    r.mark_requested()
+    r.on_result(0, ERROR, num_bytes=0, num_descriptors=0, error="boom")
+    assert r.status is ReceiverStatus.ERROR
+    assert r.error == "ctx rank 0: error: boom"
+    assert not r.is_quiescent  # rank 1 may still be writing into our blocks
+    r.on_result(1, OK, num_bytes=4, num_descriptors=1, error="")
+    assert r.status is ReceiverStatus.ERROR
+    assert r.is_quiescent
+
+
+def test_receiver_cancel() -> None:
+    r = _receiver()
+    r.mark_requested()
+    r.cancel()
+    assert r.status is ReceiverStatus.CANCELLED
+    r.on_result(0, ERROR, num_bytes=0, num_descriptors=0, error="cancelled")
+    assert r.status is ReceiverStatus.CANCELLED  # an error never overrides CANCELLED
+    assert not r.expired(100.0)
+
+
+def test_registry_routes_only_to_the_owning_peer() -> None:
+    senders: SessionRegistry[SenderSession] = SessionRegistry()
+    unbound = SenderSession(key=1, deadline=5.0)
+    senders.add(unbound)
+    with pytest.raises(ValueError, match="already exists"):
+        senders.add(SenderSession(key=1, deadline=5.0))
+    assert senders.lookup("gen-a", 1) is unbound  # not bound yet: the first requester binds it
+    unbound.bind("gen-a", frozenset({0}))
+    assert senders.lookup("gen-a", 1) is unbound
+    assert senders.lookup("gen-b", 1) is None
+    with pytest.raises(ValueError, match="already bound to gen-a"):
+        unbound.bind("gen-b", frozenset({0}))
+    assert senders.lookup("gen-a", 2) is None
+
+    receivers: SessionRegistry[ReceiverSession] = SessionRegistry()
+    receivers.add(_receiver())
+    assert receivers.lookup("ctx", 1) is not None
+    assert receivers.lookup("evil", 1) is None
+    assert [s.key for s in receivers.expired(10.0)] == [1]
+    assert receivers.pop(1) is not None
+    assert len(receivers) == 0
+
+
+def test_early_messages() -> None:
+    early = EarlyMessages(ttl=5.0)
+    early.add_request(0.0, _request(0, key=7))
+    early.add_request(4.0, _request(1, key=7))
+    early.add_cancel(2.0, key=8)
+    assert [r.instance_rank for r in early.sweep(6.0)] == [0]  # rank 0's is older than ttl
+    requests, cancelled = early.take(7)
+    assert [r.instance_rank for r in requests] == [1]
+    assert not cancelled
+    assert early.take(8) == ([], True)
+    assert early.take(8) == ([], False)

@@ -1,0 +1,124 @@
+"""LoopbackAgent: in-process writes between agents of one process, for single-process tests.
+
+Agents find each other through a `LoopbackFabric` that the test (or a single-process cluster)
+creates and passes to every agent: no module-level registry. A write checks that every source
+lies in the writer's registered memory and every destination in the target's, copies with
+`ctypes.memmove`, and queues the notification on the target; it is DONE when `submit_write`
+returns. DRAM only (host addresses). Same contract as `base.TransferAgent`; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from trtdisagg.transfer.agents.base import MemoryRegion, XferHandle, XferStatus, find_region
+from trtdisagg.transfer.errors import AgentError
+
+if TYPE_CHECKING:
+    from trtdisagg.transfer.fragments import Fragments
+
+
+class LoopbackFabric:
+    """The agents of one process that can write to each other, by name."""
+
+    def __init__(self) -> None:
+        self._agents: dict[str, LoopbackAgent] = {}
+
+    def attach(self, agent: LoopbackAgent) -> None:
+        if agent.name in self._agents:
+            raise AgentError(f"loopback agent {agent.name!r} already exists")
+        self._agents[agent.name] = agent
+
+    def detach(self, name: str) -> None:
+        self._agents.pop(name, None)
+
+    def get(self, name: str) -> LoopbackAgent:
+        agent = self._agents.get(name)
+        if agent is None:
+            raise AgentError(f"no loopback agent {name!r}")
+        return agent
+
+
+class LoopbackAgent:
+    def __init__(self, name: str, *, fabric: LoopbackFabric) -> None:
+        self._name = name
+        self._fabric = fabric
+        self._regions: list[MemoryRegion] = []
+        self._remotes: set[str] = set()
+        self._notifications: list[tuple[str, bytes]] = []
+        self._handles: dict[XferHandle, XferStatus] = {}
+        self._ids = itertools.count(1)
+        fabric.attach(self)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def regions(self) -> tuple[MemoryRegion, ...]:
+        return tuple(self._regions)
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        for region in regions:
+            if region.memory_type != "DRAM":
+                raise AgentError(f"loopback agent copies host memory only, not {region}")
+        self._regions.extend(regions)
+
+    def deregister_memory(self) -> None:
+        self._regions.clear()
+
+    def local_metadata(self) -> bytes:
+        return self._name.encode()
+
+    def add_remote(self, metadata: bytes) -> str:
+        name = metadata.decode(errors="replace")
+        self._fabric.get(name)
+        self._remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        self._remotes.discard(name)
+
+    def submit_write(
+        self,
+        fragments: Fragments,
+        remote: str,
+        notif: bytes,
+        *,
+        dst_memory_type: str = "DRAM",
+        dst_device_id: int = 0,
+    ) -> XferHandle:
+        if remote not in self._remotes:
+            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
+        target = self._fabric.get(remote)
+        if len(fragments):
+            find_region(self._regions, fragments)
+            try:
+                find_region(target.regions, fragments, column=1)
+            except AgentError as exc:
+                raise AgentError(f"{self._name} -> {remote}: {exc}") from None
+            for src, dst, size in fragments.rows.tolist():
+                ctypes.memmove(dst, src, size)
+            target._notifications.append((self._name, notif))
+        handle = XferHandle(next(self._ids))
+        self._handles[handle] = XferStatus.DONE
+        return handle
+
+    def poll(self, handle: XferHandle) -> XferStatus:
+        return self._handles[handle]
+
+    def release(self, handle: XferHandle) -> None:
+        self._handles.pop(handle, None)
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        notifications, self._notifications = self._notifications, []
+        return notifications
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._remotes.clear()
+        self._regions.clear()
+        self._fabric.detach(self._name)

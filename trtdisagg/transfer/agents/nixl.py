@@ -1,0 +1,148 @@
+"""NixlAgent: the NIXL (UCX) transfer agent. The only module that imports nixl.
+
+One `nixl_agent` per rank with the UCX backend and `NIXL_THREAD_SYNC_STRICT` (the agent locks
+itself, so a call on a worker thread and a `poll` on the event loop cannot corrupt it; callers
+should still serialise, see `base`). Memory is registered once: DRAM for CPU pools, VRAM for CUDA
+pools. A write builds one local and one remote descriptor list from the fragments
+(`get_xfer_descs` with `(addr, size, device)` rows), `initialize_xfer("WRITE", ...)` with the
+notification, and posts it with `transfer`; `poll` reads `check_xfer_state`.
+
+May block (call through `trio.to_thread.run_sync`): `NixlAgent(...)`, `register_memory`,
+`deregister_memory`, `add_remote`, `submit_write` (descriptor preparation is linear in the number
+of fragments, and the first write to a peer sets up its connection), `close`.
+Quick: `poll`, `release` (of a finished handle), `get_notifications`, `local_metadata`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+from trtdisagg.transfer.agents.base import MemoryRegion, XferHandle, XferStatus, find_region
+from trtdisagg.transfer.errors import AgentError
+
+if TYPE_CHECKING:
+    from trtdisagg.transfer.fragments import Fragments
+
+_STATES = {"PROC": XferStatus.PENDING, "DONE": XferStatus.DONE, "ERR": XferStatus.ERROR}
+_DONE = XferHandle(0)  # the handle of an empty write: nothing was submitted
+
+
+class NixlAgent:
+    def __init__(
+        self, name: str, *, backends: Sequence[str] = ("UCX",), num_threads: int = 0
+    ) -> None:
+        config = nixl_agent_config(
+            backends=list(backends),
+            num_threads=num_threads,
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self._agent = nixl_agent(name, config)
+        self._name = name
+        self._regions: list[MemoryRegion] = []
+        self._registrations: list[Any] = []  # nixlRegDList per registered region
+        self._remotes: set[str] = set()
+        self._handles: dict[XferHandle, Any] = {}  # our id -> nixl_xfer_handle
+        self._ids = itertools.count(1)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        for region in regions:
+            row = [(region.address, region.size, region.device_id, "")]
+            try:
+                descs = self._agent.register_memory(row, region.memory_type)
+            except Exception as exc:
+                raise AgentError(f"{self._name}: cannot register {region}: {exc}") from exc
+            self._registrations.append(descs)
+            self._regions.append(region)
+
+    def deregister_memory(self) -> None:
+        registrations, self._registrations = self._registrations, []
+        self._regions.clear()
+        for descs in registrations:
+            self._agent.deregister_memory(descs)
+
+    def local_metadata(self) -> bytes:
+        metadata: bytes = self._agent.get_agent_metadata()
+        return metadata
+
+    def add_remote(self, metadata: bytes) -> str:
+        try:
+            raw: str | bytes = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise AgentError(f"{self._name}: cannot load remote agent: {exc}") from exc
+        name = raw.decode() if isinstance(raw, bytes) else raw  # nixl 1.5 returns bytes
+        self._remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        if name in self._remotes:
+            self._remotes.discard(name)
+            self._agent.remove_remote_agent(name)
+
+    def submit_write(
+        self,
+        fragments: Fragments,
+        remote: str,
+        notif: bytes,
+        *,
+        dst_memory_type: str = "DRAM",
+        dst_device_id: int = 0,
+    ) -> XferHandle:
+        if remote not in self._remotes:
+            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
+        if not len(fragments):
+            return _DONE
+        source = find_region(self._regions, fragments)
+        # [n, 3] rows of (address, size, device id): the array form get_xfer_descs takes
+        rows = fragments.rows
+        local = np.empty((len(rows), 3), dtype=np.uint64)
+        local[:, 0], local[:, 1], local[:, 2] = rows[:, 0], rows[:, 2], source.device_id
+        target = np.empty((len(rows), 3), dtype=np.uint64)
+        target[:, 0], target[:, 1], target[:, 2] = rows[:, 1], rows[:, 2], dst_device_id
+        try:
+            handle = self._agent.initialize_xfer(
+                "WRITE",
+                self._agent.get_xfer_descs(local, source.memory_type),
+                self._agent.get_xfer_descs(target, dst_memory_type),
+                remote,
+                notif,
+            )
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            raise AgentError(f"{self._name}: write to {remote} not submitted: {exc}") from exc
+        if state == "ERR":
+            handle.release()
+            raise AgentError(f"{self._name}: write to {remote} failed when posted")
+        xfer = XferHandle(next(self._ids))
+        self._handles[xfer] = handle
+        return xfer
+
+    def poll(self, handle: XferHandle) -> XferStatus:
+        if handle == _DONE:
+            return XferStatus.DONE
+        return _STATES[self._agent.check_xfer_state(self._handles[handle])]
+
+    def release(self, handle: XferHandle) -> None:
+        nixl_handle = self._handles.pop(handle, None)
+        if nixl_handle is not None:
+            self._agent.release_xfer_handle(nixl_handle)
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        return [(name, payload) for name, payloads in notifs.items() for payload in payloads]
+
+    def close(self) -> None:
+        """Release every handle (aborting unfinished writes), forget remotes, deregister."""
+        for handle in list(self._handles):
+            self.release(handle)
+        for name in list(self._remotes):
+            self.remove_remote(name)
+        self.deregister_memory()

@@ -1,0 +1,92 @@
+"""Fragments: the contiguous writes of one transfer, as one `[n, 3]` int64 array. Pure.
+
+Mappers produce `Fragments`; agents consume them. A head-mismatched transfer of a long prompt is
+10^5 to 10^7 fragments, so they stay one numpy array (`rows`: src_addr, dst_addr, size) end to
+end; iterating yields `Fragment` values for code that wants objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+# [n, 3] int64 rows of (source, destination, size): addresses, or offsets inside one block.
+Runs = npt.NDArray[np.int64]
+
+
+def empty_runs() -> Runs:
+    return np.zeros((0, 3), dtype=np.int64)
+
+
+@attrs.frozen(kw_only=True)
+class Fragment:
+    """One contiguous write: `size` bytes from local `src_addr` to remote `dst_addr`."""
+
+    src_addr: int
+    dst_addr: int
+    size: int
+
+
+class Fragments(Sequence[Fragment]):
+    """An immutable sequence of fragments stored as `rows` (`[n, 3]` int64)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: Runs) -> None:
+        if rows.ndim != 2 or rows.shape[1] != 3:
+            raise ValueError(f"fragment rows must be [n, 3], got {rows.shape}")
+        self.rows = rows.astype(np.int64, copy=False)
+        self.rows.flags.writeable = False
+
+    @classmethod
+    def of(cls, fragments: Iterable[Fragment]) -> Fragments:
+        rows = [(f.src_addr, f.dst_addr, f.size) for f in fragments]
+        return cls(np.array(rows, dtype=np.int64).reshape(-1, 3))
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.rows[:, 2].sum())
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, index: int) -> Fragment: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Fragments: ...
+
+    def __getitem__(self, index: int | slice) -> Fragment | Fragments:
+        if isinstance(index, slice):
+            return Fragments(self.rows[index])
+        src, dst, size = self.rows[index].tolist()
+        return Fragment(src_addr=src, dst_addr=dst, size=size)
+
+    def __iter__(self) -> Iterator[Fragment]:
+        for src, dst, size in self.rows.tolist():
+            yield Fragment(src_addr=src, dst_addr=dst, size=size)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Fragments):
+            return NotImplemented
+        return bool(np.array_equal(self.rows, other.rows))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Fragments({len(self)} fragments, {self.num_bytes} bytes)"
+
+
+def merge_runs(runs: Runs) -> Runs:
+    """Sort rows by source and join rows contiguous on BOTH sides into one."""
+    if len(runs) <= 1:
+        return runs
+    runs = runs[np.argsort(runs[:, 0], kind="stable")]
+    src, dst, size = runs[:, 0], runs[:, 1], runs[:, 2]
+    continues = (src[:-1] + size[:-1] == src[1:]) & (dst[:-1] + size[:-1] == dst[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    return np.stack([src[starts], dst[starts], np.add.reduceat(size, starts)], axis=1)

@@ -1,0 +1,310 @@
+"""Messenger: Trio-native ZeroMQ ROUTER (bind) and DEALER (connect). The only module importing zmq.
+
+    async with open_router(bind="tcp://127.0.0.1:0") as router:    # router.endpoint: bound address
+        identity, message = await router.receive_message()
+        await router.send_message(identity, reply)
+
+    async with open_dealer(router.endpoint) as dealer:
+        await dealer.send_message(request)
+        reply = await dealer.receive_message()
+
+Each socket has ONE pump task (started by `open_*`, cancelled on exit), the only task that waits
+on its FD. pyzmq's FD is edge-triggered, so the pump follows notes/verified.md: try with NOBLOCK;
+on `zmq.Again` read `EVENTS` (which re-arms the edge) and go again at once if it already shows the
+event; only otherwise `wait_readable(fd)`. Received messages go to a bounded inbox that `receive`
+reads; when it is full they stay queued in zmq (backpressure) until `receive` makes room.
+`send` makes one NOBLOCK attempt itself when nothing is queued (zmq calls are synchronous, so on
+one Trio thread they never interleave with the pump's); otherwise, or if zmq would block, it
+appends to a bounded outbox that the pump flushes in order. A send may consume the FD's edge for a
+message that arrived meanwhile, so `send` re-reads EVENTS and wakes a waiting pump on POLLIN.
+
+Error handling: a message with the wrong frame count (ROUTER: identity + 1 payload frame; DEALER:
+1 frame), or whose payload does not decode (`*_message` methods), is counted in
+`statistics().bad_frames` and dropped; the pump never dies of peer input. A reply to a peer that
+is gone (ROUTER_MANDATORY reports it) is counted as `unroutable` and dropped. Messages larger than
+`max_message_bytes` make zmq drop the connection. Any other zmq error crashes the pump's nursery.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+import zmq
+
+from trtdisagg.transfer.errors import ProtocolError
+from trtdisagg.transfer.wire import Message, decode, encode
+
+log = logging.getLogger(__name__)
+
+_RETRY_WHILE_BLOCKED_S = 0.005  # re-try a blocked send this often (ROUTER reports no edge for it)
+
+
+@attrs.frozen(kw_only=True)
+class MessengerStatistics:
+    sent: int
+    """Messages handed to zmq."""
+    received: int
+    """Well-formed messages delivered to `receive`."""
+    bad_frames: int
+    """Messages dropped for a wrong frame count or an undecodable payload."""
+    unroutable: int
+    """ROUTER replies dropped because the identity is not connected."""
+
+
+class _Pump:
+    """The one task that touches a zmq socket; see the module docstring."""
+
+    def __init__(self, socket: zmq.Socket[bytes], *, frames: int, queue_size: int) -> None:
+        self.socket = socket
+        self.frames = frames
+        self.outbox: collections.deque[list[bytes]] = collections.deque()
+        self.queue_size = queue_size
+        self.inbox_send, self.inbox = trio.open_memory_channel[list[bytes]](queue_size)
+        self.space = trio.lowlevel.ParkingLot()
+        self.wait_scope: trio.CancelScope | None = None
+        self.inbox_full = False
+        self.sent = self.received = self.bad_frames = self.unroutable = 0
+
+    def wake(self) -> None:
+        if self.wait_scope is not None:
+            self.wait_scope.cancel()
+
+    async def send(self, frames: list[bytes]) -> None:
+        """Send now if nothing is queued (the fast path), else queue for the pump (in order)."""
+        await trio.lowlevel.checkpoint()
+        if not self.outbox and self._try_send(frames):
+            if self.wait_scope is not None and self._events() & zmq.POLLIN:
+                self.wake()
+            return
+        while len(self.outbox) >= self.queue_size:
+            await self.space.park()
+        self.outbox.append(frames)
+        self.wake()
+
+    def _try_send(self, frames: list[bytes]) -> bool:
+        """One NOBLOCK send; False if zmq would block (nothing sent)."""
+        try:
+            self.socket.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.unroutable += 1
+        else:
+            self.sent += 1
+        return True
+
+    def _events(self) -> int:
+        return int(self.socket.getsockopt(zmq.EVENTS))
+
+    async def receive(self) -> list[bytes]:
+        frames = await self.inbox.receive()
+        if self.inbox_full:
+            self.wake()
+        return frames
+
+    def _flush(self) -> bool:
+        """Send queued messages until zmq blocks; True if blocked with messages left."""
+        while self.outbox:
+            if not self._try_send(self.outbox[0]):
+                return True
+            self.outbox.popleft()
+            self.space.unpark()
+        return False
+
+    def _has_room(self) -> bool:
+        stats = self.inbox_send.statistics()
+        return stats.current_buffer_used < stats.max_buffer_size
+
+    def _drain(self) -> None:
+        """Receive until zmq is empty or the inbox is full (then `inbox_full`; zmq keeps the rest
+        queued and `receive` wakes us when there is room)."""
+        self.inbox_full = False
+        while self._has_room():
+            try:
+                frames = self.socket.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != self.frames:
+                self.bad_frames += 1
+                log.warning("dropped a %d-frame message (expected %d)", len(frames), self.frames)
+                continue
+            self.inbox_send.send_nowait(frames)
+            self.received += 1
+        self.inbox_full = True
+
+    async def run(self) -> None:
+        fd = int(self.socket.getsockopt(zmq.FD))
+        while True:
+            blocked = self._flush()
+            self._drain()
+            events = self._events()  # also re-arms the FD's edge
+            readable = events & zmq.POLLIN and not self.inbox_full
+            if readable or (self.outbox and not blocked and events & zmq.POLLOUT):
+                await trio.lowlevel.checkpoint()
+                continue
+            # Nothing to do until the FD signals, `send`/`receive` wake us, or (blocked) a retry.
+            with trio.CancelScope() as self.wait_scope:
+                if blocked:
+                    self.wait_scope.deadline = trio.current_time() + _RETRY_WHILE_BLOCKED_S
+                await trio.lowlevel.wait_readable(fd)
+            self.wait_scope = None
+
+    def statistics(self) -> MessengerStatistics:
+        return MessengerStatistics(
+            sent=self.sent,
+            received=self.received,
+            bad_frames=self.bad_frames,
+            unroutable=self.unroutable,
+        )
+
+
+class Router:
+    """A bound ROUTER: receive (identity, payload) from DEALERs, send back by identity."""
+
+    def __init__(self, pump: _Pump, endpoint: str) -> None:
+        self._pump = pump
+        self.endpoint = endpoint
+
+    async def receive(self) -> tuple[bytes, bytes]:
+        identity, payload = await self._pump.receive()
+        return identity, payload
+
+    async def send(self, identity: bytes, payload: bytes) -> None:
+        await self._pump.send([identity, payload])
+
+    async def receive_message(self) -> tuple[bytes, Message]:
+        """The next decodable message; undecodable ones are counted as bad frames and skipped."""
+        while True:
+            identity, payload = await self.receive()
+            try:
+                return identity, decode(payload)
+            except ProtocolError as exc:
+                self._pump.bad_frames += 1
+                log.warning("dropped a message from %r: %s", identity, exc)
+
+    async def send_message(self, identity: bytes, message: Message) -> None:
+        await self.send(identity, encode(message))
+
+    def statistics(self) -> MessengerStatistics:
+        return self._pump.statistics()
+
+
+class Dealer:
+    """A connected DEALER: send payloads to its ROUTER, receive what the ROUTER sends back."""
+
+    def __init__(self, pump: _Pump, endpoint: str) -> None:
+        self._pump = pump
+        self.endpoint = endpoint
+
+    async def receive(self) -> bytes:
+        (payload,) = await self._pump.receive()
+        return payload
+
+    async def send(self, payload: bytes) -> None:
+        await self._pump.send([payload])
+
+    async def receive_message(self) -> Message:
+        """The next decodable message; undecodable ones are counted as bad frames and skipped."""
+        while True:
+            payload = await self.receive()
+            try:
+                return decode(payload)
+            except ProtocolError as exc:
+                self._pump.bad_frames += 1
+                log.warning("dropped a message from %s: %s", self.endpoint, exc)
+
+    async def send_message(self, message: Message) -> None:
+        await self.send(encode(message))
+
+    def statistics(self) -> MessengerStatistics:
+        return self._pump.statistics()
+
+
+@asynccontextmanager
+async def _running(socket: zmq.Socket[bytes], pump: _Pump) -> AsyncIterator[None]:
+    """Run `pump` while the body runs; the socket is closed on exit.
+
+    The body's own exception leaves unwrapped (not inside the nursery's ExceptionGroup).
+    """
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump.run)
+            try:
+                yield
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    finally:
+        socket.close(linger=0)
+
+
+_Context = zmq.Context[zmq.Socket[bytes]]
+
+
+def _socket(
+    kind: int, context: _Context | None, max_bytes: int, high_water_mark: int
+) -> zmq.Socket[bytes]:
+    socket = (context or zmq.Context.instance()).socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    socket.setsockopt(zmq.SNDHWM, high_water_mark)
+    socket.setsockopt(zmq.RCVHWM, high_water_mark)
+    return socket
+
+
+@asynccontextmanager
+async def open_router(
+    bind: str = "tcp://127.0.0.1:0",
+    *,
+    context: _Context | None = None,
+    queue_size: int = 1024,
+    max_message_bytes: int = 64 * 2**20,
+    high_water_mark: int = 1000,
+) -> AsyncIterator[Router]:
+    """Bind a ROUTER to `bind` (port 0 or `*` = any free port; the host is used as given).
+
+    `router.endpoint` is the bound address (`tcp://127.0.0.1:43121`). `queue_size` bounds both
+    the inbox and the outbox (messages); `high_water_mark` is zmq's own per-peer queue limit.
+    """
+    socket = _socket(zmq.ROUTER, context, max_message_bytes, high_water_mark)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    address = bind[: -len(":0")] + ":*" if bind.endswith(":0") else bind
+    try:
+        socket.bind(address)
+    except zmq.ZMQError:
+        socket.close(linger=0)
+        raise
+    endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    pump = _Pump(socket, frames=2, queue_size=queue_size)
+    async with _running(socket, pump):
+        yield Router(pump, endpoint)
+
+
+@asynccontextmanager
+async def open_dealer(
+    endpoint: str,
+    *,
+    identity: bytes | None = None,
+    context: _Context | None = None,
+    queue_size: int = 1024,
+    max_message_bytes: int = 64 * 2**20,
+    high_water_mark: int = 1000,
+) -> AsyncIterator[Dealer]:
+    """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background)."""
+    socket = _socket(zmq.DEALER, context, max_message_bytes, high_water_mark)
+    if identity is not None:
+        socket.setsockopt(zmq.ROUTING_ID, identity)
+    socket.connect(endpoint)
+    pump = _Pump(socket, frames=1, queue_size=queue_size)
+    async with _running(socket, pump):
+        yield Dealer(pump, endpoint)

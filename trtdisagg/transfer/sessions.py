@@ -1,0 +1,356 @@
+"""Transfer session state machines and their registry. Pure: no I/O, no clocks.
+
+One session per (transfer key = disagg_request_id, local rank). The shell (transceiver) feeds
+events in and reads decisions out; it also owns the clock (`deadline` is a float in the shell's
+time base, checked with `expired(now)`).
+
+Sender (ctx rank), status derived from its facts, first match wins:
+
+    CANCELLED | ERROR           terminal flags (cancel() / fail() / a failed write)
+    TRANSFERRED                 every expected receiver rank's write finished OK
+    TRANSFERRING                a write is in flight
+    READY                       KV is ready (`set_source`) and a request waits to be written
+    INIT                        otherwise
+
+Receiver (gen rank):
+
+    CANCELLED | ERROR           terminal flags (cancel() / fail() / an error or cancelled result)
+    TRANSFERRED                 every expected sender rank reported OK, and each that moved bytes
+                                also delivered its WRITE_NOTICE (the data has landed)
+    TRANSFERRING                after `mark_requested` (REQUEST_DATA sent)
+    INIT                        otherwise
+
+Late or duplicate events (a second result from one rank, anything after a terminal state, a
+rank outside the expected set) are no-ops that return False. Cancellation is not quiescence:
+`cancel()` is immediate, but a sender's blocks may be freed only when `is_quiescent` (no write in
+flight), and a receiver's only when every expected rank has reported (or the shell gives up after
+the deadline).
+
+Shell usage. ctx: create the session when prefill ends (`set_source`, then replay
+`EarlyMessages.take(key)`); for each REQUEST_DATA `registry.lookup(peer, key)`, `bind(peer,
+overlap ranks)` on first contact, `add_request`; each step `take_writes()` -> fragments -> agent
+write -> poll -> `write_finished` -> TRANSFER_RESULT; free the blocks once terminal and quiescent.
+gen: create with `expected` = the registrar's overlap, send REQUEST_DATA to each, `mark_requested`;
+feed TRANSFER_RESULT to `on_result` and agent notifications (WRITE_NOTICE) to `on_notice`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from typing import Generic, Protocol, TypeVar
+
+import attrs
+
+from trtdisagg.transfer.wire import RequestData, ResultStatus
+
+
+class SenderStatus(enum.Enum):
+    INIT = "INIT"
+    READY = "READY"
+    TRANSFERRING = "TRANSFERRING"
+    TRANSFERRED = "TRANSFERRED"
+    ERROR = "ERROR"
+    CANCELLED = "CANCELLED"
+
+
+class ReceiverStatus(enum.Enum):
+    INIT = "INIT"
+    TRANSFERRING = "TRANSFERRING"
+    TRANSFERRED = "TRANSFERRED"
+    ERROR = "ERROR"
+    CANCELLED = "CANCELLED"
+
+
+@attrs.frozen(kw_only=True)
+class SourceBlocks:
+    """What ctx holds for the request: block ids per layer group and the prompt length."""
+
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+@attrs.define(eq=False, kw_only=True)
+class SenderSession:
+    """ctx side of one transfer key: which gen ranks asked, what is in flight, what is done."""
+
+    key: int
+    deadline: float
+    peer_instance: str | None = None  # bound (`bind`) by the first REQUEST_DATA
+    expected: frozenset[int] | None = None  # gen ranks that will ask (registrar overlap)
+    source: SourceBlocks | None = None
+    error: str | None = None
+    cancelled: bool = False
+    _requests: dict[int, RequestData] = attrs.field(factory=dict)
+    _in_flight: set[int] = attrs.field(factory=set)
+    _finished: dict[int, ResultStatus] = attrs.field(factory=dict)
+
+    @property
+    def status(self) -> SenderStatus:
+        if self.cancelled:
+            return SenderStatus.CANCELLED
+        if self.error is not None:
+            return SenderStatus.ERROR
+        if self.expected is not None and self.expected <= self._finished.keys():
+            return SenderStatus.TRANSFERRED  # every finished write was OK (else flags above)
+        if self._in_flight:
+            return SenderStatus.TRANSFERRING
+        if self.source is not None and self._requests.keys() - self._finished.keys():
+            return SenderStatus.READY
+        return SenderStatus.INIT
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in (
+            SenderStatus.TRANSFERRED,
+            SenderStatus.ERROR,
+            SenderStatus.CANCELLED,
+        )
+
+    @property
+    def is_quiescent(self) -> bool:
+        """No write is in flight: the source blocks may be freed once the session is terminal."""
+        return not self._in_flight
+
+    @property
+    def requesters(self) -> tuple[int, ...]:
+        """Gen ranks that sent REQUEST_DATA (whom to notify on cancel)."""
+        return tuple(sorted(self._requests))
+
+    def bind(self, peer_instance: str, expected: frozenset[int]) -> None:
+        """Attach the session to the gen instance that requested it first."""
+        if self.peer_instance is not None and self.peer_instance != peer_instance:
+            raise ValueError(f"session {self.key} already bound to {self.peer_instance}")
+        self.peer_instance = peer_instance
+        self.expected = expected
+
+    def set_source(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
+        """Prefill finished: the KV is in these blocks (once)."""
+        if self.source is not None:
+            raise ValueError(f"session {self.key}: source set twice")
+        self.source = SourceBlocks(block_ids=tuple(map(tuple, block_ids)), num_tokens=num_tokens)
+
+    def add_request(self, request: RequestData) -> bool:
+        """Record a gen rank's REQUEST_DATA; False if terminal, unexpected or a duplicate."""
+        rank = request.instance_rank
+        if self.is_terminal or rank in self._requests:
+            return False
+        if self.expected is not None and rank not in self.expected:
+            return False
+        self._requests[rank] = request
+        return True
+
+    def take_writes(self) -> list[RequestData]:
+        """Requests that can be written now (KV ready, not yet started); marks them in flight."""
+        if self.source is None or self.cancelled or self.error is not None:
+            return []
+        ready = [
+            request
+            for rank, request in sorted(self._requests.items())
+            if rank not in self._in_flight and rank not in self._finished
+        ]
+        self._in_flight.update(request.instance_rank for request in ready)
+        return ready
+
+    def write_finished(self, rank: int, status: ResultStatus, error: str = "") -> bool:
+        """A write to `rank` ended (or was never needed); False if it was not in flight."""
+        if rank not in self._in_flight:
+            return False
+        self._in_flight.discard(rank)
+        self._finished[rank] = status
+        if self.cancelled or self.error is not None:
+            return True
+        if status is ResultStatus.ERROR:
+            self.error = error or f"write to gen rank {rank} failed"
+        elif status is ResultStatus.CANCELLED:
+            self.cancelled = True
+        return True
+
+    def fail(self, reason: str) -> None:
+        if not self.is_terminal:
+            self.error = reason
+
+    def cancel(self) -> bool:
+        """Stop issuing writes; returns `is_quiescent` (False: a write is still in flight)."""
+        if self.status not in (SenderStatus.TRANSFERRED, SenderStatus.ERROR):
+            self.cancelled = True
+        return self.is_quiescent
+
+    def expired(self, now: float) -> bool:
+        return not self.is_terminal and now >= self.deadline
+
+
+@attrs.frozen(kw_only=True)
+class RankResult:
+    status: ResultStatus
+    num_bytes: int
+    num_descriptors: int
+    error: str
+
+
+@attrs.define(eq=False, kw_only=True)
+class ReceiverSession:
+    """gen side of one transfer key: one result expected from each overlapping ctx rank."""
+
+    key: int
+    peer_instance: str  # the ctx instance
+    expected: frozenset[int]  # ctx ranks sent REQUEST_DATA (registrar overlap)
+    deadline: float
+    requested: bool = False
+    error: str | None = None
+    cancelled: bool = False
+    _results: dict[int, RankResult] = attrs.field(factory=dict)
+    _noticed: set[int] = attrs.field(factory=set)
+
+    @property
+    def status(self) -> ReceiverStatus:
+        if self.cancelled:
+            return ReceiverStatus.CANCELLED
+        if self.error is not None:
+            return ReceiverStatus.ERROR
+        if self.expected <= self._results.keys() and all(
+            r.num_bytes == 0 or rank in self._noticed for rank, r in self._results.items()
+        ):
+            return ReceiverStatus.TRANSFERRED
+        return ReceiverStatus.TRANSFERRING if self.requested else ReceiverStatus.INIT
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in (
+            ReceiverStatus.TRANSFERRED,
+            ReceiverStatus.ERROR,
+            ReceiverStatus.CANCELLED,
+        )
+
+    @property
+    def is_quiescent(self) -> bool:
+        """Every expected ctx rank reported: nobody writes into our blocks any more."""
+        return self.expected <= self._results.keys()
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(r.num_bytes for r in self._results.values())
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(r.num_descriptors for r in self._results.values())
+
+    def mark_requested(self) -> None:
+        self.requested = True
+
+    def on_result(
+        self, rank: int, status: ResultStatus, *, num_bytes: int, num_descriptors: int, error: str
+    ) -> bool:
+        """A TRANSFER_RESULT from ctx rank `rank`; False if unexpected, duplicate or late."""
+        if rank not in self.expected or rank in self._results:
+            return False
+        self._results[rank] = RankResult(
+            status=status, num_bytes=num_bytes, num_descriptors=num_descriptors, error=error
+        )
+        if status is not ResultStatus.OK and not self.is_terminal:
+            self.error = f"ctx rank {rank}: {status.value}: {error}"
+        return True
+
+    def on_notice(self, rank: int) -> bool:
+        """The agent notification of ctx rank `rank`'s write; False if unexpected or duplicate."""
+        if rank not in self.expected or rank in self._noticed:
+            return False
+        self._noticed.add(rank)
+        return True
+
+    def fail(self, reason: str) -> None:
+        if not self.is_terminal:
+            self.error = reason
+
+    def cancel(self) -> None:
+        if not self.is_terminal:
+            self.cancelled = True
+
+    def expired(self, now: float) -> bool:
+        return not self.is_terminal and now >= self.deadline
+
+
+class _Session(Protocol):
+    key: int
+    deadline: float
+
+    @property
+    def peer_instance(self) -> str | None: ...
+
+    def expired(self, now: float) -> bool: ...
+
+
+S = TypeVar("S", bound=_Session)
+
+
+class SessionRegistry(Generic[S]):
+    """Sessions of one side by transfer key; a peer's message reaches only its own sessions."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[int, S] = {}
+
+    def add(self, session: S) -> None:
+        if session.key in self._sessions:
+            raise ValueError(f"a session for key {session.key} already exists")
+        self._sessions[session.key] = session
+
+    def get(self, key: int) -> S | None:
+        """Local lookup (the executor's own request)."""
+        return self._sessions.get(key)
+
+    def lookup(self, peer_instance: str, key: int) -> S | None:
+        """The session `key` if `peer_instance` owns it, else None (or not bound yet, see
+        `SenderSession.bind`)."""
+        session = self._sessions.get(key)
+        if session is None or session.peer_instance not in (None, peer_instance):
+            return None
+        return session
+
+    def pop(self, key: int) -> S | None:
+        return self._sessions.pop(key, None)
+
+    def expired(self, now: float) -> list[S]:
+        return [s for s in self._sessions.values() if s.expired(now)]
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[S]:
+        return iter(list(self._sessions.values()))
+
+
+@attrs.define(eq=False, kw_only=True)
+class EarlyMessages:
+    """REQUEST_DATA / CANCEL that arrived before their sender session exists (gen-first, races).
+
+    `take(key)` hands them to the new session; `sweep(now)` drops those older than `ttl`.
+    """
+
+    ttl: float = 120.0
+    _requests: dict[int, list[tuple[float, RequestData]]] = attrs.field(factory=dict)
+    _cancelled: dict[int, float] = attrs.field(factory=dict)
+
+    def add_request(self, now: float, request: RequestData) -> None:
+        self._requests.setdefault(request.key, []).append((now, request))
+
+    def add_cancel(self, now: float, key: int) -> None:
+        self._cancelled[key] = now
+
+    def take(self, key: int) -> tuple[list[RequestData], bool]:
+        """(early requests, whether the key was cancelled early)."""
+        requests = [request for _, request in self._requests.pop(key, [])]
+        return requests, self._cancelled.pop(key, None) is not None
+
+    def sweep(self, now: float) -> list[RequestData]:
+        """Drop and return requests older than `ttl` (the shell answers them with an error)."""
+        stale: list[RequestData] = []
+        for key in list(self._requests):
+            fresh = [e for e in self._requests[key] if now - e[0] < self.ttl]
+            stale.extend(e[1] for e in self._requests[key] if now - e[0] >= self.ttl)
+            if fresh:
+                self._requests[key] = fresh
+            else:
+                del self._requests[key]
+        for key in [k for k, t in self._cancelled.items() if now - t >= self.ttl]:
+            del self._cancelled[key]
+        return stale

@@ -1,0 +1,655 @@
+"""KvTransceiver: the executor-facing KV transfer service of one rank (the I/O shell).
+
+It joins the messenger (ZMQ), the session state machines, the peer registrar and the transfer
+agent (NIXL). The executor calls four sync methods between steps and never waits on the network:
+
+    ctx  respond_and_send_async(key, blocks, num_tokens)   prefill done: push KV when gen asks
+         check_context_transfer_status() -> outcomes       sessions that ended; free their blocks
+    gen  request_and_receive_async(key, endpoint, blocks)  blocks allocated: ask ctx for the KV
+         check_gen_transfer_status() -> outcomes           KV landed (or failed): decode or fail
+    both cancel_request(key) -> bool                       False while a write may still land
+
+Lifecycle of a transfer key (= disagg_request_id):
+1. gen: first contact with a `ctx_info_endpoint` runs the rendezvous (REQUEST_INSTANCE_INFO,
+   then REGISTER_PEER to every ctx rank); the result, or the refusal, is cached per endpoint.
+2. gen: a ReceiverSession expects one TRANSFER_RESULT per overlapping ctx rank; REQUEST_DATA
+   goes to each of them.
+3. ctx: REQUEST_DATA joins the SenderSession (or waits in EarlyMessages until prefill ends).
+   A write task maps blocks to fragments, submits one agent WRITE whose notification names the
+   key, polls it, and reports TRANSFER_RESULT, also when it moved 0 bytes.
+4. gen: the session completes when every expected rank reported OK and every rank that moved
+   bytes delivered its WRITE_NOTICE notification (the data has landed).
+5. Both: a session past its deadline fails; a sender with a write in flight stays quarantined
+   (its blocks pinned) until the agent reports a final state.
+
+Listener tasks only update sessions and wake the executor; they never wait on a transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+import trio
+
+from trtdisagg.transfer.agents.base import TransferAgent, XferStatus
+from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
+from trtdisagg.transfer.messenger import Dealer, Router, open_dealer
+from trtdisagg.transfer.peers import PeerRegistrar
+from trtdisagg.transfer.rank_info import RankInfo
+from trtdisagg.transfer.sessions import (
+    EarlyMessages,
+    ReceiverSession,
+    ReceiverStatus,
+    SenderSession,
+    SenderStatus,
+    SessionRegistry,
+)
+from trtdisagg.transfer.wire import (
+    PROTOCOL_VERSION,
+    Cancel,
+    InstanceInfo,
+    Message,
+    RegisterAck,
+    RegisterPeer,
+    RequestData,
+    RequestInstanceInfo,
+    ResultStatus,
+    TransferResult,
+    WriteNotice,
+    decode,
+    encode,
+    pack_block_ids,
+    unpack_block_ids,
+)
+
+log = logging.getLogger(__name__)
+
+RENDEZVOUS_TIMEOUT_S = 5.0
+
+
+@attrs.frozen(kw_only=True)
+class TransferOutcome:
+    key: int
+    ok: bool
+    cancelled: bool = False
+    error: str | None = None
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    seconds: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class TransceiverStatistics:
+    rendezvous: int
+    senders: int
+    receivers: int
+    bad_frames: int
+
+
+@attrs.define(eq=False, kw_only=True)
+class _CtxPeer:
+    """What gen knows about one ctx instance, reached at its info endpoint."""
+
+    ranks: tuple[RankInfo, ...] = ()
+    refusal: str | None = None
+    ready: trio.Event = attrs.Factory(trio.Event)
+
+
+@attrs.frozen(kw_only=True)
+class _Slot:
+    """Where a rendezvous reply is awaited: the dealer's endpoint and what it answers."""
+
+    endpoint: str
+    kind: str
+    instance_name: str = ""
+    instance_rank: int = 0
+
+
+@attrs.define(eq=False, kw_only=True)
+class _Timing:
+    started: float
+    finished: float | None = None
+
+
+@attrs.define(eq=False, kw_only=True)
+class KvTransceiver:
+    local: RankInfo
+    instance: tuple[RankInfo, ...]  # every rank of this instance; rank 0 answers INSTANCE_INFO
+    agent: TransferAgent
+    router: Router
+    timeout_s: float
+    wake: Callable[[], None]
+    on_write: Callable[[int, int, float], None] = lambda num_bytes, descriptors, seconds: None
+    clock: Callable[[], float] = time.monotonic
+    registrar: PeerRegistrar = attrs.field(init=False)
+    senders: SessionRegistry[SenderSession] = attrs.Factory(SessionRegistry)
+    receivers: SessionRegistry[ReceiverSession] = attrs.Factory(SessionRegistry)
+    early: EarlyMessages = attrs.Factory(EarlyMessages)
+    rendezvous_count: int = 0
+    _nursery: trio.Nursery | None = None
+    _agent_lock: trio.Lock = attrs.Factory(trio.Lock)
+    _dealers: dict[str, Dealer] = attrs.Factory(dict)
+    _dealer_locks: dict[str, trio.Lock] = attrs.Factory(dict)
+    _ctx_peers: dict[str, _CtxPeer] = attrs.Factory(dict)
+    _remote_names: dict[tuple[str, int], str] = attrs.Factory(dict)
+    _replies: dict[_Slot, trio.MemorySendChannel[Message]] = attrs.Factory(dict)
+    _timing: dict[int, _Timing] = attrs.Factory(dict)
+    _failed_early: dict[int, str] = attrs.Factory(dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.registrar = PeerRegistrar(self.local)
+
+    @property
+    def info_endpoint(self) -> str:
+        return self.instance[0].control_endpoint
+
+    # ---- service ----
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._listen_router)
+            nursery.start_soon(self._poll_notifications)
+            nursery.start_soon(self._sweep)
+            task_status.started()
+
+    def statistics(self) -> TransceiverStatistics:
+        bad = self.router.statistics().bad_frames + sum(
+            d.statistics().bad_frames for d in self._dealers.values()
+        )
+        return TransceiverStatistics(
+            rendezvous=self.rendezvous_count,
+            senders=len(self.senders),
+            receivers=len(self.receivers),
+            bad_frames=bad,
+        )
+
+    def _spawn(self, fn: Callable[..., object], *args: object) -> None:
+        assert self._nursery is not None, "the transceiver is not running"
+        self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
+
+    # ---- ctx (sender) side ----
+
+    def respond_and_send_async(
+        self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int
+    ) -> None:
+        session = SenderSession(key=key, deadline=self.clock() + self.timeout_s)
+        session.set_source(block_ids, num_tokens)
+        self.senders.add(session)
+        self._timing[key] = _Timing(started=self.clock())
+        requests, cancelled = self.early.take(key)
+        if cancelled:
+            session.cancel()
+        for request in requests:
+            self._accept_request(session, request)
+        self._start_writes(session)
+
+    def check_context_transfer_status(self) -> list[TransferOutcome]:
+        now = self.clock()
+        for session in self.senders.expired(now):
+            session.fail(f"KV transfer {session.key} timed out after {self.timeout_s:g}s")
+        done = []
+        for session in self.senders:
+            if session.is_terminal and session.is_quiescent:
+                self.senders.pop(session.key)
+                status = session.status
+                done.append(
+                    self._outcome(
+                        session.key,
+                        ok=status is SenderStatus.TRANSFERRED,
+                        cancelled=status is SenderStatus.CANCELLED,
+                        error=session.error,
+                    )
+                )
+        return done
+
+    def _accept_request(self, session: SenderSession, request: RequestData) -> None:
+        peer_key = (request.instance_name, request.instance_rank)
+        peer = self.registrar.get(peer_key)
+        if peer is None:
+            return
+        if session.expected is None:
+            overlap = self.registrar.overlap(peer, peer_dp_rank=peer.dp_rank)
+            session.bind(request.instance_name, frozenset(overlap.ranks))
+        session.add_request(request)
+
+    def _start_writes(self, session: SenderSession) -> None:
+        for request in session.take_writes():
+            self._spawn(self._write, session, request)
+
+    async def _write(self, session: SenderSession, request: RequestData) -> None:
+        peer_key = (request.instance_name, request.instance_rank)
+        status, error, num_bytes, descriptors = ResultStatus.OK, "", 0, 0
+        start = self.clock()
+        try:
+            num_bytes, descriptors = await self._do_write(session, request)
+        except (TransferLayerError, ValueError) as exc:
+            status, error = ResultStatus.ERROR, f"{type(exc).__name__}: {exc}"
+            log.warning("KV write %d to %s failed: %s", session.key, peer_key, error)
+        if session.cancelled and status is ResultStatus.OK and num_bytes == 0:
+            status = ResultStatus.CANCELLED
+        session.write_finished(request.instance_rank, status, error)
+        if status is ResultStatus.OK:
+            self.on_write(num_bytes, descriptors, self.clock() - start)
+        result = TransferResult(
+            key=session.key,
+            instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            status=status,
+            num_bytes=num_bytes,
+            num_descriptors=descriptors,
+            error=error,
+        )
+        peer = self.registrar.get(peer_key)
+        if peer is not None:
+            await self._send(peer.control_endpoint, result)
+        self.wake()
+
+    async def _do_write(self, session: SenderSession, request: RequestData) -> tuple[int, int]:
+        assert session.source is not None
+        plan = self.registrar.send_plan((request.instance_name, request.instance_rank))
+        dst_blocks = [list(unpack_block_ids(ids)) for ids in request.block_ids]
+        num_tokens = min(request.num_tokens, session.source.num_tokens)
+        fragments = plan.fragments(
+            src_blocks=session.source.block_ids, dst_blocks=dst_blocks, num_tokens=num_tokens
+        )
+        if session.cancelled or len(fragments) == 0:
+            return 0, 0
+        remote = self._remote_names[(request.instance_name, request.instance_rank)]
+        notice = encode(
+            WriteNotice(
+                key=session.key,
+                instance_name=self.local.instance_name,
+                instance_rank=self.local.instance_rank,
+            )
+        )
+        pool = plan.peer.page_table.layer_groups[0].pool
+        async with self._agent_lock:
+            handle = await trio.to_thread.run_sync(
+                lambda: self.agent.submit_write(
+                    fragments,
+                    remote,
+                    notice,
+                    dst_memory_type=pool.memory_type,
+                    dst_device_id=pool.device_id,
+                )
+            )
+        delay = 0.00005
+        try:
+            while True:
+                async with self._agent_lock:
+                    state = self.agent.poll(handle)
+                if state is XferStatus.DONE:
+                    break
+                if state is XferStatus.ERROR:
+                    raise TransferLayerError(f"agent reported an error writing {session.key}")
+                await trio.sleep(delay)
+                delay = min(delay * 2, 0.002)
+        finally:
+            async with self._agent_lock:
+                self.agent.release(handle)
+        return fragments.num_bytes, len(fragments)
+
+    # ---- gen (receiver) side ----
+
+    def request_and_receive_async(
+        self, key: int, ctx_info_endpoint: str, block_ids: Sequence[Sequence[int]], num_tokens: int
+    ) -> None:
+        self._timing[key] = _Timing(started=self.clock())
+        self._spawn(self._receive, key, ctx_info_endpoint, block_ids, num_tokens)
+
+    async def _receive(
+        self, key: int, endpoint: str, block_ids: Sequence[Sequence[int]], num_tokens: int
+    ) -> None:
+        deadline = self.clock() + self.timeout_s
+        try:
+            ranks = await self._ensure_ctx_peer(endpoint)
+        except PeerIncompatible as exc:
+            self._fail_receive(key, str(exc))
+            return
+        except (TransferLayerError, OSError, trio.TooSlowError) as exc:
+            self._fail_receive(key, f"cannot reach ctx at {endpoint}: {exc}")
+            return
+        overlap = self.registrar.overlap(ranks[0], peer_dp_rank=ranks[0].dp_rank)
+        session = ReceiverSession(
+            key=key,
+            peer_instance=ranks[0].instance_name,
+            expected=frozenset(overlap.ranks),
+            deadline=deadline,
+        )
+        try:
+            self.receivers.add(session)
+        except ValueError:
+            self._fail_receive(key, f"transfer key {key} is already being received")
+            return
+        request = RequestData(
+            key=key,
+            instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            block_ids=tuple(pack_block_ids(ids) for ids in block_ids),
+            num_tokens=num_tokens,
+        )
+        session.mark_requested()
+        by_rank = {info.instance_rank: info for info in ranks}
+        for rank in sorted(session.expected):
+            await self._send(by_rank[rank].control_endpoint, request)
+
+    def _fail_receive(self, key: int, reason: str) -> None:
+        self._failed_early[key] = reason
+        self.wake()
+
+    def check_gen_transfer_status(self) -> list[TransferOutcome]:
+        now = self.clock()
+        done = [self._outcome(key, ok=False, error=err) for key, err in self._failed_early.items()]
+        self._failed_early.clear()
+        for session in self.receivers.expired(now):
+            session.fail(f"KV transfer {session.key} timed out after {self.timeout_s:g}s")
+            self._spawn(self._send_cancel, session)
+        for session in self.receivers:
+            if session.is_terminal:
+                self.receivers.pop(session.key)
+                status = session.status
+                done.append(
+                    self._outcome(
+                        session.key,
+                        ok=status is ReceiverStatus.TRANSFERRED,
+                        cancelled=status is ReceiverStatus.CANCELLED,
+                        error=session.error,
+                        num_bytes=session.num_bytes,
+                        num_descriptors=session.num_descriptors,
+                    )
+                )
+        return done
+
+    async def _ensure_ctx_peer(self, endpoint: str) -> tuple[RankInfo, ...]:
+        """Rendezvous with the ctx instance at `endpoint` once; cached, refusal included."""
+        peer = self._ctx_peers.get(endpoint)
+        if peer is None:
+            peer = self._ctx_peers[endpoint] = _CtxPeer()
+            try:
+                with trio.fail_after(RENDEZVOUS_TIMEOUT_S):
+                    peer.ranks = await self._rendezvous(endpoint)
+            except PeerIncompatible as exc:
+                peer.refusal = str(exc)
+            except BaseException:
+                del self._ctx_peers[endpoint]  # transient: the next request tries again
+                peer.ready.set()
+                raise
+            finally:
+                peer.ready.set()
+        await peer.ready.wait()
+        if peer.refusal is not None:
+            raise PeerIncompatible(endpoint, peer.refusal)
+        if not peer.ranks:
+            raise TransferLayerError(f"rendezvous with {endpoint} failed")
+        return peer.ranks
+
+    async def _rendezvous(self, endpoint: str) -> tuple[RankInfo, ...]:
+        self.rendezvous_count += 1
+        reply = await self._request(
+            endpoint,
+            RequestInstanceInfo(protocol_version=PROTOCOL_VERSION),
+            _Slot(endpoint=endpoint, kind="INFO"),
+        )
+        if not isinstance(reply, InstanceInfo) or not reply.ranks:
+            raise TransferLayerError(f"{endpoint} answered {type(reply).__name__}, no RankInfo")
+        for info in reply.ranks:
+            self.registrar.register(info)  # compatibility gate on our side
+        for info in reply.ranks:
+            ack = await self._request(
+                info.control_endpoint,
+                RegisterPeer(info=self.local),
+                _Slot(
+                    endpoint=info.control_endpoint,
+                    kind="ACK",
+                    instance_name=info.instance_name,
+                    instance_rank=info.instance_rank,
+                ),
+            )
+            if not isinstance(ack, RegisterAck) or not ack.accepted:
+                reason = ack.reason if isinstance(ack, RegisterAck) else "no acknowledgement"
+                raise PeerIncompatible(info.label, reason)
+        log.info(
+            "registered with ctx instance %s at %s (%d ranks)",
+            reply.ranks[0].instance_name,
+            endpoint,
+            len(reply.ranks),
+        )
+        return reply.ranks
+
+    async def _request(self, endpoint: str, message: Message, slot: _Slot) -> Message:
+        """Send `message` on the dealer to `endpoint`; wait for the reply filed under `slot`."""
+        send, receive = trio.open_memory_channel[Message](1)
+        self._replies[slot] = send
+        try:
+            await self._send(endpoint, message)
+            return await receive.receive()
+        finally:
+            self._replies.pop(slot, None)
+
+    # ---- both sides ----
+
+    def cancel_request(self, key: int) -> bool:
+        """Stop transfer `key`. True when no write can still land in (or read from) its blocks."""
+        sender = self.senders.get(key)
+        if sender is not None:
+            quiescent = sender.cancel()
+            for rank in sender.requesters:
+                self._spawn(self._notify_cancel, sender, rank)
+            return quiescent
+        receiver = self.receivers.get(key)
+        if receiver is not None:
+            receiver.cancel()
+            self._spawn(self._send_cancel, receiver)
+            return receiver.is_quiescent
+        return True
+
+    async def _notify_cancel(self, session: SenderSession, rank: int) -> None:
+        if session.peer_instance is None:
+            return
+        peer = self.registrar.get((session.peer_instance, rank))
+        if peer is not None:
+            await self._send(peer.control_endpoint, self._cancel_message(session.key))
+
+    async def _send_cancel(self, session: ReceiverSession) -> None:
+        for rank in session.expected:
+            peer = self.registrar.get((session.peer_instance, rank))
+            if peer is not None:
+                await self._send(peer.control_endpoint, self._cancel_message(session.key))
+
+    def _cancel_message(self, key: int) -> Cancel:
+        return Cancel(
+            key=key, instance_name=self.local.instance_name, instance_rank=self.local.instance_rank
+        )
+
+    def _outcome(
+        self,
+        key: int,
+        *,
+        ok: bool,
+        cancelled: bool = False,
+        error: str | None = None,
+        num_bytes: int = 0,
+        num_descriptors: int = 0,
+    ) -> TransferOutcome:
+        timing = self._timing.pop(key, None)
+        seconds = self.clock() - timing.started if timing is not None else 0.0
+        return TransferOutcome(
+            key=key,
+            ok=ok,
+            cancelled=cancelled,
+            error=error,
+            num_bytes=num_bytes,
+            num_descriptors=num_descriptors,
+            seconds=seconds,
+        )
+
+    # ---- messaging ----
+
+    async def _send(self, endpoint: str, message: Message) -> None:
+        dealer = await self._dealer(endpoint)
+        await dealer.send_message(message)
+
+    async def _dealer(self, endpoint: str) -> Dealer:
+        dealer = self._dealers.get(endpoint)
+        if dealer is not None:
+            return dealer
+        lock = self._dealer_locks.setdefault(endpoint, trio.Lock())
+        async with lock:
+            dealer = self._dealers.get(endpoint)
+            if dealer is None:
+                assert self._nursery is not None
+                dealer = await self._nursery.start(self._hold_dealer, endpoint)
+            return dealer
+
+    async def _hold_dealer(
+        self, endpoint: str, *, task_status: trio.TaskStatus[Dealer] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Own one DEALER for the life of the service; what it receives goes to dispatch."""
+        async with open_dealer(endpoint) as dealer:
+            self._dealers[endpoint] = dealer
+            task_status.started(dealer)
+            while True:
+                message = await dealer.receive_message()
+                await self._dispatch(message, reply=None, source=endpoint)
+
+    async def _listen_router(self) -> None:
+        while True:
+            identity, message = await self.router.receive_message()
+            await self._dispatch(message, reply=identity, source="")
+
+    async def _dispatch(self, message: Message, *, reply: bytes | None, source: str) -> None:
+        """Route one inbound message. Never blocks on a transfer; never raises on peer input."""
+        try:
+            await self._handle(message, reply, source)
+        except TransferLayerError as exc:
+            log.warning("dropped %s: %s", type(message).__name__, exc)
+
+    async def _handle(self, message: Message, reply: bytes | None, source: str) -> None:
+        match message:
+            case RequestInstanceInfo():
+                if reply is not None and self.local.instance_rank == 0:
+                    info = InstanceInfo(protocol_version=PROTOCOL_VERSION, ranks=self.instance)
+                    await self.router.send_message(reply, info)
+            case RegisterPeer(info=info):
+                if reply is not None:
+                    await self._register_peer(info, reply)
+            case InstanceInfo():
+                self._deliver(_Slot(endpoint=source, kind="INFO"), message)
+            case RegisterAck():
+                slot = _Slot(
+                    endpoint=source,
+                    kind="ACK",
+                    instance_name=message.instance_name,
+                    instance_rank=message.instance_rank,
+                )
+                self._deliver(slot, message)
+            case RequestData():
+                self._on_request_data(message)
+            case TransferResult():
+                session = self.receivers.lookup(message.instance_name, message.key)
+                if session is not None and session.on_result(
+                    message.instance_rank,
+                    message.status,
+                    num_bytes=message.num_bytes,
+                    num_descriptors=message.num_descriptors,
+                    error=message.error,
+                ):
+                    self.wake()
+            case Cancel():
+                self._on_cancel(message)
+            case WriteNotice():
+                pass  # only valid as an agent notification payload
+
+    def _deliver(self, slot: _Slot, message: Message) -> None:
+        channel = self._replies.get(slot)
+        if channel is not None:
+            try:
+                channel.send_nowait(message)
+            except (trio.WouldBlock, trio.BrokenResourceError):
+                pass
+
+    async def _register_peer(self, info: RankInfo, identity: bytes) -> None:
+        accepted, reason = True, ""
+        try:
+            self.registrar.register(info)
+            if info.key not in self._remote_names:
+                async with self._agent_lock:
+                    name = await trio.to_thread.run_sync(self.agent.add_remote, info.agent_metadata)
+                self._remote_names[info.key] = name
+        except (PeerIncompatible, TransferLayerError) as exc:
+            accepted, reason = False, str(exc)
+            log.warning("refused gen rank %s: %s", info.label, reason)
+        ack = RegisterAck(
+            instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            accepted=accepted,
+            reason=reason,
+        )
+        await self.router.send_message(identity, ack)
+
+    def _on_request_data(self, request: RequestData) -> None:
+        if self.registrar.get((request.instance_name, request.instance_rank)) is None:
+            log.warning(
+                "REQUEST_DATA %d from unregistered rank %s#%d dropped",
+                request.key,
+                request.instance_name,
+                request.instance_rank,
+            )
+            return
+        session = self.senders.lookup(request.instance_name, request.key)
+        if session is None:
+            if self.senders.get(request.key) is None:
+                self.early.add_request(self.clock(), request)
+            return
+        self._accept_request(session, request)
+        self._start_writes(session)
+
+    def _on_cancel(self, cancel: Cancel) -> None:
+        sender = self.senders.lookup(cancel.instance_name, cancel.key)
+        if sender is not None:
+            sender.cancel()
+            self.wake()
+            return
+        receiver = self.receivers.lookup(cancel.instance_name, cancel.key)
+        if receiver is not None:
+            receiver.cancel()
+            self.wake()
+            return
+        if self.senders.get(cancel.key) is None:
+            self.early.add_cancel(self.clock(), cancel.key)
+
+    async def _poll_notifications(self) -> None:
+        """Agent notifications (WRITE_NOTICE) mark the bytes of a write as landed."""
+        while True:
+            await trio.sleep(0.0005 if len(self.receivers) else 0.005)
+            if not len(self.receivers):
+                continue
+            async with self._agent_lock:
+                notes = self.agent.get_notifications()
+            for _remote, payload in notes:
+                try:
+                    notice = decode(payload)
+                except TransferLayerError:
+                    continue
+                if not isinstance(notice, WriteNotice):
+                    continue
+                session = self.receivers.lookup(notice.instance_name, notice.key)
+                if session is not None and session.on_notice(notice.instance_rank):
+                    self.wake()
+
+    async def _sweep(self) -> None:
+        """Wake the executor at deadlines, and drop stale early messages."""
+        while True:
+            deadlines = [s.deadline for s in self.senders] + [s.deadline for s in self.receivers]
+            wait = min(deadlines, default=math.inf) - self.clock()
+            await trio.sleep(min(max(wait, 0.01), 1.0))
+            if any(s.expired(self.clock()) for s in self.senders) or any(
+                s.expired(self.clock()) for s in self.receivers
+            ):
+                self.wake()
+            self.early.sweep(self.clock())

@@ -1,0 +1,248 @@
+"""Control-plane messages and their one msgpack codec. Pure.
+
+Every message is a frozen attrs class; `Message` is their tagged union (tag key `"type"`, tag
+values are the protocol's message names such as `"REQUEST_DATA"`). `encode` and `decode` are the
+only path between bytes and messages. `decode` never raises anything but `ProtocolError`, whatever
+the bytes: peers and the network are untrusted input.
+
+Conversation (one ZMQ frame carries one encoded message):
+
+    gen rank -> ctx rank 0    REQUEST_INSTANCE_INFO   -> INSTANCE_INFO (every ctx rank's RankInfo)
+    gen rank -> each ctx rank REGISTER_PEER (own)     -> REGISTER_ACK (accepted, or refused+reason)
+    gen rank -> ctx rank      REQUEST_DATA (key, destination block ids, token count)
+    ctx rank -> gen rank      TRANSFER_RESULT (one per REQUEST_DATA, also when 0 bytes moved)
+    either   -> either        CANCEL (key)
+    ctx agent -> gen agent    WRITE_NOTICE: not a ZMQ message but the NIXL notification payload of
+                              a write, so gen knows the bytes of that write have landed.
+
+Block id lists travel as packed little-endian int64 (`pack_block_ids`), one `bytes` per layer
+group of the receiver, not as msgpack lists.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Any, Final
+
+import attrs
+import cattrs
+from cattrs.preconf.msgpack import MsgpackConverter, make_converter
+from cattrs.strategies import configure_tagged_union
+from cattrs.v import format_exception
+
+from trtdisagg.transfer.errors import ProtocolError
+from trtdisagg.transfer.rank_info import RankInfo
+
+PROTOCOL_VERSION: Final = 1
+MAX_KEY: Final = 2**63 - 1
+
+
+def pack_block_ids(block_ids: Sequence[int]) -> bytes:
+    """Block ids as little-endian int64 bytes."""
+    packed = array("q", block_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_block_ids(data: bytes) -> tuple[int, ...]:
+    """Inverse of `pack_block_ids`; ProtocolError on a length that is not a multiple of 8."""
+    if len(data) % 8:
+        raise ProtocolError(f"packed block ids of {len(data)} bytes, not a multiple of 8")
+    unpacked = array("q")
+    unpacked.frombytes(data)
+    if sys.byteorder != "little":
+        unpacked.byteswap()
+    return tuple(unpacked)
+
+
+def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{attr.name} must not be negative, got {value}")
+
+
+def _positive(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"{attr.name} must be positive, got {value}")
+
+
+def _key(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
+    if not 0 <= value <= MAX_KEY:
+        raise ValueError(f"{attr.name} {value} outside [0, 2**63)")
+
+
+def _packed_ids(_inst: object, attr: attrs.Attribute[Any], value: tuple[bytes, ...]) -> None:
+    if any(len(ids) % 8 for ids in value):
+        raise ValueError(f"{attr.name}: packed block ids must be multiples of 8 bytes")
+
+
+class ResultStatus(enum.Enum):
+    OK = "ok"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+@attrs.frozen(kw_only=True)
+class RequestInstanceInfo:
+    """gen -> ctx rank 0: send me every rank's RankInfo."""
+
+    protocol_version: int
+
+
+@attrs.frozen(kw_only=True)
+class InstanceInfo:
+    """ctx rank 0 -> gen: every rank of the instance, ordered by instance_rank."""
+
+    protocol_version: int
+    ranks: tuple[RankInfo, ...]
+
+
+@attrs.frozen(kw_only=True)
+class RegisterPeer:
+    """gen rank -> each ctx rank, once per ctx instance: here is who I am."""
+
+    info: RankInfo
+
+
+@attrs.frozen(kw_only=True)
+class RegisterAck:
+    """ctx rank -> gen rank: registration accepted, or refused with the incompatibility reason."""
+
+    instance_name: str  # the acknowledging (ctx) rank
+    instance_rank: int = attrs.field(validator=_non_negative)
+    accepted: bool
+    reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class RequestData:
+    """gen rank -> ctx rank: write transfer `key`'s KV into these blocks of mine.
+
+    `block_ids[g]` holds the packed destination block ids of my layer group `g`; each list is a
+    suffix of the request's blocks `[0, ceil(num_tokens / tokens_per_block))` (a shorter list
+    skips blocks gen already has, e.g. from its prefix cache).
+    """
+
+    key: int = attrs.field(validator=_key)  # disagg_request_id
+    instance_name: str  # the requesting (gen) rank
+    instance_rank: int = attrs.field(validator=_non_negative)
+    block_ids: tuple[bytes, ...] = attrs.field(validator=_packed_ids, repr=False)
+    num_tokens: int = attrs.field(validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class TransferResult:
+    """ctx rank -> gen rank: the outcome of one REQUEST_DATA (also 0 bytes, also on failure)."""
+
+    key: int = attrs.field(validator=_key)
+    instance_name: str  # the reporting (ctx) rank
+    instance_rank: int = attrs.field(validator=_non_negative)
+    status: ResultStatus
+    num_bytes: int = attrs.field(default=0, validator=_non_negative)
+    num_descriptors: int = attrs.field(default=0, validator=_non_negative)
+    error: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Cancel:
+    """Either direction: stop transfer `key`; the sender names itself so only its peer's session
+    is touched."""
+
+    key: int = attrs.field(validator=_key)
+    instance_name: str
+    instance_rank: int = attrs.field(validator=_non_negative)
+    reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class WriteNotice:
+    """Payload of the transfer agent's notification for one write of `key` by a ctx rank."""
+
+    key: int = attrs.field(validator=_key)
+    instance_name: str  # the writing (ctx) rank
+    instance_rank: int = attrs.field(validator=_non_negative)
+
+
+Message = (
+    RequestInstanceInfo
+    | InstanceInfo
+    | RegisterPeer
+    | RegisterAck
+    | RequestData
+    | TransferResult
+    | Cancel
+    | WriteNotice
+)
+
+MESSAGE_TAGS: Final[dict[type, str]] = {
+    RequestInstanceInfo: "REQUEST_INSTANCE_INFO",
+    InstanceInfo: "INSTANCE_INFO",
+    RegisterPeer: "REGISTER_PEER",
+    RegisterAck: "REGISTER_ACK",
+    RequestData: "REQUEST_DATA",
+    TransferResult: "TRANSFER_RESULT",
+    Cancel: "CANCEL",
+    WriteNotice: "WRITE_NOTICE",
+}
+
+
+def _strict(kind: type) -> Any:
+    """A structure hook that accepts exactly `kind` (no int("5"), no bytes(5), no bool as int)."""
+
+    def hook(value: object, _type: object) -> object:
+        if type(value) is not kind:
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return hook
+
+
+def _make_converter() -> MsgpackConverter:
+    converter = make_converter(forbid_extra_keys=True)
+    for kind in (int, str, bytes, bool):
+        converter.register_structure_hook(kind, _strict(kind))
+    configure_tagged_union(
+        Message, converter, tag_generator=MESSAGE_TAGS.__getitem__, tag_name="type"
+    )
+    return converter
+
+
+_converter: Final = _make_converter()
+
+
+def encode(message: Message) -> bytes:
+    """One message as msgpack bytes (a map with a `"type"` tag)."""
+    data: bytes = _converter.dumps(message, unstructure_as=Message)
+    return data
+
+
+def decode(data: bytes) -> Message:
+    """Bytes from a peer as a message.
+
+    Raises:
+        ProtocolError: for anything that is not a well-formed message of this protocol: bad
+            msgpack, trailing bytes, unknown tag, missing/extra/mistyped fields, failed validation.
+            Nothing else escapes, whatever the input.
+    """
+    try:
+        # A union is not a `type[T]` to mypy; the tagged-union hook returns one of its members.
+        message: Message = _converter.loads(data, Message)  # type: ignore[arg-type]
+    except Exception as exc:  # untrusted input: every failure mode of msgpack/cattrs is one error
+        raise ProtocolError(f"undecodable message ({len(data)} bytes): {_describe(exc)}") from exc
+    return message
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, cattrs.BaseValidationError):
+        return "; ".join(cattrs.transform_error(exc, format_exception=_format_leaf))
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _format_leaf(exc: BaseException, kind: type | None) -> str:
+    # A validator's ValueError says what is wrong ("key -1 outside [0, 2**63)"); keep it.
+    if type(exc) is ValueError and kind is None:
+        return f"invalid value ({exc})"
+    return format_exception(exc, kind)
