@@ -75,6 +75,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     overrides["role"] = args.role.value
     if "TRTDISAGG_API_KEY" in os.environ:
         overrides["api_key"] = os.environ["TRTDISAGG_API_KEY"]
+    if os.environ.get("TRTDISAGG_TEST_HOOKS") == "1":
+        overrides["enable_test_hooks"] = True
     config = load_worker_config(args.config, overrides)
     _setup_logging(config.log_level, f"[{config.role.value}:{config.port}]")
     trio.run(_until_terminated, serve_worker, config)

@@ -32,6 +32,7 @@ class WorkerMetrics:
     kv_transfer_failures: Counter
     control_bad_frames: Counter
     preemptions: Counter
+    kv_rendezvous: Counter
 
     @classmethod
     def create(cls) -> WorkerMetrics:
@@ -84,6 +85,9 @@ class WorkerMetrics:
                 p + "control_bad_frames", "Malformed control-plane frames dropped", registry=r
             ),
             preemptions=Counter(p + "preemptions", "Requests preempted for KV space", registry=r),
+            kv_rendezvous=Counter(
+                p + "kv_rendezvous", "Rendezvous round trips with ctx instances", registry=r
+            ),
         )
 
     def render(self, refresh: Callable[[], None] | None = None) -> bytes:

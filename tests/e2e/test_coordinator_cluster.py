@@ -321,7 +321,9 @@ def test_client_disconnect_mid_stream_frees_gen_within_a_second(
     with coordinator(tmp_path, workers) as coord:
         request = body("Once upon a time", 2000, stream=True, ignore_eos=True)
         with httpx.stream("POST", coord.url + "/v1/completions", json=request, timeout=60) as r:
-            for line in r.iter_lines():
+            # Hold the iterator: a dropped one closes the connection and would hang up early.
+            lines = r.iter_lines()
+            for line in lines:
                 if line.startswith("data: {"):
                     break
             assert running(gen) == 1

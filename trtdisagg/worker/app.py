@@ -97,6 +97,13 @@ def create_app(service: WorkerService) -> QuartTrio:
     async def kv_cache_events() -> Response:
         return _json(service.drain_kv_events())
 
+    @app.get("/debug/kv_digests")
+    async def kv_digests() -> Response:
+        hooks = service.executor.test_hooks
+        if hooks is None:
+            raise ApiError(404, f"route {request.path} not found")
+        return _json({str(key): digest for key, digest in hooks.digests.items()})
+
     @app.get("/v1/models")
     async def models() -> Response:
         return _json(

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import attrs
 import trio
+from prometheus_client import Counter
 
 from trtdisagg.api.protocol import PerfMetrics
 from trtdisagg.errors import CapacityError
@@ -38,6 +39,7 @@ from trtdisagg.worker.runner import ModelRunner, Sampled, StepOutput
 from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, make_generator
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
 from trtdisagg.worker.stopping import StopStrings
+from trtdisagg.worker.test_hooks import TestHooks
 from trtdisagg.worker.tokenization import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,7 @@ class Executor:
     role: str
     max_seq_len: int
     transceiver: KvTransceiver | None = None
+    test_hooks: TestHooks | None = None
     clock: Callable[[], float] = time.monotonic
     _live: dict[int, _Live] = attrs.field(factory=dict, alias="live")
     _new: list[_Live] = attrs.field(factory=list, alias="new")
@@ -109,6 +112,7 @@ class Executor:
     _receiving: dict[int, _Live] = attrs.field(factory=dict, alias="receiving")
     _sending: dict[int, Request] = attrs.field(factory=dict, alias="sending")
     _cancelling: dict[int, _Live] = attrs.field(factory=dict, alias="cancelling")
+    _synced: dict[str, int] = attrs.field(factory=dict, alias="synced")
     _wake: trio.Event = attrs.field(factory=trio.Event, alias="wake")
     steps: int = 0
 
@@ -223,6 +227,12 @@ class Executor:
 
     def _abort(self, live: _Live, now: float) -> None:
         request = live.request
+        log.info(
+            "request %d aborted by its client (state %s, %d tokens out)",
+            request.request_id,
+            request.state.value,
+            len(request.output_token_ids),
+        )
         if live in self._pending_gen:
             self._pending_gen.remove(live)
         elif live.source is not None and live.source.key in self._receiving:
@@ -302,6 +312,12 @@ class Executor:
         assert source is not None
         request = live.request
         self.scheduler.kv_received(request, source.first_token)
+        if self.test_hooks is not None:
+            table = request.block_table
+            assert table is not None
+            self.test_hooks.record(
+                source.key, self.runner.cache, table.block_ids, request.num_prompt_tokens
+            )
         self._after_token(live, source.first_token, None, now)
 
     def _start_send(self, live: _Live, now: float) -> None:
@@ -312,6 +328,10 @@ class Executor:
         assert key is not None and table is not None and self.transceiver is not None
         self.scheduler.hold_for_transfer(request)
         self._sending[key] = request
+        if self.test_hooks is not None:
+            self.test_hooks.record(
+                key, self.runner.cache, table.block_ids, request.num_prompt_tokens
+            )
         self.transceiver.respond_and_send_async(
             key, [list(table.block_ids)], request.num_prompt_tokens
         )
@@ -453,7 +473,18 @@ class Executor:
         if status == "ok":
             self.metrics.e2e_latency.observe(now - request.arrival_time)
 
+    def _advance(self, counter: Counter, name: str, total: int) -> None:
+        """Bring a Prometheus counter up to a running total kept by the transceiver."""
+        delta = total - self._synced.get(name, 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._synced[name] = total
+
     def refresh_gauges(self) -> None:
+        if self.transceiver is not None:
+            transfer = self.transceiver.statistics()
+            self._advance(self.metrics.kv_rendezvous, "rendezvous", transfer.rendezvous)
+            self._advance(self.metrics.control_bad_frames, "bad_frames", transfer.bad_frames)
         stats = self.scheduler.statistics()
         self.metrics.requests_running.set(stats.num_running)
         self.metrics.requests_waiting.set(stats.num_waiting)

@@ -25,6 +25,7 @@ from trtdisagg.worker.executor import Executor
 from trtdisagg.worker.runner import build_runner
 from trtdisagg.worker.scheduler import Scheduler
 from trtdisagg.worker.service import WorkerService
+from trtdisagg.worker.test_hooks import TestHooks
 from trtdisagg.worker.tokenization import Tokenizer
 from trtdisagg.worker.transfer_setup import build_transceiver
 
@@ -80,6 +81,9 @@ async def serve_worker(
         role=config.role.value,
         max_seq_len=max_seq_len,
     )
+    if config.enable_test_hooks:
+        executor.test_hooks = TestHooks()
+        log.warning("test hooks are enabled (TRTDISAGG_TEST_HOOKS=1): not for production")
     served = config.served_model_name or ("tiny" if config.model == "tiny" else model_dir.name)
     service = WorkerService(
         config=config,

@@ -1,0 +1,254 @@
+"""ctx → gen over real processes, real ZMQ and real NIXL: tokens, bytes, lifecycle, refusals."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import zmq
+
+from tests.oracle import assert_greedy_match, hf_greedy
+from tests.procs import Server, metric, running_worker
+from trtdisagg.model.loader import resolve_model
+
+TIMEOUT_MS = 3000
+TRANSFER = {"backend": "NIXL", "kv_transfer_timeout_ms": TIMEOUT_MS}
+HOOKS = {"TRTDISAGG_TEST_HOOKS": "1"}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
+    tmp = tmp_path_factory.mktemp("pair")
+    with (
+        running_worker(tmp, "ctx", env=HOOKS, cache_transceiver_config=TRANSFER) as ctx,
+        running_worker(tmp, "gen", env=HOOKS, cache_transceiver_config=TRANSFER) as gen,
+    ):
+        yield ctx, gen
+
+
+def _gen_body(ctx_answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    params = dict(ctx_answer["choices"][0]["disaggregated_params"])
+    params["request_type"] = "generation_only"
+    return {**body, "prompt_token_ids": ctx_answer["prompt_token_ids"], "disaggregated_params": params}
+
+
+async def _split(
+    client: httpx.AsyncClient, ctx: Server, gen: Server, body: dict[str, Any]
+) -> tuple[list[int], int]:
+    """context_only on ctx, then generation_only on gen: (gen's tokens, transfer key)."""
+    ctx_body = {**body, "stream": False, "disaggregated_params": {"request_type": "context_only"}}
+    r = await client.post(ctx.url + "/v1/completions", json=ctx_body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    key = answer["choices"][0]["disaggregated_params"]["disagg_request_id"]
+    assert answer["choices"][0]["finish_reason"] is None
+    gen_body = _gen_body(answer, body)
+    if not body.get("stream"):
+        g = await client.post(gen.url + "/v1/completions", json=gen_body)
+        assert g.status_code == 200, g.text
+        return list(g.json()["choices"][0]["token_ids"]), key
+    tokens: list[int] = []
+    async with client.stream("POST", gen.url + "/v1/completions", json=gen_body) as g:
+        assert g.status_code == 200
+        async for line in g.aiter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens.extend(choice.get("token_ids", []))
+    return tokens, key
+
+
+async def _aggregated(client: httpx.AsyncClient, server: Server, body: dict[str, Any]) -> list[int]:
+    r = await client.post(server.url + "/v1/completions", json={**body, "stream": False})
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+def _body(prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}  # fmt: skip
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+async def _wait_idle(client: httpx.AsyncClient, server: Server, timeout: float = 10.0) -> str:
+    with trio.fail_after(timeout):
+        while True:
+            text = (await client.get(server.url + "/metrics")).text
+            free = metric(text, "trtdisagg_kv_cache_free_blocks")
+            reusable = metric(text, "trtdisagg_kv_cache_reusable_blocks")
+            total = metric(text, "trtdisagg_kv_cache_total_blocks")
+            if metric(text, "trtdisagg_requests_running") == 0 and free + reusable == total:
+                return text
+            await trio.sleep(0.05)
+
+
+async def test_tokens_equal_aggregated_and_hf(pair: tuple[Server, Server]) -> None:
+    ctx, gen = pair
+    rng = random.Random(3)
+    model_dir = resolve_model("tiny")
+    async with httpx.AsyncClient(timeout=60) as client:
+        for n in (1, 15, 16, 17, 40, 100):  # block size 16: inside, on and across boundaries
+            body = _body(_prompt(rng, n), 12)
+            aggregated = await _aggregated(client, ctx, body)
+            split, _ = await _split(client, ctx, gen, body)
+            streamed, _ = await _split(client, ctx, gen, {**body, "stream": True})
+            assert split == aggregated, f"prompt of {n}: split {split} vs aggregated {aggregated}"
+            assert streamed == aggregated
+            if n in (17, 100):  # the whole path against the HF oracle (slow: two sizes)
+                reference, margins = hf_greedy(model_dir, body["prompt"], 12)
+                assert_greedy_match(split, reference, margins)
+        for server in pair:
+            await _wait_idle(client, server)
+
+
+async def test_32_concurrent_pairs_match_aggregated(pair: tuple[Server, Server]) -> None:
+    ctx, gen = pair
+    rng = random.Random(11)
+    bodies = [_body(_prompt(rng, rng.randint(1, 90)), rng.randint(2, 20), stream=i % 2 == 0)
+              for i in range(32)]  # fmt: skip
+    async with httpx.AsyncClient(timeout=120) as client:
+        expected = [await _aggregated(client, ctx, b) for b in bodies]
+        got: list[list[int]] = [[] for _ in bodies]
+
+        async def one(i: int) -> None:
+            got[i], _ = await _split(client, ctx, gen, bodies[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(bodies)):
+                nursery.start_soon(one, i)
+        assert got == expected
+        for server in pair:
+            await _wait_idle(client, server)
+
+
+async def test_gen_blocks_hold_exactly_the_ctx_bytes(pair: tuple[Server, Server]) -> None:
+    ctx, gen = pair
+    rng = random.Random(5)
+    async with httpx.AsyncClient(timeout=60) as client:
+        keys = [(await _split(client, ctx, gen, _body(_prompt(rng, n), 3)))[1] for n in (7, 33, 64)]
+        ctx_digests = (await client.get(ctx.url + "/debug/kv_digests")).json()
+        gen_digests = (await client.get(gen.url + "/debug/kv_digests")).json()
+    for key in keys:
+        assert ctx_digests[str(key)] == gen_digests[str(key)], f"transfer {key} changed bytes"
+    assert len({ctx_digests[str(k)] for k in keys}) == len(keys)  # digests see the content
+
+
+async def test_rendezvous_once_and_one_descriptor_per_run(pair: tuple[Server, Server]) -> None:
+    ctx, gen = pair
+    rng = random.Random(9)
+    async with httpx.AsyncClient(timeout=60) as client:
+        await _split(client, ctx, gen, _body(_prompt(rng, 20), 2))  # connection established
+        gen_before = (await client.get(gen.url + "/metrics")).text
+        for n in (5, 48, 80):
+            ctx_before = metric((await client.get(ctx.url + "/metrics")).text,
+                                "trtdisagg_kv_transfer_descriptors_total")  # fmt: skip
+            await _split(client, ctx, gen, _body(_prompt(rng, n), 2))
+            ctx_after = metric((await client.get(ctx.url + "/metrics")).text,
+                               "trtdisagg_kv_transfer_descriptors_total")  # fmt: skip
+            # Fresh prompts get consecutive blocks on both sides: one contiguous run, one write.
+            assert ctx_after - ctx_before == 1, f"prompt of {n}: {ctx_after - ctx_before} descriptors"
+        gen_after = (await client.get(gen.url + "/metrics")).text
+    name = "trtdisagg_kv_rendezvous_total"
+    assert metric(gen_before, name) >= 1
+    assert metric(gen_after, name) == metric(gen_before, name)
+
+
+async def test_gen_request_whose_ctx_never_answers_times_out(pair: tuple[Server, Server]) -> None:
+    ctx, gen = pair
+    endpoint = httpx.get(ctx.url + "/server_info").json()["disaggregated_params"]["ctx_info_endpoint"]
+    body = _body([5, 6, 7, 8], 4)
+    body["disaggregated_params"] = {
+        "request_type": "generation_only", "first_gen_tokens": [9], "ctx_request_id": 1,
+        "disagg_request_id": 2**50 + 12345, "ctx_info_endpoint": endpoint,
+    }  # fmt: skip
+    async with httpx.AsyncClient(timeout=60) as client:
+        start = time.monotonic()
+        r = await client.post(gen.url + "/v1/completions", json=body)
+        elapsed = time.monotonic() - start
+        assert r.status_code == 502, r.text
+        assert "timed out" in r.json()["error"]["message"]
+        assert TIMEOUT_MS / 1000 - 0.5 <= elapsed <= TIMEOUT_MS / 1000 + 3
+        await _wait_idle(client, gen)
+
+
+async def test_ctx_request_whose_gen_never_asks_is_freed(pair: tuple[Server, Server]) -> None:
+    ctx, _ = pair
+    body = _body(_prompt(random.Random(1), 50), 8)
+    body["disaggregated_params"] = {"request_type": "context_only"}
+    async with httpx.AsyncClient(timeout=60) as client:
+        r = await client.post(ctx.url + "/v1/completions", json=body)
+        assert r.status_code == 200
+        text = (await client.get(ctx.url + "/metrics")).text
+        held = metric(text, "trtdisagg_kv_cache_total_blocks") - metric(
+            text, "trtdisagg_kv_cache_free_blocks"
+        ) - metric(text, "trtdisagg_kv_cache_reusable_blocks")
+        assert held > 0  # pinned for the transfer that never comes
+        await _wait_idle(client, ctx, timeout=TIMEOUT_MS / 1000 + 5)
+
+
+async def test_garbage_frames_are_counted_and_dropped(pair: tuple[Server, Server]) -> None:
+    ctx, gen = pair
+    context = zmq.Context.instance()
+    for server in pair:
+        info = httpx.get(server.url + "/server_info").json()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 5000)  # connect is asynchronous: let the frames go out
+        socket.connect(info["disaggregated_params"]["ctx_info_endpoint"])
+        for frames in ([b"\x00garbage"], [b"a", b"b", b"c"], [b"\x81\xa4type\xa3BAD"], [b""]):
+            socket.send_multipart(frames)
+        socket.close()
+    async with httpx.AsyncClient(timeout=60) as client:
+        for server in pair:
+            with trio.fail_after(10):
+                while True:
+                    text = (await client.get(server.url + "/metrics")).text
+                    if metric(text, "trtdisagg_control_bad_frames_total") >= 3:
+                        break
+                    await trio.sleep(0.05)
+        tokens, _ = await _split(client, ctx, gen, _body([3, 4, 5, 6, 7], 4))
+        assert tokens == await _aggregated(client, ctx, _body([3, 4, 5, 6, 7], 4))
+
+
+@contextlib.contextmanager
+def _mismatched_gen(tmp_path: Path, **overrides: Any) -> Iterator[Server]:
+    with running_worker(tmp_path, "gen", cache_transceiver_config=TRANSFER, **overrides) as gen:
+        yield gen
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"kv_cache_config": {"tokens_per_block": 32}}, ["tokens_per_block", "32", "16"]),
+        ({"dtype": "bfloat16"}, ["dtype", "bfloat16", "float32"]),
+    ],
+)
+async def test_incompatible_pair_is_refused_fast_with_both_values(
+    pair: tuple[Server, Server], tmp_path: Path, overrides: dict[str, Any], words: list[str]
+) -> None:
+    ctx, _ = pair
+    with _mismatched_gen(tmp_path, **overrides) as gen:
+        async with httpx.AsyncClient(timeout=60) as client:
+            for attempt in range(2):
+                ctx_body = {**_body([1, 2, 3, 4, 5], 4),
+                            "disaggregated_params": {"request_type": "context_only"}}  # fmt: skip
+                answer = (await client.post(ctx.url + "/v1/completions", json=ctx_body)).json()
+                start = time.monotonic()
+                r = await client.post(gen.url + "/v1/completions",
+                                      json=_gen_body(answer, _body([1, 2, 3, 4, 5], 4)))  # fmt: skip
+                elapsed = time.monotonic() - start
+                assert r.status_code == 502, r.text
+                message = r.json()["error"]["message"]
+                for word in words:
+                    assert word in message, message
+                assert elapsed < (2.0 if attempt == 0 else 0.5)
+            await _wait_idle(client, gen)
