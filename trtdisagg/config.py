@@ -91,7 +91,12 @@ class WorkerConfig:
     # torch intra-op threads on CPU. Workers of one machine share its cores, and OpenMP threads
     # that spin against each other slow a step down tenfold, so the default is 1 per worker.
     cpu_threads: int = attrs.field(default=1, validator=_positive)
+    # CUDA only: replay decode steps from CUDA graphs captured at start (batch sizes 1..64).
+    cuda_graphs: bool = True
     api_key: str | None = None
+    # Test-only introspection and fault hooks (KV digests at /debug/kv_digests). Set through the
+    # TRTDISAGG_TEST_HOOKS=1 environment variable; never on in production.
+    enable_test_hooks: bool = False
     max_request_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
     log_level: str = "info"
 
