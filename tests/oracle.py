@@ -5,7 +5,8 @@
 * `hf_greedy` runs transformers greedily and records each step's top-2 logit margin.
 * `assert_greedy_match` compares token for token, allowing a stop only at a reference near-tie.
 * `PagedGreedy` drives our CausalLM over a paged KVCache the way the runner does (block ids,
-  slot mapping, chunked prefill, several sequences per batch), for tests that check the model.
+  slot mapping, chunked prefill, several sequences per batch), for tests that check the model;
+  with `batched_decode`, decode-only steps carry `DecodeMeta` (batched attention).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.kv.page_table import Layout
-from trtdisagg.model.batch import ForwardBatch, SeqSlice
+from trtdisagg.model.batch import DecodeMeta, ForwardBatch, SeqSlice
 from trtdisagg.model.llama import CausalLM
 from trtdisagg.model.tiny_tokenizer import BOS, EOS, PAD, special_token_id, write_tokenizer_files
 
@@ -181,6 +182,10 @@ class PagedGreedy:
 
     stages: list[tuple[CausalLM, KVCache]]
     next_block: int = 0
+    batched_decode: bool = False  # decode-only steps attend batched (DecodeMeta)
+    # Top-2 logit margin of each sequence at the last step, and the step's float32 logits.
+    last_margins: list[float] = attrs.field(factory=list)
+    last_logits: torch.Tensor | None = None
 
     @classmethod
     def single(
@@ -190,8 +195,10 @@ class PagedGreedy:
         layout: Layout = Layout.HND,
         tokens_per_block: int = 4,
         num_blocks: int = 256,
+        batched_decode: bool = False,
     ) -> PagedGreedy:
-        return cls(stages=[(model, make_cache(model, layout, tokens_per_block, num_blocks))])
+        cache = make_cache(model, layout, tokens_per_block, num_blocks)
+        return cls(stages=[(model, cache)], batched_decode=batched_decode)
 
     @property
     def tokens_per_block(self) -> int:
@@ -230,18 +237,33 @@ class PagedGreedy:
             slots.extend(seq.block_ids[p // tpb] * tpb + p % tpb for p in range(start, end))
             last.append(len(ids) - 1)
             seq.num_cached = end
+        decode: DecodeMeta | None = None
+        if self.batched_decode and all(n == 1 for _, n in work):
+            width = max(len(seq.block_ids) for seq, _ in work)
+            # Padded with block 0, as any valid id will do: padding is never attended.
+            table = [seq.block_ids + [0] * (width - len(seq.block_ids)) for seq, _ in work]
+            lens = [s.kv_len for s in slices]
+            decode = DecodeMeta(
+                block_table=torch.tensor(table, dtype=torch.int32, device=device),
+                context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+                max_context_len=max(lens),
+            )
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, device=device),
             positions=torch.tensor(positions, device=device),
             slot_mapping=torch.tensor(slots, device=device),
             seqs=tuple(slices),
             logits_indices=torch.tensor(last, device=device),
+            decode=decode,
         )
         hidden: torch.Tensor | None = None
         with torch.inference_mode():
             for model, cache in self.stages:
                 hidden = model(batch, cache, hidden)
         assert hidden is not None
+        self.last_logits = hidden.float().clone()
+        top = torch.topk(self.last_logits, 2, dim=-1).values
+        self.last_margins = [float(m) for m in (top[:, 0] - top[:, 1]).tolist()]
         return [int(t) for t in hidden.argmax(dim=-1).tolist()]
 
     def generate(
@@ -251,8 +273,10 @@ class PagedGreedy:
         *,
         chunks: Sequence[int] = (),
         seq: Seq | None = None,
+        margins: list[float] | None = None,
     ) -> list[int]:
-        """Greedy tokens for `prompt`; the prefill is split as `chunks` (the rest in one go)."""
+        """Greedy tokens for `prompt`; the prefill is split as `chunks` (the rest in one go).
+        Each output token's top-2 logit margin is appended to `margins` if given."""
         seq = seq or Seq(tokens=list(prompt))
         out: list[int] = []
         rest = len(seq.tokens) - seq.num_cached - sum(chunks)
@@ -261,6 +285,8 @@ class PagedGreedy:
             (token,) = self.step([(seq, n)])
         for _ in range(max_new_tokens):
             out.append(token)
+            if margins is not None:
+                margins.append(self.last_margins[0])
             seq.tokens.append(token)
             if len(out) == max_new_tokens:
                 break

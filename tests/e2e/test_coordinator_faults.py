@@ -106,6 +106,11 @@ def test_worker_death_5xx_then_503_then_recovery(tmp_path: Path) -> None:
         # With ctx gone too, new requests are refused at once with 503.
         ctx.send_signal(signal.SIGKILL)
         wait_for(lambda: status(coord.url) == 503, 5, "coordinator /health 503")
+        wait_for(
+            lambda: httpx.get(coord.url + "/cluster_info").json()["unhealthy"]["context"],
+            5,
+            "ctx marked unhealthy",
+        )
         started = time.monotonic()
         r = httpx.post(coord.url + "/v1/completions", json=short, timeout=30)
         assert r.status_code == 503 and time.monotonic() - started < 2, r.text

@@ -37,7 +37,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Ser
 def _gen_body(ctx_answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
     params = dict(ctx_answer["choices"][0]["disaggregated_params"])
     params["request_type"] = "generation_only"
-    return {**body, "prompt_token_ids": ctx_answer["prompt_token_ids"], "disaggregated_params": params}
+    prompt = ctx_answer["prompt_token_ids"]
+    return {**body, "prompt_token_ids": prompt, "disaggregated_params": params}
 
 
 async def _split(
@@ -69,6 +70,13 @@ async def _aggregated(client: httpx.AsyncClient, server: Server, body: dict[str,
     r = await client.post(server.url + "/v1/completions", json={**body, "stream": False})
     assert r.status_code == 200, r.text
     return list(r.json()["choices"][0]["token_ids"])
+
+
+def _info_endpoint(server: Server) -> str:
+    """The worker's control-plane endpoint (every worker with a transceiver has one)."""
+    with httpx.Client() as client:
+        info = client.get(server.url + "/server_info").json()
+    return str(info["disaggregated_params"]["ctx_info_endpoint"])
 
 
 def _body(prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -156,7 +164,8 @@ async def test_rendezvous_once_and_one_descriptor_per_run(pair: tuple[Server, Se
             ctx_after = metric((await client.get(ctx.url + "/metrics")).text,
                                "trtdisagg_kv_transfer_descriptors_total")  # fmt: skip
             # Fresh prompts get consecutive blocks on both sides: one contiguous run, one write.
-            assert ctx_after - ctx_before == 1, f"prompt of {n}: {ctx_after - ctx_before} descriptors"
+            used = ctx_after - ctx_before
+            assert used == 1, f"prompt of {n}: {used} descriptors"
         gen_after = (await client.get(gen.url + "/metrics")).text
     name = "trtdisagg_kv_rendezvous_total"
     assert metric(gen_before, name) >= 1
@@ -165,8 +174,8 @@ async def test_rendezvous_once_and_one_descriptor_per_run(pair: tuple[Server, Se
 
 async def test_gen_request_whose_ctx_never_answers_times_out(pair: tuple[Server, Server]) -> None:
     ctx, gen = pair
-    endpoint = httpx.get(ctx.url + "/server_info").json()["disaggregated_params"]["ctx_info_endpoint"]
     body = _body([5, 6, 7, 8], 4)
+    endpoint = _info_endpoint(ctx)
     body["disaggregated_params"] = {
         "request_type": "generation_only", "first_gen_tokens": [9], "ctx_request_id": 1,
         "disagg_request_id": 2**50 + 12345, "ctx_info_endpoint": endpoint,
@@ -200,10 +209,9 @@ async def test_garbage_frames_are_counted_and_dropped(pair: tuple[Server, Server
     ctx, gen = pair
     context = zmq.Context.instance()
     for server in pair:
-        info = httpx.get(server.url + "/server_info").json()
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 5000)  # connect is asynchronous: let the frames go out
-        socket.connect(info["disaggregated_params"]["ctx_info_endpoint"])
+        socket.connect(_info_endpoint(server))
         for frames in ([b"\x00garbage"], [b"a", b"b", b"c"], [b"\x81\xa4type\xa3BAD"], [b""]):
             socket.send_multipart(frames)
         socket.close()
@@ -243,8 +251,8 @@ async def test_incompatible_pair_is_refused_fast_with_both_values(
                             "disaggregated_params": {"request_type": "context_only"}}  # fmt: skip
                 answer = (await client.post(ctx.url + "/v1/completions", json=ctx_body)).json()
                 start = time.monotonic()
-                r = await client.post(gen.url + "/v1/completions",
-                                      json=_gen_body(answer, _body([1, 2, 3, 4, 5], 4)))  # fmt: skip
+                gen_body = _gen_body(answer, _body([1, 2, 3, 4, 5], 4))
+                r = await client.post(gen.url + "/v1/completions", json=gen_body)
                 elapsed = time.monotonic() - start
                 assert r.status_code == 502, r.text
                 message = r.json()["error"]["message"]

@@ -7,6 +7,10 @@ tails after a prefix-cache hit with one rule.
 
 Under TP the q/k/v projections are column-split by heads and o_proj is row-split; its partial
 sums are all-reduced before the (replicated) o_proj bias is added.
+
+A decode-only batch (`batch.decode` set) attends batched instead: one padded gather and one SDPA
+for all sequences. The fused path (`forward_fused`, after `fuse()`) runs one q/k/v GEMM and the
+model's `TorchOps`/`TritonOps` for RoPE, the KV write and decode attention.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.args import ModelArgs
 from trtdisagg.model.batch import ForwardBatch, SeqSlice
 from trtdisagg.model.layers import Linear, RMSNorm, all_reduce
+from trtdisagg.model.ops import TorchOps, decode_attention_torch
 from trtdisagg.model.parallel import Parallel
 from trtdisagg.model.rope import apply_rope
 
@@ -60,6 +65,21 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(d, eps=args.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(d, eps=args.rms_norm_eps, dtype=dtype, device=device)
+        # Set by fuse(): [q; k; v] weights (and biases) in one tensor, q/k/v_proj become views.
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Concatenate the q/k/v weights into one GEMM operand; the projections' parameters
+        become views of it, so the memory is not doubled and names are unchanged."""
+        if self.qkv_weight is not None:
+            return
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _concat_into_views([p.weight for p in projections], projections, "weight")
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _concat_into_views(
+                [p.bias for p in projections if p.bias is not None], projections, "bias"
+            )
 
     def forward(
         self,
@@ -81,7 +101,59 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(layer, k, v, batch.slot_mapping)
+        if batch.decode is not None:
+            out = decode_attention_torch(q, cache, layer, batch.decode)
+        else:
+            out = self._attend_per_sequence(q, masks=masks, batch=batch, cache=cache, layer=layer)
+        return self._project_out(out)
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        *,
+        ops: TorchOps,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        masks: tuple[torch.Tensor | None, ...],
+        batch: ForwardBatch,
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
+        """`forward` after `fuse()`: one q/k/v GEMM, then `ops` for RoPE, KV write, attention."""
+        assert self.qkv_weight is not None, "call fuse() first"
+        n, d = x.shape[0], self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
+        q = qkv[:, :q_width].view(n, self.num_heads, d)
+        k = qkv[:, q_width : q_width + kv_width].view(n, self.num_kv_heads, d)
+        v = qkv[:, q_width + kv_width :].view(n, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = ops.rope_write_kv(
+            q, k, v, cos=cos, sin=sin, cache=cache, layer=layer, slot_mapping=batch.slot_mapping
+        )
+        if batch.decode is not None:
+            out = ops.decode_attention(q, cache, layer, batch.decode)
+        else:
+            out = self._attend_per_sequence(q, masks=masks, batch=batch, cache=cache, layer=layer)
+        return self._project_out(out)
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(out.reshape(out.shape[0], -1), self.o_proj.weight), self.parallel)
+        if self.o_proj.bias is not None:
+            y = y + self.o_proj.bias
+        return y
+
+    def _attend_per_sequence(
+        self,
+        q: torch.Tensor,
+        *,
+        masks: tuple[torch.Tensor | None, ...],
+        batch: ForwardBatch,
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
+        """Attention one sequence at a time (any q_len): q [N, heads, D] -> [N, heads, D]."""
         out = torch.empty_like(q)  # [N, heads, D]
         for seq, mask in zip(batch.seqs, masks, strict=True):
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
@@ -99,8 +171,18 @@ class Attention(nn.Module):
                 is_causal=mask is None and seq.q_len > 1,
             )
             out[rows] = attended.transpose(0, 1)
+        return out
 
-        y = all_reduce(F.linear(out.view(n, -1), self.o_proj.weight), self.parallel)
-        if self.o_proj.bias is not None:
-            y = y + self.o_proj.bias
-        return y
+
+def _concat_into_views(
+    tensors: list[torch.Tensor], owners: tuple[Linear, ...], name: str
+) -> torch.Tensor:
+    """One tensor holding `tensors` stacked along dim 0; each owner's `name` parameter is
+    replaced by a view of its rows (freeing the original storage)."""
+    fused = torch.cat(tensors, dim=0)
+    start = 0
+    for owner, tensor in zip(owners, tensors, strict=True):
+        end = start + tensor.shape[0]
+        setattr(owner, name, nn.Parameter(fused[start:end], requires_grad=False))
+        start = end
+    return fused

@@ -6,6 +6,10 @@ attention runs per sequence, against that sequence's paged KV (`SeqSlice.block_i
 
 A sequence's new tokens are positions `[kv_len - q_len, kv_len)`: prefill chunks, decode steps
 (`q_len == 1`) and tails after a prefix-cache hit all look the same to the model.
+
+Decode-only steps (every `q_len == 1`) may instead carry `DecodeMeta`: one padded block table for
+the whole batch, so attention runs batched instead of once per sequence. Such a batch's `seqs` may
+be empty; row i of every per-token tensor is then sequence i.
 """
 
 from __future__ import annotations
@@ -29,12 +33,28 @@ class SeqSlice:
 
 
 @attrs.frozen(kw_only=True, eq=False)
+class DecodeMeta:
+    """Batched attention metadata of a decode-only step: sequence i's one new token is row i.
+
+    Only the first `ceil(context_lens[i] / tokens_per_block)` entries of row i of `block_table` are
+    read. Rows with `context_lens == 0` are padding (CUDA-graph batch sizes): they attend to
+    nothing and must come with `slot_mapping == -1`, which writes nothing (Triton kernels only).
+    """
+
+    block_table: torch.Tensor  # int32 or int64 [S, W], padded with any valid block id
+    context_lens: torch.Tensor  # int32 or int64 [S]: kv_len of each sequence, this token included
+    max_context_len: int  # host-side bound on context_lens, at most W * tokens_per_block
+
+
+@attrs.frozen(kw_only=True, eq=False)
 class ForwardBatch:
-    input_ids: torch.Tensor  # long [N], all sequences' new tokens, concatenated
-    positions: torch.Tensor  # long [N]
-    slot_mapping: torch.Tensor  # long [N], block_id * tokens_per_block + offset of each new K/V
+    input_ids: torch.Tensor  # long (or int32) [N], all sequences' new tokens, concatenated
+    positions: torch.Tensor  # long (or int32) [N]
+    # long (or int32) [N]: block_id * tokens_per_block + offset of each new K/V
+    slot_mapping: torch.Tensor
     seqs: tuple[SeqSlice, ...]
     logits_indices: torch.Tensor  # long [S], flat index of each sequence's last new token
+    decode: DecodeMeta | None = None  # set only when every sequence has q_len == 1
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,8 @@ fills every one of them, so random initialisation would only cost time on large 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -87,7 +89,27 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden_size, local, bias=False, dtype=dtype, device=device)
         self.up_proj = Linear(hidden_size, local, bias=False, dtype=dtype, device=device)
         self.down_proj = Linear(local, hidden_size, bias=False, dtype=dtype, device=device)
+        # Set by fuse(): [gate; up] in one tensor, gate/up_proj weights become views of it.
+        self.gate_up_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(self.gate_proj(x)) * self.up_proj(x)
         return all_reduce(self.down_proj(h), self.parallel)
+
+    def fuse(self) -> None:
+        """One GEMM operand for gate and up (their parameters become views of it)."""
+        if self.gate_up_weight is not None:
+            return
+        fused = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0)
+        local = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight = nn.Parameter(fused[:local], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(fused[local:], requires_grad=False)
+        self.gate_up_weight = fused
+
+    def forward_fused(
+        self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """`forward` after `fuse()`: one gate/up GEMM, `silu_mul` on [N, 2I], the down GEMM."""
+        assert self.gate_up_weight is not None, "call fuse() first"
+        h = silu_mul(F.linear(x, self.gate_up_weight))
+        return all_reduce(F.linear(h, self.down_proj.weight), self.parallel)

@@ -7,6 +7,12 @@ them for this rank.
 Pipeline stages: the first stage embeds token ids, the others take the previous stage's hidden
 states [N, hidden_size]; the last stage applies the final norm and lm_head and returns float32
 logits [S, vocab] at `batch.logits_indices`, the others return hidden states [N, hidden_size].
+
+Two paths compute the same function. The reference path (the default, used on CPU and by the
+oracle tests) is the plain module graph above. `use_ops(ops)` switches to the fused path: q/k/v
+and gate/up run as one GEMM each, and the residual adds, norms, SiLU-and-mul, RoPE + KV write and
+decode attention go through `ops` (`TorchOps` anywhere, `TritonOps` on CUDA), which on CUDA is
+a handful of kernels per layer and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from trtdisagg.model.args import ModelArgs
 from trtdisagg.model.attention import Attention, causal_mask
 from trtdisagg.model.batch import ForwardBatch
 from trtdisagg.model.layers import MLP, Embedding, Linear, RMSNorm
+from trtdisagg.model.ops import TorchOps
 from trtdisagg.model.parallel import Parallel
 from trtdisagg.model.rope import cos_sin, inv_frequencies
 
@@ -52,6 +59,36 @@ class DecoderLayer(nn.Module):
             h, cos=cos, sin=sin, masks=masks, batch=batch, cache=cache, layer=layer
         )
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        *,
+        ops: TorchOps,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        masks: tuple[torch.Tensor | None, ...],
+        batch: ForwardBatch,
+        cache: KVCache,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused path: (x, residual) -> (mlp output, residual stream before it).
+
+        The residual stream is `x + residual`, added inside the next norm; `residual` is None
+        for the first layer of a stage, whose `x` is the stream itself.
+        """
+        norm = self.input_layernorm
+        if residual is None:
+            h, residual = ops.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        attended = self.self_attn.forward_fused(
+            h, ops=ops, cos=cos, sin=sin, masks=masks, batch=batch, cache=cache, layer=layer
+        )
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(attended, residual, norm.weight, norm.eps)
+        return self.mlp.forward_fused(h, ops.silu_mul), residual
 
 
 class _Body(nn.Module):
@@ -109,6 +146,26 @@ class CausalLM(nn.Module):
         self._inv_freq = inv_frequencies(
             args.head_dim, args.rope_theta, args.rope_scaling, device=device
         )
+        # The fused path's operations; None runs the reference path.
+        self.ops: TorchOps | None = None
+
+    def use_ops(self, ops: TorchOps | None) -> None:
+        """Run the fused path through `ops` (None: back to the reference path).
+
+        The first call fuses the q/k/v and gate/up weights into one tensor each; the old
+        parameters become views of them, so both paths keep working on the same weights.
+        Call it after loading the weights.
+        """
+        if ops is not None:
+            for block in self.decoder_layers:
+                block.self_attn.fuse()
+                block.mlp.fuse()
+        self.ops = ops
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """This stage's layers, typed."""
+        return [block for block in self.model.layers if isinstance(block, DecoderLayer)]
 
     @property
     def local_num_kv_heads(self) -> int:
@@ -142,11 +199,57 @@ class CausalLM(nn.Module):
                 raise ValueError(f"pipeline stage {self.parallel.pp_rank} needs hidden states")
             x = hidden
         cos, sin = cos_sin(self._inv_freq, batch.positions, x.dtype)
-        masks = tuple(causal_mask(seq, x.device) for seq in batch.seqs)
+        # A decode batch attends batched, with no masks (and may carry no seqs).
+        masks: tuple[torch.Tensor | None, ...] = ()
+        if batch.decode is None:
+            masks = tuple(causal_mask(seq, x.device) for seq in batch.seqs)
+        if self.ops is not None:
+            return self._forward_fused(
+                x, self.ops, cos=cos, sin=sin, masks=masks, batch=batch, cache=cache
+            )
         for layer, block in enumerate(self.model.layers):
             x = block(x, cos=cos, sin=sin, masks=masks, batch=batch, cache=cache, layer=layer)
         if self.lm_head is None or self.model.norm is None:
             return x
         # The norm is per token, so taking the wanted rows first saves work and changes nothing.
-        last = self.model.norm(x[batch.logits_indices])
+        # In a decode batch every token is its sequence's last.
+        last = self.model.norm(x if batch.decode is not None else x[batch.logits_indices])
+        return self.lm_head(last).float()
+
+    def _forward_fused(
+        self,
+        x: torch.Tensor,
+        ops: TorchOps,
+        *,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        masks: tuple[torch.Tensor | None, ...],
+        batch: ForwardBatch,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        residual: torch.Tensor | None = None
+        for layer, block in enumerate(self.decoder_layers):
+            x, residual = block.forward_fused(
+                x,
+                residual,
+                ops=ops,
+                cos=cos,
+                sin=sin,
+                masks=masks,
+                batch=batch,
+                cache=cache,
+                layer=layer,
+            )
+        norm = self.model.norm
+        if self.lm_head is None or norm is None:
+            return x if residual is None else residual + x
+        if residual is None:  # a last stage without layers
+            last = ops.rms_norm(
+                x if batch.decode is not None else x[batch.logits_indices], norm.weight, norm.eps
+            )
+        elif batch.decode is not None:
+            last, _ = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        else:
+            rows = batch.logits_indices
+            last, _ = ops.add_rms_norm(x[rows], residual[rows], norm.weight, norm.eps)
         return self.lm_head(last).float()

@@ -27,6 +27,7 @@ Listener tasks only update sessions and wake the executor; they never wait on a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -568,10 +569,8 @@ class KvTransceiver:
     def _deliver(self, slot: _Slot, message: Message) -> None:
         channel = self._replies.get(slot)
         if channel is not None:
-            try:
+            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
                 channel.send_nowait(message)
-            except (trio.WouldBlock, trio.BrokenResourceError):
-                pass
 
     async def _register_peer(self, info: RankInfo, identity: bytes) -> None:
         accepted, reason = True, ""

@@ -448,8 +448,9 @@ class Executor:
 
     def _perf(self, live: _Live, now: float) -> PerfMetrics:
         arrival = live.request.arrival_time
-        scheduled = live.first_scheduled or now
         first = live.first_token or now
+        # A generation_only request's first token (ctx's) precedes its first scheduled step.
+        scheduled = min(live.first_scheduled or first, first)
         return PerfMetrics(
             queue_s=scheduled - arrival,
             prefill_s=first - scheduled,

@@ -3,11 +3,21 @@
 The executor calls `execute` through `trio.to_thread.run_sync`, so nothing here may touch Trio.
 The runner owns the model and the KV tensors and decides no policy; the scheduler owns the block
 tables and decides everything else (nano-vllm's split).
+
+On CUDA the model runs its fused path (`CausalLM.use_ops`, Triton kernels in bf16/fp16), and a
+decode-only step (every item computes one token) goes through batched attention: replayed from a
+CUDA graph when `cuda_graphs` is on and one fits (`decode_graphs.py`), else eagerly. Every other
+step, and every step on CPU, builds a flat-token batch and attends per sequence. Each step sends
+its integer inputs to the device in one copy, and greedy sampling costs one host sync per step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -18,9 +28,20 @@ from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.batch import ForwardBatch, SeqSlice
 from trtdisagg.model.llama import CausalLM
 from trtdisagg.model.loader import load_model
+from trtdisagg.model.ops import select_ops
 from trtdisagg.model.parallel import Parallel
+from trtdisagg.worker.decode_graphs import (
+    DecodeGraphs,
+    DecodeRows,
+    DecodeStaging,
+    blocks_for,
+    decode_rows,
+    graph_batch_sizes,
+)
 from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, sample
 from trtdisagg.worker.scheduler import StepPlan
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,34 +65,81 @@ class ModelRunner:
     cache: KVCache
     device: torch.device
     tokens_per_block: int
+    # Decode-only steps attend batched (DecodeMeta) instead of per sequence.
+    batched_decode: bool = False
+    # Captured decode graphs (CUDA, cuda_graphs on), tried first for decode-only steps.
+    graphs: DecodeGraphs | None = None
 
     def execute(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
         """Run one forward step. `specs` holds a sampling spec for every item that samples."""
-        import time
-
         start = time.perf_counter()
-        batch = self._build_batch(plan)
-        with torch.inference_mode():
-            logits = self.model(batch, self.cache)
+        with torch.inference_mode(), self._on_device():
+            if (
+                self.batched_decode
+                and plan.items
+                and all(i.num_new_tokens == 1 for i in plan.items)
+            ):
+                logits = self._decode(plan)
+            else:
+                logits = self.model(self._build_batch(plan), self.cache)
             sampling_items = [item for item in plan.items if item.samples]
-            rows = [i for i, item in enumerate(plan.items) if item.samples]
             sampled: tuple[Sampled, ...] = ()
-            if rows:
-                picked = logits[torch.tensor(rows, device=logits.device)]
+            if sampling_items:
+                if len(sampling_items) == len(plan.items):
+                    picked = logits
+                else:
+                    rows = [i for i, item in enumerate(plan.items) if item.samples]
+                    picked = logits[torch.tensor(rows, device=logits.device)]
                 chosen = [specs[item.request.request_id] for item in sampling_items]
-                tokens, logprobs = sample(picked.float(), chosen)
+                tokens, logprobs = _sample(picked.float(), chosen)
                 sampled = tuple(
                     Sampled(request_id=item.request.request_id, token_id=t, logprobs=lp)
                     for item, t, lp in zip(sampling_items, tokens, logprobs, strict=True)
                 )
         return StepOutput(sampled=sampled, forward_s=time.perf_counter() - start)
 
+    def _on_device(self) -> contextlib.AbstractContextManager[object]:
+        # The executor calls from a worker thread, whose current CUDA device (which Triton
+        # launches on) is not necessarily ours.
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
+    def decode_inputs(self, plan: StepPlan) -> DecodeRows:
+        """The inputs of a decode-only step."""
+        entries = []
+        for item in plan.items:
+            request = item.request
+            table = request.block_table
+            assert table is not None, f"request {request.request_id} scheduled without blocks"
+            entries.append(
+                (
+                    request.prompt_token_ids,
+                    request.output_token_ids,
+                    request.num_computed_tokens,
+                    table.block_ids,
+                )
+            )
+        return decode_rows(entries, self.tokens_per_block)
+
+    def _decode(self, plan: StepPlan) -> torch.Tensor:
+        rows = self.decode_inputs(plan)
+        if self.graphs is not None:
+            logits = self.graphs.run(rows)
+            if logits is not None:
+                return logits
+        staging = DecodeStaging.allocate(
+            len(rows), rows.max_blocks, tokens_per_block=self.tokens_per_block, device=self.device
+        )
+        return self.model(staging.fill(rows), self.cache)
+
     def _build_batch(self, plan: StepPlan) -> ForwardBatch:
         tpb = self.tokens_per_block
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        seqs: list[SeqSlice] = []
+        spans: list[tuple[int, int, int, int]] = []  # q_start, q_len, kv_len, blocks
+        blocks_flat: list[int] = []
         logits_indices: list[int] = []
         for item in plan.items:
             request = item.request
@@ -87,26 +155,50 @@ class ModelRunner:
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(blocks[p // tpb] * tpb + p % tpb for p in range(start, end))
-            seqs.append(
-                SeqSlice(
-                    q_start=q_start,
-                    q_len=end - start,
-                    kv_len=end,
-                    block_ids=torch.tensor(blocks, dtype=torch.long, device=self.device),
-                )
-            )
+            spans.append((q_start, end - start, end, len(blocks)))
+            blocks_flat.extend(blocks)
             logits_indices.append(len(input_ids) - 1)
 
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        return ForwardBatch(
-            input_ids=as_tensor(input_ids),
-            positions=as_tensor(positions),
-            slot_mapping=as_tensor(slots),
-            seqs=tuple(seqs),
-            logits_indices=as_tensor(logits_indices),
+        # Everything in one tensor: one host-to-device copy per step.
+        n, s = len(input_ids), len(logits_indices)
+        packed = _to_device(
+            [*input_ids, *positions, *slots, *logits_indices, *blocks_flat], self.device
         )
+        seqs: list[SeqSlice] = []
+        offset = 3 * n + s
+        for q_start, q_len, kv_len, num_blocks in spans:
+            block_ids = packed[offset : offset + num_blocks]
+            seqs.append(SeqSlice(q_start=q_start, q_len=q_len, kv_len=kv_len, block_ids=block_ids))
+            offset += num_blocks
+        return ForwardBatch(
+            input_ids=packed[:n],
+            positions=packed[n : 2 * n],
+            slot_mapping=packed[2 * n : 3 * n],
+            seqs=tuple(seqs),
+            logits_indices=packed[3 * n : 3 * n + s],
+        )
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        host = torch.tensor(values, dtype=torch.long, pin_memory=True)
+        return host.to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _is_plain_greedy(spec: SampleSpec) -> bool:
+    params = spec.params
+    greedy = params.temperature == 0.0 or params.top_k == 1
+    return greedy and not spec.suppress and params.logprobs is None
+
+
+def _sample(
+    logits: torch.Tensor, specs: Sequence[SampleSpec]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """`sample`, with the all-greedy case as one argmax and one host sync."""
+    if all(_is_plain_greedy(spec) for spec in specs):
+        return [int(t) for t in logits.argmax(dim=-1).tolist()], [None] * len(specs)
+    return sample(logits, specs)
 
 
 def kv_pool_blocks(config: WorkerConfig, block_bytes: int) -> int:
@@ -124,7 +216,8 @@ def kv_pool_blocks(config: WorkerConfig, block_bytes: int) -> int:
 
 
 def build_runner(config: WorkerConfig, model_dir: Path, parallel: Parallel) -> ModelRunner:
-    """Load the model and allocate the KV pool. Slow: call it off the Trio loop."""
+    """Load the model, allocate the KV pool, capture decode graphs. Slow: call it off the Trio
+    loop."""
     device = torch.device(config.device)
     torch.set_num_threads(config.cpu_threads)
     if device.type == "cuda":
@@ -132,6 +225,9 @@ def build_runner(config: WorkerConfig, model_dir: Path, parallel: Parallel) -> M
         device = torch.device("cuda", parallel.device_index)
     dtype = DTYPES[config.dtype]
     model = load_model(model_dir, dtype=dtype, device=device, parallel=parallel)
+    if device.type == "cuda":
+        model.use_ops(select_ops(device, dtype))
+        torch.cuda.empty_cache()  # the unfused weights' memory, before the pool is sized
     kv = config.kv_cache_config
     num_layers = len(model.local_layer_ids)
     heads = model.local_num_kv_heads
@@ -154,6 +250,32 @@ def build_runner(config: WorkerConfig, model_dir: Path, parallel: Parallel) -> M
         dtype=dtype,
         device=device,
     )
-    return ModelRunner(
-        model=model, cache=cache, device=device, tokens_per_block=kv.tokens_per_block
+    runner = ModelRunner(
+        model=model,
+        cache=cache,
+        device=device,
+        tokens_per_block=kv.tokens_per_block,
+        batched_decode=device.type == "cuda",
     )
+    ops = model.ops
+    single = parallel.tp_size == 1 and parallel.pp_size == 1
+    if config.cuda_graphs and device.type == "cuda" and ops is not None:
+        if not ops.graph_safe or not single:
+            log.info("CUDA graphs off: they need the Triton ops and one rank (TP = PP = 1)")
+        else:
+            max_seq_len = config.max_seq_len or model.args.max_position_embeddings
+            graphs = DecodeGraphs(
+                model=model,
+                cache=cache,
+                batch_sizes=graph_batch_sizes(config.max_batch_size),
+                max_blocks_per_seq=blocks_for(max_seq_len, tpb, cache.num_blocks),
+            )
+            start = time.perf_counter()
+            graphs.capture()
+            runner.graphs = graphs
+            log.info(
+                "captured decode CUDA graphs for batch sizes %s in %.1f s",
+                graphs.captured_sizes,
+                time.perf_counter() - start,
+            )
+    return runner

@@ -1,0 +1,1051 @@
+"""KV transfer between two real worker transceivers, against one raw NIXL write of the same bytes.
+
+Two `spawn`ed processes (ctx and gen) each build what a worker builds (worker/transfer_setup.py):
+a `KVCache` pool (CPU, or CUDA with `--device cuda`), a NIXL agent with the pool registered once,
+a bound ZMQ ROUTER and a `KvTransceiver` running under `trio.run`. The parent drives them over
+one pipe each, one command at a time, with bounded waits; the children are always joined (and
+killed if they do not stop).
+
+Per measured iteration, in the same run:
+
+  transceiver  ctx: `respond_and_send_async(key, [blocks], tokens)` (the KV is ready); then gen:
+               `request_and_receive_async(key, ctx_endpoint, [blocks], tokens)` and
+               `check_gen_transfer_status()` on every `wake` until the outcome. Timed in gen,
+               from the request call to the outcome (REQUEST_DATA, the write, TRANSFER_RESULT
+               and the WRITE_NOTICE notification all inside).
+  raw NIXL     ctx posts ONE write (a single descriptor of the same byte count, from the same
+               source range into a contiguous destination range) on the same agents, with a
+               notification; gen spins on `get_notifications`. Timed from just before the
+               post (ctx) to the notification seen (gen): one CLOCK_MONOTONIC, two processes.
+
+The two paths alternate (which one goes first alternates too). Warm-up transfers of both paths
+come first (the first transceiver transfer pays the rendezvous and the connection set-up; it is
+reported as "cold"). The destination blocks are zeroed and compared byte for byte (a digest on
+both sides) after the first transfer of each path and once more at the end.
+
+Why the raw writes use the transceivers' own agents: they share the connection and the UCX
+progress thread, so the difference between the paths is the control plane alone (a second pair
+of agents would add two more busy progress threads on a small machine). The raw path touches an
+agent only while its transceiver has no session, so the two never use an agent at once.
+
+Printed: bytes, descriptors (from the transfer outcome), median time and GB/s (1e9 B/s) of each
+path, the handover overhead (p50 of transceiver time minus raw time, per iteration pair: what
+the control plane adds), children's RSS (after warm-up, at iteration 100, at the end), and last
+a line `ratio_vs_raw_nixl=<transceiver GB/s / raw GB/s>`.
+
+    python tools/bench_transfer.py                      # CPU, 64 MiB (512 tokens x 128 KiB)
+    python tools/bench_transfer.py --scatter            # gen blocks every other slot
+    python tools/bench_transfer.py --model-8b --tokens 8192 --device cuda --result-json r.json
+    python tools/bench_transfer.py --iterations 1000    # RSS at iteration 100 vs the end
+
+Heterogeneous pairings (`--ctx-tp/--gen-tp/--ctx-pp/--gen-pp` other than 1) are refused until
+workers have several ranks (issue 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnContext
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+import trio
+from _bench_common import percentile, read_rss_kib
+
+if TYPE_CHECKING:
+    import torch
+
+    from trtdisagg.kv.cache import KVCache
+    from trtdisagg.transfer.agents.nixl import NixlAgent
+    from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
+
+SCHEMA: Final = "trtdisagg.bench_transfer/1"
+MIB: Final = 2**20
+ELEMENT_BYTES: Final = {"float16": 2, "bfloat16": 2, "float32": 4}
+DEFAULT_KV_MIB: Final = 64.0
+HETEROGENEOUS_REFUSAL: Final = "heterogeneous pairings need multi-rank workers (issue 5)"
+RSS_CHECKPOINT: Final = 100  # RSS is sampled after this many measured iterations ...
+RSS_SOAK_ITERATIONS: Final = 1000  # ... and its growth to the end is judged from this many on
+SETUP_TIMEOUT_S: Final = 300.0  # a child importing torch and creating its agent on 2 busy cores
+POLL_S: Final = 20e-6  # the raw path's poll interval (time.sleep: no event-loop granularity)
+RESULT_LINE: Final = "ratio_vs_raw_nixl"
+
+
+# ---- geometry and block plan (pure) ----------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Geometry:
+    """One rank's KV geometry (the pool is `[blocks, layers, 2, kv_heads, tokens, head_dim]`)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tokens_per_block: int
+    dtype: str
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim", "tokens_per_block"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in ELEMENT_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} not one of {sorted(ELEMENT_BYTES)}")
+
+    @property
+    def element_bytes(self) -> int:
+        return ELEMENT_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.tokens_per_block
+
+    def blocks_for(self, tokens: int) -> int:
+        if tokens <= 0:
+            raise ValueError(f"tokens must be positive, got {tokens}")
+        return -(-tokens // self.tokens_per_block)
+
+    def transfer_bytes(self, tokens: int) -> int:
+        """Bytes one homogeneous transfer moves: whole blocks (the intact mapper copies whole
+        K/V entries, so a partly filled last block still moves in full)."""
+        return self.blocks_for(tokens) * self.block_bytes
+
+    def tokens_for_mib(self, kv_mib: float) -> int:
+        """The longest prompt whose KV fits in `kv_mib` MiB (at least one token)."""
+        if not kv_mib > 0 or not math.isfinite(kv_mib):
+            raise ValueError(f"--kv-mib must be positive, got {kv_mib}")
+        tokens = math.floor(kv_mib * MIB / self.bytes_per_token)
+        if tokens < 1:
+            raise ValueError(
+                f"{kv_mib} MiB holds no token of {self.bytes_per_token} bytes; raise --kv-mib"
+            )
+        return tokens
+
+    def describe(self) -> str:
+        return (
+            f"{self.layers} layers x {self.kv_heads} kv heads x head_dim {self.head_dim}, "
+            f"{self.dtype}, {self.tokens_per_block} tokens/block, "
+            f"{self.bytes_per_token / 1024:g} KiB/token"
+        )
+
+
+MODEL_8B: Final = Geometry(
+    layers=32, kv_heads=8, head_dim=128, tokens_per_block=32, dtype="bfloat16"
+)
+DEFAULT_GEOMETRY: Final = MODEL_8B  # 128 KiB/token: 512 tokens are the default 64 MiB
+
+
+def count_runs(src: Sequence[int], dst: Sequence[int]) -> int:
+    """Descriptors of a homogeneous transfer: runs of block pairs consecutive on both sides."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+    if not src:
+        return 0
+    return 1 + sum(
+        1 for i in range(1, len(src)) if not (src[i] == src[i - 1] + 1 and dst[i] == dst[i - 1] + 1)
+    )
+
+
+@attrs.frozen(kw_only=True)
+class BlockPlan:
+    """Which blocks the request holds on each side, and the raw write's contiguous target."""
+
+    ctx_blocks: tuple[int, ...]
+    gen_blocks: tuple[int, ...]
+    ctx_pool_blocks: int
+    gen_pool_blocks: int
+    raw_dst_first: int  # the raw write fills gen blocks [raw_dst_first, + len(ctx_blocks))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.ctx_blocks)
+
+    @property
+    def expected_descriptors(self) -> int:
+        return count_runs(self.ctx_blocks, self.gen_blocks)
+
+
+def plan_blocks(num_blocks: int, *, scatter: bool) -> BlockPlan:
+    """ctx holds blocks [0, n); gen gets [1, n + 1) (consecutive: one descriptor, the production
+    case), or with `scatter` every other block 1, 3, 5, ... (n descriptors)."""
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    ctx = tuple(range(num_blocks))
+    gen = (
+        tuple(1 + 2 * i for i in range(num_blocks)) if scatter else tuple(range(1, num_blocks + 1))
+    )
+    return BlockPlan(
+        ctx_blocks=ctx,
+        gen_blocks=gen,
+        ctx_pool_blocks=num_blocks,
+        gen_pool_blocks=max(gen) + 1,
+        raw_dst_first=1,
+    )
+
+
+# ---- configuration ---------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class BenchConfig:
+    geometry: Geometry
+    tokens: int
+    scatter: bool = False
+    iterations: int = 20
+    warmup: int = 3
+    device: str = "cpu"
+    ctx_gpu: int = 0
+    gen_gpu: int | None = None  # None: GPU 1 when there are two, else 0
+    timeout_s: float = 60.0
+    seed: int = 0
+    progress_thread: bool = True  # NIXL's UCX progress thread (production: on)
+    label: str = "default"
+    result_json: Path | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        return self.geometry.transfer_bytes(self.tokens)
+
+    @property
+    def blocks(self) -> BlockPlan:
+        return plan_blocks(self.geometry.blocks_for(self.tokens), scatter=self.scatter)
+
+    def to_json(self) -> dict[str, Any]:
+        out = attrs.asdict(self, recurse=True)
+        out["result_json"] = None if self.result_json is None else str(self.result_json)
+        return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bench_transfer.py",
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    geo = parser.add_argument_group("geometry (default: 32 x 8 x 128, bfloat16, 32 tokens/block)")
+    geo.add_argument("--model-8b", action="store_true", help="Llama-3.1-8B: 32 x 8 x 128, bf16")
+    geo.add_argument("--layers", type=int)
+    geo.add_argument("--kv-heads", type=int)
+    geo.add_argument("--head-dim", type=int)
+    geo.add_argument("--tokens-per-block", type=int)
+    geo.add_argument("--dtype", choices=sorted(ELEMENT_BYTES))
+    size = geo.add_mutually_exclusive_group()
+    size.add_argument("--tokens", type=int, help="prompt length (default: what fits --kv-mib)")
+    size.add_argument("--kv-mib", type=float, help=f"KV bytes to move (default {DEFAULT_KV_MIB:g})")
+    parser.add_argument("--scatter", action="store_true", help="gen blocks every other slot")
+    parser.add_argument("--iterations", type=int, default=20, help="measured transfers per path")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured transfers per path")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--ctx-gpu", type=int, default=0, help="ctx pool's GPU (--device cuda)")
+    parser.add_argument(
+        "--gen-gpu", type=int, help="gen pool's GPU (--device cuda; default 1 if there are 2)"
+    )
+    parser.add_argument("--timeout", type=float, default=60.0, help="per transfer, seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--nixl-progress-thread",
+        choices=("on", "off"),
+        default="on",
+        help="off: patch NixlAgent's config in the children (enable_prog_thread=False), so "
+        "transfers progress only when polled; an experiment, production runs with it on",
+    )
+    parser.add_argument("--result-json", type=Path)
+    pairing = parser.add_argument_group("pairing (heterogeneous: not yet, issue 5)")
+    for flag in ("--ctx-tp", "--gen-tp", "--ctx-pp", "--gen-pp"):
+        pairing.add_argument(flag, type=int, default=1)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """Validate parsed arguments; ValueError names what is wrong."""
+    pairing = {name: getattr(args, name) for name in ("ctx_tp", "gen_tp", "ctx_pp", "gen_pp")}
+    if any(v < 1 for v in pairing.values()):
+        raise ValueError(f"parallel sizes must be >= 1: {pairing}")
+    if any(v != 1 for v in pairing.values()):
+        raise ValueError(f"{HETEROGENEOUS_REFUSAL}; got {pairing}")
+    explicit = {
+        "layers": args.layers,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "tokens_per_block": args.tokens_per_block,
+        "dtype": args.dtype,
+    }
+    base = MODEL_8B if args.model_8b else DEFAULT_GEOMETRY
+    if args.model_8b:
+        clash = {k: v for k, v in explicit.items() if v is not None and v != getattr(MODEL_8B, k)}
+        if clash:
+            raise ValueError(f"--model-8b fixes the geometry; conflicting options {clash}")
+    geometry = attrs.evolve(base, **{k: v for k, v in explicit.items() if v is not None})
+    if args.tokens is not None:
+        if args.tokens <= 0:
+            raise ValueError(f"--tokens must be positive, got {args.tokens}")
+        tokens = args.tokens
+    else:
+        tokens = geometry.tokens_for_mib(DEFAULT_KV_MIB if args.kv_mib is None else args.kv_mib)
+    if args.iterations < 1 or args.warmup < 1:
+        raise ValueError(
+            f"--iterations and --warmup must be >= 1 (the first transfer is the cold one), "
+            f"got {args.iterations} and {args.warmup}"
+        )
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    if args.device == "cpu" and (args.gen_gpu is not None or args.ctx_gpu != 0):
+        raise ValueError("--ctx-gpu/--gen-gpu need --device cuda")
+    if min(args.ctx_gpu, 0 if args.gen_gpu is None else args.gen_gpu) < 0:
+        raise ValueError("GPU indices must be >= 0")
+    label = "llama-3.1-8b" if args.model_8b else "default"
+    return BenchConfig(
+        geometry=geometry,
+        tokens=tokens,
+        scatter=args.scatter,
+        iterations=args.iterations,
+        warmup=args.warmup,
+        device=args.device,
+        ctx_gpu=args.ctx_gpu,
+        gen_gpu=args.gen_gpu,
+        timeout_s=args.timeout,
+        seed=args.seed,
+        progress_thread=args.nixl_progress_thread == "on",
+        label=label,
+        result_json=args.result_json,
+    )
+
+
+def parse_config(argv: Sequence[str] | None = None) -> BenchConfig:
+    """Parse and validate; a bad combination exits with status 2 and the reason (argparse)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+# ---- statistics and report (pure) ------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class PathStats:
+    n: int
+    median_s: float
+    p10_s: float
+    p90_s: float
+    min_s: float
+    max_s: float
+    gbps: float  # bytes / median, 1e9 B/s
+
+    @classmethod
+    def of(cls, seconds: Sequence[float], num_bytes: int) -> PathStats:
+        if not seconds or min(seconds) <= 0:
+            raise ValueError(f"need positive times, got {list(seconds)[:5]}...")
+        median = percentile(seconds, 50)
+        return cls(
+            n=len(seconds),
+            median_s=median,
+            p10_s=percentile(seconds, 10),
+            p90_s=percentile(seconds, 90),
+            min_s=min(seconds),
+            max_s=max(seconds),
+            gbps=num_bytes / median / 1e9,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class Overhead:
+    """Transceiver time minus raw time of the same iteration: what the control plane adds."""
+
+    p50_s: float
+    p90_s: float
+    min_s: float
+
+    @classmethod
+    def of(cls, transceiver: Sequence[float], raw: Sequence[float]) -> Overhead:
+        if len(transceiver) != len(raw) or not raw:
+            raise ValueError(f"{len(transceiver)} transceiver vs {len(raw)} raw times")
+        diffs = [a - b for a, b in zip(transceiver, raw)]
+        return cls(p50_s=percentile(diffs, 50), p90_s=percentile(diffs, 90), min_s=min(diffs))
+
+
+def ratio_vs_raw(transceiver: PathStats, raw: PathStats) -> float:
+    return transceiver.gbps / raw.gbps
+
+
+def rss_growth(at_checkpoint_kib: int | None, end_kib: int | None) -> float | None:
+    if not at_checkpoint_kib or end_kib is None:
+        return None
+    return (end_kib - at_checkpoint_kib) / at_checkpoint_kib
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _mib(kib: int | None) -> str:
+    return "-" if kib is None else f"{kib / 1024:.1f} MiB"
+
+
+def format_report(doc: dict[str, Any]) -> str:
+    """The text printed on stdout; the last line is `ratio_vs_raw_nixl=<x>`."""
+    cfg = doc["config"]
+    geo = Geometry(**cfg["geometry"])
+    xs, rs = doc["transceiver"], doc["raw"]
+    lines = [
+        f"bench_transfer [{cfg['label']}]: {geo.describe()}",
+        f"  prompt {cfg['tokens']} tokens = {doc['num_blocks']} blocks; {doc['bytes']} bytes "
+        f"({doc['bytes'] / MIB:.2f} MiB) per transfer; device {doc['devices']}; "
+        f"{'scattered' if cfg['scatter'] else 'consecutive'} gen blocks",
+        f"  descriptors: transceiver {doc['descriptors']} (expected {doc['expected_descriptors']}),"
+        f" raw 1",
+        f"  cold first transfer: transceiver {_ms(doc['cold']['transceiver_s'])} (rendezvous + "
+        f"connection), raw {_ms(doc['cold']['raw_s'])}",
+        f"  {'path':<32}{'median':>12}{'p10':>12}{'p90':>12}{'GB/s':>10}",
+    ]
+    rows = [
+        ("transceiver (gen call->outcome)", xs),
+        ("raw NIXL (post->notif)", rs),
+        ("raw initiator (post->DONE)", doc["raw_initiator"]),
+        ("transceiver ctx write", doc["transceiver_write"]),
+    ]
+    for name, s in rows:
+        lines.append(
+            f"  {name:<32}{s['median_s'] * 1e3:>9.3f} ms{s['p10_s'] * 1e3:>9.3f} ms"
+            f"{s['p90_s'] * 1e3:>9.3f} ms{s['gbps']:>10.3f}"
+        )
+    over = doc["handover_overhead"]
+    lines.append(
+        f"  handover overhead (transceiver - raw, per iteration, n={xs['n']}): "
+        f"p50 {_ms(over['p50_s'])}, p90 {_ms(over['p90_s'])}, min {_ms(over['min_s'])}"
+    )
+    for role in ("ctx", "gen"):
+        r = doc["rss"][role]
+        growth = r["growth_checkpoint_to_end"]
+        grew = "" if growth is None else f" (growth {growth:+.2%})"
+        lines.append(
+            f"  RSS {role}: after warm-up {_mib(r['after_warmup_kib'])}, at iteration "
+            f"{RSS_CHECKPOINT} {_mib(r['at_checkpoint_kib'])}, end {_mib(r['end_kib'])}{grew}"
+        )
+    stats = doc["transceiver_statistics"]
+    lines.append(
+        f"  sessions left: ctx senders {stats['ctx']['senders']}, gen receivers "
+        f"{stats['gen']['receivers']}; bad frames {stats['ctx']['bad_frames']}"
+        f"/{stats['gen']['bad_frames']}; bytes verified: {doc['verified']}"
+    )
+    lines.append(f"{RESULT_LINE}={doc['ratio_vs_raw_nixl']:.4f}")
+    return "\n".join(lines)
+
+
+# ---- the child processes ---------------------------------------------------------------------
+
+
+class ChildFailed(RuntimeError):
+    """A child reported an error, died, or did not answer in time."""
+
+
+class _Waker:
+    """The transceiver's `wake`: sets the current event; `arm` makes a fresh one (no lost
+    wake-up: arm, then check the status, then wait)."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+
+    def set(self) -> None:
+        self.event.set()
+
+    def arm(self) -> trio.Event:
+        self.event = trio.Event()
+        return self.event
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def _device(cfg: BenchConfig, role: str) -> torch.device:
+    import torch
+
+    if cfg.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but torch sees no GPU")
+    index = cfg.ctx_gpu
+    if role == "gen":
+        index = cfg.gen_gpu if cfg.gen_gpu is not None else min(1, torch.cuda.device_count() - 1)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+class _Side:
+    """One child's state: its cache, agent and transceiver, and the command handlers."""
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        cfg: BenchConfig,
+        conn: Connection,
+        cache: KVCache,
+        agent: NixlAgent,
+        transceiver: KvTransceiver,
+        waker: _Waker,
+    ) -> None:
+        self.role = role
+        self.cfg = cfg
+        self.conn = conn
+        self.cache = cache
+        self.agent = agent
+        self.transceiver = transceiver
+        self.waker = waker
+        self.plan = cfg.blocks
+        self.outcomes: dict[int, TransferOutcome] = {}
+        self.writes: list[tuple[int, int, float]] = []  # on_write: (bytes, descriptors, seconds)
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return self.plan.ctx_blocks if self.role == "ctx" else self.plan.gen_blocks
+
+    def _sync(self) -> None:
+        if self.cache.pool.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.cache.pool.device)
+
+    def fill_random(self) -> None:
+        """ctx: random bytes in the request's blocks, once."""
+        import torch
+
+        generator = torch.Generator(device=self.cache.pool.device).manual_seed(self.cfg.seed)
+        self.cache.pool.view(-1).view(torch.uint8).random_(0, 256, generator=generator)
+        self._sync()
+
+    def _ids(self, which: str) -> torch.Tensor:
+        import torch
+
+        if which == "raw":
+            first = self.plan.raw_dst_first
+            ids: Sequence[int] = range(first, first + self.plan.num_blocks)
+        else:
+            ids = self.blocks
+        return torch.as_tensor(list(ids), dtype=torch.long, device=self.cache.pool.device)
+
+    async def handle(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
+        handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
+            "respond": self.respond,
+            "collect": self.collect,
+            "receive": self.receive,
+            "raw_write": self.raw_write,
+            "raw_wait": self.raw_wait,
+            "clear": self.clear,
+            "digest": self.digest,
+            "statistics": self.statistics,
+        }
+        handler = handlers.get(cmd)
+        if handler is None:
+            raise ValueError(f"{self.role}: unknown command {cmd!r}")
+        result: dict[str, Any] = await handler(args)
+        return result
+
+    async def _await_outcome(
+        self, key: int, check: Callable[[], list[TransferOutcome]]
+    ) -> TransferOutcome:
+        with trio.fail_after(self.cfg.timeout_s + 5):
+            while True:
+                event = self.waker.arm()
+                for outcome in check():
+                    self.outcomes[outcome.key] = outcome
+                found = self.outcomes.pop(key, None)
+                if found is not None:
+                    return found
+                await event.wait()
+
+    # ctx
+    async def respond(self, args: dict[str, Any]) -> dict[str, Any]:
+        self.transceiver.respond_and_send_async(args["key"], [self.blocks], self.cfg.tokens)
+        return {}
+
+    async def collect(self, args: dict[str, Any]) -> dict[str, Any]:
+        outcome = await self._await_outcome(
+            args["key"], self.transceiver.check_context_transfer_status
+        )
+        write = self.writes.pop() if self.writes else None
+        self.writes.clear()
+        return {"outcome": attrs.asdict(outcome), "write": write}
+
+    async def raw_write(self, args: dict[str, Any]) -> dict[str, Any]:
+        import numpy as np
+
+        from trtdisagg.transfer.agents.base import XferStatus
+        from trtdisagg.transfer.fragments import Fragments
+
+        src = self.cache.pool.data_ptr()  # ctx blocks start at 0
+        rows = np.array([[src, args["dst_address"], args["num_bytes"]]], dtype=np.int64)
+        fragments = Fragments(rows)
+        tag = args["tag"].encode()
+        deadline = time.monotonic() + self.cfg.timeout_s
+
+        def write() -> tuple[float, float]:
+            start = time.monotonic()
+            handle = self.agent.submit_write(
+                fragments,
+                args["remote"],
+                tag,
+                dst_memory_type=args["dst_memory_type"],
+                dst_device_id=args["dst_device_id"],
+            )
+            try:
+                while (state := self.agent.poll(handle)) is XferStatus.PENDING:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"raw write {args['tag']} not DONE")
+                    time.sleep(POLL_S)
+                done = time.monotonic()
+            finally:
+                self.agent.release(handle)
+            if state is XferStatus.ERROR:
+                raise RuntimeError(f"raw write {args['tag']} failed")
+            return start, done
+
+        start, done = await trio.to_thread.run_sync(write)
+        return {"start": start, "done": done}
+
+    # gen
+    async def receive(self, args: dict[str, Any]) -> dict[str, Any]:
+        key = args["key"]
+        start = time.monotonic()
+        self.transceiver.request_and_receive_async(
+            key, args["endpoint"], [self.blocks], self.cfg.tokens
+        )
+        outcome = await self._await_outcome(key, self.transceiver.check_gen_transfer_status)
+        elapsed = time.monotonic() - start
+        return {"elapsed_s": elapsed, "outcome": attrs.asdict(outcome)}
+
+    async def raw_wait(self, args: dict[str, Any]) -> dict[str, Any]:
+        tag = args["tag"].encode()
+        deadline = time.monotonic() + self.cfg.timeout_s
+
+        def spin() -> float:
+            self.conn.send(("armed", {}))  # polling from here on: ctx may post
+            while True:
+                for _remote, payload in self.agent.get_notifications():
+                    if payload == tag:
+                        return time.monotonic()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no notification {args['tag']}")
+                time.sleep(POLL_S)
+
+        return {"seen": await trio.to_thread.run_sync(spin)}
+
+    # both
+    async def clear(self, args: dict[str, Any]) -> dict[str, Any]:
+        self.cache.pool[self._ids(args["which"])] = 0
+        self._sync()
+        return {}
+
+    async def digest(self, args: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        data = self.cache.pool[self._ids(args["which"])].contiguous().view(-1).view(torch.uint8)
+        return {"digest": hashlib.blake2b(data.cpu().numpy().tobytes()).hexdigest()}
+
+    async def statistics(self, args: dict[str, Any]) -> dict[str, Any]:
+        return attrs.asdict(self.transceiver.statistics())
+
+
+async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
+    from trtdisagg.kv.cache import KVCache
+    from trtdisagg.kv.page_table import Layout
+    from trtdisagg.transfer.agents.base import pool_regions
+    from trtdisagg.transfer.agents.nixl import NixlAgent
+    from trtdisagg.transfer.messenger import open_router
+    from trtdisagg.transfer.rank_info import RankInfo, make_instance_name
+    from trtdisagg.transfer.transceiver import KvTransceiver
+    from trtdisagg.transfer.wire import PROTOCOL_VERSION
+
+    geo, plan = cfg.geometry, cfg.blocks
+    device = _device(cfg, role)
+    cache = KVCache(
+        num_blocks=plan.ctx_pool_blocks if role == "ctx" else plan.gen_pool_blocks,
+        num_layers=geo.layers,
+        num_kv_heads=geo.kv_heads,
+        head_dim=geo.head_dim,
+        tokens_per_block=geo.tokens_per_block,
+        layout=Layout.HND,
+        dtype=_torch_dtype(geo.dtype),
+        device=device,
+    )
+    if not cfg.progress_thread:
+        import functools
+
+        import trtdisagg.transfer.agents.nixl as nixl_module
+
+        names = vars(nixl_module)  # the module's namespace: NixlAgent reads the name at call
+        names["nixl_agent_config"] = functools.partial(
+            names["nixl_agent_config"], enable_prog_thread=False
+        )
+    instance_name = make_instance_name(role)
+    agent_name = f"{instance_name}#0"
+    agent = await trio.to_thread.run_sync(NixlAgent, agent_name)
+    try:
+        page_table = cache.page_table(range(geo.layers))
+        await trio.to_thread.run_sync(agent.register_memory, pool_regions(page_table))
+        async with open_router("tcp://127.0.0.1:0") as router:
+            info = RankInfo(
+                instance_name=instance_name,
+                instance_rank=0,
+                tp_size=1,
+                tp_rank=0,
+                pp_size=1,
+                pp_rank=0,
+                layer_num_per_pp=(geo.layers,),
+                num_kv_heads=geo.kv_heads,
+                kv_heads_per_rank=geo.kv_heads,
+                head_dim=geo.head_dim,
+                tokens_per_block=geo.tokens_per_block,
+                dtype=geo.dtype,
+                element_bytes=cache.element_bytes,
+                layout=cache.layout,
+                model_fingerprint="bench-transfer",
+                protocol_version=PROTOCOL_VERSION,
+                control_endpoint=router.endpoint,
+                agent_name=agent_name,
+                agent_metadata=agent.local_metadata(),
+                page_table=page_table,
+            )
+            waker = _Waker()
+            side: _Side
+            transceiver = KvTransceiver(
+                local=info,
+                instance=(info,),
+                agent=agent,
+                router=router,
+                timeout_s=cfg.timeout_s,
+                wake=waker.set,
+                on_write=lambda b, d, s: side.writes.append((b, d, s)),
+            )
+            side = _Side(
+                role=role,
+                cfg=cfg,
+                conn=conn,
+                cache=cache,
+                agent=agent,
+                transceiver=transceiver,
+                waker=waker,
+            )
+            if role == "ctx":
+                side.fill_random()
+            pool = page_table.layer_groups[0].pool
+            async with trio.open_nursery() as nursery:
+                await nursery.start(transceiver.run)
+                conn.send(
+                    (
+                        "ready",
+                        {
+                            "endpoint": transceiver.info_endpoint,
+                            "agent_name": agent_name,
+                            "pool_address": pool.base_address,
+                            "memory_type": pool.memory_type,
+                            "device_id": pool.device_id,
+                            "device": str(device),
+                        },
+                    )
+                )
+                while True:
+                    cmd, args = await trio.to_thread.run_sync(conn.recv, abandon_on_cancel=True)
+                    if cmd == "stop":
+                        break
+                    conn.send(("ok", await side.handle(cmd, args)))
+                nursery.cancel_scope.cancel()
+    finally:
+        await trio.to_thread.run_sync(agent.close)
+
+
+def child_main(role: str, cfg: BenchConfig, conn: Connection) -> None:
+    """Entry point of a spawned child; every failure is reported on `conn` before exiting."""
+    try:
+        trio.run(_serve, role, cfg, conn)
+        conn.send(("bye", {}))
+    except BaseException as exc:
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(("error", {"error": repr(exc), "traceback": traceback.format_exc()}))
+        if not isinstance(exc, (Exception, KeyboardInterrupt)):
+            raise
+        sys.exit(1)
+    finally:
+        conn.close()
+
+
+# ---- the parent ------------------------------------------------------------------------------
+
+
+class _Child:
+    def __init__(self, context: SpawnContext, role: str, cfg: BenchConfig) -> None:
+        self.role = role
+        self.conn, child_conn = context.Pipe()
+        self.process: BaseProcess = context.Process(
+            target=child_main, args=(role, cfg, child_conn), name=f"bench-{role}", daemon=True
+        )
+        self.process.start()
+        child_conn.close()
+        self.pid = self.process.pid or 0
+
+    def send(self, cmd: str, **args: Any) -> None:
+        self.conn.send((cmd, args))
+
+    def expect(self, kind: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.1):
+            if not self.process.is_alive() and not self.conn.poll(0):
+                raise ChildFailed(f"{self.role} child died (exit code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"{self.role} child sent no {kind!r} within {timeout:g} s")
+        try:
+            got, payload = self.conn.recv()
+        except EOFError:
+            exitcode = self.process.exitcode
+            raise ChildFailed(f"{self.role} child closed its pipe (exit {exitcode})") from None
+        if got == "error":
+            raise ChildFailed(f"{self.role} child failed:\n{payload['traceback']}")
+        if got != kind:
+            raise ChildFailed(f"{self.role} child sent {got!r}, expected {kind!r}")
+        result: dict[str, Any] = payload
+        return result
+
+    def call(self, cmd: str, timeout: float, **args: Any) -> dict[str, Any]:
+        self.send(cmd, **args)
+        return self.expect("ok", timeout)
+
+    def rss_kib(self) -> int | None:
+        try:
+            return read_rss_kib(self.pid)
+        except (OSError, ValueError):
+            return None
+
+    def stop(self) -> None:
+        """Ask politely, then join; kill what does not exit. Never raises."""
+        try:
+            if self.process.is_alive():
+                self.send("stop")
+                self.expect("bye", 30.0)
+        except (ChildFailed, OSError, ValueError):
+            pass
+        self.process.join(timeout=15.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10.0)
+        self.conn.close()
+
+
+@attrs.define(kw_only=True)
+class _Run:
+    """The parent's view of one benchmark run (both children started and ready)."""
+
+    cfg: BenchConfig
+    ctx: _Child
+    gen: _Child
+    ctx_ready: dict[str, Any]
+    gen_ready: dict[str, Any]
+    key: int = 1
+    outcome_bytes: int = 0
+    outcome_descriptors: int = 0
+
+    @property
+    def wait(self) -> float:
+        return self.cfg.timeout_s + 30.0
+
+    def transceiver_transfer(self) -> tuple[float, float, float]:
+        """One transfer: (gen wall seconds, outcome.seconds, ctx write seconds)."""
+        key, self.key = self.key, self.key + 1
+        self.ctx.call("respond", self.wait, key=key)
+        got = self.gen.call("receive", self.wait, key=key, endpoint=self.ctx_ready["endpoint"])
+        sent = self.ctx.call("collect", self.wait, key=key)
+        outcome, ctx_outcome = got["outcome"], sent["outcome"]
+        if not outcome["ok"] or not ctx_outcome["ok"]:
+            raise ChildFailed(f"transfer {key} failed: gen {outcome}, ctx {ctx_outcome}")
+        if outcome["num_bytes"] != self.cfg.num_bytes:
+            raise ChildFailed(f"transfer {key} moved {outcome['num_bytes']} bytes")
+        self.outcome_bytes = outcome["num_bytes"]
+        self.outcome_descriptors = outcome["num_descriptors"]
+        write = sent["write"]
+        return got["elapsed_s"], outcome["seconds"], write[2] if write else math.nan
+
+    def raw_transfer(self) -> tuple[float, float]:
+        """One raw write: (post -> notification seen, post -> initiator DONE)."""
+        tag = f"raw-{self.key}"
+        self.key += 1
+        self.gen.send("raw_wait", tag=tag)
+        self.gen.expect("armed", self.wait)
+        wrote = self.ctx.call(
+            "raw_write",
+            self.wait,
+            tag=tag,
+            remote=self.gen_ready["agent_name"],
+            dst_address=self.gen_ready["pool_address"]
+            + self.cfg.blocks.raw_dst_first * self.cfg.geometry.block_bytes,
+            num_bytes=self.cfg.num_bytes,
+            dst_memory_type=self.gen_ready["memory_type"],
+            dst_device_id=self.gen_ready["device_id"],
+        )
+        seen = self.gen.expect("ok", self.wait)["seen"]
+        return seen - wrote["start"], wrote["done"] - wrote["start"]
+
+    def verified(self, which: str) -> bool:
+        """Whether gen's `which` blocks ("request" or "raw") hold ctx's request blocks' bytes."""
+        want = self.ctx.call("digest", self.wait, which="request")["digest"]
+        got = self.gen.call("digest", self.wait, which=which)["digest"]
+        return bool(want == got)
+
+    def clear(self, which: str) -> None:
+        self.gen.call("clear", self.wait, which=which)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Start both children, run warm-up and measured iterations, stop them; the result doc."""
+    context = mp.get_context("spawn")
+    started = time.monotonic()
+    children: list[_Child] = []
+    try:
+        children.append(_Child(context, "ctx", cfg))
+        children.append(_Child(context, "gen", cfg))
+        ctx, gen = children
+        ctx_ready = ctx.expect("ready", SETUP_TIMEOUT_S)
+        gen_ready = gen.expect("ready", SETUP_TIMEOUT_S)
+        run = _Run(cfg=cfg, ctx=ctx, gen=gen, ctx_ready=ctx_ready, gen_ready=gen_ready)
+        _progress(f"children ready in {time.monotonic() - started:.1f} s; warming up")
+        checks: dict[str, bool] = {}
+
+        # cold transfers, verified byte for byte (gen blocks zeroed before each)
+        run.clear("request")
+        cold_xcvr = run.transceiver_transfer()[0]
+        checks["transceiver_first"] = run.verified("request")
+        run.clear("raw")
+        cold_raw = run.raw_transfer()[0]
+        checks["raw_first"] = run.verified("raw")
+        for _ in range(cfg.warmup - 1):
+            run.transceiver_transfer()
+            run.raw_transfer()
+
+        rss: dict[str, dict[str, int | None]] = {
+            c.role: {"after_warmup_kib": c.rss_kib(), "at_checkpoint_kib": None} for c in children
+        }
+        xcvr_s: list[float] = []
+        outcome_s: list[float] = []
+        write_s: list[float] = []
+        raw_s: list[float] = []
+        initiator_s: list[float] = []
+        step = max(1, cfg.iterations // 10)
+        for i in range(cfg.iterations):
+            paths = ("x", "r") if i % 2 == 0 else ("r", "x")
+            for path in paths:
+                if path == "x":
+                    wall, seconds, write = run.transceiver_transfer()
+                    xcvr_s.append(wall)
+                    outcome_s.append(seconds)
+                    write_s.append(write)
+                else:
+                    seen, done = run.raw_transfer()
+                    raw_s.append(seen)
+                    initiator_s.append(done)
+            if i + 1 == RSS_CHECKPOINT:
+                for c in children:
+                    rss[c.role]["at_checkpoint_kib"] = c.rss_kib()
+            if (i + 1) % step == 0 and cfg.iterations >= 50:
+                _progress(f"  {i + 1}/{cfg.iterations} iterations")
+        for c in children:
+            rss[c.role]["end_kib"] = c.rss_kib()
+
+        run.clear("request")
+        run.transceiver_transfer()
+        checks["transceiver_last"] = run.verified("request")
+        statistics = {c.role: c.call("statistics", run.wait) for c in children}
+        devices = ctx_ready["device"] + " -> " + gen_ready["device"]
+    finally:
+        for child in children:
+            child.stop()
+
+    num_bytes = cfg.num_bytes
+    xcvr = PathStats.of(xcvr_s, num_bytes)
+    raw = PathStats.of(raw_s, num_bytes)
+    rss_doc: dict[str, dict[str, Any]] = {}
+    for role, r in rss.items():
+        growth = None
+        if cfg.iterations >= RSS_SOAK_ITERATIONS:
+            growth = rss_growth(r["at_checkpoint_kib"], r["end_kib"])
+        rss_doc[role] = {**r, "growth_checkpoint_to_end": growth}
+    return {
+        "schema": SCHEMA,
+        "tool": "bench_transfer",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "config": cfg.to_json(),
+        "devices": devices,
+        "bytes": run.outcome_bytes,
+        "num_blocks": cfg.blocks.num_blocks,
+        "descriptors": run.outcome_descriptors,
+        "expected_descriptors": cfg.blocks.expected_descriptors,
+        "cold": {"transceiver_s": cold_xcvr, "raw_s": cold_raw},
+        "transceiver": attrs.asdict(xcvr),
+        "transceiver_outcome": attrs.asdict(PathStats.of(outcome_s, num_bytes)),
+        "transceiver_write": attrs.asdict(PathStats.of(write_s, num_bytes)),
+        "raw": attrs.asdict(raw),
+        "raw_initiator": attrs.asdict(PathStats.of(initiator_s, num_bytes)),
+        "handover_overhead": attrs.asdict(Overhead.of(xcvr_s, raw_s)),
+        "ratio_vs_raw_nixl": ratio_vs_raw(xcvr, raw),
+        "rss": rss_doc,
+        "transceiver_statistics": statistics,
+        "verified": all(checks.values()),
+        "checks": checks,
+        "samples": {
+            "transceiver_s": xcvr_s,
+            "transceiver_outcome_s": outcome_s,
+            "transceiver_write_s": write_s,
+            "raw_s": raw_s,
+            "raw_initiator_s": initiator_s,
+        },
+        "wall_s": time.monotonic() - started,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    _progress(
+        f"bench_transfer: {cfg.num_bytes} bytes, {cfg.warmup} warm-up + {cfg.iterations} "
+        f"iterations per path, device {cfg.device}"
+    )
+    try:
+        doc = run_bench(cfg)
+    except ChildFailed as exc:
+        print(f"bench_transfer: {exc}", file=sys.stderr)
+        return 1
+    if cfg.result_json is not None:
+        cfg.result_json.parent.mkdir(parents=True, exist_ok=True)
+        cfg.result_json.write_text(json.dumps(doc, indent=1) + "\n")
+    print(format_report(doc))
+    if not doc["verified"]:
+        print(f"bench_transfer: byte check failed: {doc['checks']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
