@@ -351,7 +351,10 @@ class KvTransceiver:
             session.fail(f"KV transfer {session.key} timed out after {self.timeout_s:g}s")
             self._spawn(self._send_cancel, session)
         for session in self.receivers:
-            if session.is_terminal:
+            # A cancelled or failed session keeps its blocks until no ctx rank can still write
+            # into them (every expected rank reported), or until its deadline has passed.
+            settled = session.status is ReceiverStatus.TRANSFERRED or session.is_quiescent
+            if session.is_terminal and (settled or now >= session.deadline):
                 self.receivers.pop(session.key)
                 status = session.status
                 done.append(
