@@ -30,13 +30,20 @@ agent only while its transceiver has no session, so the two never use an agent a
 
 Printed: bytes, descriptors (from the transfer outcome), median time and GB/s (1e9 B/s) of each
 path, the handover overhead (p50 of transceiver time minus raw time, per iteration pair: what
-the control plane adds), children's RSS (after warm-up, at iteration 100, at the end), and last
-a line `ratio_vs_raw_nixl=<transceiver GB/s / raw GB/s>`.
+the control plane adds), children's RSS (after warm-up, at iteration 100, at the end; the growth
+from 100 to the end with `--iterations >= 1000`), the CPU each child burns while measuring and
+while idle, and last a line `ratio_vs_raw_nixl=<transceiver GB/s / raw GB/s>`.
+
+`--nixl-progress-thread off` is an experiment, not the production set-up: it patches the agents'
+config in the children (`enable_prog_thread=False`), so that transfers progress only when polled.
+NIXL's UCX progress thread spins (about one core per idle agent), which on a 2-core machine
+competes with everything else.
 
     python tools/bench_transfer.py                      # CPU, 64 MiB (512 tokens x 128 KiB)
     python tools/bench_transfer.py --scatter            # gen blocks every other slot
     python tools/bench_transfer.py --model-8b --tokens 8192 --device cuda --result-json r.json
     python tools/bench_transfer.py --iterations 1000    # RSS at iteration 100 vs the end
+    python tools/bench_transfer.py --nixl-progress-thread off
 
 Heterogeneous pairings (`--ctx-tp/--gen-tp/--ctx-pp/--gen-pp` other than 1) are refused until
 workers have several ranks (issue 5).
@@ -82,6 +89,7 @@ RSS_SOAK_ITERATIONS: Final = 1000  # ... and its growth to the end is judged fro
 SETUP_TIMEOUT_S: Final = 300.0  # a child importing torch and creating its agent on 2 busy cores
 POLL_S: Final = 20e-6  # the raw path's poll interval (time.sleep: no event-loop granularity)
 RESULT_LINE: Final = "ratio_vs_raw_nixl"
+IDLE_SAMPLE_S: Final = 1.0  # how long the idle children's CPU use is sampled
 
 
 # ---- geometry and block plan (pure) ----------------------------------------------------------
@@ -393,6 +401,22 @@ def rss_growth(at_checkpoint_kib: int | None, end_kib: int | None) -> float | No
     return (end_kib - at_checkpoint_kib) / at_checkpoint_kib
 
 
+def read_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of `pid` (every thread), from /proc/PID/stat."""
+    import os
+
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "; field 3 is fields[0]
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_share(cpu_before: float | None, cpu_after: float | None, wall_s: float) -> float | None:
+    """CPU seconds per wall second over a phase (1.0 = one core busy the whole time)."""
+    if cpu_before is None or cpu_after is None or wall_s <= 0:
+        return None
+    return (cpu_after - cpu_before) / wall_s
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
@@ -441,6 +465,18 @@ def format_report(doc: dict[str, Any]) -> str:
             f"  RSS {role}: after warm-up {_mib(r['after_warmup_kib'])}, at iteration "
             f"{RSS_CHECKPOINT} {_mib(r['at_checkpoint_kib'])}, end {_mib(r['end_kib'])}{grew}"
         )
+    share = doc["cpu_share"]
+
+    def cores(role: str, phase: str) -> str:
+        value = share[phase][role]
+        return "-" if value is None else f"{value:.2f}"
+
+    lines.append(
+        "  CPU (cores busy): measured phase ctx "
+        f"{cores('ctx', 'measured')} gen {cores('gen', 'measured')}; idle ctx "
+        f"{cores('ctx', 'idle')} gen {cores('gen', 'idle')} (NIXL progress threads: "
+        f"{'on' if cfg['progress_thread'] else 'off'})"
+    )
     stats = doc["transceiver_statistics"]
     lines.append(
         f"  sessions left: ctx senders {stats['ctx']['senders']}, gen receivers "
@@ -831,6 +867,12 @@ class _Child:
         self.send(cmd, **args)
         return self.expect("ok", timeout)
 
+    def cpu_s(self) -> float | None:
+        try:
+            return read_cpu_s(self.pid)
+        except (OSError, ValueError):
+            return None
+
     def rss_kib(self) -> int | None:
         try:
             return read_rss_kib(self.pid)
@@ -948,6 +990,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         rss: dict[str, dict[str, int | None]] = {
             c.role: {"after_warmup_kib": c.rss_kib(), "at_checkpoint_kib": None} for c in children
         }
+        cpu_before = {c.role: c.cpu_s() for c in children}
+        measured_from = time.monotonic()
         xcvr_s: list[float] = []
         outcome_s: list[float] = []
         write_s: list[float] = []
@@ -971,8 +1015,16 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     rss[c.role]["at_checkpoint_kib"] = c.rss_kib()
             if (i + 1) % step == 0 and cfg.iterations >= 50:
                 _progress(f"  {i + 1}/{cfg.iterations} iterations")
+        measured_s = time.monotonic() - measured_from
+        cpu = {c.role: cpu_share(cpu_before[c.role], c.cpu_s(), measured_s) for c in children}
         for c in children:
             rss[c.role]["end_kib"] = c.rss_kib()
+        # the same children idle for a while: what they burn doing nothing
+        cpu_idle_before = {c.role: c.cpu_s() for c in children}
+        time.sleep(IDLE_SAMPLE_S)
+        cpu_idle = {
+            c.role: cpu_share(cpu_idle_before[c.role], c.cpu_s(), IDLE_SAMPLE_S) for c in children
+        }
 
         run.clear("request")
         run.transceiver_transfer()
@@ -1012,6 +1064,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "handover_overhead": attrs.asdict(Overhead.of(xcvr_s, raw_s)),
         "ratio_vs_raw_nixl": ratio_vs_raw(xcvr, raw),
         "rss": rss_doc,
+        "cpu_share": {"measured": cpu, "idle": cpu_idle, "measured_s": measured_s},
         "transceiver_statistics": statistics,
         "verified": all(checks.values()),
         "checks": checks,

@@ -70,6 +70,9 @@ class CacheTransceiverConfig:
     backend: TransceiverBackend | None = None
     kv_transfer_timeout_ms: int = attrs.field(default=60000, validator=_positive)
     kv_cache_bounce_size_mb: int = attrs.field(default=0, validator=_non_negative)
+    # NIXL's own progress thread. It spins a core even when idle; with it off, the transceiver's
+    # polling drives transfers, which suits CPU clusters where cores are scarce.
+    nixl_progress_thread: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -80,6 +83,9 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 8001
     device: str = "cpu"
+    # CUDA only: the GPU index this worker runs on (as numbered in this process, i.e. after
+    # CUDA_VISIBLE_DEVICES). Lets `up` place workers of one cluster file on different GPUs.
+    cuda_device: int = attrs.field(default=0, validator=_non_negative)
     dtype: str = "float32"
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
     pipeline_parallel_size: int = attrs.field(default=1, validator=_positive)

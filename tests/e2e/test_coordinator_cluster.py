@@ -27,7 +27,7 @@ from tests.procs import Server, free_port, metric, spawn, worker_config
 
 pytestmark = pytest.mark.timeout(300)
 
-WORKER = {"cache_transceiver_config": {"backend": "NIXL"}}
+WORKER = {"cache_transceiver_config": {"backend": "NIXL", "nixl_progress_thread": False}}
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,13 @@ REQUEST_TIMEOUT = 20
 @contextlib.contextmanager
 def worker(tmp_path: Path, role: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
     path = tmp_path / f"{role}.yaml"
-    path.write_text(yaml.safe_dump(worker_config(cache_transceiver_config={"backend": "NIXL"})))
+    path.write_text(
+        yaml.safe_dump(
+            worker_config(
+                cache_transceiver_config={"backend": "NIXL", "nixl_progress_thread": False}
+            )
+        )
+    )
     log_path = tmp_path / f"{role}-{port}-{time.monotonic_ns()}.log"
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(

@@ -20,7 +20,7 @@ from tests.procs import Server, metric, running_worker
 from trtdisagg.model.loader import resolve_model
 
 TIMEOUT_MS = 3000
-TRANSFER = {"backend": "NIXL", "kv_transfer_timeout_ms": TIMEOUT_MS}
+TRANSFER = {"backend": "NIXL", "kv_transfer_timeout_ms": TIMEOUT_MS, "nixl_progress_thread": False}
 HOOKS = {"TRTDISAGG_TEST_HOOKS": "1"}
 
 
@@ -198,9 +198,11 @@ async def test_ctx_request_whose_gen_never_asks_is_freed(pair: tuple[Server, Ser
         r = await client.post(ctx.url + "/v1/completions", json=body)
         assert r.status_code == 200
         text = (await client.get(ctx.url + "/metrics")).text
-        held = metric(text, "trtdisagg_kv_cache_total_blocks") - metric(
-            text, "trtdisagg_kv_cache_free_blocks"
-        ) - metric(text, "trtdisagg_kv_cache_reusable_blocks")
+        held = (
+            metric(text, "trtdisagg_kv_cache_total_blocks")
+            - metric(text, "trtdisagg_kv_cache_free_blocks")
+            - metric(text, "trtdisagg_kv_cache_reusable_blocks")
+        )
         assert held > 0  # pinned for the transfer that never comes
         await _wait_idle(client, ctx, timeout=TIMEOUT_MS / 1000 + 5)
 

@@ -3,6 +3,7 @@ validation, statistics and the report's last line. No processes, no NIXL."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,7 @@ def test_report_ends_with_the_ratio_line() -> None:
             "ctx": {"senders": 0, "receivers": 0, "bad_frames": 0, "rendezvous": 0},
             "gen": {"senders": 0, "receivers": 0, "bad_frames": 0, "rendezvous": 1},
         },
+        "cpu_share": {"measured": {"ctx": 1.5, "gen": None}, "idle": {"ctx": 0.98, "gen": 0.97}},
         "verified": True,
         "ratio_vs_raw_nixl": 0.8,
     }  # fmt: skip
@@ -248,3 +250,11 @@ def test_report_ends_with_the_ratio_line() -> None:
     assert "descriptors: transceiver 1 (expected 1), raw 1" in text
     assert "p50 5.000 ms" in text
     assert "growth +1.00%" in text
+    assert "measured phase ctx 1.50 gen -; idle ctx 0.98 gen 0.97" in text
+
+
+def test_cpu_share_and_proc_stat_of_this_process() -> None:
+    assert bt.cpu_share(1.0, 2.5, 3.0) == pytest.approx(0.5)
+    assert bt.cpu_share(None, 2.5, 3.0) is None
+    assert bt.cpu_share(1.0, 2.0, 0.0) is None
+    assert bt.read_cpu_s(os.getpid()) > 0

@@ -70,6 +70,7 @@ from trtdisagg.transfer.wire import (
 log = logging.getLogger(__name__)
 
 RENDEZVOUS_TIMEOUT_S = 5.0
+SPIN_POLL_S = 0.002
 
 
 @attrs.frozen(kw_only=True)
@@ -143,6 +144,8 @@ class KvTransceiver:
 
     def __attrs_post_init__(self) -> None:
         self.registrar = PeerRegistrar(self.local)
+        # A REQUEST_DATA whose ctx session never appears is refused after the transfer timeout.
+        self.early = EarlyMessages(ttl=self.timeout_s)
 
     @property
     def info_endpoint(self) -> str:
@@ -279,7 +282,9 @@ class KvTransceiver:
                     dst_device_id=pool.device_id,
                 )
             )
-        delay = 0.00005
+        # Trio's timers are millisecond-grained, so the first ~2 ms poll at every scheduling
+        # round (sleep(0)); a long write then settles into 1 ms polls.
+        spin_until = self.clock() + SPIN_POLL_S
         try:
             while True:
                 async with self._agent_lock:
@@ -288,8 +293,7 @@ class KvTransceiver:
                     break
                 if state is XferStatus.ERROR:
                     raise TransferLayerError(f"agent reported an error writing {session.key}")
-                await trio.sleep(delay)
-                delay = min(delay * 2, 0.002)
+                await trio.sleep(0 if self.clock() < spin_until else 0.001)
         finally:
             async with self._agent_lock:
                 self.agent.release(handle)
@@ -563,6 +567,9 @@ class KvTransceiver:
                     num_descriptors=message.num_descriptors,
                     error=message.error,
                 ):
+                    # The write's notification has usually landed already: finish without
+                    # waiting for the notification poller's next round.
+                    self._drain_notifications()
                     self.wake()
             case Cancel():
                 self._on_cancel(message)
@@ -628,21 +635,23 @@ class KvTransceiver:
     async def _poll_notifications(self) -> None:
         """Agent notifications (WRITE_NOTICE) mark the bytes of a write as landed."""
         while True:
-            await trio.sleep(0.0005 if len(self.receivers) else 0.005)
-            if not len(self.receivers):
+            await trio.sleep(0.001 if len(self.receivers) else 0.005)
+            if len(self.receivers):
+                self._drain_notifications()
+
+    def _drain_notifications(self) -> None:
+        if self._agent_lock.locked():
+            return  # a threaded agent call is running; the poller comes back within 1 ms
+        for _remote, payload in self.agent.get_notifications():
+            try:
+                notice = decode(payload)
+            except TransferLayerError:
                 continue
-            async with self._agent_lock:
-                notes = self.agent.get_notifications()
-            for _remote, payload in notes:
-                try:
-                    notice = decode(payload)
-                except TransferLayerError:
-                    continue
-                if not isinstance(notice, WriteNotice):
-                    continue
-                session = self.receivers.lookup(notice.instance_name, notice.key)
-                if session is not None and session.on_notice(notice.instance_rank):
-                    self.wake()
+            if not isinstance(notice, WriteNotice):
+                continue
+            session = self.receivers.lookup(notice.instance_name, notice.key)
+            if session is not None and session.on_notice(notice.instance_rank):
+                self.wake()
 
     async def _sweep(self) -> None:
         """Wake the executor at deadlines, and drop stale early messages."""
@@ -654,4 +663,20 @@ class KvTransceiver:
                 s.expired(self.clock()) for s in self.receivers
             ):
                 self.wake()
-            self.early.sweep(self.clock())
+            for stale in self.early.sweep(self.clock()):
+                await self._refuse_stale(stale)
+
+    async def _refuse_stale(self, request: RequestData) -> None:
+        """Answer a REQUEST_DATA whose key never showed up here, so gen fails fast."""
+        peer = self.registrar.get((request.instance_name, request.instance_rank))
+        if peer is None:
+            return
+        result = TransferResult(
+            key=request.key,
+            instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            status=ResultStatus.ERROR,
+            error=f"ctx has no request with disagg_request_id {request.key} (never prefilled "
+            "here, or already released)",
+        )
+        await self._send(peer.control_endpoint, result)

@@ -24,11 +24,11 @@ from trtdisagg.worker.executor import Executor
 from trtdisagg.worker.runner import ModelRunner
 
 
-def _make_agent(backend: TransceiverBackend, name: str) -> TransferAgent:
+def _make_agent(backend: TransceiverBackend, name: str, progress_thread: bool) -> TransferAgent:
     # LOOPBACK moves bytes only between agents of one process; a worker gets its own fabric,
     # which serves single-process tests that run ctx and gen sides in one interpreter.
     fabric = LoopbackFabric() if backend is TransceiverBackend.LOOPBACK else None
-    return make_agent(backend.value, name, fabric=fabric)
+    return make_agent(backend.value, name, fabric=fabric, progress_thread=progress_thread)
 
 
 async def build_transceiver(
@@ -45,7 +45,9 @@ async def build_transceiver(
     cache = runner.cache
     instance_name = make_instance_name(config.role.value)
     agent_name = f"{instance_name}#0"
-    agent = await trio.to_thread.run_sync(_make_agent, transfer.backend, agent_name)
+    agent = await trio.to_thread.run_sync(
+        _make_agent, transfer.backend, agent_name, transfer.nixl_progress_thread
+    )
     page_table = cache.page_table(model.local_layer_ids)
     await trio.to_thread.run_sync(agent.register_memory, pool_regions(page_table))
     fingerprint = await trio.to_thread.run_sync(model_fingerprint, model_dir)

@@ -135,13 +135,17 @@ class TransferAgent(Protocol):
     def close(self) -> None: ...
 
 
-def _nixl(name: str, *, num_threads: int, fabric: LoopbackFabric | None) -> TransferAgent:
+def _nixl(
+    name: str, *, num_threads: int, fabric: LoopbackFabric | None, progress_thread: bool
+) -> TransferAgent:
     from trtdisagg.transfer.agents.nixl import NixlAgent
 
-    return NixlAgent(name, num_threads=num_threads)
+    return NixlAgent(name, num_threads=num_threads, progress_thread=progress_thread)
 
 
-def _loopback(name: str, *, num_threads: int, fabric: LoopbackFabric | None) -> TransferAgent:
+def _loopback(
+    name: str, *, num_threads: int, fabric: LoopbackFabric | None, progress_thread: bool
+) -> TransferAgent:
     from trtdisagg.transfer.agents.loopback import LoopbackAgent
 
     if fabric is None:
@@ -158,6 +162,7 @@ def make_agent(
     *,
     num_threads: int = 0,
     fabric: LoopbackFabric | None = None,
+    progress_thread: bool = True,
 ) -> TransferAgent:
     """Create the agent named by config (`"NIXL"` | `"LOOPBACK"`); the backend module is imported
     only here. Blocking (NIXL creates its UCX context): call through `trio.to_thread.run_sync`.
@@ -168,4 +173,4 @@ def make_agent(
     factory = _BACKENDS.get(backend)
     if factory is None:
         raise AgentError(f"unknown transfer backend {backend!r}; known: {sorted(_BACKENDS)}")
-    return factory(name, num_threads=num_threads, fabric=fabric)
+    return factory(name, num_threads=num_threads, fabric=fabric, progress_thread=progress_thread)

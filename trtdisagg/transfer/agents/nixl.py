@@ -34,9 +34,17 @@ _DONE = XferHandle(0)  # the handle of an empty write: nothing was submitted
 
 class NixlAgent:
     def __init__(
-        self, name: str, *, backends: Sequence[str] = ("UCX",), num_threads: int = 0
+        self,
+        name: str,
+        *,
+        backends: Sequence[str] = ("UCX",),
+        num_threads: int = 0,
+        progress_thread: bool = True,
     ) -> None:
+        # NIXL's progress thread spins a core while idle; without it, our own polling of
+        # transfers and notifications drives progress (enough for CPU/shared-memory paths).
         config = nixl_agent_config(
+            enable_prog_thread=progress_thread,
             backends=list(backends),
             num_threads=num_threads,
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
