@@ -141,6 +141,7 @@ class KvTransceiver:
     _replies: dict[_Slot, trio.MemorySendChannel[Message]] = attrs.Factory(dict)
     _timing: dict[int, _Timing] = attrs.Factory(dict)
     _failed_early: dict[int, str] = attrs.Factory(dict)
+    _receiving: trio.Event = attrs.Factory(trio.Event)  # set when a receive session starts
 
     def __attrs_post_init__(self) -> None:
         self.registrar = PeerRegistrar(self.local)
@@ -328,6 +329,7 @@ class KvTransceiver:
         )
         try:
             self.receivers.add(session)
+            self._receiving.set()
         except ValueError:
             self._fail_receive(key, f"transfer key {key} is already being received")
             return
@@ -635,9 +637,12 @@ class KvTransceiver:
     async def _poll_notifications(self) -> None:
         """Agent notifications (WRITE_NOTICE) mark the bytes of a write as landed."""
         while True:
-            await trio.sleep(0.001 if len(self.receivers) else 0.005)
-            if len(self.receivers):
-                self._drain_notifications()
+            if not len(self.receivers):
+                # Idle: sleep until a receive starts rather than waking 200 times a second.
+                await self._receiving.wait()
+                self._receiving = trio.Event()
+            await trio.sleep(0.001)
+            self._drain_notifications()
 
     def _drain_notifications(self) -> None:
         if self._agent_lock.locked():
