@@ -15,7 +15,6 @@ anything else                          500
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any, Final, cast
@@ -23,11 +22,11 @@ from typing import Any, Final, cast
 from quart import Response, request
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
-from werkzeug.exceptions import HTTPException
 
 from trtdisagg import __version__
 from trtdisagg.api.codec import parse_json
 from trtdisagg.api.errors import ApiError
+from trtdisagg.api.http import error_response, install_common_handlers, json_response
 from trtdisagg.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
 from trtdisagg.coordinator.placement import CoordinatorUnavailable
 from trtdisagg.coordinator.relay import ReplyBody
@@ -46,18 +45,6 @@ log = logging.getLogger(__name__)
 
 _BODIES_KEY: Final = "trtdisagg.reply_bodies"
 FORWARDED_HEADERS: Final = ("Authorization",)
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
-
-
-def json_response(value: Any, status: int = 200) -> Response:
-    return Response(dumps(value), status=status, content_type="application/json")
-
-
-def error_response(exc: ApiError) -> Response:
-    return json_response(exc.to_json(), exc.status)
 
 
 class _ClosingConnection(TrioASGIHTTPConnection):
@@ -93,14 +80,10 @@ def create_app(
     max_body_bytes: int,
 ) -> QuartTrio:
     app = CoordinatorApp(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    install_common_handlers(app, max_body_bytes=max_body_bytes, api_key=api_key)
     app.config["RESPONSE_TIMEOUT"] = None  # streams end by the request deadline, not quart's
     app.config["BODY_TIMEOUT"] = 60
     placement = service.placement
-
-    @app.errorhandler(ApiError)
-    async def api_error(exc: ApiError) -> Response:
-        return error_response(exc)
 
     @app.errorhandler(UpstreamRejected)
     async def rejected(exc: UpstreamRejected) -> Response:
@@ -121,29 +104,6 @@ def create_app(
     @app.errorhandler(RequestTimeout)
     async def timeout(exc: RequestTimeout) -> Response:
         return error_response(ApiError(504, str(exc)))
-
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        status = exc.code or 500
-        message = {
-            404: f"route {request.path} not found",
-            405: f"method {request.method} not allowed on {request.path}",
-            413: f"request body exceeds {max_body_bytes} bytes",
-        }.get(status, exc.description or exc.name)
-        return error_response(ApiError(status, message))
-
-    @app.errorhandler(Exception)
-    async def unexpected(exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
-
-    @app.before_request
-    async def authorize() -> Response | None:
-        if api_key is None or not request.path.startswith("/v1/"):
-            return None
-        if request.headers.get("Authorization", "") != f"Bearer {api_key}":
-            return error_response(ApiError(401, "missing or invalid API key"))
-        return None
 
     async def serve(endpoint: Endpoint) -> Response:
         data = await request.get_data(cache=False, as_text=False)

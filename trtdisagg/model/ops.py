@@ -42,7 +42,9 @@ def gather_decode_kv(
     num_blocks = math.ceil(length / tpb)
     table = meta.block_table[:, :num_blocks]
     s = table.shape[0]
-    kv = cache.pool[table, layer]  # [S, n, 2, H, T, D] or [S, n, 2, T, H, D]
+    # index_select on the layer's view: several times faster on CPU than pool[table, layer].
+    per_block = cache.pool.shape[2:]
+    kv = cache.pool[:, layer].index_select(0, table.reshape(-1)).view(s, num_blocks, *per_block)
     if cache.layout is Layout.HND:
         kv = kv.permute(2, 0, 3, 1, 4, 5)  # [2, S, H, n, T, D]
     else:

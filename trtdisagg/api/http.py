@@ -1,0 +1,66 @@
+"""What every role's quart-trio app shares: JSON responses, OpenAI error bodies, API-key check.
+
+Errors map to HTTP statuses here and nowhere else: an `ApiError` carries its status, framework
+errors (404 route, 405 method, 413 body too large) become OpenAI error bodies, and anything
+unexpected is a 500 with the exception named (and logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from trtdisagg.api.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+OPENAI_PREFIX = "/v1/"
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def json_response(value: Any, status: int = 200) -> Response:
+    return Response(dumps(value), status=status, content_type="application/json")
+
+
+def error_response(exc: ApiError) -> Response:
+    return json_response(exc.to_json(), exc.status)
+
+
+def install_common_handlers(app: QuartTrio, *, max_body_bytes: int, api_key: str | None) -> None:
+    """Error handlers and the Bearer-key check on the OpenAI routes (`/v1/...`)."""
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+
+    @app.errorhandler(ApiError)
+    async def api_error(exc: ApiError) -> Response:
+        return error_response(exc)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        message = {
+            404: f"route {request.path} not found",
+            405: f"method {request.method} not allowed on {request.path}",
+            413: f"request body exceeds {max_body_bytes} bytes",
+        }.get(status, exc.description or exc.name)
+        return error_response(ApiError(status, message))
+
+    @app.errorhandler(Exception)
+    async def unexpected(exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.before_request
+    async def authorize() -> Response | None:
+        if api_key is None or not request.path.startswith(OPENAI_PREFIX):
+            return None
+        if request.headers.get("Authorization", "") != f"Bearer {api_key}":
+            return error_response(ApiError(401, "missing or invalid API key"))
+        return None
