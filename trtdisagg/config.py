@@ -34,12 +34,12 @@ class TransceiverBackend(enum.Enum):
 
 def _positive(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
     if value <= 0:
-        raise ConfigError(f"$.{attr.name}: must be positive, got {value}")
+        raise ConfigError(f"{attr.name}: must be positive, got {value}")
 
 
 def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
-        raise ConfigError(f"$.{attr.name}: must not be negative, got {value}")
+        raise ConfigError(f"{attr.name}: must not be negative, got {value}")
 
 
 @attrs.frozen(kw_only=True)
@@ -52,17 +52,15 @@ class KvCacheConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens is None and self.free_gpu_memory_fraction is None:
-            raise ConfigError("$.kv_cache_config: set max_tokens or free_gpu_memory_fraction")
+            raise ConfigError("set max_tokens or free_gpu_memory_fraction")
         if self.max_tokens is not None and self.max_tokens < self.tokens_per_block:
             raise ConfigError(
-                f"$.kv_cache_config.max_tokens: {self.max_tokens} is less than one block "
+                f"max_tokens: {self.max_tokens} is less than one block "
                 f"({self.tokens_per_block} tokens)"
             )
         fraction = self.free_gpu_memory_fraction
         if fraction is not None and not 0.0 < fraction < 1.0:
-            raise ConfigError(
-                f"$.kv_cache_config.free_gpu_memory_fraction: must be in (0, 1), got {fraction}"
-            )
+            raise ConfigError(f"free_gpu_memory_fraction: must be in (0, 1), got {fraction}")
 
 
 @attrs.frozen(kw_only=True)
@@ -108,11 +106,11 @@ class WorkerConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"$.device: must be 'cpu' or 'cuda', got {self.device!r}")
+            raise ConfigError(f"device: must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"$.dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ConfigError(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 <= self.port < 65536:
-            raise ConfigError(f"$.port: must be in [0, 65536), got {self.port}")
+            raise ConfigError(f"port: must be in [0, 65536), got {self.port}")
 
     @property
     def world_size(self) -> int:
@@ -127,8 +125,19 @@ def _make_converter() -> cattrs.Converter:
 _converter = _make_converter()
 
 
+def _format_leaf(exc: BaseException, type_: type | None) -> str:
+    # Our own validators already say what is wrong; cattrs adds where (" @ $.path").
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    return cattrs.v.format_exception(exc, type_)
+
+
 def _format_error(exc: Exception, source: str) -> ConfigError:
-    messages = cattrs.transform_error(exc) if isinstance(exc, cattrs.BaseValidationError) else []
+    messages = (
+        cattrs.transform_error(exc, format_exception=_format_leaf)
+        if isinstance(exc, cattrs.BaseValidationError)
+        else []
+    )
     if not messages:
         messages = [str(exc)]
     # transform_error words unknown keys as "extra fields found (x) @ $"; keep its key path.

@@ -1,0 +1,63 @@
+"""Worker config: YAML through one converter; every error names its key path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trtdisagg.config import ConfigError, WorkerConfig, load_worker_config
+from trtdisagg.kv.page_table import Layout
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "worker.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_overrides(tmp_path: Path) -> None:
+    path = _write(tmp_path, "port: 9001\nkv_cache_config: {layout: NHD, tokens_per_block: 16}\n")
+    config = load_worker_config(path, {"port": 9100, "model": None})
+    assert config.port == 9100  # CLI flag beats the file
+    assert config.model == "tiny"  # an unset flag changes nothing
+    assert config.kv_cache_config.layout is Layout.NHD
+    assert config.kv_cache_config.tokens_per_block == 16
+    assert load_worker_config(None) == WorkerConfig()
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("bogus: 1\n", ["bogus"]),
+        ("kv_cache_config: {tokens_per_blok: 16}\n", ["kv_cache_config", "tokens_per_blok"]),
+        ("kv_cache_config: {layout: ABC}\n", ["kv_cache_config.layout"]),
+        ("port: eighty\n", ["port"]),
+        ("device: tpu\n", ["device", "tpu"]),
+        ("dtype: int8\n", ["dtype", "int8"]),
+        ("max_batch_size: 0\n", ["max_batch_size", "positive"]),
+        ("cache_transceiver_config: {backend: RDMA}\n", ["cache_transceiver_config.backend"]),
+        ("kv_cache_config: {max_tokens: 8, tokens_per_block: 32}\n", ["max_tokens"]),
+        ("- a list\n", ["mapping"]),
+        ("port: [1\n", ["not valid YAML"]),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: Path, text: str, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_worker_config(_write(tmp_path, text))
+    message = str(caught.value)
+    for word in words:
+        assert word in message, message
+    assert str(tmp_path / "worker.yaml") in message
+
+
+def test_a_bad_config_fails_at_start_with_the_key(tmp_path: Path) -> None:
+    path = _write(tmp_path, "kv_cache_config: {layout: DIAGONAL}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "trtdisagg", "ctx", "--config", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "kv_cache_config.layout" in done.stderr, done.stderr
