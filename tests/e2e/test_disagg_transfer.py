@@ -18,6 +18,7 @@ import zmq
 from tests.oracle import assert_greedy_match, hf_greedy
 from tests.procs import Server, metric, running_worker
 from trtdisagg.model.loader import resolve_model
+from trtdisagg.model.tiny import TinySpec, ensure_tiny_checkpoint
 
 TIMEOUT_MS = 3000
 TRANSFER = {"backend": "NIXL", "kv_transfer_timeout_ms": TIMEOUT_MS, "nixl_progress_thread": False}
@@ -229,6 +230,26 @@ async def test_garbage_frames_are_counted_and_dropped(pair: tuple[Server, Server
         assert tokens == await _aggregated(client, ctx, _body([3, 4, 5, 6, 7], 4))
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+async def test_other_architectures_transfer_exactly(tmp_path: Path, arch: str) -> None:
+    model = ensure_tiny_checkpoint(tmp_path / "models", TinySpec(arch=arch, seed=4))
+    with (
+        running_worker(tmp_path, "ctx", env=HOOKS, model=str(model),
+                       cache_transceiver_config=TRANSFER) as ctx,
+        running_worker(tmp_path, "gen", env=HOOKS, model=str(model),
+                       cache_transceiver_config=TRANSFER) as gen,
+    ):  # fmt: skip
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = _body(_prompt(random.Random(2), 37), 10)
+            split, key = await _split(client, ctx, gen, body)
+            assert split == await _aggregated(client, ctx, body)
+            reference, margins = hf_greedy(model, body["prompt"], 10)
+            assert_greedy_match(split, reference, margins)
+            ctx_digest = (await client.get(ctx.url + "/debug/kv_digests")).json()[str(key)]
+            gen_digest = (await client.get(gen.url + "/debug/kv_digests")).json()[str(key)]
+            assert ctx_digest == gen_digest
+
+
 @contextlib.contextmanager
 def _mismatched_gen(tmp_path: Path, **overrides: Any) -> Iterator[Server]:
     with running_worker(tmp_path, "gen", cache_transceiver_config=TRANSFER, **overrides) as gen:
@@ -240,12 +261,16 @@ def _mismatched_gen(tmp_path: Path, **overrides: Any) -> Iterator[Server]:
     [
         ({"kv_cache_config": {"tokens_per_block": 32}}, ["tokens_per_block", "32", "16"]),
         ({"dtype": "bfloat16"}, ["dtype", "bfloat16", "float32"]),
+        ({"model": "other-tiny"}, ["model_fingerprint"]),
     ],
 )
 async def test_incompatible_pair_is_refused_fast_with_both_values(
     pair: tuple[Server, Server], tmp_path: Path, overrides: dict[str, Any], words: list[str]
 ) -> None:
     ctx, _ = pair
+    if overrides.get("model") == "other-tiny":  # same shape, other weights: another model
+        other = ensure_tiny_checkpoint(tmp_path / "models", TinySpec(seed=99))
+        overrides = {"model": str(other), "served_model_name": "tiny"}
     with _mismatched_gen(tmp_path, **overrides) as gen:
         async with httpx.AsyncClient(timeout=60) as client:
             for attempt in range(2):
