@@ -33,9 +33,12 @@ def _worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], rol
     p.add_argument("--config", help="worker YAML (conf/ctx.yaml, conf/gen.yaml)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--model", help='"tiny" or a local Hugging Face checkpoint directory')
+    p.add_argument(
+        "--model", help='"tiny", "synthetic:NAME[@SEED]" or a local Hugging Face checkpoint dir'
+    )
     p.add_argument("--served-model-name", dest="served_model_name")
     p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--cuda-device", dest="cuda_device", type=int, help="GPU index (CUDA only)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tp", dest="tensor_parallel_size", type=int)
     p.add_argument("--pp", dest="pipeline_parallel_size", type=int)
@@ -63,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _WORKER_KEYS = (
-    "host", "port", "model", "served_model_name", "device", "dtype", "tensor_parallel_size",
+    "host", "port", "model", "served_model_name", "device", "cuda_device", "dtype",
+    "tensor_parallel_size",
     "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "cpu_threads", "log_level",
 )  # fmt: skip
 

@@ -20,9 +20,14 @@ The cluster file (format documented in ``conf/local.yaml``)::
     coordinator:               # disagg.yaml keys (or `config:` a file); server urls are filled
       port: 8000               # in from ctx/gen unless given
 
-Paths inside the file are relative to the file's directory. Every generated config is written to
-``log_dir`` (ctx-0.yaml, ..., coordinator.yaml) and validated before anything starts, so a bad
-key fails at once with its path (``local.yaml: $.ctx[0]: ...``).
+Every child gets this process's environment. To put workers on different GPUs, give each its
+``cuda_device`` key (a GPU index as this process numbers them); ``ctx`` may be an empty list when
+the coordinator has ``conditional_disagg_config`` (aggregated workers listed under ``gen``).
+
+Top-level keys starting with ``x-`` are ignored (a place for YAML anchors that several workers
+merge with ``<<: *name``). Paths inside the file are relative to the file's directory. Every
+generated config is written to ``log_dir`` (ctx-0.yaml, ..., coordinator.yaml) and validated
+before anything starts, so a bad key fails at once with its path (``local.yaml: $.ctx[0]: ...``).
 """
 
 from __future__ import annotations
@@ -51,8 +56,18 @@ Json = dict[str, Any]
 DEFAULT_CLUSTER: Final[Json] = {
     "log_dir": "logs",
     "host": "127.0.0.1",
-    "ctx": [{"model": "tiny", "cache_transceiver_config": {"backend": "NIXL"}}],
-    "gen": [{"model": "tiny", "cache_transceiver_config": {"backend": "NIXL"}}],
+    "ctx": [
+        {
+            "model": "tiny",
+            "cache_transceiver_config": {"backend": "NIXL", "nixl_progress_thread": False},
+        }
+    ],
+    "gen": [
+        {
+            "model": "tiny",
+            "cache_transceiver_config": {"backend": "NIXL", "nixl_progress_thread": False},
+        }
+    ],
     "coordinator": {"port": 8000},
 }
 HEALTH_POLL: Final = 0.2
@@ -119,7 +134,8 @@ def plan_cluster(data: object, *, source: str, root: Path) -> tuple[ClusterPlan,
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: $ must be a mapping")
-    unknown = sorted(set(data) - _TOP_KEYS)
+    # "x-" keys are the file's own (YAML anchors shared by workers), as in compose files.
+    unknown = sorted(k for k in set(data) - _TOP_KEYS if not str(k).startswith("x-"))
     if unknown:
         raise ConfigError(f"{source}: $.{unknown[0]}: unknown key (allowed: {sorted(_TOP_KEYS)})")
     host = str(data.get("host", "127.0.0.1"))
@@ -133,8 +149,13 @@ def plan_cluster(data: object, *, source: str, root: Path) -> tuple[ClusterPlan,
     urls: dict[str, list[str]] = {"ctx": [], "gen": []}
     for role in ("ctx", "gen"):
         items = data.get(role, [])
-        if not isinstance(items, list) or not items:
-            raise ConfigError(f"{source}: $.{role}: expected a non-empty list of worker configs")
+        # Aggregated mode: no ctx workers, every request is served by one gen worker alone.
+        aggregated = role == "ctx" and coord.get("conditional_disagg_config") is not None
+        if not isinstance(items, list) or not (items or aggregated):
+            hint = " (or empty with coordinator.conditional_disagg_config)" if role == "ctx" else ""
+            raise ConfigError(
+                f"{source}: $.{role}: expected a non-empty list of worker configs{hint}"
+            )
         for i, item in enumerate(items):
             where = f"$.{role}[{i}]"
             worker = _entry(item, where=where, source=source, root=root)

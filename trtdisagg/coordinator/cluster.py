@@ -8,7 +8,7 @@ Lifecycle of one server::
 
 The health monitor (`health.py`) feeds transitions in; routers get the healthy set out through
 `views(role)`. The cluster is *ready* once start-up has finished waiting and at least one server
-of each role is healthy.
+of each role is healthy (of generation only, in aggregated mode: no context servers configured).
 """
 
 from __future__ import annotations
@@ -136,8 +136,12 @@ class Cluster:
     def missing(self, role: ServerRole) -> list[str]:
         return [s.url for s in self.of_role(role) if not s.healthy]
 
+    def required_roles(self) -> list[ServerRole]:
+        """Generation always; context unless none is configured (aggregated mode)."""
+        return [r for r in ServerRole if r is ServerRole.GENERATION or self.of_role(r)]
+
     def has_each_role(self) -> bool:
-        return all(any(s.healthy for s in self.of_role(role)) for role in ServerRole)
+        return all(any(s.healthy for s in self.of_role(role)) for role in self.required_roles())
 
     def is_ready(self) -> bool:
         return self.started and self.has_each_role()
@@ -145,7 +149,7 @@ class Cluster:
     def not_ready_reason(self) -> str:
         if not self.started:
             return "coordinator is starting: waiting for servers"
-        empty = [role.value for role in ServerRole if not self.views(role)]
+        empty = [role.value for role in self.required_roles() if not self.views(role)]
         return f"no healthy {' or '.join(empty)} servers" if empty else ""
 
     def first_info(self) -> ServerInfo | None:

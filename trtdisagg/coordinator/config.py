@@ -16,6 +16,7 @@ Keys follow TensorRT-LLM's `disagg_config.yaml` (DESIGN.md §4)::
     node_id: null                 # [0, 256); default: hash of hostname:port
     schedule_style: context_first # context_first | generation_first
     conditional_disagg_config: {max_local_prefill_length: 0}
+                                  # with it, context_servers may be empty (aggregated mode)
     max_retries: 1
     request_timeout: 180          # seconds, whole request
     server_start_timeout: 180     # seconds
@@ -276,7 +277,12 @@ def _check_group(group: ServerGroupConfig, path: str) -> list[str]:
 
 def validate(config: CoordinatorConfig) -> list[str]:
     """Every semantic problem of a structured config, as 'key path: problem' lines."""
-    errors = _check_group(config.context_servers, "$.context_servers")
+    # Aggregated mode: no context servers, and conditional disaggregation serves every prompt
+    # within max_local_prefill_length on one generation server alone (longer ones get a 503).
+    aggregated = config.conditional_disagg_config is not None and not config.context_servers.urls
+    errors = [] if aggregated else _check_group(config.context_servers, "$.context_servers")
+    if not config.context_servers.urls and not aggregated:
+        errors[0] += "; or set conditional_disagg_config to serve requests on gen alone"
     errors += _check_group(config.generation_servers, "$.generation_servers")
     overlap = {normalize_url(u) for u in config.context_servers.urls} & {
         normalize_url(u) for u in config.generation_servers.urls

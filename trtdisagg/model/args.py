@@ -21,6 +21,10 @@ import attrs
 
 SUPPORTED_ARCHITECTURES: Final = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
+# Marks a synthetic model directory (`trtdisagg.model.synthetic`): weights are drawn at load
+# time, and the fingerprint hashes this file instead of safetensors headers.
+SYNTHETIC_SPEC_FILE: Final = "synthetic.json"
+
 # Keys that say which program wrote the file, not what the model is.
 _PROVENANCE_KEYS: Final = frozenset({"transformers_version", "_name_or_path"})
 
@@ -193,19 +197,47 @@ def model_fingerprint(model_dir: Path) -> str:
     (name, shape, dtype) from the safetensors headers.
 
     Tensors are hashed by name across all files, so a sharded and an unsharded copy of the same
-    checkpoint agree. Weight values are not read.
+    checkpoint agree. Of the weight values, only the first and last 64 bytes of each tensor are
+    read: enough to tell two same-shaped checkpoints apart, cheap for a 16 GB one. A synthetic
+    model (no weight files) hashes its `synthetic.json` (spec and seed) instead: the same spec
+    and seed give the same weights.
     """
     config = {k: v for k, v in read_config(model_dir).items() if k not in _PROVENANCE_KEYS}
-    tensors: dict[str, tuple[list[int], str]] = {}
+    synthetic = model_dir / SYNTHETIC_SPEC_FILE
+    if synthetic.is_file():
+        payload = json.dumps({"config": config, "synthetic": json.loads(synthetic.read_text())},
+                             sort_keys=True)  # fmt: skip
+        return hashlib.sha256(payload.encode()).hexdigest()
+    tensors: dict[str, tuple[list[int], str, str]] = {}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir}: no *.safetensors files")
     for file in files:
-        for name, entry in _safetensors_header(file).items():
-            if name != "__metadata__":
-                tensors[name] = (list(entry["shape"]), str(entry["dtype"]))
+        header = _safetensors_header(file)
+        data_start = 8 + _header_length(file)
+        with file.open("rb") as f:
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                sample = _value_sample(f, data_start, entry["data_offsets"])
+                tensors[name] = (list(entry["shape"]), str(entry["dtype"]), sample)
     payload = json.dumps({"config": config, "tensors": tensors}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _header_length(path: Path) -> int:
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+    return int(length)
+
+
+def _value_sample(f: Any, data_start: int, offsets: list[int]) -> str:
+    start, end = data_start + int(offsets[0]), data_start + int(offsets[1])
+    f.seek(start)
+    head = f.read(min(64, end - start))
+    f.seek(max(start, end - 64))
+    tail = f.read(min(64, end - start))
+    return (head + tail).hex()
 
 
 def _safetensors_header(path: Path) -> dict[str, Any]:

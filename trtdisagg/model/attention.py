@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.args import ModelArgs
@@ -163,13 +164,28 @@ class Attention(nn.Module):
                 group = self.num_heads // self.num_kv_heads
                 keys = keys.repeat_interleave(group, dim=0)
                 values = values.repeat_interleave(group, dim=0)
-            attended = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1),  # [heads, q_len, D]
-                keys,
-                values,
-                attn_mask=mask,
-                is_causal=mask is None and seq.q_len > 1,
-            )
+            if q.is_cuda:
+                # SDPA's fused (flash) kernels take 4-D inputs only, and no explicit mask: with
+                # [heads, q_len, D] or a bool mask it falls back to its math kernel, which
+                # materialises [heads, q_len, kv_len] scores (it asked for 9 GiB for an 8k chunk
+                # of a 16k prompt of the 8B model on an H200, and prefill ran at about 5k tokens
+                # per second: docs/bench_gpu_headline.md). A lower-right causal bias is the same
+                # mask as `mask` (and as is_causal when q_len == kv_len) and runs in the flash
+                # kernel, whose causal mode is lower-right.
+                attended = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1)[None],  # [1, heads, q_len, D]
+                    keys[None],
+                    values[None],
+                    attn_mask=causal_lower_right(seq.q_len, seq.kv_len) if seq.q_len > 1 else None,
+                )[0]
+            else:
+                attended = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1),  # [heads, q_len, D]
+                    keys,
+                    values,
+                    attn_mask=mask,
+                    is_causal=mask is None and seq.q_len > 1,
+                )
             out[rows] = attended.transpose(0, 1)
         return out
 

@@ -23,6 +23,14 @@ from safetensors import safe_open
 from trtdisagg.model.args import ModelArgs, ModelLoadError
 from trtdisagg.model.llama import CausalLM
 from trtdisagg.model.parallel import Parallel
+from trtdisagg.model.synthetic import (
+    SyntheticModel,
+    ensure_synthetic_dir,
+    hf_shapes,
+    is_synthetic,
+    read_synthetic,
+    synthetic_tensor,
+)
 from trtdisagg.model.tiny import ensure_tiny_checkpoint
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,7 +38,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> Path:
-    """ "tiny" -> the embedded default checkpoint (written on first use); else a directory
+    """ "tiny" -> the embedded default checkpoint (written on first use); "synthetic:NAME[@SEED]"
+    -> a weightless synthetic model directory (`trtdisagg.model.synthetic`); else a directory
     holding config.json.
 
     Raises:
@@ -38,6 +47,8 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> Path:
     """
     if name_or_path == "tiny":
         return ensure_tiny_checkpoint(cache_dir)
+    if is_synthetic(name_or_path):
+        return ensure_synthetic_dir(name_or_path, cache_dir)
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         raise ModelLoadError(f"model {name_or_path!r}: not 'tiny' and not a directory")
@@ -60,6 +71,10 @@ def load_model(
         model = CausalLM(args, parallel=parallel, dtype=dtype, device=device)
     except ValueError as error:  # a head/size split that this parallelism cannot do
         raise ModelLoadError(f"{model_dir}: {error}") from None
+    synthetic = read_synthetic(model_dir)
+    if synthetic is not None:
+        _fill_synthetic(model, synthetic, args, parallel)
+        return model.eval()
     tensor_files = _tensor_files(model_dir)
     first_layer = model.local_layer_ids[0] if model.local_layer_ids else 0
     with ExitStack() as stack, torch.no_grad():
@@ -86,6 +101,25 @@ def load_model(
                 )
             param.copy_(tensor.to(device=device, dtype=dtype))
     return model.eval()
+
+
+def _fill_synthetic(
+    model: CausalLM, synthetic: SyntheticModel, args: ModelArgs, parallel: Parallel
+) -> None:
+    """Draw every parameter on the model's device; a TP rank keeps its slice of the whole."""
+    shapes = hf_shapes(args)
+    first_layer = model.local_layer_ids[0] if model.local_layer_ids else 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            source = _global_name(name, first_layer)
+            if source == "lm_head.weight" and args.tie_word_embeddings:
+                source = "model.embed_tokens.weight"
+            whole = synthetic_tensor(
+                synthetic, source, shapes[source], dtype=param.dtype, device=param.device
+            )
+            dim, start, end = _shard(name, args, parallel)
+            param.copy_(_read(whole, dim, start, end))
+            del whole
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:

@@ -332,6 +332,7 @@ class Executor:
             self.test_hooks.record(
                 key, self.runner.cache, table.block_ids, request.num_prompt_tokens
             )
+        self.runner.kv_ready()  # the step's KV writes are in device memory before NIXL reads
         self.transceiver.respond_and_send_async(
             key, [list(table.block_ids)], request.num_prompt_tokens
         )

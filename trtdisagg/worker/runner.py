@@ -98,6 +98,23 @@ class ModelRunner:
                 )
         return StepOutput(sampled=sampled, forward_s=time.perf_counter() - start)
 
+    def kv_ready(self) -> None:
+        """Wait until the KV written by every step launched so far is in device memory.
+
+        Call before a transfer agent reads the pool (ctx: before the KV send starts). The agent
+        copies on its own streams, which do not wait for ours, so the order must be made on the
+        host: an event recorded on the current stream, then synchronized. Steps run on the
+        current (default) stream of this device from a worker thread; the default stream is the
+        same object in every thread, so recording here orders after them. Usually the step's
+        greedy sampling already synchronized and this returns at once. No-op on CPU, where
+        writes are complete when the step returns.
+        """
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        event.synchronize()
+
     def _on_device(self) -> contextlib.AbstractContextManager[object]:
         # The executor calls from a worker thread, whose current CUDA device (which Triton
         # launches on) is not necessarily ours.
@@ -255,7 +272,7 @@ def build_runner(config: WorkerConfig, model_dir: Path, parallel: Parallel) -> M
         cache=cache,
         device=device,
         tokens_per_block=kv.tokens_per_block,
-        batched_decode=device.type == "cuda",
+        batched_decode=True,
     )
     ops = model.ops
     single = parallel.tp_size == 1 and parallel.pp_size == 1

@@ -19,6 +19,7 @@ from trtdisagg.kv.block_pool import BlockPool
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.parallel import Parallel
+from trtdisagg.model.synthetic import is_synthetic
 from trtdisagg.transfer.messenger import Router, open_router
 from trtdisagg.worker.app import create_app
 from trtdisagg.worker.executor import Executor
@@ -57,7 +58,9 @@ async def serve_worker(
 ) -> None:
     model_dir = await trio.to_thread.run_sync(resolve_model, config.model)
     tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, model_dir)
-    parallel = Parallel(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, tp_group=None)
+    parallel = Parallel(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, tp_group=None, device_index=config.cuda_device
+    )
     runner = await trio.to_thread.run_sync(build_runner, config, model_dir, parallel)
     max_seq_len = config.max_seq_len or runner.model.args.max_position_embeddings
     kv = config.kv_cache_config
@@ -84,7 +87,8 @@ async def serve_worker(
     if config.enable_test_hooks:
         executor.test_hooks = TestHooks()
         log.warning("test hooks are enabled (TRTDISAGG_TEST_HOOKS=1): not for production")
-    served = config.served_model_name or ("tiny" if config.model == "tiny" else model_dir.name)
+    named = config.model == "tiny" or is_synthetic(config.model)  # no directory name to show
+    served = config.served_model_name or (config.model if named else model_dir.name)
     service = WorkerService(
         config=config,
         served_model_name=served,
