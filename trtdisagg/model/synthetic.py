@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Any, Final
@@ -35,6 +32,7 @@ import attrs
 import torch
 
 from trtdisagg.model.args import SYNTHETIC_SPEC_FILE, ModelArgs, ModelLoadError
+from trtdisagg.model.cache_dir import default_cache_dir, write_once
 from trtdisagg.model.tiny_tokenizer import (
     BOS,
     END_OF_TURN,
@@ -179,34 +177,12 @@ def hf_config(model: SyntheticModel) -> dict[str, Any]:
     return config
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get("TRTDISAGG_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "trtdisagg"
-
-
 def ensure_synthetic_dir(model: str, cache_dir: Path | None = None) -> Path:
-    """The directory of a `synthetic:` model value, written first if needed (no weights).
-
-    Written into a temporary sibling and renamed into place, so workers that start together
-    all read one complete copy.
-    """
+    """The directory of a `synthetic:` model value, written first if needed (no weights)."""
     parsed = parse(model)
     cache_dir = cache_dir or default_cache_dir()
     final = cache_dir / f"synthetic-{parsed.name}-s{parsed.seed}-{parsed.digest()}"
-    if final.is_dir():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
-    try:
-        _write(parsed, scratch)
-        try:
-            os.rename(scratch, final)
-        except OSError:
-            if not final.is_dir():  # else another process renamed its complete copy first
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return final
+    return write_once(final, lambda scratch: _write(parsed, scratch))
 
 
 def _write(model: SyntheticModel, out_dir: Path) -> None:

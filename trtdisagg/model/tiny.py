@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Final
 
@@ -25,6 +22,7 @@ import attrs
 import torch
 from safetensors.torch import save_file
 
+from trtdisagg.model.cache_dir import default_cache_dir, write_once
 from trtdisagg.model.tiny_tokenizer import (
     BOS,
     END_OF_TURN,
@@ -83,25 +81,8 @@ def ensure_tiny_checkpoint(cache_dir: Path | None = None, spec: TinySpec | None 
         `<cache_dir>/tiny-<hash of spec>`, complete.
     """
     spec = spec or TinySpec()
-    if cache_dir is None:
-        env = os.environ.get("TRTDISAGG_CACHE_DIR")
-        cache_dir = Path(env) if env else Path.home() / ".cache" / "trtdisagg"
-    final = cache_dir / f"tiny-{spec.digest()}"
-    if final.is_dir():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
-    try:
-        write_checkpoint(spec, scratch)
-        try:
-            os.rename(scratch, final)
-        except OSError:
-            # Another process renamed its copy into place first; theirs is complete.
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return final
+    final = (cache_dir or default_cache_dir()) / f"tiny-{spec.digest()}"
+    return write_once(final, lambda scratch: write_checkpoint(spec, scratch))
 
 
 def write_checkpoint(spec: TinySpec, out_dir: Path) -> None:
