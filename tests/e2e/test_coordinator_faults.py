@@ -131,3 +131,54 @@ def test_worker_death_5xx_then_503_then_recovery(tmp_path: Path) -> None:
         r = httpx.post(coord.url + "/v1/completions", json=short, timeout=30)
         assert r.status_code == 200, r.text
         assert coord.alive()
+
+
+def test_disaggregated_legs_survive_or_fail_cleanly_when_ctx_dies(tmp_path: Path) -> None:
+    """ctx → gen over NIXL: a request already decoding on gen finishes after ctx dies (its KV
+    has moved); a request still in ctx's prefill ends in a 5xx; then no ctx means 503 at once."""
+    ctx_port, gen_port, port = free_port(), free_port(), free_port()
+    ctx_url, gen_url = f"http://127.0.0.1:{ctx_port}", f"http://127.0.0.1:{gen_port}"
+    config = {
+        "hostname": "127.0.0.1", "port": port, "max_retries": 0,
+        "context_servers": {"urls": [ctx_url]}, "generation_servers": {"urls": [gen_url]},
+        "health_check_interval": 0.2, "request_timeout": REQUEST_TIMEOUT,
+    }  # fmt: skip
+    path = tmp_path / "disagg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with contextlib.ExitStack() as stack:
+        ctx = stack.enter_context(worker(tmp_path, "ctx", ctx_port))
+        stack.enter_context(worker(tmp_path, "gen", gen_port))
+        coord = stack.enter_context(spawn(
+            ["coordinator", "--config", str(path)], port=port, log_path=tmp_path / "coord.log",
+        ))  # fmt: skip
+        outcomes: dict[str, Any] = {}
+
+        def call(name: str, body: dict[str, Any]) -> None:
+            started = time.monotonic()
+            r = httpx.post(coord.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT + 10)
+            outcomes[name] = (r.status_code, time.monotonic() - started, r.text)
+
+        decoding = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True,
+                    "temperature": 0}  # fmt: skip
+        prefilling = {
+            "prompt": [10 + i % 400 for i in range(3890)],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        first = threading.Thread(target=call, args=("decoding", decoding))
+        first.start()
+        wait_for(lambda: running(gen_url) == 1, 20, "gen decoding")
+        second = threading.Thread(target=call, args=("prefilling", prefilling))
+        second.start()
+        wait_for(lambda: running(ctx_url) == 1, 20, "ctx prefilling")
+        ctx.send_signal(signal.SIGKILL)
+        first.join(REQUEST_TIMEOUT + 15)
+        second.join(REQUEST_TIMEOUT + 15)
+        assert outcomes["decoding"][0] == 200, outcomes["decoding"]
+        status, seconds, _ = outcomes["prefilling"]
+        assert 500 <= status < 600 and seconds < REQUEST_TIMEOUT, outcomes["prefilling"]
+        wait_for(lambda: httpx.get(coord.url + "/health").status_code == 503, 5, "503")
+        started = time.monotonic()
+        r = httpx.post(coord.url + "/v1/completions", json=decoding, timeout=30)
+        assert r.status_code == 503 and time.monotonic() - started < 2, r.text
+        assert coord.alive()
