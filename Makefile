@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not gpu"
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache
