@@ -1,0 +1,158 @@
+"""Two KvTransceivers in one trio run (real ZMQ, loopback agent): cancellation vs a write in flight.
+
+Cancellation is not quiescence: while ctx's write is in flight, cancelling returns False on both
+sides, and no session is released; once the write completes, both sides settle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from trtdisagg.transfer.agents.base import (
+    MemoryRegion,
+    TransferAgent,
+    XferHandle,
+    XferStatus,
+    pool_regions,
+)
+from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.fragments import Fragments
+from trtdisagg.transfer.messenger import open_router
+from trtdisagg.transfer.rank_info import RankInfo
+from trtdisagg.transfer.testing import make_instance
+from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
+
+NUM_SLOTS, TPB, HEADS, HEAD_DIM, LAYERS = 8, 4, 2, 8, 2
+
+
+@attrs.define(eq=False)
+class StallingAgent:
+    """A loopback agent whose writes stay in flight until `finish()`: copies land at once, but
+    the initiator sees PENDING, as with a slow network."""
+
+    inner: LoopbackAgent
+    stalled: bool = True
+    submitted: int = 0
+
+    def finish(self) -> None:
+        self.stalled = False
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        self.inner.register_memory(regions)
+
+    def deregister_memory(self) -> None:
+        self.inner.deregister_memory()
+
+    def local_metadata(self) -> bytes:
+        return self.inner.local_metadata()
+
+    def add_remote(self, metadata: bytes) -> str:
+        return self.inner.add_remote(metadata)
+
+    def remove_remote(self, name: str) -> None:
+        self.inner.remove_remote(name)
+
+    def submit_write(
+        self, fragments: Fragments, remote: str, notif: bytes, **kw: Any
+    ) -> XferHandle:
+        self.submitted += 1
+        return self.inner.submit_write(fragments, remote, notif, **kw)
+
+    def poll(self, handle: XferHandle) -> XferStatus:
+        return XferStatus.PENDING if self.stalled else self.inner.poll(handle)
+
+    def release(self, handle: XferHandle) -> None:
+        self.inner.release(handle)
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        return self.inner.get_notifications()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _rank_info(name: str, memory: np.ndarray, agent: TransferAgent, endpoint: str) -> RankInfo:
+    (info,) = make_instance(
+        instance_name=name, tp_size=1, pp_size=1, layer_num_per_pp=(LAYERS,),
+        num_kv_heads=HEADS, head_dim=HEAD_DIM, tokens_per_block=TPB, num_slots=NUM_SLOTS,
+        base_address=lambda rank: int(memory.ctypes.data),
+    )  # fmt: skip
+    agent.register_memory(pool_regions(info.page_table))
+    return attrs.evolve(
+        info,
+        control_endpoint=endpoint,
+        agent_name=agent.name,
+        agent_metadata=agent.local_metadata(),
+    )
+
+
+async def _wait(predicate: Any, what: str) -> None:
+    """Poll an observable condition (state inside another task), bounded in time."""
+    with trio.fail_after(5):
+        while not predicate():  # noqa: ASYNC110
+            await trio.sleep(0.001)
+
+
+async def test_cancel_returns_false_until_the_write_in_flight_completes() -> None:
+    fabric = LoopbackFabric()
+    ctx_agent = StallingAgent(LoopbackAgent("ctx-agent", fabric=fabric))
+    gen_agent = LoopbackAgent("gen-agent", fabric=fabric)
+    block_bytes = LAYERS * 2 * HEADS * TPB * HEAD_DIM * 4
+    ctx_memory = np.random.default_rng(0).integers(0, 255, NUM_SLOTS * block_bytes, np.uint8)
+    gen_memory = np.zeros(NUM_SLOTS * block_bytes, np.uint8)
+    wakes: list[str] = []
+    async with (
+        open_router() as ctx_router,
+        open_router() as gen_router,
+        trio.open_nursery() as nursery,
+    ):
+        ctx_info = _rank_info("ctx", ctx_memory, ctx_agent, ctx_router.endpoint)
+        gen_info = _rank_info("gen", gen_memory, gen_agent, gen_router.endpoint)
+
+        def service(info: RankInfo, agent: TransferAgent, router: Any, side: str) -> KvTransceiver:
+            return KvTransceiver(
+                local=info, instance=(info,), agent=agent, router=router, timeout_s=30,
+                wake=lambda: wakes.append(side),
+            )  # fmt: skip
+
+        ctx = service(ctx_info, ctx_agent, ctx_router, "ctx")
+        gen = service(gen_info, gen_agent, gen_router, "gen")
+        await nursery.start(ctx.run)
+        await nursery.start(gen.run)
+
+        key, num_tokens = 2**41 + 7, 3 * TPB - 1
+        ctx.respond_and_send_async(key, [[1, 2, 3]], num_tokens)
+        gen.request_and_receive_async(key, ctx.info_endpoint, [[4, 5, 6]], num_tokens)
+        # Wait until the agent has the write (a write not yet submitted is simply not issued).
+        await _wait(lambda: ctx_agent.submitted == 1, "the write in flight")
+
+        # Both sides refuse to call the transfer over while ctx's write is in flight.
+        assert gen.cancel_request(key) is False
+        assert ctx.cancel_request(key) is False
+        for _ in range(20):
+            await trio.sleep(0.001)
+            assert ctx.check_context_transfer_status() == []
+            assert gen.check_gen_transfer_status() == []
+
+        ctx_agent.finish()  # the write completes; ctx reports it, gen learns every rank is done
+        outcomes: list[TransferOutcome] = []
+        await _wait(lambda: outcomes.extend(ctx.check_context_transfer_status()) or outcomes, "")
+        assert [o.key for o in outcomes] == [key] and not outcomes[0].ok
+        gen_outcomes: list[TransferOutcome] = []
+        await _wait(
+            lambda: gen_outcomes.extend(gen.check_gen_transfer_status()) or gen_outcomes, ""
+        )
+        assert [o.key for o in gen_outcomes] == [key]
+        assert gen_outcomes[0].cancelled
+        assert gen.cancel_request(key) is True  # nothing left that could write
+        assert len(ctx.senders) == 0 and len(gen.receivers) == 0
+        nursery.cancel_scope.cancel()
