@@ -150,17 +150,7 @@ class WorkerClient:
         return response
 
     async def get_json(self, url: str, path: str, *, limit_s: float, role: str) -> Json:
-        try:
-            response = await self.http.get(url + path, timeout=limit_s)
-        except httpx.TransportError as exc:
-            raise UpstreamUnreachable(
-                f"{role} server {url} unreachable: {_describe(exc)}", server=url, role=role
-            ) from None
-        _check_status(response.status_code, response.content, url=url, role=role)
-        try:
-            data = response.json()
-        except ValueError:
-            raise UpstreamError(f"{url}{path}: answer is not JSON", server=url, role=role) from None
+        data = await self._json(url, path, method="GET", limit_s=limit_s, role=role)
         if not isinstance(data, dict):
             raise UpstreamError(f"{url}{path}: answer is not an object", server=url, role=role)
         return data
@@ -177,12 +167,20 @@ class WorkerClient:
 
     async def post_for_json(self, url: str, path: str, *, limit_s: float, role: str) -> object:
         """POST without a body and return any JSON answer (``/kv_cache_events``)."""
+        return await self._json(url, path, method="POST", limit_s=limit_s, role=role)
+
+    async def _json(self, url: str, path: str, *, method: str, limit_s: float, role: str) -> object:
         try:
-            response = await self.http.post(url + path, timeout=limit_s)
+            response = await self.http.request(method, url + path, timeout=limit_s)
         except httpx.TransportError as exc:
             raise UpstreamUnreachable(
                 f"{role} server {url} unreachable: {_describe(exc)}", server=url, role=role
             ) from None
+        _check_status(response.status_code, response.content, url=url, role=role)
+        try:
+            return response.json()
+        except ValueError:
+            raise UpstreamError(f"{url}{path}: answer is not JSON", server=url, role=role) from None
         _check_status(response.status_code, response.content, url=url, role=role)
         try:
             return response.json()
