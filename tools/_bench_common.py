@@ -49,7 +49,7 @@ class LengthRange:
 
     @classmethod
     def parse(cls, text: str, range_ratio: float = 0.0) -> LengthRange:
-        """"N" spread by `range_ratio` (N·(1-r) .. N·(1+r)), or an explicit "LO:HI"."""
+        """ "N" spread by `range_ratio` (N·(1-r) .. N·(1+r)), or an explicit "LO:HI"."""
         if not 0.0 <= range_ratio < 1.0:
             raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
         if ":" in text:
@@ -145,6 +145,8 @@ class RequestRecord:
     itl_s: tuple[float, ...] = ()
     prompt_tokens: int | None = None  # from usage
     output_tokens: int = 0  # from usage when the server sent it, else counted
+    # Server-side phase timings (`--perf-metrics`): perf_metrics flattened, "ctx.queue_s" etc.
+    phases: dict[str, float] = attrs.Factory(dict)
 
     @property
     def tpot_s(self) -> float | None:
@@ -253,6 +255,7 @@ class ClassSummary:
     e2e_ms: LatencyStats
     goodput: Goodput | None
     first_error: str | None
+    phases_ms: dict[str, LatencyStats] = attrs.Factory(dict)
 
 
 def summarize(records: Sequence[RequestRecord], *, duration_s: float, slo: Slo) -> ClassSummary:
@@ -282,7 +285,22 @@ def summarize(records: Sequence[RequestRecord], *, duration_s: float, slo: Slo) 
         e2e_ms=LatencyStats.of_seconds([r.e2e_s for r in done if r.e2e_s is not None]),
         goodput=goodput(records, slo, duration_s) if slo.active else None,
         first_error=errors[0] if errors else None,
+        phases_ms={
+            name: LatencyStats.of_seconds([r.phases[name] for r in done if name in r.phases])
+            for name in dict.fromkeys(n for r in done for n in r.phases)
+        },
     )
+
+
+def flatten_phases(perf: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """A perf_metrics object as {"ctx_s": .., "ctx.queue_s": ..}: every number ending in _s."""
+    out: dict[str, float] = {}
+    for key, value in perf.items():
+        if isinstance(value, Mapping):
+            out.update(flatten_phases(value, f"{prefix}{key}."))
+        elif isinstance(value, int | float) and not isinstance(value, bool) and key.endswith("_s"):
+            out[prefix + key] = float(value)
+    return out
 
 
 def summarize_by_class(
@@ -398,6 +416,11 @@ def format_summary(title: str, summary: Mapping[str, ClassSummary]) -> str:
         for key, stats in rows:
             cells = (stats.mean, stats.p50, stats.p90, stats.p99, stats.max)
             lines.append(f"{key:<14}" + "".join(f"{_fmt(c):>10}" for c in cells))
+        if s.phases_ms:
+            lines.append("server phases (ms, from perf_metrics)")
+            for key, stats in s.phases_ms.items():
+                cells = (stats.mean, stats.p50, stats.p90, stats.p99, stats.max)
+                lines.append(f"  {key:<22}" + "".join(f"{_fmt(c):>10}" for c in cells))
         if s.first_error:
             lines.append(f"first error: {s.first_error}")
     lines.append("=" * 64)

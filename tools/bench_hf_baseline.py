@@ -40,7 +40,7 @@ from _bench_common import (
 
 
 def resolve_model_dir(name: str) -> Path:
-    """"tiny" -> the project's embedded tiny checkpoint (written on first use); else a directory."""
+    """Resolve "tiny" (the embedded checkpoint, written on first use) or a directory."""
     if name == "tiny":
         try:
             from trtdisagg.model.tiny import ensure_tiny_checkpoint
@@ -170,7 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         config |= {"resolved_model_dir": str(model_dir), "batch_size": 1, "concurrency": 1}
         doc = result_document(
-            tool="bench_hf_baseline", label=args.label, config=config, summary=summary,
+            tool="bench_hf_baseline",
+            label=args.label,
+            config=config,
+            summary=summary,
             records=records,
         )
         write_result(args.result_json, doc)

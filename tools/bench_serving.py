@@ -47,6 +47,7 @@ from _bench_common import (
     RequestSpec,
     RssSummary,
     Slo,
+    flatten_phases,
     format_summary,
     iter_poisson_arrivals,
     iter_requests,
@@ -104,6 +105,7 @@ class BenchConfig:
     long_output_len: LengthRange = _LONG_OUTPUT_LEN
     long_rate: float = 0.5
     return_token_ids: bool = True
+    perf_metrics: bool = False  # ask for, and summarise, the server's phase timings
     tokenizer: Path | None = None  # chat only: decode prompt ids into text
     rss_pid: int | None = None
     label: str = ""
@@ -147,6 +149,7 @@ class StreamState:
     content_chunks: int = 0
     counted_tokens: int = 0
     usage: dict[str, Any] | None = None
+    perf: dict[str, Any] | None = None
     done: bool = False
     error: str | None = None
 
@@ -163,6 +166,8 @@ class StreamState:
             return
         if chunk.get("usage"):
             self.usage = chunk["usage"]
+        if isinstance(chunk.get("perf_metrics"), dict):
+            self.perf = chunk["perf_metrics"]
         ids = 0
         content = False
         for choice in chunk.get("choices") or ():
@@ -211,6 +216,7 @@ class StreamState:
             itl_s=tuple(self.gaps),
             prompt_tokens=prompt if isinstance(prompt, int) else None,
             output_tokens=self.output_tokens(),
+            phases=flatten_phases(self.perf) if self.perf else {},
         )
 
 
@@ -231,6 +237,8 @@ def request_body(
     }
     if config.return_token_ids:
         body["return_token_ids"] = True
+    if config.perf_metrics:
+        body["return_perf_metrics"] = True
     if config.endpoint is Endpoint.CHAT:
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -355,7 +363,10 @@ def _requests(
     cls: str, config: BenchConfig, lengths: tuple[LengthRange, LengthRange], count: int | None
 ) -> Iterable[RequestSpec]:
     it = iter_requests(
-        cls, input_len=lengths[0], output_len=lengths[1], vocab_size=config.vocab_size,
+        cls,
+        input_len=lengths[0],
+        output_len=lengths[1],
+        vocab_size=config.vocab_size,
         seed=config.seed,
     )
     return it if count is None else (spec for spec, _ in zip(it, range(count)))
@@ -453,14 +464,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key")
     p.add_argument("--input-len", default="512", help='prompt tokens: "N" or "LO:HI"')
     p.add_argument("--output-len", default="128", help='output tokens: "N" or "LO:HI"')
-    p.add_argument("--range-ratio", type=float, default=0.0,
-                   help="spread every N over [N(1-r), N(1+r)] uniformly")
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="spread every N over [N(1-r), N(1+r)] uniformly",
+    )
     p.add_argument("--vocab-size", type=int, default=256, help="prompt ids uniform in [0, V)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, help="requests in flight (closed loop)")
     p.add_argument("--request-rate", type=float, help="Poisson arrivals per second (open loop)")
-    p.add_argument("--num-requests", type=int, default=100,
-                   help="measured requests (mixed: long ones); 0: run for --duration")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=100,
+        help="measured requests (mixed: long ones); 0: run for --duration",
+    )
     p.add_argument("--duration", type=float, help="stop issuing after this many seconds")
     p.add_argument("--warmup", type=int, default=0, help="requests sent first, not measured")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -474,6 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-output-len", default="16")
     p.add_argument("--long-rate", type=float, default=0.5, help="long-prompt requests per second")
     p.add_argument("--no-token-ids", action="store_true", help='do not send "return_token_ids"')
+    p.add_argument(
+        "--perf-metrics",
+        action="store_true",
+        help='send "return_perf_metrics" and summarise the server phases (ctx, transfer, gen)',
+    )
     p.add_argument("--tokenizer", type=Path, help="chat only: tokenizer.json (or its dir)")
     p.add_argument("--sample-rss-pid", type=int, help="sample this PID's VmRSS per request")
     p.add_argument("--label", default="", help="run name in the result file and plots")
@@ -497,7 +521,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         short_output_len=length(args.short_output_len), short_concurrency=args.short_concurrency,
         long_input_len=length(args.long_input_len),
         long_output_len=length(args.long_output_len), long_rate=args.long_rate,
-        return_token_ids=not args.no_token_ids, tokenizer=args.tokenizer,
+        return_token_ids=not args.no_token_ids,
+        perf_metrics=args.perf_metrics, tokenizer=args.tokenizer,
         rss_pid=args.sample_rss_pid, label=args.label, progress=not args.no_progress,
     )  # fmt: skip
 
@@ -512,8 +537,12 @@ def report(config: BenchConfig, result: RunResult, *, tool: str, result_json: Pa
     if result_json is not None:
         cfg = config.to_json() | {"resolved_model": result.model}
         doc = result_document(
-            tool=tool, label=config.label, config=cfg, summary=summary,
-            records=result.records, rss=result.rss,
+            tool=tool,
+            label=config.label,
+            config=cfg,
+            summary=summary,
+            records=result.records,
+            rss=result.rss,
         )
         write_result(result_json, doc)
         print(f"wrote {result_json}", file=sys.stderr)

@@ -442,8 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--request-timeout", type=float, default=180.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="tiny model on CPU, short lengths and durations: checks the code paths")
+    p.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny model on CPU, short lengths and durations: checks the code paths",
+    )
     args = p.parse_args(argv)  # fmt: skip
     start = time.monotonic()
     deadline = start + args.budget

@@ -89,9 +89,7 @@ def check_blocks(url: str, metrics: dict[str, float]) -> BlockCheck:
     )
 
 
-async def wait_blocks_released(
-    client: httpx.AsyncClient, url: str, timeout_s: float
-) -> BlockCheck:
+async def wait_blocks_released(client: httpx.AsyncClient, url: str, timeout_s: float) -> BlockCheck:
     """Poll `url`/metrics until its blocks balance or `timeout_s` passes; the last reading."""
     check = BlockCheck(url=url, total=None, free=None, reusable=None, running=None,
                        error="no reading")  # fmt: skip
@@ -125,8 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--worker-url", action="append", default=[],
-                   help="a worker whose /metrics to check (repeat); default --base-url")
+    p.add_argument(
+        "--worker-url",
+        action="append",
+        default=[],
+        help="a worker whose /metrics to check (repeat); default --base-url",
+    )
     p.add_argument("--model")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     p.add_argument("--short-input-len", default="64")

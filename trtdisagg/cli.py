@@ -73,18 +73,26 @@ _WORKER_KEYS = (
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from trtdisagg.worker.serve import serve_worker
-
     overrides: dict[str, object] = {k: getattr(args, k) for k in _WORKER_KEYS}
     overrides["role"] = args.role.value
     if "TRTDISAGG_API_KEY" in os.environ:
         overrides["api_key"] = os.environ["TRTDISAGG_API_KEY"]
     if os.environ.get("TRTDISAGG_TEST_HOOKS") == "1":
         overrides["enable_test_hooks"] = True
+    if os.environ.get("TRTDISAGG_FAULTS"):  # empty counts as unset
+        overrides["fault_injection"] = os.environ["TRTDISAGG_FAULTS"]
     config = load_worker_config(args.config, overrides)
     _setup_logging(config.log_level, f"[{config.role.value}:{config.port}]")
-    trio.run(_until_terminated, serve_worker, config)
-    return 0
+    # Imported only now: a bad config is reported at once, not after loading torch.
+    from trtdisagg.worker.ranks import RankDied
+    from trtdisagg.worker.serve import serve_worker
+
+    died = False
+    try:
+        trio.run(_until_terminated, serve_worker, config)
+    except* RankDied:
+        died = True  # already logged, naming the rank; a traceback would add nothing
+    return 1 if died else 0
 
 
 async def _until_terminated(serve: object, config: object) -> None:

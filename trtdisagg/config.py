@@ -16,6 +16,7 @@ import cattrs
 import yaml
 
 from trtdisagg.kv.page_table import Layout
+from trtdisagg.transfer.faults import FaultSpecError, parse_faults
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,15 @@ def _positive(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
 def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ConfigError(f"{attr.name}: must not be negative, got {value}")
+
+
+def _fault_spec(_inst: object, attr: attrs.Attribute[Any], value: str | None) -> None:
+    if value is None:
+        return
+    try:
+        parse_faults(value)
+    except FaultSpecError as exc:
+        raise ConfigError(f"{attr.name} (TRTDISAGG_FAULTS): {exc}") from None
 
 
 @attrs.frozen(kw_only=True)
@@ -68,6 +78,9 @@ class CacheTransceiverConfig:
     backend: TransceiverBackend | None = None
     kv_transfer_timeout_ms: int = attrs.field(default=60000, validator=_positive)
     kv_cache_bounce_size_mb: int = attrs.field(default=0, validator=_non_negative)
+    # With the bounce buffer on: a pairing whose direct transfer would write pieces smaller than
+    # this goes through staging (one write per transfer). Both ends must agree.
+    kv_cache_bounce_threshold_bytes: int = attrs.field(default=16384, validator=_positive)
     # NIXL's own progress thread. It spins a core even when idle; with it off, the transceiver's
     # polling drives transfers, which suits CPU clusters where cores are scarce.
     nixl_progress_thread: bool = True
@@ -97,10 +110,13 @@ class WorkerConfig:
     cpu_threads: int = attrs.field(default=1, validator=_positive)
     # CUDA only: replay decode steps from CUDA graphs captured at start (batch sizes 1..64).
     cuda_graphs: bool = True
-    api_key: str | None = None
+    api_key: str | None = attrs.field(default=None, repr=False)  # a secret: never in a repr
     # Test-only introspection and fault hooks (KV digests at /debug/kv_digests). Set through the
     # TRTDISAGG_TEST_HOOKS=1 environment variable; never on in production.
     enable_test_hooks: bool = False
+    # Test-only fault injection (transfer/faults.py), set through TRTDISAGG_FAULTS. None: off,
+    # and no hook is installed at all.
+    fault_injection: str | None = attrs.field(default=None, validator=_fault_spec)
     max_request_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
     log_level: str = "info"
 

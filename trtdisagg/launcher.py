@@ -38,6 +38,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -264,30 +265,50 @@ def _announce(plan: ClusterPlan, model: str) -> None:
     )
 
 
-async def _stop(procs: list[tuple[trio.Process, Child]], grace: float) -> None:
+async def _stop(
+    procs: list[tuple[trio.Process, Child]],
+    grace: float,
+    signals: AsyncIterator[int],
+) -> None:
+    """Terminate every child, wait up to `grace`, then kill what is left.
+
+    A second SIGINT/SIGTERM while waiting (Ctrl-C pressed again, a supervisor's repeat) cuts
+    the wait short: the children are killed at once rather than orphaned by our own death.
+    """
     with trio.CancelScope(shield=True):
         for proc, _ in reversed(procs):
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
-        with trio.move_on_after(grace):
-            for proc, _ in procs:
-                await proc.wait()
+        async with trio.open_nursery() as nursery:
+
+            async def hurry() -> None:
+                async for signum in signals:
+                    log.warning(
+                        "received %s again: killing the cluster now", signal.Signals(signum).name
+                    )
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(hurry)
+            with trio.move_on_after(grace):
+                for proc, _ in procs:
+                    await proc.wait()
+            nursery.cancel_scope.cancel()
         for proc, child in procs:
             if proc.returncode is None:
-                log.warning("%s did not stop within %gs; killing it", child.name, grace)
+                log.warning("%s did not stop in time; killing it", child.name)
                 proc.kill()
                 await proc.wait()
 
 
 async def _until_signal(
-    cancel_scope: trio.CancelScope, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    signals: AsyncIterator[int],
+    cancel_scope: trio.CancelScope,
 ) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            log.info("received %s, stopping the cluster", signal.Signals(signum).name)
-            cancel_scope.cancel()
-            return
+    async for signum in signals:
+        log.info("received %s, stopping the cluster", signal.Signals(signum).name)
+        cancel_scope.cancel()
+        return
 
 
 def _first(exc: BaseException, cls: type[BaseException]) -> BaseException | None:
@@ -309,32 +330,37 @@ async def run_cluster(plan: ClusterPlan) -> int:
     """
     procs: list[tuple[trio.Process, Child]] = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(_until_signal, nursery.cancel_scope)
-            for child in plan.children:
-                proc = await trio.lowlevel.open_process(
-                    list(child.args),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
-                procs.append((proc, child))
-                nursery.start_soon(_pump, proc, child)
-                nursery.start_soon(_watch, proc, child)
-                log.info("started %s (pid %d): %s", child.name, proc.pid, shlex.join(child.args))
-            await _wait_healthy(plan)
-            _announce(plan, await _model_name(plan.coordinator_url))
-            await trio.sleep_forever()
-    except BaseException as exc:
-        failure = _first(exc, ChildExited) or _first(exc, TimeoutError)
-        if failure is None:
-            raise
-        log.error("%s; stopping the cluster (see the logs in %s/)", failure, plan.log_dir)
-        return 1
-    finally:
-        await _stop(procs, plan.stop_grace)
+    # One receiver for the whole run, stop included: with none installed, a second signal
+    # during the stop would kill this process and leave its children running.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_until_signal, signals, nursery.cancel_scope)
+                for child in plan.children:
+                    proc = await trio.lowlevel.open_process(
+                        list(child.args),
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                    )
+                    procs.append((proc, child))
+                    nursery.start_soon(_pump, proc, child)
+                    nursery.start_soon(_watch, proc, child)
+                    log.info(
+                        "started %s (pid %d): %s", child.name, proc.pid, shlex.join(child.args)
+                    )
+                await _wait_healthy(plan)
+                _announce(plan, await _model_name(plan.coordinator_url))
+                await trio.sleep_forever()
+        except BaseException as exc:
+            failure = _first(exc, ChildExited) or _first(exc, TimeoutError)
+            if failure is None:
+                raise
+            log.error("%s; stopping the cluster (see the logs in %s/)", failure, plan.log_dir)
+            return 1
+        finally:
+            await _stop(procs, plan.stop_grace, signals)
     return 0
 
 

@@ -33,6 +33,13 @@ class WorkerMetrics:
     control_bad_frames: Counter
     preemptions: Counter
     kv_rendezvous: Counter
+    kv_sessions: Gauge
+    kv_early_messages: Gauge
+    kv_quarantined: Gauge
+    kv_quarantine_expired: Counter
+    kv_bounce_transfers: Counter
+    control_connections: Gauge
+    faults_injected: Counter
 
     @classmethod
     def create(cls) -> WorkerMetrics:
@@ -87,6 +94,40 @@ class WorkerMetrics:
             preemptions=Counter(p + "preemptions", "Requests preempted for KV space", registry=r),
             kv_rendezvous=Counter(
                 p + "kv_rendezvous", "Rendezvous round trips with ctx instances", registry=r
+            ),
+            kv_sessions=Gauge(
+                p + "kv_sessions", "Transfer sessions held by the transceiver", ["side"], registry=r
+            ),
+            kv_early_messages=Gauge(
+                p + "kv_early_messages",
+                "Transfer keys whose REQUEST_DATA or CANCEL waits for a session",
+                registry=r,
+            ),
+            kv_quarantined=Gauge(
+                p + "kv_quarantined_requests",
+                "Ended (failed or cancelled) transfers whose blocks stay pinned: a write may land",
+                registry=r,
+            ),
+            control_connections=Gauge(
+                p + "control_connections",
+                "Open control-plane connections (DEALERs) to peers",
+                registry=r,
+            ),
+            kv_bounce_transfers=Counter(
+                p + "kv_bounce_transfers",
+                "KV transfers through the staging (bounce) buffers, sends and receives",
+                registry=r,
+            ),
+            kv_quarantine_expired=Counter(
+                p + "kv_quarantine_expired",
+                "gen blocks freed without ctx's answer, a second kv_transfer_timeout_ms late",
+                registry=r,
+            ),
+            faults_injected=Counter(
+                p + "faults_injected",
+                "Faults injected for tests (TRTDISAGG_FAULTS)",
+                ["action", "message"],
+                registry=r,
             ),
         )
 

@@ -91,3 +91,19 @@ def test_up_stops_everything_when_a_child_dies(tmp_path: Path) -> None:
         assert proc.wait(30) == 1
         assert "gen-0 exited" in out.read_text()
         assert all(_gone(pid) for pid in pids.values())
+
+
+def test_a_second_signal_during_the_stop_still_stops_every_child(tmp_path: Path) -> None:
+    """Ctrl-C pressed twice (or a supervisor repeating SIGTERM) must not orphan the cluster."""
+    with cluster(tmp_path) as (proc, out, _port):
+        pids = _child_pids(out.read_text())
+        proc.send_signal(signal.SIGTERM)
+        # The second signal once the stop has begun (its log line is the event to wait for).
+        deadline = time.monotonic() + 10
+        while "stopping the cluster" not in out.read_text():
+            assert time.monotonic() < deadline, "up never began stopping"
+            time.sleep(0.02)  # polling an observable log line, bounded above
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        assert "received SIGTERM again: killing the cluster now" in out.read_text()
+        assert all(_gone(pid) for pid in pids.values()), "a child outlived up"

@@ -120,3 +120,35 @@ async def test_body_exception_is_not_wrapped() -> None:
             raise Boom
     except Boom:
         pass
+
+
+async def test_a_peer_that_never_reads_does_not_block_the_others() -> None:
+    """ROUTER replies to a peer whose zmq queue is full are dropped and counted, not queued in
+    front of every other peer's (a control-plane denial of service otherwise)."""
+    async with open_router(high_water_mark=50) as router, trio.open_nursery() as nursery:
+        await nursery.start(_echo, router)
+        hog: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            hog.setsockopt(zmq.LINGER, 0)
+            hog.setsockopt(zmq.RCVHWM, 50)
+            hog.setsockopt(zmq.RCVBUF, 4096)
+            hog.connect(router.endpoint)
+            payload = wire.encode(_cancel(1, "hog" * 2000))  # ~6 kB: kernel buffers fill fast
+            with trio.fail_after(20):
+                for _ in range(3000):
+                    while True:
+                        try:
+                            hog.send(payload, flags=zmq.NOBLOCK)
+                            break
+                        except zmq.Again:
+                            await trio.sleep(0.001)  # the router drains its side
+                while router.statistics().overflowed == 0:  # noqa: ASYNC110 (no event to wait on)
+                    await trio.sleep(0.01)
+            async with open_dealer(router.endpoint) as dealer:
+                with trio.fail_after(5):
+                    await dealer.send_message(_cancel(7, "polite"))
+                    assert await dealer.receive_message() == _cancel(7, "polite")
+        finally:
+            hog.close(linger=0)
+        assert router.statistics().overflowed > 0
+        nursery.cancel_scope.cancel()

@@ -16,6 +16,8 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.kv.block_pool",
     "trtdisagg.worker.request",
     "trtdisagg.worker.scheduler",
+    "trtdisagg.transfer.faults",
+    "trtdisagg.transfer.agents.faulty",
 )
 FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl")
 

@@ -51,6 +51,7 @@ class Side:
     pp: int
     dp: int
     layer_num_per_pp: tuple[int, ...]
+    kind: MapperKind  # HND and NHD sides may differ (the transpose mapper)
     kv_gap: int
     layer_pad: int
     slot_pad: int
@@ -83,7 +84,7 @@ def _split(draw: st.DrawFn, total: int, parts: int) -> tuple[int, ...]:
     return tuple(b - a for a, b in itertools.pairwise(bounds))
 
 
-def _side(draw: st.DrawFn, *, heads: int, layers: int, pp: int) -> Side:
+def _side(draw: st.DrawFn, *, heads: int, layers: int, pp: int, kind: MapperKind) -> Side:
     tp = draw(st.integers(1, 8))
     valid_dp = [
         dp
@@ -95,6 +96,7 @@ def _side(draw: st.DrawFn, *, heads: int, layers: int, pp: int) -> Side:
         pp=pp,
         dp=draw(st.sampled_from(valid_dp + [1] * 4 if 1 in valid_dp else valid_dp)),
         layer_num_per_pp=_split(draw, layers, pp),
+        kind=kind,
         kv_gap=draw(st.sampled_from([0, 0, 8])),
         layer_pad=draw(st.sampled_from([0, 0, 16])),
         slot_pad=draw(st.sampled_from([0, 0, 24])),
@@ -115,8 +117,11 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     heads = 1 if kind is MapperKind.REPLICATED else draw(st.sampled_from([1, 2, 4, 8, 3, 6]))
     ctx_pp, gen_pp = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     layers = draw(st.integers(max(ctx_pp, gen_pp), 8))
-    ctx = _side(draw, heads=heads, layers=layers, pp=ctx_pp)
-    gen = _side(draw, heads=heads, layers=layers, pp=gen_pp)
+    gen_kind = kind
+    if kind is not MapperKind.REPLICATED and draw(st.integers(0, 3)) == 0:
+        gen_kind = MapperKind.NHD if kind is MapperKind.HND else MapperKind.HND
+    ctx = _side(draw, heads=heads, layers=layers, pp=ctx_pp, kind=kind)
+    gen = _side(draw, heads=heads, layers=layers, pp=gen_pp, kind=gen_kind)
     tpb = draw(st.sampled_from([1, 2, 3, 4, 8]))
     total_blocks = draw(st.integers(1, 5))
     num_tokens = draw(st.integers((total_blocks - 1) * tpb + 1, total_blocks * tpb))
@@ -151,8 +156,8 @@ def _instance(s: Scenario, side: Side, name: str, space: int) -> list[RankInfo]:
         tokens_per_block=s.tokens_per_block,
         num_slots=s.num_slots,
         element_bytes=s.element_bytes,
-        layout=Layout.NHD if s.kind is MapperKind.NHD else Layout.HND,
-        kind=s.kind,
+        layout=Layout.NHD if side.kind is MapperKind.NHD else Layout.HND,
+        kind=side.kind,
         base_address=lambda rank: (space << 40) + (rank << 24) + 4096,
         kv_gap=side.kv_gap,
         layer_pad=side.layer_pad,
@@ -209,7 +214,7 @@ def _entry_ids(s: Scenario, info: RankInfo, layer: int, kv: int, first_token: in
     heads = np.array(info.heads)[:, None, None]
     tokens = np.arange(first_token, first_token + s.tokens_per_block)[None, :, None]
     ids = (((layer * 2 + kv) * 8 + heads) * positions + tokens) * row + np.arange(row)
-    if s.kind is MapperKind.NHD:
+    if info.page_table.layer_groups[0].views[0].mapper_kind is MapperKind.NHD:
         ids = ids.transpose(1, 0, 2)
     return ids.ravel()
 
@@ -219,7 +224,7 @@ def _token_mask(s: Scenario, info: RankInfo, first_token: int) -> np.ndarray:
     shape = (len(info.heads), s.tokens_per_block, s.head_dim * s.element_bytes)
     tokens = np.arange(first_token, first_token + s.tokens_per_block)[None, :, None]
     mask = np.broadcast_to(tokens < s.num_tokens, shape)
-    if s.kind is MapperKind.NHD:
+    if info.page_table.layer_groups[0].views[0].mapper_kind is MapperKind.NHD:
         mask = mask.transpose(1, 0, 2)
     return mask.ravel()
 
@@ -425,11 +430,20 @@ def test_non_elected_duplicate_sends_nothing() -> None:
     assert counts == [6, 0, 6, 0]  # elected: one head range per layer and K/V
 
 
-def test_unsupported_pairings_are_refused_with_both_values() -> None:
+def test_hnd_to_nhd_is_transposed_one_head_of_one_token_per_fragment() -> None:
     ctx, _ = _pair(layout=Layout.HND)
     _, gen = _pair(layout=Layout.NHD)
-    with pytest.raises(PeerIncompatible, match=r"layout: local 'HND' vs peer 'NHD'"):
-        PeerRegistrar(ctx[0]).register(gen[0])
+    plan = PeerRegistrar(ctx[0]).register(gen[0])
+    assert {view.mapper.name for view in plan.views} == {"transpose"}
+    # Nothing is contiguous on both sides except within one head of one token.
+    fragments = _fragments(ctx[0], gen[0], [0], [0], tokens=3)
+    row = ctx[0].head_dim * ctx[0].element_bytes
+    # 3 layers x K/V x 2 heads x 3 tokens, none of which continue each other on both sides.
+    assert sorted({size for _, _, size in fragments}) == [row]
+    assert len(fragments) == 3 * 2 * 2 * 3
+
+
+def test_unsupported_pairings_are_refused_with_both_values() -> None:
     ctx, _ = _pair(tpb=4)
     _, gen = _pair(tpb=8)
     registrar = PeerRegistrar(ctx[0])

@@ -7,7 +7,6 @@ from typing import Any
 import attrs
 import pytest
 
-from trtdisagg.kv.page_table import Layout
 from trtdisagg.transfer.errors import PeerIncompatible
 from trtdisagg.transfer.peers import PeerRegistrar, duplicate_head_factor, peer_overlap
 from trtdisagg.transfer.rank_info import (
@@ -43,8 +42,7 @@ def _rank(**changes: Any) -> RankInfo:
         ({"tokens_per_block": 32}, "tokens_per_block: local 16 vs peer 32"),
         ({"head_dim": 4}, "head_dim: local 8 vs peer 4"),
         ({"layer_num_per_pp": (2, 3)}, "num_layers: local 4 vs peer 5"),
-        ({"layout": Layout.NHD}, "layout: local 'HND' vs peer 'NHD'"),
-        ({"bounce": BounceConfig(size_mb=64)}, "bounce.enabled: local False vs peer True"),
+        ({"bounce": BounceConfig(size_mb=64)}, "kv_cache_bounce_size_mb: local 0 vs peer 64"),
     ],
 )
 def test_mismatch_names_field_and_both_values(changes: dict[str, object], message: str) -> None:
@@ -52,6 +50,13 @@ def test_mismatch_names_field_and_both_values(changes: dict[str, object], messag
         check_compatible(_rank(), _rank(**changes))
     assert message in str(info.value)
     assert str(info.value).startswith("peer peer#0 is incompatible: ")
+
+
+def test_bounce_sizes_must_match_when_both_are_on() -> None:
+    local = _rank(bounce=BounceConfig(size_mb=64))
+    check_compatible(local, _rank(instance_name="gen", bounce=BounceConfig(size_mb=64)))
+    with pytest.raises(PeerIncompatible, match="kv_cache_bounce_size_mb: local 64 vs peer 128"):
+        check_compatible(local, _rank(bounce=BounceConfig(size_mb=128)))
 
 
 def test_every_mismatch_is_listed() -> None:

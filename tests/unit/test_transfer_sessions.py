@@ -219,3 +219,26 @@ def test_early_messages() -> None:
     assert not cancelled
     assert early.take(8) == ([], True)
     assert early.take(8) == ([], False)
+
+
+@pytest.mark.parametrize("status", [ERROR, ResultStatus.CANCELLED])
+def test_a_last_result_that_is_not_ok_fails_the_receiver(status: ResultStatus) -> None:
+    # The last expected result completes the set; with 0 bytes it needs no notice. It must
+    # still fail the session, not read as TRANSFERRED (gen would decode KV that never came).
+    r = _receiver(expected=(0, 1))
+    r.mark_requested()
+    assert r.on_result(0, OK, num_bytes=0, num_descriptors=0, error="")
+    assert r.on_result(1, status, num_bytes=0, num_descriptors=0, error="no submit")
+    assert r.status is ReceiverStatus.ERROR
+    assert r.error == f"ctx rank 1: {status.value}: no submit"
+    assert r.is_quiescent
+
+
+def test_sender_reports_which_ranks_it_writes_to() -> None:
+    s = _sender()
+    s.add_request(_request(0))
+    s.set_source([[1, 2]], 20)
+    s.take_writes()
+    assert s.is_writing(0) and not s.is_writing(1)
+    s.write_finished(0, OK)
+    assert not s.is_writing(0)

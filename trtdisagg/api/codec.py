@@ -7,7 +7,8 @@ This is the only place HTTP bodies turn into attrs objects. Types are checked st
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any, Final, TypeVar
 
 import attrs
 import cattrs
@@ -208,11 +209,35 @@ def structure_body(data: object, cls: type[T]) -> T:
         raise bad_request(message, param=param) from None
 
 
+MAX_JSON_DEPTH: Final = 32
+"""OpenAI bodies nest a few levels (messages → content → parts). Deeper ones are refused at the
+edge: Python's json recursion limit would otherwise surface later, on re-encoding for a worker."""
+
+
 def parse_json(raw: bytes | str) -> object:
+    too_deep = f"request body nests deeper than {MAX_JSON_DEPTH} levels"
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request(too_deep) from None
+    if _json_depth(value) > MAX_JSON_DEPTH:
+        raise bad_request(too_deep)
+    return value
+
+
+def _json_depth(value: object) -> int:
+    """Nesting depth of decoded JSON (a scalar is 0, `[]` is 1), without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack and deepest <= MAX_JSON_DEPTH:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = node.values() if isinstance(node, dict) else node
+        assert isinstance(children, Iterable)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 def to_json(value: object) -> Any:
@@ -253,6 +278,16 @@ def validate_request(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.min_tokens < 0:
         raise bad_request(
             f"min_tokens: must not be negative, got {req.min_tokens}", param="min_tokens"
+        )
+    # torch seeds are 64-bit; a larger JSON integer would fail deep inside the worker.
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise bad_request(f"seed: must be in [-2**63, 2**64), got {req.seed}", param="seed")
+    params = req.disaggregated_params
+    key = params.disagg_request_id if params is not None else None
+    if key is not None and not 0 <= key < 2**63:  # the wire's transfer keys are int64 (0: mint one)
+        raise bad_request(
+            f"disaggregated_params.disagg_request_id: must be in [0, 2**63), got {key}",
+            param="disaggregated_params",
         )
     if isinstance(req, CompletionRequest):
         _validate_prompt(req)

@@ -7,6 +7,7 @@ unexpected is a 500 with the exception named (and logged with its traceback).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from typing import Any
@@ -57,10 +58,26 @@ def install_common_handlers(app: QuartTrio, *, max_body_bytes: int, api_key: str
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
+    @app.after_request
+    async def drain_body(response: Response) -> Response:
+        # hypercorn 0.18 can leave a keep-alive connection hanging when a response completes
+        # before the request body was read (a 401, a 404, a GET with a body): the client's next
+        # request on that connection never gets an answer. Reading the rest of the body first
+        # closes the race; a body too large to read ends the connection instead.
+        try:
+            await request.get_data(cache=False)
+        except HTTPException:
+            response.headers["Connection"] = "close"
+        return response
+
+    expected = f"Bearer {api_key}".encode("utf-8", "surrogatepass")
+
     @app.before_request
     async def authorize() -> Response | None:
         if api_key is None or not request.path.startswith(OPENAI_PREFIX):
             return None
-        if request.headers.get("Authorization", "") != f"Bearer {api_key}":
+        # Constant-time comparison: a plain `!=` leaks how long the matching prefix is.
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
+        if not hmac.compare_digest(given, expected):
             return error_response(ApiError(401, "missing or invalid API key"))
         return None

@@ -100,7 +100,7 @@ class CoordinatorConfig:
     request_timeout: float = 180.0
     server_start_timeout: float = 180.0
     health_check_interval: float = 1.0
-    api_key: str | None = None
+    api_key: str | None = attrs.field(default=None, repr=False)  # a secret: never in a repr
     max_request_body_bytes: int = 16 * 1024 * 1024
     log_level: str = "info"
 

@@ -15,6 +15,8 @@ fragment per run. Per-block runs are computed once per token count and placed wi
     HndHeadMismatchMapper   heads differ, HND `[H, T, D]`: one contiguous head range per layer
                             and K/V per block
     NhdHeadMismatchMapper   heads differ, NHD `[T, H, D]`: one head range per layer, K/V and token
+    TransposeMapper         HND on one side, NHD on the other: one head of one token per piece,
+                            merged only where both sides continue (many small fragments)
 
 Byte geometry comes from the registered sizes only: the entry size divided by heads x tokens must
 be a whole number of bytes and equal `head_dim * element_bytes` on both sides.
@@ -163,6 +165,11 @@ class Mapper:
             placed.append(np.stack([src.ravel(), dst.ravel(), size.ravel()], axis=1))
         return Fragments(merge_runs(np.concatenate(placed)))
 
+    def piece_bytes(self) -> int:
+        """The smallest contiguous piece this mapper writes of a full block (after merging)."""
+        runs = self._block_runs(self.src.tokens_per_block)
+        return int(runs[:, 2].min()) if len(runs) else 0
+
     def _block_runs(self, num_tokens: int) -> Runs:
         runs = self._runs.get(num_tokens)
         if runs is None:
@@ -223,6 +230,25 @@ class NhdHeadMismatchMapper(Mapper):
                 )
 
 
+class TransposeMapper(Mapper):
+    name: ClassVar[str] = "transpose"
+    token_dependent: ClassVar[bool] = True
+
+    def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
+        # head_bytes / token_bytes follow each side's own layout, so one formula serves both
+        # directions (HND -> NHD and NHD -> HND).
+        for src_off, dst_off in self._entry_offsets():
+            for i in range(self.heads.count):
+                src_head = src_off + (self.heads.src_start + i) * self.src.head_bytes
+                dst_head = dst_off + (self.heads.dst_start + i) * self.dst.head_bytes
+                for token in range(num_tokens):
+                    yield (
+                        src_head + token * self.src.token_bytes,
+                        dst_head + token * self.dst.token_bytes,
+                        self.src.row_bytes,
+                    )
+
+
 def select_mapper(
     *,
     src: ViewGeometry,
@@ -235,7 +261,8 @@ def select_mapper(
     def refuse(what: str, a: object, b: object) -> UnsupportedPairing:
         return UnsupportedPairing(f"{what}: source {a} vs destination {b}")
 
-    if src.kind is not dst.kind:
+    transposed = {src.kind, dst.kind} == {MapperKind.HND, MapperKind.NHD}
+    if src.kind is not dst.kind and not transposed:
         raise refuse("mapper kind", src.kind.value, dst.kind.value)
     if src.tokens_per_block != dst.tokens_per_block:
         raise refuse(
@@ -254,7 +281,9 @@ def select_mapper(
     ):
         raise refuse(f"head overlap {heads}: local heads", src.num_heads, dst.num_heads)
     cls: type[Mapper]
-    if src.kind is MapperKind.REPLICATED:
+    if transposed:
+        cls = TransposeMapper
+    elif src.kind is MapperKind.REPLICATED:
         if src.entry_size != dst.entry_size:
             raise refuse("replicated entry size", src.entry_size, dst.entry_size)
         cls = ReplicatedMapper

@@ -23,6 +23,10 @@ Error handling: a message with the wrong frame count (ROUTER: identity + 1 paylo
 `statistics().bad_frames` and dropped; the pump never dies of peer input. A reply to a peer that
 is gone (ROUTER_MANDATORY reports it) is counted as `unroutable` and dropped. Messages larger than
 `max_message_bytes` make zmq drop the connection. Any other zmq error crashes the pump's nursery.
+
+Test-only fault injection (`transfer/faults.py`): given a `faults` injector, `send_message` drops,
+duplicates or delays messages by type. A delayed message is sent by a task of the socket's own
+nursery, so it never holds up the sender and dies with the socket. Without one, nothing changes.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ import trio
 import zmq
 
 from trtdisagg.transfer.errors import ProtocolError
-from trtdisagg.transfer.wire import Message, decode, encode
+from trtdisagg.transfer.faults import FaultAction, FaultInjector
+from trtdisagg.transfer.wire import MESSAGE_TAGS, Message, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +59,27 @@ class MessengerStatistics:
     """Messages dropped for a wrong frame count or an undecodable payload."""
     unroutable: int
     """ROUTER replies dropped because the identity is not connected."""
+    overflowed: int = 0
+    """ROUTER replies dropped because that peer's queue was full (it does not read them)."""
 
 
 class _Pump:
     """The one task that touches a zmq socket; see the module docstring."""
 
-    def __init__(self, socket: zmq.Socket[bytes], *, frames: int, queue_size: int) -> None:
+    def __init__(
+        self,
+        socket: zmq.Socket[bytes],
+        *,
+        frames: int,
+        queue_size: int,
+        drop_when_full: bool = False,
+    ) -> None:
         self.socket = socket
         self.frames = frames
+        # ROUTER: a peer that stops reading fills only its own zmq queue; waiting for it would
+        # hold every other peer's replies behind it, so its replies are dropped (and counted).
+        self.drop_when_full = drop_when_full
+        self.overflowed = 0
         self.outbox: collections.deque[list[bytes]] = collections.deque()
         self.queue_size = queue_size
         self.inbox_send, self.inbox = trio.open_memory_channel[list[bytes]](queue_size)
@@ -91,7 +109,11 @@ class _Pump:
         try:
             self.socket.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
-            return False
+            if not self.drop_when_full:
+                return False
+            if not self.overflowed:
+                log.warning("a control-plane peer does not read its replies; dropping them")
+            self.overflowed += 1
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
@@ -162,14 +184,44 @@ class _Pump:
             received=self.received,
             bad_frames=self.bad_frames,
             unroutable=self.unroutable,
+            overflowed=self.overflowed,
         )
+
+
+@attrs.define(eq=False, kw_only=True)
+class _FaultySender:
+    """Sends typed messages the way a test's fault plan says (drop, duplicate, delay)."""
+
+    injector: FaultInjector
+    nursery: trio.Nursery  # the socket's: delayed sends end with it
+
+    async def send(self, pump: _Pump, head: list[bytes], message: Message) -> None:
+        frames = [*head, encode(message)]
+        tag = MESSAGE_TAGS[type(message)]
+        fault = self.injector.message(tag)
+        if fault is None:
+            await pump.send(frames)
+            return
+        log.info("injected fault: %s %s", fault.action.value, tag)
+        if fault.action is FaultAction.DUPLICATE:
+            await pump.send(frames)
+            await pump.send(list(frames))
+        elif fault.action is FaultAction.DELAY:
+            self.nursery.start_soon(self._send_later, pump, frames, fault.seconds)
+        # DROP: not sent at all.
+
+    @staticmethod
+    async def _send_later(pump: _Pump, frames: list[bytes], seconds: float) -> None:
+        await trio.sleep(seconds)
+        await pump.send(frames)
 
 
 class Router:
     """A bound ROUTER: receive (identity, payload) from DEALERs, send back by identity."""
 
-    def __init__(self, pump: _Pump, endpoint: str) -> None:
+    def __init__(self, pump: _Pump, endpoint: str, faults: _FaultySender | None = None) -> None:
         self._pump = pump
+        self._faults = faults
         self.endpoint = endpoint
 
     async def receive(self) -> tuple[bytes, bytes]:
@@ -190,6 +242,9 @@ class Router:
                 log.warning("dropped a message from %r: %s", identity, exc)
 
     async def send_message(self, identity: bytes, message: Message) -> None:
+        if self._faults is not None:
+            await self._faults.send(self._pump, [identity], message)
+            return
         await self.send(identity, encode(message))
 
     def statistics(self) -> MessengerStatistics:
@@ -199,8 +254,9 @@ class Router:
 class Dealer:
     """A connected DEALER: send payloads to its ROUTER, receive what the ROUTER sends back."""
 
-    def __init__(self, pump: _Pump, endpoint: str) -> None:
+    def __init__(self, pump: _Pump, endpoint: str, faults: _FaultySender | None = None) -> None:
         self._pump = pump
+        self._faults = faults
         self.endpoint = endpoint
 
     async def receive(self) -> bytes:
@@ -221,6 +277,9 @@ class Dealer:
                 log.warning("dropped a message from %s: %s", self.endpoint, exc)
 
     async def send_message(self, message: Message) -> None:
+        if self._faults is not None:
+            await self._faults.send(self._pump, [], message)
+            return
         await self.send(encode(message))
 
     def statistics(self) -> MessengerStatistics:
@@ -228,8 +287,9 @@ class Dealer:
 
 
 @asynccontextmanager
-async def _running(socket: zmq.Socket[bytes], pump: _Pump) -> AsyncIterator[None]:
-    """Run `pump` while the body runs; the socket is closed on exit.
+async def _running(socket: zmq.Socket[bytes], pump: _Pump) -> AsyncIterator[trio.Nursery]:
+    """Run `pump` while the body runs; the socket is closed on exit. Yields the nursery that
+    owns the socket's tasks.
 
     The body's own exception leaves unwrapped (not inside the nursery's ExceptionGroup).
     """
@@ -237,7 +297,7 @@ async def _running(socket: zmq.Socket[bytes], pump: _Pump) -> AsyncIterator[None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pump.run)
             try:
-                yield
+                yield nursery
             finally:
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
@@ -270,11 +330,13 @@ async def open_router(
     queue_size: int = 1024,
     max_message_bytes: int = 64 * 2**20,
     high_water_mark: int = 1000,
+    faults: FaultInjector | None = None,
 ) -> AsyncIterator[Router]:
     """Bind a ROUTER to `bind` (port 0 or `*` = any free port; the host is used as given).
 
     `router.endpoint` is the bound address (`tcp://127.0.0.1:43121`). `queue_size` bounds both
     the inbox and the outbox (messages); `high_water_mark` is zmq's own per-peer queue limit.
+    `faults` (tests only) applies a fault plan to `send_message`.
     """
     socket = _socket(zmq.ROUTER, context, max_message_bytes, high_water_mark)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -285,9 +347,9 @@ async def open_router(
         socket.close(linger=0)
         raise
     endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-    pump = _Pump(socket, frames=2, queue_size=queue_size)
-    async with _running(socket, pump):
-        yield Router(pump, endpoint)
+    pump = _Pump(socket, frames=2, queue_size=queue_size, drop_when_full=True)
+    async with _running(socket, pump) as nursery:
+        yield Router(pump, endpoint, _faulty(faults, nursery))
 
 
 @asynccontextmanager
@@ -299,12 +361,18 @@ async def open_dealer(
     queue_size: int = 1024,
     max_message_bytes: int = 64 * 2**20,
     high_water_mark: int = 1000,
+    faults: FaultInjector | None = None,
 ) -> AsyncIterator[Dealer]:
-    """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background)."""
+    """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); `faults` as
+    for `open_router`."""
     socket = _socket(zmq.DEALER, context, max_message_bytes, high_water_mark)
     if identity is not None:
         socket.setsockopt(zmq.ROUTING_ID, identity)
     socket.connect(endpoint)
     pump = _Pump(socket, frames=1, queue_size=queue_size)
-    async with _running(socket, pump):
-        yield Dealer(pump, endpoint)
+    async with _running(socket, pump) as nursery:
+        yield Dealer(pump, endpoint, _faulty(faults, nursery))
+
+
+def _faulty(faults: FaultInjector | None, nursery: trio.Nursery) -> _FaultySender | None:
+    return None if faults is None else _FaultySender(injector=faults, nursery=nursery)

@@ -165,6 +165,11 @@ class SendPlan:
     elected: bool  # False: a non-elected duplicate, which moves 0 bytes but still reports
     views: tuple[ViewPair, ...]
 
+    @property
+    def piece_bytes(self) -> int:
+        """The smallest piece a direct transfer of this pairing writes (0: nothing to write)."""
+        return min((view.mapper.piece_bytes() for view in self.views), default=0)
+
     def fragments(
         self,
         *,

@@ -24,6 +24,7 @@ import uuid
 import attrs
 
 from trtdisagg.kv.page_table import Layout, PageTable
+from trtdisagg.transfer.endpoints import is_tcp_endpoint
 from trtdisagg.transfer.errors import PeerIncompatible
 
 
@@ -67,6 +68,9 @@ class BounceConfig:
     """Bounce-buffer settings (`cache_transceiver_config.kv_cache_bounce_size_mb`); 0 = off."""
 
     size_mb: int = 0
+    # A pairing whose smallest direct piece is below this many bytes goes through the staging
+    # buffers (`cache_transceiver_config.kv_cache_bounce_threshold_bytes`).
+    threshold_bytes: int = 16384
 
     @property
     def enabled(self) -> bool:
@@ -102,6 +106,8 @@ class RankInfo:
     bounce: BounceConfig = BounceConfig()
 
     def __attrs_post_init__(self) -> None:
+        if not is_tcp_endpoint(self.control_endpoint):  # peers connect to it: checked first
+            raise ValueError(f"control_endpoint {self.control_endpoint!r} is not tcp://host:port")
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
             raise ValueError(
                 f"rank (tp {self.tp_rank}, pp {self.pp_rank}) outside sizes "
@@ -171,9 +177,10 @@ def check_compatible(local: RankInfo, peer: RankInfo) -> None:
     """Raise PeerIncompatible unless `peer` can exchange KV with `local`.
 
     Checked: protocol version, model fingerprint, dtype, element bytes, KV heads, head dim,
-    tokens_per_block, layer count, layout and whether the bounce buffer is on. The message lists
+    tokens_per_block, layer count and the bounce buffer size. The message lists
     every mismatching field with both values (`dtype: local 'float32' vs peer 'bfloat16'`).
-    Differences in TP/PP/DP are not checked here: `peers.py` maps them (or refuses a pairing).
+    Differences in TP/PP/DP and layout (HND/NHD) are not checked here: `peers.py` maps them
+    (or refuses a pairing).
     """
     checks: list[tuple[str, object, object]] = [
         ("protocol_version", local.protocol_version, peer.protocol_version),
@@ -184,8 +191,13 @@ def check_compatible(local: RankInfo, peer: RankInfo) -> None:
         ("head_dim", local.head_dim, peer.head_dim),
         ("tokens_per_block", local.tokens_per_block, peer.tokens_per_block),
         ("num_layers", local.num_layers, peer.num_layers),
-        ("layout", local.layout.value, peer.layout.value),
-        ("bounce.enabled", local.bounce.enabled, peer.bounce.enabled),
+        # The bounce size shapes how KV is staged on both sides; any difference is refused.
+        ("kv_cache_bounce_size_mb", local.bounce.size_mb, peer.bounce.size_mb),
+        (
+            "kv_cache_bounce_threshold_bytes",
+            local.bounce.threshold_bytes,
+            peer.bounce.threshold_bytes,
+        ),
     ]
     mismatches = [f"{name}: local {a!r} vs peer {b!r}" for name, a, b in checks if a != b]
     if mismatches:

@@ -23,8 +23,8 @@ Receiver (gen rank):
 Late or duplicate events (a second result from one rank, anything after a terminal state, a
 rank outside the expected set) are no-ops that return False. Cancellation is not quiescence:
 `cancel()` is immediate, but a sender's blocks may be freed only when `is_quiescent` (no write in
-flight), and a receiver's only when every expected rank has reported (or the shell gives up after
-the deadline).
+flight), and a receiver's only when every expected rank has reported, a write's result or an
+answer to CANCEL (or the shell gives up on a silent ctx a second timeout after the deadline).
 
 Shell usage. ctx: create the session when prefill ends (`set_source`, then replay
 `EarlyMessages.take(key)`); for each REQUEST_DATA `registry.lookup(peer, key)`, `bind(peer,
@@ -117,6 +117,10 @@ class SenderSession:
         """Gen ranks that sent REQUEST_DATA (whom to notify on cancel)."""
         return tuple(sorted(self._requests))
 
+    def is_writing(self, rank: int) -> bool:
+        """A write to gen rank `rank` is in flight (its TRANSFER_RESULT is still to come)."""
+        return rank in self._in_flight
+
     def bind(self, peer_instance: str, expected: frozenset[int]) -> None:
         """Attach the session to the gen instance that requested it first."""
         if self.peer_instance is not None and self.peer_instance != peer_instance:
@@ -199,6 +203,9 @@ class ReceiverSession:
     requested: bool = False
     error: str | None = None
     cancelled: bool = False
+    # The shell's bookkeeping for a session that ended while a ctx write may still land:
+    cancel_sent: bool = False  # CANCEL went to the expected ctx ranks (once)
+    failure_reported: bool = False  # the failure went to the executor; the blocks stay pinned
     _results: dict[int, RankResult] = attrs.field(factory=dict)
     _noticed: set[int] = attrs.field(factory=set)
 
@@ -209,7 +216,8 @@ class ReceiverSession:
         if self.error is not None:
             return ReceiverStatus.ERROR
         if self.expected <= self._results.keys() and all(
-            r.num_bytes == 0 or rank in self._noticed for rank, r in self._results.items()
+            r.status is ResultStatus.OK and (r.num_bytes == 0 or rank in self._noticed)
+            for rank, r in self._results.items()
         ):
             return ReceiverStatus.TRANSFERRED
         return ReceiverStatus.TRANSFERRING if self.requested else ReceiverStatus.INIT
@@ -244,10 +252,13 @@ class ReceiverSession:
         """A TRANSFER_RESULT from ctx rank `rank`; False if unexpected, duplicate or late."""
         if rank not in self.expected or rank in self._results:
             return False
+        # Judged before filing: with this result every rank may have reported, which must
+        # not read as TRANSFERRED when it is an error.
+        was_terminal = self.is_terminal
         self._results[rank] = RankResult(
             status=status, num_bytes=num_bytes, num_descriptors=num_descriptors, error=error
         )
-        if status is not ResultStatus.OK and not self.is_terminal:
+        if status is not ResultStatus.OK and not was_terminal:
             self.error = f"ctx rank {rank}: {status.value}: {error}"
         return True
 
@@ -335,6 +346,10 @@ class EarlyMessages:
 
     def add_cancel(self, now: float, key: int) -> None:
         self._cancelled[key] = now
+
+    def __len__(self) -> int:
+        """Transfer keys with something held (requests or a cancel)."""
+        return len(self._requests.keys() | self._cancelled.keys())
 
     def take(self, key: int) -> tuple[list[RequestData], bool]:
         """(early requests, whether the key was cancelled early)."""

@@ -20,7 +20,10 @@ Lifecycle of a transfer key (= disagg_request_id):
 4. gen: the session completes when every expected rank reported OK and every rank that moved
    bytes delivered its WRITE_NOTICE notification (the data has landed).
 5. Both: a session past its deadline fails; a sender with a write in flight stays quarantined
-   (its blocks pinned) until the agent reports a final state.
+   (its blocks pinned) until the agent reports a final state. A receiver that ends before every
+   ctx rank reported sends CANCEL once and stays quarantined until each answers (a ctx rank
+   with no write in flight answers a CANCEL at once) or, if ctx is silent, a second timeout
+   past the deadline; its failure is reported at once, with `blocks_held`.
 
 Listener tasks only update sessions and wake the executor; they never wait on a transfer.
 """
@@ -37,9 +40,12 @@ import attrs
 import trio
 
 from trtdisagg.transfer.agents.base import TransferAgent, XferStatus
+from trtdisagg.transfer.bounce import bounces, canonical_bytes, staged_fragments, staged_runs
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
+from trtdisagg.transfer.faults import FaultInjector
+from trtdisagg.transfer.fragments import Fragments
 from trtdisagg.transfer.messenger import Dealer, Router, open_dealer
-from trtdisagg.transfer.peers import PeerRegistrar
+from trtdisagg.transfer.peers import PeerRegistrar, SendPlan
 from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.sessions import (
     EarlyMessages,
@@ -49,6 +55,7 @@ from trtdisagg.transfer.sessions import (
     SenderStatus,
     SessionRegistry,
 )
+from trtdisagg.transfer.staging_area import StagingArea
 from trtdisagg.transfer.wire import (
     PROTOCOL_VERSION,
     Cancel,
@@ -82,6 +89,9 @@ class TransferOutcome:
     num_bytes: int = 0
     num_descriptors: int = 0
     seconds: float = 0.0
+    blocks_held: bool = False
+    """gen: the transfer failed, but a ctx write may still land in its blocks. The request
+    ends now; its blocks are freed once `cancel_request(key)` returns True."""
 
 
 @attrs.frozen(kw_only=True)
@@ -90,6 +100,11 @@ class TransceiverStatistics:
     senders: int
     receivers: int
     bad_frames: int
+    quarantined: int = 0  # sessions over (failed, cancelled) whose blocks a write may still reach
+    quarantine_expired: int = 0  # gen quarantines ended by the second timeout, not by ctx
+    early: int = 0  # transfer keys with REQUEST_DATA or CANCEL waiting for their session
+    bounced: int = 0  # transfers that went through the staging buffers (sends and receives)
+    connections: int = 0  # open DEALERs to peers' control endpoints
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -117,6 +132,17 @@ class _Timing:
     finished: float | None = None
 
 
+@attrs.frozen(kw_only=True)
+class _Staged:
+    """gen: where a bouncing receive's canonical region is, and where it goes afterwards."""
+
+    offset: int
+    num_bytes: int
+    block_ids: tuple[int, ...]
+    first_token: int
+    num_tokens: int
+
+
 @attrs.define(eq=False, kw_only=True)
 class KvTransceiver:
     local: RankInfo
@@ -127,6 +153,15 @@ class KvTransceiver:
     wake: Callable[[], None]
     on_write: Callable[[int, int, float], None] = lambda num_bytes, descriptors, seconds: None
     clock: Callable[[], float] = time.monotonic
+    faults: FaultInjector | None = None  # tests only: applied to every dealer's sends
+    # The bounce path (transfer/bounce.py), when kv_cache_bounce_size_mb > 0.
+    staging: StagingArea | None = None
+    bounced: int = 0  # transfers (sends and receives) that went through staging
+    # Report a failed receive at once while its blocks stay quarantined (`blocks_held`). A
+    # multi-rank instance turns it off: its ranks' outcomes are merged, and a rank reports a
+    # failure only once its blocks are free, so the merged outcome can free them.
+    early_failures: bool = True
+    quarantine_expired: int = 0
     registrar: PeerRegistrar = attrs.field(init=False)
     senders: SessionRegistry[SenderSession] = attrs.Factory(SessionRegistry)
     receivers: SessionRegistry[ReceiverSession] = attrs.Factory(SessionRegistry)
@@ -135,12 +170,19 @@ class KvTransceiver:
     _nursery: trio.Nursery | None = None
     _agent_lock: trio.Lock = attrs.Factory(trio.Lock)
     _dealers: dict[str, Dealer] = attrs.Factory(dict)
+    _dealer_scopes: dict[str, trio.CancelScope] = attrs.Factory(dict)
+    _closed_bad_frames: int = 0  # bad frames counted by dealers since closed
     _dealer_locks: dict[str, trio.Lock] = attrs.Factory(dict)
     _ctx_peers: dict[str, _CtxPeer] = attrs.Factory(dict)
     _remote_names: dict[tuple[str, int], str] = attrs.Factory(dict)
     _replies: dict[_Slot, trio.MemorySendChannel[Message]] = attrs.Factory(dict)
     _timing: dict[int, _Timing] = attrs.Factory(dict)
     _failed_early: dict[int, str] = attrs.Factory(dict)
+    # Receives still in rendezvous (no session yet) -> cancelled meanwhile. A cancelled one
+    # never asks ctx for data, and reports a cancelled outcome once the rendezvous returns.
+    _starting: dict[int, bool] = attrs.Factory(dict)
+    _cancelled_early: set[int] = attrs.Factory(set)
+    _staged: dict[int, _Staged] = attrs.Factory(dict)  # gen: receives that bounce
     _receiving: trio.Event = attrs.Factory(trio.Event)  # set when a receive session starts
 
     def __attrs_post_init__(self) -> None:
@@ -163,14 +205,25 @@ class KvTransceiver:
             task_status.started()
 
     def statistics(self) -> TransceiverStatistics:
-        bad = self.router.statistics().bad_frames + sum(
-            d.statistics().bad_frames for d in self._dealers.values()
+        bad = (
+            self.router.statistics().bad_frames
+            + self._closed_bad_frames
+            + sum(d.statistics().bad_frames for d in self._dealers.values())
+        )
+        now = self.clock()
+        quarantined = sum(s.is_terminal and not s.is_quiescent for s in self.senders) + sum(
+            s.is_terminal and not self._released(s, now) for s in self.receivers
         )
         return TransceiverStatistics(
             rendezvous=self.rendezvous_count,
             senders=len(self.senders),
             receivers=len(self.receivers),
             bad_frames=bad,
+            quarantined=quarantined,
+            quarantine_expired=self.quarantine_expired,
+            early=len(self.early),
+            bounced=self.bounced,
+            connections=len(self._dealers),
         )
 
     def _spawn(self, fn: Callable[..., object], *args: object) -> None:
@@ -259,15 +312,67 @@ class KvTransceiver:
         plan = self.registrar.send_plan((request.instance_name, request.instance_rank))
         dst_blocks = [list(unpack_block_ids(ids)) for ids in request.block_ids]
         num_tokens = min(request.num_tokens, session.source.num_tokens)
+        if request.staging_bytes:
+            return await self._write_staged(session, request, plan, num_tokens)
         fragments = plan.fragments(
             src_blocks=session.source.block_ids, dst_blocks=dst_blocks, num_tokens=num_tokens
         )
         if session.cancelled or len(fragments) == 0:
             return 0, 0
+        await self._submit_and_wait(session.key, fragments, request, plan)
+        return fragments.num_bytes, len(fragments)
+
+    async def _write_staged(
+        self, session: SenderSession, request: RequestData, plan: SendPlan, num_tokens: int
+    ) -> tuple[int, int]:
+        """Bounce: pack the runs this rank owns into staging, then write them in one go."""
+        assert session.source is not None
+        if self.staging is None:
+            raise TransferLayerError("gen asked for the bounce path; this rank has no staging")
+        if not plan.elected or session.cancelled:
+            return 0, 0
+        if len(request.block_ids) != 1 or len(session.source.block_ids) != 1:
+            raise TransferLayerError("the bounce path moves one layer group")
+        tpb = self.local.tokens_per_block
+        dst_blocks = unpack_block_ids(request.block_ids[0])
+        first = (-(-num_tokens // tpb) - len(dst_blocks)) * tpb
+        runs = staged_runs(self.local, plan.peer, num_tokens=num_tokens - first)
+        if not runs:
+            return 0, 0
+        needed = max(run.dst_offset + run.num_bytes for run in runs)
+        if needed > request.staging_bytes:
+            raise TransferLayerError(
+                f"gen's staging region of {request.staging_bytes} bytes cannot hold {needed}"
+            )
+        num_bytes = sum(run.num_bytes for run in runs)
+        staging = self.staging
+        offset = await staging.reserve(num_bytes, session.deadline)
+        try:
+            src_blocks = list(session.source.block_ids[0])
+            await trio.to_thread.run_sync(
+                lambda: staging.stager.pack(
+                    offset, runs, src_blocks, first_token=first, num_tokens=num_tokens
+                )
+            )
+            fragments = staged_fragments(
+                runs,
+                src_address=staging.stager.address + offset,
+                dst_address=request.staging_address,
+            )
+            await self._submit_and_wait(session.key, fragments, request, plan)
+        finally:
+            staging.release(offset)
+        self.bounced += 1
+        return num_bytes, len(fragments)
+
+    async def _submit_and_wait(
+        self, key: int, fragments: Fragments, request: RequestData, plan: SendPlan
+    ) -> None:
+        """Post one write of `fragments` to the requesting rank and poll it to the end."""
         remote = self._remote_names[(request.instance_name, request.instance_rank)]
         notice = encode(
             WriteNotice(
-                key=session.key,
+                key=key,
                 instance_name=self.local.instance_name,
                 instance_rank=self.local.instance_rank,
             )
@@ -293,12 +398,11 @@ class KvTransceiver:
                 if state is XferStatus.DONE:
                     break
                 if state is XferStatus.ERROR:
-                    raise TransferLayerError(f"agent reported an error writing {session.key}")
+                    raise TransferLayerError(f"agent reported an error writing {key}")
                 await trio.sleep(0 if self.clock() < spin_until else 0.001)
         finally:
             async with self._agent_lock:
                 self.agent.release(handle)
-        return fragments.num_bytes, len(fragments)
 
     # ---- gen (receiver) side ----
 
@@ -306,6 +410,7 @@ class KvTransceiver:
         self, key: int, ctx_info_endpoint: str, block_ids: Sequence[Sequence[int]], num_tokens: int
     ) -> None:
         self._timing[key] = _Timing(started=self.clock())
+        self._starting[key] = False
         self._spawn(self._receive, key, ctx_info_endpoint, block_ids, num_tokens)
 
     async def _receive(
@@ -315,12 +420,28 @@ class KvTransceiver:
         try:
             ranks = await self._ensure_ctx_peer(endpoint)
         except PeerIncompatible as exc:
+            self._starting.pop(key, None)
             self._fail_receive(key, str(exc))
             return
         except (TransferLayerError, OSError, trio.TooSlowError) as exc:
+            self._starting.pop(key, None)
             self._fail_receive(key, f"cannot reach ctx at {endpoint}: {exc}")
             return
         overlap = self.registrar.overlap(ranks[0], peer_dp_rank=ranks[0].dp_rank)
+        staged = None
+        if self._bounces_with(ranks, overlap.ranks) and len(block_ids) == 1:
+            try:
+                staged = await self._reserve_receive(block_ids[0], num_tokens, deadline)
+            except TransferLayerError as exc:
+                self._starting.pop(key, None)
+                self._fail_receive(key, str(exc))
+                return
+        if self._starting.pop(key, False):
+            if staged is not None:
+                self.staging.release(staged.offset)  # type: ignore[union-attr]
+            self._cancelled_early.add(key)  # cancelled before asking: ask for nothing
+            self.wake()
+            return
         session = ReceiverSession(
             key=key,
             peer_instance=ranks[0].instance_name,
@@ -339,11 +460,78 @@ class KvTransceiver:
             instance_rank=self.local.instance_rank,
             block_ids=tuple(pack_block_ids(ids) for ids in block_ids),
             num_tokens=num_tokens,
+            staging_address=(
+                self.staging.stager.address + staged.offset
+                if staged is not None and self.staging is not None
+                else 0
+            ),
+            staging_bytes=staged.num_bytes if staged is not None else 0,
         )
+        if staged is not None:
+            self._staged[key] = staged
         session.mark_requested()
         by_rank = {info.instance_rank: info for info in ranks}
         for rank in sorted(session.expected):
             await self._send(by_rank[rank].control_endpoint, request)
+
+    def _bounces_with(self, ranks: Sequence[RankInfo], expected: Sequence[int]) -> bool:
+        """Whether receiving from these ctx ranks goes through staging (bounce.bounces); ctx
+        decides the same from the same mapper, and both ends agreed on the settings."""
+        if self.staging is None:
+            return False
+        bounce = self.local.bounce
+        by_rank = {info.instance_rank: info for info in ranks}
+        return any(
+            bounces(
+                self.registrar.send_plan(by_rank[rank].key).piece_bytes,
+                threshold_bytes=bounce.threshold_bytes,
+                enabled=bounce.enabled,
+            )
+            for rank in expected
+        )
+
+    async def _reserve_receive(
+        self, block_ids: Sequence[int], num_tokens: int, deadline: float
+    ) -> _Staged | None:
+        """Room for this rank's canonical region; None when it can never fit (direct path)."""
+        assert self.staging is not None
+        tpb = self.local.tokens_per_block
+        first = (-(-num_tokens // tpb) - len(block_ids)) * tpb
+        num_bytes = canonical_bytes(self.local, num_tokens - first)
+        if num_bytes > self.staging.capacity:
+            log.info(
+                "KV of %d tokens (%d bytes) exceeds the staging buffer: direct writes",
+                num_tokens,
+                num_bytes,
+            )
+            return None
+        offset = await self.staging.reserve(num_bytes, deadline)
+        return _Staged(
+            offset=offset,
+            num_bytes=num_bytes,
+            block_ids=tuple(block_ids),
+            first_token=first,
+            num_tokens=num_tokens,
+        )
+
+    def _settle_staging(self, session: ReceiverSession) -> None:
+        """gen: a receive session is gone; scatter its staged KV if it landed, free the room."""
+        staged = self._staged.pop(session.key, None)
+        if staged is None or self.staging is None:
+            return
+        try:
+            if session.status is ReceiverStatus.TRANSFERRED:
+                # Synchronous: the copy must be in the blocks before this outcome is reported
+                # and decoding reads them (on CUDA it is queued on the same stream).
+                self.staging.stager.unpack(
+                    staged.offset,
+                    staged.block_ids,
+                    first_token=staged.first_token,
+                    num_tokens=staged.num_tokens,
+                )
+                self.bounced += 1
+        finally:
+            self.staging.release(staged.offset)
 
     def _fail_receive(self, key: int, reason: str) -> None:
         self._failed_early[key] = reason
@@ -353,26 +541,49 @@ class KvTransceiver:
         now = self.clock()
         done = [self._outcome(key, ok=False, error=err) for key, err in self._failed_early.items()]
         self._failed_early.clear()
+        done += [self._outcome(key, ok=False, cancelled=True) for key in self._cancelled_early]
+        self._cancelled_early.clear()
         for session in self.receivers.expired(now):
             session.fail(f"KV transfer {session.key} timed out after {self.timeout_s:g}s")
-            self._spawn(self._send_cancel, session)
+            self._stop_receiver(session)
         for session in self.receivers:
-            # A cancelled or failed session keeps its blocks until no ctx rank can still write
-            # into them (every expected rank reported), or until its deadline has passed.
-            settled = session.status is ReceiverStatus.TRANSFERRED or session.is_quiescent
-            if session.is_terminal and (settled or now >= session.deadline):
-                self.receivers.pop(session.key)
-                status = session.status
-                done.append(
-                    self._outcome(
-                        session.key,
-                        ok=status is ReceiverStatus.TRANSFERRED,
-                        cancelled=status is ReceiverStatus.CANCELLED,
-                        error=session.error,
-                        num_bytes=session.num_bytes,
-                        num_descriptors=session.num_descriptors,
-                    )
+            if not session.is_terminal:
+                continue
+            if not self._released(session, now):
+                # Quarantined. A failure is told now (the request fails on time); the blocks
+                # stay pinned until `cancel_request(key)` says no write can land any more.
+                if (
+                    self.early_failures
+                    and session.status is ReceiverStatus.ERROR
+                    and not session.failure_reported
+                ):
+                    session.failure_reported = True
+                    failed = self._outcome(session.key, ok=False, error=session.error)
+                    done.append(attrs.evolve(failed, blocks_held=True))
+                continue
+            self.receivers.pop(session.key)
+            self._settle_staging(session)
+            if not session.is_quiescent and session.status is not ReceiverStatus.TRANSFERRED:
+                self.quarantine_expired += 1
+                log.warning(
+                    "KV transfer %d: no answer from ctx %s %gs past the deadline; blocks freed",
+                    session.key,
+                    session.peer_instance,
+                    self.timeout_s,
                 )
+            if session.failure_reported:
+                continue  # the executor frees the blocks through cancel_request
+            status = session.status
+            done.append(
+                self._outcome(
+                    session.key,
+                    ok=status is ReceiverStatus.TRANSFERRED,
+                    cancelled=status is ReceiverStatus.CANCELLED,
+                    error=session.error,
+                    num_bytes=session.num_bytes,
+                    num_descriptors=session.num_descriptors,
+                )
+            )
         return done
 
     async def _ensure_ctx_peer(self, endpoint: str) -> tuple[RankInfo, ...]:
@@ -385,8 +596,13 @@ class KvTransceiver:
                     peer.ranks = await self._rendezvous(endpoint)
             except PeerIncompatible as exc:
                 peer.refusal = str(exc)
+                # Once per endpoint; every later request to it fails fast with this message.
+                log.warning("refused ctx instance at %s: %s", endpoint, exc)
             except BaseException:
                 del self._ctx_peers[endpoint]  # transient: the next request tries again
+                # A dead or forged endpoint must not keep a reconnecting socket (and its file
+                # descriptor) forever; the next attempt opens a fresh one.
+                self._drop_dealer(endpoint)
                 peer.ready.set()
                 raise
             finally:
@@ -454,8 +670,11 @@ class KvTransceiver:
         receiver = self.receivers.get(key)
         if receiver is not None:
             receiver.cancel()
-            self._spawn(self._send_cancel, receiver)
-            return receiver.is_quiescent
+            if receiver.status is not ReceiverStatus.TRANSFERRED:
+                self._stop_receiver(receiver)
+            return self._released(receiver, self.clock())
+        if key in self._starting:
+            self._starting[key] = True  # no REQUEST_DATA will go out, so nothing can land
         return True
 
     async def _notify_cancel(self, session: SenderSession, rank: int) -> None:
@@ -464,6 +683,41 @@ class KvTransceiver:
         peer = self.registrar.get((session.peer_instance, rank))
         if peer is not None:
             await self._send(peer.control_endpoint, self._cancel_message(session.key))
+
+    # ---- gen quarantine: blocks that a ctx write may still reach ----
+
+    def _released(self, session: ReceiverSession, now: float) -> bool:
+        """Whether no ctx write can land in `session`'s blocks any more.
+
+        True once the KV landed, or every expected ctx rank reported: a result, or its answer
+        to our CANCEL (a ctx rank answers a CANCEL at once when it has no write in flight to us,
+        else with the write's result when it ends). A ctx that stays silent for a second
+        `timeout_s` past the deadline is taken for dead; that is counted and logged, since a
+        ctx that is alive but that slow could still write.
+        """
+        settled = session.status is ReceiverStatus.TRANSFERRED or session.is_quiescent
+        return settled or now >= session.deadline + self.timeout_s
+
+    def _stop_receiver(self, session: ReceiverSession) -> None:
+        """Tell every expected ctx rank, once, that we gave up on `session`."""
+        if not session.cancel_sent:
+            session.cancel_sent = True
+            self._spawn(self._send_cancel, session)
+
+    async def _ack_cancel(self, cancel: Cancel) -> None:
+        """Answer a CANCEL for which no write of ours is in flight to its sender, so that it can
+        free the blocks it keeps quarantined without waiting for a second timeout."""
+        peer = self.registrar.get((cancel.instance_name, cancel.instance_rank))
+        if peer is None:
+            return
+        result = TransferResult(
+            key=cancel.key,
+            instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            status=ResultStatus.CANCELLED,
+            error="cancelled; no write in flight",
+        )
+        await self._send(peer.control_endpoint, result)
 
     async def _send_cancel(self, session: ReceiverSession) -> None:
         for rank in session.expected:
@@ -519,13 +773,27 @@ class KvTransceiver:
     async def _hold_dealer(
         self, endpoint: str, *, task_status: trio.TaskStatus[Dealer] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Own one DEALER for the life of the service; what it receives goes to dispatch."""
-        async with open_dealer(endpoint) as dealer:
-            self._dealers[endpoint] = dealer
-            task_status.started(dealer)
-            while True:
-                message = await dealer.receive_message()
-                await self._dispatch(message, reply=None, source=endpoint)
+        """Own one DEALER until the service ends or `_drop_dealer`; what it receives goes to
+        dispatch."""
+        with trio.CancelScope() as scope:
+            self._dealer_scopes[endpoint] = scope
+            try:
+                async with open_dealer(endpoint, faults=self.faults) as dealer:
+                    self._dealers[endpoint] = dealer
+                    task_status.started(dealer)
+                    while True:
+                        message = await dealer.receive_message()
+                        await self._dispatch(message, reply=None, source=endpoint)
+            finally:
+                gone = self._dealers.pop(endpoint, None)
+                if gone is not None:
+                    self._closed_bad_frames += gone.statistics().bad_frames
+                self._dealer_scopes.pop(endpoint, None)
+
+    def _drop_dealer(self, endpoint: str) -> None:
+        scope = self._dealer_scopes.get(endpoint)
+        if scope is not None:
+            scope.cancel()
 
     async def _listen_router(self) -> None:
         while True:
@@ -624,15 +892,20 @@ class KvTransceiver:
         sender = self.senders.lookup(cancel.instance_name, cancel.key)
         if sender is not None:
             sender.cancel()
+            if not sender.is_writing(cancel.instance_rank):
+                self._spawn(self._ack_cancel, cancel)  # else the write's result answers it
             self.wake()
             return
         receiver = self.receivers.lookup(cancel.instance_name, cancel.key)
         if receiver is not None:
             receiver.cancel()
+            if receiver.status is ReceiverStatus.CANCELLED:
+                self._stop_receiver(receiver)  # ctx ranks' answers end the quarantine
             self.wake()
             return
         if self.senders.get(cancel.key) is None:
-            self.early.add_cancel(self.clock(), cancel.key)
+            self.early.add_cancel(self.clock(), cancel.key)  # a session made later starts cancelled
+            self._spawn(self._ack_cancel, cancel)
 
     async def _poll_notifications(self) -> None:
         """Agent notifications (WRITE_NOTICE) mark the bytes of a write as landed."""
@@ -667,6 +940,9 @@ class KvTransceiver:
             if any(s.expired(self.clock()) for s in self.senders) or any(
                 s.expired(self.clock()) for s in self.receivers
             ):
+                self.wake()
+            # A quarantine that ends by time (no answer from ctx) needs the executor too.
+            if any(s.is_terminal and self._released(s, self.clock()) for s in self.receivers):
                 self.wake()
             for stale in self.early.sweep(self.clock()):
                 await self._refuse_stale(stale)

@@ -12,6 +12,8 @@ Conversation (one ZMQ frame carries one encoded message):
     gen rank -> ctx rank      REQUEST_DATA (key, destination block ids, token count)
     ctx rank -> gen rank      TRANSFER_RESULT (one per REQUEST_DATA, also when 0 bytes moved)
     either   -> either        CANCEL (key)
+    ctx rank -> gen rank      TRANSFER_RESULT (CANCELLED): the answer to a CANCEL from gen when
+                              no write to it is in flight (else that write's result answers it)
     ctx agent -> gen agent    WRITE_NOTICE: not a ZMQ message but the NIXL notification payload of
                               a write, so gen knows the bytes of that write have landed.
 
@@ -131,6 +133,10 @@ class RequestData:
     instance_rank: int = attrs.field(validator=_non_negative)
     block_ids: tuple[bytes, ...] = attrs.field(validator=_packed_ids, repr=False)
     num_tokens: int = attrs.field(validator=_positive)
+    # The bounce path (transfer/bounce.py): where in my staging buffer my canonical region is.
+    # 0 bytes: write straight into the blocks.
+    staging_address: int = attrs.field(default=0, validator=_non_negative)
+    staging_bytes: int = attrs.field(default=0, validator=_non_negative)
 
 
 @attrs.frozen(kw_only=True)

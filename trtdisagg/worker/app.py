@@ -14,10 +14,11 @@ from quart_trio import QuartTrio
 
 from trtdisagg import __version__
 from trtdisagg.api.codec import parse_json, structure_body, to_json, validate_request
-from trtdisagg.api.errors import ApiError
+from trtdisagg.api.errors import ApiError, bad_request
 from trtdisagg.api.http import install_common_handlers, json_response
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
 from trtdisagg.metrics import CONTENT_TYPE
+from trtdisagg.transfer.faults import FaultInjector, FaultSpecError, parse_faults
 from trtdisagg.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,26 @@ def create_app(service: WorkerService) -> QuartTrio:
             raise ApiError(404, f"route {request.path} not found")
         return json_response({str(key): digest for key, digest in hooks.digests.items()})
 
+    @app.get("/debug/faults")
+    async def faults_state() -> Response:
+        return json_response(to_json(_armed_faults(service).statistics()))
+
+    @app.post("/debug/faults")
+    async def faults_replace() -> Response:
+        """Replace the armed fault plan: body `{"spec": "drop:TRANSFER_RESULT:1"}`."""
+        faults = _armed_faults(service)
+        body = parse_json(await request.get_data(cache=False, as_text=False))
+        spec = body.get("spec") if isinstance(body, dict) else None
+        if not isinstance(spec, str):
+            raise bad_request("spec: required, a fault spec string", param="spec")
+        try:
+            plan = parse_faults(spec)
+        except FaultSpecError as exc:
+            raise bad_request(f"spec: {exc}", param="spec") from None
+        faults.replace(plan)
+        log.warning("fault plan replaced: %s", plan)
+        return json_response(to_json(faults.statistics()))
+
     @app.get("/v1/models")
     async def models() -> Response:
         return json_response(
@@ -93,6 +114,13 @@ def create_app(service: WorkerService) -> QuartTrio:
         return await _generate(service, req)
 
     return app
+
+
+def _armed_faults(service: WorkerService) -> FaultInjector:
+    """The worker's fault injector; without TRTDISAGG_FAULTS the fault routes are a 404."""
+    if service.faults is None:
+        raise ApiError(404, f"route {request.path} not found")
+    return service.faults
 
 
 async def _generate(

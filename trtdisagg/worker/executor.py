@@ -33,9 +33,23 @@ from prometheus_client import Counter
 from trtdisagg.api.protocol import PerfMetrics
 from trtdisagg.errors import CapacityError
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.transceiver import KvTransceiver
+from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
+from trtdisagg.worker.rank_group import HEARTBEAT_S, RankGroup
+from trtdisagg.worker.rank_plan import (
+    DigestCommand,
+    HeadDigest,
+    ItemInputs,
+    OutcomeGate,
+    RankDigest,
+    RankReport,
+    ReceiveCommand,
+    SendCommand,
+    Side,
+    StepCommand,
+)
+from trtdisagg.worker.ranks import rank_outcomes
 from trtdisagg.worker.request import FinishReason, Request, RequestType
-from trtdisagg.worker.runner import ModelRunner, Sampled, StepOutput
+from trtdisagg.worker.runner import ModelRunner, Sampled, StepOutput, plan_items
 from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, make_generator
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
 from trtdisagg.worker.stopping import StopStrings
@@ -43,6 +57,10 @@ from trtdisagg.worker.test_hooks import TestHooks
 from trtdisagg.worker.tokenization import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
+
+# Multi-rank: how often rank 0 ticks, with nothing to compute, while a transfer is in flight on
+# some rank (only a tick brings the other ranks' transfer states).
+RANK_POLL_S = 0.002
 
 
 @attrs.frozen(kw_only=True)
@@ -87,6 +105,33 @@ class _Live:
 
 
 @attrs.define(eq=False, kw_only=True)
+class _Outbox:
+    """Transfer work rank 0 decided since the last step, for the other ranks to apply."""
+
+    sends: list[SendCommand] = attrs.Factory(list)
+    receives: list[ReceiveCommand] = attrs.Factory(list)
+    cancels: list[int] = attrs.Factory(list)
+    digests: list[DigestCommand] = attrs.Factory(list)
+
+    def __bool__(self) -> bool:
+        return bool(self.sends or self.receives or self.cancels or self.digests)
+
+    def take(self, items: tuple[ItemInputs, ...] = ()) -> StepCommand:
+        command = StepCommand(
+            items=items,
+            sends=tuple(self.sends),
+            receives=tuple(self.receives),
+            cancels=tuple(self.cancels),
+            digests=tuple(self.digests),
+        )
+        self.sends.clear()
+        self.receives.clear()
+        self.cancels.clear()
+        self.digests.clear()
+        return command
+
+
+@attrs.define(eq=False, kw_only=True)
 class RequestHandle:
     request: Request
     outputs: trio.MemoryReceiveChannel[RequestOutput]
@@ -115,6 +160,13 @@ class Executor:
     _synced: dict[str, int] = attrs.field(factory=dict, alias="synced")
     _wake: trio.Event = attrs.field(factory=trio.Event, alias="wake")
     steps: int = 0
+    # Multi-rank instances: this is rank 0, which schedules; the other ranks follow its steps.
+    ranks: RankGroup | None = None
+    _outbox: _Outbox = attrs.field(factory=lambda: _Outbox(), alias="outbox")
+    _gate: OutcomeGate | None = attrs.field(default=None, alias="gate")
+    _merged: dict[Side, list[TransferOutcome]] = attrs.field(
+        factory=lambda: {Side.SEND: [], Side.RECEIVE: []}, alias="merged"
+    )
 
     # ---- commands from handlers (sync, never block) ----
 
@@ -164,6 +216,19 @@ class Executor:
     def num_transfers(self) -> int:
         return len(self._receiving) + len(self._sending) + len(self._cancelling)
 
+    def transfer_key_in_use(self, key: int, *, sending: bool) -> bool:
+        """Whether a request of this worker already sends (ctx) or receives (gen) under `key`.
+
+        A second one would share the first one's transfer session and mix two requests' KV
+        (DESIGN.md §6), so the HTTP layer refuses it. One worker may send and receive the same
+        key (it is then its own ctx and gen), hence the side.
+        """
+        lives = [*self._new, *self._live.values()]
+        if sending:
+            return key in self._sending or any(live.transfer_key == key for live in lives)
+        busy = key in self._receiving or key in self._cancelling
+        return busy or any(live.source is not None and live.source.key == key for live in lives)
+
     def _check_fits(self, request: Request) -> None:
         pool = self.scheduler.pool
         capacity = pool.num_blocks * pool.tokens_per_block
@@ -181,6 +246,9 @@ class Executor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        if self.ranks is not None:
+            await self._lead(self.ranks)
+            return
         while True:
             self._admit()
             self._poll_transfers()
@@ -203,6 +271,115 @@ class Executor:
             self.scheduler.step_done(plan)
             self._respond(plan, out)
             self.refresh_gauges()
+
+    # ---- multi-rank: rank 0 leads every step ----
+
+    async def _lead(self, group: RankGroup) -> None:
+        """The loop of rank 0 of a multi-rank instance.
+
+        Same steps as `run`, but each one is a tick that every rank takes together: rank 0
+        broadcasts the step's inputs and transfer work, all ranks run their shard of the
+        forward, and all report the transfers they finished. While transfers are in flight
+        somewhere, rank 0 ticks every few milliseconds even with nothing to compute, since only
+        a tick tells it what the other ranks' transceivers did; an idle instance still ticks
+        every HEARTBEAT_S, so no rank's collective waits long enough to time out.
+        """
+        self._gate = OutcomeGate(world_size=group.world_size)
+        last_tick = self.clock()
+        while True:
+            self._admit()
+            self._poll_transfers()
+            self._receive()
+            plan: StepPlan | None = None
+            if self.scheduler.has_work():
+                plan = self.scheduler.schedule()
+                if plan.preempted:
+                    self.metrics.preemptions.inc(len(plan.preempted))
+                self._finish_dropped(plan)
+                if not plan.items:
+                    plan = None
+            if plan is None and not self._outbox:
+                in_flight = self.num_transfers() > 0 or len(self._gate) > 0
+                if in_flight:
+                    wait = RANK_POLL_S
+                elif self.scheduler.has_work():
+                    wait = 0.01  # nothing fits this step: do not spin
+                else:
+                    wait = max(HEARTBEAT_S - (self.clock() - last_tick), 0.0)
+                self.refresh_gauges()
+                await self._wait_for_work(timeout=wait)
+                if not in_flight and self.clock() - last_tick < HEARTBEAT_S:
+                    continue
+            await self._tick(group, plan)
+            last_tick = self.clock()
+
+    async def _tick(self, group: RankGroup, plan: StepPlan | None) -> None:
+        items = plan_items(plan, self.runner.tokens_per_block) if plan is not None else ()
+        command = self._outbox.take(items)
+        specs = self._specs_for(plan) if plan is not None else {}
+        local = RankReport(
+            rank=0,
+            outcomes=rank_outcomes(self.transceiver),
+            digests=self._local_digests(command),
+        )
+
+        def tick() -> tuple[StepOutput | None, list[RankReport]]:
+            group.broadcast_command(command)
+            out = None
+            if command.has_forward:
+                out = self.runner.execute_items(command.items, specs, group)
+            return out, group.gather_reports(local)
+
+        out, reports = await trio.to_thread.run_sync(tick, abandon_on_cancel=True)
+        self._apply_reports(reports)
+        if plan is not None and out is not None:
+            self.steps += 1
+            self.scheduler.step_done(plan)
+            self._respond(plan, out)
+        self.refresh_gauges()
+
+    def _local_digests(self, command: StepCommand) -> tuple[RankDigest, ...]:
+        if self.test_hooks is None:
+            return ()
+        hooks, cache = self.test_hooks, self.runner.cache
+        return tuple(
+            RankDigest(key=d.key, parts=hooks.local_parts(cache, list(d.block_ids), d.num_tokens))
+            for d in command.digests
+        )
+
+    def _apply_reports(self, reports: list[RankReport]) -> None:
+        """Gate every rank's finished transfers: a transfer is final once all ranks say so."""
+        assert self._gate is not None
+        digests: dict[int, list[HeadDigest]] = {}
+        for report in reports:
+            for outcome in report.outcomes:
+                merged = self._gate.add(report.rank, outcome)
+                if merged is not None:
+                    self._merged[merged.side].append(
+                        TransferOutcome(
+                            key=merged.key,
+                            ok=merged.ok,
+                            cancelled=merged.cancelled,
+                            error=merged.error,
+                            num_bytes=merged.num_bytes,
+                            num_descriptors=merged.num_descriptors,
+                            seconds=merged.seconds,
+                        )
+                    )
+                elif not outcome.ok and self._gate.newly_failed(outcome.side, outcome.key):
+                    # One rank failed: the others need not wait for their deadline.
+                    self._queue_cancel(outcome.key)
+            for rank_digest in report.digests:
+                digests.setdefault(rank_digest.key, []).extend(rank_digest.parts)
+        if self.test_hooks is not None:
+            for key, parts in digests.items():
+                self.test_hooks.store(key, parts)
+
+    def _queue_cancel(self, key: int) -> None:
+        """Cancel transfer `key` on every rank (here now, the others at the next tick)."""
+        assert self.transceiver is not None
+        self.transceiver.cancel_request(key)
+        self._outbox.cancels.append(key)
 
     async def _wait_for_work(self, timeout: float = math.inf) -> None:
         with trio.move_on_after(timeout):
@@ -239,6 +416,12 @@ class Executor:
             # KV may still be landing in these blocks: free them only once no write can.
             del self._receiving[live.source.key]
             assert self.transceiver is not None
+            if self.ranks is not None:
+                # Every rank must settle before the blocks are free: the merged outcome says so.
+                self._queue_cancel(live.source.key)
+                self._cancelling[live.source.key] = live
+                self._close(live, FinishReason.ABORT, now)
+                return
             if not self.transceiver.cancel_request(live.source.key):
                 self._cancelling[live.source.key] = live
                 self._close(live, FinishReason.ABORT, now)
@@ -267,12 +450,21 @@ class Executor:
                 [list(table.block_ids)],
                 live.request.num_prompt_tokens,
             )
+            if self.ranks is not None:
+                self._outbox.receives.append(
+                    ReceiveCommand(
+                        key=source.key,
+                        endpoint=source.ctx_info_endpoint,
+                        block_ids=tuple(table.block_ids),
+                        num_tokens=live.request.num_prompt_tokens,
+                    )
+                )
 
     def _poll_transfers(self) -> None:
         if self.transceiver is None:
             return
         now = self.clock()
-        for outcome in self.transceiver.check_gen_transfer_status():
+        for outcome in self._finished_transfers(Side.RECEIVE):
             if outcome.key in self._cancelling:
                 live = self._cancelling.pop(outcome.key)
                 self.scheduler.abort(live.request.request_id)
@@ -285,14 +477,20 @@ class Executor:
             if outcome.ok:
                 self._kv_arrived(receiving, now)
             else:
-                self.scheduler.finish(receiving.request, FinishReason.ERROR)
+                if outcome.blocks_held:
+                    # A ctx write may still land: the request fails now, its blocks stay
+                    # quarantined until cancel_request(key) says no write can.
+                    self._cancelling[outcome.key] = receiving
+                else:
+                    self.scheduler.finish(receiving.request, FinishReason.ERROR)
                 error = outcome.error or "KV transfer failed"
                 self._emit(receiving, (), "", (), FinishReason.ERROR, now, error=error)
                 self._close(receiving, FinishReason.ERROR, now, emitted=True)
-        for key in list(self._cancelling):
-            if self.transceiver.cancel_request(key):
-                self.scheduler.abort(self._cancelling.pop(key).request.request_id)
-        for outcome in self.transceiver.check_context_transfer_status():
+        if self.ranks is None:
+            for key in list(self._cancelling):
+                if self.transceiver.cancel_request(key):
+                    self.scheduler.abort(self._cancelling.pop(key).request.request_id)
+        for outcome in self._finished_transfers(Side.SEND):
             request = self._sending.pop(outcome.key, None)
             if request is None:
                 continue
@@ -301,6 +499,26 @@ class Executor:
                 log.warning("KV send %d failed: %s", outcome.key, outcome.error)
             reason = FinishReason.STOP if outcome.ok else FinishReason.ABORT
             self.scheduler.release(request, reason)
+
+    def _finished_transfers(self, side: Side) -> list[TransferOutcome]:
+        """Transfers that reached a final state: this process's, or every rank's (gated)."""
+        assert self.transceiver is not None
+        if self.ranks is not None:
+            done, self._merged[side] = self._merged[side], []
+            return done
+        if side is Side.RECEIVE:
+            return self.transceiver.check_gen_transfer_status()
+        return self.transceiver.check_context_transfer_status()
+
+    def _record_digest(self, key: int, block_ids: tuple[int, ...], num_tokens: int) -> None:
+        if self.test_hooks is None:
+            return
+        if self.ranks is not None:  # every rank digests its share at the next tick
+            self._outbox.digests.append(
+                DigestCommand(key=key, block_ids=block_ids, num_tokens=num_tokens)
+            )
+        else:
+            self.test_hooks.record(key, self.runner.cache, block_ids, num_tokens)
 
     def _count_transfer(self, ok: bool, num_bytes: int, descriptors: int) -> None:
         if not ok:
@@ -312,12 +530,9 @@ class Executor:
         assert source is not None
         request = live.request
         self.scheduler.kv_received(request, source.first_token)
-        if self.test_hooks is not None:
-            table = request.block_table
-            assert table is not None
-            self.test_hooks.record(
-                source.key, self.runner.cache, table.block_ids, request.num_prompt_tokens
-            )
+        table = request.block_table
+        assert table is not None
+        self._record_digest(source.key, tuple(table.block_ids), request.num_prompt_tokens)
         self._after_token(live, source.first_token, None, now)
 
     def _start_send(self, live: _Live, now: float) -> None:
@@ -328,14 +543,17 @@ class Executor:
         assert key is not None and table is not None and self.transceiver is not None
         self.scheduler.hold_for_transfer(request)
         self._sending[key] = request
-        if self.test_hooks is not None:
-            self.test_hooks.record(
-                key, self.runner.cache, table.block_ids, request.num_prompt_tokens
-            )
+        self._record_digest(key, tuple(table.block_ids), request.num_prompt_tokens)
         self.runner.kv_ready()  # the step's KV writes are in device memory before NIXL reads
         self.transceiver.respond_and_send_async(
             key, [list(table.block_ids)], request.num_prompt_tokens
         )
+        if self.ranks is not None:
+            self._outbox.sends.append(
+                SendCommand(
+                    key=key, block_ids=tuple(table.block_ids), num_tokens=request.num_prompt_tokens
+                )
+            )
 
     def _specs_for(self, plan: StepPlan) -> dict[int, SampleSpec]:
         now = self.clock()
@@ -487,6 +705,14 @@ class Executor:
             transfer = self.transceiver.statistics()
             self._advance(self.metrics.kv_rendezvous, "rendezvous", transfer.rendezvous)
             self._advance(self.metrics.control_bad_frames, "bad_frames", transfer.bad_frames)
+            expired = transfer.quarantine_expired
+            self._advance(self.metrics.kv_quarantine_expired, "quarantine_expired", expired)
+            self.metrics.kv_sessions.labels(side="sender").set(transfer.senders)
+            self.metrics.kv_sessions.labels(side="receiver").set(transfer.receivers)
+            self.metrics.kv_early_messages.set(transfer.early)
+            self.metrics.kv_quarantined.set(transfer.quarantined)
+            self._advance(self.metrics.kv_bounce_transfers, "bounced", transfer.bounced)
+            self.metrics.control_connections.set(transfer.connections)
         stats = self.scheduler.statistics()
         self.metrics.requests_running.set(stats.num_running)
         self.metrics.requests_waiting.set(stats.num_waiting)

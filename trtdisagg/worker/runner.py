@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -38,8 +38,12 @@ from trtdisagg.worker.decode_graphs import (
     decode_rows,
     graph_batch_sizes,
 )
+from trtdisagg.worker.rank_plan import ItemInputs, step_items
 from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, sample
 from trtdisagg.worker.scheduler import StepPlan
+
+if TYPE_CHECKING:
+    from trtdisagg.worker.rank_group import RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -81,22 +85,70 @@ class ModelRunner:
             ):
                 logits = self._decode(plan)
             else:
-                logits = self.model(self._build_batch(plan), self.cache)
-            sampling_items = [item for item in plan.items if item.samples]
-            sampled: tuple[Sampled, ...] = ()
-            if sampling_items:
-                if len(sampling_items) == len(plan.items):
-                    picked = logits
-                else:
-                    rows = [i for i, item in enumerate(plan.items) if item.samples]
-                    picked = logits[torch.tensor(rows, device=logits.device)]
-                chosen = [specs[item.request.request_id] for item in sampling_items]
-                tokens, logprobs = _sample(picked.float(), chosen)
-                sampled = tuple(
-                    Sampled(request_id=item.request.request_id, token_id=t, logprobs=lp)
-                    for item, t, lp in zip(sampling_items, tokens, logprobs, strict=True)
+                logits = self.model(
+                    self._build_batch(plan_items(plan, self.tokens_per_block)), self.cache
                 )
+            sampled = self._sample_rows(
+                logits, [(i.request.request_id, i.samples) for i in plan.items], specs
+            )
         return StepOutput(sampled=sampled, forward_s=time.perf_counter() - start)
+
+    def execute_items(
+        self, items: Sequence[ItemInputs], specs: dict[int, SampleSpec], group: RankGroup
+    ) -> StepOutput:
+        """Rank 0 of a multi-rank instance: run its shard of the step, then sample."""
+        start = time.perf_counter()
+        with torch.inference_mode(), self._on_device():
+            logits = self.forward_items(items, group)
+            if logits is None:  # rank 0 is not the last stage: the last stage sends them
+                logits = group.receive_logits((len(items), self.model.args.vocab_size))
+            sampled = self._sample_rows(logits, [(i.request_id, i.samples) for i in items], specs)
+        return StepOutput(sampled=sampled, forward_s=time.perf_counter() - start)
+
+    def forward_items(self, items: Sequence[ItemInputs], group: RankGroup) -> torch.Tensor | None:
+        """This rank's share of one step of a multi-rank instance.
+
+        Every rank of the instance calls it with the same items. A stage after the first waits
+        for the previous stage's hidden states; a stage before the last passes its own on. The
+        last stage returns the logits (TP rank 0 of it sends them to rank 0 when that is another
+        rank); every other rank returns None, except rank 0, which gets them from the caller.
+        """
+        with torch.inference_mode(), self._on_device():
+            batch = self._build_batch(items)
+            parallel = group.parallel
+            hidden = None
+            if not parallel.is_first_stage:
+                shape = (batch.num_tokens, self.model.args.hidden_size)
+                hidden = group.receive_hidden(shape, self.model.dtype)
+            out = self.model(batch, self.cache, hidden)
+            if not parallel.is_last_stage:
+                group.send_hidden(out)
+                return None
+            if group.rank == group.logits_source and group.rank != 0:
+                group.send_logits(out)
+                return None
+            return out if group.rank == 0 else None
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[tuple[int, bool]],
+        specs: dict[int, SampleSpec],
+    ) -> tuple[Sampled, ...]:
+        """Sample the rows whose (request_id, samples) says so; `logits` has one row each."""
+        wanted = [(i, request_id) for i, (request_id, samples) in enumerate(rows) if samples]
+        if not wanted:
+            return ()
+        if len(wanted) == len(rows):
+            picked = logits
+        else:
+            picked = logits[torch.tensor([i for i, _ in wanted], device=logits.device)]
+        chosen = [specs[request_id] for _, request_id in wanted]
+        tokens, logprobs = _sample(picked.float(), chosen)
+        return tuple(
+            Sampled(request_id=request_id, token_id=t, logprobs=lp)
+            for (_, request_id), t, lp in zip(wanted, tokens, logprobs, strict=True)
+        )
 
     def kv_ready(self) -> None:
         """Wait until the KV written by every step launched so far is in device memory.
@@ -150,7 +202,7 @@ class ModelRunner:
         )
         return self.model(staging.fill(rows), self.cache)
 
-    def _build_batch(self, plan: StepPlan) -> ForwardBatch:
+    def _build_batch(self, items: Sequence[ItemInputs]) -> ForwardBatch:
         tpb = self.tokens_per_block
         input_ids: list[int] = []
         positions: list[int] = []
@@ -158,18 +210,10 @@ class ModelRunner:
         spans: list[tuple[int, int, int, int]] = []  # q_start, q_len, kv_len, blocks
         blocks_flat: list[int] = []
         logits_indices: list[int] = []
-        for item in plan.items:
-            request = item.request
-            table = request.block_table
-            assert table is not None, f"request {request.request_id} scheduled without blocks"
-            start = request.num_computed_tokens
-            end = start + item.num_new_tokens
-            blocks = table.block_ids[: math.ceil(end / tpb)]
-            assert len(blocks) * tpb >= end, (
-                f"request {request.request_id}: {len(blocks)} blocks cannot hold {end} tokens"
-            )
+        for item in items:
+            start, end, blocks = item.start, item.end, item.block_ids
             q_start = len(input_ids)
-            input_ids.extend(request.all_token_ids[start:end])
+            input_ids.extend(item.token_ids)
             positions.extend(range(start, end))
             slots.extend(blocks[p // tpb] * tpb + p % tpb for p in range(start, end))
             spans.append((q_start, end - start, end, len(blocks)))
@@ -194,6 +238,25 @@ class ModelRunner:
             seqs=tuple(seqs),
             logits_indices=packed[3 * n : 3 * n + s],
         )
+
+
+def plan_items(plan: StepPlan, tokens_per_block: int) -> tuple[ItemInputs, ...]:
+    """A scheduler plan as explicit inputs (what rank 0 broadcasts to the other ranks)."""
+    entries = []
+    for item in plan.items:
+        request = item.request
+        table = request.block_table
+        assert table is not None, f"request {request.request_id} scheduled without blocks"
+        start = request.num_computed_tokens
+        end = start + item.num_new_tokens
+        prompt, outputs = request.prompt_token_ids, request.output_token_ids
+        # Slice without copying the whole sequence: a decode step needs one token.
+        p = len(prompt)
+        new_tokens = prompt[start:end] + outputs[max(start - p, 0) : max(end - p, 0)]
+        entries.append(
+            (request.request_id, tuple(new_tokens), start, tuple(table.block_ids), item.samples)
+        )
+    return step_items(entries, tokens_per_block)
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -232,9 +295,16 @@ def kv_pool_blocks(config: WorkerConfig, block_bytes: int) -> int:
     return max(1, kv.max_tokens // tpb)
 
 
-def build_runner(config: WorkerConfig, model_dir: Path, parallel: Parallel) -> ModelRunner:
+def build_runner(
+    config: WorkerConfig,
+    model_dir: Path,
+    parallel: Parallel,
+    *,
+    agree_blocks: Callable[[int], int] | None = None,
+) -> ModelRunner:
     """Load the model, allocate the KV pool, capture decode graphs. Slow: call it off the Trio
-    loop."""
+    loop. A multi-rank instance passes `agree_blocks` (the minimum over its ranks): rank 0's
+    scheduler hands out block ids that must exist in every rank's pool."""
     device = torch.device(config.device)
     torch.set_num_threads(config.cpu_threads)
     if device.type == "cuda":
@@ -257,8 +327,11 @@ def build_runner(config: WorkerConfig, model_dir: Path, parallel: Parallel) -> M
         tokens_per_block=tpb,
         dtype=dtype,
     )
+    num_blocks = kv_pool_blocks(config, block_bytes)
+    if agree_blocks is not None:
+        num_blocks = agree_blocks(num_blocks)
     cache = KVCache(
-        num_blocks=kv_pool_blocks(config, block_bytes),
+        num_blocks=num_blocks,
         num_layers=num_layers,
         num_kv_heads=heads,
         head_dim=head_dim,

@@ -8,6 +8,7 @@ request repeats exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 import attrs
 import torch
@@ -26,6 +27,11 @@ class SampleSpec:
     params: SamplingParams
     generator: torch.Generator | None
     suppress: frozenset[int] = frozenset()  # e.g. EOS before min_tokens is reached
+
+
+MIN_TEMPERATURE: Final = 1e-5
+"""Below this a temperature samples greedily: logits / temperature overflows float32, the softmax
+turns to NaN and `torch.multinomial` raises (greedy is the limit as the temperature goes to 0)."""
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -55,7 +61,7 @@ def sample(
 
 def _sample_row(row: torch.Tensor, spec: SampleSpec) -> int:
     params = spec.params
-    if params.temperature == 0.0 or params.top_k == 1:
+    if params.temperature < MIN_TEMPERATURE or params.top_k == 1:
         return int(torch.argmax(row).item())
     scaled = row / params.temperature
     if params.top_k > 0 and params.top_k < scaled.numel():

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 
+import torch
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
@@ -20,9 +22,14 @@ from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.parallel import Parallel
 from trtdisagg.model.synthetic import is_synthetic
+from trtdisagg.transfer.faults import FaultInjector
 from trtdisagg.transfer.messenger import Router, open_router
+from trtdisagg.transfer.rank_info import make_instance_name
 from trtdisagg.worker.app import create_app
 from trtdisagg.worker.executor import Executor
+from trtdisagg.worker.fault_hooks import arm_faults
+from trtdisagg.worker.rank_group import RankGroup
+from trtdisagg.worker.ranks import Followers, share_infos_with, start_followers
 from trtdisagg.worker.runner import build_runner
 from trtdisagg.worker.scheduler import Scheduler
 from trtdisagg.worker.service import WorkerService
@@ -33,12 +40,15 @@ from trtdisagg.worker.transfer_setup import build_transceiver
 log = logging.getLogger("trtdisagg.worker")
 
 
-async def _hold_router(
-    host: str, *, task_status: trio.TaskStatus[Router] = trio.TASK_STATUS_IGNORED
+async def hold_router(
+    host: str,
+    faults: FaultInjector | None = None,
+    *,
+    task_status: trio.TaskStatus[Router] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Own this rank's control-plane ROUTER for the life of the worker (bound to `host` only)."""
     address = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
-    async with open_router(bind=address) as router:
+    async with open_router(bind=address, faults=faults) as router:
         task_status.started(router)
         await trio.sleep_forever()
 
@@ -57,11 +67,63 @@ async def serve_worker(
     config: WorkerConfig, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
 ) -> None:
     model_dir = await trio.to_thread.run_sync(resolve_model, config.model)
+    instance_name = make_instance_name(config.role.value)
+    followers: Followers | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            group: RankGroup | None = None
+            if config.world_size > 1:
+                store = await trio.to_thread.run_sync(RankGroup.open_store, config.world_size)
+                port = store.port
+                followers = start_followers(
+                    config, model_dir, port=port, instance_name=instance_name
+                )
+                nursery.start_soon(followers.watch)  # a rank that dies stops the instance
+                group = await trio.to_thread.run_sync(
+                    functools.partial(
+                        RankGroup.join,
+                        rank=0,
+                        tp_size=config.tensor_parallel_size,
+                        pp_size=config.pipeline_parallel_size,
+                        port=port,
+                        device=torch.device(config.device),
+                        device_index=config.cuda_device,
+                        store=store,
+                    ),
+                    abandon_on_cancel=True,
+                )
+                log.info(
+                    "joined %d ranks (tp %d x pp %d)",
+                    config.world_size,
+                    config.tensor_parallel_size,
+                    config.pipeline_parallel_size,
+                )
+            await _serve_rank0(config, model_dir, instance_name, group, nursery, task_status)
+    finally:
+        if followers is not None:
+            followers.stop()
+
+
+async def _serve_rank0(
+    config: WorkerConfig,
+    model_dir: Path,
+    instance_name: str,
+    group: RankGroup | None,
+    nursery: trio.Nursery,
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
     tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, model_dir)
-    parallel = Parallel(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, tp_group=None, device_index=config.cuda_device
+    parallel = group.parallel if group is not None else Parallel(device_index=config.cuda_device)
+    runner = await trio.to_thread.run_sync(
+        functools.partial(
+            build_runner,
+            config,
+            model_dir,
+            parallel,
+            agree_blocks=group.agree_min if group is not None else None,
+        ),
+        abandon_on_cancel=group is not None,
     )
-    runner = await trio.to_thread.run_sync(build_runner, config, model_dir, parallel)
     max_seq_len = config.max_seq_len or runner.model.args.max_position_embeddings
     kv = config.kv_cache_config
     pool = BlockPool(
@@ -83,9 +145,12 @@ async def serve_worker(
         metrics=metrics,
         role=config.role.value,
         max_seq_len=max_seq_len,
+        ranks=group,
     )
     if config.enable_test_hooks:
-        executor.test_hooks = TestHooks()
+        executor.test_hooks = TestHooks(
+            layer_ids=runner.model.local_layer_ids, head_ids=runner.model.local_kv_head_ids
+        )
         log.warning("test hooks are enabled (TRTDISAGG_TEST_HOOKS=1): not for production")
     named = config.model == "tiny" or is_synthetic(config.model)  # no directory name to show
     served = config.served_model_name or (config.model if named else model_dir.name)
@@ -97,37 +162,44 @@ async def serve_worker(
         executor=executor,
         metrics=metrics,
         max_seq_len=max_seq_len,
+        faults=(faults := arm_faults(config, metrics)),
     )
-    async with trio.open_nursery() as nursery:
-        transfer = config.cache_transceiver_config
-        if transfer.backend is None:
-            log.info("cache_transceiver is disabled")
-        else:
-            router = await nursery.start(_hold_router, config.host)
-            executor.transceiver = await build_transceiver(
-                config, runner, model_dir, router, executor, metrics
-            )
-            await nursery.start(executor.transceiver.run)
-            service.ctx_info_endpoint = executor.transceiver.info_endpoint
-            log.info(
-                "Using KvCacheTransceiver backend=%s endpoint=%s instance=%s",
-                transfer.backend.value,
-                service.ctx_info_endpoint,
-                executor.transceiver.local.instance_name,
-            )
-        await nursery.start(executor.run)
-        app = create_app(service)
-        serve_http = functools.partial(
-            hypercorn_serve, app, hypercorn_config(config.host, config.port)
+    transfer = config.cache_transceiver_config
+    if transfer.backend is None:
+        log.info("cache_transceiver is disabled")
+    else:
+        router = await nursery.start(hold_router, config.host, faults)
+        executor.transceiver = await build_transceiver(
+            config,
+            runner,
+            model_dir,
+            router,
+            executor.wake,
+            metrics,
+            instance_name=instance_name,
+            share_infos=share_infos_with(group) if group is not None else None,
+            faults=faults,
         )
-        binds: list[str] = await nursery.start(serve_http)
-        service.ready = True
+        executor.transceiver.early_failures = group is None  # see KvTransceiver.early_failures
+        await nursery.start(executor.transceiver.run)
+        service.ctx_info_endpoint = executor.transceiver.info_endpoint
         log.info(
-            "worker ready: role=%s model=%s kv_blocks=%d tokens_per_block=%d url=%s",
-            config.role.value,
-            served,
-            pool.num_blocks,
-            kv.tokens_per_block,
-            binds[0],
+            "Using KvCacheTransceiver backend=%s endpoint=%s instance=%s",
+            transfer.backend.value,
+            service.ctx_info_endpoint,
+            executor.transceiver.local.instance_name,
         )
-        task_status.started(binds)
+    await nursery.start(executor.run)
+    app = create_app(service)
+    serve_http = functools.partial(hypercorn_serve, app, hypercorn_config(config.host, config.port))
+    binds: list[str] = await nursery.start(serve_http)
+    service.ready = True
+    log.info(
+        "worker ready: role=%s model=%s kv_blocks=%d tokens_per_block=%d url=%s",
+        config.role.value,
+        served,
+        pool.num_blocks,
+        kv.tokens_per_block,
+        binds[0],
+    )
+    task_status.started(binds)

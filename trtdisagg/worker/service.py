@@ -30,10 +30,12 @@ from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError
 from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
+from trtdisagg.transfer.endpoints import is_tcp_endpoint
+from trtdisagg.transfer.faults import FaultInjector
 from trtdisagg.worker import responses
 from trtdisagg.worker.executor import Executor, GenerationSource, RequestHandle, RequestOutput
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
-from trtdisagg.worker.sampling import TokenLogprobs
+from trtdisagg.worker.sampling import MIN_TEMPERATURE, TokenLogprobs
 from trtdisagg.worker.tokenization import Tokenizer
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
@@ -71,6 +73,7 @@ class WorkerService:
     ready: bool = False
     started_at: float = attrs.field(factory=time.time)
     ctx_info_endpoint: str | None = None
+    faults: FaultInjector | None = None  # tests only: armed by TRTDISAGG_FAULTS
     _ids: itertools.count[int] = attrs.field(factory=itertools.count, alias="ids")
 
     def server_info(self) -> ServerInfo:
@@ -141,6 +144,16 @@ class WorkerService:
         elif kind is RequestType.CONTEXT_ONLY:
             assert params is not None
             key = params.disagg_request_id or (secrets.randbits(62) | 1 << 40)
+        transfer_key = source.key if source is not None else key
+        if transfer_key is not None and self.executor.transfer_key_in_use(
+            transfer_key, sending=source is None
+        ):
+            raise ApiError(
+                409,
+                f"disaggregated_params.disagg_request_id: {transfer_key} is already in use by "
+                "another request on this worker",
+                param="disaggregated_params",
+            )
         try:
             handle = self.executor.submit(request, source=source, transfer_key=key)
         except CapacityError as exc:
@@ -212,7 +225,7 @@ class WorkerService:
     ) -> SamplingParams:
         return SamplingParams(
             max_tokens=min(asked or room, room),
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=_temperature(req.temperature),
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=top_k,
             seed=req.seed,
@@ -227,6 +240,13 @@ class WorkerService:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
 
+def _temperature(asked: float | None) -> float:
+    """The client's temperature; a tiny positive one is greedy (see `MIN_TEMPERATURE`)."""
+    if asked is None:
+        return 1.0
+    return 0.0 if asked < MIN_TEMPERATURE else asked
+
+
 def _generation_source(params: DisaggregatedParams, vocab_size: int) -> GenerationSource:
     """Validate what a generation_only request must carry from ctx's answer."""
     field = "disaggregated_params"
@@ -237,9 +257,10 @@ def _generation_source(params: DisaggregatedParams, vocab_size: int) -> Generati
         raise bad_request(f"{field}.first_gen_tokens: token {first} outside the vocabulary")
     if not params.ctx_info_endpoint:
         raise bad_request(f"{field}.ctx_info_endpoint: required for generation_only", param=field)
-    if not params.ctx_info_endpoint.startswith("tcp://"):
+    if not is_tcp_endpoint(params.ctx_info_endpoint):
+        endpoint = params.ctx_info_endpoint
         raise bad_request(
-            f"{field}.ctx_info_endpoint: expected tcp://host:port, got {params.ctx_info_endpoint!r}"
+            f"{field}.ctx_info_endpoint: expected tcp://host:port, got {endpoint!r}", param=field
         )
     key = params.disagg_request_id
     if key is None or not 0 < key < 2**63:

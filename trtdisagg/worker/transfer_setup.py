@@ -7,21 +7,59 @@ registered memory.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 
 import trio
 
 from trtdisagg.config import TransceiverBackend, WorkerConfig
+from trtdisagg.kv.staging import StagingBuffer
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.args import model_fingerprint
-from trtdisagg.transfer.agents.base import TransferAgent, make_agent, pool_regions
+from trtdisagg.model.parallel import pp_layer_range
+from trtdisagg.transfer.agents.base import MemoryRegion, TransferAgent, make_agent, pool_regions
+from trtdisagg.transfer.agents.faulty import FaultyAgent
 from trtdisagg.transfer.agents.loopback import LoopbackFabric
+from trtdisagg.transfer.faults import FaultInjector
 from trtdisagg.transfer.messenger import Router
-from trtdisagg.transfer.rank_info import BounceConfig, RankInfo, make_instance_name
+from trtdisagg.transfer.rank_info import BounceConfig, RankInfo, flat_rank, make_instance_name
+from trtdisagg.transfer.staging_area import StagingArea
 from trtdisagg.transfer.transceiver import KvTransceiver
 from trtdisagg.transfer.wire import PROTOCOL_VERSION
-from trtdisagg.worker.executor import Executor
 from trtdisagg.worker.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (a config's bind address) names the loopback interface only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a DNS name: whatever it resolves to, it is not ours to narrow
+
+
+def confine_ucx_to_loopback(host: str, environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Keep UCX's sockets on the loopback device when this worker is bound to loopback.
+
+    UCX's tcp transport listens on every network device it uses, so a worker configured for
+    127.0.0.1 would otherwise accept UCX connections on the machine's external address too.
+    UCX reads its environment when the NIXL agent is created, so this must run before that.
+    A value the user set is kept. True when it set `UCX_NET_DEVICES`.
+    """
+    if not is_loopback_host(host) or "UCX_NET_DEVICES" in environ:
+        return False
+    environ["UCX_NET_DEVICES"] = "lo"
+    log.info(
+        "host %s is loopback: UCX restricted to the loopback device (UCX_NET_DEVICES=lo)", host
+    )
+    return True
 
 
 def _make_agent(backend: TransceiverBackend, name: str, progress_thread: bool) -> TransferAgent:
@@ -36,29 +74,61 @@ async def build_transceiver(
     runner: ModelRunner,
     model_dir: Path,
     router: Router,
-    executor: Executor,
-    metrics: WorkerMetrics,
+    wake: Callable[[], None],
+    metrics: WorkerMetrics | None,
+    *,
+    instance_name: str | None = None,
+    share_infos: Callable[[RankInfo], Awaitable[tuple[RankInfo, ...]]] | None = None,
+    faults: FaultInjector | None = None,
 ) -> KvTransceiver:
+    """This rank's transceiver. A multi-rank instance passes its shared `instance_name` and
+    `share_infos`, which swaps RankInfos with the other ranks (every rank must call it)."""
     transfer = config.cache_transceiver_config
     assert transfer.backend is not None
     model = runner.model
     cache = runner.cache
-    instance_name = make_instance_name(config.role.value)
-    agent_name = f"{instance_name}#0"
+    parallel = model.parallel
+    if instance_name is None:
+        instance_name = make_instance_name(config.role.value)
+    rank = flat_rank(tp_rank=parallel.tp_rank, pp_rank=parallel.pp_rank, tp_size=parallel.tp_size)
+    agent_name = f"{instance_name}#{rank}"
+    if transfer.backend is TransceiverBackend.NIXL:
+        confine_ucx_to_loopback(config.host)
     agent = await trio.to_thread.run_sync(
         _make_agent, transfer.backend, agent_name, transfer.nixl_progress_thread
     )
+    if faults is not None:  # tests only (TRTDISAGG_FAULTS)
+        agent = FaultyAgent(agent, faults)
     page_table = cache.page_table(model.local_layer_ids)
-    await trio.to_thread.run_sync(agent.register_memory, pool_regions(page_table))
+    regions = pool_regions(page_table)
+    stager = None
+    if transfer.kv_cache_bounce_size_mb:
+        # Registered with the pool, once: the bounce path allocates nothing per request.
+        stager = StagingBuffer(cache, transfer.kv_cache_bounce_size_mb << 20)
+        regions.append(
+            MemoryRegion(
+                address=stager.address,
+                size=stager.capacity,
+                memory_type=stager.memory_type,
+                device_id=stager.device_id,
+            )
+        )
+    await trio.to_thread.run_sync(agent.register_memory, regions)
     fingerprint = await trio.to_thread.run_sync(model_fingerprint, model_dir)
     info = RankInfo(
         instance_name=instance_name,
-        instance_rank=0,
-        tp_size=1,
-        tp_rank=0,
-        pp_size=1,
-        pp_rank=0,
-        layer_num_per_pp=(model.args.num_layers,),
+        instance_rank=rank,
+        tp_size=parallel.tp_size,
+        tp_rank=parallel.tp_rank,
+        pp_size=parallel.pp_size,
+        pp_rank=parallel.pp_rank,
+        layer_num_per_pp=tuple(
+            end - start
+            for start, end in (
+                pp_layer_range(model.args.num_layers, parallel.pp_size, stage)
+                for stage in range(parallel.pp_size)
+            )
+        ),
         num_kv_heads=model.args.num_kv_heads,
         kv_heads_per_rank=model.local_num_kv_heads,
         head_dim=model.args.head_dim,
@@ -72,20 +142,28 @@ async def build_transceiver(
         agent_name=agent_name,
         agent_metadata=agent.local_metadata(),
         page_table=page_table,
-        bounce=BounceConfig(size_mb=transfer.kv_cache_bounce_size_mb),
+        bounce=BounceConfig(
+            size_mb=transfer.kv_cache_bounce_size_mb,
+            threshold_bytes=transfer.kv_cache_bounce_threshold_bytes,
+        ),
     )
 
+    instance = (info,) if share_infos is None else await share_infos(info)
+
     def on_write(num_bytes: int, descriptors: int, seconds: float) -> None:
-        metrics.kv_transfer_bytes.inc(num_bytes)
-        metrics.kv_transfer_descriptors.inc(descriptors)
-        metrics.kv_transfer_seconds.observe(seconds)
+        if metrics is not None:
+            metrics.kv_transfer_bytes.inc(num_bytes)
+            metrics.kv_transfer_descriptors.inc(descriptors)
+            metrics.kv_transfer_seconds.observe(seconds)
 
     return KvTransceiver(
         local=info,
-        instance=(info,),
+        instance=instance,
         agent=agent,
         router=router,
         timeout_s=transfer.kv_transfer_timeout_ms / 1000,
-        wake=executor.wake,
+        wake=wake,
         on_write=on_write,
+        faults=faults,
+        staging=StagingArea(stager=stager, clock=time.monotonic) if stager is not None else None,
     )

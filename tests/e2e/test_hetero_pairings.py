@@ -1,0 +1,363 @@
+"""Heterogeneous ctx → gen pairings over real multi-rank instances, real ZMQ and real NIXL.
+
+Each ctx instance and each gen instance cuts the same 4-layer GQA model its own way (TP, PP,
+duplicated kv heads, HND or NHD). For every pairing the split answer must equal the aggregated
+TP1 answer and HF's greedy tokens, and the KV that landed on gen must be byte-for-byte the KV ctx
+computed: both sides digest every (layer, kv head) they hold, and rank 0 composes one digest that
+does not depend on the cut (worker/test_hooks.py).
+
+The instances of one model start together and serve all its pairings; after each pairing every
+instance is idle with all its blocks back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+import yaml
+
+from tests.instances import running_instances
+from tests.oracle import assert_greedy_match, hf_greedy
+from tests.procs import Server, free_port, metric, spawn
+from trtdisagg.model.tiny import TinySpec, write_checkpoint
+
+TRANSFER = {"backend": "NIXL", "kv_transfer_timeout_ms": 20000, "nixl_progress_thread": False}
+HOOKS = {"TRTDISAGG_TEST_HOOKS": "1"}
+BASE = TinySpec(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
+MAX_TOKENS = 8
+
+
+def _instance(
+    role: str, model: Path, *, tp: int = 1, pp: int = 1, layout: str = "HND", bounce_mb: int = 0
+) -> tuple[str, dict[str, Any]]:
+    return role, {
+        "model": str(model),
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        # Small steps: longer prompts prefill in chunks that share steps with decodes.
+        "max_num_tokens": 48,
+        "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 4096, "layout": layout},
+        "cache_transceiver_config": {**TRANSFER, "kv_cache_bounce_size_mb": bounce_mb},
+    }
+
+
+@attrs.frozen
+class Group:
+    model: Path
+    servers: dict[str, Server]
+
+
+@contextlib.contextmanager
+def _group(
+    tmp: Path, name: str, spec: TinySpec, instances: dict[str, tuple[str, dict[str, Any]]]
+) -> Iterator[Group]:
+    model = tmp / name
+    write_checkpoint(spec, model)
+    specs = {key: _instance(role, model, **opts) for key, (role, opts) in instances.items()}
+    with running_instances(tmp, specs, env=HOOKS) as servers:
+        yield Group(model=model, servers=servers)
+
+
+@pytest.fixture(scope="module")
+def kv2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
+    instances = {
+        "ctx_tp1": ("ctx", {}),
+        "ctx_tp2": ("ctx", {"tp": 2}),
+        "ctx_pp2": ("ctx", {"pp": 2}),
+        "ctx_tp2pp2": ("ctx", {"tp": 2, "pp": 2}),
+        "gen_tp1": ("gen", {}),
+        "gen_tp2": ("gen", {"tp": 2}),
+        "gen_pp2": ("gen", {"pp": 2}),
+        "gen_tp2_nhd": ("gen", {"tp": 2, "layout": "NHD"}),
+    }
+    with _group(tmp_path_factory.mktemp("kv2"), "kv2", BASE, instances) as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def kv_other(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Group]]:
+    """4 kv heads (one model) and 1 kv head (duplicated under TP2), started together."""
+    tmp = tmp_path_factory.mktemp("kv_other")
+    kv4 = attrs.evolve(BASE, num_kv_heads=4)
+    kv1 = attrs.evolve(BASE, num_kv_heads=1)
+    with (
+        _group(
+            tmp, "kv4", kv4, {"ctx_tp2": ("ctx", {"tp": 2}), "gen_pp2": ("gen", {"pp": 2})}
+        ) as g4,
+        _group(
+            tmp,
+            "kv1",
+            kv1,
+            {"ctx_tp2": ("ctx", {"tp": 2}), "gen_tp1": ("gen", {}), "gen_tp2": ("gen", {"tp": 2})},
+        ) as g1,
+    ):
+        yield {"kv4": g4, "kv1": g1}
+
+
+@pytest.fixture(scope="module")
+def bounce(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
+    """The bounce path: 1 MiB staging buffers on every rank, so concurrent transfers queue."""
+    instances = {
+        "ctx_tp2": ("ctx", {"tp": 2, "bounce_mb": 1}),
+        "gen_tp1_nhd": ("gen", {"layout": "NHD", "bounce_mb": 1}),
+        "gen_pp2": ("gen", {"pp": 2, "bounce_mb": 1}),
+    }
+    with _group(tmp_path_factory.mktemp("bounce"), "kv2b", BASE, instances) as group:
+        yield group
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Within one block, across a block boundary, and several blocks with a partial last one.
+    return [[rng.randrange(10, 500) for _ in range(n)] for n in (9, 37, 70)]
+
+
+def _body(prompt: list[int], **extra: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}  # fmt: skip
+
+
+async def _split(
+    client: httpx.AsyncClient, ctx: Server, gen: Server, prompt: list[int]
+) -> tuple[list[int], int]:
+    ctx_body = _body(prompt, disaggregated_params={"request_type": "context_only"})
+    r = await client.post(ctx.url + "/v1/completions", json=ctx_body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    params = dict(answer["choices"][0]["disaggregated_params"])
+    params["request_type"] = "generation_only"
+    gen_body = _body(
+        prompt, prompt_token_ids=answer["prompt_token_ids"], disaggregated_params=params
+    )
+    g = await client.post(gen.url + "/v1/completions", json=gen_body)
+    assert g.status_code == 200, g.text
+    return list(g.json()["choices"][0]["token_ids"]), int(params["disagg_request_id"])
+
+
+async def _wait_idle(client: httpx.AsyncClient, server: Server) -> None:
+    with trio.fail_after(20):
+        while True:
+            text = (await client.get(server.url + "/metrics")).text
+            free = metric(text, "trtdisagg_kv_cache_free_blocks")
+            reusable = metric(text, "trtdisagg_kv_cache_reusable_blocks")
+            total = metric(text, "trtdisagg_kv_cache_total_blocks")
+            if metric(text, "trtdisagg_requests_running") == 0 and free + reusable == total > 0:
+                return
+            await trio.sleep(0.05)  # polling an observable condition, bounded above
+
+
+@contextlib.contextmanager
+def _coordinator(tmp: Path, ctx: Server, gen: Server) -> Iterator[Server]:
+    port = free_port()
+    config = {
+        "hostname": "127.0.0.1",
+        "port": port,
+        "context_servers": {"urls": [ctx.url]},
+        "generation_servers": {"urls": [gen.url]},
+        "health_check_interval": 0.2,
+        "server_start_timeout": 60,
+    }
+    path = tmp / f"disagg-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with spawn(
+        ["coordinator", "--config", str(path)], port=port, log_path=tmp / f"coord-{port}.log"
+    ) as server:
+        yield server
+
+
+async def _check_pairing(group: Group, ctx_name: str, gen_name: str, seed: int) -> None:
+    """Through a coordinator in front of exactly this ctx and this gen, as a user would."""
+    ctx, gen = group.servers[ctx_name], group.servers[gen_name]
+    with _coordinator(group.model.parent, ctx, gen) as coordinator:
+        async with httpx.AsyncClient(timeout=60) as client:
+            for prompt in _prompts(seed):
+                before = set((await client.get(gen.url + "/debug/kv_digests")).json())
+                r = await client.post(coordinator.url + "/v1/completions", json=_body(prompt))
+                assert r.status_code == 200, r.text
+                tokens = r.json()["choices"][0]["token_ids"]
+                ref, margins = hf_greedy(group.model, prompt, MAX_TOKENS)
+                assert_greedy_match(tokens, ref, margins)
+                ctx_digests = (await client.get(ctx.url + "/debug/kv_digests")).json()
+                gen_digests = (await client.get(gen.url + "/debug/kv_digests")).json()
+                (key,) = set(gen_digests) - before  # this request's transfer, and only it
+                assert gen_digests[key] == ctx_digests[key], (
+                    f"{ctx_name} -> {gen_name}: gen KV differs from ctx KV for prompt of "
+                    f"{len(prompt)} tokens"
+                )
+                assert not ctx_digests[key].startswith("mismatch")
+            await _wait_idle(client, ctx)
+            await _wait_idle(client, gen)
+
+
+@pytest.mark.parametrize(
+    ("ctx_name", "gen_name"),
+    [
+        ("ctx_tp1", "gen_tp2"),
+        ("ctx_tp2", "gen_tp1"),
+        ("ctx_tp2", "gen_pp2"),
+        ("ctx_pp2", "gen_tp2"),
+        ("ctx_tp2", "gen_tp2"),
+        ("ctx_pp2", "gen_pp2"),
+        ("ctx_pp2", "gen_tp2_nhd"),
+        ("ctx_tp1", "gen_tp2_nhd"),
+    ],
+)
+async def test_kv2_pairings(kv2: Group, ctx_name: str, gen_name: str) -> None:
+    await _check_pairing(kv2, ctx_name, gen_name, seed=sum(map(ord, ctx_name + gen_name)))
+
+
+async def test_split_equals_aggregated_tp1_exactly(kv2: Group) -> None:
+    """Not only HF's tokens under the near-tie rule: exactly what TP1 serves aggregated."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        for prompt in _prompts(7):
+            r = await client.post(
+                kv2.servers["ctx_tp1"].url + "/v1/completions", json=_body(prompt)
+            )
+            aggregated = r.json()["choices"][0]["token_ids"]
+            for ctx_name, gen_name in (("ctx_tp2", "gen_pp2"), ("ctx_pp2", "gen_tp2")):
+                tokens, _ = await _split(
+                    client, kv2.servers[ctx_name], kv2.servers[gen_name], prompt
+                )
+                assert tokens == aggregated, f"{ctx_name} -> {gen_name}"
+
+
+@pytest.mark.parametrize(
+    ("model", "ctx_name", "gen_name"),
+    [
+        ("kv4", "ctx_tp2", "gen_pp2"),
+        ("kv1", "ctx_tp2", "gen_tp1"),
+        ("kv1", "ctx_tp2", "gen_tp2"),
+    ],
+)
+async def test_other_kv_head_counts(
+    kv_other: dict[str, Group], model: str, ctx_name: str, gen_name: str
+) -> None:
+    await _check_pairing(kv_other[model], ctx_name, gen_name, seed=len(model) + len(gen_name))
+
+
+def test_coordinator_in_front_of_tp2_ctx_and_pp2_gen(kv2: Group, tmp_path: Path) -> None:
+    """The user's path: the OpenAI client through the coordinator, ctx TP2 → gen PP2."""
+    import openai
+
+    port = free_port()
+    config = {
+        "hostname": "127.0.0.1",
+        "port": port,
+        "context_servers": {"urls": [kv2.servers["ctx_tp2"].url]},
+        "generation_servers": {"urls": [kv2.servers["gen_pp2"].url]},
+        "health_check_interval": 0.2,
+        "server_start_timeout": 60,
+    }
+    path = tmp_path / "disagg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    prompt = _prompts(11)[2]
+    aggregated = httpx.post(
+        kv2.servers["ctx_tp1"].url + "/v1/completions", json=_body(prompt), timeout=60
+    ).json()["choices"][0]["text"]
+    with spawn(["coordinator", "--config", str(path)], port=port, log_path=tmp_path / "c.log") as c:
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused")
+        answer = client.completions.create(
+            model=kv2.model.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert answer.choices[0].text == aggregated
+        stream = client.completions.create(
+            model=kv2.model.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == aggregated
+
+
+def _counter(server: Server, name: str) -> float:
+    return metric(httpx.get(server.url + "/metrics").text, name)
+
+
+@pytest.mark.parametrize(("gen_name", "gen_ranks"), [("gen_tp1_nhd", 1), ("gen_pp2", 2)])
+async def test_bounce_path_lands_exact_bytes_in_few_descriptors(
+    bounce: Group, gen_name: str, gen_ranks: int
+) -> None:
+    ctx = bounce.servers["ctx_tp2"]
+    before = _counter(ctx, "trtdisagg_kv_bounce_transfers_total")
+    descriptors = _counter(ctx, "trtdisagg_kv_transfer_descriptors_total")
+    await _check_pairing(bounce, "ctx_tp2", gen_name, seed=len(gen_name))
+    # Every write of this pairing bounced (ctx rank 0 writes once per prompt to each gen rank),
+    # each in at most one descriptor per layer and K/V; direct writes would take one per token
+    # and head (transposed) or per head range and block.
+    bounced = _counter(ctx, "trtdisagg_kv_bounce_transfers_total") - before
+    assert bounced == 3 * gen_ranks
+    assert _counter(ctx, "trtdisagg_kv_transfer_descriptors_total") - descriptors <= bounced * 8
+    assert _counter(bounce.servers[gen_name], "trtdisagg_kv_bounce_transfers_total") >= 3
+
+
+async def test_bounce_buffer_full_transfers_wait_and_all_land(bounce: Group) -> None:
+    """32 concurrent transfers need about 2.3 MiB of staging; 1 MiB holds 14: the rest wait."""
+    ctx, gen = bounce.servers["ctx_tp2"], bounce.servers["gen_tp1_nhd"]
+    rng = random.Random(99)
+    prompts = [[rng.randrange(10, 500) for _ in range(70)] for _ in range(32)]
+    keys: list[int] = [0] * len(prompts)
+    async with httpx.AsyncClient(timeout=60) as client:
+        reference = [
+            (await client.post(ctx.url + "/v1/completions", json=_body(p))).json()["choices"][0][
+                "token_ids"
+            ]
+            for p in prompts
+        ]
+
+        async def one(i: int) -> None:
+            tokens, keys[i] = await _split(client, ctx, gen, prompts[i])
+            assert tokens == reference[i], f"request {i}"
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+        ctx_digests = (await client.get(ctx.url + "/debug/kv_digests")).json()
+        gen_digests = (await client.get(gen.url + "/debug/kv_digests")).json()
+        for key in keys:
+            assert gen_digests[str(key)] == ctx_digests[str(key)]
+        await _wait_idle(client, ctx)
+        await _wait_idle(client, gen)
+
+
+async def _tokens(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[int]:
+    r = await client.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+async def test_parallel_workers_serve_tp1_tokens_concurrently(kv2: Group) -> None:
+    """Worker parallelism on its own (gloo, CPU): TP2, PP2 and TP2 x PP2 instances serve the
+    TP1 tokens (and TP1 HF's) for a concurrent mix of prompt lengths, chunked prefill included."""
+    rng = random.Random(3)
+    bodies = [
+        {**_body([rng.randrange(10, 500) for _ in range(rng.randint(1, 90))]),
+         "max_tokens": rng.randint(1, 12)}
+        for _ in range(24)
+    ]  # fmt: skip
+    async with httpx.AsyncClient(timeout=120) as client:
+        tp1 = kv2.servers["ctx_tp1"].url
+        reference = [await _tokens(client, tp1, b) for b in bodies]
+        for name in ("ctx_tp2", "ctx_pp2", "ctx_tp2pp2"):
+            got: list[list[int]] = [[] for _ in bodies]
+
+            async def one(
+                i: int, url: str = kv2.servers[name].url, got: list[list[int]] = got
+            ) -> None:
+                got[i] = await _tokens(client, url, bodies[i])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(bodies)):
+                    nursery.start_soon(one, i)
+            for i, (ref, mine) in enumerate(zip(reference, got, strict=True)):
+                assert mine == ref, f"{name}, request {i}: {mine} vs TP1 {ref}"
+            await _wait_idle(client, kv2.servers[name])
+    for body, ref in list(zip(bodies, reference))[:4]:
+        hf, margins = hf_greedy(kv2.model, body["prompt"], body["max_tokens"])
+        assert_greedy_match(ref, hf, margins)

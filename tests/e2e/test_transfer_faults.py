@@ -1,0 +1,224 @@
+"""Injected control- and data-plane faults between a real ctx and gen (real ZMQ, real NIXL).
+
+One ctx and one gen run with faults armed but no rule (TRTDISAGG_FAULTS=none); each scenario
+arms its rules through `POST /debug/faults`, sends one request through ctx → gen, and disarms.
+Every fault, on its own, must end in success or in a clean failure within the transfer deadline;
+afterwards both workers are idle with every block back (free + reusable == total), no transfer
+session or quarantine left, and the next transfer moves exactly the bytes ctx held.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from tests.fault_checks import (
+    SLACK_S,
+    TIMEOUT_S,
+    completion,
+    digests,
+    held_blocks,
+    is_idle,
+    processes,
+    set_faults,
+    wait_all_healthy,
+    wait_metrics,
+)
+from tests.procs import Server, free_port, metric
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
+    with processes(tmp_path_factory.mktemp("faults")) as procs:
+        ctx = procs.start_worker("ctx", free_port())
+        gen = procs.start_worker("gen", free_port())
+        wait_all_healthy(ctx, gen)
+        yield ctx, gen
+
+
+@attrs.frozen(kw_only=True)
+class Case:
+    ctx: str = "none"
+    gen: str = "none"
+    fails_with: str | None = None  # None: the transfer succeeds
+    within_s: float = TIMEOUT_S + SLACK_S  # the gen request ends this soon either way
+    quarantine_expires: bool = False  # gen frees its blocks only after the second timeout
+
+
+CASES = {
+    # TRANSFER_RESULT (ctx -> gen)
+    "result dropped": Case(ctx="drop:TRANSFER_RESULT:1", fails_with="timed out"),
+    "result duplicated": Case(ctx="dup:TRANSFER_RESULT:1"),
+    "result delayed": Case(ctx="delay:TRANSFER_RESULT:300ms:1"),
+    "result later than the deadline": Case(
+        ctx=f"delay:TRANSFER_RESULT:{TIMEOUT_S + 1}s:1", fails_with="timed out"
+    ),
+    # REQUEST_DATA (gen -> ctx)
+    "request dropped": Case(gen="drop:REQUEST_DATA:1", fails_with="timed out"),
+    "request duplicated": Case(gen="dup:REQUEST_DATA:1"),
+    "request delayed": Case(gen="delay:REQUEST_DATA:300ms:1"),
+    # WRITE_NOTICE (NIXL's notification that the bytes landed, at gen)
+    "notice dropped": Case(gen="drop:WRITE_NOTICE:1", fails_with="timed out"),
+    "notice duplicated": Case(gen="dup:WRITE_NOTICE:1"),
+    "notice delayed": Case(gen="delay:WRITE_NOTICE:300ms:1"),
+    # the NIXL write itself (ctx)
+    "submit fails": Case(ctx="fail_submit:1", fails_with="injected fault", within_s=SLACK_S),
+    "write stalls": Case(ctx="stall_transfer:500ms:1"),
+    # CANCEL (gen -> ctx, after a timeout): its answer is what lets gen free its blocks early
+    "cancel duplicated": Case(
+        ctx="drop:TRANSFER_RESULT:1", gen="dup:CANCEL:1", fails_with="timed out"
+    ),
+    "cancel delayed": Case(
+        ctx="drop:TRANSFER_RESULT:1", gen="delay:CANCEL:500ms:1", fails_with="timed out"
+    ),
+    "cancel dropped too: gen waits a second timeout": Case(
+        ctx="drop:TRANSFER_RESULT:1",
+        gen="drop:CANCEL:1",
+        fails_with="timed out",
+        quarantine_expires=True,
+    ),
+}
+
+
+async def context_only(client: httpx.AsyncClient, ctx: Server, body: dict[str, Any]) -> Any:
+    r = await client.post(
+        ctx.url + "/v1/completions",
+        json={**body, "disaggregated_params": {"request_type": "context_only"}},
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def gen_body(answer: Any, body: dict[str, Any]) -> dict[str, Any]:
+    params = {**answer["choices"][0]["disaggregated_params"], "request_type": "generation_only"}
+    return {**body, "prompt_token_ids": answer["prompt_token_ids"], "disaggregated_params": params}
+
+
+async def assert_exact_transfer(
+    client: httpx.AsyncClient, ctx: Server, gen: Server, rng: random.Random
+) -> None:
+    """One clean ctx → gen transfer: it succeeds and gen holds exactly ctx's bytes."""
+    body = completion([rng.randrange(10, 500) for _ in range(rng.randint(20, 70))], 4)
+    answer = await context_only(client, ctx, body)
+    r = await client.post(gen.url + "/v1/completions", json=gen_body(answer, body))
+    assert r.status_code == 200, r.text
+    key = str(answer["choices"][0]["disaggregated_params"]["disagg_request_id"])
+    assert (await digests(client, ctx))[key] == (await digests(client, gen))[key], key
+
+
+@pytest.mark.parametrize("name", list(CASES))
+async def test_one_fault_ends_cleanly_within_the_deadline(
+    pair: tuple[Server, Server], name: str
+) -> None:
+    case = CASES[name]
+    ctx, gen = pair
+    rng = random.Random(name)
+    async with httpx.AsyncClient(timeout=60) as client:
+        expired = "trtdisagg_kv_quarantine_expired_total"
+        expired_before = metric((await client.get(gen.url + "/metrics")).text, expired)
+        body = completion([rng.randrange(10, 500) for _ in range(rng.randint(20, 90))], 6)
+        answer = await context_only(client, ctx, body)
+        await set_faults(client, ctx, case.ctx)
+        await set_faults(client, gen, case.gen)
+        started = time.monotonic()
+        r = await client.post(gen.url + "/v1/completions", json=gen_body(answer, body))
+        elapsed = time.monotonic() - started
+        await set_faults(client, ctx, "none")
+        await set_faults(client, gen, "none")
+        assert elapsed < case.within_s, f"{name}: the gen request took {elapsed:.2f}s"
+        if case.fails_with is None:
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"][0]["token_ids"]) == 6
+            key = str(answer["choices"][0]["disaggregated_params"]["disagg_request_id"])
+            ctx_digest, gen_digest = [(await digests(client, s))[key] for s in pair]
+            assert ctx_digest == gen_digest, f"{name}: the bytes differ"
+        else:
+            assert r.status_code == 502, r.text
+            assert case.fails_with in r.json()["error"]["message"], r.text
+
+        # Blocks come back on both sides: at once when ctx answers, else after the second
+        # timeout (the only case where gen frees without ctx's word, and it is counted).
+        settle = 2 * TIMEOUT_S + SLACK_S if case.quarantine_expires else TIMEOUT_S + SLACK_S
+        gen_text = await wait_metrics(client, gen, is_idle, "gen idle", settle)
+        await wait_metrics(client, ctx, is_idle, "ctx idle", settle)
+        assert metric(gen_text, expired) - expired_before == (1 if case.quarantine_expires else 0)
+        await assert_exact_transfer(client, ctx, gen, rng)
+
+
+async def test_cancel_during_a_stalled_write_quarantines_until_it_lands(
+    pair: tuple[Server, Server],
+) -> None:
+    """A gen client hangs up while ctx's write is in flight: cancel returns False on gen (and
+    ctx's session is cancelled with the write in flight), both keep their blocks pinned and say
+    so in `trtdisagg_kv_quarantined_requests`, and both free them once the write completes."""
+    ctx, gen = pair
+    stall_s = 1.5
+    rng = random.Random(77)
+    async with httpx.AsyncClient(timeout=60) as client:
+        body = completion([rng.randrange(10, 500) for _ in range(60)], 50)
+        answer = await context_only(client, ctx, body)
+        stalls = metric(
+            (await client.get(ctx.url + "/metrics")).text, "trtdisagg_faults_injected_total",
+            'action="stall_transfer",message=""',
+        )  # fmt: skip
+        gen_before = (await client.get(gen.url + "/metrics")).text
+        aborted = metric(gen_before, "trtdisagg_requests_total", 'role="gen",status="aborted"')
+        expired = metric(gen_before, "trtdisagg_kv_quarantine_expired_total")
+        await set_faults(client, ctx, f"stall_transfer:{stall_s}s:1")
+        request_scope = trio.CancelScope()
+
+        async def request() -> None:
+            with request_scope:
+                await client.post(gen.url + "/v1/completions", json=gen_body(answer, body))
+                raise AssertionError("the gen request ended before the client hung up")
+
+        def stalled(text: str) -> bool:
+            key = 'action="stall_transfer",message=""'
+            return metric(text, "trtdisagg_faults_injected_total", key) == stalls + 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(request)
+            await wait_metrics(client, ctx, stalled, "ctx write in flight", 10)
+            stalled_at = time.monotonic()
+            request_scope.cancel()  # the client hangs up mid-transfer
+        await set_faults(client, ctx, "none")
+
+        def quarantined(text: str) -> bool:
+            return metric(text, "trtdisagg_kv_quarantined_requests") == 1 and held_blocks(text) > 0
+
+        await wait_metrics(client, gen, quarantined, "gen quarantine", stall_s / 2)
+        await wait_metrics(client, ctx, quarantined, "ctx quarantine", stall_s / 2)
+        assert time.monotonic() - stalled_at < stall_s, "the write completed before the check"
+        gen_text = await wait_metrics(client, gen, is_idle, "gen idle", stall_s + SLACK_S)
+        await wait_metrics(client, ctx, is_idle, "ctx idle", SLACK_S)
+        assert time.monotonic() - stalled_at >= stall_s - 0.1, "freed before the write landed"
+        after = metric(gen_text, "trtdisagg_requests_total", 'role="gen",status="aborted"')
+        assert after == aborted + 1
+        assert metric(gen_text, "trtdisagg_kv_quarantine_expired_total") == expired  # ctx answered
+        await assert_exact_transfer(client, ctx, gen, rng)
+
+
+async def test_fault_routes_read_and_replace_the_plan(pair: tuple[Server, Server]) -> None:
+    ctx, _ = pair
+    async with httpx.AsyncClient(timeout=60) as client:
+        r = await client.post(ctx.url + "/debug/faults", json={"spec": "drop:TRANSFER_RESULT;x"})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"].startswith("spec: fault rule 2 'x': unknown action")
+        assert (await client.post(ctx.url + "/debug/faults", json={})).status_code == 400
+        await set_faults(client, ctx, "dup:CANCEL:2; stall_transfer:1s")
+        state = (await client.get(ctx.url + "/debug/faults")).json()
+        assert state == {
+            "plan": "dup:CANCEL:2;stall_transfer:1000ms",
+            "rules": [{"rule": "dup:CANCEL:2", "fired": 0},
+                      {"rule": "stall_transfer:1000ms", "fired": 0}],
+        }  # fmt: skip
+        await set_faults(client, ctx, "none")

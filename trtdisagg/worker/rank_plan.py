@@ -1,0 +1,228 @@
+"""What rank 0 tells the other ranks of a multi-rank instance each step, and what they answer.
+
+Only rank 0 schedules. Every step it broadcasts one `StepCommand`: the forward's inputs (each
+scheduled request's new tokens, first position and block ids) plus the transfer work it decided
+(sends to start, receives to start, cancels, KV digests to record). Every rank applies the same
+command to its own shard, so no rank needs scheduler state or Request objects.
+
+Each rank then answers with a `RankReport`: the transfers its own transceiver finished. A
+request changes transfer state only when every rank has reported it (`OutcomeGate`): success is
+the intersection, failure and cancellation the union. Pure: no torch, trio or sockets.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from collections.abc import Iterable
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class ItemInputs:
+    """One request's part of a step: tokens [start, start + len(token_ids)) in `block_ids`."""
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    start: int
+    block_ids: tuple[int, ...]
+    samples: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@attrs.frozen(kw_only=True)
+class SendCommand:
+    """ctx: `key`'s prompt KV is pinned in `block_ids`; serve gen's REQUEST_DATA for it."""
+
+    key: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class ReceiveCommand:
+    """gen: ask the ctx instance at `endpoint` to write `key`'s KV into `block_ids`."""
+
+    key: int
+    endpoint: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class DigestCommand:
+    """Test hooks: digest this rank's share of `key`'s KV (tokens [0, num_tokens))."""
+
+    key: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class StepCommand:
+    items: tuple[ItemInputs, ...] = ()
+    sends: tuple[SendCommand, ...] = ()
+    receives: tuple[ReceiveCommand, ...] = ()
+    cancels: tuple[int, ...] = ()  # transfer keys; applied after this step's sends/receives
+    digests: tuple[DigestCommand, ...] = ()
+    stop: bool = False  # the instance is shutting down: leave the loop
+
+    @property
+    def has_forward(self) -> bool:
+        return bool(self.items)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(item.token_ids) for item in self.items)
+
+
+class Side(enum.Enum):
+    SEND = "send"
+    RECEIVE = "receive"
+
+
+@attrs.frozen(kw_only=True)
+class RankOutcome:
+    """One rank's final state of one transfer."""
+
+    side: Side
+    key: int
+    ok: bool
+    cancelled: bool = False
+    error: str | None = None
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    seconds: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class HeadDigest:
+    """sha256 of one (global layer, global kv head)'s K and V bytes of one transfer."""
+
+    layer: int
+    head: int
+    digest: str
+
+
+@attrs.frozen(kw_only=True)
+class RankDigest:
+    key: int
+    parts: tuple[HeadDigest, ...]
+
+
+@attrs.frozen(kw_only=True)
+class RankReport:
+    rank: int
+    outcomes: tuple[RankOutcome, ...] = ()
+    digests: tuple[RankDigest, ...] = ()
+
+
+def step_items(
+    items: Iterable[tuple[int, tuple[int, ...], int, tuple[int, ...], bool]],
+    tokens_per_block: int,
+) -> tuple[ItemInputs, ...]:
+    """Build the step's inputs from (request_id, new tokens, start, blocks, samples).
+
+    Only the blocks the step can touch travel: those holding tokens [0, start + new).
+    """
+    built = []
+    for request_id, new_tokens, start, blocks, samples in items:
+        end = start + len(new_tokens)
+        needed = math.ceil(end / tokens_per_block)
+        if len(blocks) < needed:
+            raise ValueError(
+                f"request {request_id}: {len(blocks)} blocks cannot hold {end} tokens "
+                f"of {tokens_per_block} per block"
+            )
+        built.append(
+            ItemInputs(
+                request_id=request_id,
+                token_ids=new_tokens,
+                start=start,
+                block_ids=blocks[:needed],
+                samples=samples,
+            )
+        )
+    return tuple(built)
+
+
+def merge_outcomes(outcomes: Iterable[RankOutcome]) -> RankOutcome:
+    """Every rank's outcome of one transfer, as the instance's: ok only if all are; cancelled
+    or failed if any is; bytes and descriptors summed; the slowest rank's time."""
+    parts = list(outcomes)
+    if not parts:
+        raise ValueError("no outcomes to merge")
+    first = parts[0]
+    errors = [p.error for p in parts if p.error]
+    return RankOutcome(
+        side=first.side,
+        key=first.key,
+        ok=all(p.ok for p in parts),
+        cancelled=any(p.cancelled for p in parts),
+        error="; ".join(dict.fromkeys(errors)) or None,
+        num_bytes=sum(p.num_bytes for p in parts),
+        num_descriptors=sum(p.num_descriptors for p in parts),
+        seconds=max(p.seconds for p in parts),
+    )
+
+
+@attrs.define(kw_only=True)
+class OutcomeGate:
+    """Holds each transfer's per-rank outcomes until every rank of the instance has one."""
+
+    world_size: int
+    _pending: dict[tuple[Side, int], dict[int, RankOutcome]] = attrs.field(
+        factory=dict, alias="pending"
+    )
+    _told: set[tuple[Side, int]] = attrs.field(factory=set, alias="told")
+
+    def add(self, rank: int, outcome: RankOutcome) -> RankOutcome | None:
+        """File `rank`'s outcome; the merged outcome once all ranks have one, else None.
+
+        A rank reporting the same transfer twice is a bug upstream, not a peer's doing: raise.
+        """
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside an instance of {self.world_size} ranks")
+        slot = self._pending.setdefault((outcome.side, outcome.key), {})
+        if rank in slot:
+            raise ValueError(f"rank {rank} reported {outcome.side.value} {outcome.key} twice")
+        slot[rank] = outcome
+        if len(slot) < self.world_size:
+            return None
+        del self._pending[(outcome.side, outcome.key)]
+        self._told.discard((outcome.side, outcome.key))
+        return merge_outcomes(slot[r] for r in sorted(slot))
+
+    def newly_failed(self, side: Side, key: int) -> bool:
+        """True once per pending transfer that some rank failed: time to stop the others."""
+        slot = self._pending.get((side, key), {})
+        if (side, key) in self._told or all(o.ok for o in slot.values()):
+            return False
+        self._told.add((side, key))
+        return True
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+def compose_digest(parts: Iterable[HeadDigest]) -> str:
+    """One digest of a transfer's whole KV from every rank's (layer, head) digests.
+
+    Ranks that hold a duplicated head (kv heads < TP) report it more than once; the copies must
+    agree, or the digest says so. Independent of how the instance is cut: TP1 and TP2 holding
+    the same bytes compose the same digest.
+    """
+    by_slot: dict[tuple[int, int], str] = {}
+    for part in parts:
+        seen = by_slot.setdefault((part.layer, part.head), part.digest)
+        if seen != part.digest:
+            return f"mismatch:layer{part.layer}:head{part.head}"
+    digest = hashlib.sha256()
+    for slot in sorted(by_slot):
+        digest.update(f"{slot[0]}:{slot[1]}:{by_slot[slot]};".encode())
+    return digest.hexdigest()
