@@ -18,6 +18,11 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.worker.scheduler",
     "trtdisagg.transfer.faults",
     "trtdisagg.transfer.agents.faulty",
+    "trtdisagg.transfer.sessions",
+    "trtdisagg.transfer.mappers",
+    "trtdisagg.transfer.peers",
+    "trtdisagg.transfer.bounce",
+    "trtdisagg.worker.rank_plan",
 )
 FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl")
 

@@ -369,3 +369,19 @@ class EarlyMessages:
         for key in [k for k, t in self._cancelled.items() if now - t >= self.ttl]:
             del self._cancelled[key]
         return stale
+
+
+@attrs.frozen(kw_only=True)
+class TransferOutcome:
+    """The final state of one transfer on one rank, as the transceiver reports it."""
+
+    key: int
+    ok: bool
+    cancelled: bool = False
+    error: str | None = None
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    seconds: float = 0.0
+    blocks_held: bool = False
+    """gen: the transfer failed, but a ctx write may still land in its blocks. The request
+    ends now; its blocks are freed once `cancel_request(key)` returns True."""

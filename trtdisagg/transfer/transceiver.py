@@ -54,6 +54,7 @@ from trtdisagg.transfer.sessions import (
     SenderSession,
     SenderStatus,
     SessionRegistry,
+    TransferOutcome,
 )
 from trtdisagg.transfer.staging_area import StagingArea
 from trtdisagg.transfer.wire import (
@@ -78,20 +79,6 @@ log = logging.getLogger(__name__)
 
 RENDEZVOUS_TIMEOUT_S = 5.0
 SPIN_POLL_S = 0.002
-
-
-@attrs.frozen(kw_only=True)
-class TransferOutcome:
-    key: int
-    ok: bool
-    cancelled: bool = False
-    error: str | None = None
-    num_bytes: int = 0
-    num_descriptors: int = 0
-    seconds: float = 0.0
-    blocks_held: bool = False
-    """gen: the transfer failed, but a ctx write may still land in its blocks. The request
-    ends now; its blocks are freed once `cancel_request(key)` returns True."""
 
 
 @attrs.frozen(kw_only=True)

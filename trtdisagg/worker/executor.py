@@ -33,7 +33,8 @@ from prometheus_client import Counter
 from trtdisagg.api.protocol import PerfMetrics
 from trtdisagg.errors import CapacityError
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
+from trtdisagg.transfer.sessions import TransferOutcome
+from trtdisagg.transfer.transceiver import KvTransceiver
 from trtdisagg.worker.rank_group import HEARTBEAT_S, RankGroup
 from trtdisagg.worker.rank_plan import (
     DigestCommand,
@@ -352,23 +353,14 @@ class Executor:
         assert self._gate is not None
         digests: dict[int, list[HeadDigest]] = {}
         for report in reports:
-            for outcome in report.outcomes:
-                merged = self._gate.add(report.rank, outcome)
+            for reported in report.outcomes:
+                merged = self._gate.add(report.rank, reported)
+                side, key = reported.side, reported.outcome.key
                 if merged is not None:
-                    self._merged[merged.side].append(
-                        TransferOutcome(
-                            key=merged.key,
-                            ok=merged.ok,
-                            cancelled=merged.cancelled,
-                            error=merged.error,
-                            num_bytes=merged.num_bytes,
-                            num_descriptors=merged.num_descriptors,
-                            seconds=merged.seconds,
-                        )
-                    )
-                elif not outcome.ok and self._gate.newly_failed(outcome.side, outcome.key):
+                    self._merged[merged.side].append(merged.outcome)
+                elif not reported.outcome.ok and self._gate.newly_failed(side, key):
                     # One rank failed: the others need not wait for their deadline.
-                    self._queue_cancel(outcome.key)
+                    self._queue_cancel(key)
             for rank_digest in report.digests:
                 digests.setdefault(rank_digest.key, []).extend(rank_digest.parts)
         if self.test_hooks is not None:

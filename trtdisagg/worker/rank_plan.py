@@ -19,6 +19,8 @@ from collections.abc import Iterable
 
 import attrs
 
+from trtdisagg.transfer.sessions import TransferOutcome
+
 
 @attrs.frozen(kw_only=True)
 class ItemInputs:
@@ -88,16 +90,10 @@ class Side(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class RankOutcome:
-    """One rank's final state of one transfer."""
+    """One rank's final state of one transfer, on the ctx (SEND) or gen (RECEIVE) side."""
 
     side: Side
-    key: int
-    ok: bool
-    cancelled: bool = False
-    error: str | None = None
-    num_bytes: int = 0
-    num_descriptors: int = 0
-    seconds: float = 0.0
+    outcome: TransferOutcome
 
 
 @attrs.frozen(kw_only=True)
@@ -151,23 +147,22 @@ def step_items(
     return tuple(built)
 
 
-def merge_outcomes(outcomes: Iterable[RankOutcome]) -> RankOutcome:
+def merge_outcomes(outcomes: Iterable[TransferOutcome]) -> TransferOutcome:
     """Every rank's outcome of one transfer, as the instance's: ok only if all are; cancelled
     or failed if any is; bytes and descriptors summed; the slowest rank's time."""
     parts = list(outcomes)
     if not parts:
         raise ValueError("no outcomes to merge")
-    first = parts[0]
     errors = [p.error for p in parts if p.error]
-    return RankOutcome(
-        side=first.side,
-        key=first.key,
+    return TransferOutcome(
+        key=parts[0].key,
         ok=all(p.ok for p in parts),
         cancelled=any(p.cancelled for p in parts),
         error="; ".join(dict.fromkeys(errors)) or None,
         num_bytes=sum(p.num_bytes for p in parts),
         num_descriptors=sum(p.num_descriptors for p in parts),
         seconds=max(p.seconds for p in parts),
+        blocks_held=any(p.blocks_held for p in parts),
     )
 
 
@@ -176,27 +171,28 @@ class OutcomeGate:
     """Holds each transfer's per-rank outcomes until every rank of the instance has one."""
 
     world_size: int
-    _pending: dict[tuple[Side, int], dict[int, RankOutcome]] = attrs.field(
+    _pending: dict[tuple[Side, int], dict[int, TransferOutcome]] = attrs.field(
         factory=dict, alias="pending"
     )
     _told: set[tuple[Side, int]] = attrs.field(factory=set, alias="told")
 
-    def add(self, rank: int, outcome: RankOutcome) -> RankOutcome | None:
+    def add(self, rank: int, reported: RankOutcome) -> RankOutcome | None:
         """File `rank`'s outcome; the merged outcome once all ranks have one, else None.
 
         A rank reporting the same transfer twice is a bug upstream, not a peer's doing: raise.
         """
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside an instance of {self.world_size} ranks")
-        slot = self._pending.setdefault((outcome.side, outcome.key), {})
+        side, outcome = reported.side, reported.outcome
+        slot = self._pending.setdefault((side, outcome.key), {})
         if rank in slot:
-            raise ValueError(f"rank {rank} reported {outcome.side.value} {outcome.key} twice")
+            raise ValueError(f"rank {rank} reported {side.value} {outcome.key} twice")
         slot[rank] = outcome
         if len(slot) < self.world_size:
             return None
-        del self._pending[(outcome.side, outcome.key)]
-        self._told.discard((outcome.side, outcome.key))
-        return merge_outcomes(slot[r] for r in sorted(slot))
+        del self._pending[(side, outcome.key)]
+        self._told.discard((side, outcome.key))
+        return RankOutcome(side=side, outcome=merge_outcomes(slot[r] for r in sorted(slot)))
 
     def newly_failed(self, side: Side, key: int) -> bool:
         """True once per pending transfer that some rank failed: time to stop the others."""

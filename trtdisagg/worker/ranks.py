@@ -29,7 +29,7 @@ import trio
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import TrtDisaggError
 from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
+from trtdisagg.transfer.transceiver import KvTransceiver
 from trtdisagg.transfer.wire import PROTOCOL_VERSION, InstanceInfo, decode, encode
 from trtdisagg.worker.rank_group import RankGroup
 from trtdisagg.worker.rank_plan import RankDigest, RankOutcome, RankReport, Side, StepCommand
@@ -111,21 +111,11 @@ def rank_outcomes(transceiver: KvTransceiver | None) -> tuple[RankOutcome, ...]:
     if transceiver is None:
         return ()
     return tuple(
-        [_outcome(Side.RECEIVE, o) for o in transceiver.check_gen_transfer_status()]
-        + [_outcome(Side.SEND, o) for o in transceiver.check_context_transfer_status()]
-    )
-
-
-def _outcome(side: Side, outcome: TransferOutcome) -> RankOutcome:
-    return RankOutcome(
-        side=side,
-        key=outcome.key,
-        ok=outcome.ok,
-        cancelled=outcome.cancelled,
-        error=outcome.error,
-        num_bytes=outcome.num_bytes,
-        num_descriptors=outcome.num_descriptors,
-        seconds=outcome.seconds,
+        [RankOutcome(side=Side.RECEIVE, outcome=o) for o in transceiver.check_gen_transfer_status()]
+        + [
+            RankOutcome(side=Side.SEND, outcome=o)
+            for o in transceiver.check_context_transfer_status()
+        ]
     )
 
 
