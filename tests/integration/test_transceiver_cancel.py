@@ -13,21 +13,18 @@ import attrs
 import numpy as np
 import trio
 
+from tests.transceivers import HEAD_DIM, HEADS, LAYERS, NUM_SLOTS, TPB, rank_info
 from trtdisagg.transfer.agents.base import (
     MemoryRegion,
     TransferAgent,
     XferHandle,
     XferStatus,
-    pool_regions,
 )
 from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
 from trtdisagg.transfer.fragments import Fragments
 from trtdisagg.transfer.messenger import open_router
 from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.testing import make_instance
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
-
-NUM_SLOTS, TPB, HEADS, HEAD_DIM, LAYERS = 8, 4, 2, 8, 2
 
 
 @attrs.define(eq=False)
@@ -80,21 +77,6 @@ class StallingAgent:
         self.inner.close()
 
 
-def _rank_info(name: str, memory: np.ndarray, agent: TransferAgent, endpoint: str) -> RankInfo:
-    (info,) = make_instance(
-        instance_name=name, tp_size=1, pp_size=1, layer_num_per_pp=(LAYERS,),
-        num_kv_heads=HEADS, head_dim=HEAD_DIM, tokens_per_block=TPB, num_slots=NUM_SLOTS,
-        base_address=lambda rank: int(memory.ctypes.data),
-    )  # fmt: skip
-    agent.register_memory(pool_regions(info.page_table))
-    return attrs.evolve(
-        info,
-        control_endpoint=endpoint,
-        agent_name=agent.name,
-        agent_metadata=agent.local_metadata(),
-    )
-
-
 async def _wait(predicate: Any, what: str) -> None:
     """Poll an observable condition (state inside another task), bounded in time."""
     with trio.fail_after(5):
@@ -115,8 +97,8 @@ async def test_cancel_returns_false_until_the_write_in_flight_completes() -> Non
         open_router() as gen_router,
         trio.open_nursery() as nursery,
     ):
-        ctx_info = _rank_info("ctx", ctx_memory, ctx_agent, ctx_router.endpoint)
-        gen_info = _rank_info("gen", gen_memory, gen_agent, gen_router.endpoint)
+        ctx_info = rank_info("ctx", ctx_memory, ctx_agent, ctx_router.endpoint)
+        gen_info = rank_info("gen", gen_memory, gen_agent, gen_router.endpoint)
 
         def service(info: RankInfo, agent: TransferAgent, router: Any, side: str) -> KvTransceiver:
             return KvTransceiver(

@@ -15,33 +15,17 @@ import attrs
 import numpy as np
 import trio
 
-from trtdisagg.transfer.agents.base import TransferAgent, pool_regions
+from tests.transceivers import HEAD_DIM, HEADS, LAYERS, NUM_SLOTS, TPB, rank_info
+from trtdisagg.transfer.agents.base import TransferAgent
 from trtdisagg.transfer.agents.faulty import FaultyAgent
 from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
 from trtdisagg.transfer.faults import FaultInjector, parse_faults
 from trtdisagg.transfer.messenger import open_router
 from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.testing import make_instance
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
 
-NUM_SLOTS, TPB, HEADS, HEAD_DIM, LAYERS = 8, 4, 2, 8, 2
 TIMEOUT_S = 0.5
 KEY, NUM_TOKENS = 2**41 + 3, 3 * TPB - 1
-
-
-def _rank_info(name: str, memory: np.ndarray, agent: TransferAgent, endpoint: str) -> RankInfo:
-    (info,) = make_instance(
-        instance_name=name, tp_size=1, pp_size=1, layer_num_per_pp=(LAYERS,),
-        num_kv_heads=HEADS, head_dim=HEAD_DIM, tokens_per_block=TPB, num_slots=NUM_SLOTS,
-        base_address=lambda rank: int(memory.ctypes.data),
-    )  # fmt: skip
-    agent.register_memory(pool_regions(info.page_table))
-    return attrs.evolve(
-        info,
-        control_endpoint=endpoint,
-        agent_name=agent.name,
-        agent_metadata=agent.local_metadata(),
-    )
 
 
 @attrs.frozen
@@ -66,8 +50,8 @@ async def _pair(ctx_spec: str) -> AsyncIterator[Pair]:
         open_router() as gen_router,
         trio.open_nursery() as nursery,
     ):
-        ctx_info = _rank_info("ctx", ctx_memory, ctx_agent, ctx_router.endpoint)
-        gen_info = _rank_info("gen", gen_memory, gen_agent, gen_router.endpoint)
+        ctx_info = rank_info("ctx", ctx_memory, ctx_agent, ctx_router.endpoint)
+        gen_info = rank_info("gen", gen_memory, gen_agent, gen_router.endpoint)
 
         def service(info: RankInfo, agent: TransferAgent, router: object) -> KvTransceiver:
             return KvTransceiver(

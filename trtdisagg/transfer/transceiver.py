@@ -280,19 +280,40 @@ class KvTransceiver:
         session.write_finished(request.instance_rank, status, error)
         if status is ResultStatus.OK:
             self.on_write(num_bytes, descriptors, self.clock() - start)
+        await self._send_result(
+            peer_key,
+            session.key,
+            status,
+            error=error,
+            num_bytes=num_bytes,
+            num_descriptors=descriptors,
+        )
+        self.wake()
+
+    async def _send_result(
+        self,
+        peer_key: tuple[str, int],
+        key: int,
+        status: ResultStatus,
+        *,
+        error: str = "",
+        num_bytes: int = 0,
+        num_descriptors: int = 0,
+    ) -> None:
+        """TRANSFER_RESULT for `key` to the gen rank `peer_key`, if it is registered."""
+        peer = self.registrar.get(peer_key)
+        if peer is None:
+            return
         result = TransferResult(
-            key=session.key,
+            key=key,
             instance_name=self.local.instance_name,
             instance_rank=self.local.instance_rank,
             status=status,
             num_bytes=num_bytes,
-            num_descriptors=descriptors,
+            num_descriptors=num_descriptors,
             error=error,
         )
-        peer = self.registrar.get(peer_key)
-        if peer is not None:
-            await self._send(peer.control_endpoint, result)
-        self.wake()
+        await self._send(peer.control_endpoint, result)
 
     async def _do_write(self, session: SenderSession, request: RequestData) -> tuple[int, int]:
         assert session.source is not None
@@ -694,17 +715,12 @@ class KvTransceiver:
     async def _ack_cancel(self, cancel: Cancel) -> None:
         """Answer a CANCEL for which no write of ours is in flight to its sender, so that it can
         free the blocks it keeps quarantined without waiting for a second timeout."""
-        peer = self.registrar.get((cancel.instance_name, cancel.instance_rank))
-        if peer is None:
-            return
-        result = TransferResult(
-            key=cancel.key,
-            instance_name=self.local.instance_name,
-            instance_rank=self.local.instance_rank,
-            status=ResultStatus.CANCELLED,
+        await self._send_result(
+            (cancel.instance_name, cancel.instance_rank),
+            cancel.key,
+            ResultStatus.CANCELLED,
             error="cancelled; no write in flight",
         )
-        await self._send(peer.control_endpoint, result)
 
     async def _send_cancel(self, session: ReceiverSession) -> None:
         for rank in session.expected:
@@ -936,15 +952,10 @@ class KvTransceiver:
 
     async def _refuse_stale(self, request: RequestData) -> None:
         """Answer a REQUEST_DATA whose key never showed up here, so gen fails fast."""
-        peer = self.registrar.get((request.instance_name, request.instance_rank))
-        if peer is None:
-            return
-        result = TransferResult(
-            key=request.key,
-            instance_name=self.local.instance_name,
-            instance_rank=self.local.instance_rank,
-            status=ResultStatus.ERROR,
+        await self._send_result(
+            (request.instance_name, request.instance_rank),
+            request.key,
+            ResultStatus.ERROR,
             error=f"ctx has no request with disagg_request_id {request.key} (never prefilled "
             "here, or already released)",
         )
-        await self._send(peer.control_endpoint, result)
