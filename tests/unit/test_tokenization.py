@@ -61,6 +61,31 @@ def test_vocab_and_eos(tok: Tokenizer) -> None:
     assert tok.eos_token_ids == frozenset({2, 6})  # <|eos|> and the end-of-turn token
 
 
+class _CountingTokenizer:
+    """Wraps the Rust tokenizer and counts vocabulary-size reads."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.size_reads = 0
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        self.size_reads += 1
+        return int(self.inner.get_vocab_size(with_added_tokens=with_added_tokens))  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_vocab_size_is_read_once() -> None:
+    # With added tokens, the Rust call rebuilds the vocabulary map (~50 ms at 128k ids) and
+    # every request checks its ids against the size: reading it per request stalled the
+    # worker's event loop for seconds under bursts on the GPU.
+    counting = _CountingTokenizer(build_tokenizer(VOCAB))
+    tok = Tokenizer(tokenizer=counting, config={}, eos_ids=())  # type: ignore[arg-type]
+    assert [tok.vocab_size for _ in range(100)] == [VOCAB] * 100
+    assert counting.size_reads == 1
+
+
 def test_tokenizer_is_deterministic() -> None:
     assert build_tokenizer(VOCAB).to_str() == build_tokenizer(VOCAB).to_str()
     with pytest.raises(ValueError, match="vocab_size 100 < 263"):

@@ -56,6 +56,9 @@ class Tokenizer:
         self, *, tokenizer: _RustTokenizer, config: Mapping[str, Any], eos_ids: Iterable[int]
     ) -> None:
         self._tokenizer = tokenizer
+        # Read once: with added tokens, the Rust side builds the whole vocabulary map on every
+        # call (~30-70 ms for 128k ids), and each request checks its ids against this.
+        self.vocab_size: int = int(tokenizer.get_vocab_size(with_added_tokens=True))
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.bos_token_id = self._id_of(self.bos_token)
@@ -97,10 +100,6 @@ class Tokenizer:
         eos_ids = _ids(_read_json(path / "generation_config.json").get("eos_token_id"))
         eos_ids |= _ids(_read_json(path / "config.json").get("eos_token_id"))
         return cls(tokenizer=tokenizer, config=config, eos_ids=eos_ids)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
