@@ -14,6 +14,19 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+_LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def event_loop_lag_histogram(registry: CollectorRegistry) -> Histogram:
+    """How late the process's Trio loop wakes from a short sleep (see `trtdisagg.loop_lag`)."""
+    return Histogram(
+        "trtdisagg_event_loop_lag_seconds",
+        "Delay of the Trio loop waking from a 100 ms sleep: time some handler held the loop",
+        buckets=_LOOP_LAG_BUCKETS,
+        registry=registry,
+    )
+
+
 @attrs.define(eq=False, kw_only=True)
 class WorkerMetrics:
     registry: CollectorRegistry
@@ -40,6 +53,7 @@ class WorkerMetrics:
     kv_bounce_transfers: Counter
     control_connections: Gauge
     faults_injected: Counter
+    event_loop_lag: Histogram
 
     @classmethod
     def create(cls) -> WorkerMetrics:
@@ -129,6 +143,7 @@ class WorkerMetrics:
                 ["action", "message"],
                 registry=r,
             ),
+            event_loop_lag=event_loop_lag_histogram(r),
         )
 
     def render(self, refresh: Callable[[], None] | None = None) -> bytes:

@@ -214,3 +214,13 @@ async def test_preemption_keeps_tokens_and_frees_blocks(tmp_path: Path) -> None:
             text = await _wait_idle(client, server.url)
         assert metric(text, "trtdisagg_preemptions_total") > 0, "the pool was meant to overflow"
         assert together == alone
+
+
+async def test_event_loop_lag_is_exported(worker: Server) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        with trio.fail_after(10):
+            while True:  # the watcher observes every 100 ms once the worker runs
+                text = (await client.get(worker.url + "/metrics")).text
+                if metric(text, "trtdisagg_event_loop_lag_seconds_count") >= 1:
+                    break
+                await trio.sleep(0.05)

@@ -300,6 +300,7 @@ async def test_client_disconnect_mid_stream_cancels_gen(
     metrics = (await client.get(c.url + "/metrics")).text
     assert 'trtdisagg_requests_total{role="coordinator",status="aborted"} 1.0' in metrics
     assert "trtdisagg_requests_running 0.0" in metrics
+    assert "trtdisagg_event_loop_lag_seconds_count" in metrics  # the loop watcher runs here too
 
 
 async def test_client_disconnect_during_ctx_leg_cancels_it(

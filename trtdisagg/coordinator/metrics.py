@@ -10,6 +10,7 @@ import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from trtdisagg.metrics import CONTENT_TYPE as CONTENT_TYPE
+from trtdisagg.metrics import event_loop_lag_histogram
 
 ROLE = "coordinator"
 
@@ -33,6 +34,7 @@ class CoordinatorMetrics:
     local_prefill: Counter
     """Requests served by gen alone (conditional disaggregation)."""
     upstream_errors: Counter
+    event_loop_lag: Histogram
 
     @classmethod
     def create(cls) -> CoordinatorMetrics:
@@ -69,6 +71,7 @@ class CoordinatorMetrics:
                 p + "coordinator_upstream_errors", "Failed calls to workers", ["role", "kind"],
                 registry=r,
             ),
+            event_loop_lag=event_loop_lag_histogram(r),
         )  # fmt: skip
 
     def finished(self, status: str) -> None:

@@ -33,6 +33,7 @@ from trtdisagg.coordinator.service import DisaggService
 from trtdisagg.coordinator.state import StateService, create_state_app
 from trtdisagg.coordinator.upstream import WorkerClient, make_http_client
 from trtdisagg.ids import SnowflakeGenerator, derive_node_id
+from trtdisagg.loop_lag import watch_loop_lag
 
 log = logging.getLogger("trtdisagg.coordinator")
 
@@ -134,6 +135,7 @@ async def serve_coordinator(
         async with trio.open_nursery() as nursery:
             host, port = listener.getsockname()[:2]
             await nursery.start(serve_http, app, listener)
+            nursery.start_soon(watch_loop_lag, metrics.event_loop_lag.observe)
             log.info("coordinator listening on http://%s:%d, waiting for servers", host, port)
             await nursery.start(placement.serve)
             log.info("coordinator ready on http://%s:%d", host, port)
@@ -165,6 +167,7 @@ async def serve_coordinator_state(
         async with trio.open_nursery() as nursery:
             host, port = listener.getsockname()[:2]
             await nursery.start(serve_http, app, listener)
+            nursery.start_soon(watch_loop_lag, metrics.event_loop_lag.observe)
             log.info("coordinator state process listening on http://%s:%d", host, port)
             await nursery.start(placement.serve)
             nursery.start_soon(service.expire_forever)

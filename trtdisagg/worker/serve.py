@@ -18,6 +18,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from trtdisagg.config import WorkerConfig
 from trtdisagg.kv.block_pool import BlockPool
+from trtdisagg.loop_lag import watch_loop_lag
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.parallel import Parallel
@@ -138,6 +139,7 @@ async def _serve_rank0(
         max_seq_len=max_seq_len,
     )
     metrics = WorkerMetrics.create()
+    nursery.start_soon(watch_loop_lag, metrics.event_loop_lag.observe)
     executor = Executor(
         scheduler=scheduler,
         runner=runner,
