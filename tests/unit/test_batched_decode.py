@@ -7,6 +7,7 @@ the fused weights or the runner's decode staging shows up as a token or logit di
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from tests.oracle import (
 from tests.runner_greedy import runner_greedy
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.kv.page_table import Layout
-from trtdisagg.model.batch import DecodeMeta
+from trtdisagg.model.batch import DecodeMeta, ForwardBatch
 from trtdisagg.model.llama import CausalLM
 from trtdisagg.model.loader import load_model
 from trtdisagg.model.ops import TorchOps, decode_attention_torch
@@ -36,6 +37,7 @@ from trtdisagg.worker.decode_graphs import (
     decode_rows,
     graph_batch_sizes,
 )
+from trtdisagg.worker.rank_plan import ItemInputs
 from trtdisagg.worker.runner import ModelRunner
 
 pytest.importorskip("transformers")
@@ -179,6 +181,45 @@ def test_runner_decode_path_on_cpu(tmp_path: Path, mode: str) -> None:
     ref = runner_greedy(runner(False), PROMPTS, NEW_TOKENS)
     ours = runner_greedy(runner(True), PROMPTS, NEW_TOKENS)
     for i, prompt in enumerate(PROMPTS):
+        margins: list[float] = []
+        alone = PagedGreedy.single(load(path)).generate(prompt, NEW_TOKENS, margins=margins)
+        assert_greedy_match(ref[i], alone, margins)
+        assert_greedy_match(ours[i], alone, margins)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_mixed_steps_attend_their_decode_rows_batched(
+    tmp_path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts joining one per step: each step prefills one prompt next to the others' decodes.
+    The leading decode rows go through the batched kernel (`decode_head`) and the tokens equal
+    the per-sequence runner's and each prompt generated alone."""
+    path = make_hf_checkpoint(tmp_path / "ckpt", "llama", num_layers=2)
+    prompts = [*PROMPTS, [(3 * i + 5) % 200 + 11 for i in range(15)]]
+
+    def runner(batched: bool) -> ModelRunner:
+        model = load(path, fused=fused and batched)
+        cache = make_cache(model, Layout.NHD, 4, 64)
+        return ModelRunner(
+            model=model, cache=cache, device=cache.device, tokens_per_block=4,
+            batched_decode=batched,
+        )  # fmt: skip
+
+    heads: list[int] = []
+    build = ModelRunner._build_batch
+
+    def recording(self: ModelRunner, items: Sequence[ItemInputs]) -> ForwardBatch:
+        batch = build(self, items)
+        if batch.decode_head is not None:
+            heads.append(batch.decode_head.block_table.shape[0])
+        return batch
+
+    monkeypatch.setattr(ModelRunner, "_build_batch", recording)
+    ours = runner_greedy(runner(True), prompts, NEW_TOKENS, stagger=True)
+    assert heads == [2, 3], "steps 2 and 3 prefill a prompt after 2 and 3 decodes"
+    ref = runner_greedy(runner(False), prompts, NEW_TOKENS, stagger=True)
+    assert heads == [2, 3], "the per-sequence runner has no decode head"
+    for i, prompt in enumerate(prompts):
         margins: list[float] = []
         alone = PagedGreedy.single(load(path)).generate(prompt, NEW_TOKENS, margins=margins)
         assert_greedy_match(ref[i], alone, margins)

@@ -9,11 +9,15 @@ Under TP the q/k/v projections are column-split by heads and o_proj is row-split
 sums are all-reduced before the (replicated) o_proj bias is added.
 
 A decode-only batch (`batch.decode` set) attends batched instead: one padded gather and one SDPA
-for all sequences. The fused path (`forward_fused`, after `fuse()`) runs one q/k/v GEMM and the
-model's `TorchOps`/`TritonOps` for RoPE, the KV write and decode attention.
+for all sequences. A mixed batch with `batch.decode_head` attends its leading decode rows the same
+way and only its prefill chunks one sequence at a time. The fused path (`forward_fused`, after
+`fuse()`) runs one q/k/v GEMM and the model's `TorchOps`/`TritonOps` for RoPE, the KV write and
+decode attention.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +26,14 @@ from torch.nn.attention.bias import causal_lower_right
 
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.args import ModelArgs
-from trtdisagg.model.batch import ForwardBatch, SeqSlice
+from trtdisagg.model.batch import DecodeMeta, ForwardBatch, SeqSlice
 from trtdisagg.model.layers import Linear, RMSNorm, all_reduce
 from trtdisagg.model.ops import TorchOps, decode_attention_torch
 from trtdisagg.model.parallel import Parallel
 from trtdisagg.model.rope import apply_rope
+
+DecodeAttention = Callable[[torch.Tensor, KVCache, int, DecodeMeta], torch.Tensor]
+"""Batched decode attention: q [S, heads, D] of single-token sequences -> [S, heads, D]."""
 
 
 def causal_mask(seq: SeqSlice, device: torch.device) -> torch.Tensor | None:
@@ -105,7 +112,9 @@ class Attention(nn.Module):
         if batch.decode is not None:
             out = decode_attention_torch(q, cache, layer, batch.decode)
         else:
-            out = self._attend_per_sequence(q, masks=masks, batch=batch, cache=cache, layer=layer)
+            out = self._attend_mixed(
+                q, decode_attention_torch, masks=masks, batch=batch, cache=cache, layer=layer
+            )
         return self._project_out(out)
 
     def forward_fused(
@@ -136,7 +145,9 @@ class Attention(nn.Module):
         if batch.decode is not None:
             out = ops.decode_attention(q, cache, layer, batch.decode)
         else:
-            out = self._attend_per_sequence(q, masks=masks, batch=batch, cache=cache, layer=layer)
+            out = self._attend_mixed(
+                q, ops.decode_attention, masks=masks, batch=batch, cache=cache, layer=layer
+            )
         return self._project_out(out)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
@@ -145,18 +156,41 @@ class Attention(nn.Module):
             y = y + self.o_proj.bias
         return y
 
-    def _attend_per_sequence(
+    def _attend_mixed(
         self,
         q: torch.Tensor,
+        decode_attention: DecodeAttention,
         *,
         masks: tuple[torch.Tensor | None, ...],
         batch: ForwardBatch,
         cache: KVCache,
         layer: int,
     ) -> torch.Tensor:
-        """Attention one sequence at a time (any q_len): q [N, heads, D] -> [N, heads, D]."""
-        out = torch.empty_like(q)  # [N, heads, D]
-        for seq, mask in zip(batch.seqs, masks, strict=True):
+        """q [N, heads, D] -> [N, heads, D]: the leading single-token sequences batched
+        (`batch.decode_head`), the others one at a time."""
+        out = torch.empty_like(q)
+        head = batch.decode_head
+        first = 0
+        if head is not None:
+            first = head.block_table.shape[0]
+            out[:first] = decode_attention(q[:first], cache, layer, head)
+        self._attend_per_sequence(
+            q, out, seqs=batch.seqs[first:], masks=masks[first:], cache=cache, layer=layer
+        )
+        return out
+
+    def _attend_per_sequence(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        seqs: tuple[SeqSlice, ...],
+        masks: tuple[torch.Tensor | None, ...],
+        cache: KVCache,
+        layer: int,
+    ) -> None:
+        """Attention one sequence at a time (any q_len), into the sequences' rows of `out`."""
+        for seq, mask in zip(seqs, masks, strict=True):
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
             keys, values = cache.gather(layer, seq.block_ids, seq.kv_len)  # [kv_heads, kv_len, D]
             if self.num_heads != self.num_kv_heads:
@@ -187,7 +221,6 @@ class Attention(nn.Module):
                     is_causal=mask is None and seq.q_len > 1,
                 )
             out[rows] = attended.transpose(0, 1)
-        return out
 
 
 def _concat_into_views(

@@ -10,6 +10,11 @@ A sequence's new tokens are positions `[kv_len - q_len, kv_len)`: prefill chunks
 Decode-only steps (every `q_len == 1`) may instead carry `DecodeMeta`: one padded block table for
 the whole batch, so attention runs batched instead of once per sequence. Such a batch's `seqs` may
 be empty; row i of every per-token tensor is then sequence i.
+
+A mixed step (prefill chunks next to decodes) may carry `decode_head`: `DecodeMeta` for its first
+`S` sequences when each has `q_len == 1` (rows 0..S-1). Those attend batched and only the rest
+one sequence at a time; the scheduler puts decodes first, so a burst of new prompts no longer
+turns every running stream's attention into a per-sequence loop.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class ForwardBatch:
     seqs: tuple[SeqSlice, ...]
     logits_indices: torch.Tensor  # long [S], flat index of each sequence's last new token
     decode: DecodeMeta | None = None  # set only when every sequence has q_len == 1
+    decode_head: DecodeMeta | None = None  # mixed steps: the leading q_len == 1 sequences
 
     @property
     def num_tokens(self) -> int:

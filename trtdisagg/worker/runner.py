@@ -25,7 +25,7 @@ import torch
 
 from trtdisagg.config import WorkerConfig
 from trtdisagg.kv.cache import KVCache
-from trtdisagg.model.batch import ForwardBatch, SeqSlice
+from trtdisagg.model.batch import DecodeMeta, ForwardBatch, SeqSlice
 from trtdisagg.model.llama import CausalLM
 from trtdisagg.model.loader import load_model
 from trtdisagg.model.ops import select_ops
@@ -220,10 +220,21 @@ class ModelRunner:
             blocks_flat.extend(blocks)
             logits_indices.append(len(input_ids) - 1)
 
+        head = _single_token_head(spans) if self.batched_decode else 0
+        head_table, head_lens = _head_table(spans[:head], blocks_flat)
         # Everything in one tensor: one host-to-device copy per step.
         n, s = len(input_ids), len(logits_indices)
         packed = _to_device(
-            [*input_ids, *positions, *slots, *logits_indices, *blocks_flat], self.device
+            [
+                *input_ids,
+                *positions,
+                *slots,
+                *logits_indices,
+                *blocks_flat,
+                *head_table,
+                *head_lens,
+            ],
+            self.device,
         )
         seqs: list[SeqSlice] = []
         offset = 3 * n + s
@@ -231,12 +242,21 @@ class ModelRunner:
             block_ids = packed[offset : offset + num_blocks]
             seqs.append(SeqSlice(q_start=q_start, q_len=q_len, kv_len=kv_len, block_ids=block_ids))
             offset += num_blocks
+        decode_head = None
+        if head:
+            width = len(head_table) // head
+            decode_head = DecodeMeta(
+                block_table=packed[offset : offset + head * width].view(head, width),
+                context_lens=packed[offset + head * width : offset + head * width + head],
+                max_context_len=max(head_lens),
+            )
         return ForwardBatch(
             input_ids=packed[:n],
             positions=packed[n : 2 * n],
             slot_mapping=packed[2 * n : 3 * n],
             seqs=tuple(seqs),
             logits_indices=packed[3 * n : 3 * n + s],
+            decode_head=decode_head,
         )
 
 
@@ -257,6 +277,38 @@ def plan_items(plan: StepPlan, tokens_per_block: int) -> tuple[ItemInputs, ...]:
             (request.request_id, tuple(new_tokens), start, tuple(table.block_ids), item.samples)
         )
     return step_items(entries, tokens_per_block)
+
+
+def _single_token_head(spans: Sequence[tuple[int, int, int, int]]) -> int:
+    """How many leading sequences of a mixed step have one new token (their rows are 0..k-1).
+
+    0 when every sequence has one (a decode-only step has its own batched path) or when fewer
+    than two lead: one sequence gains nothing from the batched kernel.
+    """
+    head = 0
+    while head < len(spans) and spans[head][1] == 1:
+        head += 1
+    return 0 if head == len(spans) or head < 2 else head
+
+
+def _head_table(
+    spans: Sequence[tuple[int, int, int, int]], blocks_flat: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """The leading sequences' block ids as one padded [k, W] table (flattened) and their kv_lens.
+
+    Rows are padded with their own first block: any valid id does, the kernel reads only the
+    first ceil(kv_len / tokens_per_block) entries.
+    """
+    if not spans:
+        return [], []
+    width = max(num_blocks for *_, num_blocks in spans)
+    table: list[int] = []
+    offset = 0
+    for *_, num_blocks in spans:
+        row = list(blocks_flat[offset : offset + num_blocks])
+        table.extend(row + [row[0]] * (width - num_blocks))
+        offset += num_blocks
+    return table, [kv_len for _, _, kv_len, _ in spans]
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
