@@ -34,8 +34,8 @@ the control plane adds), children's RSS (after warm-up, at iteration 100, at the
 from 100 to the end with `--iterations >= 1000`), the CPU each child burns while measuring and
 while idle, and last a line `ratio_vs_raw_nixl=<transceiver GB/s / raw GB/s>`.
 
-`--nixl-progress-thread off` is an experiment, not the production set-up: it patches the agents'
-config in the children (`enable_prog_thread=False`), so that transfers progress only when polled.
+`--nixl-progress-thread off` creates the children's agents with `progress_thread=False` (what the
+CPU launcher configs run with), so that transfers progress only when polled.
 NIXL's UCX progress thread spins (about one core per idle agent), which on a 2-core machine
 competes with everything else.
 
@@ -271,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nixl-progress-thread",
         choices=("on", "off"),
         default="on",
-        help="off: patch NixlAgent's config in the children (enable_prog_thread=False), so "
-        "transfers progress only when polled; an experiment, production runs with it on",
+        help="off: the children's agents run without NIXL's progress thread, so transfers "
+        "progress only when polled (the CPU launcher configs' setting)",
     )
     parser.add_argument("--result-json", type=Path)
     pairing = parser.add_argument_group("pairing (heterogeneous: not yet, issue 5)")
@@ -391,6 +391,37 @@ class Overhead:
         return cls(p50_s=percentile(diffs, 50), p90_s=percentile(diffs, 90), min_s=min(diffs))
 
 
+def stage_offsets(
+    stamps: dict[str, Sequence[Sequence[Any]]], keys: Sequence[int]
+) -> dict[str, dict[str, float]]:
+    """Per stage (`role.stage`, in STAGES order): p50/p90 of its time after gen's `request`.
+
+    Both children stamp with CLOCK_MONOTONIC (`time.monotonic`), one clock on one host. A stage
+    stamped twice for a key (e.g. two notifications) counts at its first stamp.
+    """
+    from trtdisagg.transfer.transceiver import STAGES
+
+    at: dict[tuple[int, str], float] = {}
+    for role, rows in stamps.items():
+        for key, stage, when in rows:
+            at.setdefault((int(key), f"{role}.{stage}"), float(when))
+    names = [f"{role}.{stage}" for stage in STAGES for role in ("gen", "ctx")]
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        offsets = [
+            at[(key, name)] - at[(key, "gen.request")]
+            for key in keys
+            if (key, name) in at and (key, "gen.request") in at
+        ]
+        if offsets:
+            out[name] = {
+                "p50_s": percentile(offsets, 50),
+                "p90_s": percentile(offsets, 90),
+                "n": len(offsets),
+            }
+    return out
+
+
 def ratio_vs_raw(transceiver: PathStats, raw: PathStats) -> float:
     return transceiver.gbps / raw.gbps
 
@@ -457,6 +488,16 @@ def format_report(doc: dict[str, Any]) -> str:
         f"  handover overhead (transceiver - raw, per iteration, n={xs['n']}): "
         f"p50 {_ms(over['p50_s'])}, p90 {_ms(over['p90_s'])}, min {_ms(over['min_s'])}"
     )
+    stages = doc.get("stages") or {}
+    if stages:
+        lines.append(
+            "  stages after gen's request (p50/p90 ms): "
+            + ", ".join(
+                f"{name} {s['p50_s'] * 1e3:.3f}/{s['p90_s'] * 1e3:.3f}"
+                for name, s in stages.items()
+                if name != "gen.request"
+            )
+        )
     for role in ("ctx", "gen"):
         r = doc["rss"][role]
         growth = r["growth_checkpoint_to_end"]
@@ -592,6 +633,7 @@ class _Side:
             "clear": self.clear,
             "digest": self.digest,
             "statistics": self.statistics,
+            "stages": self.stages,
         }
         handler = handlers.get(cmd)
         if handler is None:
@@ -698,10 +740,37 @@ class _Side:
         import torch
 
         data = self.cache.pool[self._ids(args["which"])].contiguous().view(-1).view(torch.uint8)
+        if data.device.type == "cuda":
+            return {"digest": _device_digest(data)}
         return {"digest": hashlib.blake2b(data.cpu().numpy().tobytes()).hexdigest()}
 
     async def statistics(self, args: dict[str, Any]) -> dict[str, Any]:
         return attrs.asdict(self.transceiver.statistics())
+
+    async def stages(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The transceiver's stage stamps since the last call (then forgotten)."""
+        stamps = self.transceiver.stages or []
+        self.transceiver.stages = []
+        return {"stamps": stamps}
+
+
+def _device_digest(data: torch.Tensor) -> str:
+    """A position-weighted sum of the bytes as int64 words, on the GPU (mod 2**64).
+
+    Copying 4 GiB to the host for blake2b takes seconds per check; this takes milliseconds and
+    still catches any changed, moved or missing word (each position has its own odd weight).
+    """
+    import torch
+
+    words = data.view(torch.int64)
+    chunk = 1 << 24
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, words.numel(), chunk):
+        part = words[start : start + chunk]
+        index = torch.arange(start, start + part.numel(), dtype=torch.int64, device=data.device)
+        weight = index * -7046029254386353131 + 1442695040888963407  # an LCG step: odd, spread
+        total += (part * (weight | 1)).sum()
+    return f"{int(total.item()) & (2**64 - 1):016x}-{words.numel()}"
 
 
 async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
@@ -726,18 +795,13 @@ async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
         dtype=_torch_dtype(geo.dtype),
         device=device,
     )
-    if not cfg.progress_thread:
-        import functools
-
-        import trtdisagg.transfer.agents.nixl as nixl_module
-
-        names = vars(nixl_module)  # the module's namespace: NixlAgent reads the name at call
-        names["nixl_agent_config"] = functools.partial(
-            names["nixl_agent_config"], enable_prog_thread=False
-        )
     instance_name = make_instance_name(role)
     agent_name = f"{instance_name}#0"
-    agent = await trio.to_thread.run_sync(NixlAgent, agent_name)
+    # NixlAgent's own switch: patching `nixl_agent_config` (as this tool once did) was overridden
+    # by the explicit `enable_prog_thread=` that NixlAgent passes, so "off" still spun a core.
+    agent = await trio.to_thread.run_sync(
+        lambda: NixlAgent(agent_name, progress_thread=cfg.progress_thread)
+    )
     try:
         page_table = cache.page_table(range(geo.layers))
         await trio.to_thread.run_sync(agent.register_memory, pool_regions(page_table))
@@ -774,6 +838,7 @@ async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
                 timeout_s=cfg.timeout_s,
                 wake=waker.set,
                 on_write=lambda b, d, s: side.writes.append((b, d, s)),
+                stages=[],
             )
             side = _Side(
                 role=role,
@@ -906,6 +971,11 @@ class _Run:
     key: int = 1
     outcome_bytes: int = 0
     outcome_descriptors: int = 0
+    last_transfer_key: int = 0
+
+    def stamps(self) -> dict[str, list[tuple[int, str, float]]]:
+        """Both transceivers' stage stamps since the last call (see `stage_offsets`)."""
+        return {c.role: c.call("stages", self.wait)["stamps"] for c in (self.ctx, self.gen)}
 
     @property
     def wait(self) -> float:
@@ -914,6 +984,7 @@ class _Run:
     def transceiver_transfer(self) -> tuple[float, float, float]:
         """One transfer: (gen wall seconds, outcome.seconds, ctx write seconds)."""
         key, self.key = self.key, self.key + 1
+        self.last_transfer_key = key
         self.ctx.call("respond", self.wait, key=key)
         got = self.gen.call("receive", self.wait, key=key, endpoint=self.ctx_ready["endpoint"])
         sent = self.ctx.call("collect", self.wait, key=key)
@@ -990,6 +1061,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         rss: dict[str, dict[str, int | None]] = {
             c.role: {"after_warmup_kib": c.rss_kib(), "at_checkpoint_kib": None} for c in children
         }
+        run.stamps()  # forget the warm-up's
+        measured_keys: list[int] = []
         cpu_before = {c.role: c.cpu_s() for c in children}
         measured_from = time.monotonic()
         xcvr_s: list[float] = []
@@ -1003,6 +1076,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             for path in paths:
                 if path == "x":
                     wall, seconds, write = run.transceiver_transfer()
+                    measured_keys.append(run.last_transfer_key)
                     xcvr_s.append(wall)
                     outcome_s.append(seconds)
                     write_s.append(write)
@@ -1017,6 +1091,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 _progress(f"  {i + 1}/{cfg.iterations} iterations")
         measured_s = time.monotonic() - measured_from
         cpu = {c.role: cpu_share(cpu_before[c.role], c.cpu_s(), measured_s) for c in children}
+        stages = stage_offsets(run.stamps(), measured_keys)
         for c in children:
             rss[c.role]["end_kib"] = c.rss_kib()
         # the same children idle for a while: what they burn doing nothing
@@ -1062,6 +1137,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "raw": attrs.asdict(raw),
         "raw_initiator": attrs.asdict(PathStats.of(initiator_s, num_bytes)),
         "handover_overhead": attrs.asdict(Overhead.of(xcvr_s, raw_s)),
+        "stages": stages,
         "ratio_vs_raw_nixl": ratio_vs_raw(xcvr, raw),
         "rss": rss_doc,
         "cpu_share": {"measured": cpu, "idle": cpu_idle, "measured_s": measured_s},

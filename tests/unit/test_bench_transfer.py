@@ -207,6 +207,22 @@ def test_overhead_is_per_iteration_difference() -> None:
         bt.Overhead.of([1.0, 2.0], [1.0])
 
 
+def test_stage_offsets_are_per_key_and_relative_to_gens_request() -> None:
+    gen = [[1, "request", 10.0], [1, "outcome", 10.004], [2, "request", 20.0]]
+    gen += [[2, "notice", 20.002], [2, "notice", 20.009], [2, "outcome", 20.006]]
+    ctx = [[1, "received", 10.001], [2, "received", 20.003], [3, "received", 30.0]]
+    stamps: dict[str, list[list[Any]]] = {"gen": gen, "ctx": ctx}
+    stages = bt.stage_offsets(stamps, [1, 2])  # key 3 was not measured
+    assert list(stages) == ["gen.request", "ctx.received", "gen.notice", "gen.outcome"]
+    assert stages["ctx.received"]["p50_s"] == pytest.approx(0.002)  # (0.001 + 0.003) / 2
+    assert stages["gen.notice"] == {
+        "p50_s": pytest.approx(0.002),
+        "p90_s": pytest.approx(0.002),
+        "n": 1,
+    }
+    assert stages["gen.outcome"]["n"] == 2
+
+
 def test_rss_growth() -> None:
     assert bt.rss_growth(1000, 1050) == pytest.approx(0.05)
     assert bt.rss_growth(None, 1050) is None

@@ -26,7 +26,7 @@ async def test_a_blocked_loop_is_measured_and_logged(caplog: pytest.LogCaptureFi
         with trio.fail_after(5):
             await first.wait()
         assert not blocked.is_set()
-        time.sleep(0.3)  # the blocking call being measured: holds the Trio thread
+        time.sleep(0.3)  # noqa: ASYNC251 (the blocking call being measured: it holds the loop)
         with trio.fail_after(5):
             await blocked.wait()
         nursery.cancel_scope.cancel()

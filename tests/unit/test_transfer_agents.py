@@ -13,9 +13,12 @@ from trtdisagg.transfer.agents.base import (
     XferStatus,
     make_agent,
     pool_regions,
+    posts_quickly,
 )
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.agents.faulty import FaultyAgent
+from trtdisagg.transfer.agents.loopback import QUICK_COPY_BYTES, LoopbackAgent, LoopbackFabric
 from trtdisagg.transfer.errors import AgentError
+from trtdisagg.transfer.faults import FaultInjector, parse_faults
 from trtdisagg.transfer.fragments import Fragment, Fragments
 from trtdisagg.transfer.peers import PeerRegistrar
 from trtdisagg.transfer.testing import make_instance
@@ -146,3 +149,62 @@ def test_fragments_sequence() -> None:
     assert len(Fragments.of([])) == 0
     with pytest.raises(ValueError, match="read-only"):
         fragments.rows[0, 0] = 1
+
+
+def test_posts_quickly_follows_the_agents_own_hint() -> None:
+    ctx, gen = _agents()
+    small = Fragments(np.array([[0, 0, QUICK_COPY_BYTES]], dtype=np.int64))
+    large = Fragments(np.array([[0, 0, QUICK_COPY_BYTES + 1]], dtype=np.int64))
+    # The loopback agent copies inside submit_write: quick only while the copy is small.
+    assert posts_quickly(ctx, small, gen.name)
+    assert not posts_quickly(ctx, large, gen.name)
+    # A wrapper passes the question on; an agent that does not say is posted from a thread.
+    faulty = FaultyAgent(ctx, FaultInjector(plan=parse_faults("")))
+    assert posts_quickly(faulty, small, gen.name)
+    assert not posts_quickly(faulty, large, gen.name)
+    assert not posts_quickly(_Silent(), small, gen.name)  # type: ignore[arg-type]
+
+
+class _Silent:
+    """An agent (test double) that has no `submit_is_quick`."""
+
+
+def test_a_nixl_post_is_quick_only_to_a_connected_peer_with_few_small_descriptors() -> None:
+    pytest.importorskip("nixl")
+    from trtdisagg.transfer.agents.nixl import (
+        QUICK_SUBMIT_MAX_DESCRIPTORS,
+        QUICK_SUBMIT_MAX_DRAM_BYTES,
+        NixlAgent,
+    )
+
+    size = 2 * QUICK_SUBMIT_MAX_DRAM_BYTES
+    src, dst = np.ones(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)
+    ctx = NixlAgent("quick-test-ctx", progress_thread=False)
+    gen = NixlAgent("quick-test-gen", progress_thread=False)
+    try:
+        ctx.register_memory([MemoryRegion(address=src.ctypes.data, size=size)])
+        gen.register_memory([MemoryRegion(address=dst.ctypes.data, size=size)])
+        remote = ctx.add_remote(gen.local_metadata())
+
+        def rows(count: int, nbytes: int) -> Fragments:
+            step = nbytes // count
+            starts = np.arange(count, dtype=np.int64) * 2 * step  # gaps: nothing merges
+            sizes = np.full(count, step, dtype=np.int64)
+            return Fragments(
+                np.stack([src.ctypes.data + starts, dst.ctypes.data + starts, sizes], 1)
+            )
+
+        one = rows(1, 4096)
+        assert not ctx.submit_is_quick(one, remote)  # the first write sets up the connection
+        handle = ctx.submit_write(one, remote, b"first")
+        while ctx.poll(handle) is XferStatus.PENDING:
+            gen.get_notifications()  # no progress thread: the target progresses when polled
+        ctx.release(handle)
+        assert ctx.submit_is_quick(one, remote)
+        assert ctx.submit_is_quick(rows(QUICK_SUBMIT_MAX_DESCRIPTORS, 64 * 1024), remote)
+        assert not ctx.submit_is_quick(rows(QUICK_SUBMIT_MAX_DESCRIPTORS + 1, 64 * 1024), remote)
+        # From DRAM the post may copy the bytes itself: only a small one is quick.
+        assert not ctx.submit_is_quick(rows(1, QUICK_SUBMIT_MAX_DRAM_BYTES + 8), remote)
+    finally:
+        ctx.close()
+        gen.close()

@@ -35,6 +35,8 @@ from trtdisagg.kv.page_table import LayerGroup, MapperKind, PoolView
 from trtdisagg.transfer.errors import MappingError, UnsupportedPairing
 from trtdisagg.transfer.fragments import Fragments, Runs, empty_runs, merge_runs
 
+IdArray = npt.NDArray[np.int64]  # block ids (or token counts), one per block
+
 
 @attrs.frozen(kw_only=True)
 class HeadOverlap:
@@ -127,7 +129,7 @@ class ViewGeometry:
         """Distance between consecutive tokens inside one entry."""
         return self.row_bytes * (self.num_heads if self.kind is MapperKind.NHD else 1)
 
-    def slot_addresses(self, blocks: Sequence[int]) -> npt.NDArray[np.int64]:
+    def slot_addresses(self, blocks: Sequence[int] | IdArray) -> IdArray:
         """Start address of each block's slot; MappingError for a block outside the pool."""
         ids = np.asarray(blocks, dtype=np.int64)
         bad = ids[(ids < 0) | (ids >= self.num_slots)]
@@ -152,18 +154,37 @@ class Mapper:
     def map(self, pairs: Sequence[BlockPair]) -> Fragments:
         """Merged fragments that copy every pair's block (at least its first `num_tokens`
         tokens), sorted by source address."""
-        full = self.src.tokens_per_block
-        by_tokens: dict[int, list[BlockPair]] = {}
-        for pair in pairs:
-            by_tokens.setdefault(pair.num_tokens if self.token_dependent else full, []).append(pair)
-        placed = [empty_runs()]
-        for tokens, group in by_tokens.items():
-            runs = self._block_runs(tokens)  # [k, 3], offsets inside one block
-            src = self.src.slot_addresses([p.src for p in group])[:, None] + runs[None, :, 0]
-            dst = self.dst.slot_addresses([p.dst for p in group])[:, None] + runs[None, :, 1]
-            size = np.broadcast_to(runs[None, :, 2], src.shape)
-            placed.append(np.stack([src.ravel(), dst.ravel(), size.ravel()], axis=1))
-        return Fragments(merge_runs(np.concatenate(placed)))
+        return self.map_blocks(
+            np.array([p.src for p in pairs], dtype=np.int64),
+            np.array([p.dst for p in pairs], dtype=np.int64),
+            np.array([p.num_tokens for p in pairs], dtype=np.int64),
+        )
+
+    def map_blocks(
+        self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64], tokens: IdArray
+    ) -> Fragments:
+        """`map` of block pairs given as arrays (see `aligned_blocks`): no Python object per
+        block, which on a long prompt cost more than the rest of the control plane."""
+        if not self.token_dependent:
+            placed = self._place(self.src.tokens_per_block, src_ids, dst_ids)
+        else:
+            placed = np.concatenate(
+                [empty_runs()]
+                + [
+                    self._place(int(t), src_ids[tokens == t], dst_ids[tokens == t])
+                    for t in np.unique(tokens)
+                ]
+            )
+        return Fragments(merge_runs(placed))
+
+    def _place(self, num_tokens: int, src_ids: IdArray, dst_ids: IdArray) -> Runs:
+        """The per-block runs of `num_tokens` tokens, placed at each pair's slots."""
+        runs = self._block_runs(num_tokens)  # [k, 3], offsets inside one block
+        placed = np.empty((len(src_ids), len(runs), 3), dtype=np.int64)
+        placed[:, :, 0] = self.src.slot_addresses(src_ids)[:, None] + runs[None, :, 0]
+        placed[:, :, 1] = self.dst.slot_addresses(dst_ids)[:, None] + runs[None, :, 1]
+        placed[:, :, 2] = runs[None, :, 2]
+        return placed.reshape(-1, 3)
 
     def piece_bytes(self) -> int:
         """The smallest contiguous piece this mapper writes of a full block (after merging)."""
@@ -303,7 +324,25 @@ def align_blocks(
     num_tokens: int,
     tokens_per_block: int,
 ) -> list[BlockPair]:
-    """Pair source and destination blocks of one request.
+    """`aligned_blocks` as BlockPair values."""
+    src, dst, tokens = aligned_blocks(
+        src_blocks, dst_blocks, num_tokens=num_tokens, tokens_per_block=tokens_per_block
+    )
+    return [
+        BlockPair(src=s, dst=d, num_tokens=t)
+        for s, d, t in zip(src.tolist(), dst.tolist(), tokens.tolist())
+    ]
+
+
+def aligned_blocks(
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    *,
+    num_tokens: int,
+    tokens_per_block: int,
+) -> tuple[IdArray, IdArray, IdArray]:
+    """Pair source and destination blocks of one request: (source ids, destination ids, the
+    request's tokens in each pair's block), one array entry per pair.
 
     Both lists are suffixes of the request's blocks `[0, ceil(num_tokens / tokens_per_block))`:
     a shorter destination list skips blocks gen already holds. The source must hold every block
@@ -326,11 +365,8 @@ def align_blocks(
             f"destination asks for blocks from {dst_start}, source holds only from {src_start}"
         )
     skip = dst_start - src_start
-    return [
-        BlockPair(
-            src=src,
-            dst=dst,
-            num_tokens=min(tokens_per_block, num_tokens - (dst_start + i) * tokens_per_block),
-        )
-        for i, (src, dst) in enumerate(zip(src_blocks[skip:], dst_blocks))
-    ]
+    src = np.asarray(src_blocks, dtype=np.int64)[skip:]
+    dst = np.asarray(dst_blocks, dtype=np.int64)
+    first = np.arange(dst_start, total, dtype=np.int64) * tokens_per_block
+    tokens = np.minimum(tokens_per_block, num_tokens - first)
+    return src, dst, tokens

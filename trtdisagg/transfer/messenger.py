@@ -15,8 +15,10 @@ event; only otherwise `wait_readable(fd)`. Received messages go to a bounded inb
 reads; when it is full they stay queued in zmq (backpressure) until `receive` makes room.
 `send` makes one NOBLOCK attempt itself when nothing is queued (zmq calls are synchronous, so on
 one Trio thread they never interleave with the pump's); otherwise, or if zmq would block, it
-appends to a bounded outbox that the pump flushes in order. A send may consume the FD's edge for a
-message that arrived meanwhile, so `send` re-reads EVENTS and wakes a waiting pump on POLLIN.
+appends to a bounded outbox that the pump flushes in order. `Dealer.send_message_nowait` does the
+same from synchronous code on that thread (trio.WouldBlock when the outbox is full). A send may
+consume the FD's edge for a message that arrived meanwhile, so `send` re-reads EVENTS and wakes a
+waiting pump on POLLIN.
 
 Error handling: a message with the wrong frame count (ROUTER: identity + 1 payload frame; DEALER:
 1 frame), or whose payload does not decode (`*_message` methods), is counted in
@@ -94,13 +96,28 @@ class _Pump:
 
     async def send(self, frames: list[bytes]) -> None:
         """Send now if nothing is queued (the fast path), else queue for the pump (in order)."""
-        await trio.lowlevel.checkpoint()
+        # Cancellation is checked before sending, but the scheduling round every async call owes
+        # comes after it (as in trio's own Lock.acquire): the message leaves a round earlier.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self.send_nowait(frames)
+        except trio.WouldBlock:
+            while len(self.outbox) >= self.queue_size:
+                await self.space.park()
+            self.outbox.append(frames)
+            self.wake()
+            return
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def send_nowait(self, frames: list[bytes]) -> None:
+        """`send` without waiting: sent now, or queued for the pump; trio.WouldBlock (nothing
+        sent or queued) when the outbox is full."""
         if not self.outbox and self._try_send(frames):
             if self.wait_scope is not None and self._events() & zmq.POLLIN:
                 self.wake()
             return
-        while len(self.outbox) >= self.queue_size:
-            await self.space.park()
+        if len(self.outbox) >= self.queue_size:
+            raise trio.WouldBlock
         self.outbox.append(frames)
         self.wake()
 
@@ -210,6 +227,24 @@ class _FaultySender:
             self.nursery.start_soon(self._send_later, pump, frames, fault.seconds)
         # DROP: not sent at all.
 
+    def send_nowait(self, pump: _Pump, head: list[bytes], message: Message) -> None:
+        """`send` without waiting (`_Pump.send_nowait`); the fault is drawn only once the
+        message can be taken, so a trio.WouldBlock leaves the plan untouched."""
+        if len(pump.outbox) + 2 > pump.queue_size:
+            raise trio.WouldBlock  # room for a duplicate too
+        frames = [*head, encode(message)]
+        tag = MESSAGE_TAGS[type(message)]
+        fault = self.injector.message(tag)
+        if fault is None:
+            pump.send_nowait(frames)
+            return
+        log.info("injected fault: %s %s", fault.action.value, tag)
+        if fault.action is FaultAction.DUPLICATE:
+            pump.send_nowait(frames)
+            pump.send_nowait(list(frames))
+        elif fault.action is FaultAction.DELAY:
+            self.nursery.start_soon(self._send_later, pump, frames, fault.seconds)
+
     @staticmethod
     async def _send_later(pump: _Pump, frames: list[bytes], seconds: float) -> None:
         await trio.sleep(seconds)
@@ -281,6 +316,15 @@ class Dealer:
             await self._faults.send(self._pump, [], message)
             return
         await self.send(encode(message))
+
+    def send_message_nowait(self, message: Message) -> None:
+        """`send_message` from synchronous code (on the Trio thread that owns the socket): sent
+        now, or queued in order behind earlier messages. trio.WouldBlock when the outbox is full
+        (nothing sent); the caller then falls back to `send_message`."""
+        if self._faults is not None:
+            self._faults.send_nowait(self._pump, [], message)
+            return
+        self._pump.send_nowait([encode(message)])
 
     def statistics(self) -> MessengerStatistics:
         return self._pump.statistics()

@@ -34,7 +34,7 @@ from trtdisagg.transfer.mappers import (
     HeadOverlap,
     Mapper,
     ViewGeometry,
-    align_blocks,
+    aligned_blocks,
     select_mapper,
 )
 from trtdisagg.transfer.rank_info import (
@@ -180,7 +180,7 @@ class SendPlan:
         """Merged fragments for one request; `*_blocks[g]` = block ids of layer group `g`.
 
         Raises:
-            MappingError: missing layer groups, or block lists that do not fit (`align_blocks`).
+            MappingError: missing layer groups, or block lists that do not fit (`aligned_blocks`).
         """
         if not self.elected:
             return Fragments(empty_runs())
@@ -191,13 +191,13 @@ class SendPlan:
                     f"block lists for {len(src_blocks)} source / {len(dst_blocks)} destination "
                     f"layer groups, but the mapping uses groups {view.src_group}/{view.dst_group}"
                 )
-            pairs = align_blocks(
+            src, dst, tokens = aligned_blocks(
                 src_blocks[view.src_group],
                 dst_blocks[view.dst_group],
                 num_tokens=num_tokens,
                 tokens_per_block=view.mapper.src.tokens_per_block,
             )
-            runs.append(view.mapper.map(pairs).rows)
+            runs.append(view.mapper.map_blocks(src, dst, tokens).rows)
         if len(runs) == 1:
             return Fragments(runs[0])
         return Fragments(merge_runs(np.concatenate([empty_runs(), *runs])))

@@ -35,11 +35,12 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import attrs
 import trio
 
-from trtdisagg.transfer.agents.base import TransferAgent, XferStatus
+from trtdisagg.transfer.agents.base import TransferAgent, XferHandle, XferStatus, posts_quickly
 from trtdisagg.transfer.bounce import bounces, canonical_bytes, staged_fragments, staged_runs
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
 from trtdisagg.transfer.faults import FaultInjector
@@ -77,8 +78,37 @@ from trtdisagg.transfer.wire import (
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 RENDEZVOUS_TIMEOUT_S = 5.0
 SPIN_POLL_S = 0.002
+# A 1 ms Trio sleep returns up to ~1.2 ms later (epoll's millisecond timeout, rounded up): a long
+# write is polled at every round from this long before its expected end.
+TIMER_SLACK_S = 0.0015
+# The steps `KvTransceiver.stages` records, in the order a transfer normally takes them.
+STAGES = (
+    "request",  # gen: request_and_receive_async called
+    "sent",  # gen: REQUEST_DATA handed to zmq (every expected ctx rank)
+    "received",  # ctx: REQUEST_DATA dispatched
+    "write",  # ctx: the write task runs
+    "mapped",  # ctx: the write's fragments are computed
+    "posted",  # ctx: the agent write is posted
+    "done",  # ctx: the agent reports DONE
+    "result_sent",  # ctx: TRANSFER_RESULT handed to zmq
+    "result",  # gen: TRANSFER_RESULT dispatched
+    "notice",  # gen: the write's notification drained
+    "outcome",  # both: the outcome handed to the executor
+)
+
+
+def polls_every_round(now: float, posted: float, expected: float) -> bool:
+    """Whether a write posted at `posted`, expected to end at `expected`, is polled at every
+    scheduling round now (else after a 1 ms sleep): during its first SPIN_POLL_S, when a short
+    write usually ends, and around its expected end. Trio's timers are millisecond-grained, so
+    only this catches the end promptly; the sleeps in between keep a long write from spinning a
+    core throughout."""
+    near_end = expected - TIMER_SLACK_S <= now < expected + SPIN_POLL_S
+    return now < posted + SPIN_POLL_S or near_end
 
 
 @attrs.frozen(kw_only=True)
@@ -171,6 +201,11 @@ class KvTransceiver:
     _cancelled_early: set[int] = attrs.Factory(set)
     _staged: dict[int, _Staged] = attrs.Factory(dict)  # gen: receives that bounce
     _receiving: trio.Event = attrs.Factory(trio.Event)  # set when a receive session starts
+    _spin_notices_until: float = 0.0  # gen: drain notifications every round until then
+    _write_rates: dict[str, float] = attrs.Factory(dict)  # ctx: bytes/s of writes, per remote
+    # Benchmarks only: when a list, every transfer appends (key, stage, clock()) at each step
+    # of its way (see `STAGES`), so a bench can tell where the time goes. None: nothing kept.
+    stages: list[tuple[int, str, float]] | None = None
 
     def __attrs_post_init__(self) -> None:
         self.registrar = PeerRegistrar(self.local)
@@ -212,6 +247,10 @@ class KvTransceiver:
             bounced=self.bounced,
             connections=len(self._dealers),
         )
+
+    def _stamp(self, key: int, stage: str) -> None:
+        if self.stages is not None:
+            self.stages.append((key, stage, self.clock()))
 
     def _spawn(self, fn: Callable[..., object], *args: object) -> None:
         assert self._nursery is not None, "the transceiver is not running"
@@ -270,6 +309,7 @@ class KvTransceiver:
         peer_key = (request.instance_name, request.instance_rank)
         status, error, num_bytes, descriptors = ResultStatus.OK, "", 0, 0
         start = self.clock()
+        self._stamp(session.key, "write")
         try:
             num_bytes, descriptors = await self._do_write(session, request)
         except (TransferLayerError, ValueError) as exc:
@@ -288,6 +328,7 @@ class KvTransceiver:
             num_bytes=num_bytes,
             num_descriptors=descriptors,
         )
+        self._stamp(session.key, "result_sent")
         self.wake()
 
     async def _send_result(
@@ -325,6 +366,7 @@ class KvTransceiver:
         fragments = plan.fragments(
             src_blocks=session.source.block_ids, dst_blocks=dst_blocks, num_tokens=num_tokens
         )
+        self._stamp(session.key, "mapped")
         if session.cancelled or len(fragments) == 0:
             return 0, 0
         await self._submit_and_wait(session.key, fragments, request, plan)
@@ -386,31 +428,61 @@ class KvTransceiver:
             )
         )
         pool = plan.peer.page_table.layer_groups[0].pool
-        async with self._agent_lock:
-            handle = await trio.to_thread.run_sync(
-                lambda: self.agent.submit_write(
-                    fragments,
-                    remote,
-                    notice,
-                    dst_memory_type=pool.memory_type,
-                    dst_device_id=pool.device_id,
-                )
+
+        def submit() -> XferHandle:
+            return self.agent.submit_write(
+                fragments,
+                remote,
+                notice,
+                dst_memory_type=pool.memory_type,
+                dst_device_id=pool.device_id,
             )
-        # Trio's timers are millisecond-grained, so the first ~2 ms poll at every scheduling
-        # round (sleep(0)); a long write then settles into 1 ms polls.
-        spin_until = self.clock() + SPIN_POLL_S
+
+        # On the loop only when the agent says this post is quick (NIXL: a few descriptors to a
+        # connected peer, from VRAM or a small DRAM region: ~0.1-0.2 ms, less than the thread
+        # hop). A long descriptor list, a first write (connection set-up) or a large host-memory
+        # write (which UCX may copy inside the post) goes to a worker thread.
+        handle = await self._call_agent(submit, quick=posts_quickly(self.agent, fragments, remote))
+        self._stamp(key, "posted")
+        posted = self.clock()
+        rate = self._write_rates.get(remote)
+        expected = posted + (fragments.num_bytes / rate if rate else 0.0)
         try:
             while True:
-                async with self._agent_lock:
-                    state = self.agent.poll(handle)
+                state = await self._call_agent(lambda: self.agent.poll(handle), quick=True)
                 if state is XferStatus.DONE:
+                    self._stamp(key, "done")
                     break
                 if state is XferStatus.ERROR:
                     raise TransferLayerError(f"agent reported an error writing {key}")
-                await trio.sleep(0 if self.clock() < spin_until else 0.001)
+                await trio.sleep(0 if polls_every_round(self.clock(), posted, expected) else 0.001)
+            self._learn_rate(remote, fragments.num_bytes, self.clock() - posted)
         finally:
+            # Shielded: a cancelled write task must still hand its handle back.
+            with trio.CancelScope(shield=True):
+                await self._call_agent(lambda: self.agent.release(handle), quick=True)
+
+    def _learn_rate(self, remote: str, num_bytes: int, seconds: float) -> None:
+        """Track how fast writes to `remote` go (bytes/s, a moving average), so that the next
+        one is polled at every round only near its expected end. The measured time is at most
+        one slow poll late, which the next estimate then corrects (TIMER_SLACK_S covers it)."""
+        if seconds <= 0 or num_bytes <= 0:
+            return
+        rate = num_bytes / seconds
+        old = self._write_rates.get(remote)
+        self._write_rates[remote] = rate if old is None else 0.75 * old + 0.25 * rate
+
+    async def _call_agent(self, call: Callable[[], T], *, quick: bool) -> T:
+        """One synchronous agent call: on the loop when `quick` (the agent's contract says it
+        returns quickly), else on a worker thread. Agent calls never overlap: a threaded call
+        holds `_agent_lock` throughout, and a loop call waits for it (only then yielding)."""
+        if not quick:
             async with self._agent_lock:
-                self.agent.release(handle)
+                return await trio.to_thread.run_sync(call)
+        if self._agent_lock.locked():
+            async with self._agent_lock:
+                return call()
+        return call()
 
     # ---- gen (receiver) side ----
 
@@ -418,8 +490,93 @@ class KvTransceiver:
         self, key: int, ctx_info_endpoint: str, block_ids: Sequence[Sequence[int]], num_tokens: int
     ) -> None:
         self._timing[key] = _Timing(started=self.clock())
+        self._stamp(key, "request")
+        if self._request_at_once(key, ctx_info_endpoint, block_ids, num_tokens):
+            return
         self._starting[key] = False
         self._spawn(self._receive, key, ctx_info_endpoint, block_ids, num_tokens)
+
+    def _request_at_once(
+        self, key: int, endpoint: str, block_ids: Sequence[Sequence[int]], num_tokens: int
+    ) -> bool:
+        """The usual case, done in the caller's turn: a ctx instance met before, direct writes
+        (no staging room to wait for), dealers open. REQUEST_DATA leaves before this returns,
+        with no task to start and no scheduling round to wait for (each costs 0.1-0.2 ms of a
+        transfer). False: nothing done; `_receive` takes the request."""
+        peer = self._ctx_peers.get(endpoint)
+        if peer is None or not peer.ready.is_set() or peer.refusal is not None or not peer.ranks:
+            return False
+        ranks = peer.ranks
+        overlap = self.registrar.overlap(ranks[0], peer_dp_rank=ranks[0].dp_rank)
+        if self._bounces_with(ranks, overlap.ranks):
+            return False
+        by_rank = {info.instance_rank: info for info in ranks}
+        endpoints = [by_rank[rank].control_endpoint for rank in sorted(overlap.ranks)]
+        dealers = [self._dealers.get(endpoint) for endpoint in endpoints]
+        if any(dealer is None for dealer in dealers):
+            return False
+        request = self._open_receive(
+            key, ranks, overlap.ranks, block_ids, num_tokens, self.clock() + self.timeout_s
+        )
+        if request is None:
+            return True
+        for endpoint, dealer in zip(endpoints, dealers):
+            assert dealer is not None
+            try:
+                dealer.send_message_nowait(request)
+            except trio.WouldBlock:
+                self._spawn(self._send, endpoint, request)  # a full outbox: wait for room
+        self._requested(key)
+        return True
+
+    def _open_receive(
+        self,
+        key: int,
+        ranks: Sequence[RankInfo],
+        expected: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        deadline: float,
+        staged: _Staged | None = None,
+    ) -> RequestData | None:
+        """Start the receive session of `key`; the REQUEST_DATA to send to each expected ctx
+        rank, or None (the failure is reported) if `key` is already being received."""
+        session = ReceiverSession(
+            key=key,
+            peer_instance=ranks[0].instance_name,
+            expected=frozenset(expected),
+            deadline=deadline,
+        )
+        try:
+            self.receivers.add(session)
+            self._receiving.set()
+        except ValueError:
+            if staged is not None and self.staging is not None:
+                self.staging.release(staged.offset)
+            self._fail_receive(key, f"transfer key {key} is already being received")
+            return None
+        request = RequestData(
+            key=key,
+            instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            block_ids=tuple(pack_block_ids(ids) for ids in block_ids),
+            num_tokens=num_tokens,
+            staging_address=(
+                self.staging.stager.address + staged.offset
+                if staged is not None and self.staging is not None
+                else 0
+            ),
+            staging_bytes=staged.num_bytes if staged is not None else 0,
+        )
+        if staged is not None:
+            self._staged[key] = staged
+        session.mark_requested()
+        return request
+
+    def _requested(self, key: int) -> None:
+        """REQUEST_DATA for `key` went out: watch for its notification at every round a while."""
+        self._stamp(key, "sent")
+        self._spin_notices_until = self.clock() + SPIN_POLL_S
 
     async def _receive(
         self, key: int, endpoint: str, block_ids: Sequence[Sequence[int]], num_tokens: int
@@ -450,37 +607,15 @@ class KvTransceiver:
             self._cancelled_early.add(key)  # cancelled before asking: ask for nothing
             self.wake()
             return
-        session = ReceiverSession(
-            key=key,
-            peer_instance=ranks[0].instance_name,
-            expected=frozenset(overlap.ranks),
-            deadline=deadline,
+        request = self._open_receive(
+            key, ranks, overlap.ranks, block_ids, num_tokens, deadline, staged
         )
-        try:
-            self.receivers.add(session)
-            self._receiving.set()
-        except ValueError:
-            self._fail_receive(key, f"transfer key {key} is already being received")
+        if request is None:
             return
-        request = RequestData(
-            key=key,
-            instance_name=self.local.instance_name,
-            instance_rank=self.local.instance_rank,
-            block_ids=tuple(pack_block_ids(ids) for ids in block_ids),
-            num_tokens=num_tokens,
-            staging_address=(
-                self.staging.stager.address + staged.offset
-                if staged is not None and self.staging is not None
-                else 0
-            ),
-            staging_bytes=staged.num_bytes if staged is not None else 0,
-        )
-        if staged is not None:
-            self._staged[key] = staged
-        session.mark_requested()
         by_rank = {info.instance_rank: info for info in ranks}
-        for rank in sorted(session.expected):
+        for rank in sorted(overlap.ranks):
             await self._send(by_rank[rank].control_endpoint, request)
+        self._requested(key)
 
     def _bounces_with(self, ranks: Sequence[RankInfo], expected: Sequence[int]) -> bool:
         """Whether receiving from these ctx ranks goes through staging (bounce.bounces); ctx
@@ -597,6 +732,8 @@ class KvTransceiver:
     async def _ensure_ctx_peer(self, endpoint: str) -> tuple[RankInfo, ...]:
         """Rendezvous with the ctx instance at `endpoint` once; cached, refusal included."""
         peer = self._ctx_peers.get(endpoint)
+        if peer is not None and peer.ready.is_set() and peer.refusal is None and peer.ranks:
+            return peer.ranks  # the usual case: no scheduling round on a request's way out
         if peer is None:
             peer = self._ctx_peers[endpoint] = _CtxPeer()
             try:
@@ -745,6 +882,7 @@ class KvTransceiver:
     ) -> TransferOutcome:
         timing = self._timing.pop(key, None)
         seconds = self.clock() - timing.started if timing is not None else 0.0
+        self._stamp(key, "outcome")
         return TransferOutcome(
             key=key,
             ok=ok,
@@ -832,6 +970,7 @@ class KvTransceiver:
             case RequestData():
                 self._on_request_data(message)
             case TransferResult():
+                self._stamp(message.key, "result")
                 session = self.receivers.lookup(message.instance_name, message.key)
                 if session is not None and session.on_result(
                     message.instance_rank,
@@ -875,6 +1014,7 @@ class KvTransceiver:
         await self.router.send_message(identity, ack)
 
     def _on_request_data(self, request: RequestData) -> None:
+        self._stamp(request.key, "received")
         if self.registrar.get((request.instance_name, request.instance_rank)) is None:
             log.warning(
                 "REQUEST_DATA %d from unregistered rank %s#%d dropped",
@@ -917,8 +1057,14 @@ class KvTransceiver:
                 # Idle: sleep until a receive starts rather than waking 200 times a second.
                 await self._receiving.wait()
                 self._receiving = trio.Event()
-            await trio.sleep(0.001)
-            self._drain_notifications()
+            # Just after a REQUEST_DATA went out, drain at every scheduling round, like the
+            # ctx's write poll: the notice then waits for no 1 ms timer (which Trio rounds up to
+            # ~1.2 ms), and without NIXL's progress thread the draining is what progresses
+            # the write on this side. Bounded, so that a long write does not spin a core.
+            spinning = self.clock() < self._spin_notices_until
+            await trio.sleep(0 if spinning else 0.001)
+            if len(self.receivers):  # (a notification for no session would be dropped)
+                self._drain_notifications()
 
     def _drain_notifications(self) -> None:
         if self._agent_lock.locked():
@@ -930,6 +1076,7 @@ class KvTransceiver:
                 continue
             if not isinstance(notice, WriteNotice):
                 continue
+            self._stamp(notice.key, "notice")
             session = self.receivers.lookup(notice.instance_name, notice.key)
             if session is not None and session.on_notice(notice.instance_rank):
                 self.wake()

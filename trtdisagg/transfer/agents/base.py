@@ -16,6 +16,11 @@ peer, preparing descriptors): call them through `trio.to_thread.run_sync`. `poll
 `get_notifications` and `local_metadata` return quickly and may run on the event loop. Never call
 one agent from two threads at once (serialise with one `trio.CapacityLimiter(1)`), so that a
 threaded call and a loop call never overlap.
+
+A thread hop costs about 0.2 ms (more on a busy host), several times what posting a small write
+costs once its peer is connected. An agent that knows when its `submit_write` is that quick says
+so with an optional `submit_is_quick(fragments, remote)` method (see `posts_quickly`); the caller
+may then post on the event loop. Agents without it are always called from a thread.
 """
 
 from __future__ import annotations
@@ -133,6 +138,14 @@ class TransferAgent(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def posts_quickly(agent: TransferAgent, fragments: Fragments, remote: str) -> bool:
+    """Whether `agent` says that `submit_write(fragments, remote, ...)` returns within about
+    0.1 ms, so it may run on the event loop. Optional for agents (not in `TransferAgent`): test
+    doubles and wrappers without `submit_is_quick` are posted from a worker thread."""
+    quick = getattr(agent, "submit_is_quick", None)
+    return quick is not None and bool(quick(fragments, remote))
 
 
 def _nixl(

@@ -14,7 +14,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from trtdisagg.transfer.agents.base import MemoryRegion, TransferAgent, XferHandle, XferStatus
+from trtdisagg.transfer.agents.base import (
+    MemoryRegion,
+    TransferAgent,
+    XferHandle,
+    XferStatus,
+    posts_quickly,
+)
 from trtdisagg.transfer.errors import AgentError
 from trtdisagg.transfer.faults import FaultAction, FaultInjector
 
@@ -54,6 +60,9 @@ class FaultyAgent:
 
     def remove_remote(self, name: str) -> None:
         self._inner.remove_remote(name)
+
+    def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
+        return posts_quickly(self._inner, fragments, remote)
 
     def submit_write(
         self,
