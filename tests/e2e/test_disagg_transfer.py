@@ -19,6 +19,7 @@ from tests.oracle import assert_greedy_match, hf_greedy
 from tests.procs import Server, metric, running_worker
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.tiny import TinySpec, ensure_tiny_checkpoint
+from trtdisagg.worker.handoff import ctx_instance_of
 
 TIMEOUT_MS = 3000
 TRANSFER = {"backend": "NIXL", "kv_transfer_timeout_ms": TIMEOUT_MS, "nixl_progress_thread": False}
@@ -52,6 +53,9 @@ async def _split(
     answer = r.json()
     key = answer["choices"][0]["disaggregated_params"]["disagg_request_id"]
     assert answer["choices"][0]["finish_reason"] is None
+    # ctx names itself, so gen can tell a restarted ctx on a reused endpoint from the old one.
+    state = answer["choices"][0]["disaggregated_params"]["opaque_state"]
+    assert ctx_instance_of(state) is not None and ctx_instance_of(state).startswith("ctx-")
     gen_body = _gen_body(answer, body)
     if not body.get("stream"):
         g = await client.post(gen.url + "/v1/completions", json=gen_body)

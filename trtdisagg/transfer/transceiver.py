@@ -131,6 +131,7 @@ class _CtxPeer:
     ranks: tuple[RankInfo, ...] = ()
     refusal: str | None = None
     ready: trio.Event = attrs.Factory(trio.Event)
+    instance_name: str | None = None  # the instance that answered, refused or not
 
 
 @attrs.frozen(kw_only=True)
@@ -487,10 +488,21 @@ class KvTransceiver:
     # ---- gen (receiver) side ----
 
     def request_and_receive_async(
-        self, key: int, ctx_info_endpoint: str, block_ids: Sequence[Sequence[int]], num_tokens: int
+        self,
+        key: int,
+        ctx_info_endpoint: str,
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        *,
+        ctx_instance: str | None = None,
     ) -> None:
+        """Ask the ctx instance at `ctx_info_endpoint` for `key`'s KV. `ctx_instance`, when
+        known (ctx's answer names it), is the instance expected there: a different cached one
+        is forgotten and the endpoint met again (a ctx restarted on a reused port)."""
         self._timing[key] = _Timing(started=self.clock())
         self._stamp(key, "request")
+        if ctx_instance is not None:
+            self._forget_replaced(ctx_info_endpoint, ctx_instance)
         if self._request_at_once(key, ctx_info_endpoint, block_ids, num_tokens):
             return
         self._starting[key] = False
@@ -729,6 +741,21 @@ class KvTransceiver:
             )
         return done
 
+    def _forget_replaced(self, endpoint: str, instance: str) -> None:
+        """Drop what is cached for `endpoint` when it belongs to another ctx instance than
+        `instance`; the next request meets the endpoint again. Receives already under way keep
+        their sessions (they are keyed by instance) and end as they would have."""
+        peer = self._ctx_peers.get(endpoint)
+        if peer is None or not peer.ready.is_set() or peer.instance_name in (None, instance):
+            return
+        log.info(
+            "ctx at %s is now instance %s (was %s): meeting it again",
+            endpoint,
+            instance,
+            peer.instance_name,
+        )
+        del self._ctx_peers[endpoint]
+
     async def _ensure_ctx_peer(self, endpoint: str) -> tuple[RankInfo, ...]:
         """Rendezvous with the ctx instance at `endpoint` once; cached, refusal included."""
         peer = self._ctx_peers.get(endpoint)
@@ -768,6 +795,9 @@ class KvTransceiver:
         )
         if not isinstance(reply, InstanceInfo) or not reply.ranks:
             raise TransferLayerError(f"{endpoint} answered {type(reply).__name__}, no RankInfo")
+        peer = self._ctx_peers.get(endpoint)
+        if peer is not None:
+            peer.instance_name = reply.ranks[0].instance_name
         for info in reply.ranks:
             self.registrar.register(info)  # compatibility gate on our side
         for info in reply.ranks:

@@ -87,6 +87,7 @@ class GenerationSource:
     key: int  # disagg_request_id: the transfer key
     ctx_info_endpoint: str
     first_token: int
+    ctx_instance: str | None = None  # the ctx instance that answered, if it said (handoff.py)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -441,6 +442,7 @@ class Executor:
                 source.ctx_info_endpoint,
                 [list(table.block_ids)],
                 live.request.num_prompt_tokens,
+                ctx_instance=source.ctx_instance,
             )
             if self.ranks is not None:
                 self._outbox.receives.append(
@@ -449,6 +451,7 @@ class Executor:
                         endpoint=source.ctx_info_endpoint,
                         block_ids=tuple(table.block_ids),
                         num_tokens=live.request.num_prompt_tokens,
+                        ctx_instance=source.ctx_instance,
                     )
                 )
 

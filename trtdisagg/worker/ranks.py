@@ -221,7 +221,11 @@ def _apply(
             transceiver.respond_and_send_async(send.key, [list(send.block_ids)], send.num_tokens)
         for receive in command.receives:
             transceiver.request_and_receive_async(
-                receive.key, receive.endpoint, [list(receive.block_ids)], receive.num_tokens
+                receive.key,
+                receive.endpoint,
+                [list(receive.block_ids)],
+                receive.num_tokens,
+                ctx_instance=receive.ctx_instance,
             )
         for key in command.cancels:
             transceiver.cancel_request(key)

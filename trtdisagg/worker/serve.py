@@ -185,6 +185,7 @@ async def _serve_rank0(
         executor.transceiver.early_failures = group is None  # see KvTransceiver.early_failures
         await nursery.start(executor.transceiver.run)
         service.ctx_info_endpoint = executor.transceiver.info_endpoint
+        service.ctx_instance = executor.transceiver.local.instance_name
         log.info(
             "Using KvCacheTransceiver backend=%s endpoint=%s instance=%s",
             transfer.backend.value,

@@ -34,6 +34,7 @@ from trtdisagg.transfer.endpoints import is_tcp_endpoint
 from trtdisagg.transfer.faults import FaultInjector
 from trtdisagg.worker import responses
 from trtdisagg.worker.executor import Executor, GenerationSource, RequestHandle, RequestOutput
+from trtdisagg.worker.handoff import ctx_instance_of, ctx_state
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
 from trtdisagg.worker.sampling import MIN_TEMPERATURE, TokenLogprobs
 from trtdisagg.worker.tokenization import Tokenizer
@@ -73,6 +74,7 @@ class WorkerService:
     ready: bool = False
     started_at: float = attrs.field(factory=time.time)
     ctx_info_endpoint: str | None = None
+    ctx_instance: str | None = None  # this worker's transceiver instance name (handoff.py)
     faults: FaultInjector | None = None  # tests only: armed by TRTDISAGG_FAULTS
     _ids: itertools.count[int] = attrs.field(factory=itertools.count, alias="ids")
 
@@ -265,7 +267,12 @@ def _generation_source(params: DisaggregatedParams, vocab_size: int) -> Generati
     key = params.disagg_request_id
     if key is None or not 0 < key < 2**63:
         raise bad_request(f"{field}.disagg_request_id: required, in (0, 2**63)", param=field)
-    return GenerationSource(key=key, ctx_info_endpoint=params.ctx_info_endpoint, first_token=first)
+    return GenerationSource(
+        key=key,
+        ctx_info_endpoint=params.ctx_info_endpoint,
+        first_token=first,
+        ctx_instance=ctx_instance_of(params.opaque_state),
+    )
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -342,6 +349,7 @@ class Job:
     ) -> dict[str, Any]:
         """ctx's answer to context_only: the first token plus what gen needs to continue."""
         request = self.handle.request
+        instance = self.service.ctx_instance
         params = {
             "request_type": "context_only",
             "first_gen_tokens": tokens[:1],
@@ -349,6 +357,7 @@ class Job:
             "disagg_request_id": self.transfer_key,
             "ctx_dp_rank": 0,
             "ctx_info_endpoint": self.service.ctx_info_endpoint,
+            "opaque_state": ctx_state(instance) if instance else None,
         }
         return responses.whole_body(
             self.meta,

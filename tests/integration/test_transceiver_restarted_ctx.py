@@ -1,0 +1,82 @@
+"""A ctx restarted on the same control endpoint is met again, never taken for its old self.
+
+Two KvTransceivers in one trio run (real ZMQ, loopback agent). The first ctx instance serves a
+transfer and goes away; a new instance (a new name, new memory) binds the very same endpoint.
+gen's cached rendezvous names the old instance, which no longer knows gen: the second request
+succeeds only because gen is told which instance answered (ctx's opaque state) and meets the
+endpoint again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import trio
+
+from tests.transceivers import HEAD_DIM, HEADS, LAYERS, NUM_SLOTS, TPB, rank_info
+from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.messenger import Router, open_router
+from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
+
+BLOCK_BYTES = LAYERS * 2 * HEADS * TPB * HEAD_DIM * 4
+NUM_TOKENS = 2 * TPB
+
+
+def _transceiver(
+    name: str, memory: np.ndarray, fabric: LoopbackFabric, router: Router
+) -> KvTransceiver:
+    agent = LoopbackAgent(f"{name}-agent", fabric=fabric)
+    info = rank_info(name, memory, agent, router.endpoint)
+    return KvTransceiver(
+        local=info, instance=(info,), agent=agent, router=router, timeout_s=10, wake=lambda: None
+    )
+
+
+async def _outcome(check: Callable[[], list[TransferOutcome]], key: int) -> TransferOutcome:
+    with trio.fail_after(10):
+        while True:
+            for outcome in check():
+                if outcome.key == key:
+                    return outcome
+            await trio.sleep(0.001)
+
+
+def _block(memory: np.ndarray, block: int) -> np.ndarray:
+    return memory[block * BLOCK_BYTES : (block + 1) * BLOCK_BYTES]
+
+
+async def test_a_new_ctx_instance_on_the_old_endpoint_is_met_again() -> None:
+    fabric = LoopbackFabric()
+    rng = np.random.default_rng(1)
+    gen_memory = np.zeros(NUM_SLOTS * BLOCK_BYTES, np.uint8)
+    async with open_router() as gen_router, trio.open_nursery() as nursery:
+        gen = _transceiver("gen", gen_memory, fabric, gen_router)
+        await nursery.start(gen.run)
+
+        async def serve_once(name: str, bind: str, key: int, dst: list[int]) -> str:
+            """One ctx instance at `bind`: answer one transfer of blocks 1-2, then go away."""
+            memory = rng.integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
+            async with open_router(bind) as router, trio.open_nursery() as ctx_nursery:
+                ctx = _transceiver(name, memory, fabric, router)
+                await ctx_nursery.start(ctx.run)
+                ctx.respond_and_send_async(key, [[1, 2]], NUM_TOKENS)
+                gen.request_and_receive_async(
+                    key, router.endpoint, [dst], NUM_TOKENS, ctx_instance=ctx.local.instance_name
+                )
+                got = await _outcome(gen.check_gen_transfer_status, key)
+                assert got.ok, got.error
+                sent = await _outcome(ctx.check_context_transfer_status, key)
+                assert sent.ok, sent.error
+                for src_block, dst_block in zip([1, 2], dst, strict=True):
+                    assert np.array_equal(_block(gen_memory, dst_block), _block(memory, src_block))
+                ctx_nursery.cancel_scope.cancel()
+            return router.endpoint
+
+        endpoint = await serve_once("ctx-first", "tcp://127.0.0.1:0", key=11, dst=[3, 4])
+        assert gen.rendezvous_count == 1
+        # Same endpoint, new instance: without the name check gen would send REQUEST_DATA on the
+        # dead registration, the new ctx would drop it, and the transfer would time out.
+        assert await serve_once("ctx-second", endpoint, key=12, dst=[5, 6]) == endpoint
+        assert gen.rendezvous_count == 2
+        nursery.cancel_scope.cancel()
