@@ -33,6 +33,7 @@ TRANSFER = {"backend": "NIXL", "kv_transfer_timeout_ms": 20000, "nixl_progress_t
 HOOKS = {"TRTDISAGG_TEST_HOOKS": "1"}
 BASE = TinySpec(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
 MAX_TOKENS = 8
+TOKENS_PER_BLOCK = 16
 
 
 def _instance(
@@ -44,7 +45,11 @@ def _instance(
         "pipeline_parallel_size": pp,
         # Small steps: longer prompts prefill in chunks that share steps with decodes.
         "max_num_tokens": 48,
-        "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 4096, "layout": layout},
+        "kv_cache_config": {
+            "tokens_per_block": TOKENS_PER_BLOCK,
+            "max_tokens": 4096,
+            "layout": layout,
+        },
         "cache_transceiver_config": {**TRANSFER, "kv_cache_bounce_size_mb": bounce_mb},
     }
 
@@ -173,11 +178,19 @@ def _coordinator(tmp: Path, ctx: Server, gen: Server) -> Iterator[Server]:
         yield server
 
 
-async def _check_pairing(group: Group, ctx_name: str, gen_name: str, seed: int) -> None:
-    """Through a coordinator in front of exactly this ctx and this gen, as a user would."""
+async def _check_pairing(
+    group: Group, ctx_name: str, gen_name: str, seed: int, *, bytes_per_token: int = 0
+) -> None:
+    """Through a coordinator in front of exactly this ctx and this gen, as a user would.
+
+    With `bytes_per_token`, ctx's byte counter must grow by exactly the prompts' KV: every rank's
+    writes counted once (rank 0 exports its followers' too), none twice."""
     ctx, gen = group.servers[ctx_name], group.servers[gen_name]
     with _coordinator(group.model.parent, ctx, gen) as coordinator:
         async with httpx.AsyncClient(timeout=60) as client:
+            sent_before = metric(
+                (await client.get(ctx.url + "/metrics")).text, "trtdisagg_kv_transfer_bytes_total"
+            )
             for prompt in _prompts(seed):
                 before = set((await client.get(gen.url + "/debug/kv_digests")).json())
                 r = await client.post(coordinator.url + "/v1/completions", json=_body(prompt))
@@ -195,6 +208,18 @@ async def _check_pairing(group: Group, ctx_name: str, gen_name: str, seed: int) 
                 assert not ctx_digests[key].startswith("mismatch")
             await _wait_idle(client, ctx)
             await _wait_idle(client, gen)
+            if bytes_per_token:
+                sent = metric(
+                    (await client.get(ctx.url + "/metrics")).text,
+                    "trtdisagg_kv_transfer_bytes_total",
+                )
+                lengths = [len(prompt) for prompt in _prompts(seed)]
+                if not gen_name.endswith("_nhd"):
+                    # Same layout: a partial last block goes whole, one piece per run.
+                    lengths = [-(-n // TOKENS_PER_BLOCK) * TOKENS_PER_BLOCK for n in lengths]
+                # (HND -> NHD moves token by token: only the prompt's own tokens.)
+                want = bytes_per_token * sum(lengths)
+                assert sent - sent_before == want, f"{ctx_name} counted {sent - sent_before}"
 
 
 @pytest.mark.parametrize(
@@ -211,7 +236,12 @@ async def _check_pairing(group: Group, ctx_name: str, gen_name: str, seed: int) 
     ],
 )
 async def test_kv2_pairings(kv2: Group, ctx_name: str, gen_name: str) -> None:
-    await _check_pairing(kv2, ctx_name, gen_name, seed=sum(map(ord, ctx_name + gen_name)))
+    # Two kv heads over at most two TP ranks: no head is duplicated, so each byte moves once.
+    head_dim = BASE.hidden_size // BASE.num_heads
+    per_token = BASE.num_layers * 2 * BASE.num_kv_heads * head_dim * 4  # float32 K and V
+    await _check_pairing(
+        kv2, ctx_name, gen_name, seed=sum(map(ord, ctx_name + gen_name)), bytes_per_token=per_token
+    )
 
 
 async def test_split_equals_aggregated_tp1_exactly(kv2: Group) -> None:
@@ -288,12 +318,15 @@ async def test_bounce_path_lands_exact_bytes_in_few_descriptors(
     before = _counter(ctx, "trtdisagg_kv_bounce_transfers_total")
     descriptors = _counter(ctx, "trtdisagg_kv_transfer_descriptors_total")
     await _check_pairing(bounce, "ctx_tp2", gen_name, seed=len(gen_name))
-    # Every write of this pairing bounced (ctx rank 0 writes once per prompt to each gen rank),
-    # each in at most one descriptor per layer and K/V; direct writes would take one per token
-    # and head (transposed) or per head range and block.
+    # Every write of this pairing bounced (each ctx rank writes once per prompt to each gen
+    # rank; the bounce counter is rank 0's own), each in at most one descriptor per layer and
+    # K/V; direct writes would take one per token and head (transposed) or per head range and
+    # block. The descriptor counter adds up both ctx ranks' writes.
     bounced = _counter(ctx, "trtdisagg_kv_bounce_transfers_total") - before
     assert bounced == 3 * gen_ranks
-    assert _counter(ctx, "trtdisagg_kv_transfer_descriptors_total") - descriptors <= bounced * 8
+    ctx_ranks = 2
+    written = _counter(ctx, "trtdisagg_kv_transfer_descriptors_total") - descriptors
+    assert written <= bounced * ctx_ranks * 8
     assert _counter(bounce.servers[gen_name], "trtdisagg_kv_bounce_transfers_total") >= 3
 
 

@@ -364,6 +364,10 @@ class Executor:
                     self._queue_cancel(key)
             for rank_digest in report.digests:
                 digests.setdefault(rank_digest.key, []).extend(rank_digest.parts)
+            for write in report.writes:  # the followers' (rank 0 counts its own as it writes)
+                self.metrics.kv_transfer_bytes.inc(write.num_bytes)
+                self.metrics.kv_transfer_descriptors.inc(write.num_descriptors)
+                self.metrics.kv_transfer_seconds.observe(write.seconds)
         if self.test_hooks is not None:
             for key, parts in digests.items():
                 self.test_hooks.store(key, parts)

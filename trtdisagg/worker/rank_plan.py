@@ -98,6 +98,15 @@ class RankOutcome:
 
 
 @attrs.frozen(kw_only=True)
+class WriteRecord:
+    """One KV write a follower rank finished: what its ctx metrics would have counted."""
+
+    num_bytes: int
+    num_descriptors: int
+    seconds: float
+
+
+@attrs.frozen(kw_only=True)
 class HeadDigest:
     """sha256 of one (global layer, global kv head)'s K and V bytes of one transfer."""
 
@@ -117,6 +126,8 @@ class RankReport:
     rank: int
     outcomes: tuple[RankOutcome, ...] = ()
     digests: tuple[RankDigest, ...] = ()
+    # Writes since the last report: rank 0 exports every rank's bytes, not only its own.
+    writes: tuple[WriteRecord, ...] = ()
 
 
 def step_items(

@@ -32,7 +32,14 @@ from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.transceiver import KvTransceiver
 from trtdisagg.transfer.wire import PROTOCOL_VERSION, InstanceInfo, decode, encode
 from trtdisagg.worker.rank_group import RankGroup
-from trtdisagg.worker.rank_plan import RankDigest, RankOutcome, RankReport, Side, StepCommand
+from trtdisagg.worker.rank_plan import (
+    RankDigest,
+    RankOutcome,
+    RankReport,
+    Side,
+    StepCommand,
+    WriteRecord,
+)
 from trtdisagg.worker.runner import ModelRunner, build_runner
 from trtdisagg.worker.test_hooks import TestHooks
 
@@ -166,6 +173,7 @@ async def _follow(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_exit_with_parent, rank)
         transceiver = None
+        writes: list[WriteRecord] = []
         if config.cache_transceiver_config.backend is not None:
             router = await nursery.start(hold_router, config.host)
             transceiver = await build_transceiver(
@@ -179,6 +187,9 @@ async def _follow(
                 share_infos=share_infos_with(group),
             )
             transceiver.early_failures = False  # see KvTransceiver.early_failures
+            transceiver.on_write = lambda num_bytes, descriptors, seconds: writes.append(
+                WriteRecord(num_bytes=num_bytes, num_descriptors=descriptors, seconds=seconds)
+            )
             await nursery.start(transceiver.run)
         log.info("rank %d ready (%s)", rank, group.parallel)
         while True:
@@ -192,7 +203,13 @@ async def _follow(
                 await trio.to_thread.run_sync(
                     runner.forward_items, command.items, group, abandon_on_cancel=True
                 )
-            report = RankReport(rank=rank, outcomes=rank_outcomes(transceiver), digests=digests)
+            report = RankReport(
+                rank=rank,
+                outcomes=rank_outcomes(transceiver),
+                digests=digests,
+                writes=tuple(writes),
+            )
+            writes.clear()
             await trio.to_thread.run_sync(group.gather_reports, report, abandon_on_cancel=True)
         nursery.cancel_scope.cancel()
 
