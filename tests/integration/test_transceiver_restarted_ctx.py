@@ -9,10 +9,12 @@ endpoint again.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import numpy as np
 import trio
+import zmq
 
 from tests.transceivers import HEAD_DIM, HEADS, LAYERS, NUM_SLOTS, TPB, rank_info
 from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
@@ -42,6 +44,20 @@ async def _outcome(check: Callable[[], list[TransferOutcome]], key: int) -> Tran
             await trio.sleep(0.001)
 
 
+async def _bind(stack: contextlib.AsyncExitStack, bind: str) -> Router:
+    """A ROUTER at `bind`. zmq releases a closed socket's port on its I/O thread a moment
+    later, so binding the same port again is retried until it is free (bounded)."""
+    # (A deadline, not fail_after: the router's nursery must not open inside a scope we leave.)
+    deadline = trio.current_time() + 5
+    while True:
+        try:
+            return await stack.enter_async_context(open_router(bind))
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or trio.current_time() > deadline:
+                raise
+        await trio.sleep(0.01)  # polling an observable condition (the port), bounded above
+
+
 def _block(memory: np.ndarray, block: int) -> np.ndarray:
     return memory[block * BLOCK_BYTES : (block + 1) * BLOCK_BYTES]
 
@@ -57,7 +73,9 @@ async def test_a_new_ctx_instance_on_the_old_endpoint_is_met_again() -> None:
         async def serve_once(name: str, bind: str, key: int, dst: list[int]) -> str:
             """One ctx instance at `bind`: answer one transfer of blocks 1-2, then go away."""
             memory = rng.integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
-            async with open_router(bind) as router, trio.open_nursery() as ctx_nursery:
+            async with contextlib.AsyncExitStack() as stack:
+                router = await _bind(stack, bind)
+                ctx_nursery = await stack.enter_async_context(trio.open_nursery())
                 ctx = _transceiver(name, memory, fabric, router)
                 await ctx_nursery.start(ctx.run)
                 ctx.respond_and_send_async(key, [[1, 2]], NUM_TOKENS)
