@@ -6,22 +6,38 @@ a bound ZMQ ROUTER and a `KvTransceiver` running under `trio.run`. The parent dr
 one pipe each, one command at a time, with bounded waits; the children are always joined (and
 killed if they do not stop).
 
-Per measured iteration, in the same run:
+Per measured iteration, in the same run, one transfer of each selected transceiver schedule
+(`--schedule`) and one raw write:
 
-  transceiver  ctx: `respond_and_send_async(key, [blocks], tokens)` (the KV is ready); then gen:
-               `request_and_receive_async(key, ctx_endpoint, [blocks], tokens)` and
-               `check_gen_transfer_status()` on every `wake` until the outcome. Timed in gen,
-               from the request call to the outcome (REQUEST_DATA, the write, TRANSFER_RESULT
-               and the WRITE_NOTICE notification all inside).
-  raw NIXL     ctx posts ONE write (a single descriptor of the same byte count, from the same
-               source range into a contiguous destination range) on the same agents, with a
-               notification; gen spins on `get_notifications`. Timed from just before the
-               post (ctx) to the notification seen (gen): one CLOCK_MONOTONIC, two processes.
+  context-first     ctx: `respond_and_send_async(key, [blocks], tokens)` (the KV is ready);
+                    then gen: `request_and_receive_async(key, ctx_endpoint, [blocks], tokens)`
+                    and `check_gen_transfer_status()` on every `wake` until the outcome. Timed
+                    in gen, from the request call to the outcome (REQUEST_DATA, the write,
+                    TRANSFER_RESULT and the WRITE_NOTICE notification all inside): what a
+                    request pays when gen asks for KV that is already there.
+  generation-first  what `schedule_style: generation_first` does. gen calls
+                    `request_and_receive_async` FIRST and starts waiting for the outcome (a task
+                    of the gen child, like the executor's wait); ctx waits until that
+                    REQUEST_DATA sits in its transceiver's early buffer
+                    (`statistics().early >= 1`, polled, no fixed sleep); only then does ctx's
+                    KV become ready: `respond_and_send_async`, upon which ctx writes at once.
+                    Timed from just before that call (a CLOCK_MONOTONIC stamp in ctx) to the
+                    outcome seen in gen (the moment its wait returns): the critical path a
+                    generation-first request pays once prefill ends (the write, TRANSFER_RESULT
+                    and the notification; the REQUEST_DATA round trip is off it).
+  raw NIXL          ctx posts ONE write (a single descriptor of the same byte count, from the
+                    same source range into a contiguous destination range) on the same agents,
+                    with a notification; gen spins on `get_notifications`. Timed from just
+                    before the post (ctx) to the notification seen (gen).
 
-The two paths alternate (which one goes first alternates too). Warm-up transfers of both paths
-come first (the first transceiver transfer pays the rendezvous and the connection set-up; it is
-reported as "cold"). The destination blocks are zeroed and compared byte for byte (a digest on
-both sides) after the first transfer of each path and once more at the end.
+The cross-process times (generation-first, raw) use one CLOCK_MONOTONIC on one host.
+
+The paths of an iteration run in turn, and which one goes first rotates from one iteration to
+the next. Warm-up transfers of every path come first (the first transceiver transfer pays the
+connection set-up, and context-first also the rendezvous, which generation-first does before
+its KV is ready; it is reported as "cold"). The destination blocks are zeroed and compared byte
+for byte (a digest on both sides) after the first transfer of each path and once more per
+transceiver schedule at the end.
 
 Why the raw writes use the transceivers' own agents: they share the connection and the UCX
 progress thread, so the difference between the paths is the control plane alone (a second pair
@@ -29,10 +45,13 @@ of agents would add two more busy progress threads on a small machine). The raw 
 agent only while its transceiver has no session, so the two never use an agent at once.
 
 Printed: bytes, descriptors (from the transfer outcome), median time and GB/s (1e9 B/s) of each
-path, the handover overhead (p50 of transceiver time minus raw time, per iteration pair: what
-the control plane adds), children's RSS (after warm-up, at iteration 100, at the end; the growth
-from 100 to the end with `--iterations >= 1000`), the CPU each child burns while measuring and
-while idle, and last a line `ratio_vs_raw_nixl=<transceiver GB/s / raw GB/s>`.
+path, per schedule the handover overhead (p50 of transceiver time minus raw time, per iteration:
+what the control plane adds) and the stage stamps (context-first: after gen's request;
+generation-first: after ctx's respond, so REQUEST_DATA's stages are negative), children's RSS
+(after warm-up, at iteration 100, at the end; the growth from 100 to the end with
+`--iterations >= 1000`), the CPU each child burns while measuring and while idle, and last a line
+`ratio_vs_raw_nixl=<transceiver GB/s / raw GB/s>` of the first selected schedule (with
+`--schedule both`: context-first, preceded by `ratio_vs_raw_nixl_generation_first=<x>`).
 
 `--nixl-progress-thread off` creates the children's agents with `progress_thread=False` (what the
 CPU launcher configs run with), so that transfers progress only when polled.
@@ -40,6 +59,8 @@ NIXL's UCX progress thread spins (about one core per idle agent), which on a 2-c
 competes with everything else.
 
     python tools/bench_transfer.py                      # CPU, 64 MiB (512 tokens x 128 KiB)
+    python tools/bench_transfer.py --schedule both      # context-first and generation-first
+    python tools/bench_transfer.py --schedule generation-first --nixl-progress-thread off
     python tools/bench_transfer.py --scatter            # gen blocks every other slot
     python tools/bench_transfer.py --model-8b --tokens 8192 --device cuda --result-json r.json
     python tools/bench_transfer.py --iterations 1000    # RSS at iteration 100 vs the end
@@ -61,7 +82,7 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
@@ -90,6 +111,19 @@ SETUP_TIMEOUT_S: Final = 300.0  # a child importing torch and creating its agent
 POLL_S: Final = 20e-6  # the raw path's poll interval (time.sleep: no event-loop granularity)
 RESULT_LINE: Final = "ratio_vs_raw_nixl"
 IDLE_SAMPLE_S: Final = 1.0  # how long the idle children's CPU use is sampled
+EARLY_POLL_S: Final = 1e-4  # ctx's poll for gen's early REQUEST_DATA (Trio rounds it to ~1 ms)
+CONTEXT_FIRST: Final = "context-first"
+GENERATION_FIRST: Final = "generation-first"
+SCHEDULES: Final = (CONTEXT_FIRST, GENERATION_FIRST)
+BOTH: Final = "both"  # --schedule both: every schedule, context-first's ratio on the last line
+TIMED: Final = {  # what each schedule's time spans (the report's row names)
+    CONTEXT_FIRST: "gen call->outcome",
+    GENERATION_FIRST: "ctx KV ready->gen outcome",
+}
+STAGE_ORIGIN: Final = {  # what each schedule's stage offsets count from
+    CONTEXT_FIRST: "gen.request",
+    GENERATION_FIRST: "ctx.respond",  # the bench's stamp just before respond_and_send_async
+}
 
 
 # ---- geometry and block plan (pure) ----------------------------------------------------------
@@ -211,6 +245,25 @@ def plan_blocks(num_blocks: int, *, scatter: bool) -> BlockPlan:
 # ---- configuration ---------------------------------------------------------------------------
 
 
+def schedules_for(choice: str) -> tuple[str, ...]:
+    """The transceiver schedules `--schedule <choice>` runs, the primary (last line) first."""
+    if choice == BOTH:
+        return SCHEDULES
+    if choice not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {[*SCHEDULES, BOTH]}, got {choice!r}")
+    return (choice,)
+
+
+def result_line_name(schedule: str) -> str:
+    """`ratio_vs_raw_nixl_generation_first` for a schedule other than the primary one."""
+    return f"{RESULT_LINE}_{schedule.replace('-', '_')}"
+
+
+def _check_schedules(_: object, __: object, value: tuple[str, ...]) -> None:
+    if not value or any(s not in SCHEDULES for s in value) or len(set(value)) != len(value):
+        raise ValueError(f"schedules must be distinct ones of {SCHEDULES}, got {value}")
+
+
 @attrs.frozen(kw_only=True)
 class BenchConfig:
     geometry: Geometry
@@ -226,6 +279,12 @@ class BenchConfig:
     progress_thread: bool = True  # NIXL's UCX progress thread (production: on)
     label: str = "default"
     result_json: Path | None = None
+    # transceiver schedules measured, each against raw; the first one's ratio is the last line
+    schedules: tuple[str, ...] = attrs.field(default=(CONTEXT_FIRST,), validator=_check_schedules)
+
+    @property
+    def primary_schedule(self) -> str:
+        return self.schedules[0]
 
     @property
     def num_bytes(self) -> int:
@@ -238,6 +297,7 @@ class BenchConfig:
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=True)
         out["result_json"] = None if self.result_json is None else str(self.result_json)
+        out["schedules"] = list(self.schedules)
         return out
 
 
@@ -273,6 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="on",
         help="off: the children's agents run without NIXL's progress thread, so transfers "
         "progress only when polled (the CPU launcher configs' setting)",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=(*SCHEDULES, BOTH),
+        default=CONTEXT_FIRST,
+        help="context-first: ctx's KV is ready before gen asks (timed from gen's request); "
+        "generation-first: gen asks first, its REQUEST_DATA waits at ctx, then the KV becomes "
+        "ready (timed from ctx's respond_and_send_async); both: each, alternating with raw "
+        "(the last line stays context-first's ratio)",
     )
     parser.add_argument("--result-json", type=Path)
     pairing = parser.add_argument_group("pairing (heterogeneous: not yet, issue 5)")
@@ -333,6 +402,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         progress_thread=args.nixl_progress_thread == "on",
         label=label,
         result_json=args.result_json,
+        schedules=schedules_for(args.schedule),
     )
 
 
@@ -392,9 +462,13 @@ class Overhead:
 
 
 def stage_offsets(
-    stamps: dict[str, Sequence[Sequence[Any]]], keys: Sequence[int]
+    stamps: Mapping[str, Sequence[Sequence[Any]]],
+    keys: Sequence[int],
+    origin: str = "gen.request",
 ) -> dict[str, dict[str, float]]:
-    """Per stage (`role.stage`, in STAGES order): p50/p90 of its time after gen's `request`.
+    """Per stage (`role.stage`; `origin` first, then STAGES order): p50/p90 of its time after
+    the key's `origin` stamp (gen's `request`; generation-first: `ctx.respond`, the bench's own
+    stamp, so that stages before it, e.g. REQUEST_DATA's, are negative).
 
     Both children stamp with CLOCK_MONOTONIC (`time.monotonic`), one clock on one host. A stage
     stamped twice for a key (e.g. two notifications) counts at its first stamp.
@@ -405,13 +479,15 @@ def stage_offsets(
     for role, rows in stamps.items():
         for key, stage, when in rows:
             at.setdefault((int(key), f"{role}.{stage}"), float(when))
-    names = [f"{role}.{stage}" for stage in STAGES for role in ("gen", "ctx")]
+    names = [origin] + [
+        name for stage in STAGES for role in ("gen", "ctx") if (name := f"{role}.{stage}") != origin
+    ]
     out: dict[str, dict[str, float]] = {}
     for name in names:
         offsets = [
-            at[(key, name)] - at[(key, "gen.request")]
+            at[(key, name)] - at[(key, origin)]
             for key in keys
-            if (key, name) in at and (key, "gen.request") in at
+            if (key, name) in at and (key, origin) in at
         ]
         if offsets:
             out[name] = {
@@ -424,6 +500,50 @@ def stage_offsets(
 
 def ratio_vs_raw(transceiver: PathStats, raw: PathStats) -> float:
     return transceiver.gbps / raw.gbps
+
+
+def summarize_schedule(
+    *,
+    wall_s: Sequence[float],
+    outcome_s: Sequence[float],
+    write_s: Sequence[float],
+    raw_s: Sequence[float],
+    num_bytes: int,
+    cold_s: float,
+    stages: dict[str, dict[str, float]],
+    timed: str,
+) -> dict[str, Any]:
+    """One transceiver schedule's part of the result doc (`doc["schedules"][name]`); its times
+    are paired with the raw times of the same iterations (`raw_s`) for the overhead."""
+    xcvr = PathStats.of(wall_s, num_bytes)
+    return {
+        "timed": timed,
+        "cold_s": cold_s,
+        "transceiver": attrs.asdict(xcvr),
+        "transceiver_outcome": attrs.asdict(PathStats.of(outcome_s, num_bytes)),
+        "transceiver_write": attrs.asdict(PathStats.of(write_s, num_bytes)),
+        "handover_overhead": attrs.asdict(Overhead.of(wall_s, raw_s)),
+        "stages": stages,
+        "ratio_vs_raw_nixl": ratio_vs_raw(xcvr, PathStats.of(raw_s, num_bytes)),
+        "samples": {
+            "transceiver_s": list(wall_s),
+            "transceiver_outcome_s": list(outcome_s),
+            "transceiver_write_s": list(write_s),
+        },
+    }
+
+
+def schedule_docs(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`doc["schedules"]`, primary first; a result file from before schedules existed reads as
+    its one context-first schedule (top-level keys)."""
+    if doc.get("schedules"):
+        schedules: dict[str, dict[str, Any]] = doc["schedules"]
+        return schedules
+    keys = ("transceiver", "transceiver_write", "handover_overhead", "stages", "ratio_vs_raw_nixl")
+    one = {k: doc.get(k) for k in keys}
+    one["cold_s"] = doc["cold"]["transceiver_s"]
+    one["timed"] = TIMED[CONTEXT_FIRST]
+    return {CONTEXT_FIRST: one}
 
 
 def rss_growth(at_checkpoint_kib: int | None, end_kib: int | None) -> float | None:
@@ -456,11 +576,28 @@ def _mib(kib: int | None) -> str:
     return "-" if kib is None else f"{kib / 1024:.1f} MiB"
 
 
+def _row(name: str, s: dict[str, Any]) -> str:
+    return (
+        f"  {name:<44}{s['median_s'] * 1e3:>9.3f} ms{s['p10_s'] * 1e3:>9.3f} ms"
+        f"{s['p90_s'] * 1e3:>9.3f} ms{s['gbps']:>10.3f}"
+    )
+
+
 def format_report(doc: dict[str, Any]) -> str:
-    """The text printed on stdout; the last line is `ratio_vs_raw_nixl=<x>`."""
+    """The text printed on stdout; the last line is `ratio_vs_raw_nixl=<x>` of the primary
+    (first) schedule, after one `ratio_vs_raw_nixl_<schedule>=<x>` line per other schedule."""
     cfg = doc["config"]
     geo = Geometry(**cfg["geometry"])
-    xs, rs = doc["transceiver"], doc["raw"]
+    schedules = schedule_docs(doc)
+    primary = next(iter(schedules))
+    first_pays = {  # the first transceiver transfer run (primary schedule's) pays the set-up
+        CONTEXT_FIRST: " (rendezvous + connection)",
+        GENERATION_FIRST: " (connection; its rendezvous is before the KV is ready, untimed)",
+    }
+    cold = ", ".join(
+        f"{name} {_ms(sd['cold_s'])}{first_pays.get(name, '') if name == primary else ''}"
+        for name, sd in schedules.items()
+    )
     lines = [
         f"bench_transfer [{cfg['label']}]: {geo.describe()}",
         f"  prompt {cfg['tokens']} tokens = {doc['num_blocks']} blocks; {doc['bytes']} bytes "
@@ -468,36 +605,34 @@ def format_report(doc: dict[str, Any]) -> str:
         f"{'scattered' if cfg['scatter'] else 'consecutive'} gen blocks",
         f"  descriptors: transceiver {doc['descriptors']} (expected {doc['expected_descriptors']}),"
         f" raw 1",
-        f"  cold first transfer: transceiver {_ms(doc['cold']['transceiver_s'])} (rendezvous + "
-        f"connection), raw {_ms(doc['cold']['raw_s'])}",
-        f"  {'path':<32}{'median':>12}{'p10':>12}{'p90':>12}{'GB/s':>10}",
+        f"  cold first transfer: {cold}, raw {_ms(doc['cold']['raw_s'])}",
+        f"  {'path':<44}{'median':>12}{'p10':>12}{'p90':>12}{'GB/s':>10}",
     ]
-    rows = [
-        ("transceiver (gen call->outcome)", xs),
-        ("raw NIXL (post->notif)", rs),
-        ("raw initiator (post->DONE)", doc["raw_initiator"]),
-        ("transceiver ctx write", doc["transceiver_write"]),
-    ]
-    for name, s in rows:
+    for name, sd in schedules.items():
+        lines.append(_row(f"{name} ({sd['timed']})", sd["transceiver"]))
+    lines.append(_row("raw NIXL (post->notif)", doc["raw"]))
+    lines.append(_row("raw initiator (post->DONE)", doc["raw_initiator"]))
+    for name, sd in schedules.items():
+        lines.append(_row(f"{name}: ctx write", sd["transceiver_write"]))
+    for name, sd in schedules.items():
+        over = sd["handover_overhead"]
         lines.append(
-            f"  {name:<32}{s['median_s'] * 1e3:>9.3f} ms{s['p10_s'] * 1e3:>9.3f} ms"
-            f"{s['p90_s'] * 1e3:>9.3f} ms{s['gbps']:>10.3f}"
+            f"  {name}: ratio vs raw {sd['ratio_vs_raw_nixl']:.4f}; handover overhead "
+            f"(transceiver - raw, per iteration, n={sd['transceiver']['n']}): "
+            f"p50 {_ms(over['p50_s'])}, p90 {_ms(over['p90_s'])}, min {_ms(over['min_s'])}"
         )
-    over = doc["handover_overhead"]
-    lines.append(
-        f"  handover overhead (transceiver - raw, per iteration, n={xs['n']}): "
-        f"p50 {_ms(over['p50_s'])}, p90 {_ms(over['p90_s'])}, min {_ms(over['min_s'])}"
-    )
-    stages = doc.get("stages") or {}
-    if stages:
-        lines.append(
-            "  stages after gen's request (p50/p90 ms): "
-            + ", ".join(
-                f"{name} {s['p50_s'] * 1e3:.3f}/{s['p90_s'] * 1e3:.3f}"
-                for name, s in stages.items()
-                if name != "gen.request"
+    for name, sd in schedules.items():
+        stages = sd.get("stages") or {}
+        origin = STAGE_ORIGIN.get(name, "gen.request")
+        if stages:
+            lines.append(
+                f"  {name}: stages after {origin} (p50/p90 ms): "
+                + ", ".join(
+                    f"{stage} {s['p50_s'] * 1e3:.3f}/{s['p90_s'] * 1e3:.3f}"
+                    for stage, s in stages.items()
+                    if stage != origin
+                )
             )
-        )
     for role in ("ctx", "gen"):
         r = doc["rss"][role]
         growth = r["growth_checkpoint_to_end"]
@@ -521,10 +656,14 @@ def format_report(doc: dict[str, Any]) -> str:
     stats = doc["transceiver_statistics"]
     lines.append(
         f"  sessions left: ctx senders {stats['ctx']['senders']}, gen receivers "
-        f"{stats['gen']['receivers']}; bad frames {stats['ctx']['bad_frames']}"
-        f"/{stats['gen']['bad_frames']}; bytes verified: {doc['verified']}"
+        f"{stats['gen']['receivers']}, ctx early {stats['ctx'].get('early', 0)}; bad frames "
+        f"{stats['ctx']['bad_frames']}/{stats['gen']['bad_frames']}; bytes verified: "
+        f"{doc['verified']}"
     )
-    lines.append(f"{RESULT_LINE}={doc['ratio_vs_raw_nixl']:.4f}")
+    for name, sd in schedules.items():
+        if name != primary:
+            lines.append(f"{result_line_name(name)}={sd['ratio_vs_raw_nixl']:.4f}")
+    lines.append(f"{RESULT_LINE}={schedules[primary]['ratio_vs_raw_nixl']:.4f}")
     return "\n".join(lines)
 
 
@@ -570,6 +709,18 @@ def _device(cfg: BenchConfig, role: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+@attrs.define(kw_only=True)
+class _PendingReceive:
+    """gen, generation-first: a request already posted, whose outcome a task awaits."""
+
+    key: int
+    start: float
+    done: trio.Event = attrs.Factory(trio.Event)
+    seen: float = math.nan
+    outcome: TransferOutcome | None = None
+    error: BaseException | None = None
+
+
 class _Side:
     """One child's state: its cache, agent and transceiver, and the command handlers."""
 
@@ -594,6 +745,8 @@ class _Side:
         self.plan = cfg.blocks
         self.outcomes: dict[int, TransferOutcome] = {}
         self.writes: list[tuple[int, int, float]] = []  # on_write: (bytes, descriptors, seconds)
+        self.nursery: trio.Nursery | None = None  # set once the child's nursery is open
+        self.pending: _PendingReceive | None = None
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -628,6 +781,9 @@ class _Side:
             "respond": self.respond,
             "collect": self.collect,
             "receive": self.receive,
+            "receive_start": self.receive_start,
+            "receive_finish": self.receive_finish,
+            "await_early": self.await_early,
             "raw_write": self.raw_write,
             "raw_wait": self.raw_wait,
             "clear": self.clear,
@@ -656,8 +812,19 @@ class _Side:
 
     # ctx
     async def respond(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The KV is ready: `respond_and_send_async`; `t0` is stamped just before the call."""
+        t0 = time.monotonic()
         self.transceiver.respond_and_send_async(args["key"], [self.blocks], self.cfg.tokens)
-        return {}
+        return {"t0": t0}
+
+    async def await_early(self, args: dict[str, Any]) -> dict[str, Any]:
+        """generation-first: return once gen's REQUEST_DATA waits in the early buffer."""
+        start = time.monotonic()
+        with trio.fail_after(self.cfg.timeout_s):
+            # polled: the transceiver has no event for "a REQUEST_DATA arrived early"
+            while self.transceiver.statistics().early < 1:  # noqa: ASYNC110
+                await trio.sleep(EARLY_POLL_S)
+        return {"waited_s": time.monotonic() - start}
 
     async def collect(self, args: dict[str, Any]) -> dict[str, Any]:
         outcome = await self._await_outcome(
@@ -713,6 +880,47 @@ class _Side:
         outcome = await self._await_outcome(key, self.transceiver.check_gen_transfer_status)
         elapsed = time.monotonic() - start
         return {"elapsed_s": elapsed, "outcome": attrs.asdict(outcome)}
+
+    async def receive_start(self, args: dict[str, Any]) -> dict[str, Any]:
+        """generation-first: post the request and start awaiting its outcome in a task (as the
+        executor does), then answer at once. The outcome is stamped when that wait returns, not
+        when `receive_finish` arrives (which may be after the transfer ended)."""
+        if self.nursery is None or self.pending is not None:
+            raise RuntimeError("receive_start: no nursery, or a receive is already pending")
+        key = args["key"]
+        pending = _PendingReceive(key=key, start=time.monotonic())
+        self.transceiver.request_and_receive_async(
+            key, args["endpoint"], [self.blocks], self.cfg.tokens
+        )
+        self.pending = pending
+
+        async def wait() -> None:
+            try:
+                check = self.transceiver.check_gen_transfer_status
+                pending.outcome = await self._await_outcome(key, check)
+                pending.seen = time.monotonic()
+            except Exception as exc:  # handed to receive_finish, which raises it
+                pending.error = exc
+            finally:
+                pending.done.set()
+
+        self.nursery.start_soon(wait)
+        return {"start": pending.start}
+
+    async def receive_finish(self, args: dict[str, Any]) -> dict[str, Any]:
+        pending, self.pending = self.pending, None
+        if pending is None or pending.key != args["key"]:
+            raise RuntimeError(f"receive_finish {args['key']}: no such receive pending")
+        with trio.fail_after(self.cfg.timeout_s + 10):
+            await pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        assert pending.outcome is not None
+        return {
+            "seen": pending.seen,
+            "elapsed_s": pending.seen - pending.start,
+            "outcome": attrs.asdict(pending.outcome),
+        }
 
     async def raw_wait(self, args: dict[str, Any]) -> dict[str, Any]:
         tag = args["tag"].encode()
@@ -854,6 +1062,7 @@ async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
             pool = page_table.layer_groups[0].pool
             async with trio.open_nursery() as nursery:
                 await nursery.start(transceiver.run)
+                side.nursery = nursery
                 conn.send(
                     (
                         "ready",
@@ -959,6 +1168,16 @@ class _Child:
         self.conn.close()
 
 
+@attrs.frozen(kw_only=True)
+class _Sample:
+    """One transceiver transfer as the parent sees it."""
+
+    key: int
+    wall_s: float  # the schedule's timed span (see TIMED)
+    outcome_s: float  # gen's outcome.seconds (from its request call)
+    write_s: float  # ctx's write (on_write), NaN if none
+
+
 @attrs.define(kw_only=True)
 class _Run:
     """The parent's view of one benchmark run (both children started and ready)."""
@@ -971,32 +1190,57 @@ class _Run:
     key: int = 1
     outcome_bytes: int = 0
     outcome_descriptors: int = 0
-    last_transfer_key: int = 0
+    respond_stamps: dict[int, float] = attrs.Factory(dict)  # generation-first: key -> ctx's t0
 
     def stamps(self) -> dict[str, list[tuple[int, str, float]]]:
-        """Both transceivers' stage stamps since the last call (see `stage_offsets`)."""
-        return {c.role: c.call("stages", self.wait)["stamps"] for c in (self.ctx, self.gen)}
+        """Both transceivers' stage stamps since the last call (see `stage_offsets`), with
+        ctx's `respond` stamp of each generation-first key added."""
+        got = {c.role: c.call("stages", self.wait)["stamps"] for c in (self.ctx, self.gen)}
+        got["ctx"] = [*got["ctx"], *((k, "respond", t) for k, t in self.respond_stamps.items())]
+        self.respond_stamps = {}
+        return got
 
     @property
     def wait(self) -> float:
         return self.cfg.timeout_s + 30.0
 
-    def transceiver_transfer(self) -> tuple[float, float, float]:
-        """One transfer: (gen wall seconds, outcome.seconds, ctx write seconds)."""
+    def transceiver_transfer(self, schedule: str) -> _Sample:
+        """One transfer through the transceivers, as `schedule` orders it."""
         key, self.key = self.key, self.key + 1
-        self.last_transfer_key = key
-        self.ctx.call("respond", self.wait, key=key)
-        got = self.gen.call("receive", self.wait, key=key, endpoint=self.ctx_ready["endpoint"])
+        endpoint = self.ctx_ready["endpoint"]
+        if schedule == CONTEXT_FIRST:
+            self.ctx.call("respond", self.wait, key=key)
+            got = self.gen.call("receive", self.wait, key=key, endpoint=endpoint)
+            wall = got["elapsed_s"]
+        elif schedule == GENERATION_FIRST:
+            # Each child answers one command at a time, so this order cannot deadlock: gen's
+            # request is out (and its wait running) before ctx looks for it, and ctx has
+            # responded before anyone waits for the outcome.
+            self.gen.call("receive_start", self.wait, key=key, endpoint=endpoint)
+            self.ctx.call("await_early", self.wait, key=key)
+            t0 = self.ctx.call("respond", self.wait, key=key)["t0"]
+            got = self.gen.call("receive_finish", self.wait, key=key)
+            wall = got["seen"] - t0
+            self.respond_stamps[key] = t0
+        else:
+            raise ValueError(f"unknown schedule {schedule!r}")
         sent = self.ctx.call("collect", self.wait, key=key)
         outcome, ctx_outcome = got["outcome"], sent["outcome"]
         if not outcome["ok"] or not ctx_outcome["ok"]:
             raise ChildFailed(f"transfer {key} failed: gen {outcome}, ctx {ctx_outcome}")
         if outcome["num_bytes"] != self.cfg.num_bytes:
             raise ChildFailed(f"transfer {key} moved {outcome['num_bytes']} bytes")
+        if not wall > 0:
+            raise ChildFailed(f"transfer {key} ({schedule}) timed {wall} s: clocks disagree")
         self.outcome_bytes = outcome["num_bytes"]
         self.outcome_descriptors = outcome["num_descriptors"]
         write = sent["write"]
-        return got["elapsed_s"], outcome["seconds"], write[2] if write else math.nan
+        return _Sample(
+            key=key,
+            wall_s=wall,
+            outcome_s=outcome["seconds"],
+            write_s=write[2] if write else math.nan,
+        )
 
     def raw_transfer(self) -> tuple[float, float]:
         """One raw write: (post -> notification seen, post -> initiator DONE)."""
@@ -1037,6 +1281,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     context = mp.get_context("spawn")
     started = time.monotonic()
     children: list[_Child] = []
+    schedules = cfg.schedules
     try:
         children.append(_Child(context, "ctx", cfg))
         children.append(_Child(context, "gen", cfg))
@@ -1048,42 +1293,39 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         checks: dict[str, bool] = {}
 
         # cold transfers, verified byte for byte (gen blocks zeroed before each)
-        run.clear("request")
-        cold_xcvr = run.transceiver_transfer()[0]
-        checks["transceiver_first"] = run.verified("request")
+        cold: dict[str, float] = {}
+        for schedule in schedules:
+            run.clear("request")
+            cold[schedule] = run.transceiver_transfer(schedule).wall_s
+            checks[f"{schedule} first"] = run.verified("request")
         run.clear("raw")
         cold_raw = run.raw_transfer()[0]
-        checks["raw_first"] = run.verified("raw")
+        checks["raw first"] = run.verified("raw")
         for _ in range(cfg.warmup - 1):
-            run.transceiver_transfer()
+            for schedule in schedules:
+                run.transceiver_transfer(schedule)
             run.raw_transfer()
 
         rss: dict[str, dict[str, int | None]] = {
             c.role: {"after_warmup_kib": c.rss_kib(), "at_checkpoint_kib": None} for c in children
         }
         run.stamps()  # forget the warm-up's
-        measured_keys: list[int] = []
+        samples: dict[str, list[_Sample]] = {schedule: [] for schedule in schedules}
         cpu_before = {c.role: c.cpu_s() for c in children}
         measured_from = time.monotonic()
-        xcvr_s: list[float] = []
-        outcome_s: list[float] = []
-        write_s: list[float] = []
         raw_s: list[float] = []
         initiator_s: list[float] = []
+        paths = (*schedules, "raw")
         step = max(1, cfg.iterations // 10)
         for i in range(cfg.iterations):
-            paths = ("x", "r") if i % 2 == 0 else ("r", "x")
-            for path in paths:
-                if path == "x":
-                    wall, seconds, write = run.transceiver_transfer()
-                    measured_keys.append(run.last_transfer_key)
-                    xcvr_s.append(wall)
-                    outcome_s.append(seconds)
-                    write_s.append(write)
-                else:
+            turn = i % len(paths)  # who goes first rotates
+            for path in paths[turn:] + paths[:turn]:
+                if path == "raw":
                     seen, done = run.raw_transfer()
                     raw_s.append(seen)
                     initiator_s.append(done)
+                else:
+                    samples[path].append(run.transceiver_transfer(path))
             if i + 1 == RSS_CHECKPOINT:
                 for c in children:
                     rss[c.role]["at_checkpoint_kib"] = c.rss_kib()
@@ -1091,7 +1333,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 _progress(f"  {i + 1}/{cfg.iterations} iterations")
         measured_s = time.monotonic() - measured_from
         cpu = {c.role: cpu_share(cpu_before[c.role], c.cpu_s(), measured_s) for c in children}
-        stages = stage_offsets(run.stamps(), measured_keys)
+        stamps = run.stamps()
+        stages = {
+            schedule: stage_offsets(
+                stamps, [x.key for x in samples[schedule]], STAGE_ORIGIN[schedule]
+            )
+            for schedule in schedules
+        }
         for c in children:
             rss[c.role]["end_kib"] = c.rss_kib()
         # the same children idle for a while: what they burn doing nothing
@@ -1101,9 +1349,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             c.role: cpu_share(cpu_idle_before[c.role], c.cpu_s(), IDLE_SAMPLE_S) for c in children
         }
 
-        run.clear("request")
-        run.transceiver_transfer()
-        checks["transceiver_last"] = run.verified("request")
+        for schedule in schedules:
+            run.clear("request")
+            run.transceiver_transfer(schedule)
+            checks[f"{schedule} last"] = run.verified("request")
         statistics = {c.role: c.call("statistics", run.wait) for c in children}
         devices = ctx_ready["device"] + " -> " + gen_ready["device"]
     finally:
@@ -1111,8 +1360,20 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             child.stop()
 
     num_bytes = cfg.num_bytes
-    xcvr = PathStats.of(xcvr_s, num_bytes)
-    raw = PathStats.of(raw_s, num_bytes)
+    schedule_doc = {
+        schedule: summarize_schedule(
+            wall_s=[x.wall_s for x in samples[schedule]],
+            outcome_s=[x.outcome_s for x in samples[schedule]],
+            write_s=[x.write_s for x in samples[schedule]],
+            raw_s=raw_s,
+            num_bytes=num_bytes,
+            cold_s=cold[schedule],
+            stages=stages[schedule],
+            timed=TIMED[schedule],
+        )
+        for schedule in schedules
+    }
+    primary = schedule_doc[cfg.primary_schedule]
     rss_doc: dict[str, dict[str, Any]] = {}
     for role, r in rss.items():
         growth = None
@@ -1130,24 +1391,25 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "num_blocks": cfg.blocks.num_blocks,
         "descriptors": run.outcome_descriptors,
         "expected_descriptors": cfg.blocks.expected_descriptors,
-        "cold": {"transceiver_s": cold_xcvr, "raw_s": cold_raw},
-        "transceiver": attrs.asdict(xcvr),
-        "transceiver_outcome": attrs.asdict(PathStats.of(outcome_s, num_bytes)),
-        "transceiver_write": attrs.asdict(PathStats.of(write_s, num_bytes)),
-        "raw": attrs.asdict(raw),
+        # the primary (first) schedule's figures under the keys they always had
+        "primary_schedule": cfg.primary_schedule,
+        "cold": {"transceiver_s": primary["cold_s"], "raw_s": cold_raw},
+        "transceiver": primary["transceiver"],
+        "transceiver_outcome": primary["transceiver_outcome"],
+        "transceiver_write": primary["transceiver_write"],
+        "raw": attrs.asdict(PathStats.of(raw_s, num_bytes)),
         "raw_initiator": attrs.asdict(PathStats.of(initiator_s, num_bytes)),
-        "handover_overhead": attrs.asdict(Overhead.of(xcvr_s, raw_s)),
-        "stages": stages,
-        "ratio_vs_raw_nixl": ratio_vs_raw(xcvr, raw),
+        "handover_overhead": primary["handover_overhead"],
+        "stages": primary["stages"],
+        "ratio_vs_raw_nixl": primary["ratio_vs_raw_nixl"],
+        "schedules": schedule_doc,
         "rss": rss_doc,
         "cpu_share": {"measured": cpu, "idle": cpu_idle, "measured_s": measured_s},
         "transceiver_statistics": statistics,
         "verified": all(checks.values()),
         "checks": checks,
         "samples": {
-            "transceiver_s": xcvr_s,
-            "transceiver_outcome_s": outcome_s,
-            "transceiver_write_s": write_s,
+            **primary["samples"],
             "raw_s": raw_s,
             "raw_initiator_s": initiator_s,
         },
@@ -1159,7 +1421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_config(argv)
     _progress(
         f"bench_transfer: {cfg.num_bytes} bytes, {cfg.warmup} warm-up + {cfg.iterations} "
-        f"iterations per path, device {cfg.device}"
+        f"iterations per path, device {cfg.device}, schedules {', '.join(cfg.schedules)}"
     )
     try:
         doc = run_bench(cfg)

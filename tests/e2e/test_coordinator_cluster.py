@@ -328,3 +328,62 @@ def test_client_disconnect_mid_stream_frees_gen_within_a_second(
                     break
             assert running(gen) == 1
         wait_until(lambda: running(gen) == 0, 1.0, "gen running 0")
+
+
+def held(server: Server) -> float:
+    """KV blocks held by a request or a transfer (neither free nor kept by the prefix cache)."""
+    text = httpx.get(server.url + "/metrics").text
+    return (
+        metric(text, "trtdisagg_kv_cache_total_blocks")
+        - metric(text, "trtdisagg_kv_cache_free_blocks")
+        - metric(text, "trtdisagg_kv_cache_reusable_blocks")
+    )
+
+
+def test_generation_first_equals_aggregated_and_frees_gen_when_ctx_finishes(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    ctx, gen = workers["ctx"][0], workers["gen"][0]
+    words = "a small model answers every prompt the same way twice in a row".split()
+    bodies = [body(" ".join(words[i % 5 :] + words[: i % 4]), 3 + i % 7) for i in range(12)]
+    expected = [aggregated(gen, b)["choices"][0]["token_ids"] for b in bodies]
+    with coordinator(tmp_path, workers, schedule_style="generation_first") as coord:
+        results: list[Any] = [None] * len(bodies)
+
+        def one(i: int) -> None:
+            r = httpx.post(coord.url + "/v1/completions", json=bodies[i], timeout=120)
+            results[i] = r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        assert results == expected  # each gen leg had only the first token the KV brought
+        api = openai.OpenAI(base_url=coord.url + "/v1", api_key="unused", max_retries=0)
+        prompt = "Once upon a time there was a little robot who"
+        reference = aggregated(gen, body(prompt, 16))
+        stream = api.completions.create(
+            model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(stream)
+        assert (
+            "".join(c.choices[0].text for c in chunks if c.choices)
+            == reference["choices"][0]["text"]
+        )
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.prompt_tokens == reference["usage"]["prompt_tokens"]
+        chat = api.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=6, temperature=0
+        )
+        assert chat.choices[0].message.content and chat.usage is not None
+        # ctx finishes the request itself (max_tokens 1): gen's leg, already waiting for KV
+        # that never comes, is cancelled and its blocks return at once, not at the timeout.
+        gen_ok = counts(gen, "gen")
+        r = httpx.post(coord.url + "/v1/completions", json=body(prompt, 1), timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"][:1]
+        wait_until(lambda: held(gen) == 0 and running(gen) == 0, 5.0, "gen idle")
+        wait_until(lambda: held(ctx) == 0, 5.0, "ctx idle")
+        assert counts(gen, "gen") == gen_ok  # the cancelled leg is not an ok gen request

@@ -156,6 +156,77 @@ async def test_gen_blocks_hold_exactly_the_ctx_bytes(pair: tuple[Server, Server]
     assert len({ctx_digests[str(k)] for k in keys}) == len(keys)  # digests see the content
 
 
+async def _generation_first(
+    client: httpx.AsyncClient, ctx: Server, gen: Server, body: dict[str, Any], key: int
+) -> tuple[list[int], list[int]]:
+    """generation_only posted first, without a first token; context_only only once gen's
+    REQUEST_DATA waits at ctx. (gen's tokens, ctx's tokens)."""
+    endpoint = _info_endpoint(ctx)
+    gen_body = {**body, "disaggregated_params": {
+        "request_type": "generation_only", "schedule_style": "generation_first",
+        "disagg_request_id": key, "ctx_request_id": key, "ctx_info_endpoint": endpoint,
+    }}  # fmt: skip
+    ctx_params = {"request_type": "context_only", "disagg_request_id": key}
+    ctx_body = {**body, "stream": False, "disaggregated_params": ctx_params}
+    gen_tokens: list[int] = []
+
+    async def run_gen() -> None:
+        if not body.get("stream"):
+            g = await client.post(gen.url + "/v1/completions", json=gen_body)
+            assert g.status_code == 200, g.text
+            gen_tokens.extend(g.json()["choices"][0]["token_ids"])
+            return
+        async with client.stream("POST", gen.url + "/v1/completions", json=gen_body) as g:
+            assert g.status_code == 200
+            async for line in g.aiter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        gen_tokens.extend(choice.get("token_ids", []))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_gen)
+        with trio.fail_after(10):  # gen asked before ctx has even seen the request
+            while True:
+                text = (await client.get(ctx.url + "/metrics")).text
+                if metric(text, "trtdisagg_kv_early_messages") >= 1:
+                    break
+                await trio.sleep(0.02)  # polling an observable gauge, bounded above
+        r = await client.post(ctx.url + "/v1/completions", json=ctx_body)
+        assert r.status_code == 200, r.text
+        ctx_tokens = list(r.json()["choices"][0]["token_ids"])
+    return gen_tokens, ctx_tokens
+
+
+async def test_generation_first_gets_its_first_token_with_the_kv(
+    pair: tuple[Server, Server],
+) -> None:
+    ctx, gen = pair
+    rng = random.Random(13)
+    async with httpx.AsyncClient(timeout=60) as client:
+        keys = []
+        for i, n in enumerate((1, 16, 33, 70)):
+            body = _body(_prompt(rng, n), 6, stream=i % 2 == 1)
+            key = 2**50 + 7000 + n
+            keys.append(key)
+            gen_tokens, ctx_tokens = await _generation_first(client, ctx, gen, body, key)
+            assert gen_tokens == await _aggregated(client, ctx, body), f"prompt of {n}"
+            assert gen_tokens[:1] == ctx_tokens  # the token gen never saw in its request
+        ctx_digests = (await client.get(ctx.url + "/debug/kv_digests")).json()
+        gen_digests = (await client.get(gen.url + "/debug/kv_digests")).json()
+        for key in keys:
+            assert ctx_digests[str(key)] == gen_digests[str(key)], f"transfer {key} changed bytes"
+        # Without generation_first, a generation_only request must carry ctx's first token.
+        bare = _body([5, 6, 7], 2)
+        bare["disaggregated_params"] = {
+            "request_type": "generation_only", "disagg_request_id": 2**50 + 1,
+            "ctx_info_endpoint": _info_endpoint(ctx),
+        }  # fmt: skip
+        r = await client.post(gen.url + "/v1/completions", json=bare)
+        assert r.status_code == 400 and "first_gen_tokens" in r.json()["error"]["message"]
+        for server in pair:
+            await _wait_idle(client, server)
+
+
 async def test_rendezvous_once_and_one_descriptor_per_run(pair: tuple[Server, Server]) -> None:
     ctx, gen = pair
     rng = random.Random(9)

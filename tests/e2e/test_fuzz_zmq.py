@@ -238,7 +238,7 @@ def test_handshakes_of_another_version_or_setting_are_refused(
         reply = request(socket, RequestInstanceInfo(protocol_version=PROTOCOL_VERSION + 998))
         assert isinstance(reply, InstanceInfo) and reply.protocol_version == PROTOCOL_VERSION
         refusals = [
-            ({"protocol_version": 999}, "protocol_version: local 1 vs peer 999"),
+            ({"protocol_version": 999}, f"protocol_version: local {PROTOCOL_VERSION} vs peer 999"),
             ({"dtype": "bfloat16", "element_bytes": 2}, "dtype: local 'float32' vs peer"),
             ({"tokens_per_block": 32}, "tokens_per_block: local 16 vs peer 32"),
             ({"agent_metadata": b"not nixl metadata"}, "cannot load remote agent"),

@@ -273,8 +273,13 @@ async def test_other_kv_head_counts(
     await _check_pairing(kv_other[model], ctx_name, gen_name, seed=len(model) + len(gen_name))
 
 
-def test_coordinator_in_front_of_tp2_ctx_and_pp2_gen(kv2: Group, tmp_path: Path) -> None:
-    """The user's path: the OpenAI client through the coordinator, ctx TP2 → gen PP2."""
+@pytest.mark.parametrize("schedule", ["context_first", "generation_first"])
+def test_coordinator_in_front_of_tp2_ctx_and_pp2_gen(
+    kv2: Group, tmp_path: Path, schedule: str
+) -> None:
+    """The user's path: the OpenAI client through the coordinator, ctx TP2 → gen PP2. With
+    generation_first, each gen rank asks before ctx answered and the first token comes with
+    the KV."""
     import openai
 
     port = free_port()
@@ -285,6 +290,7 @@ def test_coordinator_in_front_of_tp2_ctx_and_pp2_gen(kv2: Group, tmp_path: Path)
         "generation_servers": {"urls": [kv2.servers["gen_pp2"].url]},
         "health_check_interval": 0.2,
         "server_start_timeout": 60,
+        "schedule_style": schedule,
     }
     path = tmp_path / "disagg.yaml"
     path.write_text(yaml.safe_dump(config))

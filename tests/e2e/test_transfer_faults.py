@@ -54,14 +54,22 @@ class Case:
     quarantine_expires: bool = False  # gen frees its blocks only after the second timeout
 
 
+# Both of ctx's reports of a write lost: WRITE_POSTED (sent with the post) and TRANSFER_RESULT.
+LOST = "drop:WRITE_POSTED:1;drop:TRANSFER_RESULT:1"
+
 CASES = {
-    # TRANSFER_RESULT (ctx -> gen)
-    "result dropped": Case(ctx="drop:TRANSFER_RESULT:1", fails_with="timed out"),
+    # TRANSFER_RESULT (ctx -> gen): gen needs it only when WRITE_POSTED did not come
+    "result dropped: the announcement and the notice suffice": Case(ctx="drop:TRANSFER_RESULT:1"),
     "result duplicated": Case(ctx="dup:TRANSFER_RESULT:1"),
     "result delayed": Case(ctx="delay:TRANSFER_RESULT:300ms:1"),
-    "result later than the deadline": Case(
-        ctx=f"delay:TRANSFER_RESULT:{TIMEOUT_S + 1}s:1", fails_with="timed out"
+    "announcement and result dropped": Case(ctx=LOST, fails_with="timed out"),
+    "announcement dropped, result later than the deadline": Case(
+        ctx=f"drop:WRITE_POSTED:1;delay:TRANSFER_RESULT:{TIMEOUT_S + 1}s:1", fails_with="timed out"
     ),
+    # WRITE_POSTED (ctx -> gen)
+    "announcement dropped: the result suffices": Case(ctx="drop:WRITE_POSTED:1"),
+    "announcement duplicated": Case(ctx="dup:WRITE_POSTED:1"),
+    "announcement delayed past the result": Case(ctx="delay:WRITE_POSTED:300ms:1"),
     # REQUEST_DATA (gen -> ctx)
     "request dropped": Case(gen="drop:REQUEST_DATA:1", fails_with="timed out"),
     "request duplicated": Case(gen="dup:REQUEST_DATA:1"),
@@ -74,14 +82,10 @@ CASES = {
     "submit fails": Case(ctx="fail_submit:1", fails_with="injected fault", within_s=SLACK_S),
     "write stalls": Case(ctx="stall_transfer:500ms:1"),
     # CANCEL (gen -> ctx, after a timeout): its answer is what lets gen free its blocks early
-    "cancel duplicated": Case(
-        ctx="drop:TRANSFER_RESULT:1", gen="dup:CANCEL:1", fails_with="timed out"
-    ),
-    "cancel delayed": Case(
-        ctx="drop:TRANSFER_RESULT:1", gen="delay:CANCEL:500ms:1", fails_with="timed out"
-    ),
+    "cancel duplicated": Case(ctx=LOST, gen="dup:CANCEL:1", fails_with="timed out"),
+    "cancel delayed": Case(ctx=LOST, gen="delay:CANCEL:500ms:1", fails_with="timed out"),
     "cancel dropped too: gen waits a second timeout": Case(
-        ctx="drop:TRANSFER_RESULT:1",
+        ctx=LOST,
         gen="drop:CANCEL:1",
         fails_with="timed out",
         quarantine_expires=True,

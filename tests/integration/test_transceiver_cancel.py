@@ -29,15 +29,21 @@ from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
 
 @attrs.define(eq=False)
 class StallingAgent:
-    """A loopback agent whose writes stay in flight until `finish()`: copies land at once, but
-    the initiator sees PENDING, as with a slow network."""
+    """A loopback agent whose writes stay in flight until `finish()`, as on a slow network:
+    neither the bytes nor the notification land, and the initiator sees PENDING."""
 
     inner: LoopbackAgent
     stalled: bool = True
     submitted: int = 0
+    _held: list[tuple[XferHandle, tuple[Any, ...], dict[str, Any]]] = attrs.field(factory=list)
+    _landed: dict[XferHandle, XferHandle] = attrs.field(factory=dict)
 
     def finish(self) -> None:
+        """The held writes land now (bytes, then notification)."""
         self.stalled = False
+        for handle, args, kw in self._held:
+            self._landed[handle] = self.inner.submit_write(*args, **kw)
+        self._held.clear()
 
     @property
     def name(self) -> str:
@@ -62,13 +68,18 @@ class StallingAgent:
         self, fragments: Fragments, remote: str, notif: bytes, **kw: Any
     ) -> XferHandle:
         self.submitted += 1
-        return self.inner.submit_write(fragments, remote, notif, **kw)
+        handle = XferHandle(-self.submitted)  # the inner agent's handles are positive
+        self._held.append((handle, (fragments, remote, notif), kw))
+        return handle
 
     def poll(self, handle: XferHandle) -> XferStatus:
-        return XferStatus.PENDING if self.stalled else self.inner.poll(handle)
+        landed = self._landed.get(handle)
+        return XferStatus.PENDING if landed is None else self.inner.poll(landed)
 
     def release(self, handle: XferHandle) -> None:
-        self.inner.release(handle)
+        landed = self._landed.pop(handle, None)
+        if landed is not None:
+            self.inner.release(landed)
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         return self.inner.get_notifications()

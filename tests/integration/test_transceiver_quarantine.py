@@ -106,21 +106,22 @@ async def test_timeout_with_a_write_in_flight_holds_the_blocks_until_it_lands() 
 
 
 async def test_ctx_answers_a_cancel_at_once_when_nothing_is_in_flight() -> None:
-    # The write's result is lost: gen times out. ctx has nothing in flight any more, so it
-    # answers gen's CANCEL at once, and gen frees long before a second timeout.
-    async with _pair("drop:TRANSFER_RESULT:1") as pair:
+    # The write's announcement and result are lost: gen times out. ctx has nothing in flight
+    # any more, so it answers gen's CANCEL at once, and gen frees long before a second timeout.
+    async with _pair("drop:WRITE_POSTED:1;drop:TRANSFER_RESULT:1") as pair:
         started = trio.current_time()
         _start(pair)
         failed = await _gen_failure(pair.gen)
         assert failed.blocks_held
         await _until(lambda: pair.gen.cancel_request(KEY), "ctx's answer", TIMEOUT_S)
         assert trio.current_time() - started < TIMEOUT_S * 1.5
-        assert pair.ctx_faults.statistics().rules[0].fired == 1  # one result lost, not the answer
+        assert pair.ctx_faults.statistics().rules[1].fired == 1  # one result lost, not the answer
         assert pair.gen.statistics().quarantine_expired == 0
 
 
 async def test_a_silent_ctx_is_given_up_on_after_a_second_timeout() -> None:
-    async with _pair("drop:TRANSFER_RESULT") as pair:  # every result, answers to CANCEL too
+    # Every announcement and result, answers to CANCEL too.
+    async with _pair("drop:WRITE_POSTED;drop:TRANSFER_RESULT") as pair:
         started = trio.current_time()
         _start(pair)
         assert (await _gen_failure(pair.gen)).blocks_held

@@ -3,6 +3,7 @@ validation, statistics and the report's last line. No processes, no NIXL."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -182,6 +183,43 @@ def test_config_is_json_ready(tmp_path: Path) -> None:
     doc = bt.parse_config(["--result-json", str(tmp_path / "x.json")]).to_json()
     assert doc["geometry"]["layers"] == 32
     assert doc["result_json"] == str(tmp_path / "x.json")
+    assert doc["schedules"] == ["context-first"]
+    assert json.loads(json.dumps(doc)) == doc
+
+
+@pytest.mark.parametrize(
+    ("argv", "schedules"),
+    [
+        ([], ("context-first",)),  # the figures so far: unchanged by default
+        (["--schedule", "context-first"], ("context-first",)),
+        (["--schedule", "generation-first"], ("generation-first",)),
+        (["--schedule", "both"], ("context-first", "generation-first")),
+    ],
+)
+def test_schedule_option(argv: list[str], schedules: tuple[str, ...]) -> None:
+    cfg = bt.parse_config(argv)
+    assert cfg.schedules == schedules
+    assert cfg.primary_schedule == schedules[0]
+    assert cfg.to_json()["schedules"] == list(schedules)
+
+
+def test_unknown_schedule_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "invalid choice: 'gen-first'" in _rejected(["--schedule", "gen-first"], capsys)
+    with pytest.raises(ValueError, match="--schedule must be one of"):
+        bt.schedules_for("gen-first")
+
+
+@pytest.mark.parametrize(
+    "schedules", [(), ("context-first", "context-first"), ("context-first", "raw")]
+)
+def test_bench_config_validates_its_schedules(schedules: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError, match="schedules must be distinct"):
+        attrs.evolve(bt.parse_config([]), schedules=schedules)
+
+
+def test_result_line_names() -> None:
+    assert bt.result_line_name("generation-first") == "ratio_vs_raw_nixl_generation_first"
+    assert bt.result_line_name("context-first") == "ratio_vs_raw_nixl_context_first"
 
 
 # statistics and report -------------------------------------------------------------------------
@@ -223,6 +261,43 @@ def test_stage_offsets_are_per_key_and_relative_to_gens_request() -> None:
     assert stages["gen.outcome"]["n"] == 2
 
 
+def test_generation_first_stages_count_from_ctxs_respond() -> None:
+    # gen asked at 10.0; its REQUEST_DATA waited at ctx from 10.001 until the KV was ready
+    gen = [[1, "request", 10.0], [1, "notice", 10.0205], [1, "outcome", 10.021]]
+    ctx = [[1, "received", 10.001], [1, "respond", 10.005], [1, "write", 10.0052]]
+    ctx += [[9, "respond", 90.0]]  # another key, not measured
+    stages = bt.stage_offsets({"gen": gen, "ctx": ctx}, [1], origin="ctx.respond")
+    assert list(stages) == [
+        "ctx.respond", "gen.request", "ctx.received", "ctx.write", "gen.notice", "gen.outcome"
+    ]  # fmt: skip
+    assert stages["ctx.respond"]["p50_s"] == 0.0
+    assert stages["gen.request"]["p50_s"] == pytest.approx(-0.005)
+    assert stages["ctx.received"]["p50_s"] == pytest.approx(-0.004)
+    assert stages["gen.outcome"]["p50_s"] == pytest.approx(0.016)
+    # keys without the origin stamp (e.g. context-first ones) count nowhere
+    assert bt.stage_offsets({"gen": gen, "ctx": ctx[:1]}, [1], origin="ctx.respond") == {}
+
+
+def test_summarize_schedule_pairs_with_the_same_iterations_raw_times() -> None:
+    doc = bt.summarize_schedule(
+        wall_s=[0.030, 0.026, 0.021],
+        outcome_s=[0.031, 0.027, 0.022],
+        write_s=[0.020, 0.020, 0.020],
+        raw_s=[0.020, 0.025, 0.020],
+        num_bytes=50_000_000,
+        cold_s=0.2,
+        stages={},
+        timed=bt.TIMED["generation-first"],
+    )
+    assert doc["timed"] == "ctx KV ready->gen outcome"
+    assert doc["cold_s"] == 0.2
+    assert doc["transceiver"]["median_s"] == pytest.approx(0.026)
+    assert doc["handover_overhead"]["p50_s"] == pytest.approx(0.001)
+    assert doc["ratio_vs_raw_nixl"] == pytest.approx(0.020 / 0.026)
+    assert doc["samples"]["transceiver_s"] == [0.030, 0.026, 0.021]
+    assert json.loads(json.dumps(doc)) == doc
+
+
 def test_rss_growth() -> None:
     assert bt.rss_growth(1000, 1050) == pytest.approx(0.05)
     assert bt.rss_growth(None, 1050) is None
@@ -233,40 +308,102 @@ def _stats(median: float) -> dict[str, Any]:
     return attrs.asdict(bt.PathStats.of([median], 64 * MIB))
 
 
-def test_report_ends_with_the_ratio_line() -> None:
-    cfg = bt.parse_config([])
+def _schedule(median: float, ratio: float, timed: str) -> dict[str, Any]:
+    return {
+        "timed": timed,
+        "cold_s": 0.4,
+        "transceiver": _stats(median),
+        "transceiver_write": _stats(0.021),
+        "handover_overhead": {"p50_s": 0.005, "p90_s": 0.006, "min_s": 0.001},
+        "stages": {},
+        "ratio_vs_raw_nixl": ratio,
+    }
+
+
+def _doc(argv: list[str], ratios: dict[str, float]) -> dict[str, Any]:
+    """A result doc as run_bench makes it, for the selected schedules (ratios by schedule)."""
+    cfg = bt.parse_config(argv)
     rss = {"after_warmup_kib": 2048, "at_checkpoint_kib": None, "end_kib": 2048}
-    doc = {
+    schedules = {s: _schedule(0.025, ratios[s], bt.TIMED[s]) for s in cfg.schedules}
+    primary = schedules[cfg.primary_schedule]
+    return {
         "config": cfg.to_json(),
         "devices": "cpu -> cpu",
         "bytes": cfg.num_bytes,
         "num_blocks": 16,
         "descriptors": 1,
         "expected_descriptors": 1,
+        "primary_schedule": cfg.primary_schedule,
         "cold": {"transceiver_s": 0.4, "raw_s": 0.05},
-        "transceiver": _stats(0.025),
+        "transceiver": primary["transceiver"],
         "raw": _stats(0.020),
         "raw_initiator": _stats(0.019),
-        "transceiver_write": _stats(0.021),
-        "handover_overhead": {"p50_s": 0.005, "p90_s": 0.006, "min_s": 0.001},
+        "transceiver_write": primary["transceiver_write"],
+        "handover_overhead": primary["handover_overhead"],
+        "stages": {},
+        "ratio_vs_raw_nixl": primary["ratio_vs_raw_nixl"],
+        "schedules": schedules,
         "rss": {"ctx": {**rss, "growth_checkpoint_to_end": None}, "gen": {**rss,
                 "growth_checkpoint_to_end": 0.01}},
         "transceiver_statistics": {
-            "ctx": {"senders": 0, "receivers": 0, "bad_frames": 0, "rendezvous": 0},
-            "gen": {"senders": 0, "receivers": 0, "bad_frames": 0, "rendezvous": 1},
+            "ctx": {"senders": 0, "receivers": 0, "bad_frames": 0, "rendezvous": 0, "early": 0},
+            "gen": {"senders": 0, "receivers": 0, "bad_frames": 0, "rendezvous": 1, "early": 0},
         },
         "cpu_share": {"measured": {"ctx": 1.5, "gen": None}, "idle": {"ctx": 0.98, "gen": 0.97}},
         "verified": True,
-        "ratio_vs_raw_nixl": 0.8,
     }  # fmt: skip
-    text = bt.format_report(doc)
+
+
+def test_report_ends_with_the_ratio_line() -> None:
+    text = bt.format_report(_doc([], {"context-first": 0.8}))
     lines = text.splitlines()
     assert lines[-1] == "ratio_vs_raw_nixl=0.8000"
+    assert not any(line.startswith("ratio_vs_raw_nixl_") for line in lines)
     assert "67108864 bytes" in text
     assert "descriptors: transceiver 1 (expected 1), raw 1" in text
+    assert "context-first (gen call->outcome)" in text
     assert "p50 5.000 ms" in text
     assert "growth +1.00%" in text
     assert "measured phase ctx 1.50 gen -; idle ctx 0.98 gen 0.97" in text
+    assert "ctx early 0" in text
+
+
+def test_report_of_both_schedules_ends_with_context_firsts_ratio() -> None:
+    doc = _doc(["--schedule", "both"], {"context-first": 0.7, "generation-first": 0.85})
+    text = bt.format_report(doc)
+    lines = text.splitlines()
+    assert lines[-2:] == ["ratio_vs_raw_nixl_generation_first=0.8500", "ratio_vs_raw_nixl=0.7000"]
+    assert "generation-first (ctx KV ready->gen outcome)" in text
+    assert "context-first (gen call->outcome)" in text
+    assert "generation-first: ratio vs raw 0.8500; handover overhead" in text
+    assert (
+        "cold first transfer: context-first 400.000 ms (rendezvous + connection), "
+        "generation-first 400.000 ms, raw 50.000 ms"
+    ) in text
+
+
+def test_report_of_generation_first_alone_ends_with_its_ratio() -> None:
+    doc = _doc(["--schedule", "generation-first"], {"generation-first": 0.85})
+    doc["schedules"]["generation-first"]["stages"] = {
+        "ctx.respond": {"p50_s": 0.0, "p90_s": 0.0, "n": 1},
+        "gen.request": {"p50_s": -0.003, "p90_s": -0.002, "n": 1},
+        "gen.outcome": {"p50_s": 0.022, "p90_s": 0.023, "n": 1},
+    }
+    text = bt.format_report(doc)
+    assert text.splitlines()[-1] == "ratio_vs_raw_nixl=0.8500"
+    assert "context-first" not in text
+    assert (
+        "generation-first: stages after ctx.respond (p50/p90 ms): gen.request -3.000/-2.000, "
+        "gen.outcome 22.000/23.000"
+    ) in text
+
+
+def test_report_of_a_result_file_from_before_schedules() -> None:
+    doc = _doc([], {"context-first": 0.8})
+    del doc["schedules"], doc["primary_schedule"], doc["config"]["schedules"]
+    for role in ("ctx", "gen"):
+        del doc["transceiver_statistics"][role]["early"]
+    assert bt.format_report(doc).splitlines()[-1] == "ratio_vs_raw_nixl=0.8000"
 
 
 def test_cpu_share_and_proc_stat_of_this_process() -> None:

@@ -54,11 +54,20 @@ def test_one_h200_shares_gpu_0() -> None:
     assert coordinator["context_servers"]["urls"] == ["127.0.0.1:8001"]
 
 
-def test_two_h200_disagg_puts_ctx_and_gen_on_their_gpus() -> None:
-    workers, coordinator = plan("two_h200_disagg.yaml")
+@pytest.mark.parametrize(
+    ("name", "style"),
+    [
+        ("two_h200_disagg.yaml", "context_first"),
+        ("two_h200_disagg_generation_first.yaml", "generation_first"),
+    ],
+)
+def test_two_h200_disagg_puts_ctx_and_gen_on_their_gpus(name: str, style: str) -> None:
+    workers, coordinator = plan(name)
     assert workers["ctx-0"].cuda_device == 0
     assert workers["gen-0"].cuda_device == 1
     assert coordinator["generation_servers"]["urls"] == ["127.0.0.1:8002"]
+    config = coordinator_config_from_dict(coordinator, source=name)
+    assert config.schedule_style.value == style
 
 
 def test_two_h200_aggregated_has_no_ctx() -> None:

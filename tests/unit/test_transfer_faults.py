@@ -143,13 +143,17 @@ def test_faulty_agent_fails_then_stalls_submits() -> None:
     with pytest.raises(AgentError, match="injected fault"):
         writer.submit_write(_one_write(src, dst), "r", b"n1")
     handle = writer.submit_write(_one_write(src, dst), "r", b"n2")
-    assert writer.poll(handle) is XferStatus.PENDING  # the bytes landed, the initiator waits
-    assert (dst == src).all() and reader.get_notifications() == [("w", b"n2")]
+    assert writer.poll(handle) is XferStatus.PENDING  # held back: nothing has landed yet
+    assert not dst.any() and reader.get_notifications() == []
     clock.now += 2.0
     assert writer.poll(handle) is XferStatus.DONE
+    assert (dst == src).all() and reader.get_notifications() == [("w", b"n2")]
     writer.release(handle)
-    third = writer.submit_write(_one_write(src, dst), "r", b"n3")
-    assert writer.poll(third) is XferStatus.DONE
+    dst[:] = 0
+    later = writer.submit_write(_one_write(src, dst), "r", b"n3")
+    assert writer.poll(later) is XferStatus.DONE  # the stall rule had one use
+    assert (dst == src).all()
+    writer.release(later)
 
 
 def test_faulty_agent_drops_duplicates_and_delays_write_notices() -> None:

@@ -242,3 +242,57 @@ def test_sender_reports_which_ranks_it_writes_to() -> None:
     assert s.is_writing(0) and not s.is_writing(1)
     s.write_finished(0, OK)
     assert not s.is_writing(0)
+
+
+def test_receiver_takes_the_first_tokens_of_the_lowest_ctx_rank_that_sent_them() -> None:
+    r = _receiver(expected=(0, 1, 2))
+    r.mark_requested()
+    assert r.first_tokens == ()
+    r.on_result(2, OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(7,))
+    assert r.first_tokens == (7,)
+    r.on_result(1, OK, num_bytes=0, num_descriptors=0, error="")  # a follower without them
+    r.on_result(0, OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(5,))
+    assert r.first_tokens == (5,)
+    assert not r.on_result(0, OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(9,))
+    assert r.first_tokens == (5,)  # a duplicate result changes nothing
+
+
+def test_merged_outcome_keeps_the_first_tokens_of_any_rank() -> None:
+    from trtdisagg.transfer.sessions import TransferOutcome
+    from trtdisagg.worker.rank_plan import merge_outcomes
+
+    parts = [
+        TransferOutcome(key=3, ok=True, num_bytes=10),
+        TransferOutcome(key=3, ok=True, num_bytes=20, first_tokens=(42,)),
+    ]
+    merged = merge_outcomes(parts)
+    assert merged.first_tokens == (42,) and merged.num_bytes == 30
+    assert merge_outcomes(parts[:1]).first_tokens == ()
+
+
+def test_receiver_ends_on_an_announced_write_s_notice_before_its_result() -> None:
+    r = _receiver(expected=(0, 1))
+    r.mark_requested()
+    assert r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=(5,))
+    assert not r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=(5,))  # duplicate
+    assert not r.on_posted(7, num_bytes=1, num_descriptors=1, first_tokens=())  # unexpected
+    assert r.waits_for_notice() and not r.is_quiescent
+    assert r.on_notice(0)
+    assert r.status is ReceiverStatus.TRANSFERRING  # rank 1 has not written yet
+    assert r.is_quiescent is False
+    r.on_result(1, OK, num_bytes=0, num_descriptors=0, error="")  # rank 1: nothing to move
+    assert r.status is ReceiverStatus.TRANSFERRED and r.is_quiescent
+    assert (r.num_bytes, r.num_descriptors, r.first_tokens) == (64, 1, (5,))
+    # rank 0's result comes last: it changes nothing, even an error (the bytes had landed).
+    r.on_result(0, ERROR, num_bytes=64, num_descriptors=1, error="late")
+    assert r.status is ReceiverStatus.TRANSFERRED and r.num_bytes == 64
+
+
+def test_an_announced_write_that_fails_before_its_notice_fails_the_receiver() -> None:
+    r = _receiver(expected=(0,))
+    r.mark_requested()
+    r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=())
+    assert not r.is_quiescent  # the write may still land
+    r.on_result(0, ERROR, num_bytes=0, num_descriptors=0, error="write failed")
+    assert r.status is ReceiverStatus.ERROR and r.is_quiescent
+    assert not r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=())  # after result

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import attrs
 
 RequestTypeName = Literal["context_and_generation", "context_only", "generation_only"]
+ScheduleStyleName = Literal["context_first", "generation_first"]
 
 
 @attrs.frozen(kw_only=True)
@@ -32,6 +33,9 @@ class DisaggregatedParams:
     ctx_info_endpoint: str | None = None
     opaque_state: str | None = None
     draft_tokens: list[int] | None = None
+    # generation_first: this generation_only request was posted before ctx answered, so it has
+    # no first_gen_tokens; they come with the KV (the transfer result).
+    schedule_style: ScheduleStyleName | None = None
 
 
 @attrs.frozen(kw_only=True)

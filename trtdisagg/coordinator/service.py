@@ -353,8 +353,7 @@ class DisaggService:
         """Post gen before ctx answers, so gen allocates while ctx prefills and the KV moves as
         soon as both sides are ready. gen learns where the KV comes from (ctx's
         ``ctx_info_endpoint`` from its /server_info) and under which id, but not ctx's first
-        token: this needs workers that accept such a generation_only request. Ours do not yet
-        and answer 400, which goes back to the client (see conf/disagg.yaml)."""
+        token: ctx sends that with the KV (TRANSFER_RESULT.first_tokens)."""
         ctx_lease = await self._lease(call, CTX, disagg_id)
         info = self.placement.server_info(ctx_lease.server)
         tokens = call.route.prompt_token_ids

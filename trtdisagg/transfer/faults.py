@@ -12,9 +12,9 @@ Spec: rules separated by `;`, each `action:arguments`:
     dup:TYPE[:N]                  it is sent twice
     delay:TYPE:DURATION[:N]       it is sent DURATION later; later messages may overtake it
     fail_submit[:N]               the transfer agent refuses to submit a KV write
-    stall_transfer:DURATION[:N]   a KV write is reported PENDING until DURATION after it was
-                                  submitted; the bytes and the notification land at once, so the
-                                  initiator's view (and its TRANSFER_RESULT) is what stalls
+    stall_transfer:DURATION[:N]   a KV write is held back: its bytes and notification land
+                                  DURATION after it was submitted (at the initiator's first poll
+                                  after that), and until then it reads PENDING
     none                          no rule: armed, with rules to come from POST /debug/faults
 
 TYPE is a control-message name (`wire.MESSAGE_TAGS`: REQUEST_DATA, TRANSFER_RESULT, CANCEL, ...).

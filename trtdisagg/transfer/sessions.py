@@ -16,7 +16,9 @@ Receiver (gen rank):
 
     CANCELLED | ERROR           terminal flags (cancel() / fail() / an error or cancelled result)
     TRANSFERRED                 every expected sender rank reported OK, and each that moved bytes
-                                also delivered its WRITE_NOTICE (the data has landed)
+                                also delivered its WRITE_NOTICE (the data has landed); a rank
+                                whose only write was announced (WRITE_POSTED) counts once its
+                                WRITE_NOTICE is in, before its result
     TRANSFERRING                after `mark_requested` (REQUEST_DATA sent)
     INIT                        otherwise
 
@@ -81,6 +83,7 @@ class SenderSession:
     source: SourceBlocks | None = None
     error: str | None = None
     cancelled: bool = False
+    first_tokens: tuple[int, ...] = ()  # what ctx sampled, sent along with every OK result
     _requests: dict[int, RequestData] = attrs.field(factory=dict)
     _in_flight: set[int] = attrs.field(factory=set)
     _finished: dict[int, ResultStatus] = attrs.field(factory=dict)
@@ -190,6 +193,7 @@ class RankResult:
     num_bytes: int
     num_descriptors: int
     error: str
+    first_tokens: tuple[int, ...] = ()
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -207,6 +211,7 @@ class ReceiverSession:
     cancel_sent: bool = False  # CANCEL went to the expected ctx ranks (once)
     failure_reported: bool = False  # the failure went to the executor; the blocks stay pinned
     _results: dict[int, RankResult] = attrs.field(factory=dict)
+    _posted: dict[int, RankResult] = attrs.field(factory=dict)  # WRITE_POSTED, result to come
     _noticed: set[int] = attrs.field(factory=set)
 
     @property
@@ -215,12 +220,25 @@ class ReceiverSession:
             return ReceiverStatus.CANCELLED
         if self.error is not None:
             return ReceiverStatus.ERROR
-        if self.expected <= self._results.keys() and all(
-            r.status is ResultStatus.OK and (r.num_bytes == 0 or rank in self._noticed)
-            for rank, r in self._results.items()
-        ):
+        if all(self._landed(rank) for rank in self.expected):
             return ReceiverStatus.TRANSFERRED
         return ReceiverStatus.TRANSFERRING if self.requested else ReceiverStatus.INIT
+
+    def _landed(self, rank: int) -> bool:
+        """Rank `rank`'s part is here: its OK result, and the notice if it moved bytes; or its
+        only write posted (WRITE_POSTED) and noticed (NIXL delivers a notification after the
+        write's bytes), before the result that confirms it."""
+        if rank in self._posted and rank in self._noticed:
+            return True  # whatever its result says later, the bytes are here
+        result = self._results.get(rank)
+        return (
+            result is not None
+            and result.status is ResultStatus.OK
+            and (result.num_bytes == 0 or rank in self._noticed)
+        )
+
+    def _part(self, rank: int) -> RankResult | None:
+        return self._results.get(rank) or self._posted.get(rank)
 
     @property
     def is_terminal(self) -> bool:
@@ -232,22 +250,42 @@ class ReceiverSession:
 
     @property
     def is_quiescent(self) -> bool:
-        """Every expected ctx rank reported: nobody writes into our blocks any more."""
-        return self.expected <= self._results.keys()
+        """Every expected ctx rank reported, or had its only write land: nobody writes into our
+        blocks any more."""
+        return all(
+            rank in self._results or (rank in self._posted and rank in self._noticed)
+            for rank in self.expected
+        )
 
     @property
     def num_bytes(self) -> int:
-        return sum(r.num_bytes for r in self._results.values())
+        return sum(part.num_bytes for part in map(self._part, self.expected) if part)
 
     @property
     def num_descriptors(self) -> int:
-        return sum(r.num_descriptors for r in self._results.values())
+        return sum(part.num_descriptors for part in map(self._part, self.expected) if part)
+
+    @property
+    def first_tokens(self) -> tuple[int, ...]:
+        """The first generated tokens, from the lowest ctx rank that sent them (rank 0)."""
+        for rank in sorted(self.expected):
+            part = self._part(rank)
+            if part is not None and part.first_tokens:
+                return part.first_tokens
+        return ()
 
     def mark_requested(self) -> None:
         self.requested = True
 
     def on_result(
-        self, rank: int, status: ResultStatus, *, num_bytes: int, num_descriptors: int, error: str
+        self,
+        rank: int,
+        status: ResultStatus,
+        *,
+        num_bytes: int,
+        num_descriptors: int,
+        error: str,
+        first_tokens: tuple[int, ...] = (),
     ) -> bool:
         """A TRANSFER_RESULT from ctx rank `rank`; False if unexpected, duplicate or late."""
         if rank not in self.expected or rank in self._results:
@@ -256,11 +294,35 @@ class ReceiverSession:
         # not read as TRANSFERRED when it is an error.
         was_terminal = self.is_terminal
         self._results[rank] = RankResult(
-            status=status, num_bytes=num_bytes, num_descriptors=num_descriptors, error=error
+            status=status,
+            num_bytes=num_bytes,
+            num_descriptors=num_descriptors,
+            error=error,
+            first_tokens=first_tokens,
         )
         if status is not ResultStatus.OK and not was_terminal:
             self.error = f"ctx rank {rank}: {status.value}: {error}"
         return True
+
+    def on_posted(
+        self, rank: int, *, num_bytes: int, num_descriptors: int, first_tokens: tuple[int, ...]
+    ) -> bool:
+        """WRITE_POSTED from ctx rank `rank`: its one write is on its way. False if unexpected,
+        duplicate, or after the rank's result."""
+        if rank not in self.expected or rank in self._posted or rank in self._results:
+            return False
+        self._posted[rank] = RankResult(
+            status=ResultStatus.OK,
+            num_bytes=num_bytes,
+            num_descriptors=num_descriptors,
+            error="",
+            first_tokens=first_tokens,
+        )
+        return True
+
+    def waits_for_notice(self) -> bool:
+        """A posted write whose notification has not arrived: worth polling for at once."""
+        return not self.is_terminal and any(r not in self._noticed for r in self._posted)
 
     def on_notice(self, rank: int) -> bool:
         """The agent notification of ctx rank `rank`'s write; False if unexpected or duplicate."""
@@ -382,6 +444,9 @@ class TransferOutcome:
     num_bytes: int = 0
     num_descriptors: int = 0
     seconds: float = 0.0
+    first_tokens: tuple[int, ...] = ()
+    """gen: ctx's first generated token(s), when ctx sent them with its result (every OK result
+    from ctx rank 0 carries them; a generation_first request has no other source)."""
     blocks_held: bool = False
     """gen: the transfer failed, but a ctx write may still land in its blocks. The request
     ends now; its blocks are freed once `cancel_request(key)` returns True."""

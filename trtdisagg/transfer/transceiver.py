@@ -16,9 +16,11 @@ Lifecycle of a transfer key (= disagg_request_id):
    goes to each of them.
 3. ctx: REQUEST_DATA joins the SenderSession (or waits in EarlyMessages until prefill ends).
    A write task maps blocks to fragments, submits one agent WRITE whose notification names the
-   key, polls it, and reports TRANSFER_RESULT, also when it moved 0 bytes.
+   key, announces it (WRITE_POSTED: bytes, descriptors, first tokens), polls it, and reports
+   TRANSFER_RESULT, also when it moved 0 bytes.
 4. gen: the session completes when every expected rank reported OK and every rank that moved
-   bytes delivered its WRITE_NOTICE notification (the data has landed).
+   bytes delivered its WRITE_NOTICE notification (the data has landed). A rank whose write was
+   announced counts once its notice is in: gen need not wait for the TRANSFER_RESULT hop.
 5. Both: a session past its deadline fails; a sender with a write in flight stays quarantined
    (its blocks pinned) until the agent reports a final state. A receiver that ends before every
    ctx rank reported sends CANCEL once and stays quarantined until each answers (a ctx rank
@@ -70,6 +72,7 @@ from trtdisagg.transfer.wire import (
     ResultStatus,
     TransferResult,
     WriteNotice,
+    WritePosted,
     decode,
     encode,
     pack_block_ids,
@@ -82,6 +85,10 @@ T = TypeVar("T")
 
 RENDEZVOUS_TIMEOUT_S = 5.0
 SPIN_POLL_S = 0.002
+# gen, after WRITE_POSTED: drain notifications at every round for this long past twice ctx's
+# estimate of the write (or the maximum when ctx has no estimate yet).
+NOTICE_SPIN_S = 0.002
+NOTICE_SPIN_MAX_S = 0.05
 # A 1 ms Trio sleep returns up to ~1.2 ms later (epoll's millisecond timeout, rounded up): a long
 # write is polled at every round from this long before its expected end.
 TIMER_SLACK_S = 0.0015
@@ -92,7 +99,8 @@ STAGES = (
     "received",  # ctx: REQUEST_DATA dispatched
     "write",  # ctx: the write task runs
     "mapped",  # ctx: the write's fragments are computed
-    "posted",  # ctx: the agent write is posted
+    "posted",  # ctx: the agent write is posted (WRITE_POSTED handed to zmq)
+    "posted_seen",  # gen: WRITE_POSTED dispatched
     "done",  # ctx: the agent reports DONE
     "result_sent",  # ctx: TRANSFER_RESULT handed to zmq
     "result",  # gen: TRANSFER_RESULT dispatched
@@ -260,9 +268,17 @@ class KvTransceiver:
     # ---- ctx (sender) side ----
 
     def respond_and_send_async(
-        self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int
+        self,
+        key: int,
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        first_tokens: Sequence[int] = (),
     ) -> None:
-        session = SenderSession(key=key, deadline=self.clock() + self.timeout_s)
+        """ctx: the KV of `key` is ready in `block_ids`; write it to whoever asks (or asked).
+        `first_tokens` (what prefill sampled) go to gen with the result."""
+        session = SenderSession(
+            key=key, deadline=self.clock() + self.timeout_s, first_tokens=tuple(first_tokens)
+        )
         session.set_source(block_ids, num_tokens)
         self.senders.add(session)
         self._timing[key] = _Timing(started=self.clock())
@@ -328,6 +344,7 @@ class KvTransceiver:
             error=error,
             num_bytes=num_bytes,
             num_descriptors=descriptors,
+            first_tokens=session.first_tokens if status is ResultStatus.OK else (),
         )
         self._stamp(session.key, "result_sent")
         self.wake()
@@ -341,6 +358,7 @@ class KvTransceiver:
         error: str = "",
         num_bytes: int = 0,
         num_descriptors: int = 0,
+        first_tokens: tuple[int, ...] = (),
     ) -> None:
         """TRANSFER_RESULT for `key` to the gen rank `peer_key`, if it is registered."""
         peer = self.registrar.get(peer_key)
@@ -354,6 +372,7 @@ class KvTransceiver:
             num_bytes=num_bytes,
             num_descriptors=num_descriptors,
             error=error,
+            first_tokens=first_tokens,
         )
         await self._send(peer.control_endpoint, result)
 
@@ -370,7 +389,7 @@ class KvTransceiver:
         self._stamp(session.key, "mapped")
         if session.cancelled or len(fragments) == 0:
             return 0, 0
-        await self._submit_and_wait(session.key, fragments, request, plan)
+        await self._submit_and_wait(session.key, fragments, request, plan, announce=session)
         return fragments.num_bytes, len(fragments)
 
     async def _write_staged(
@@ -417,9 +436,16 @@ class KvTransceiver:
         return num_bytes, len(fragments)
 
     async def _submit_and_wait(
-        self, key: int, fragments: Fragments, request: RequestData, plan: SendPlan
+        self,
+        key: int,
+        fragments: Fragments,
+        request: RequestData,
+        plan: SendPlan,
+        *,
+        announce: SenderSession | None = None,
     ) -> None:
-        """Post one write of `fragments` to the requesting rank and poll it to the end."""
+        """Post one write of `fragments` to the requesting rank and poll it to the end.
+        `announce`: this is the rank's only write for the session; tell gen (WRITE_POSTED)."""
         remote = self._remote_names[(request.instance_name, request.instance_rank)]
         notice = encode(
             WriteNotice(
@@ -448,6 +474,8 @@ class KvTransceiver:
         posted = self.clock()
         rate = self._write_rates.get(remote)
         expected = posted + (fragments.num_bytes / rate if rate else 0.0)
+        if announce is not None:
+            self._announce(announce, request, fragments, expected - posted)
         try:
             while True:
                 state = await self._call_agent(lambda: self.agent.poll(handle), quick=True)
@@ -462,6 +490,37 @@ class KvTransceiver:
             # Shielded: a cancelled write task must still hand its handle back.
             with trio.CancelScope(shield=True):
                 await self._call_agent(lambda: self.agent.release(handle), quick=True)
+
+    def _announce(
+        self,
+        session: SenderSession,
+        request: RequestData,
+        fragments: Fragments,
+        expected_s: float,
+    ) -> None:
+        """WRITE_POSTED to the requesting rank, sent while the bytes travel: gen can then end the
+        transfer on the write's notification instead of waiting for TRANSFER_RESULT, which
+        needs this side's poll to see the write done and another message hop."""
+        peer = self.registrar.get((request.instance_name, request.instance_rank))
+        if peer is None:
+            return
+        message = WritePosted(
+            key=session.key,
+            instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            num_bytes=fragments.num_bytes,
+            num_descriptors=len(fragments),
+            expected_us=round(expected_s * 1e6),
+            first_tokens=session.first_tokens,
+        )
+        dealer = self._dealers.get(peer.control_endpoint)
+        if dealer is not None:
+            try:
+                dealer.send_message_nowait(message)
+                return
+            except trio.WouldBlock:
+                pass
+        self._spawn(self._send, peer.control_endpoint, message)
 
     def _learn_rate(self, remote: str, num_bytes: int, seconds: float) -> None:
         """Track how fast writes to `remote` go (bytes/s, a moving average), so that the next
@@ -588,7 +647,7 @@ class KvTransceiver:
     def _requested(self, key: int) -> None:
         """REQUEST_DATA for `key` went out: watch for its notification at every round a while."""
         self._stamp(key, "sent")
-        self._spin_notices_until = self.clock() + SPIN_POLL_S
+        self._spin_notices_until = max(self._spin_notices_until, self.clock() + SPIN_POLL_S)
 
     async def _receive(
         self, key: int, endpoint: str, block_ids: Sequence[Sequence[int]], num_tokens: int
@@ -737,6 +796,7 @@ class KvTransceiver:
                     error=session.error,
                     num_bytes=session.num_bytes,
                     num_descriptors=session.num_descriptors,
+                    first_tokens=session.first_tokens,
                 )
             )
         return done
@@ -909,6 +969,7 @@ class KvTransceiver:
         error: str | None = None,
         num_bytes: int = 0,
         num_descriptors: int = 0,
+        first_tokens: tuple[int, ...] = (),
     ) -> TransferOutcome:
         timing = self._timing.pop(key, None)
         seconds = self.clock() - timing.started if timing is not None else 0.0
@@ -921,6 +982,7 @@ class KvTransceiver:
             num_bytes=num_bytes,
             num_descriptors=num_descriptors,
             seconds=seconds,
+            first_tokens=first_tokens,
         )
 
     # ---- messaging ----
@@ -1008,11 +1070,14 @@ class KvTransceiver:
                     num_bytes=message.num_bytes,
                     num_descriptors=message.num_descriptors,
                     error=message.error,
+                    first_tokens=message.first_tokens,
                 ):
                     # The write's notification has usually landed already: finish without
                     # waiting for the notification poller's next round.
                     self._drain_notifications()
                     self.wake()
+            case WritePosted():
+                self._on_write_posted(message)
             case Cancel():
                 self._on_cancel(message)
             case WriteNotice():
@@ -1060,6 +1125,26 @@ class KvTransceiver:
             return
         self._accept_request(session, request)
         self._start_writes(session)
+
+    def _on_write_posted(self, posted: WritePosted) -> None:
+        self._stamp(posted.key, "posted_seen")
+        session = self.receivers.lookup(posted.instance_name, posted.key)
+        if session is None or not session.on_posted(
+            posted.instance_rank,
+            num_bytes=posted.num_bytes,
+            num_descriptors=posted.num_descriptors,
+            first_tokens=posted.first_tokens,
+        ):
+            return
+        # Drain at every scheduling round until the notice is in: a little past ctx's estimate
+        # of the write, bounded so that a write that never lands does not spin a core for long.
+        spin = min(NOTICE_SPIN_MAX_S, NOTICE_SPIN_S + 2 * posted.expected_us * 1e-6)
+        if not posted.expected_us:
+            spin = NOTICE_SPIN_MAX_S
+        self._spin_notices_until = max(self._spin_notices_until, self.clock() + spin)
+        self._drain_notifications()
+        if session.is_terminal:
+            self.wake()
 
     def _on_cancel(self, cancel: Cancel) -> None:
         sender = self.senders.lookup(cancel.instance_name, cancel.key)

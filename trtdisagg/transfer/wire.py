@@ -38,7 +38,7 @@ from cattrs.v import format_exception
 from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.rank_info import RankInfo
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: TRANSFER_RESULT.first_tokens, WRITE_POSTED
 MAX_KEY: Final = 2**63 - 1
 
 
@@ -74,6 +74,11 @@ def _positive(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
 def _key(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
     if not 0 <= value <= MAX_KEY:
         raise ValueError(f"{attr.name} {value} outside [0, 2**63)")
+
+
+def _token_ids(_inst: object, attr: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
+    if any(not 0 <= token < 2**31 for token in value):
+        raise ValueError(f"{attr.name} holds a token id outside [0, 2**31): {value}")
 
 
 def _packed_ids(_inst: object, attr: attrs.Attribute[Any], value: tuple[bytes, ...]) -> None:
@@ -150,6 +155,9 @@ class TransferResult:
     num_bytes: int = attrs.field(default=0, validator=_non_negative)
     num_descriptors: int = attrs.field(default=0, validator=_non_negative)
     error: str = ""
+    # The request's first generated token(s), from the ctx rank that sampled them (rank 0): a
+    # generation_first gen request was posted before ctx had them, and learns them here.
+    first_tokens: tuple[int, ...] = attrs.field(default=(), validator=_token_ids)
 
 
 @attrs.frozen(kw_only=True)
@@ -161,6 +169,25 @@ class Cancel:
     instance_name: str
     instance_rank: int = attrs.field(validator=_non_negative)
     reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class WritePosted:
+    """ctx rank -> gen rank: the one write of `key` to this rank is posted, with what it moves.
+
+    Sent right after the post, so it travels while the bytes do. gen may then finish the
+    transfer on the write's notification (WRITE_NOTICE: the bytes have landed) without waiting
+    for TRANSFER_RESULT, which ctx sends only once its own poll sees the write done. Only for a
+    rank's single write (not the bounce path); TRANSFER_RESULT still follows, and an error in it
+    fails a transfer whose notification has not arrived."""
+
+    key: int = attrs.field(validator=_key)
+    instance_name: str  # the writing (ctx) rank
+    instance_rank: int = attrs.field(validator=_non_negative)
+    num_bytes: int = attrs.field(validator=_non_negative)
+    num_descriptors: int = attrs.field(validator=_non_negative)
+    expected_us: int = attrs.field(default=0, validator=_non_negative)  # write time; 0: unknown
+    first_tokens: tuple[int, ...] = attrs.field(default=(), validator=_token_ids)
 
 
 @attrs.frozen(kw_only=True)
@@ -180,6 +207,7 @@ Message = (
     | RequestData
     | TransferResult
     | Cancel
+    | WritePosted
     | WriteNotice
 )
 
@@ -191,6 +219,7 @@ MESSAGE_TAGS: Final[dict[type, str]] = {
     RequestData: "REQUEST_DATA",
     TransferResult: "TRANSFER_RESULT",
     Cancel: "CANCEL",
+    WritePosted: "WRITE_POSTED",
     WriteNotice: "WRITE_NOTICE",
 }
 

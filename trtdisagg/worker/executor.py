@@ -86,7 +86,7 @@ class GenerationSource:
 
     key: int  # disagg_request_id: the transfer key
     ctx_info_endpoint: str
-    first_token: int
+    first_token: int | None  # None: generation_first, the token comes with the KV
     ctx_instance: str | None = None  # the ctx instance that answered, if it said (handoff.py)
 
 
@@ -474,7 +474,7 @@ class Executor:
             self._count_transfer(outcome.ok, outcome.num_bytes, outcome.num_descriptors)
             receiving.transfer_bytes, receiving.transfer_s = outcome.num_bytes, outcome.seconds
             if outcome.ok:
-                self._kv_arrived(receiving, now)
+                self._kv_arrived(receiving, outcome, now)
             else:
                 if outcome.blocks_held:
                     # A ctx write may still land: the request fails now, its blocks stay
@@ -523,16 +523,31 @@ class Executor:
         if not ok:
             self.metrics.kv_transfer_failures.inc()
 
-    def _kv_arrived(self, live: _Live, now: float) -> None:
+    def _kv_arrived(self, live: _Live, outcome: TransferOutcome, now: float) -> None:
         """gen: the prompt's KV landed; the first token is ctx's, decoding starts next step."""
         source = live.source
         assert source is not None
         request = live.request
-        self.scheduler.kv_received(request, source.first_token)
+        token = source.first_token
+        if token is None:  # generation_first: ctx sent it with the KV
+            token = outcome.first_tokens[0] if outcome.first_tokens else None
+        if token is None or not 0 <= token < self.tokenizer.vocab_size:
+            error = (
+                f"KV transfer {source.key}: ctx sent no first token"
+                if token is None
+                else f"KV transfer {source.key}: ctx's first token {token} is outside the "
+                f"vocabulary ({self.tokenizer.vocab_size})"
+            )
+            self.metrics.kv_transfer_failures.inc()
+            self.scheduler.finish(request, FinishReason.ERROR)
+            self._emit(live, (), "", (), FinishReason.ERROR, now, error=error)
+            self._close(live, FinishReason.ERROR, now, emitted=True)
+            return
+        self.scheduler.kv_received(request, token)
         table = request.block_table
         assert table is not None
         self._record_digest(source.key, tuple(table.block_ids), request.num_prompt_tokens)
-        self._after_token(live, source.first_token, None, now)
+        self._after_token(live, token, None, now)
 
     def _start_send(self, live: _Live, now: float) -> None:
         """ctx: the first token is out; pin the blocks and answer, the KV goes when gen asks."""
@@ -544,13 +559,17 @@ class Executor:
         self._sending[key] = request
         self._record_digest(key, tuple(table.block_ids), request.num_prompt_tokens)
         self.runner.kv_ready()  # the step's KV writes are in device memory before NIXL reads
+        first_tokens = tuple(request.output_token_ids[:1])
         self.transceiver.respond_and_send_async(
-            key, [list(table.block_ids)], request.num_prompt_tokens
+            key, [list(table.block_ids)], request.num_prompt_tokens, first_tokens
         )
         if self.ranks is not None:
             self._outbox.sends.append(
                 SendCommand(
-                    key=key, block_ids=tuple(table.block_ids), num_tokens=request.num_prompt_tokens
+                    key=key,
+                    block_ids=tuple(table.block_ids),
+                    num_tokens=request.num_prompt_tokens,
+                    first_tokens=first_tokens,
                 )
             )
 

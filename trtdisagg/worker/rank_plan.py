@@ -44,6 +44,7 @@ class SendCommand:
     key: int
     block_ids: tuple[int, ...]
     num_tokens: int
+    first_tokens: tuple[int, ...] = ()  # sent with every rank's result (generation_first)
 
 
 @attrs.frozen(kw_only=True)
@@ -174,6 +175,7 @@ def merge_outcomes(outcomes: Iterable[TransferOutcome]) -> TransferOutcome:
         num_bytes=sum(p.num_bytes for p in parts),
         num_descriptors=sum(p.num_descriptors for p in parts),
         seconds=max(p.seconds for p in parts),
+        first_tokens=next((p.first_tokens for p in parts if p.first_tokens), ()),
         blocks_held=any(p.blocks_held for p in parts),
     )
 

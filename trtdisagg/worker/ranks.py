@@ -235,7 +235,9 @@ def _apply(
         if command.sends:
             runner.kv_ready()  # the KV the last steps wrote is in memory before NIXL reads it
         for send in command.sends:
-            transceiver.respond_and_send_async(send.key, [list(send.block_ids)], send.num_tokens)
+            transceiver.respond_and_send_async(
+                send.key, [list(send.block_ids)], send.num_tokens, send.first_tokens
+            )
         for receive in command.receives:
             transceiver.request_and_receive_async(
                 receive.key,

@@ -252,11 +252,17 @@ def _temperature(asked: float | None) -> float:
 def _generation_source(params: DisaggregatedParams, vocab_size: int) -> GenerationSource:
     """Validate what a generation_only request must carry from ctx's answer."""
     field = "disaggregated_params"
-    if not params.first_gen_tokens:
-        raise bad_request(f"{field}.first_gen_tokens: required for generation_only", param=field)
-    first = params.first_gen_tokens[0]
-    if not 0 <= first < vocab_size:
-        raise bad_request(f"{field}.first_gen_tokens: token {first} outside the vocabulary")
+    first: int | None = None
+    if params.first_gen_tokens:
+        first = params.first_gen_tokens[0]
+        if not 0 <= first < vocab_size:
+            raise bad_request(f"{field}.first_gen_tokens: token {first} outside the vocabulary")
+    elif params.schedule_style != "generation_first":
+        raise bad_request(
+            f"{field}.first_gen_tokens: required for generation_only (unless "
+            f"{field}.schedule_style is generation_first: then ctx sends it with the KV)",
+            param=field,
+        )
     if not params.ctx_info_endpoint:
         raise bad_request(f"{field}.ctx_info_endpoint: required for generation_only", param=field)
     if not is_tcp_endpoint(params.ctx_info_endpoint):

@@ -2,7 +2,8 @@
 
 It wraps the real agent (NIXL or loopback) and asks a `FaultInjector` (`transfer/faults.py`) at
 two points: before each `submit_write` (`fail_submit` raises AgentError instead;
-`stall_transfer` submits, then reports the write PENDING until the stall has passed), and for
+`stall_transfer` holds the write back: it is submitted at the first poll after the stall, so its
+bytes and notification land only then, and until then the write reads PENDING), and for
 each notification received (a WRITE_NOTICE: dropped, duplicated, or held back for a while).
 Everything else goes straight to the wrapped agent. Same threading contract as `base`; nothing
 here blocks, so a stalled write costs the caller's polls, not a thread.
@@ -10,6 +11,7 @@ here blocks, so a stalled write costs the caller's polls, not a thread.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -39,7 +41,11 @@ class FaultyAgent:
         self._inner = inner
         self._faults = faults
         self._clock = clock
-        self._stalled: dict[XferHandle, float] = {}  # handle -> when it may report DONE
+        # Stalled writes: our handle -> (when to submit, what), then our handle -> the inner one.
+        # Our handles are negative, the inner agents' are not: the two never collide.
+        self._stalled: dict[XferHandle, tuple[float, Callable[[], XferHandle]]] = {}
+        self._submitted: dict[XferHandle, XferHandle] = {}
+        self._stall_ids = itertools.count(-1, -1)
         self._held: list[tuple[float, str, bytes]] = []  # delayed notifications, by due time
 
     @property
@@ -76,22 +82,36 @@ class FaultyAgent:
         fault = self._faults.submit()
         if fault is not None and fault.action is FaultAction.FAIL_SUBMIT:
             raise AgentError(f"{self.name}: injected fault: write to {remote} not submitted")
-        handle = self._inner.submit_write(
-            fragments, remote, notif, dst_memory_type=dst_memory_type, dst_device_id=dst_device_id
-        )
+
+        def submit() -> XferHandle:
+            return self._inner.submit_write(
+                fragments,
+                remote,
+                notif,
+                dst_memory_type=dst_memory_type,
+                dst_device_id=dst_device_id,
+            )
+
         if fault is not None and fault.action is FaultAction.STALL_TRANSFER:
-            self._stalled[handle] = self._clock() + fault.seconds
-        return handle
+            handle = XferHandle(next(self._stall_ids))
+            self._stalled[handle] = (self._clock() + fault.seconds, submit)
+            return handle
+        return submit()
 
     def poll(self, handle: XferHandle) -> XferStatus:
-        until = self._stalled.get(handle)
-        if until is not None and self._clock() < until:
-            return XferStatus.PENDING
-        return self._inner.poll(handle)
+        stalled = self._stalled.get(handle)
+        if stalled is not None:
+            until, submit = stalled
+            if self._clock() < until:
+                return XferStatus.PENDING
+            del self._stalled[handle]
+            self._submitted[handle] = submit()
+        return self._inner.poll(self._submitted.get(handle, handle))
 
     def release(self, handle: XferHandle) -> None:
-        self._stalled.pop(handle, None)
-        self._inner.release(handle)
+        if self._stalled.pop(handle, None) is not None:
+            return  # never submitted: nothing will land
+        self._inner.release(self._submitted.pop(handle, handle))
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         now = self._clock()
@@ -110,5 +130,6 @@ class FaultyAgent:
 
     def close(self) -> None:
         self._stalled.clear()
+        self._submitted.clear()
         self._held.clear()
         self._inner.close()
