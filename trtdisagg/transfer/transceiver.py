@@ -99,7 +99,7 @@ STAGES = (
     "received",  # ctx: REQUEST_DATA dispatched
     "write",  # ctx: the write task runs
     "mapped",  # ctx: the write's fragments are computed
-    "posted",  # ctx: the agent write is posted (WRITE_POSTED handed to zmq)
+    "posted",  # ctx: the agent write is posted (WRITE_POSTED went to zmq just before)
     "posted_seen",  # gen: WRITE_POSTED dispatched
     "done",  # ctx: the agent reports DONE
     "result_sent",  # ctx: TRANSFER_RESULT handed to zmq
@@ -465,6 +465,12 @@ class KvTransceiver:
                 dst_device_id=pool.device_id,
             )
 
+        rate = self._write_rates.get(remote)
+        if announce is not None:
+            # Before the post, so the message travels during the post call too (on a host
+            # pool, UCX may copy the bytes inside it). Safe: gen counts the write only on its
+            # notification, which a write that failed to post never sends.
+            self._announce(announce, request, fragments, fragments.num_bytes / rate if rate else 0)
         # On the loop only when the agent says this post is quick (NIXL: a few descriptors to a
         # connected peer, from VRAM or a small DRAM region: ~0.1-0.2 ms, less than the thread
         # hop). A long descriptor list, a first write (connection set-up) or a large host-memory
@@ -472,10 +478,7 @@ class KvTransceiver:
         handle = await self._call_agent(submit, quick=posts_quickly(self.agent, fragments, remote))
         self._stamp(key, "posted")
         posted = self.clock()
-        rate = self._write_rates.get(remote)
         expected = posted + (fragments.num_bytes / rate if rate else 0.0)
-        if announce is not None:
-            self._announce(announce, request, fragments, expected - posted)
         try:
             while True:
                 state = await self._call_agent(lambda: self.agent.poll(handle), quick=True)
@@ -498,9 +501,10 @@ class KvTransceiver:
         fragments: Fragments,
         expected_s: float,
     ) -> None:
-        """WRITE_POSTED to the requesting rank, sent while the bytes travel: gen can then end the
-        transfer on the write's notification instead of waiting for TRANSFER_RESULT, which
-        needs this side's poll to see the write done and another message hop."""
+        """WRITE_POSTED to the requesting rank, sent as the write is posted, so it travels while
+        the bytes do: gen can then end the transfer on the write's notification instead of
+        waiting for TRANSFER_RESULT, which needs this side's poll to see the write done and
+        another message hop."""
         peer = self.registrar.get((request.instance_name, request.instance_rank))
         if peer is None:
             return

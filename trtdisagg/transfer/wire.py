@@ -175,11 +175,11 @@ class Cancel:
 class WritePosted:
     """ctx rank -> gen rank: the one write of `key` to this rank is posted, with what it moves.
 
-    Sent right after the post, so it travels while the bytes do. gen may then finish the
-    transfer on the write's notification (WRITE_NOTICE: the bytes have landed) without waiting
-    for TRANSFER_RESULT, which ctx sends only once its own poll sees the write done. Only for a
-    rank's single write (not the bounce path); TRANSFER_RESULT still follows, and an error in it
-    fails a transfer whose notification has not arrived."""
+    Sent as the write is posted (just before the post call), so it travels while the bytes do.
+    gen may then finish the transfer on the write's notification (WRITE_NOTICE: the bytes have
+    landed) without waiting for TRANSFER_RESULT, which ctx sends only once its own poll sees the
+    write done. Only for a rank's single write (not the bounce path); TRANSFER_RESULT still
+    follows, and an error in it fails a transfer whose notification has not arrived."""
 
     key: int = attrs.field(validator=_key)
     instance_name: str  # the writing (ctx) rank
