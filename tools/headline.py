@@ -12,7 +12,9 @@ descriptors, preemptions).
 
 Modes: `two_h200_aggregated` (one worker per GPU, each serving whole requests, behind the
 coordinator's load balancer) and `two_h200_disagg` (ctx on GPU 0, gen on GPU 1); `one_h200`
-(ctx and gen sharing GPU 0) runs too if named in --modes.
+(ctx and gen sharing GPU 0) runs too if named in --modes. `<mode>@generation_first` runs a mode
+with the coordinator's `schedule_style` set (e.g. `--modes one_h200,one_h200@generation_first`
+compares the two schedules on one GPU).
 
 Two files go to --out: `headline.json` (the summary) and `headline.tar.gz` (every bench result
 file, generated config and process log, from the scratch --work dir), both rewritten after
@@ -58,8 +60,12 @@ def free_port() -> int:
 
 
 def cluster_file(mode: str, args: argparse.Namespace, run_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """conf/gpu/<mode>.yaml with this run's model, log dir and (for --cpu-smoke) CPU settings."""
-    data = yaml.safe_load((REPO / "conf" / "gpu" / f"{mode}.yaml").read_text())
+    """conf/gpu/<mode>.yaml with this run's model, log dir and (for --cpu-smoke) CPU settings.
+    `<conf>@<schedule_style>` runs that file with the coordinator's schedule_style set."""
+    name, _, style = mode.partition("@")
+    data = yaml.safe_load((REPO / "conf" / "gpu" / f"{name}.yaml").read_text())
+    if style:
+        data["coordinator"]["schedule_style"] = style
     data = {k: v for k, v in data.items() if not str(k).startswith("x-")}
     data["log_dir"] = str(run_dir / "logs")
     data["health_timeout"] = args.start_timeout
@@ -390,8 +396,9 @@ def run_mode(
 
 
 def table(report: dict[str, Any]) -> str:
+    w = max([22, *(len(mode) + 1 for mode in report["modes"])])
     lines = [
-        f"{'mode':<22}{'rate':>6}{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>10}"
+        f"{'mode':<{w}}{'rate':>6}{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>10}"
         f"{'TTFT s p50':>11}{'TTFT s p99':>11}{'TTFT l p50':>11}{'TTFT l p99':>11}"
         f"{'good s':>8}{'n s/l':>9}"
     ]
@@ -403,12 +410,12 @@ def table(report: dict[str, Any]) -> str:
         for p in entry["points"]:
             s = p.get("summary")
             if s is None:
-                lines.append(f"{mode:<22}{p['rate']:>6g}  {p.get('skipped') or p.get('error')}")
+                lines.append(f"{mode:<{w}}{p['rate']:>6g}  {p.get('skipped') or p.get('error')}")
                 continue
             sh, lo = s["short"], s["long"]
             good = sh.get("goodput_fraction")
             lines.append(
-                f"{mode:<22}{p['rate']:>6g}{f(sh.get('tpot_p50_ms')):>10}"
+                f"{mode:<{w}}{p['rate']:>6g}{f(sh.get('tpot_p50_ms')):>10}"
                 f"{f(sh.get('tpot_p99_ms')):>10}{f(sh.get('itl_p99_ms')):>10}"
                 f"{f(sh.get('ttft_p50_ms')):>11}{f(sh.get('ttft_p99_ms')):>11}"
                 f"{f(lo.get('ttft_p50_ms')):>11}{f(lo.get('ttft_p99_ms')):>11}"
