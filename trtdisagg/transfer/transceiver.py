@@ -159,6 +159,18 @@ class _Timing:
 
 
 @attrs.frozen(kw_only=True)
+class _Posted:
+    """ctx: one write handed to the agent, to be polled to its end (`_await_write`)."""
+
+    handle: XferHandle
+    remote: str
+    num_bytes: int
+    num_descriptors: int
+    posted: float
+    expected: float  # when it should be done, from the peer's learned rate (= posted: unknown)
+
+
+@attrs.frozen(kw_only=True)
 class _Staged:
     """gen: where a bouncing receive's canonical region is, and where it goes afterwards."""
 
@@ -320,15 +332,57 @@ class KvTransceiver:
 
     def _start_writes(self, session: SenderSession) -> None:
         for request in session.take_writes():
-            self._spawn(self._write, session, request)
+            start = self.clock()
+            early: _Posted | Fragments | Exception | None
+            try:
+                early = self._post_at_once(session, request)
+            except (TransferLayerError, ValueError) as exc:
+                early = exc
+            self._spawn(self._write, session, request, start, early)
 
-    async def _write(self, session: SenderSession, request: RequestData) -> None:
+    def _post_at_once(
+        self, session: SenderSession, request: RequestData
+    ) -> _Posted | Fragments | None:
+        """Map a direct write right here, and post it too when the post is quick: the write
+        then starts the moment the KV is ready (or gen's request arrives), not at the write
+        task's first turn on the loop. Fragments: mapped, for the task to post. None: the task
+        does it all (the bounce path)."""
+        if request.staging_bytes or session.source is None:
+            return None
+        self._stamp(session.key, "write")
+        plan = self.registrar.send_plan((request.instance_name, request.instance_rank))
+        fragments = self._fragments(session, request, plan)
+        remote = self._remote_names[(request.instance_name, request.instance_rank)]
+        if (
+            session.cancelled
+            or not len(fragments)
+            or self._agent_lock.locked()  # a threaded agent call runs: never overlap it
+            or not posts_quickly(self.agent, fragments, remote)
+        ):
+            return fragments
+        self._announce(session, request, fragments, remote)
+        submit = self._submitter(session.key, fragments, request, plan)
+        return self._posted(submit(), remote, fragments)
+
+    async def _write(
+        self,
+        session: SenderSession,
+        request: RequestData,
+        start: float,
+        early: _Posted | Fragments | Exception | None = None,
+    ) -> None:
+        """One write's task: post it (unless `_post_at_once` did), poll it to its end, report
+        TRANSFER_RESULT."""
         peer_key = (request.instance_name, request.instance_rank)
         status, error, num_bytes, descriptors = ResultStatus.OK, "", 0, 0
-        start = self.clock()
-        self._stamp(session.key, "write")
         try:
-            num_bytes, descriptors = await self._do_write(session, request)
+            if isinstance(early, Exception):
+                raise early
+            if isinstance(early, _Posted):
+                await self._await_write(session.key, early)
+                num_bytes, descriptors = early.num_bytes, early.num_descriptors
+            else:
+                num_bytes, descriptors = await self._do_write(session, request, early)
         except (TransferLayerError, ValueError) as exc:
             status, error = ResultStatus.ERROR, f"{type(exc).__name__}: {exc}"
             log.warning("KV write %d to %s failed: %s", session.key, peer_key, error)
@@ -376,21 +430,32 @@ class KvTransceiver:
         )
         await self._send(peer.control_endpoint, result)
 
-    async def _do_write(self, session: SenderSession, request: RequestData) -> tuple[int, int]:
+    async def _do_write(
+        self, session: SenderSession, request: RequestData, fragments: Fragments | None
+    ) -> tuple[int, int]:
         assert session.source is not None
         plan = self.registrar.send_plan((request.instance_name, request.instance_rank))
-        dst_blocks = [list(unpack_block_ids(ids)) for ids in request.block_ids]
-        num_tokens = min(request.num_tokens, session.source.num_tokens)
         if request.staging_bytes:
+            self._stamp(session.key, "write")
+            num_tokens = min(request.num_tokens, session.source.num_tokens)
             return await self._write_staged(session, request, plan, num_tokens)
-        fragments = plan.fragments(
-            src_blocks=session.source.block_ids, dst_blocks=dst_blocks, num_tokens=num_tokens
-        )
-        self._stamp(session.key, "mapped")
+        if fragments is None:
+            fragments = self._fragments(session, request, plan)
         if session.cancelled or len(fragments) == 0:
             return 0, 0
         await self._submit_and_wait(session.key, fragments, request, plan, announce=session)
         return fragments.num_bytes, len(fragments)
+
+    def _fragments(self, session: SenderSession, request: RequestData, plan: SendPlan) -> Fragments:
+        """The merged fragments of a direct write of `session`'s KV into `request`'s blocks."""
+        assert session.source is not None
+        fragments = plan.fragments(
+            src_blocks=session.source.block_ids,
+            dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
+            num_tokens=min(request.num_tokens, session.source.num_tokens),
+        )
+        self._stamp(session.key, "mapped")
+        return fragments
 
     async def _write_staged(
         self, session: SenderSession, request: RequestData, plan: SendPlan, num_tokens: int
@@ -447,6 +512,21 @@ class KvTransceiver:
         """Post one write of `fragments` to the requesting rank and poll it to the end.
         `announce`: this is the rank's only write for the session; tell gen (WRITE_POSTED)."""
         remote = self._remote_names[(request.instance_name, request.instance_rank)]
+        if announce is not None:
+            self._announce(announce, request, fragments, remote)
+        submit = self._submitter(key, fragments, request, plan)
+        # On the loop only when the agent says this post is quick (NIXL: a few descriptors to a
+        # connected peer, from VRAM or a small DRAM region: ~0.1-0.2 ms, less than the thread
+        # hop). A long descriptor list, a first write (connection set-up) or a large host-memory
+        # write (which UCX may copy inside the post) goes to a worker thread.
+        handle = await self._call_agent(submit, quick=posts_quickly(self.agent, fragments, remote))
+        await self._await_write(key, self._posted(handle, remote, fragments))
+
+    def _submitter(
+        self, key: int, fragments: Fragments, request: RequestData, plan: SendPlan
+    ) -> Callable[[], XferHandle]:
+        """The agent call that posts the write (on the loop or in a worker thread)."""
+        remote = self._remote_names[(request.instance_name, request.instance_rank)]
         notice = encode(
             WriteNotice(
                 key=key,
@@ -457,28 +537,33 @@ class KvTransceiver:
         pool = plan.peer.page_table.layer_groups[0].pool
 
         def submit() -> XferHandle:
-            return self.agent.submit_write(
+            handle = self.agent.submit_write(
                 fragments,
                 remote,
                 notice,
                 dst_memory_type=pool.memory_type,
                 dst_device_id=pool.device_id,
             )
+            self._stamp(key, "posted")
+            return handle
 
-        rate = self._write_rates.get(remote)
-        if announce is not None:
-            # Before the post, so the message travels during the post call too (on a host
-            # pool, UCX may copy the bytes inside it). Safe: gen counts the write only on its
-            # notification, which a write that failed to post never sends.
-            self._announce(announce, request, fragments, fragments.num_bytes / rate if rate else 0)
-        # On the loop only when the agent says this post is quick (NIXL: a few descriptors to a
-        # connected peer, from VRAM or a small DRAM region: ~0.1-0.2 ms, less than the thread
-        # hop). A long descriptor list, a first write (connection set-up) or a large host-memory
-        # write (which UCX may copy inside the post) goes to a worker thread.
-        handle = await self._call_agent(submit, quick=posts_quickly(self.agent, fragments, remote))
-        self._stamp(key, "posted")
+        return submit
+
+    def _posted(self, handle: XferHandle, remote: str, fragments: Fragments) -> _Posted:
         posted = self.clock()
-        expected = posted + (fragments.num_bytes / rate if rate else 0.0)
+        rate = self._write_rates.get(remote)
+        return _Posted(
+            handle=handle,
+            remote=remote,
+            num_bytes=fragments.num_bytes,
+            num_descriptors=len(fragments),
+            posted=posted,
+            expected=posted + (fragments.num_bytes / rate if rate else 0.0),
+        )
+
+    async def _await_write(self, key: int, write: _Posted) -> None:
+        """Poll a posted write to its end, then hand its handle back (also when cancelled)."""
+        handle = write.handle
         try:
             while True:
                 state = await self._call_agent(lambda: self.agent.poll(handle), quick=True)
@@ -487,27 +572,28 @@ class KvTransceiver:
                     break
                 if state is XferStatus.ERROR:
                     raise TransferLayerError(f"agent reported an error writing {key}")
-                await trio.sleep(0 if polls_every_round(self.clock(), posted, expected) else 0.001)
-            self._learn_rate(remote, fragments.num_bytes, self.clock() - posted)
+                every_round = polls_every_round(self.clock(), write.posted, write.expected)
+                await trio.sleep(0 if every_round else 0.001)
+            self._learn_rate(write.remote, write.num_bytes, self.clock() - write.posted)
         finally:
             # Shielded: a cancelled write task must still hand its handle back.
             with trio.CancelScope(shield=True):
                 await self._call_agent(lambda: self.agent.release(handle), quick=True)
 
     def _announce(
-        self,
-        session: SenderSession,
-        request: RequestData,
-        fragments: Fragments,
-        expected_s: float,
+        self, session: SenderSession, request: RequestData, fragments: Fragments, remote: str
     ) -> None:
-        """WRITE_POSTED to the requesting rank, sent as the write is posted, so it travels while
-        the bytes do: gen can then end the transfer on the write's notification instead of
-        waiting for TRANSFER_RESULT, which needs this side's poll to see the write done and
-        another message hop."""
+        """WRITE_POSTED to the requesting rank, sent just before the post, so it travels while
+        the bytes do (and during the post call: on a host pool UCX may copy the bytes inside
+        it): gen can then end the transfer on the write's notification instead of waiting for
+        TRANSFER_RESULT, which needs this side's poll to see the write done and another message
+        hop. Safe before the post: gen counts the write only on its notification, which a
+        write that failed to post never sends. On the loop (it may spawn a send)."""
         peer = self.registrar.get((request.instance_name, request.instance_rank))
         if peer is None:
             return
+        rate = self._write_rates.get(remote)
+        expected_s = fragments.num_bytes / rate if rate else 0.0
         message = WritePosted(
             key=session.key,
             instance_name=self.local.instance_name,
