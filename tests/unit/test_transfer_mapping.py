@@ -29,6 +29,7 @@ from trtdisagg.transfer.mappers import (
     NhdHeadMismatchMapper,
     ReplicatedMapper,
     align_blocks,
+    aligned_blocks,
 )
 from trtdisagg.transfer.peers import PeerRegistrar
 from trtdisagg.transfer.rank_info import RankInfo
@@ -469,3 +470,43 @@ def test_block_outside_pool_is_refused() -> None:
     ctx, gen = _pair(num_slots=4)
     with pytest.raises(MappingError, match="block 4 outside pool of 4 slots"):
         _fragments(ctx[0], gen[0], [0], [4], tokens=1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    layout=st.sampled_from([Layout.HND, Layout.NHD]),
+    count=st.integers(1, 6),
+    skip=st.integers(0, 5),
+    src_first=st.integers(0, 12),  # up to 2 blocks past the 16-slot pool
+    dst_first=st.integers(0, 12),
+    partial=st.integers(0, 3),
+    shuffle=st.booleans(),
+)
+def test_the_consecutive_fast_path_equals_the_general_mapping(
+    layout: Layout,
+    count: int,
+    skip: int,
+    src_first: int,
+    dst_first: int,
+    partial: int,
+    shuffle: bool,
+) -> None:
+    ctx, gen = _pair(layout=layout, num_slots=16)
+    mapper = PeerRegistrar(ctx[0]).register(gen[0]).views[0].mapper
+    skip = min(skip, count - 1)
+    src = list(range(src_first, src_first + count))
+    dst = list(range(dst_first, dst_first + count - skip))
+    if shuffle and len(dst) > 1:
+        dst[0], dst[1] = dst[1], dst[0]
+    tokens = count * 4 - partial
+    fast = mapper.map_consecutive(src, dst, num_tokens=tokens)
+    try:
+        ids = aligned_blocks(src, dst, num_tokens=tokens, tokens_per_block=4)
+        general = mapper.map_blocks(*ids)
+    except MappingError:
+        assert fast is None  # the general path says what is wrong
+        return
+    if shuffle and len(dst) > 1:
+        assert fast is None
+    else:
+        assert fast is not None and fast == general and len(fast) == 1

@@ -150,6 +150,8 @@ class Mapper:
     layers: tuple[tuple[int, int], ...]  # (source local layer, destination local layer)
     heads: HeadOverlap
     _runs: dict[int, Runs] = attrs.field(factory=dict, init=False, repr=False)
+    # [span] or [] once known (`_slot_span`)
+    _span: list[tuple[int, int, int]] | None = attrs.field(default=None, init=False, repr=False)
 
     def map(self, pairs: Sequence[BlockPair]) -> Fragments:
         """Merged fragments that copy every pair's block (at least its first `num_tokens`
@@ -176,6 +178,43 @@ class Mapper:
                 ]
             )
         return Fragments(merge_runs(placed))
+
+    def map_consecutive(
+        self, src_blocks: Sequence[int], dst_blocks: Sequence[int], *, num_tokens: int
+    ) -> Fragments | None:
+        """`map_blocks` for the common case, in plain Python: both block lists consecutive
+        (fresh blocks on both sides) and whole slots copied, which merge into one fragment.
+        Ten-odd numpy calls on 64 blocks took 0.15 ms of a 1 ms transfer on the device's CPU.
+        None: not that case (or lists that do not fit: `aligned_blocks` says why)."""
+        span = self._slot_span()
+        if span is None or not dst_blocks:
+            return None
+        total = -(-num_tokens // self.src.tokens_per_block)
+        skip = len(src_blocks) - len(dst_blocks)  # gen already holds the first blocks
+        if len(src_blocks) > total or skip < 0:
+            return None
+        src = src_blocks[skip:]
+        if not (_is_run(src, self.src.num_slots) and _is_run(dst_blocks, self.dst.num_slots)):
+            return None
+        row = (
+            self.src.base_address + src[0] * self.src.slot_stride + span[0],
+            self.dst.base_address + dst_blocks[0] * self.dst.slot_stride + span[1],
+            len(src) * span[2],
+        )
+        return Fragments(np.array([row], dtype=np.int64))
+
+    def _slot_span(self) -> tuple[int, int, int] | None:
+        """(source offset, destination offset, size) when a block's runs merge into one run
+        exactly one slot stride long on both sides, so that consecutive slots' runs abut."""
+        if self._span is None:
+            runs = self._block_runs(self.src.tokens_per_block)
+            whole = (
+                not self.token_dependent
+                and len(runs) == 1
+                and int(runs[0, 2]) == self.src.slot_stride == self.dst.slot_stride
+            )
+            self._span = [(int(runs[0, 0]), int(runs[0, 1]), int(runs[0, 2]))] if whole else []
+        return self._span[0] if self._span else None
 
     def _place(self, num_tokens: int, src_ids: IdArray, dst_ids: IdArray) -> Runs:
         """The per-block runs of `num_tokens` tokens, placed at each pair's slots."""
@@ -332,6 +371,14 @@ def align_blocks(
         BlockPair(src=s, dst=d, num_tokens=t)
         for s, d, t in zip(src.tolist(), dst.tolist(), tokens.tolist())
     ]
+
+
+def _is_run(ids: Sequence[int], num_slots: int) -> bool:
+    """Ascending by one from the first, inside a pool of `num_slots` slots."""
+    first = ids[0]
+    if not 0 <= first <= first + len(ids) - 1 < num_slots:
+        return False
+    return list(ids) == list(range(first, first + len(ids)))
 
 
 def aligned_blocks(
