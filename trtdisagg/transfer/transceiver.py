@@ -99,7 +99,7 @@ STAGES = (
     "received",  # ctx: REQUEST_DATA dispatched
     "write",  # ctx: the write task runs
     "mapped",  # ctx: the write's fragments are computed
-    "posted",  # ctx: the agent write is posted (WRITE_POSTED went to zmq just before)
+    "posted",  # ctx: the agent write is posted (WRITE_POSTED goes to zmq around it)
     "posted_seen",  # gen: WRITE_POSTED dispatched
     "done",  # ctx: the agent reports DONE
     "result_sent",  # ctx: TRANSFER_RESULT handed to zmq
@@ -360,9 +360,12 @@ class KvTransceiver:
             or not posts_quickly(self.agent, fragments, remote)
         ):
             return fragments
-        self._announce(session, request, fragments, remote)
         submit = self._submitter(session.key, fragments, request, plan)
-        return self._posted(submit(), remote, fragments)
+        posted = self._posted(submit(), remote, fragments)
+        # After a quick post: the bytes are already moving, and the message still arrives
+        # long before a write of any size ends (`_announce`).
+        self._announce(session, request, fragments, remote)
+        return posted
 
     async def _write(
         self,
@@ -512,14 +515,18 @@ class KvTransceiver:
         """Post one write of `fragments` to the requesting rank and poll it to the end.
         `announce`: this is the rank's only write for the session; tell gen (WRITE_POSTED)."""
         remote = self._remote_names[(request.instance_name, request.instance_rank)]
-        if announce is not None:
-            self._announce(announce, request, fragments, remote)
         submit = self._submitter(key, fragments, request, plan)
         # On the loop only when the agent says this post is quick (NIXL: a few descriptors to a
         # connected peer, from VRAM or a small DRAM region: ~0.1-0.2 ms, less than the thread
         # hop). A long descriptor list, a first write (connection set-up) or a large host-memory
         # write (which UCX may copy inside the post) goes to a worker thread.
-        handle = await self._call_agent(submit, quick=posts_quickly(self.agent, fragments, remote))
+        quick = posts_quickly(self.agent, fragments, remote)
+        if announce is not None and not quick:
+            # Before a slow post, which may copy the bytes inside the call (a host pool).
+            self._announce(announce, request, fragments, remote)
+        handle = await self._call_agent(submit, quick=quick)
+        if announce is not None and quick:
+            self._announce(announce, request, fragments, remote)
         await self._await_write(key, self._posted(handle, remote, fragments))
 
     def _submitter(
@@ -583,12 +590,13 @@ class KvTransceiver:
     def _announce(
         self, session: SenderSession, request: RequestData, fragments: Fragments, remote: str
     ) -> None:
-        """WRITE_POSTED to the requesting rank, sent just before the post, so it travels while
-        the bytes do (and during the post call: on a host pool UCX may copy the bytes inside
-        it): gen can then end the transfer on the write's notification instead of waiting for
-        TRANSFER_RESULT, which needs this side's poll to see the write done and another message
-        hop. Safe before the post: gen counts the write only on its notification, which a
-        write that failed to post never sends. On the loop (it may spawn a send)."""
+        """WRITE_POSTED to the requesting rank, sent with the post so that it travels while the
+        bytes do: gen can then end the transfer on the write's notification instead of waiting
+        for TRANSFER_RESULT, which needs this side's poll to see the write done and another
+        message hop. Just after a quick post; just before a slow one, which may copy a host
+        pool's bytes inside the call. Safe before the post: gen counts the write only on its
+        notification, which a write that failed to post never sends. On the loop (it may spawn
+        a send)."""
         peer = self.registrar.get((request.instance_name, request.instance_rank))
         if peer is None:
             return

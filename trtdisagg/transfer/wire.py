@@ -175,7 +175,8 @@ class Cancel:
 class WritePosted:
     """ctx rank -> gen rank: the one write of `key` to this rank is posted, with what it moves.
 
-    Sent as the write is posted (just before the post call), so it travels while the bytes do.
+    Sent with the post (just after a quick one, just before a slow one), so it travels while
+    the bytes do.
     gen may then finish the transfer on the write's notification (WRITE_NOTICE: the bytes have
     landed) without waiting for TRANSFER_RESULT, which ctx sends only once its own poll sees the
     write done. Only for a rank's single write (not the bounce path); TRANSFER_RESULT still
