@@ -151,6 +151,9 @@ class Stager(Protocol):
     @property
     def capacity(self) -> int: ...
 
+    @property
+    def memory_type(self) -> str: ...  # "VRAM" or "DRAM"
+
     def pack(
         self,
         offset: int,

@@ -225,6 +225,8 @@ class KvTransceiver:
     _starting: dict[int, bool] = attrs.Factory(dict)
     _cancelled_early: set[int] = attrs.Factory(set)
     _staged: dict[int, _Staged] = attrs.Factory(dict)  # gen: receives that bounce
+    _scattering: set[int] = attrs.Factory(set)  # gen: staged KV being copied into the blocks
+    _scattered: list[TransferOutcome] = attrs.Factory(list)  # ... and copied: to report
     _receiving: trio.Event = attrs.Factory(trio.Event)  # set when a receive session starts
     _spin_notices_until: float = 0.0  # gen: drain notifications every round until then
     _write_rates: dict[str, float] = attrs.Factory(dict)  # ctx: bytes/s of writes, per remote
@@ -841,24 +843,53 @@ class KvTransceiver:
             num_tokens=num_tokens,
         )
 
-    def _settle_staging(self, session: ReceiverSession) -> None:
-        """gen: a receive session is gone; scatter its staged KV if it landed, free the room."""
+    def _settle_staging(self, session: ReceiverSession, outcome: TransferOutcome | None) -> bool:
+        """gen: a receive session is gone; scatter its staged KV if it landed, free the room.
+        False: the scatter runs in a worker thread, and `outcome` is reported when it is done
+        (`_scatter`), not now."""
         staged = self._staged.pop(session.key, None)
         if staged is None or self.staging is None:
-            return
+            return True
+        staging = self.staging
+        if session.status is not ReceiverStatus.TRANSFERRED or outcome is None:
+            staging.release(staged.offset)
+            return True
+        if staging.stager.memory_type == "VRAM":
+            # Queued on the device's stream, ahead of any step that reads these blocks: the
+            # call returns at once, so it may run here.
+            try:
+                self._unpack(staged)
+            finally:
+                staging.release(staged.offset)
+            return True
+        # Host memory: the copy is real work (a large prompt's KV), so off the loop; the blocks
+        # stay the request's until the outcome is reported, and cancel_request says False.
+        self._scattering.add(session.key)
+        self._spawn(self._scatter, staged, outcome)
+        return False
+
+    def _unpack(self, staged: _Staged) -> None:
+        assert self.staging is not None
+        self.staging.stager.unpack(
+            staged.offset,
+            staged.block_ids,
+            first_token=staged.first_token,
+            num_tokens=staged.num_tokens,
+        )
+        self.bounced += 1
+
+    async def _scatter(self, staged: _Staged, outcome: TransferOutcome) -> None:
+        assert self.staging is not None
         try:
-            if session.status is ReceiverStatus.TRANSFERRED:
-                # Synchronous: the copy must be in the blocks before this outcome is reported
-                # and decoding reads them (on CUDA it is queued on the same stream).
-                self.staging.stager.unpack(
-                    staged.offset,
-                    staged.block_ids,
-                    first_token=staged.first_token,
-                    num_tokens=staged.num_tokens,
-                )
-                self.bounced += 1
+            await trio.to_thread.run_sync(self._unpack, staged)
+        except Exception as exc:  # a failed copy fails the request, never the service
+            log.warning("KV transfer %d: scattering the staged KV failed: %s", outcome.key, exc)
+            outcome = attrs.evolve(outcome, ok=False, error=f"scattering the staged KV: {exc}")
         finally:
             self.staging.release(staged.offset)
+            self._scattering.discard(outcome.key)
+        self._scattered.append(outcome)
+        self.wake()
 
     def _fail_receive(self, key: int, reason: str) -> None:
         self._failed_early[key] = reason
@@ -889,20 +920,10 @@ class KvTransceiver:
                     done.append(attrs.evolve(failed, blocks_held=True))
                 continue
             self.receivers.pop(session.key)
-            self._settle_staging(session)
-            if not session.is_quiescent and session.status is not ReceiverStatus.TRANSFERRED:
-                self.quarantine_expired += 1
-                log.warning(
-                    "KV transfer %d: no answer from ctx %s %gs past the deadline; blocks freed",
-                    session.key,
-                    session.peer_instance,
-                    self.timeout_s,
-                )
-            if session.failure_reported:
-                continue  # the executor frees the blocks through cancel_request
             status = session.status
-            done.append(
-                self._outcome(
+            outcome = None
+            if not session.failure_reported:  # else it was told, and the executor frees
+                outcome = self._outcome(
                     session.key,
                     ok=status is ReceiverStatus.TRANSFERRED,
                     cancelled=status is ReceiverStatus.CANCELLED,
@@ -911,7 +932,20 @@ class KvTransceiver:
                     num_descriptors=session.num_descriptors,
                     first_tokens=session.first_tokens,
                 )
-            )
+            if not self._settle_staging(session, outcome):
+                continue  # reported once the staged KV is in the blocks
+            if not session.is_quiescent and session.status is not ReceiverStatus.TRANSFERRED:
+                self.quarantine_expired += 1
+                log.warning(
+                    "KV transfer %d: no answer from ctx %s %gs past the deadline; blocks freed",
+                    session.key,
+                    session.peer_instance,
+                    self.timeout_s,
+                )
+            if outcome is not None:
+                done.append(outcome)
+        done += self._scattered
+        self._scattered.clear()
         return done
 
     def _forget_replaced(self, endpoint: str, instance: str) -> None:
@@ -1023,7 +1057,7 @@ class KvTransceiver:
             return self._released(receiver, self.clock())
         if key in self._starting:
             self._starting[key] = True  # no REQUEST_DATA will go out, so nothing can land
-        return True
+        return key not in self._scattering  # a worker thread still copies into the blocks
 
     async def _notify_cancel(self, session: SenderSession, rank: int) -> None:
         if session.peer_instance is None:
