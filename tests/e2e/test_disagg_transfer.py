@@ -56,19 +56,23 @@ async def _split(
     # ctx names itself, so gen can tell a restarted ctx on a reused endpoint from the old one.
     state = answer["choices"][0]["disaggregated_params"]["opaque_state"]
     assert ctx_instance_of(state) is not None and ctx_instance_of(state).startswith("ctx-")
-    gen_body = _gen_body(answer, body)
+    return await _generate(client, gen, _gen_body(answer, body)), key
+
+
+async def _generate(client: httpx.AsyncClient, gen: Server, body: dict[str, Any]) -> list[int]:
+    """gen's token ids for `body`, streamed or not as it asks."""
     if not body.get("stream"):
-        g = await client.post(gen.url + "/v1/completions", json=gen_body)
+        g = await client.post(gen.url + "/v1/completions", json=body)
         assert g.status_code == 200, g.text
-        return list(g.json()["choices"][0]["token_ids"]), key
+        return list(g.json()["choices"][0]["token_ids"])
     tokens: list[int] = []
-    async with client.stream("POST", gen.url + "/v1/completions", json=gen_body) as g:
+    async with client.stream("POST", gen.url + "/v1/completions", json=body) as g:
         assert g.status_code == 200
         async for line in g.aiter_lines():
             if line.startswith("data: {"):
                 for choice in json.loads(line[6:])["choices"]:
                     tokens.extend(choice.get("token_ids", []))
-    return tokens, key
+    return tokens
 
 
 async def _aggregated(client: httpx.AsyncClient, server: Server, body: dict[str, Any]) -> list[int]:
@@ -171,17 +175,7 @@ async def _generation_first(
     gen_tokens: list[int] = []
 
     async def run_gen() -> None:
-        if not body.get("stream"):
-            g = await client.post(gen.url + "/v1/completions", json=gen_body)
-            assert g.status_code == 200, g.text
-            gen_tokens.extend(g.json()["choices"][0]["token_ids"])
-            return
-        async with client.stream("POST", gen.url + "/v1/completions", json=gen_body) as g:
-            assert g.status_code == 200
-            async for line in g.aiter_lines():
-                if line.startswith("data: {"):
-                    for choice in json.loads(line[6:])["choices"]:
-                        gen_tokens.extend(choice.get("token_ids", []))
+        gen_tokens.extend(await _generate(client, gen, gen_body))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_gen)
