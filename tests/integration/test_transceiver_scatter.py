@@ -1,0 +1,109 @@
+"""gen's scatter of a bounced receive on a host pool runs in a worker thread, not on the loop.
+
+The receive is reported only once the staged KV is in the blocks, and `cancel_request` says
+False while the thread still writes into them. The session is made TRANSFERRED by hand (the
+bounce path itself, with real processes, is in tests/e2e/test_hetero_pairings.py); what is
+checked here is the shell's ordering around the copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import trio
+
+from tests.transceivers import rank_info
+from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.bounce import StagedRun
+from trtdisagg.transfer.messenger import open_router
+from trtdisagg.transfer.sessions import ReceiverSession
+from trtdisagg.transfer.staging_area import StagingArea
+from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome, _Staged
+from trtdisagg.transfer.wire import ResultStatus
+
+KEY = 2**41 + 11
+
+
+class GatedStager:
+    """A host-memory stager whose `unpack` runs off the loop and waits for the test."""
+
+    memory_type = "DRAM"
+    address = 0
+    capacity = 1 << 20
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.loop_thread = threading.get_ident()
+        self.unpacked_on: int | None = None
+
+    def pack(
+        self,
+        offset: int,
+        runs: Sequence[StagedRun],
+        block_ids: Sequence[int],
+        *,
+        first_token: int,
+        num_tokens: int,
+    ) -> None:
+        raise AssertionError("gen never packs")
+
+    def unpack(
+        self, offset: int, block_ids: Sequence[int], *, first_token: int, num_tokens: int
+    ) -> None:
+        self.unpacked_on = threading.get_ident()
+        self.entered.set()
+        if not self.release.wait(10):
+            raise TimeoutError("the test never released the scatter")
+
+
+async def _until(predicate: object, what: str) -> None:
+    with trio.fail_after(5):
+        while not predicate():  # type: ignore[operator]  # noqa: ASYNC110
+            await trio.sleep(0.001)
+
+
+async def test_host_scatter_runs_off_the_loop_and_holds_the_outcome_and_the_blocks() -> None:
+    stager = GatedStager()
+    memory = np.zeros(1 << 16, np.uint8)
+    agent = LoopbackAgent("gen-agent", fabric=LoopbackFabric())
+    async with open_router() as router, trio.open_nursery() as nursery:
+        info = rank_info("gen", memory, agent, router.endpoint)
+        wakes: list[int] = []
+        gen = KvTransceiver(
+            local=info, instance=(info,), agent=agent, router=router, timeout_s=30,
+            wake=lambda: wakes.append(1),
+            staging=StagingArea(stager=stager, clock=trio.current_time),
+        )  # fmt: skip
+        await nursery.start(gen.run)
+        assert gen.staging is not None
+        offset = await gen.staging.reserve(4096, trio.current_time() + 1)
+        session = ReceiverSession(
+            key=KEY, peer_instance="ctx", expected=frozenset({0}), deadline=1e12
+        )
+        session.mark_requested()
+        session.on_result(0, ResultStatus.OK, num_bytes=4096, num_descriptors=1, error="")
+        session.on_notice(0)
+        gen.receivers.add(session)
+        gen._staged[KEY] = _Staged(
+            offset=offset, num_bytes=4096, block_ids=(1, 2), first_token=0, num_tokens=5
+        )
+
+        assert gen.check_gen_transfer_status() == []  # not before the KV is in the blocks
+        await trio.to_thread.run_sync(stager.entered.wait, 5)
+        assert stager.unpacked_on != stager.loop_thread
+        assert gen.cancel_request(KEY) is False  # the thread still writes into the blocks
+        assert gen.check_gen_transfer_status() == []
+        assert gen.staging.allocator.free_bytes < gen.staging.capacity  # room still held
+
+        stager.release.set()
+        outcomes: list[TransferOutcome] = []
+        await _until(lambda: outcomes.extend(gen.check_gen_transfer_status()) or outcomes, "")
+        assert [(o.key, o.ok, o.num_bytes) for o in outcomes] == [(KEY, True, 4096)]
+        assert wakes  # the executor was woken to collect it
+        assert gen.cancel_request(KEY) is True
+        assert gen.staging.allocator.free_bytes == gen.staging.capacity
+        assert gen.statistics().bounced == 1
+        nursery.cancel_scope.cancel()
