@@ -185,11 +185,11 @@ async def _follow(
                 None,
                 instance_name=instance_name,
                 share_infos=share_infos_with(group),
+                on_write=lambda num_bytes, descriptors, seconds: writes.append(
+                    WriteRecord(num_bytes=num_bytes, num_descriptors=descriptors, seconds=seconds)
+                ),
             )
             transceiver.early_failures = False  # see KvTransceiver.early_failures
-            transceiver.on_write = lambda num_bytes, descriptors, seconds: writes.append(
-                WriteRecord(num_bytes=num_bytes, num_descriptors=descriptors, seconds=seconds)
-            )
             await nursery.start(transceiver.run)
         log.info("rank %d ready (%s)", rank, group.parallel)
         while True:

@@ -80,9 +80,12 @@ async def build_transceiver(
     instance_name: str | None = None,
     share_infos: Callable[[RankInfo], Awaitable[tuple[RankInfo, ...]]] | None = None,
     faults: FaultInjector | None = None,
+    on_write: Callable[[int, int, float], None] | None = None,
 ) -> KvTransceiver:
     """This rank's transceiver. A multi-rank instance passes its shared `instance_name` and
-    `share_infos`, which swaps RankInfos with the other ranks (every rank must call it)."""
+    `share_infos`, which swaps RankInfos with the other ranks (every rank must call it).
+    `on_write(bytes, descriptors, seconds)` learns of each KV write; by default it feeds
+    `metrics` (a follower rank passes its own, to report its writes to rank 0)."""
     transfer = config.cache_transceiver_config
     assert transfer.backend is not None
     model = runner.model
@@ -150,7 +153,7 @@ async def build_transceiver(
 
     instance = (info,) if share_infos is None else await share_infos(info)
 
-    def on_write(num_bytes: int, descriptors: int, seconds: float) -> None:
+    def count_write(num_bytes: int, descriptors: int, seconds: float) -> None:
         if metrics is not None:
             metrics.kv_transfer_bytes.inc(num_bytes)
             metrics.kv_transfer_descriptors.inc(descriptors)
@@ -163,7 +166,7 @@ async def build_transceiver(
         router=router,
         timeout_s=transfer.kv_transfer_timeout_ms / 1000,
         wake=wake,
-        on_write=on_write,
+        on_write=on_write or count_write,
         faults=faults,
         staging=StagingArea(stager=stager, clock=time.monotonic) if stager is not None else None,
     )
