@@ -150,8 +150,19 @@ class Mapper:
     layers: tuple[tuple[int, int], ...]  # (source local layer, destination local layer)
     heads: HeadOverlap
     _runs: dict[int, Runs] = attrs.field(factory=dict, init=False, repr=False)
-    # [span] or [] once known (`_slot_span`)
-    _span: list[tuple[int, int, int]] | None = attrs.field(default=None, init=False, repr=False)
+    # (source offset, destination offset, size) when a block's runs merge into one run exactly
+    # one slot stride long on both sides, so that consecutive slots' runs abut; else None.
+    _span: tuple[int, int, int] | None = attrs.field(init=False, repr=False)
+
+    @_span.default
+    def _slot_span(self) -> tuple[int, int, int] | None:
+        runs = self._block_runs(self.src.tokens_per_block)
+        whole = (
+            not self.token_dependent
+            and len(runs) == 1
+            and int(runs[0, 2]) == self.src.slot_stride == self.dst.slot_stride
+        )
+        return (int(runs[0, 0]), int(runs[0, 1]), int(runs[0, 2])) if whole else None
 
     def map(self, pairs: Sequence[BlockPair]) -> Fragments:
         """Merged fragments that copy every pair's block (at least its first `num_tokens`
@@ -186,7 +197,7 @@ class Mapper:
         (fresh blocks on both sides) and whole slots copied, which merge into one fragment.
         Ten-odd numpy calls on 64 blocks took 0.15 ms of a 1 ms transfer on the device's CPU.
         None: not that case (or lists that do not fit: `aligned_blocks` says why)."""
-        span = self._slot_span()
+        span = self._span
         if span is None or not dst_blocks:
             return None
         total = -(-num_tokens // self.src.tokens_per_block)
@@ -202,19 +213,6 @@ class Mapper:
             len(src) * span[2],
         )
         return Fragments(np.array([row], dtype=np.int64))
-
-    def _slot_span(self) -> tuple[int, int, int] | None:
-        """(source offset, destination offset, size) when a block's runs merge into one run
-        exactly one slot stride long on both sides, so that consecutive slots' runs abut."""
-        if self._span is None:
-            runs = self._block_runs(self.src.tokens_per_block)
-            whole = (
-                not self.token_dependent
-                and len(runs) == 1
-                and int(runs[0, 2]) == self.src.slot_stride == self.dst.slot_stride
-            )
-            self._span = [(int(runs[0, 0]), int(runs[0, 1]), int(runs[0, 2]))] if whole else []
-        return self._span[0] if self._span else None
 
     def _place(self, num_tokens: int, src_ids: IdArray, dst_ids: IdArray) -> Runs:
         """The per-block runs of `num_tokens` tokens, placed at each pair's slots."""

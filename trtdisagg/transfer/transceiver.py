@@ -367,7 +367,7 @@ class KvTransceiver:
         ):
             return fragments
         submit = self._submitter(session.key, fragments, request, plan)
-        first = self._announce_first(fragments, remote)
+        first = self._announce_first(fragments, remote, quick=True)
         if first:
             self._announce(session, request, fragments, remote)
         posted = self._posted(submit(), remote, fragments)
@@ -529,7 +529,7 @@ class KvTransceiver:
         # hop). A long descriptor list, a first write (connection set-up) or a large host-memory
         # write (which UCX may copy inside the post) goes to a worker thread.
         quick = posts_quickly(self.agent, fragments, remote)
-        first = announce is not None and (not quick or self._announce_first(fragments, remote))
+        first = self._announce_first(fragments, remote, quick=quick)
         if announce is not None and first:
             self._announce(announce, request, fragments, remote)
         handle = await self._call_agent(submit, quick=quick)
@@ -595,11 +595,14 @@ class KvTransceiver:
             with trio.CancelScope(shield=True):
                 await self._call_agent(lambda: self.agent.release(handle), quick=True)
 
-    def _announce_first(self, fragments: Fragments, remote: str) -> bool:
-        """Whether WRITE_POSTED goes before a quick post rather than after it: when the write
-        is expected to end within a message hop (or its time is unknown yet), the message would
-        otherwise land after the notification and hold gen up; a longer write is better off
-        with its bytes moving first."""
+    def _announce_first(self, fragments: Fragments, remote: str, *, quick: bool) -> bool:
+        """Whether WRITE_POSTED goes before the post rather than after it. Before a slow post,
+        which may copy a host pool's bytes inside the call; before a quick one when the write
+        is expected to end within a message hop (or its time is unknown yet), else the message
+        would land after the notification and hold gen up. A longer write is better off with
+        its bytes moving first."""
+        if not quick:
+            return True
         rate = self._write_rates.get(remote)
         return rate is None or fragments.num_bytes / rate < ANNOUNCE_AFTER_S
 
