@@ -19,12 +19,19 @@ Per measured iteration, in the same run, one transfer of each selected transceiv
                     `request_and_receive_async` FIRST and starts waiting for the outcome (a task
                     of the gen child, like the executor's wait); ctx waits until that
                     REQUEST_DATA sits in its transceiver's early buffer
-                    (`statistics().early >= 1`, polled, no fixed sleep); only then does ctx's
-                    KV become ready: `respond_and_send_async`, upon which ctx writes at once.
+                    (`statistics().early >= 1`, polled, no fixed sleep); then ctx calls
+                    `prepare_send` as the executor does when the prompt's last prefill step
+                    starts (the write is prepared then, untimed: the forward runs meanwhile);
+                    only then does ctx's KV become ready: `respond_and_send_async`, upon which
+                    ctx posts the prepared write.
                     Timed from just before that call (a CLOCK_MONOTONIC stamp in ctx) to the
                     outcome seen in gen (the moment its wait returns): the critical path a
                     generation-first request pays once prefill ends (the write, TRANSFER_RESULT
                     and the notification; the REQUEST_DATA round trip is off it).
+  generation-first-unprepared  the same without `prepare_send`: ctx maps and prepares the
+                    write only once the KV is ready (before `prepare_send` existed, and what
+                    happens when gen asks during the last prefill step). `--schedule all`
+                    runs it next to the other two.
   raw NIXL          ctx posts ONE write (a single descriptor of the same byte count, from the
                     same source range into a contiguous destination range) on the same agents,
                     with a notification; gen spins on `get_notifications`. Timed from just
@@ -114,15 +121,20 @@ IDLE_SAMPLE_S: Final = 1.0  # how long the idle children's CPU use is sampled
 EARLY_POLL_S: Final = 1e-4  # ctx's poll for gen's early REQUEST_DATA (Trio rounds it to ~1 ms)
 CONTEXT_FIRST: Final = "context-first"
 GENERATION_FIRST: Final = "generation-first"
-SCHEDULES: Final = (CONTEXT_FIRST, GENERATION_FIRST)
-BOTH: Final = "both"  # --schedule both: every schedule, context-first's ratio on the last line
+UNPREPARED: Final = "generation-first-unprepared"
+SCHEDULES: Final = (CONTEXT_FIRST, GENERATION_FIRST, UNPREPARED)
+BOTH: Final = "both"  # --schedule both: the two schedule styles, context-first's ratio last
+ALL: Final = "all"  # --schedule all: and generation-first without prepare_send
+CHOICES: Final = {BOTH: (CONTEXT_FIRST, GENERATION_FIRST), ALL: SCHEDULES}
 TIMED: Final = {  # what each schedule's time spans (the report's row names)
     CONTEXT_FIRST: "gen call->outcome",
     GENERATION_FIRST: "ctx KV ready->gen outcome",
+    UNPREPARED: "ctx KV ready->gen outcome",
 }
 STAGE_ORIGIN: Final = {  # what each schedule's stage offsets count from
     CONTEXT_FIRST: "gen.request",
     GENERATION_FIRST: "ctx.respond",  # the bench's stamp just before respond_and_send_async
+    UNPREPARED: "ctx.respond",
 }
 
 
@@ -247,10 +259,10 @@ def plan_blocks(num_blocks: int, *, scatter: bool) -> BlockPlan:
 
 def schedules_for(choice: str) -> tuple[str, ...]:
     """The transceiver schedules `--schedule <choice>` runs, the primary (last line) first."""
-    if choice == BOTH:
-        return SCHEDULES
+    if choice in CHOICES:
+        return CHOICES[choice]
     if choice not in SCHEDULES:
-        raise ValueError(f"--schedule must be one of {[*SCHEDULES, BOTH]}, got {choice!r}")
+        raise ValueError(f"--schedule must be one of {[*SCHEDULES, *CHOICES]}, got {choice!r}")
     return (choice,)
 
 
@@ -336,12 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--schedule",
-        choices=(*SCHEDULES, BOTH),
+        choices=(*SCHEDULES, *CHOICES),
         default=CONTEXT_FIRST,
         help="context-first: ctx's KV is ready before gen asks (timed from gen's request); "
         "generation-first: gen asks first, its REQUEST_DATA waits at ctx, then the KV becomes "
         "ready (timed from ctx's respond_and_send_async); both: each, alternating with raw "
-        "(the last line stays context-first's ratio)",
+        "(the last line stays context-first's ratio); generation-first-unprepared: "
+        "generation-first without prepare_send; all: the three",
     )
     parser.add_argument("--result-json", type=Path)
     pairing = parser.add_argument_group("pairing (heterogeneous: not yet, issue 5)")
@@ -578,7 +591,7 @@ def _mib(kib: int | None) -> str:
 
 def _row(name: str, s: dict[str, Any]) -> str:
     return (
-        f"  {name:<44}{s['median_s'] * 1e3:>9.3f} ms{s['p10_s'] * 1e3:>9.3f} ms"
+        f"  {name:<56}{s['median_s'] * 1e3:>9.3f} ms{s['p10_s'] * 1e3:>9.3f} ms"
         f"{s['p90_s'] * 1e3:>9.3f} ms{s['gbps']:>10.3f}"
     )
 
@@ -593,6 +606,7 @@ def format_report(doc: dict[str, Any]) -> str:
     first_pays = {  # the first transceiver transfer run (primary schedule's) pays the set-up
         CONTEXT_FIRST: " (rendezvous + connection)",
         GENERATION_FIRST: " (connection; its rendezvous is before the KV is ready, untimed)",
+        UNPREPARED: " (connection; its rendezvous is before the KV is ready, untimed)",
     }
     cold = ", ".join(
         f"{name} {_ms(sd['cold_s'])}{first_pays.get(name, '') if name == primary else ''}"
@@ -606,7 +620,7 @@ def format_report(doc: dict[str, Any]) -> str:
         f"  descriptors: transceiver {doc['descriptors']} (expected {doc['expected_descriptors']}),"
         f" raw 1",
         f"  cold first transfer: {cold}, raw {_ms(doc['cold']['raw_s'])}",
-        f"  {'path':<44}{'median':>12}{'p10':>12}{'p90':>12}{'GB/s':>10}",
+        f"  {'path':<56}{'median':>12}{'p10':>12}{'p90':>12}{'GB/s':>10}",
     ]
     for name, sd in schedules.items():
         lines.append(_row(f"{name} ({sd['timed']})", sd["transceiver"]))
@@ -779,6 +793,7 @@ class _Side:
     async def handle(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
         handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
             "respond": self.respond,
+            "prepare": self.prepare,
             "collect": self.collect,
             "receive": self.receive,
             "receive_start": self.receive_start,
@@ -816,6 +831,11 @@ class _Side:
         t0 = time.monotonic()
         self.transceiver.respond_and_send_async(args["key"], [self.blocks], self.cfg.tokens)
         return {"t0": t0}
+
+    async def prepare(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The prompt's last prefill step starts: `prepare_send` (as the executor calls it)."""
+        self.transceiver.prepare_send(args["key"], [self.blocks], self.cfg.tokens)
+        return {}
 
     async def await_early(self, args: dict[str, Any]) -> dict[str, Any]:
         """generation-first: return once gen's REQUEST_DATA waits in the early buffer."""
@@ -1212,12 +1232,14 @@ class _Run:
             self.ctx.call("respond", self.wait, key=key)
             got = self.gen.call("receive", self.wait, key=key, endpoint=endpoint)
             wall = got["elapsed_s"]
-        elif schedule == GENERATION_FIRST:
+        elif schedule in (GENERATION_FIRST, UNPREPARED):
             # Each child answers one command at a time, so this order cannot deadlock: gen's
             # request is out (and its wait running) before ctx looks for it, and ctx has
             # responded before anyone waits for the outcome.
             self.gen.call("receive_start", self.wait, key=key, endpoint=endpoint)
             self.ctx.call("await_early", self.wait, key=key)
+            if schedule == GENERATION_FIRST:
+                self.ctx.call("prepare", self.wait, key=key)  # the last prefill step starts
             t0 = self.ctx.call("respond", self.wait, key=key)["t0"]
             got = self.gen.call("receive_finish", self.wait, key=key)
             wall = got["seen"] - t0

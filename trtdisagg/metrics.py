@@ -51,6 +51,7 @@ class WorkerMetrics:
     kv_quarantined: Gauge
     kv_quarantine_expired: Counter
     kv_bounce_transfers: Counter
+    kv_prepared_writes: Counter
     control_connections: Gauge
     faults_injected: Counter
     event_loop_lag: Histogram
@@ -130,6 +131,11 @@ class WorkerMetrics:
             kv_bounce_transfers=Counter(
                 p + "kv_bounce_transfers",
                 "KV transfers through the staging (bounce) buffers, sends and receives",
+                registry=r,
+            ),
+            kv_prepared_writes=Counter(
+                p + "kv_prepared_writes",
+                "KV writes prepared while their prefill ran and posted when the KV was ready",
                 registry=r,
             ),
             kv_quarantine_expired=Counter(

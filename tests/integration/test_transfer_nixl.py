@@ -100,6 +100,34 @@ def test_in_process_write() -> None:
         gen.close()
 
 
+def test_a_prepared_write_moves_nothing_until_posted() -> None:
+    src, dst = _pool(5), _pool(6)
+    before = dst.clone()
+    ctx, gen = NixlAgent("nixl-prep-ctx"), NixlAgent("nixl-prep-gen")
+    try:
+        ctx.register_memory(pool_regions(_info("ctx", src).page_table))
+        gen.register_memory(pool_regions(_info("gen", dst).page_table))
+        remote = ctx.add_remote(gen.local_metadata())
+        fragments = (
+            PeerRegistrar(_info("ctx", src))
+            .register(_info("gen", dst))
+            .fragments(src_blocks=[SRC_BLOCKS], dst_blocks=[DST_BLOCKS], num_tokens=NUM_TOKENS)
+        )
+        handle = ctx.prepare_write(fragments, remote, b"prepared")
+        unused = ctx.prepare_write(fragments, remote, b"never")
+        assert torch.equal(dst, before) and gen.get_notifications() == []
+        ctx.release(unused)  # a write never posted goes back without moving anything
+        ctx.post_prepared(handle)
+        assert _wait(ctx, handle) is XferStatus.DONE
+        assert _notifications(gen) == [("nixl-prep-ctx", b"prepared")]
+        assert torch.equal(dst, _expected(src, before))
+        with pytest.raises(AgentError, match="no prepared write"):
+            ctx.post_prepared(handle)  # released by _wait: nothing left to post
+    finally:
+        ctx.close()
+        gen.close()
+
+
 async def test_write_driven_from_trio() -> None:
     """The calling pattern the transceiver uses: blocking calls in a thread, polls on the loop."""
     src, dst = _pool(3), _pool(4)

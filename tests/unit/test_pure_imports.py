@@ -22,6 +22,7 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.transfer.mappers",
     "trtdisagg.transfer.peers",
     "trtdisagg.transfer.bounce",
+    "trtdisagg.transfer.prepared",
     "trtdisagg.worker.rank_plan",
 )
 FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl")

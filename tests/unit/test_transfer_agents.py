@@ -98,6 +98,32 @@ def test_loopback_write_through_a_mapper() -> None:
     assert gen.get_notifications() == []
 
 
+def test_loopback_prepared_write_copies_only_when_posted() -> None:
+    ctx, gen = _agents()
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, dtype=np.uint8)
+    ctx.register_memory([MemoryRegion(address=int(src.ctypes.data), size=256)])
+    gen.register_memory([MemoryRegion(address=int(dst.ctypes.data), size=256)])
+    remote = ctx.add_remote(gen.local_metadata())
+    rows = np.array([[src.ctypes.data + 16, dst.ctypes.data, 64]], dtype=np.int64)
+    handle = ctx.prepare_write(Fragments(rows), remote, b"n")
+    assert ctx.poll(handle) is XferStatus.PENDING
+    assert not dst.any() and gen.get_notifications() == []
+    ctx.post_prepared(handle)
+    assert ctx.poll(handle) is XferStatus.DONE
+    assert bytes(dst[:64]) == bytes(src[16:80]) and not dst[64:].any()
+    assert gen.get_notifications() == [("ctx/0", b"n")]
+    with pytest.raises(AgentError, match="no prepared write"):
+        ctx.post_prepared(handle)  # once only
+    ctx.release(handle)
+    dropped = ctx.prepare_write(Fragments(rows), remote, b"never")
+    ctx.release(dropped)
+    assert ctx.num_handles == 0
+    with pytest.raises(AgentError, match="no prepared write"):
+        ctx.post_prepared(dropped)
+    assert gen.get_notifications() == []
+
+
 def test_loopback_refuses_out_of_bounds_and_unknown_remotes() -> None:
     src = np.ones(64, dtype=np.uint8)
     dst = np.zeros(64, dtype=np.uint8)

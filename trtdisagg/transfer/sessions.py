@@ -413,6 +413,10 @@ class EarlyMessages:
         """Transfer keys with something held (requests or a cancel)."""
         return len(self._requests.keys() | self._cancelled.keys())
 
+    def peek(self, key: int) -> list[RequestData]:
+        """The requests held for `key`, left in place."""
+        return [request for _, request in self._requests.get(key, [])]
+
     def take(self, key: int) -> tuple[list[RequestData], bool]:
         """(early requests, whether the key was cancelled early)."""
         requests = [request for _, request in self._requests.pop(key, [])]

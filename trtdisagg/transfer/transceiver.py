@@ -3,7 +3,8 @@
 It joins the messenger (ZMQ), the session state machines, the peer registrar and the transfer
 agent (NIXL). The executor calls four sync methods between steps and never waits on the network:
 
-    ctx  respond_and_send_async(key, blocks, num_tokens)   prefill done: push KV when gen asks
+    ctx  prepare_send(key, blocks, num_tokens)             last prefill chunk runs (optional)
+         respond_and_send_async(key, blocks, num_tokens)   prefill done: push KV when gen asks
          check_context_transfer_status() -> outcomes       sessions that ended; free their blocks
     gen  request_and_receive_async(key, endpoint, blocks)  blocks allocated: ask ctx for the KV
          check_gen_transfer_status() -> outcomes           KV landed (or failed): decode or fail
@@ -17,7 +18,9 @@ Lifecycle of a transfer key (= disagg_request_id):
 3. ctx: REQUEST_DATA joins the SenderSession (or waits in EarlyMessages until prefill ends).
    A write task maps blocks to fragments, submits one agent WRITE whose notification names the
    key, announces it (WRITE_POSTED: bytes, descriptors, first tokens), polls it, and reports
-   TRANSFER_RESULT, also when it moved 0 bytes.
+   TRANSFER_RESULT, also when it moved 0 bytes. When REQUEST_DATA came before the KV and the
+   executor said where the KV will be (`prepare_send`), the write is mapped and prepared by the
+   agent while the prefill runs, and only posted when the KV is ready (transfer/prepared.py).
 4. gen: the session completes when every expected rank reported OK and every rank that moved
    bytes delivered its WRITE_NOTICE notification (the data has landed). A rank whose write was
    announced counts once its notice is in: gen need not wait for the TRANSFER_RESULT hop.
@@ -42,13 +45,20 @@ from typing import TypeVar
 import attrs
 import trio
 
-from trtdisagg.transfer.agents.base import TransferAgent, XferHandle, XferStatus, posts_quickly
+from trtdisagg.transfer.agents.base import (
+    TransferAgent,
+    XferHandle,
+    XferStatus,
+    posts_quickly,
+    write_preparer,
+)
 from trtdisagg.transfer.bounce import bounces, canonical_bytes, staged_fragments, staged_runs
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
 from trtdisagg.transfer.faults import FaultInjector
 from trtdisagg.transfer.fragments import Fragments
 from trtdisagg.transfer.messenger import Dealer, Router, open_dealer
 from trtdisagg.transfer.peers import PeerRegistrar, SendPlan
+from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
 from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.sessions import (
     EarlyMessages,
@@ -134,6 +144,8 @@ class TransceiverStatistics:
     early: int = 0  # transfer keys with REQUEST_DATA or CANCEL waiting for their session
     bounced: int = 0  # transfers that went through the staging buffers (sends and receives)
     connections: int = 0  # open DEALERs to peers' control endpoints
+    prepared: int = 0  # writes prepared before their KV was ready and not yet posted
+    prepared_posts: int = 0  # writes posted from such a preparation (since start)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -208,6 +220,8 @@ class KvTransceiver:
     senders: SessionRegistry[SenderSession] = attrs.Factory(SessionRegistry)
     receivers: SessionRegistry[ReceiverSession] = attrs.Factory(SessionRegistry)
     early: EarlyMessages = attrs.Factory(EarlyMessages)
+    prepared: PreparedWrites = attrs.Factory(PreparedWrites)
+    prepared_posts: int = 0
     rendezvous_count: int = 0
     _nursery: trio.Nursery | None = None
     _agent_lock: trio.Lock = attrs.Factory(trio.Lock)
@@ -273,6 +287,8 @@ class KvTransceiver:
             early=len(self.early),
             bounced=self.bounced,
             connections=len(self._dealers),
+            prepared=len(self.prepared),
+            prepared_posts=self.prepared_posts,
         )
 
     def _stamp(self, key: int, stage: str) -> None:
@@ -306,6 +322,71 @@ class KvTransceiver:
         for request in requests:
             self._accept_request(session, request)
         self._start_writes(session)
+        self._forget_prepared(key)  # what `_start_writes` did not post is of no use now
+
+    def prepare_send(self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
+        """ctx, optional: the KV of `key` will be in `block_ids` once the step now starting
+        ends. A gen rank that already asked (generation_first) gets its write made ready during
+        that step, so that `respond_and_send_async` only has to post it."""
+        if write_preparer(self.agent) is None or self.senders.get(key) is not None:
+            return
+        stale = self.prepared.expect(key, block_ids, num_tokens, self.clock() + self.timeout_s)
+        self._release_handles(stale)
+        for request in self.early.peek(key):
+            self._prepare(key, request)
+
+    def _prepare(self, key: int, request: RequestData) -> None:
+        """Map and prepare the direct write of `key`'s expected source into `request`'s blocks,
+        when the agent can do it quickly on the loop; else leave it all to the write path."""
+        preparer = write_preparer(self.agent)
+        source = self.prepared.source(key)
+        peer_key = (request.instance_name, request.instance_rank)
+        if (
+            preparer is None
+            or source is None
+            or request.staging_bytes
+            or self._agent_lock.locked()
+            or self.registrar.get(peer_key) is None
+        ):
+            return
+        plan = self.registrar.send_plan(peer_key)
+        remote = self._remote_names[peer_key]
+        try:
+            fragments = plan.fragments(
+                src_blocks=source.block_ids,
+                dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
+                num_tokens=min(request.num_tokens, source.num_tokens),
+            )
+            if not len(fragments) or not posts_quickly(self.agent, fragments, remote):
+                return
+            memory_type, device_id = self._destination(plan)
+            handle = preparer.prepare_write(
+                fragments,
+                remote,
+                self._notice(key),
+                dst_memory_type=memory_type,
+                dst_device_id=device_id,
+            )
+        except (TransferLayerError, ValueError) as exc:
+            log.debug("KV write %d to %s not prepared: %s", key, peer_key, exc)
+            return  # the write path maps it again and reports what is wrong
+        write = PreparedWrite(
+            request=request, source=source, fragments=fragments, remote=remote, handle=handle
+        )
+        self._release_handles([self.prepared.add(key, write)])
+
+    def _forget_prepared(self, key: int) -> None:
+        self._release_handles(self.prepared.drop(key))
+
+    def _release_handles(self, handles: Sequence[XferHandle | None]) -> None:
+        """Hand prepared writes that will never be posted back to the agent (in a task: the
+        agent may be busy in a worker thread)."""
+        for handle in handles:
+            if handle is not None:
+                self._spawn(self._release_handle, handle)
+
+    async def _release_handle(self, handle: XferHandle) -> None:
+        await self._call_agent(lambda: self.agent.release(handle), quick=True)
 
     def check_context_transfer_status(self) -> list[TransferOutcome]:
         now = self.clock()
@@ -356,6 +437,13 @@ class KvTransceiver:
         if request.staging_bytes or session.source is None:
             return None
         self._stamp(session.key, "write")
+        prepared, stale = self.prepared.take(session.key, request, session.source)
+        self._release_handles([stale])
+        if prepared is not None:
+            if session.cancelled or self._agent_lock.locked():
+                self._release_handles([prepared.handle])
+            else:
+                return self._post_prepared(session, request, prepared)
         plan = self.registrar.send_plan((request.instance_name, request.instance_rank))
         fragments = self._fragments(session, request, plan)
         remote = self._remote_names[(request.instance_name, request.instance_rank)]
@@ -367,6 +455,32 @@ class KvTransceiver:
         ):
             return fragments
         submit = self._submitter(session.key, fragments, request, plan)
+        return self._post_now(session, request, fragments, remote, submit)
+
+    def _post_prepared(
+        self, session: SenderSession, request: RequestData, prepared: PreparedWrite
+    ) -> _Posted:
+        preparer = write_preparer(self.agent)
+        assert preparer is not None
+
+        def post() -> XferHandle:
+            preparer.post_prepared(prepared.handle)
+            self._stamp(session.key, "posted")
+            return prepared.handle
+
+        posted = self._post_now(session, request, prepared.fragments, prepared.remote, post)
+        self.prepared_posts += 1
+        return posted
+
+    def _post_now(
+        self,
+        session: SenderSession,
+        request: RequestData,
+        fragments: Fragments,
+        remote: str,
+        submit: Callable[[], XferHandle],
+    ) -> _Posted:
+        """Post a quick write right here, announced before or after (`_announce_first`)."""
         first = self._announce_first(fragments, remote, quick=True)
         if first:
             self._announce(session, request, fragments, remote)
@@ -542,27 +656,33 @@ class KvTransceiver:
     ) -> Callable[[], XferHandle]:
         """The agent call that posts the write (on the loop or in a worker thread)."""
         remote = self._remote_names[(request.instance_name, request.instance_rank)]
-        notice = encode(
+        notice = self._notice(key)
+        memory_type, device_id = self._destination(plan)
+
+        def submit() -> XferHandle:
+            handle = self.agent.submit_write(
+                fragments, remote, notice, dst_memory_type=memory_type, dst_device_id=device_id
+            )
+            self._stamp(key, "posted")
+            return handle
+
+        return submit
+
+    def _notice(self, key: int) -> bytes:
+        """The notification payload of a write of `key` from this rank (WRITE_NOTICE)."""
+        return encode(
             WriteNotice(
                 key=key,
                 instance_name=self.local.instance_name,
                 instance_rank=self.local.instance_rank,
             )
         )
+
+    @staticmethod
+    def _destination(plan: SendPlan) -> tuple[str, int]:
+        """The agent's `dst_memory_type` and `dst_device_id` for writes to `plan`'s peer."""
         pool = plan.peer.page_table.layer_groups[0].pool
-
-        def submit() -> XferHandle:
-            handle = self.agent.submit_write(
-                fragments,
-                remote,
-                notice,
-                dst_memory_type=pool.memory_type,
-                dst_device_id=pool.device_id,
-            )
-            self._stamp(key, "posted")
-            return handle
-
-        return submit
+        return pool.memory_type, pool.device_id
 
     def _posted(self, handle: XferHandle, remote: str, fragments: Fragments) -> _Posted:
         posted = self.clock()
@@ -1058,6 +1178,7 @@ class KvTransceiver:
             if receiver.status is not ReceiverStatus.TRANSFERRED:
                 self._stop_receiver(receiver)
             return self._released(receiver, self.clock())
+        self._forget_prepared(key)  # ctx: the request ended before its KV was ready
         if key in self._starting:
             self._starting[key] = True  # no REQUEST_DATA will go out, so nothing can land
         return key not in self._scattering  # a worker thread still copies into the blocks
@@ -1272,6 +1393,7 @@ class KvTransceiver:
         if session is None:
             if self.senders.get(request.key) is None:
                 self.early.add_request(self.clock(), request)
+                self._prepare(request.key, request)
             return
         self._accept_request(session, request)
         self._start_writes(session)
@@ -1313,6 +1435,7 @@ class KvTransceiver:
             return
         if self.senders.get(cancel.key) is None:
             self.early.add_cancel(self.clock(), cancel.key)  # a session made later starts cancelled
+            self._forget_prepared(cancel.key)
             self._spawn(self._ack_cancel, cancel)
 
     async def _poll_notifications(self) -> None:
@@ -1359,7 +1482,9 @@ class KvTransceiver:
             # A quarantine that ends by time (no answer from ctx) needs the executor too.
             if any(s.is_terminal and self._released(s, self.clock()) for s in self.receivers):
                 self.wake()
+            self._release_handles(self.prepared.expired(self.clock()))
             for stale in self.early.sweep(self.clock()):
+                self._forget_prepared(stale.key)
                 await self._refuse_stale(stale)
 
     async def _refuse_stale(self, request: RequestData) -> None:

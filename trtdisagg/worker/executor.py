@@ -268,6 +268,7 @@ class Executor:
                 await self._wait_for_work(timeout=0.01)
                 continue
             specs = self._specs_for(plan)
+            self._prepare_sends(plan)
             out = await trio.to_thread.run_sync(self.runner.execute, plan, specs)
             self.steps += 1
             self.scheduler.step_done(plan)
@@ -312,6 +313,8 @@ class Executor:
                 await self._wait_for_work(timeout=wait)
                 if not in_flight and self.clock() - last_tick < HEARTBEAT_S:
                     continue
+            if plan is not None:
+                self._prepare_sends(plan)  # rank 0's own writes (the followers' are not)
             await self._tick(group, plan)
             last_tick = self.clock()
 
@@ -573,6 +576,22 @@ class Executor:
                 )
             )
 
+    def _prepare_sends(self, plan: StepPlan) -> None:
+        """ctx: a context_only request whose last prefill chunk is in this step has its KV in
+        these blocks when the step ends. Said now, a gen request that already asked
+        (generation_first) gets its write prepared during the forward; only the post is left
+        once the KV is ready."""
+        if self.transceiver is None:
+            return
+        for item in plan.items:
+            live = self._live.get(item.request.request_id)
+            table = item.request.block_table
+            if not item.samples or live is None or live.transfer_key is None or table is None:
+                continue
+            self.transceiver.prepare_send(
+                live.transfer_key, [list(table.block_ids)], item.request.num_prompt_tokens
+            )
+
     def _specs_for(self, plan: StepPlan) -> dict[int, SampleSpec]:
         now = self.clock()
         specs = {}
@@ -730,6 +749,8 @@ class Executor:
             self.metrics.kv_early_messages.set(transfer.early)
             self.metrics.kv_quarantined.set(transfer.quarantined)
             self._advance(self.metrics.kv_bounce_transfers, "bounced", transfer.bounced)
+            prepared = transfer.prepared_posts
+            self._advance(self.metrics.kv_prepared_writes, "prepared_posts", prepared)
             self.metrics.control_connections.set(transfer.connections)
         stats = self.scheduler.statistics()
         self.metrics.requests_running.set(stats.num_running)

@@ -21,6 +21,11 @@ A thread hop costs about 0.2 ms (more on a busy host), several times what postin
 costs once its peer is connected. An agent that knows when its `submit_write` is that quick says
 so with an optional `submit_is_quick(fragments, remote)` method (see `posts_quickly`); the caller
 may then post on the event loop. Agents without it are always called from a thread.
+
+An agent may also split a write in two (`WritePreparer`, optional): `prepare_write` does all of
+`submit_write` but the post, and `post_prepared` starts it. ctx prepares a write while the
+prefill that produces its KV still runs (gen asked first), so that only the post is left when
+the KV is ready. `release` drops a prepared handle that is never posted.
 """
 
 from __future__ import annotations
@@ -138,6 +143,40 @@ class TransferAgent(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class WritePreparer(Protocol):
+    """The optional split of `TransferAgent.submit_write` (see the module docstring)."""
+
+    def prepare_write(
+        self,
+        fragments: Fragments,
+        remote: str,
+        notif: bytes,
+        *,
+        dst_memory_type: str = "DRAM",
+        dst_device_id: int = 0,
+    ) -> XferHandle:
+        """Everything `submit_write` does but starting the write; as quick as it is when
+        `submit_is_quick` says so. Raises AgentError as `submit_write` does."""
+        ...
+
+    def post_prepared(self, handle: XferHandle) -> None:
+        """Start a prepared write (once); then `poll` and `release` it as any other. Quick.
+
+        Raises:
+            AgentError: an unknown handle, or the backend refused the post (the handle is then
+                released).
+        """
+        ...
+
+
+def write_preparer(agent: TransferAgent) -> WritePreparer | None:
+    """`agent` itself when it can prepare writes ahead of their post, else None (wrappers and
+    test doubles without the two methods always write in one go)."""
+    if hasattr(agent, "prepare_write") and hasattr(agent, "post_prepared"):
+        return agent  # type: ignore[return-value]
+    return None
 
 
 def posts_quickly(agent: TransferAgent, fragments: Fragments, remote: str) -> bool:

@@ -4,7 +4,8 @@ Agents find each other through a `LoopbackFabric` that the test (or a single-pro
 creates and passes to every agent: no module-level registry. A write checks that every source
 lies in the writer's registered memory and every destination in the target's, copies with
 `ctypes.memmove`, and queues the notification on the target; it is DONE when `submit_write`
-returns. DRAM only (host addresses). Same contract as `base.TransferAgent`; nothing here blocks.
+(or `post_prepared`) returns. DRAM only (host addresses). Same contract as
+`base.TransferAgent`; nothing here blocks.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class LoopbackAgent:
         self._remotes: set[str] = set()
         self._notifications: list[tuple[str, bytes]] = []
         self._handles: dict[XferHandle, XferStatus] = {}
+        self._prepared: dict[XferHandle, tuple[Fragments, str, bytes]] = {}
         self._ids = itertools.count(1)
         fabric.attach(self)
 
@@ -98,6 +100,20 @@ class LoopbackAgent:
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
+        handle = self.prepare_write(fragments, remote, notif)
+        self.post_prepared(handle)
+        return handle
+
+    def prepare_write(
+        self,
+        fragments: Fragments,
+        remote: str,
+        notif: bytes,
+        *,
+        dst_memory_type: str = "DRAM",
+        dst_device_id: int = 0,
+    ) -> XferHandle:
+        """Check the write now; `post_prepared` copies. A handle never posted is `release`d."""
         if remote not in self._remotes:
             raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
         target = self._fabric.get(remote)
@@ -107,18 +123,33 @@ class LoopbackAgent:
                 find_region(target.regions, fragments, column=1)
             except AgentError as exc:
                 raise AgentError(f"{self._name} -> {remote}: {exc}") from None
+        handle = XferHandle(next(self._ids))
+        self._handles[handle] = XferStatus.PENDING
+        self._prepared[handle] = (fragments, remote, notif)
+        return handle
+
+    def post_prepared(self, handle: XferHandle) -> None:
+        prepared = self._prepared.pop(handle, None)
+        if prepared is None:
+            raise AgentError(f"{self._name}: no prepared write {handle}")
+        fragments, remote, notif = prepared
+        if len(fragments):
             for src, dst, size in fragments.rows.tolist():
                 ctypes.memmove(dst, src, size)
-            target._notifications.append((self._name, notif))
-        handle = XferHandle(next(self._ids))
+            self._fabric.get(remote)._notifications.append((self._name, notif))
         self._handles[handle] = XferStatus.DONE
-        return handle
+
+    @property
+    def num_handles(self) -> int:
+        """Handles not yet released (tests check that none leak)."""
+        return len(self._handles)
 
     def poll(self, handle: XferHandle) -> XferStatus:
         return self._handles[handle]
 
     def release(self, handle: XferHandle) -> None:
         self._handles.pop(handle, None)
+        self._prepared.pop(handle, None)
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         notifications, self._notifications = self._notifications, []
@@ -126,6 +157,7 @@ class LoopbackAgent:
 
     def close(self) -> None:
         self._handles.clear()
+        self._prepared.clear()
         self._remotes.clear()
         self._regions.clear()
         self._fabric.detach(self._name)

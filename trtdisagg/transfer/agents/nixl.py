@@ -10,8 +10,9 @@ notification, and posts it with `transfer`; `poll` reads `check_xfer_state`.
 May block (call through `trio.to_thread.run_sync`): `NixlAgent(...)`, `register_memory`,
 `deregister_memory`, `add_remote`, `submit_write` (descriptor preparation is linear in the number
 of fragments, and the first write to a peer sets up its connection), `close`.
-Quick: `poll`, `release` (of a finished handle), `get_notifications`, `local_metadata`, and
-`submit_write` where `submit_is_quick` says so (a few descriptors to a peer already written to).
+Quick: `poll`, `release` (of a finished handle), `get_notifications`, `local_metadata`,
+`post_prepared`, and `submit_write` / `prepare_write` where `submit_is_quick` says so (a few
+descriptors to a peer already written to).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class NixlAgent:
         # Remotes a write was posted to: their UCX connection is up, so posting is quick.
         self._connected: set[str] = set()
         self._handles: dict[XferHandle, Any] = {}  # our id -> nixl_xfer_handle
+        self._targets: dict[XferHandle, str] = {}  # our id -> the remote it writes to
         self._ids = itertools.count(1)
 
     @property
@@ -129,6 +131,23 @@ class NixlAgent:
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
+        handle = self.prepare_write(
+            fragments, remote, notif, dst_memory_type=dst_memory_type, dst_device_id=dst_device_id
+        )
+        self.post_prepared(handle)
+        return handle
+
+    def prepare_write(
+        self,
+        fragments: Fragments,
+        remote: str,
+        notif: bytes,
+        *,
+        dst_memory_type: str = "DRAM",
+        dst_device_id: int = 0,
+    ) -> XferHandle:
+        """`submit_write` but the post: both descriptor lists and the NIXL request (with its
+        notification), for `post_prepared` to start. A handle never posted is `release`d."""
         if remote not in self._remotes:
             raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
         if not len(fragments):
@@ -148,16 +167,30 @@ class NixlAgent:
                 remote,
                 notif,
             )
-            state = self._agent.transfer(handle)
         except Exception as exc:
-            raise AgentError(f"{self._name}: write to {remote} not submitted: {exc}") from exc
-        if state == "ERR":
-            handle.release()
-            raise AgentError(f"{self._name}: write to {remote} failed when posted")
-        self._connected.add(remote)
+            raise AgentError(f"{self._name}: write to {remote} not prepared: {exc}") from exc
         xfer = XferHandle(next(self._ids))
         self._handles[xfer] = handle
+        self._targets[xfer] = remote
         return xfer
+
+    def post_prepared(self, handle: XferHandle) -> None:
+        """Start a prepared write (once). Quick (about 0.03-0.1 ms on an H200 host)."""
+        if handle == _DONE:
+            return
+        nixl_handle = self._handles.get(handle)
+        if nixl_handle is None:
+            raise AgentError(f"{self._name}: no prepared write {handle}")
+        remote = self._targets[handle]
+        try:
+            state = self._agent.transfer(nixl_handle)
+        except Exception as exc:
+            self.release(handle)
+            raise AgentError(f"{self._name}: write to {remote} not submitted: {exc}") from exc
+        if state == "ERR":
+            self.release(handle)
+            raise AgentError(f"{self._name}: write to {remote} failed when posted")
+        self._connected.add(remote)
 
     def poll(self, handle: XferHandle) -> XferStatus:
         if handle == _DONE:
@@ -165,6 +198,7 @@ class NixlAgent:
         return _STATES[self._agent.check_xfer_state(self._handles[handle])]
 
     def release(self, handle: XferHandle) -> None:
+        self._targets.pop(handle, None)
         nixl_handle = self._handles.pop(handle, None)
         if nixl_handle is not None:
             self._agent.release_xfer_handle(nixl_handle)
