@@ -14,6 +14,7 @@ from trtdisagg.worker.rank_plan import (
     RankOutcome,
     RankReport,
     ReceiveCommand,
+    SendCommand,
     Side,
     StepCommand,
     compose_digest,
@@ -82,6 +83,7 @@ def test_commands_and_reports_round_trip_the_wire() -> None:
         receives=(
             ReceiveCommand(key=5, endpoint="tcp://127.0.0.1:9", block_ids=(1, 2), num_tokens=7),
         ),
+        prepares=(SendCommand(key=6, block_ids=(3, 4), num_tokens=9),),
         cancels=(8,),
     )
     assert decode_command(encode_command(command)) == command

@@ -111,22 +111,25 @@ class _Outbox:
     """Transfer work rank 0 decided since the last step, for the other ranks to apply."""
 
     sends: list[SendCommand] = attrs.Factory(list)
+    prepares: list[SendCommand] = attrs.Factory(list)
     receives: list[ReceiveCommand] = attrs.Factory(list)
     cancels: list[int] = attrs.Factory(list)
     digests: list[DigestCommand] = attrs.Factory(list)
 
     def __bool__(self) -> bool:
-        return bool(self.sends or self.receives or self.cancels or self.digests)
+        return bool(self.sends or self.prepares or self.receives or self.cancels or self.digests)
 
     def take(self, items: tuple[ItemInputs, ...] = ()) -> StepCommand:
         command = StepCommand(
             items=items,
             sends=tuple(self.sends),
+            prepares=tuple(self.prepares),
             receives=tuple(self.receives),
             cancels=tuple(self.cancels),
             digests=tuple(self.digests),
         )
         self.sends.clear()
+        self.prepares.clear()
         self.receives.clear()
         self.cancels.clear()
         self.digests.clear()
@@ -314,7 +317,7 @@ class Executor:
                 if not in_flight and self.clock() - last_tick < HEARTBEAT_S:
                     continue
             if plan is not None:
-                self._prepare_sends(plan)  # rank 0's own writes (the followers' are not)
+                self._prepare_sends(plan)  # here now, on the other ranks with the command
             await self._tick(group, plan)
             last_tick = self.clock()
 
@@ -591,6 +594,14 @@ class Executor:
             self.transceiver.prepare_send(
                 live.transfer_key, [list(table.block_ids)], item.request.num_prompt_tokens
             )
+            if self.ranks is not None:
+                self._outbox.prepares.append(
+                    SendCommand(
+                        key=live.transfer_key,
+                        block_ids=tuple(table.block_ids),
+                        num_tokens=item.request.num_prompt_tokens,
+                    )
+                )
 
     def _specs_for(self, plan: StepPlan) -> dict[int, SampleSpec]:
         now = self.clock()

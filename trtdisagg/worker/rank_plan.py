@@ -2,8 +2,8 @@
 
 Only rank 0 schedules. Every step it broadcasts one `StepCommand`: the forward's inputs (each
 scheduled request's new tokens, first position and block ids) plus the transfer work it decided
-(sends to start, receives to start, cancels, KV digests to record). Every rank applies the same
-command to its own shard, so no rank needs scheduler state or Request objects.
+(sends to prepare and to start, receives to start, cancels, KV digests to record). Every rank
+applies the same command to its own shard, so no rank needs scheduler state or Request objects.
 
 Each rank then answers with a `RankReport`: the transfers its own transceiver finished. A
 request changes transfer state only when every rank has reported it (`OutcomeGate`): success is
@@ -71,6 +71,9 @@ class DigestCommand:
 class StepCommand:
     items: tuple[ItemInputs, ...] = ()
     sends: tuple[SendCommand, ...] = ()
+    # ctx: the KV of these will be in their blocks when this step's forward ends
+    # (`KvTransceiver.prepare_send`); applied before the forward, as rank 0 does
+    prepares: tuple[SendCommand, ...] = ()
     receives: tuple[ReceiveCommand, ...] = ()
     cancels: tuple[int, ...] = ()  # transfer keys; applied after this step's sends/receives
     digests: tuple[DigestCommand, ...] = ()

@@ -230,8 +230,10 @@ def _apply(
     runner: ModelRunner,
     hooks: TestHooks | None,
 ) -> tuple[RankDigest, ...]:
-    """The transfer work of one command, in rank 0's order: sends, receives, cancels."""
+    """The transfer work of one command, in rank 0's order: prepares, sends, receives, cancels."""
     if transceiver is not None:
+        for prepare in command.prepares:
+            transceiver.prepare_send(prepare.key, [list(prepare.block_ids)], prepare.num_tokens)
         if command.sends:
             runner.kv_ready()  # the KV the last steps wrote is in memory before NIXL reads it
         for send in command.sends:
