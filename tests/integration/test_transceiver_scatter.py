@@ -18,9 +18,10 @@ from tests.transceivers import rank_info
 from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
 from trtdisagg.transfer.bounce import StagedRun
 from trtdisagg.transfer.messenger import open_router
+from trtdisagg.transfer.receive_side import _Staged
 from trtdisagg.transfer.sessions import ReceiverSession
 from trtdisagg.transfer.staging_area import StagingArea
-from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome, _Staged
+from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
 from trtdisagg.transfer.wire import ResultStatus
 
 KEY = 2**41 + 11
@@ -87,7 +88,7 @@ async def test_host_scatter_runs_off_the_loop_and_holds_the_outcome_and_the_bloc
         session.on_result(0, ResultStatus.OK, num_bytes=4096, num_descriptors=1, error="")
         session.on_notice(0)
         gen.receivers.add(session)
-        gen._staged[KEY] = _Staged(
+        gen._gen_side._staged[KEY] = _Staged(
             offset=offset, num_bytes=4096, block_ids=(1, 2), first_token=0, num_tokens=5
         )
 

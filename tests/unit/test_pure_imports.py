@@ -23,6 +23,7 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.transfer.peers",
     "trtdisagg.transfer.bounce",
     "trtdisagg.transfer.prepared",
+    "trtdisagg.transfer.pacing",
     "trtdisagg.worker.rank_plan",
 )
 FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl")

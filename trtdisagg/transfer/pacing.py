@@ -1,0 +1,77 @@
+"""When a transfer is watched at every scheduling round, and when a write is announced. Pure.
+
+Trio's timers are millisecond-grained: a 1 ms sleep returns up to ~1.2 ms later. The transceiver
+therefore spins (yields at every round) only where an event is due: ctx around a write's start
+and its expected end (`polls_every_round`), gen a little past ctx's estimate of a write it was
+told of (`notice_spin_s`). ctx learns how fast its writes to each remote go (`WriteRates`), which
+sets both those estimates and whether WRITE_POSTED goes before or after the post.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+SPIN_POLL_S = 0.002
+# gen, after WRITE_POSTED: drain notifications at every round for this long past twice ctx's
+# estimate of the write (or the maximum when ctx has no estimate yet).
+NOTICE_SPIN_S = 0.002
+NOTICE_SPIN_MAX_S = 0.05
+# ctx: a quick write expected to take at least this long is announced (WRITE_POSTED) after its
+# post, a shorter one before it. About a ZMQ hop between two local processes (0.25-0.45 ms on the
+# device); on 2 x H200, announcing 256 MiB on one GPU (0.25 ms) after the post cost 0.2 ms.
+ANNOUNCE_AFTER_S = 0.0005
+# A 1 ms Trio sleep returns up to ~1.2 ms later (epoll's millisecond timeout, rounded up): a long
+# write is polled at every round from this long before its expected end.
+TIMER_SLACK_S = 0.0015
+
+
+def polls_every_round(now: float, posted: float, expected: float) -> bool:
+    """Whether a write posted at `posted`, expected to end at `expected`, is polled at every
+    scheduling round now (else after a 1 ms sleep): during its first SPIN_POLL_S, when a short
+    write usually ends, and around its expected end. Trio's timers are millisecond-grained, so
+    only this catches the end promptly; the sleeps in between keep a long write from spinning a
+    core throughout."""
+    near_end = expected - TIMER_SLACK_S <= now < expected + SPIN_POLL_S
+    return now < posted + SPIN_POLL_S or near_end
+
+
+def notice_spin_s(expected_us: int) -> float:
+    """gen, told of a write (WRITE_POSTED) that ctx expects to take `expected_us` (0: no
+    estimate yet): how long to drain notifications at every scheduling round from now."""
+    spin = min(NOTICE_SPIN_MAX_S, NOTICE_SPIN_S + 2 * expected_us * 1e-6)
+    if not expected_us:
+        spin = NOTICE_SPIN_MAX_S
+    return spin
+
+
+@attrs.define(eq=False)
+class WriteRates:
+    """ctx: how fast writes to each remote go (bytes/s, a moving average)."""
+
+    _rates: dict[str, float] = attrs.Factory(dict)
+
+    def expected_s(self, remote: str, num_bytes: int) -> float | None:
+        """How long a write of `num_bytes` to `remote` should take; None while unknown."""
+        rate = self._rates.get(remote)
+        return num_bytes / rate if rate else None
+
+    def announce_first(self, remote: str, num_bytes: int, *, quick: bool) -> bool:
+        """Whether WRITE_POSTED goes before the post rather than after it. Before a slow post,
+        which may copy a host pool's bytes inside the call; before a quick one when the write
+        is expected to end within a message hop (or its time is unknown yet), else the message
+        would land after the notification and hold gen up. A longer write is better off with
+        its bytes moving first."""
+        if not quick:
+            return True
+        expected = self.expected_s(remote, num_bytes)
+        return expected is None or expected < ANNOUNCE_AFTER_S
+
+    def learn(self, remote: str, num_bytes: int, seconds: float) -> None:
+        """Track how fast writes to `remote` go (bytes/s, a moving average), so that the next
+        one is polled at every round only near its expected end. The measured time is at most
+        one slow poll late, which the next estimate then corrects (TIMER_SLACK_S covers it)."""
+        if seconds <= 0 or num_bytes <= 0:
+            return
+        rate = num_bytes / seconds
+        old = self._rates.get(remote)
+        self._rates[remote] = rate if old is None else 0.75 * old + 0.25 * rate

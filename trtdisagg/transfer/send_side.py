@@ -1,0 +1,197 @@
+"""ctx (sender) side of the KvTransceiver (transfer/transceiver.py): push KV when gen asks.
+
+REQUEST_DATA joins the SenderSession (or waits in EarlyMessages until prefill ends); each
+requesting gen rank then gets one write (transfer/writes.py). When REQUEST_DATA came before the
+KV and the executor said where the KV will be (`prepare_send`), the write is mapped and prepared
+by the agent while the prefill runs, and only posted when the KV is ready (transfer/prepared.py).
+
+The transceiver's shell owns the sessions, the dealers, the agent lock and the nursery; `CtxSender`
+is given them (or what uses them), and every task it starts runs in the shell's nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+import trio
+
+from trtdisagg.transfer.agents.base import TransferAgent, posts_quickly, write_preparer
+from trtdisagg.transfer.errors import TransferLayerError
+from trtdisagg.transfer.peers import PeerRegistrar
+from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
+from trtdisagg.transfer.sessions import (
+    EarlyMessages,
+    SenderSession,
+    SenderStatus,
+    SessionRegistry,
+    TransferOutcome,
+)
+from trtdisagg.transfer.wire import Cancel, RequestData, ResultStatus, unpack_block_ids
+from trtdisagg.transfer.writes import CtxWrites
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False, kw_only=True)
+class CtxSender:
+    """ctx: the sender sessions, from REQUEST_DATA (or `prepare_send`) to their outcomes."""
+
+    agent: TransferAgent
+    registrar: PeerRegistrar
+    timeout_s: float
+    clock: Callable[[], float]
+    senders: SessionRegistry[SenderSession]
+    early: EarlyMessages
+    prepared: PreparedWrites
+    writes: CtxWrites
+    # The shell's, shared: agent names of registered gen ranks, the agent lock.
+    _remote_names: Mapping[tuple[str, int], str]
+    _agent_lock: trio.Lock
+    # The shell's services (transfer/transceiver.py).
+    _stamp: Callable[[int, str], None]
+    _start_timing: Callable[[int], None]
+    _outcome: Callable[..., TransferOutcome]
+
+    def respond_and_send_async(
+        self,
+        key: int,
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        first_tokens: Sequence[int] = (),
+    ) -> None:
+        """See `KvTransceiver.respond_and_send_async`."""
+        session = SenderSession(
+            key=key, deadline=self.clock() + self.timeout_s, first_tokens=tuple(first_tokens)
+        )
+        session.set_source(block_ids, num_tokens)
+        self.senders.add(session)
+        self._start_timing(key)
+        requests, cancelled = self.early.take(key)
+        if cancelled:
+            session.cancel()
+        for request in requests:
+            self._accept_request(session, request)
+        self.writes.start_writes(session)
+        self.forget_prepared(key)  # what `start_writes` did not post is of no use now
+
+    def prepare_send(self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
+        """See `KvTransceiver.prepare_send`."""
+        if write_preparer(self.agent) is None or self.senders.get(key) is not None:
+            return
+        stale = self.prepared.expect(key, block_ids, num_tokens, self.clock() + self.timeout_s)
+        self.writes.release_handles(stale)
+        for request in self.early.peek(key):
+            self._prepare(key, request)
+
+    def _prepare(self, key: int, request: RequestData) -> None:
+        """Map and prepare the direct write of `key`'s expected source into `request`'s blocks,
+        when the agent can do it quickly on the loop; else leave it all to the write path."""
+        preparer = write_preparer(self.agent)
+        source = self.prepared.source(key)
+        peer_key = (request.instance_name, request.instance_rank)
+        if (
+            preparer is None
+            or source is None
+            or request.staging_bytes
+            or self._agent_lock.locked()
+            or self.registrar.get(peer_key) is None
+        ):
+            return
+        plan = self.registrar.send_plan(peer_key)
+        remote = self._remote_names[peer_key]
+        try:
+            fragments = plan.fragments(
+                src_blocks=source.block_ids,
+                dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
+                num_tokens=min(request.num_tokens, source.num_tokens),
+            )
+            if not len(fragments) or not posts_quickly(self.agent, fragments, remote):
+                return
+            memory_type, device_id = self.writes.destination(plan)
+            handle = preparer.prepare_write(
+                fragments,
+                remote,
+                self.writes.notice(key),
+                dst_memory_type=memory_type,
+                dst_device_id=device_id,
+            )
+        except (TransferLayerError, ValueError) as exc:
+            log.debug("KV write %d to %s not prepared: %s", key, peer_key, exc)
+            return  # the write path maps it again and reports what is wrong
+        write = PreparedWrite(
+            request=request, source=source, fragments=fragments, remote=remote, handle=handle
+        )
+        self.writes.release_handles([self.prepared.add(key, write)])
+
+    def forget_prepared(self, key: int) -> None:
+        self.writes.release_handles(self.prepared.drop(key))
+
+    def check_context_transfer_status(self) -> list[TransferOutcome]:
+        now = self.clock()
+        for session in self.senders.expired(now):
+            session.fail(f"KV transfer {session.key} timed out after {self.timeout_s:g}s")
+        done = []
+        for session in self.senders:
+            if session.is_terminal and session.is_quiescent:
+                self.senders.pop(session.key)
+                status = session.status
+                done.append(
+                    self._outcome(
+                        session.key,
+                        ok=status is SenderStatus.TRANSFERRED,
+                        cancelled=status is SenderStatus.CANCELLED,
+                        error=session.error,
+                    )
+                )
+        return done
+
+    def _accept_request(self, session: SenderSession, request: RequestData) -> None:
+        peer_key = (request.instance_name, request.instance_rank)
+        peer = self.registrar.get(peer_key)
+        if peer is None:
+            return
+        if session.expected is None:
+            overlap = self.registrar.overlap(peer, peer_dp_rank=peer.dp_rank)
+            session.bind(request.instance_name, frozenset(overlap.ranks))
+        session.add_request(request)
+
+    def on_request_data(self, request: RequestData) -> None:
+        self._stamp(request.key, "received")
+        if self.registrar.get((request.instance_name, request.instance_rank)) is None:
+            log.warning(
+                "REQUEST_DATA %d from unregistered rank %s#%d dropped",
+                request.key,
+                request.instance_name,
+                request.instance_rank,
+            )
+            return
+        session = self.senders.lookup(request.instance_name, request.key)
+        if session is None:
+            if self.senders.get(request.key) is None:
+                self.early.add_request(self.clock(), request)
+                self._prepare(request.key, request)
+            return
+        self._accept_request(session, request)
+        self.writes.start_writes(session)
+
+    async def ack_cancel(self, cancel: Cancel) -> None:
+        """Answer a CANCEL for which no write of ours is in flight to its sender, so that it can
+        free the blocks it keeps quarantined without waiting for a second timeout."""
+        await self.writes.send_result(
+            (cancel.instance_name, cancel.instance_rank),
+            cancel.key,
+            ResultStatus.CANCELLED,
+            error="cancelled; no write in flight",
+        )
+
+    async def refuse_stale(self, request: RequestData) -> None:
+        """Answer a REQUEST_DATA whose key never showed up here, so gen fails fast."""
+        await self.writes.send_result(
+            (request.instance_name, request.instance_rank),
+            request.key,
+            ResultStatus.ERROR,
+            error=f"ctx has no request with disagg_request_id {request.key} (never prefilled "
+            "here, or already released)",
+        )

@@ -1,0 +1,436 @@
+"""ctx's writes (part of the KvTransceiver's ctx side, transfer/send_side.py).
+
+A write task maps blocks to fragments, submits one agent WRITE whose notification names the key,
+announces it (WRITE_POSTED: bytes, descriptors, first tokens), polls it, and reports
+TRANSFER_RESULT, also when it moved 0 bytes. A direct write is mapped, and when the post is quick
+posted too, in the caller's turn (`start_writes`); a write the agent prepared while the prefill
+ran (transfer/prepared.py) is only posted. The bounce path packs this rank's runs into staging
+and writes them in one go (transfer/bounce.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Protocol, TypeVar
+
+import attrs
+import trio
+
+from trtdisagg.transfer.agents.base import (
+    TransferAgent,
+    XferHandle,
+    XferStatus,
+    posts_quickly,
+    write_preparer,
+)
+from trtdisagg.transfer.bounce import staged_fragments, staged_runs
+from trtdisagg.transfer.errors import TransferLayerError
+from trtdisagg.transfer.fragments import Fragments
+from trtdisagg.transfer.messenger import Dealer
+from trtdisagg.transfer.pacing import WriteRates, polls_every_round
+from trtdisagg.transfer.peers import PeerRegistrar, SendPlan
+from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
+from trtdisagg.transfer.rank_info import RankInfo
+from trtdisagg.transfer.sessions import SenderSession
+from trtdisagg.transfer.staging_area import StagingArea
+from trtdisagg.transfer.wire import (
+    Message,
+    RequestData,
+    ResultStatus,
+    TransferResult,
+    WriteNotice,
+    WritePosted,
+    encode,
+    unpack_block_ids,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class _CallAgent(Protocol):
+    """The shell's `_call_agent`: one synchronous agent call, never overlapping another."""
+
+    async def __call__(self, call: Callable[[], T], *, quick: bool) -> T: ...
+
+
+@attrs.frozen(kw_only=True)
+class _Posted:
+    """ctx: one write handed to the agent, to be polled to its end (`_await_write`)."""
+
+    handle: XferHandle
+    remote: str
+    num_bytes: int
+    num_descriptors: int
+    posted: float
+    expected: float  # when it should be done, from the peer's learned rate (= posted: unknown)
+
+
+@attrs.define(eq=False, kw_only=True)
+class CtxWrites:
+    """ctx: every write to a requesting gen rank, from its mapping to its TRANSFER_RESULT."""
+
+    local: RankInfo
+    agent: TransferAgent
+    registrar: PeerRegistrar
+    wake: Callable[[], None]
+    on_write: Callable[[int, int, float], None]
+    clock: Callable[[], float]
+    staging: StagingArea | None
+    prepared: PreparedWrites
+    # The shell's, shared: agent names of registered gen ranks, open dealers, the agent lock.
+    _remote_names: Mapping[tuple[str, int], str]
+    _dealers: Mapping[str, Dealer]
+    _agent_lock: trio.Lock
+    # The shell's services (transfer/transceiver.py).
+    _stamp: Callable[[int, str], None]
+    _spawn: Callable[..., None]
+    _send: Callable[[str, Message], Awaitable[None]]
+    _call_agent: _CallAgent
+    prepared_posts: int = 0  # writes posted from a preparation (since start)
+    bounced: int = 0  # sends that went through staging
+    _write_rates: WriteRates = attrs.Factory(WriteRates)  # bytes/s of writes, per remote
+
+    def release_handles(self, handles: Sequence[XferHandle | None]) -> None:
+        """Hand prepared writes that will never be posted back to the agent (in a task: the
+        agent may be busy in a worker thread)."""
+        for handle in handles:
+            if handle is not None:
+                self._spawn(self._release_handle, handle)
+
+    async def _release_handle(self, handle: XferHandle) -> None:
+        await self._call_agent(lambda: self.agent.release(handle), quick=True)
+
+    def start_writes(self, session: SenderSession) -> None:
+        for request in session.take_writes():
+            start = self.clock()
+            early: _Posted | Fragments | Exception | None
+            try:
+                early = self._post_at_once(session, request)
+            except (TransferLayerError, ValueError) as exc:
+                early = exc
+            self._spawn(self._write, session, request, start, early)
+
+    def _post_at_once(
+        self, session: SenderSession, request: RequestData
+    ) -> _Posted | Fragments | None:
+        """Map a direct write right here, and post it too when the post is quick: the write
+        then starts the moment the KV is ready (or gen's request arrives), not at the write
+        task's first turn on the loop. Fragments: mapped, for the task to post. None: the task
+        does it all (the bounce path)."""
+        if request.staging_bytes or session.source is None:
+            return None
+        self._stamp(session.key, "write")
+        prepared, stale = self.prepared.take(session.key, request, session.source)
+        self.release_handles([stale])
+        if prepared is not None:
+            if session.cancelled or self._agent_lock.locked():
+                self.release_handles([prepared.handle])
+            else:
+                return self._post_prepared(session, request, prepared)
+        plan = self.registrar.send_plan((request.instance_name, request.instance_rank))
+        fragments = self._fragments(session, request, plan)
+        remote = self._remote_names[(request.instance_name, request.instance_rank)]
+        if (
+            session.cancelled
+            or not len(fragments)
+            or self._agent_lock.locked()  # a threaded agent call runs: never overlap it
+            or not posts_quickly(self.agent, fragments, remote)
+        ):
+            return fragments
+        submit = self._submitter(session.key, fragments, request, plan)
+        return self._post_now(session, request, fragments, remote, submit)
+
+    def _post_prepared(
+        self, session: SenderSession, request: RequestData, prepared: PreparedWrite
+    ) -> _Posted:
+        preparer = write_preparer(self.agent)
+        assert preparer is not None
+
+        def post() -> XferHandle:
+            preparer.post_prepared(prepared.handle)
+            self._stamp(session.key, "posted")
+            return prepared.handle
+
+        posted = self._post_now(session, request, prepared.fragments, prepared.remote, post)
+        self.prepared_posts += 1
+        return posted
+
+    def _post_now(
+        self,
+        session: SenderSession,
+        request: RequestData,
+        fragments: Fragments,
+        remote: str,
+        submit: Callable[[], XferHandle],
+    ) -> _Posted:
+        """Post a quick write right here, announced before or after
+        (`WriteRates.announce_first`)."""
+        first = self._write_rates.announce_first(remote, fragments.num_bytes, quick=True)
+        if first:
+            self._announce(session, request, fragments, remote)
+        posted = self._posted(submit(), remote, fragments)
+        if not first:
+            self._announce(session, request, fragments, remote)
+        return posted
+
+    async def _write(
+        self,
+        session: SenderSession,
+        request: RequestData,
+        start: float,
+        early: _Posted | Fragments | Exception | None = None,
+    ) -> None:
+        """One write's task: post it (unless `_post_at_once` did), poll it to its end, report
+        TRANSFER_RESULT."""
+        peer_key = (request.instance_name, request.instance_rank)
+        status, error, num_bytes, descriptors = ResultStatus.OK, "", 0, 0
+        try:
+            if isinstance(early, Exception):
+                raise early
+            if isinstance(early, _Posted):
+                await self._await_write(session.key, early)
+                num_bytes, descriptors = early.num_bytes, early.num_descriptors
+            else:
+                num_bytes, descriptors = await self._do_write(session, request, early)
+        except (TransferLayerError, ValueError) as exc:
+            status, error = ResultStatus.ERROR, f"{type(exc).__name__}: {exc}"
+            log.warning("KV write %d to %s failed: %s", session.key, peer_key, error)
+        if session.cancelled and status is ResultStatus.OK and num_bytes == 0:
+            status = ResultStatus.CANCELLED
+        session.write_finished(request.instance_rank, status, error)
+        if status is ResultStatus.OK:
+            self.on_write(num_bytes, descriptors, self.clock() - start)
+        await self.send_result(
+            peer_key,
+            session.key,
+            status,
+            error=error,
+            num_bytes=num_bytes,
+            num_descriptors=descriptors,
+            first_tokens=session.first_tokens if status is ResultStatus.OK else (),
+        )
+        self._stamp(session.key, "result_sent")
+        self.wake()
+
+    async def send_result(
+        self,
+        peer_key: tuple[str, int],
+        key: int,
+        status: ResultStatus,
+        *,
+        error: str = "",
+        num_bytes: int = 0,
+        num_descriptors: int = 0,
+        first_tokens: tuple[int, ...] = (),
+    ) -> None:
+        """TRANSFER_RESULT for `key` to the gen rank `peer_key`, if it is registered."""
+        peer = self.registrar.get(peer_key)
+        if peer is None:
+            return
+        result = TransferResult(
+            key=key,
+            instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            status=status,
+            num_bytes=num_bytes,
+            num_descriptors=num_descriptors,
+            error=error,
+            first_tokens=first_tokens,
+        )
+        await self._send(peer.control_endpoint, result)
+
+    async def _do_write(
+        self, session: SenderSession, request: RequestData, fragments: Fragments | None
+    ) -> tuple[int, int]:
+        assert session.source is not None
+        plan = self.registrar.send_plan((request.instance_name, request.instance_rank))
+        if request.staging_bytes:
+            self._stamp(session.key, "write")
+            num_tokens = min(request.num_tokens, session.source.num_tokens)
+            return await self._write_staged(session, request, plan, num_tokens)
+        if fragments is None:
+            fragments = self._fragments(session, request, plan)
+        if session.cancelled or len(fragments) == 0:
+            return 0, 0
+        await self._submit_and_wait(session.key, fragments, request, plan, announce=session)
+        return fragments.num_bytes, len(fragments)
+
+    def _fragments(self, session: SenderSession, request: RequestData, plan: SendPlan) -> Fragments:
+        """The merged fragments of a direct write of `session`'s KV into `request`'s blocks."""
+        assert session.source is not None
+        fragments = plan.fragments(
+            src_blocks=session.source.block_ids,
+            dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
+            num_tokens=min(request.num_tokens, session.source.num_tokens),
+        )
+        self._stamp(session.key, "mapped")
+        return fragments
+
+    async def _write_staged(
+        self, session: SenderSession, request: RequestData, plan: SendPlan, num_tokens: int
+    ) -> tuple[int, int]:
+        """Bounce: pack the runs this rank owns into staging, then write them in one go."""
+        assert session.source is not None
+        if self.staging is None:
+            raise TransferLayerError("gen asked for the bounce path; this rank has no staging")
+        if not plan.elected or session.cancelled:
+            return 0, 0
+        if len(request.block_ids) != 1 or len(session.source.block_ids) != 1:
+            raise TransferLayerError("the bounce path moves one layer group")
+        tpb = self.local.tokens_per_block
+        dst_blocks = unpack_block_ids(request.block_ids[0])
+        first = (-(-num_tokens // tpb) - len(dst_blocks)) * tpb
+        runs = staged_runs(self.local, plan.peer, num_tokens=num_tokens - first)
+        if not runs:
+            return 0, 0
+        needed = max(run.dst_offset + run.num_bytes for run in runs)
+        if needed > request.staging_bytes:
+            raise TransferLayerError(
+                f"gen's staging region of {request.staging_bytes} bytes cannot hold {needed}"
+            )
+        num_bytes = sum(run.num_bytes for run in runs)
+        staging = self.staging
+        offset = await staging.reserve(num_bytes, session.deadline)
+        try:
+            src_blocks = list(session.source.block_ids[0])
+            await trio.to_thread.run_sync(
+                lambda: staging.stager.pack(
+                    offset, runs, src_blocks, first_token=first, num_tokens=num_tokens
+                )
+            )
+            fragments = staged_fragments(
+                runs,
+                src_address=staging.stager.address + offset,
+                dst_address=request.staging_address,
+            )
+            await self._submit_and_wait(session.key, fragments, request, plan)
+        finally:
+            staging.release(offset)
+        self.bounced += 1
+        return num_bytes, len(fragments)
+
+    async def _submit_and_wait(
+        self,
+        key: int,
+        fragments: Fragments,
+        request: RequestData,
+        plan: SendPlan,
+        *,
+        announce: SenderSession | None = None,
+    ) -> None:
+        """Post one write of `fragments` to the requesting rank and poll it to the end.
+        `announce`: this is the rank's only write for the session; tell gen (WRITE_POSTED)."""
+        remote = self._remote_names[(request.instance_name, request.instance_rank)]
+        submit = self._submitter(key, fragments, request, plan)
+        # On the loop only when the agent says this post is quick (NIXL: a few descriptors to a
+        # connected peer, from VRAM or a small DRAM region: ~0.1-0.2 ms, less than the thread
+        # hop). A long descriptor list, a first write (connection set-up) or a large host-memory
+        # write (which UCX may copy inside the post) goes to a worker thread.
+        quick = posts_quickly(self.agent, fragments, remote)
+        first = self._write_rates.announce_first(remote, fragments.num_bytes, quick=quick)
+        if announce is not None and first:
+            self._announce(announce, request, fragments, remote)
+        handle = await self._call_agent(submit, quick=quick)
+        if announce is not None and not first:
+            self._announce(announce, request, fragments, remote)
+        await self._await_write(key, self._posted(handle, remote, fragments))
+
+    def _submitter(
+        self, key: int, fragments: Fragments, request: RequestData, plan: SendPlan
+    ) -> Callable[[], XferHandle]:
+        """The agent call that posts the write (on the loop or in a worker thread)."""
+        remote = self._remote_names[(request.instance_name, request.instance_rank)]
+        notice = self.notice(key)
+        memory_type, device_id = self.destination(plan)
+
+        def submit() -> XferHandle:
+            handle = self.agent.submit_write(
+                fragments, remote, notice, dst_memory_type=memory_type, dst_device_id=device_id
+            )
+            self._stamp(key, "posted")
+            return handle
+
+        return submit
+
+    def notice(self, key: int) -> bytes:
+        """The notification payload of a write of `key` from this rank (WRITE_NOTICE)."""
+        return encode(
+            WriteNotice(
+                key=key,
+                instance_name=self.local.instance_name,
+                instance_rank=self.local.instance_rank,
+            )
+        )
+
+    @staticmethod
+    def destination(plan: SendPlan) -> tuple[str, int]:
+        """The agent's `dst_memory_type` and `dst_device_id` for writes to `plan`'s peer."""
+        pool = plan.peer.page_table.layer_groups[0].pool
+        return pool.memory_type, pool.device_id
+
+    def _posted(self, handle: XferHandle, remote: str, fragments: Fragments) -> _Posted:
+        posted = self.clock()
+        expected_s = self._write_rates.expected_s(remote, fragments.num_bytes)
+        return _Posted(
+            handle=handle,
+            remote=remote,
+            num_bytes=fragments.num_bytes,
+            num_descriptors=len(fragments),
+            posted=posted,
+            expected=posted + (expected_s or 0.0),
+        )
+
+    async def _await_write(self, key: int, write: _Posted) -> None:
+        """Poll a posted write to its end, then hand its handle back (also when cancelled)."""
+        handle = write.handle
+        try:
+            while True:
+                state = await self._call_agent(lambda: self.agent.poll(handle), quick=True)
+                if state is XferStatus.DONE:
+                    self._stamp(key, "done")
+                    break
+                if state is XferStatus.ERROR:
+                    raise TransferLayerError(f"agent reported an error writing {key}")
+                every_round = polls_every_round(self.clock(), write.posted, write.expected)
+                await trio.sleep(0 if every_round else 0.001)
+            self._write_rates.learn(write.remote, write.num_bytes, self.clock() - write.posted)
+        finally:
+            # Shielded: a cancelled write task must still hand its handle back.
+            with trio.CancelScope(shield=True):
+                await self._call_agent(lambda: self.agent.release(handle), quick=True)
+
+    def _announce(
+        self, session: SenderSession, request: RequestData, fragments: Fragments, remote: str
+    ) -> None:
+        """WRITE_POSTED to the requesting rank, sent with the post so that it travels while the
+        bytes do: gen can then end the transfer on the write's notification instead of waiting
+        for TRANSFER_RESULT, which needs this side's poll to see the write done and another
+        message hop. Just before a slow post, which may copy a host pool's bytes inside the
+        call, and before a quick one whose write is short (`WriteRates.announce_first`); just
+        after a quick post otherwise. Safe before the post: gen counts the write only on its
+        notification, which a write that failed to post never sends. On the loop (it may spawn
+        a send)."""
+        peer = self.registrar.get((request.instance_name, request.instance_rank))
+        if peer is None:
+            return
+        expected_s = self._write_rates.expected_s(remote, fragments.num_bytes) or 0.0
+        message = WritePosted(
+            key=session.key,
+            instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            num_bytes=fragments.num_bytes,
+            num_descriptors=len(fragments),
+            expected_us=round(expected_s * 1e6),
+            first_tokens=session.first_tokens,
+        )
+        dealer = self._dealers.get(peer.control_endpoint)
+        if dealer is not None:
+            try:
+                dealer.send_message_nowait(message)
+                return
+            except trio.WouldBlock:
+                pass
+        self._spawn(self._send, peer.control_endpoint, message)
