@@ -284,6 +284,28 @@ async def test_dead_ctx_is_retried_then_503_then_recovers(
     assert r.status_code == 200, r.text
 
 
+async def test_a_serving_worker_is_not_evicted_for_a_late_health_answer(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """An overloaded front end answers its own /health probes late. A worker that keeps
+    answering real requests meanwhile stays in rotation; one that serves nothing is evicted."""
+    c = await start_cluster(nursery)
+    worker = c.ctx[0].worker
+    worker.health_hang = True
+    first = worker.health_checks
+    with trio.fail_after(15):
+        # Three probes reached it: the first two have timed out (2 s each), which would evict.
+        while worker.health_checks < first + 3:
+            r = await client.post(c.url + "/v1/completions", json=_body(max_tokens=1))
+            assert r.status_code == 200, r.text
+    assert (await client.get(c.url + "/health")).status_code == 200
+    with trio.fail_after(15):  # no traffic now: two more timed-out probes evict it
+        while (await client.get(c.url + "/health")).status_code != 503:  # noqa: ASYNC110
+            await trio.sleep(0.1)
+    worker.health_hang = False
+    await _wait_health(client, c.url, 200)
+
+
 async def test_client_disconnect_mid_stream_cancels_gen(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:

@@ -130,10 +130,12 @@ def gen_answer() -> dict[str, Any]:
 
 
 def test_final_answer_strips_internal_fields() -> None:
-    out = final_answer(gen_answer(), ctx_usage=usage(10, 1, 4), ask=ask(), perf_metrics=None)
+    gen = gen_answer()
+    out = final_answer(gen, ctx_usage=usage(10, 1, 4), ask=ask(), perf_metrics=None)
     assert "disaggregated_params" not in out["choices"][0]
     assert "prompt_token_ids" not in out and "perf_metrics" not in out
     assert out["usage"] == usage(10, 8, cached=4)
+    assert gen == gen_answer()  # gen's answer itself is untouched (retries may reuse it)
 
 
 def test_final_answer_keeps_what_the_client_asked_for() -> None:

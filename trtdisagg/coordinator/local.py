@@ -19,6 +19,7 @@ the missing ones and serves with the rest (they join when they become healthy).
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from typing import Any, Final
 
@@ -55,6 +56,7 @@ class LocalPlacement:
     client: WorkerClient
     _changed: trio.Event = attrs.field(factory=trio.Event)
     _misses: Counter[str] = attrs.field(factory=Counter)
+    _answered: dict[str, float] = attrs.field(factory=dict)  # url -> last request answered OK
     _event_locks: dict[str, trio.Lock] = attrs.field(factory=dict)
     _last_event_id: dict[str, int] = attrs.field(factory=dict)
 
@@ -108,6 +110,8 @@ class LocalPlacement:
     async def finish(self, role: ServerRole, key: int, *, success: bool) -> None:
         router = self.routers[role]
         server = router.finish(key, success=success)  # sync: released even if cancelled below
+        if server is not None and success:
+            self._answered[server] = trio.current_time()
         if server is not None and router.needs_kv_events and self.cluster.servers[server].healthy:
             await self.poll_kv_events(role, server)
 
@@ -188,7 +192,9 @@ class LocalPlacement:
         role = server.role
         # Generous: a CPU worker busy with a long forward can be slow to answer /health.
         timeout = min(max(2 * self.config.health_check_interval, 2.0), 5.0)
-        ok, why = await self.client.is_healthy(url, limit_s=timeout)
+        started = trio.current_time()
+        check = await self.client.is_healthy(url, limit_s=timeout)
+        ok, why = check.ok, check.reason
         info = server.info
         if ok and (not server.healthy or info is None):
             try:
@@ -209,6 +215,12 @@ class LocalPlacement:
                 else:
                     log.info("%s server %s is healthy", role.value, url)
                 self._servers_changed(role)
+            return
+        if not check.answered and self._answered.get(url, -math.inf) >= started:
+            # No answer to /health in time, yet real requests to it succeeded meanwhile: the
+            # lateness is this (overloaded) front end's own loop, not the server. Evicting it
+            # would turn overload into a 503 for every request.
+            log.debug("%s server %s: /health not answered (%s) but serving", role.value, url, why)
             return
         self._misses[url] += 1
         if server.healthy and self._misses[url] < FAILED_CHECKS_TO_EVICT:

@@ -203,11 +203,22 @@ def _strip(body: Json, ask: ClientAsk) -> bool:
     return any(r is not None for r in removed)
 
 
+def _copy_for_strip(answer: Json) -> Json:
+    """A copy of `answer` that `_strip` and the usage merge may change without touching the
+    original: the top level and each choice are copied, the rest is shared. (A deep copy of a
+    whole answer, prompt token ids included, cost ~0.1 ms per request.)"""
+    out = dict(answer)
+    choices = out.get("choices")
+    if isinstance(choices, list):
+        out["choices"] = [dict(c) if isinstance(c, dict) else c for c in choices]
+    return out
+
+
 def final_answer(
     gen: Json, *, ctx_usage: Json | None, ask: ClientAsk, perf_metrics: Json | None
 ) -> Json:
     """The client's non-streaming answer from gen's (or gen-alone's) whole answer."""
-    out = copy.deepcopy(gen)
+    out = _copy_for_strip(gen)
     if ctx_usage is not None:
         out["usage"] = merge_usage(ctx_usage, out.get("usage"))
     _strip(out, ask)

@@ -8,8 +8,8 @@ from a deterministic function of the sequence so far, so aggregated and disaggre
 are equal exactly when the coordinator splits and merges correctly.
 
 Knobs for failure tests live on the `FakeWorker` object: ``token_delay`` (seconds per token),
-``fail_status``/``fail_count`` (answer the next N requests with that status) and ``hang``
-(accept requests and never answer).
+``fail_status``/``fail_count`` (answer the next N requests with that status), ``hang``
+(accept requests and never answer) and ``health_hang`` (``/health`` alone never answers).
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class FakeWorker:
     fail_status: int | None = None
     fail_count: int = 0
     hang: bool = False
+    health_hang: bool = False  # /health never answers (everything else still does)
+    health_checks: int = 0  # /health requests received
     running: int = 0
     requests: Counter[str] = attrs.Factory(Counter)
     """Requests served, by request_type."""
@@ -156,6 +158,9 @@ def create_fake_app(worker: FakeWorker) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
+        worker.health_checks += 1
+        if worker.health_hang:
+            await trio.sleep_forever()
         return as_json({"status": "ok"})
 
     @app.get("/server_info")
