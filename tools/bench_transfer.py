@@ -67,6 +67,7 @@ competes with everything else.
 
     python tools/bench_transfer.py                      # CPU, 64 MiB (512 tokens x 128 KiB)
     python tools/bench_transfer.py --schedule both      # context-first and generation-first
+    python tools/bench_transfer.py --schedule all       # and generation-first without prepare_send
     python tools/bench_transfer.py --schedule generation-first --nixl-progress-thread off
     python tools/bench_transfer.py --scatter            # gen blocks every other slot
     python tools/bench_transfer.py --model-8b --tokens 8192 --device cuda --result-json r.json
