@@ -97,12 +97,17 @@ async def _ask_early(pair: Pair, key: int, blocks: list[int]) -> None:
     await _until(lambda: pair.ctx.statistics().early == 1, "ctx holding the early request")
 
 
-async def test_a_prepared_write_is_posted_only_when_the_kv_is_ready(pair: Pair) -> None:
-    # A first transfer connects ctx to gen: only writes to a connected peer are prepared.
-    pair.ctx.respond_and_send_async(1, [[0, 1, 2]], NUM_TOKENS)
-    pair.gen.request_and_receive_async(1, pair.ctx.info_endpoint, [[0, 1, 2]], NUM_TOKENS)
+async def _connect(pair: Pair) -> None:
+    """One whole transfer, so that ctx has written to gen before: only writes to a peer
+    written to before are prepared (its connection is up, so preparing is quick)."""
+    pair.ctx.respond_and_send_async(1, [[0]], TPB)
+    pair.gen.request_and_receive_async(1, pair.ctx.info_endpoint, [[0]], TPB)
     assert (await _outcome(pair.gen.check_gen_transfer_status)).ok
-    await _outcome(pair.ctx.check_context_transfer_status)
+    assert (await _outcome(pair.ctx.check_context_transfer_status)).ok
+
+
+async def test_a_prepared_write_is_posted_only_when_the_kv_is_ready(pair: Pair) -> None:
+    await _connect(pair)
 
     key, src, dst = 2**41 + 3, [3, 4, 5], [5, 6, 7]
     await _ask_early(pair, key, dst)
@@ -121,10 +126,7 @@ async def test_a_prepared_write_is_posted_only_when_the_kv_is_ready(pair: Pair) 
 
 
 async def test_a_write_prepared_for_other_blocks_is_dropped_not_posted(pair: Pair) -> None:
-    pair.ctx.respond_and_send_async(1, [[0]], TPB)
-    pair.gen.request_and_receive_async(1, pair.ctx.info_endpoint, [[0]], TPB)
-    await _outcome(pair.gen.check_gen_transfer_status)
-    await _outcome(pair.ctx.check_context_transfer_status)
+    await _connect(pair)
 
     key, dst = 2**41 + 4, [1, 2, 3]
     await _ask_early(pair, key, dst)
@@ -140,10 +142,7 @@ async def test_a_write_prepared_for_other_blocks_is_dropped_not_posted(pair: Pai
 
 
 async def test_a_prepared_write_is_released_when_gen_cancels(pair: Pair) -> None:
-    pair.ctx.respond_and_send_async(1, [[0]], TPB)
-    pair.gen.request_and_receive_async(1, pair.ctx.info_endpoint, [[0]], TPB)
-    await _outcome(pair.gen.check_gen_transfer_status)
-    await _outcome(pair.ctx.check_context_transfer_status)
+    await _connect(pair)
 
     key, dst = 2**41 + 5, [1, 2, 3]
     await _ask_early(pair, key, dst)
@@ -159,10 +158,7 @@ async def test_a_prepared_write_is_released_when_gen_cancels(pair: Pair) -> None
 
 
 async def test_a_preparation_whose_kv_never_comes_is_released_by_ctx(pair: Pair) -> None:
-    pair.ctx.respond_and_send_async(1, [[0]], TPB)
-    pair.gen.request_and_receive_async(1, pair.ctx.info_endpoint, [[0]], TPB)
-    await _outcome(pair.gen.check_gen_transfer_status)
-    await _outcome(pair.ctx.check_context_transfer_status)
+    await _connect(pair)
 
     key = 2**41 + 6
     await _ask_early(pair, key, [1, 2, 3])
