@@ -6,12 +6,15 @@ fragments come from the real registrar and mapper; bytes are compared exactly.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
 import time
+from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import trio
@@ -20,6 +23,7 @@ from trtdisagg.kv.page_table import Layout
 from trtdisagg.transfer.agents.base import TransferAgent, XferHandle, XferStatus, pool_regions
 from trtdisagg.transfer.agents.nixl import NixlAgent
 from trtdisagg.transfer.errors import AgentError
+from trtdisagg.transfer.fragments import Fragments
 from trtdisagg.transfer.peers import PeerRegistrar
 from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.testing import make_instance
@@ -74,58 +78,66 @@ def _expected(src: torch.Tensor, dst_before: torch.Tensor) -> torch.Tensor:
     return expected
 
 
-def test_in_process_write() -> None:
-    src, dst = _pool(1), _pool(2)
-    before = dst.clone()
-    ctx, gen = NixlAgent("nixl-test-ctx"), NixlAgent("nixl-test-gen")
+@attrs.frozen
+class _Pair:
+    """Two in-process agents over two pools, ctx able to write to gen."""
+
+    ctx: NixlAgent
+    gen: NixlAgent
+    remote: str
+    src: torch.Tensor
+    dst: torch.Tensor
+    before: torch.Tensor  # dst as it was
+
+
+@contextlib.contextmanager
+def _agent_pair(name: str, seed: int) -> Iterator[_Pair]:
+    src, dst = _pool(seed), _pool(seed + 1)
+    ctx, gen = NixlAgent(f"{name}-ctx"), NixlAgent(f"{name}-gen")
     try:
         ctx.register_memory(pool_regions(_info("ctx", src).page_table))
         gen.register_memory(pool_regions(_info("gen", dst).page_table))
         remote = ctx.add_remote(gen.local_metadata())
+        yield _Pair(ctx=ctx, gen=gen, remote=remote, src=src, dst=dst, before=dst.clone())
+    finally:
+        ctx.close()
+        gen.close()
+
+
+def _fragments(pair: _Pair) -> Fragments:
+    plan = PeerRegistrar(_info("ctx", pair.src)).register(_info("gen", pair.dst))
+    return plan.fragments(src_blocks=[SRC_BLOCKS], dst_blocks=[DST_BLOCKS], num_tokens=NUM_TOKENS)
+
+
+def test_in_process_write() -> None:
+    with _agent_pair("nixl-test", seed=1) as pair:
+        ctx, gen, remote = pair.ctx, pair.gen, pair.remote
         assert remote == "nixl-test-gen"
-        plan = PeerRegistrar(_info("ctx", src)).register(_info("gen", dst))
-        fragments = plan.fragments(
-            src_blocks=[SRC_BLOCKS], dst_blocks=[DST_BLOCKS], num_tokens=NUM_TOKENS
-        )
+        fragments = _fragments(pair)
         assert len(fragments) == 2  # blocks 1-3 -> 4-6 merged, 6 -> 0
         notice = WriteNotice(key=5, instance_name="ctx", instance_rank=0)
         status = _wait(ctx, ctx.submit_write(fragments, remote, encode(notice)))
         assert status is XferStatus.DONE
         assert [(n, decode(p)) for n, p in _notifications(gen)] == [("nixl-test-ctx", notice)]
-        assert torch.equal(dst, _expected(src, before))
+        assert torch.equal(pair.dst, _expected(pair.src, pair.before))
         with pytest.raises(AgentError, match="unknown remote agent 'nobody'"):
             ctx.submit_write(fragments, "nobody", b"")
-    finally:
-        ctx.close()
-        gen.close()
 
 
 def test_a_prepared_write_moves_nothing_until_posted() -> None:
-    src, dst = _pool(5), _pool(6)
-    before = dst.clone()
-    ctx, gen = NixlAgent("nixl-prep-ctx"), NixlAgent("nixl-prep-gen")
-    try:
-        ctx.register_memory(pool_regions(_info("ctx", src).page_table))
-        gen.register_memory(pool_regions(_info("gen", dst).page_table))
-        remote = ctx.add_remote(gen.local_metadata())
-        fragments = (
-            PeerRegistrar(_info("ctx", src))
-            .register(_info("gen", dst))
-            .fragments(src_blocks=[SRC_BLOCKS], dst_blocks=[DST_BLOCKS], num_tokens=NUM_TOKENS)
-        )
+    with _agent_pair("nixl-prep", seed=5) as pair:
+        ctx, gen, remote = pair.ctx, pair.gen, pair.remote
+        fragments = _fragments(pair)
         handle = ctx.prepare_write(fragments, remote, b"prepared")
         unused = ctx.prepare_write(fragments, remote, b"never")
-        assert torch.equal(dst, before) and gen.get_notifications() == []
+        assert torch.equal(pair.dst, pair.before) and gen.get_notifications() == []
         ctx.release(unused)  # a write never posted goes back without moving anything
         ctx.post_prepared(handle)
         assert _wait(ctx, handle) is XferStatus.DONE
         assert _notifications(gen) == [("nixl-prep-ctx", b"prepared")]
-        assert torch.equal(dst, _expected(src, before))
+        assert torch.equal(pair.dst, _expected(pair.src, pair.before))
         with pytest.raises(AgentError, match="no prepared write"):
             ctx.post_prepared(handle)  # released by _wait: nothing left to post
-    finally:
-        ctx.close()
-        gen.close()
 
 
 async def test_write_driven_from_trio() -> None:

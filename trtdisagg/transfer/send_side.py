@@ -28,8 +28,8 @@ from trtdisagg.transfer.sessions import (
     SessionRegistry,
     TransferOutcome,
 )
-from trtdisagg.transfer.wire import Cancel, RequestData, ResultStatus, unpack_block_ids
-from trtdisagg.transfer.writes import CtxWrites
+from trtdisagg.transfer.wire import Cancel, RequestData, ResultStatus
+from trtdisagg.transfer.writes import CtxWrites, direct_fragments
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +102,7 @@ class CtxSender:
         plan = self.registrar.send_plan(peer_key)
         remote = self._remote_names[peer_key]
         try:
-            fragments = plan.fragments(
-                src_blocks=source.block_ids,
-                dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
-                num_tokens=min(request.num_tokens, source.num_tokens),
-            )
+            fragments = direct_fragments(plan, source, request)
             if not len(fragments) or not posts_quickly(self.agent, fragments, remote):
                 return
             memory_type, device_id = self.writes.destination(plan)

@@ -32,7 +32,7 @@ from trtdisagg.transfer.pacing import WriteRates, polls_every_round
 from trtdisagg.transfer.peers import PeerRegistrar, SendPlan
 from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
 from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.sessions import SenderSession
+from trtdisagg.transfer.sessions import SenderSession, SourceBlocks
 from trtdisagg.transfer.staging_area import StagingArea
 from trtdisagg.transfer.wire import (
     Message,
@@ -66,6 +66,15 @@ class _Posted:
     num_descriptors: int
     posted: float
     expected: float  # when it should be done, from the peer's learned rate (= posted: unknown)
+
+
+def direct_fragments(plan: SendPlan, source: SourceBlocks, request: RequestData) -> Fragments:
+    """The merged fragments of a direct write of the KV in `source` into `request`'s blocks."""
+    return plan.fragments(
+        src_blocks=source.block_ids,
+        dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
+        num_tokens=min(request.num_tokens, source.num_tokens),
+    )
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -261,11 +270,7 @@ class CtxWrites:
     def _fragments(self, session: SenderSession, request: RequestData, plan: SendPlan) -> Fragments:
         """The merged fragments of a direct write of `session`'s KV into `request`'s blocks."""
         assert session.source is not None
-        fragments = plan.fragments(
-            src_blocks=session.source.block_ids,
-            dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
-            num_tokens=min(request.num_tokens, session.source.num_tokens),
-        )
+        fragments = direct_fragments(plan, session.source, request)
         self._stamp(session.key, "mapped")
         return fragments
 
