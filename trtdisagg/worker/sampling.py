@@ -71,8 +71,10 @@ def _sample_row(row: torch.Tensor, spec: SampleSpec) -> int:
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
+        # Keep the smallest prefix whose mass reaches top_p; the first token always stays (a
+        # top_p below float32's smallest value compares as 0, which would drop every token).
         drop = cumulative - sorted_probs >= params.top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     choice = torch.multinomial(probs, 1, generator=spec.generator)
