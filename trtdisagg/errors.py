@@ -42,3 +42,11 @@ class InvalidTransition(TrtDisaggError):
         self.request_id = request_id
         self.from_state = from_state
         self.to_state = to_state
+
+
+class WorkerStopped(TrtDisaggError):
+    """The worker stopped serving (its model steps keep failing): it takes no new request.
+
+    Raised at admission, so that the caller answers 503 at once instead of queueing a request
+    that no step could ever run.
+    """

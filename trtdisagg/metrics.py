@@ -45,6 +45,7 @@ class WorkerMetrics:
     kv_transfer_failures: Counter
     control_bad_frames: Counter
     preemptions: Counter
+    step_failures: Counter
     kv_rendezvous: Counter
     kv_sessions: Gauge
     kv_early_messages: Gauge
@@ -107,6 +108,11 @@ class WorkerMetrics:
                 p + "control_bad_frames", "Malformed control-plane frames dropped", registry=r
             ),
             preemptions=Counter(p + "preemptions", "Requests preempted for KV space", registry=r),
+            step_failures=Counter(
+                p + "step_failures",
+                "Model steps that raised; the requests in them failed with a 500",
+                registry=r,
+            ),
             kv_rendezvous=Counter(
                 p + "kv_rendezvous", "Rendezvous round trips with ctx instances", registry=r
             ),

@@ -230,11 +230,6 @@ class WorkerClient:
             return response.json()
         except ValueError:
             raise UpstreamError(f"{url}{path}: answer is not JSON", server=url, role=role) from None
-        _check_status(response.status_code, response.content, url=url, role=role)
-        try:
-            return response.json()
-        except ValueError:
-            raise UpstreamError(f"{url}{path}: answer is not JSON", server=url, role=role) from None
 
 
 def _check_status(status: int, content: bytes, *, url: str, role: str) -> None:

@@ -34,6 +34,9 @@ def create_app(service: WorkerService) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
+        stopped = service.executor.stopped
+        if stopped is not None:  # for good: its model steps kept failing (executor.py)
+            return json_response({"status": "unhealthy", "reason": stopped}, status=503)
         if service.ready:
             return json_response({"status": "ok"})
         return json_response({"status": "starting"}, status=503)
@@ -61,6 +64,20 @@ def create_app(service: WorkerService) -> QuartTrio:
         if hooks is None:
             raise ApiError(404, f"route {request.path} not found")
         return json_response({str(key): digest for key, digest in hooks.digests.items()})
+
+    @app.post("/debug/step_failures")
+    async def step_failures() -> Response:
+        """Make the next `count` model steps raise: body `{"count": 1}` (test hooks only)."""
+        hooks = service.executor.test_hooks
+        if hooks is None:
+            raise ApiError(404, f"route {request.path} not found")
+        body = parse_json(await request.get_data(cache=False, as_text=False))
+        count = body.get("count") if isinstance(body, dict) else None
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= 1000:
+            raise bad_request("count: required, an integer in [0, 1000]", param="count")
+        hooks.step_failures = count
+        log.warning("the next %d model steps will fail on purpose (test hooks)", count)
+        return json_response({"step_failures": count})
 
     @app.get("/debug/faults")
     async def faults_state() -> Response:

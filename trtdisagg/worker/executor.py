@@ -9,6 +9,10 @@
     respond   sampled tokens are appended, stop rules checked, outputs sent to the handlers;
               a context_only request's first token ends its HTTP answer and starts the send
 
+A step whose forward raises fails only the requests in it (500, with the cause), frees their
+blocks and leaves the worker serving; `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row stop
+it (`stopped`, and /health answers 503), since a fault that outlives a step is the worker's.
+
 Handlers never touch the scheduler directly: they queue commands, which the loop applies between
 steps. So the scheduler is only ever changed while no forward is in flight, and a block is never
 freed under a running kernel.
@@ -31,7 +35,7 @@ import trio
 from prometheus_client import Counter
 
 from trtdisagg.api.protocol import PerfMetrics
-from trtdisagg.errors import CapacityError
+from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.transfer.sessions import TransferOutcome
 from trtdisagg.transfer.transceiver import KvTransceiver
@@ -54,7 +58,7 @@ from trtdisagg.worker.runner import ModelRunner, Sampled, StepOutput, plan_items
 from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, make_generator
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
 from trtdisagg.worker.stopping import StopStrings
-from trtdisagg.worker.test_hooks import TestHooks
+from trtdisagg.worker.test_hooks import TestHooks, fail_step
 from trtdisagg.worker.tokenization import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,11 @@ log = logging.getLogger(__name__)
 # Multi-rank: how often rank 0 ticks, with nothing to compute, while a transfer is in flight on
 # some rank (only a tick brings the other ranks' transfer states).
 RANK_POLL_S = 0.002
+
+# Failed model steps in a row after which the worker stops serving. One failed step may be a
+# request's doing (an input no test foresaw); the same failure three times over, whatever the
+# batch, is the worker's own (a sticky CUDA error, memory it cannot get back).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 @attrs.frozen(kw_only=True)
@@ -76,6 +85,9 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     error: str | None = None
+    # With `error`: the worker's own failure (a model step raised), a 500 even on gen, where an
+    # error otherwise means the KV could not come from ctx (502).
+    internal: bool = False
     perf: PerfMetrics | None = None
     context_done: bool = False  # context_only: prefill done, KV pinned for gen; answer now
 
@@ -165,6 +177,9 @@ class Executor:
     _synced: dict[str, int] = attrs.field(factory=dict, alias="synced")
     _wake: trio.Event = attrs.field(factory=trio.Event, alias="wake")
     steps: int = 0
+    # Why this worker stopped serving (too many failed steps in a row); None while it serves.
+    stopped: str | None = None
+    _failed_steps: int = attrs.field(default=0, alias="failed_steps")  # in a row
     # Multi-rank instances: this is rank 0, which schedules; the other ranks follow its steps.
     ranks: RankGroup | None = None
     _outbox: _Outbox = attrs.field(factory=lambda: _Outbox(), alias="outbox")
@@ -185,7 +200,10 @@ class Executor:
         """Queue a request. Raises CapacityError if it could never fit, so the caller can 400.
 
         `source` is required for generation_only requests, `transfer_key` for context_only.
+        Raises WorkerStopped once the worker stopped serving, so the caller can 503.
         """
+        if self.stopped is not None:
+            raise WorkerStopped(f"this worker stopped serving: {self.stopped}")
         self._check_fits(request)
         send, receive = trio.open_memory_channel[RequestOutput](math.inf)
         params = request.sampling
@@ -272,11 +290,70 @@ class Executor:
                 continue
             specs = self._specs_for(plan)
             self._prepare_sends(plan)
-            out = await trio.to_thread.run_sync(self.runner.execute, plan, specs)
+            out = await self._forward(plan, specs)
+            if out is None:
+                continue
             self.steps += 1
             self.scheduler.step_done(plan)
             self._respond(plan, out)
             self.refresh_gauges()
+
+    async def _forward(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput | None:
+        """The step's forward, off the loop; None when it raised and its requests were failed."""
+        execute: Callable[[StepPlan, dict[int, SampleSpec]], StepOutput] = self.runner.execute
+        if self.test_hooks is not None and self.test_hooks.take_step_failure():
+            execute = fail_step
+        try:
+            out = await trio.to_thread.run_sync(execute, plan, specs)
+        except Exception as exc:
+            self._step_failed(plan, exc)
+            return None
+        self._failed_steps = 0
+        return out
+
+    def _step_failed(self, plan: StepPlan, exc: Exception) -> None:
+        """Fail the requests of the step that raised; the others go on.
+
+        Their tokens were never sampled and their KV may be half written, so they cannot resume;
+        nothing else was touched by the step. They end as an abort does (`_end`: blocks freed,
+        transfer state released), with the cause in their error.
+        """
+        self._failed_steps += 1
+        self.metrics.step_failures.inc()
+        cause = f"{type(exc).__name__}: {exc}"
+        log.exception(
+            "model step failed (%d in a row), failing the %d requests in it: %s",
+            self._failed_steps,
+            len(plan.items),
+            cause,
+            exc_info=exc,
+        )
+        now = self.clock()
+        for item in plan.items:
+            live = self._live.get(item.request.request_id)
+            if live is not None:
+                self._fail(live, f"internal error in the model step: {cause}", now)
+        self.scheduler.step_done(plan)  # no item is RUNNING any more: this only closes the plan
+        if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+            self._stop_serving(cause)
+        self.refresh_gauges()
+
+    def _stop_serving(self, cause: str) -> None:
+        """Steps keep failing whatever they hold: fail every request and take no new one.
+
+        The worker stays up, answering 503 on /health with the reason, rather than exiting: the
+        coordinator's health checks already take a 503 server out of rotation (and retry its
+        5xx answers elsewhere), whereas an exit would end every process under `up`, which
+        stops the whole cluster when one child dies. Its metrics and log stay readable, and the
+        transfers it still owes (ctx sends in flight) settle; whoever supervises it restarts it.
+        """
+        self.stopped = f"{self._failed_steps} model steps failed in a row; the last: {cause}"
+        log.error("worker stopped serving: %s; /health answers 503 until a restart", self.stopped)
+        now = self.clock()
+        self._admit()  # requests submitted during the failed step are failed too
+        error = f"this worker stopped serving: {self.stopped}"
+        for live in list(self._live.values()):
+            self._fail(live, error, now)
 
     # ---- multi-rank: rank 0 leads every step ----
 
@@ -289,6 +366,10 @@ class Executor:
         somewhere, rank 0 ticks every few milliseconds even with nothing to compute, since only
         a tick tells it what the other ranks' transceivers did; an idle instance still ticks
         every HEARTBEAT_S, so no rank's collective waits long enough to time out.
+
+        Unlike `run`, a step that raises here still stops the instance: the other ranks may be
+        left inside one of the step's collectives, and nothing brings them back in step with
+        rank 0, so failing only that step's requests would leave the ranks out of step.
         """
         self._gate = OutcomeGate(world_size=group.world_size)
         last_tick = self.clock()
@@ -413,6 +494,16 @@ class Executor:
             request.state.value,
             len(request.output_token_ids),
         )
+        self._end(live, FinishReason.ABORT, now)
+
+    def _fail(self, live: _Live, error: str, now: float) -> None:
+        """End a request with an internal error (a 500 to its client), wherever it is."""
+        self._emit(live, (), "", (), FinishReason.ERROR, now, error=error, internal=True)
+        self._end(live, FinishReason.ERROR, now, emitted=True)
+
+    def _end(self, live: _Live, reason: FinishReason, now: float, *, emitted: bool = False) -> None:
+        """End a live request wherever it is; its blocks are freed once no write can reach them."""
+        request = live.request
         if live in self._pending_gen:
             self._pending_gen.remove(live)
         elif live.source is not None and live.source.key in self._receiving:
@@ -423,16 +514,16 @@ class Executor:
                 # Every rank must settle before the blocks are free: the merged outcome says so.
                 self._queue_cancel(live.source.key)
                 self._cancelling[live.source.key] = live
-                self._close(live, FinishReason.ABORT, now)
+                self._close(live, reason, now, emitted=emitted)
                 return
             if not self.transceiver.cancel_request(live.source.key):
                 self._cancelling[live.source.key] = live
-                self._close(live, FinishReason.ABORT, now)
+                self._close(live, reason, now, emitted=emitted)
                 return
             self.scheduler.abort(request.request_id)
         elif not request.is_finished:
             self.scheduler.abort(request.request_id)
-        self._close(live, FinishReason.ABORT, now)
+        self._close(live, reason, now, emitted=emitted)
 
     # ---- disaggregation: receive and poll ----
 
@@ -692,6 +783,7 @@ class Executor:
         now: float,
         *,
         error: str | None = None,
+        internal: bool = False,
         context_done: bool = False,
     ) -> None:
         request = live.request
@@ -707,6 +799,7 @@ class Executor:
             num_output_tokens=len(request.output_token_ids),
             perf=perf,
             error=error,
+            internal=internal,
             context_done=context_done,
         )
         # A gone handler is fine: its abort is already queued.

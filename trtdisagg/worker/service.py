@@ -27,7 +27,7 @@ from trtdisagg.api.protocol import (
     Usage,
 )
 from trtdisagg.config import WorkerConfig
-from trtdisagg.errors import CapacityError
+from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.transfer.endpoints import is_tcp_endpoint
@@ -160,6 +160,8 @@ class WorkerService:
             handle = self.executor.submit(request, source=source, transfer_key=key)
         except CapacityError as exc:
             raise bad_request(f"prompt: {exc}", param="prompt") from None
+        except WorkerStopped as exc:
+            raise ApiError(503, str(exc)) from None
         chat = isinstance(req, ChatCompletionRequest)
         meta = responses.ResponseMeta(
             response_id=("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
@@ -327,9 +329,10 @@ class Job:
             last = output
         assert last is not None
         if last.error is not None:
-            # A generation_only request fails when its KV cannot come from ctx: upstream's fault.
+            # A generation_only request fails when its KV cannot come from ctx: upstream's fault,
+            # unless this worker failed it itself (a model step raised).
             gen = self.handle.request.request_type is RequestType.GENERATION_ONLY
-            raise ApiError(502 if gen else 500, last.error)
+            raise ApiError(502 if gen and not last.internal else 500, last.error)
         if last.context_done:
             return self._context_body(text, tokens, logprobs, last)
         assert last.finish_reason is not None

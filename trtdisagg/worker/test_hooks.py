@@ -1,4 +1,4 @@
-"""Test-only introspection: exact digests of the KV a transfer moved, on both sides.
+"""Test-only hooks: exact digests of the KV a transfer moved, on both sides; failed steps.
 
 Enabled by `enable_test_hooks` (the TRTDISAGG_TEST_HOOKS=1 environment variable), never in
 production. ctx records the digest of a request's prompt KV when it starts the send; gen records
@@ -9,6 +9,10 @@ The digest is independent of layout and of how an instance is cut: each rank has
 (global layer, global kv head) it holds, and rank 0 composes the instance's digest from all of
 them (`rank_plan.compose_digest`). So a TP1 ctx and a TP2 or PP2 gen holding the same bytes give
 the same digest.
+
+They also arm failed model steps (`POST /debug/step_failures`): the next N steps of a single-rank
+executor raise `InjectedStepFailure` in the step's worker thread, where a real failure (a CUDA
+error, a sampling bug) would raise, so a test sees exactly what such a failure does to requests.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from collections.abc import Iterable, Sequence
+from typing import NoReturn
 
 import attrs
 import torch
@@ -24,6 +29,15 @@ from trtdisagg.kv.cache import KVCache
 from trtdisagg.worker.rank_plan import HeadDigest, compose_digest
 
 MAX_DIGESTS = 4096
+
+
+class InjectedStepFailure(RuntimeError):
+    """A model step failed on purpose (test hooks only)."""
+
+
+def fail_step(*_args: object) -> NoReturn:
+    """Stands in for `ModelRunner.execute` in a step armed to fail."""
+    raise InjectedStepFailure("step failure injected by the test hooks")
 
 
 def head_digests(
@@ -57,6 +71,14 @@ class TestHooks:
     layer_ids: tuple[int, ...]  # this rank's global layer ids, in pool order
     head_ids: tuple[int, ...]  # this rank's global kv head ids, in pool order
     digests: collections.OrderedDict[int, str] = attrs.Factory(collections.OrderedDict)
+    step_failures: int = 0  # model steps still to fail on purpose
+
+    def take_step_failure(self) -> bool:
+        """Whether the step about to run must fail; uses up one armed failure if so."""
+        if self.step_failures <= 0:
+            return False
+        self.step_failures -= 1
+        return True
 
     def local_parts(
         self, cache: KVCache, block_ids: Sequence[int], num_tokens: int

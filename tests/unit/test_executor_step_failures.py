@@ -1,0 +1,201 @@
+"""A model step that raises, in a real executor loop (tiny model, CPU, one rank).
+
+The failure is injected through the test hooks (`TestHooks.step_failures`): the step's forward
+raises in its worker thread, where a CUDA error or a sampling bug would. The requests of that step
+fail with the cause, every other request goes on, and every block comes back; failures in a row
+stop the worker (`Executor.stopped`) and fail whatever it still held.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+from trtdisagg.config import KvCacheConfig, WorkerConfig
+from trtdisagg.errors import WorkerStopped
+from trtdisagg.kv.block_pool import BlockPool
+from trtdisagg.metrics import WorkerMetrics
+from trtdisagg.model.loader import resolve_model
+from trtdisagg.model.parallel import Parallel
+from trtdisagg.worker.executor import (
+    MAX_CONSECUTIVE_STEP_FAILURES,
+    Executor,
+    RequestHandle,
+    RequestOutput,
+)
+from trtdisagg.worker.request import FinishReason, Request, SamplingParams
+from trtdisagg.worker.runner import ModelRunner, build_runner
+from trtdisagg.worker.scheduler import Scheduler
+from trtdisagg.worker.test_hooks import TestHooks
+from trtdisagg.worker.tokenization import Tokenizer
+
+TOKENS_PER_BLOCK = 16
+MAX_SEQ_LEN = 256
+NEW_TOKENS = 6
+TIMEOUT_S = 60.0  # a whole test's requests, on a loaded 2-core machine
+INJECTED = "internal error in the model step: InjectedStepFailure: step failure injected"
+
+
+@attrs.frozen
+class Model:
+    runner: ModelRunner
+    tokenizer: Tokenizer
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    """One runner for the module: each test's executor gets a fresh pool over its KV tensors."""
+    model_dir: Path = resolve_model("tiny")
+    config = WorkerConfig(
+        max_num_tokens=256,
+        kv_cache_config=KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK, max_tokens=2048),
+    )
+    return Model(
+        runner=build_runner(config, model_dir, Parallel()), tokenizer=Tokenizer.from_dir(model_dir)
+    )
+
+
+def make_executor(model: Model, *, max_batch_size: int) -> Executor:
+    """max_batch_size 1: one request per step, so a failed step holds exactly one of them."""
+    runner = model.runner
+    pool = BlockPool(
+        num_blocks=runner.cache.num_blocks,
+        tokens_per_block=TOKENS_PER_BLOCK,
+        enable_block_reuse=True,  # a failed step must leave the prefix cache as sound as the pool
+    )
+    scheduler = Scheduler(
+        pool=pool, max_batch_size=max_batch_size, max_num_tokens=256, max_seq_len=MAX_SEQ_LEN
+    )
+    hooks = TestHooks(
+        layer_ids=runner.model.local_layer_ids, head_ids=runner.model.local_kv_head_ids
+    )
+    return Executor(
+        scheduler=scheduler,
+        runner=runner,
+        tokenizer=model.tokenizer,
+        metrics=WorkerMetrics.create(),
+        role="ctx",
+        max_seq_len=MAX_SEQ_LEN,
+        test_hooks=hooks,
+    )
+
+
+def prompt(first: int) -> list[int]:
+    """Prompts that share no leading block, so none is served from another's prefix cache."""
+    return [10 + (first * 37 + 5 * i) % 400 for i in range(20)]
+
+
+def submit(executor: Executor, request_id: int) -> RequestHandle:
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=prompt(request_id),
+        sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
+        arrival_time=time.monotonic(),
+    )
+    return executor.submit(request)
+
+
+async def outputs(handle: RequestHandle) -> list[RequestOutput]:
+    with trio.fail_after(TIMEOUT_S):
+        return [output async for output in handle.outputs]
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    assert outs[-1].error is None, outs[-1].error
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    return [t for out in outs for t in out.token_ids]
+
+
+def failure(outs: list[RequestOutput]) -> str:
+    """The error of a failed request: one final output, an internal (500) error."""
+    (last,) = outs
+    assert last.finish_reason is FinishReason.ERROR and last.internal, last
+    assert last.error is not None
+    return last.error
+
+
+def failed_steps(executor: Executor) -> float | None:
+    return executor.metrics.registry.get_sample_value("trtdisagg_step_failures_total")
+
+
+def assert_idle(executor: Executor) -> None:
+    """Nothing held: every block free or reusable (prefix cache), as when the worker started."""
+    assert executor.num_active() == 0
+    stats = executor.scheduler.statistics()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    pool = stats.pool
+    assert pool.free_blocks + pool.reusable_blocks == pool.total_blocks, pool
+
+
+async def reference(model: Model, request_ids: list[int]) -> dict[int, list[int]]:
+    """Each request's greedy tokens, run alone on an executor where nothing fails."""
+    executor = make_executor(model, max_batch_size=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(executor.run)
+        expected = {i: tokens(await outputs(submit(executor, i))) for i in request_ids}
+        nursery.cancel_scope.cancel()
+    return expected
+
+
+async def test_a_failed_step_fails_only_its_requests(
+    model: Model, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    expected = await reference(model, [1, 2])
+    executor = make_executor(model, max_batch_size=1)
+    await nursery.start(executor.run)
+    assert executor.test_hooks is not None
+    executor.test_hooks.step_failures = 1
+    failing, waiting = submit(executor, 0), submit(executor, 1)  # one step holds only `failing`
+
+    assert failure(await outputs(failing)).startswith(INJECTED)
+    assert tokens(await outputs(waiting)) == expected[1]  # queued behind it: untouched
+    assert tokens(await outputs(submit(executor, 2))) == expected[2]  # the worker serves on
+    assert failed_steps(executor) == 1
+    assert executor.stopped is None
+    assert_idle(executor)
+    logged = [r for r in caplog.records if r.getMessage().startswith("model step failed")]
+    assert len(logged) == 1 and logged[0].exc_info is not None  # once, with the traceback
+
+
+async def test_failed_steps_in_a_row_stop_the_worker(model: Model, nursery: trio.Nursery) -> None:
+    executor = make_executor(model, max_batch_size=1)
+    await nursery.start(executor.run)
+    assert executor.test_hooks is not None
+    executor.test_hooks.step_failures = MAX_CONSECUTIVE_STEP_FAILURES
+    handles = [submit(executor, i) for i in range(MAX_CONSECUTIVE_STEP_FAILURES + 2)]
+
+    errors = [failure(await outputs(handle)) for handle in handles]
+    in_steps, held = (
+        errors[:MAX_CONSECUTIVE_STEP_FAILURES],
+        errors[MAX_CONSECUTIVE_STEP_FAILURES:],
+    )
+    assert all(error.startswith(INJECTED) for error in in_steps), in_steps
+    # The ones still queued when the worker stopped are failed with the reason, not left waiting.
+    assert all(error.startswith("this worker stopped serving: 3 model steps") for error in held)
+    assert executor.stopped is not None and "InjectedStepFailure" in executor.stopped
+    with pytest.raises(WorkerStopped, match="InjectedStepFailure"):
+        submit(executor, 99)
+    assert failed_steps(executor) == MAX_CONSECUTIVE_STEP_FAILURES
+    assert_idle(executor)
+
+
+async def test_a_successful_step_resets_the_count(model: Model, nursery: trio.Nursery) -> None:
+    count = MAX_CONSECUTIVE_STEP_FAILURES - 1
+    expected = await reference(model, [10, 20])
+    executor = make_executor(model, max_batch_size=1)
+    await nursery.start(executor.run)
+    hooks = executor.test_hooks
+    assert hooks is not None
+    for first in (0, 10):
+        hooks.step_failures = count
+        handles = [submit(executor, first + 1 + i) for i in range(count)]
+        for handle in handles:
+            assert failure(await outputs(handle)).startswith(INJECTED)
+        assert tokens(await outputs(submit(executor, first + 10))) == expected[first + 10]
+    assert executor.stopped is None
+    assert failed_steps(executor) == 2 * count
+    assert_idle(executor)
