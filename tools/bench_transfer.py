@@ -23,7 +23,8 @@ Per measured iteration, in the same run, one transfer of each selected transceiv
                     `prepare_send` as the executor does when the prompt's last prefill step
                     starts (the write is prepared then, untimed: the forward runs meanwhile);
                     only then does ctx's KV become ready: `respond_and_send_async`, upon which
-                    ctx posts the prepared write.
+                    ctx posts the prepared write. gen is told to report the outcome before
+                    that, so no command of the bench reaches gen during the transfer.
                     Timed from just before that call (a CLOCK_MONOTONIC stamp in ctx) to the
                     outcome seen in gen (the moment its wait returns): the critical path a
                     generation-first request pays once prefill ends (the write, TRANSFER_RESULT
@@ -1241,8 +1242,12 @@ class _Run:
             self.ctx.call("await_early", self.wait, key=key)
             if schedule == GENERATION_FIRST:
                 self.ctx.call("prepare", self.wait, key=key)  # the last prefill step starts
+            # gen parks on the outcome before ctx responds: no command of ours then reaches gen
+            # during the transfer (reading one wakes a thread and the loop, in the timed window;
+            # the raw path's gen is likewise armed first).
+            self.gen.send("receive_finish", key=key)
             t0 = self.ctx.call("respond", self.wait, key=key)["t0"]
-            got = self.gen.call("receive_finish", self.wait, key=key)
+            got = self.gen.expect("ok", self.wait)
             wall = got["seen"] - t0
             self.respond_stamps[key] = t0
         else:
