@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -304,6 +305,29 @@ async def test_a_serving_worker_is_not_evicted_for_a_late_health_answer(
             await trio.sleep(0.1)
     worker.health_hang = False
     await _wait_health(client, c.url, 200)
+
+
+async def test_an_idle_worker_is_not_evicted_while_the_front_end_s_loop_stalls(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """A stalled front end (its event loop held, as under overload) times its /health probes
+    out late. A worker that gets no traffic meanwhile (a gen behind max_tokens 1 requests) is
+    not evicted for that; once the loop is on time again, missed probes evict as before."""
+    c = await start_cluster(nursery)
+    worker = c.gen[0].worker
+    worker.health_hang = True
+    for _ in range(3):  # three probes in a row: two counted misses would evict
+        seen = worker.health_checks
+        with trio.fail_after(10):
+            while worker.health_checks == seen:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        # The load this test injects, not a wait: the whole loop stalls across the probe's
+        # 2 s timeout, which then fires about a second late.
+        time.sleep(3.0)  # noqa: ASYNC251
+    assert (await client.get(c.url + "/health")).status_code == 200
+    with trio.fail_after(15):  # on time now: two timed-out probes evict it
+        while (await client.get(c.url + "/health")).status_code != 503:  # noqa: ASYNC110
+            await trio.sleep(0.1)
 
 
 async def test_client_disconnect_mid_stream_cancels_gen(

@@ -44,6 +44,8 @@ Json = dict[str, Any]
 
 STARTUP_POLL_INTERVAL: Final = 0.25
 FAILED_CHECKS_TO_EVICT: Final = 2
+# A health probe whose timeout fired this much late was timed by a stalled loop, not the server.
+LATE_LOOP_S: Final = 0.25
 EVENTS_TIMEOUT: Final = 2.0
 WAITING_LOG_INTERVAL: Final = 5.0
 
@@ -221,6 +223,20 @@ class LocalPlacement:
             # lateness is this (overloaded) front end's own loop, not the server. Evicting it
             # would turn overload into a 503 for every request.
             log.debug("%s server %s: /health not answered (%s) but serving", role.value, url, why)
+            return
+        late = trio.current_time() - started - timeout
+        if not check.answered and late > LATE_LOOP_S:
+            # The probe's own timeout fired this late: our loop was held up while the answer
+            # was due (overload, a blocking call), so a missing answer says nothing of the
+            # server. This covers a server with no traffic (a gen behind max_tokens 1 requests),
+            # which the rule above cannot. A refused connection fails at once and still counts.
+            log.info(
+                "%s server %s: /health not answered, but this process's event loop was %.2f s "
+                "late meanwhile; not counted as a miss",
+                role.value,
+                url,
+                late,
+            )
             return
         self._misses[url] += 1
         if server.healthy and self._misses[url] < FAILED_CHECKS_TO_EVICT:
