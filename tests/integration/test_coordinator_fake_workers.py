@@ -285,6 +285,23 @@ async def test_dead_ctx_is_retried_then_503_then_recovers(
     assert r.status_code == 200, r.text
 
 
+async def test_a_worker_s_unhealthy_reason_reaches_cluster_info(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """A worker that stopped serving says why on /health; the coordinator keeps that reason, so
+    /cluster_info (and its log) tell the operator more than "answered 503"."""
+    c = await start_cluster(nursery)
+    reason = "3 model steps failed in a row; the last: RuntimeError: CUDA error"
+    c.gen[0].worker.unhealthy = reason
+    await _wait_health(client, c.url, 503)
+    info = (await client.get(c.url + "/cluster_info")).json()
+    (gen,) = [s for s in info["servers"] if s["url"] == c.gen[0].url]
+    assert gen["healthy"] is False
+    assert gen["last_error"] == f"/health answered 503: {reason}"
+    c.gen[0].worker.unhealthy = None
+    await _wait_health(client, c.url, 200)
+
+
 async def test_a_serving_worker_is_not_evicted_for_a_late_health_answer(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:

@@ -72,6 +72,7 @@ class FakeWorker:
     hang: bool = False
     health_hang: bool = False  # /health never answers (everything else still does)
     health_checks: int = 0  # /health requests received
+    unhealthy: str | None = None  # /health answers 503 with this reason, as a stopped worker does
     running: int = 0
     requests: Counter[str] = attrs.Factory(Counter)
     """Requests served, by request_type."""
@@ -161,6 +162,8 @@ def create_fake_app(worker: FakeWorker) -> QuartTrio:
         worker.health_checks += 1
         if worker.health_hang:
             await trio.sleep_forever()
+        if worker.unhealthy is not None:
+            return as_json({"status": "unhealthy", "reason": worker.unhealthy}, status=503)
         return as_json({"status": "ok"})
 
     @app.get("/server_info")

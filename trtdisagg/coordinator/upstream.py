@@ -26,6 +26,7 @@ from trtdisagg.errors import TrtDisaggError
 Json = dict[str, Any]
 
 ERROR_BODY_LIMIT: Final = 2048
+HEALTH_REASON_LIMIT: Final = 300
 KEEPALIVE_EXPIRY: Final = 30.0
 """Idle pooled connections are closed after this; workers' and our servers' keep-alive is 75 s."""
 
@@ -212,7 +213,9 @@ class WorkerClient:
             return HealthCheck(ok=False, reason=_describe(exc), answered=False)
         if response.status_code == 200:
             return HealthCheck(ok=True)
-        return HealthCheck(ok=False, reason=f"/health answered {response.status_code}")
+        reason = f"/health answered {response.status_code}"
+        why = _health_reason(response.content)
+        return HealthCheck(ok=False, reason=f"{reason}: {why}" if why else reason)
 
     async def post_for_json(self, url: str, path: str, *, limit_s: float, role: str) -> object:
         """POST without a body and return any JSON answer (``/kv_cache_events``)."""
@@ -230,6 +233,19 @@ class WorkerClient:
             return response.json()
         except ValueError:
             raise UpstreamError(f"{url}{path}: answer is not JSON", server=url, role=role) from None
+
+
+def _health_reason(content: bytes) -> str:
+    """The `reason` a worker gives with an unhealthy answer (`{"status": "unhealthy", "reason":
+    ...}`), so that the coordinator's log says why; "" when there is none."""
+    if len(content) > ERROR_BODY_LIMIT:
+        return ""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return ""
+    reason = body.get("reason") if isinstance(body, dict) else None
+    return reason[:HEALTH_REASON_LIMIT] if isinstance(reason, str) else ""
 
 
 def _check_status(status: int, content: bytes, *, url: str, role: str) -> None:
