@@ -225,6 +225,52 @@ async def test_generation_first_gets_its_first_token_with_the_kv(
             await _wait_idle(client, server)
 
 
+async def test_generation_first_gen_is_refused_at_once_when_ctx_sends_no_kv(
+    pair: tuple[Server, Server],
+) -> None:
+    """gen asked first; ctx's request then ends at its first token (max_tokens 1), so no KV
+    will come. gen's request fails now with that reason, not at kv_transfer_timeout_ms, and
+    both workers are idle after."""
+    ctx, gen = pair
+    key = 2**50 + 7200
+    body = _body(_prompt(random.Random(5), 24), 6)
+    gen_body = {**body, "disaggregated_params": {
+        "request_type": "generation_only", "schedule_style": "generation_first",
+        "disagg_request_id": key, "ctx_request_id": key, "ctx_info_endpoint": _info_endpoint(ctx),
+    }}  # fmt: skip
+    ctx_body = {**body, "max_tokens": 1, "disaggregated_params": {
+        "request_type": "context_only", "disagg_request_id": key,
+    }}  # fmt: skip
+    async with httpx.AsyncClient(timeout=60) as client:
+        refused: list[httpx.Response] = []
+
+        async def run_gen() -> None:
+            refused.append(await client.post(gen.url + "/v1/completions", json=gen_body))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_gen)
+            with trio.fail_after(10):  # gen's REQUEST_DATA waits at ctx
+                while True:
+                    text = (await client.get(ctx.url + "/metrics")).text
+                    if metric(text, "trtdisagg_kv_early_messages") >= 1:
+                        break
+                    await trio.sleep(0.02)  # polling an observable gauge, bounded above
+            started = time.monotonic()
+            r = await client.post(ctx.url + "/v1/completions", json=ctx_body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+        elapsed = time.monotonic() - started
+        (g,) = refused
+        assert g.status_code == 502, g.text
+        assert (
+            "ctx request ended before its KV was ready: it finished at its first token"
+            in (g.json()["error"]["message"])
+        )
+        assert elapsed < TIMEOUT_MS / 1000 / 2, elapsed  # not the deadline
+        await _wait_idle(client, gen)
+        await _wait_idle(client, ctx)
+
+
 async def test_rendezvous_once_and_one_descriptor_per_run(pair: tuple[Server, Server]) -> None:
     ctx, gen = pair
     rng = random.Random(9)

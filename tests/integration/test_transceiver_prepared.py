@@ -167,3 +167,32 @@ async def test_a_preparation_whose_kv_never_comes_is_released_by_ctx(pair: Pair)
     assert pair.ctx.cancel_request(key) is True  # ctx's request ended (aborted) before its KV
     assert pair.ctx.statistics().prepared == 0
     await _until(lambda: pair.ctx_agent.num_handles == 0, "its handle released")
+
+
+async def test_a_ctx_request_that_ends_without_its_kv_refuses_gen_at_once(pair: Pair) -> None:
+    # gen asked first (generation_first); ctx's request is then aborted during its prefill.
+    # gen is refused with the reason now, not at its 30 s deadline, and nothing is written.
+    await _connect(pair)
+
+    key, dst = 2**41 + 8, [1, 2, 3]
+    await _ask_early(pair, key, dst)
+    pair.ctx.prepare_send(key, [[4, 5, 6]], NUM_TOKENS)
+    assert pair.ctx_agent.num_handles == 1
+    pair.ctx.abandon_send(key, "it was aborted")
+    outcome = await _outcome(pair.gen.check_gen_transfer_status)  # within 5 s; deadline 30 s
+    assert not outcome.ok and "ctx request ended before its KV was ready: it was aborted" in (
+        outcome.error or ""
+    )
+    stats = pair.ctx.statistics()
+    assert (stats.early, stats.prepared, stats.senders) == (0, 0, 0)
+    await _until(lambda: pair.ctx_agent.num_handles == 0, "the preparation released")
+    assert pair.gen_blocks(dst) == bytes(len(dst) * BLOCK_BYTES)
+
+
+async def test_abandoning_a_request_that_already_responded_changes_nothing(pair: Pair) -> None:
+    key, src, dst = 2**41 + 9, [3, 4, 5], [5, 6, 7]
+    pair.ctx.respond_and_send_async(key, [src], NUM_TOKENS)
+    pair.ctx.abandon_send(key, "too late to matter")  # the session owns the key now
+    pair.gen.request_and_receive_async(key, pair.ctx.info_endpoint, [dst], NUM_TOKENS)
+    assert (await _outcome(pair.gen.check_gen_transfer_status)).ok
+    assert pair.gen_blocks(dst) == pair.ctx_blocks(src)

@@ -51,6 +51,7 @@ class CtxSender:
     _agent_lock: trio.Lock
     # The shell's services (transfer/transceiver.py).
     _stamp: Callable[[int, str], None]
+    _spawn: Callable[..., None]
     _start_timing: Callable[[int], None]
     _outcome: Callable[..., TransferOutcome]
 
@@ -180,6 +181,24 @@ class CtxSender:
             cancel.key,
             ResultStatus.CANCELLED,
             error="cancelled; no write in flight",
+        )
+
+    def abandon(self, key: int, reason: str) -> None:
+        """See `KvTransceiver.abandon_send`."""
+        if self.senders.get(key) is not None:
+            return  # responded: the session's own cancel and deadline apply
+        self.forget_prepared(key)
+        requests, _ = self.early.take(key)
+        for request in requests:
+            self._spawn(self.refuse, request, reason)
+
+    async def refuse(self, request: RequestData, reason: str) -> None:
+        """Answer a REQUEST_DATA whose ctx request ended before its KV was ready."""
+        await self.writes.send_result(
+            (request.instance_name, request.instance_rank),
+            request.key,
+            ResultStatus.ERROR,
+            error=f"the ctx request ended before its KV was ready: {reason}",
         )
 
     async def refuse_stale(self, request: RequestData) -> None:

@@ -1,9 +1,10 @@
 """KvTransceiver: the executor-facing KV transfer service of one rank (the I/O shell).
 
 It joins the messenger (ZMQ), the session state machines, the peer registrar and the transfer
-agent (NIXL). The executor calls four sync methods between steps and never waits on the network:
+agent (NIXL). The executor calls these sync methods between steps and never waits on the network:
 
     ctx  prepare_send(key, blocks, num_tokens)             last prefill chunk runs (optional)
+         abandon_send(key, reason)                         the request ended without its KV
          respond_and_send_async(key, blocks, num_tokens)   prefill done: push KV when gen asks
          check_context_transfer_status() -> outcomes       sessions that ended; free their blocks
     gen  request_and_receive_async(key, endpoint, blocks)  blocks allocated: ask ctx for the KV
@@ -226,6 +227,7 @@ class KvTransceiver:
             remote_names=self._remote_names,
             agent_lock=self._agent_lock,
             stamp=self._stamp,
+            spawn=self._spawn,
             start_timing=self._start_timing,
             outcome=self._outcome,
         )
@@ -348,6 +350,15 @@ class KvTransceiver:
         ends. A gen rank that already asked (generation_first) gets its write made ready during
         that step, so that `respond_and_send_async` only has to post it."""
         self._ctx_side.prepare_send(key, block_ids, num_tokens)
+
+    def abandon_send(self, key: int, reason: str) -> None:
+        """ctx: the request of `key` ended (aborted, failed) before its KV was ready, so it will
+        never call `respond_and_send_async`. A write prepared for it is dropped, and a gen rank
+        that already asked for the KV (generation_first) is refused at once with `reason`
+        instead of waiting for its deadline. One that asks later waits as before (its CANCEL or
+        deadline ends it): the key may come back with a retried request. A no-op once the
+        request has responded."""
+        self._ctx_side.abandon(key, reason)
 
     def check_context_transfer_status(self) -> list[TransferOutcome]:
         return self._ctx_side.check_context_transfer_status()

@@ -67,6 +67,14 @@ log = logging.getLogger(__name__)
 # some rank (only a tick brings the other ranks' transfer states).
 RANK_POLL_S = 0.002
 
+# Why a context_only request ended without sending its KV, as gen's error says it.
+_ENDED: dict[FinishReason, str] = {
+    FinishReason.ABORT: "it was aborted",
+    FinishReason.ERROR: "it failed",
+    FinishReason.STOP: "it finished at its first token (stop), so there is nothing to decode",
+    FinishReason.LENGTH: "it finished at its first token (length), so there is nothing to decode",
+}
+
 # Failed model steps in a row after which the worker stops serving. One failed step may be a
 # request's doing (an input no test foresaw); the same failure three times over, whatever the
 # batch, is the worker's own (a sticky CUDA error, memory it cannot get back).
@@ -826,6 +834,12 @@ class Executor:
         request = live.request
         if self._live.pop(request.request_id, None) is None:
             return
+        key = live.transfer_key
+        if key is not None and key not in self._sending and self.transceiver is not None:
+            # A context_only request that ends without sending (aborted, failed, or finished at
+            # its first token): a gen that asked for its KV first is refused now, not at its
+            # deadline.
+            self.transceiver.abandon_send(key, _ENDED.get(reason, f"it ended ({reason.value})"))
         if not emitted:
             self._emit(live, (), "", (), reason, now)
         live.send.close()
