@@ -106,6 +106,15 @@ async def _connect(pair: Pair) -> None:
     assert (await _outcome(pair.ctx.check_context_transfer_status)).ok
 
 
+async def _prepared_early(pair: Pair, key: int, dst: list[int]) -> None:
+    """A connected pair where gen asked for `key` first and ctx prepared its write from blocks
+    4-6 (the prefill's last step runs)."""
+    await _connect(pair)
+    await _ask_early(pair, key, dst)
+    pair.ctx.prepare_send(key, [[4, 5, 6]], NUM_TOKENS)
+    assert pair.ctx_agent.num_handles == 1
+
+
 async def test_a_prepared_write_is_posted_only_when_the_kv_is_ready(pair: Pair) -> None:
     await _connect(pair)
 
@@ -142,12 +151,8 @@ async def test_a_write_prepared_for_other_blocks_is_dropped_not_posted(pair: Pai
 
 
 async def test_a_prepared_write_is_released_when_gen_cancels(pair: Pair) -> None:
-    await _connect(pair)
-
     key, dst = 2**41 + 5, [1, 2, 3]
-    await _ask_early(pair, key, dst)
-    pair.ctx.prepare_send(key, [[4, 5, 6]], NUM_TOKENS)
-    assert pair.ctx_agent.num_handles == 1
+    await _prepared_early(pair, key, dst)
     pair.gen.cancel_request(key)  # gen's CANCEL reaches ctx before its KV is ready
     await _until(lambda: pair.ctx.statistics().prepared == 0, "the preparation dropped")
     await _until(lambda: pair.ctx_agent.num_handles == 0, "its handle released")
@@ -158,12 +163,8 @@ async def test_a_prepared_write_is_released_when_gen_cancels(pair: Pair) -> None
 
 
 async def test_a_preparation_whose_kv_never_comes_is_released_by_ctx(pair: Pair) -> None:
-    await _connect(pair)
-
     key = 2**41 + 6
-    await _ask_early(pair, key, [1, 2, 3])
-    pair.ctx.prepare_send(key, [[4, 5, 6]], NUM_TOKENS)
-    assert pair.ctx_agent.num_handles == 1
+    await _prepared_early(pair, key, [1, 2, 3])
     assert pair.ctx.cancel_request(key) is True  # ctx's request ended (aborted) before its KV
     assert pair.ctx.statistics().prepared == 0
     await _until(lambda: pair.ctx_agent.num_handles == 0, "its handle released")
@@ -172,12 +173,8 @@ async def test_a_preparation_whose_kv_never_comes_is_released_by_ctx(pair: Pair)
 async def test_a_ctx_request_that_ends_without_its_kv_refuses_gen_at_once(pair: Pair) -> None:
     # gen asked first (generation_first); ctx's request is then aborted during its prefill.
     # gen is refused with the reason now, not at its 30 s deadline, and nothing is written.
-    await _connect(pair)
-
     key, dst = 2**41 + 8, [1, 2, 3]
-    await _ask_early(pair, key, dst)
-    pair.ctx.prepare_send(key, [[4, 5, 6]], NUM_TOKENS)
-    assert pair.ctx_agent.num_handles == 1
+    await _prepared_early(pair, key, dst)
     pair.ctx.abandon_send(key, "it was aborted")
     outcome = await _outcome(pair.gen.check_gen_transfer_status)  # within 5 s; deadline 30 s
     assert not outcome.ok and "ctx request ended before its KV was ready: it was aborted" in (
