@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider -m "not gpu"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not gpu" --durations=25
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache

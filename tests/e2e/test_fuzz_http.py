@@ -13,6 +13,7 @@ request that asks for a huge `max_tokens` still finishes in a fraction of a seco
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import string
@@ -440,11 +441,16 @@ def test_malformed_http_is_refused_without_harm(
     server = _target(cluster, target)
     for raw in RAW_REQUESTS:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            sock.sendall(raw)
-            sock.shutdown(socket.SHUT_WR)  # a truncated body ends here: the server must cope
             answer = b""
-            while chunk := sock.recv(65536):
-                answer += chunk
+            # The server may refuse and close before all is sent or the write side is shut (a
+            # 100 kB header line): a reset here is a refusal too, not a failure.
+            with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+                sock.sendall(raw)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)  # a truncated body ends here: the server must cope
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := sock.recv(65536):
+                    answer += chunk
         if answer:  # a server may also just close a connection that is not HTTP
             status = int(answer.split(b" ", 2)[1])
             assert status < 500, (raw[:60], answer[:300])  # h11 takes HTTP/9.9 as 1.1: a 200
