@@ -189,24 +189,23 @@ class CtxSender:
             return  # responded: the session's own cancel and deadline apply
         self.forget_prepared(key)
         requests, _ = self.early.take(key)
+        error = f"the ctx request ended before its KV was ready: {reason}"
         for request in requests:
-            self._spawn(self.refuse, request, reason)
-
-    async def refuse(self, request: RequestData, reason: str) -> None:
-        """Answer a REQUEST_DATA whose ctx request ended before its KV was ready."""
-        await self.writes.send_result(
-            (request.instance_name, request.instance_rank),
-            request.key,
-            ResultStatus.ERROR,
-            error=f"the ctx request ended before its KV was ready: {reason}",
-        )
+            self._spawn(self.refuse, request, error)
 
     async def refuse_stale(self, request: RequestData) -> None:
         """Answer a REQUEST_DATA whose key never showed up here, so gen fails fast."""
+        await self.refuse(
+            request,
+            f"ctx has no request with disagg_request_id {request.key} (never prefilled here, "
+            "or already released)",
+        )
+
+    async def refuse(self, request: RequestData, error: str) -> None:
+        """Answer a REQUEST_DATA that no KV will ever answer with ERROR and `error`."""
         await self.writes.send_result(
             (request.instance_name, request.instance_rank),
             request.key,
             ResultStatus.ERROR,
-            error=f"ctx has no request with disagg_request_id {request.key} (never prefilled "
-            "here, or already released)",
+            error=error,
         )
