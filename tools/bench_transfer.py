@@ -14,17 +14,21 @@ Per measured iteration, in the same run, one transfer of each selected transceiv
                     and `check_gen_transfer_status()` on every `wake` until the outcome. Timed
                     in gen, from the request call to the outcome (REQUEST_DATA, the write,
                     TRANSFER_RESULT and the WRITE_NOTICE notification all inside): what a
-                    request pays when gen asks for KV that is already there.
+                    request pays when gen asks for KV that is already there. (ctx watches for
+                    the request from its response on, as it does for the few ms a coordinator
+                    takes to pass the request on to gen.)
   generation-first  what `schedule_style: generation_first` does. gen calls
                     `request_and_receive_async` FIRST and starts waiting for the outcome (a task
                     of the gen child, like the executor's wait); ctx waits until that
                     REQUEST_DATA sits in its transceiver's early buffer
                     (`statistics().early >= 1`, polled, no fixed sleep); then ctx calls
                     `prepare_send` as the executor does when the prompt's last prefill step
-                    starts (the write is prepared then, untimed: the forward runs meanwhile);
-                    only then does ctx's KV become ready: `respond_and_send_async`, upon which
-                    ctx posts the prepared write. gen is told to report the outcome before
-                    that, so no command of the bench reaches gen during the transfer.
+                    starts (the write is prepared then, and gen told of it), and lets that
+                    step's time pass (`--prefill-step-ms`, 10 ms; untimed, the loop running as
+                    beside a real forward); only then does ctx's KV become ready:
+                    `respond_and_send_async`, upon which ctx posts the prepared write. gen is
+                    told to report the outcome before that, so no command of the bench reaches
+                    gen during the transfer.
                     Timed from just before that call (a CLOCK_MONOTONIC stamp in ctx) to the
                     outcome seen in gen (the moment its wait returns): the critical path a
                     generation-first request pays once prefill ends (the write, TRANSFER_RESULT
@@ -291,6 +295,8 @@ class BenchConfig:
     timeout_s: float = 60.0
     seed: int = 0
     progress_thread: bool = True  # NIXL's UCX progress thread (production: on)
+    # generation-first: the last prefill step, between `prepare_send` and the KV being ready
+    prefill_step_s: float = 0.01
     label: str = "default"
     result_json: Path | None = None
     # transceiver schedules measured, each against raw; the first one's ratio is the last line
@@ -358,6 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(the last line stays context-first's ratio); generation-first-unprepared: "
         "generation-first without prepare_send; all: the three",
     )
+    parser.add_argument(
+        "--prefill-step-ms",
+        type=float,
+        default=10.0,
+        help="generation-first: how long the last prefill step runs between prepare_send and "
+        "the KV being ready (untimed; ctx's loop runs meanwhile, as beside a real forward). An "
+        "8B model's step on an H200 takes 16 ms or more",
+    )
     parser.add_argument("--result-json", type=Path)
     pairing = parser.add_argument_group("pairing (heterogeneous: not yet, issue 5)")
     for flag in ("--ctx-tp", "--gen-tp", "--ctx-pp", "--gen-pp"):
@@ -398,6 +412,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         )
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    if not 0 <= args.prefill_step_ms <= 10_000:
+        raise ValueError(f"--prefill-step-ms must be in [0, 10000], got {args.prefill_step_ms}")
     if args.device == "cpu" and (args.gen_gpu is not None or args.ctx_gpu != 0):
         raise ValueError("--ctx-gpu/--gen-gpu need --device cuda")
     if min(args.ctx_gpu, 0 if args.gen_gpu is None else args.gen_gpu) < 0:
@@ -415,6 +431,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         timeout_s=args.timeout,
         seed=args.seed,
         progress_thread=args.nixl_progress_thread == "on",
+        prefill_step_s=args.prefill_step_ms / 1000,
         label=label,
         result_json=args.result_json,
         schedules=schedules_for(args.schedule),
@@ -835,8 +852,10 @@ class _Side:
         return {"t0": t0}
 
     async def prepare(self, args: dict[str, Any]) -> dict[str, Any]:
-        """The prompt's last prefill step starts: `prepare_send` (as the executor calls it)."""
+        """The prompt's last prefill step: `prepare_send` as the executor calls it when the step
+        starts, then the step's time (the forward runs in a worker thread; the loop is free)."""
         self.transceiver.prepare_send(args["key"], [self.blocks], self.cfg.tokens)
+        await trio.sleep(self.cfg.prefill_step_s)
         return {}
 
     async def await_early(self, args: dict[str, Any]) -> dict[str, Any]:

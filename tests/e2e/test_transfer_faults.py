@@ -56,15 +56,22 @@ class Case:
 
 # Both of ctx's reports of a write lost: WRITE_POSTED (sent with the post) and TRANSFER_RESULT.
 LOST = "drop:WRITE_POSTED:1;drop:TRANSFER_RESULT:1"
+# ... and at gen, the write's notification, which says what WRITE_POSTED says.
+NOTICE_LOST = "drop:WRITE_NOTICE:1"
 
 CASES = {
     # TRANSFER_RESULT (ctx -> gen): gen needs it only when WRITE_POSTED did not come
     "result dropped: the announcement and the notice suffice": Case(ctx="drop:TRANSFER_RESULT:1"),
     "result duplicated": Case(ctx="dup:TRANSFER_RESULT:1"),
     "result delayed": Case(ctx="delay:TRANSFER_RESULT:300ms:1"),
-    "announcement and result dropped": Case(ctx=LOST, fails_with="timed out"),
-    "announcement dropped, result later than the deadline": Case(
-        ctx=f"drop:WRITE_POSTED:1;delay:TRANSFER_RESULT:{TIMEOUT_S + 1}s:1", fails_with="timed out"
+    "announcement and result dropped: the notice suffices": Case(ctx=LOST),
+    "announcement, result and notice dropped": Case(
+        ctx=LOST, gen=NOTICE_LOST, fails_with="timed out"
+    ),
+    "announcement and notice dropped, result later than the deadline": Case(
+        ctx=f"drop:WRITE_POSTED:1;delay:TRANSFER_RESULT:{TIMEOUT_S + 1}s:1",
+        gen=NOTICE_LOST,
+        fails_with="timed out",
     ),
     # WRITE_POSTED (ctx -> gen)
     "announcement dropped: the result suffices": Case(ctx="drop:WRITE_POSTED:1"),
@@ -82,11 +89,13 @@ CASES = {
     "submit fails": Case(ctx="fail_submit:1", fails_with="injected fault", within_s=SLACK_S),
     "write stalls": Case(ctx="stall_transfer:500ms:1"),
     # CANCEL (gen -> ctx, after a timeout): its answer is what lets gen free its blocks early
-    "cancel duplicated": Case(ctx=LOST, gen="dup:CANCEL:1", fails_with="timed out"),
-    "cancel delayed": Case(ctx=LOST, gen="delay:CANCEL:500ms:1", fails_with="timed out"),
+    "cancel duplicated": Case(ctx=LOST, gen=f"{NOTICE_LOST};dup:CANCEL:1", fails_with="timed out"),
+    "cancel delayed": Case(
+        ctx=LOST, gen=f"{NOTICE_LOST};delay:CANCEL:500ms:1", fails_with="timed out"
+    ),
     "cancel dropped too: gen waits a second timeout": Case(
         ctx=LOST,
-        gen="drop:CANCEL:1",
+        gen=f"{NOTICE_LOST};drop:CANCEL:1",
         fails_with="timed out",
         quarantine_expires=True,
     ),

@@ -9,6 +9,7 @@ source, and every prepared handle goes back to the agent whatever ends the reque
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -18,6 +19,7 @@ import trio
 
 from tests.transceivers import HEAD_DIM, HEADS, LAYERS, NUM_SLOTS, TPB, rank_info
 from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.faults import FaultInjector, parse_faults
 from trtdisagg.transfer.messenger import open_router
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
 
@@ -62,6 +64,15 @@ async def _outcome(check: Any) -> TransferOutcome:
 
 @pytest.fixture
 async def pair() -> AsyncIterator[Pair]:
+    async with _open_pair() as opened:
+        yield opened
+
+
+@asynccontextmanager
+async def _open_pair(ctx_faults: str | None = None) -> AsyncIterator[Pair]:
+    """ctx and gen transceivers in this trio run; ctx's control messages follow `ctx_faults`
+    (its agent stays the plain loopback one, which prepares writes)."""
+    faults = FaultInjector(plan=parse_faults(ctx_faults)) if ctx_faults else None
     fabric = LoopbackFabric()
     ctx_agent = LoopbackAgent("ctx-agent", fabric=fabric)
     gen_agent = LoopbackAgent("gen-agent", fabric=fabric)
@@ -76,7 +87,7 @@ async def pair() -> AsyncIterator[Pair]:
         def service(info: Any, agent: LoopbackAgent, router: Any) -> KvTransceiver:
             return KvTransceiver(
                 local=info, instance=(info,), agent=agent, router=router, timeout_s=30,
-                wake=lambda: None,
+                wake=lambda: None, faults=faults if agent is ctx_agent else None,
             )  # fmt: skip
 
         ctx = service(
@@ -132,6 +143,20 @@ async def test_a_prepared_write_is_posted_only_when_the_kv_is_ready(pair: Pair) 
     stats = pair.ctx.statistics()
     assert (stats.prepared, stats.prepared_posts, stats.early) == (0, 1, 0)
     await _until(lambda: pair.ctx_agent.num_handles == 0, "every handle released")
+
+
+async def test_gen_finishes_on_the_notice_alone_which_carries_what_the_post_knew() -> None:
+    # ctx's WRITE_POSTED and TRANSFER_RESULT never reach gen: the notification, replaced at the
+    # post, says what the write moved and the first tokens, which the preparation did not know.
+    async with _open_pair("drop:WRITE_POSTED;drop:TRANSFER_RESULT") as pair:
+        key, src, dst = 2**41 + 5, [4, 5, 6], [1, 2, 3]
+        await _prepared_early(pair, key, dst)
+        pair.ctx.respond_and_send_async(key, [src], NUM_TOKENS, first_tokens=(7, 9))
+        outcome = await _outcome(pair.gen.check_gen_transfer_status)
+        assert outcome.ok and outcome.first_tokens == (7, 9)
+        assert outcome.num_bytes == len(src) * BLOCK_BYTES and outcome.num_descriptors == 1
+        assert pair.gen_blocks(dst) == pair.ctx_blocks(src)
+        assert pair.ctx.statistics().prepared_posts == 1
 
 
 async def test_a_write_prepared_for_other_blocks_is_dropped_not_posted(pair: Pair) -> None:

@@ -25,6 +25,7 @@ from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
 
 TIMEOUT_S = 0.5
+LOST_NOTICE = "drop:WRITE_NOTICE"  # the notification says what WRITE_POSTED says
 KEY, NUM_TOKENS = 2**41 + 3, 3 * TPB - 1
 
 
@@ -36,12 +37,14 @@ class Pair:
 
 
 @asynccontextmanager
-async def _pair(ctx_spec: str) -> AsyncIterator[Pair]:
-    """ctx and gen transceivers in this trio run; ctx's sends and writes follow `ctx_spec`."""
+async def _pair(ctx_spec: str, gen_spec: str = "none") -> AsyncIterator[Pair]:
+    """ctx and gen transceivers in this trio run; ctx's sends and writes follow `ctx_spec`,
+    the notifications gen receives `gen_spec`."""
     fabric = LoopbackFabric()
     faults = FaultInjector(plan=parse_faults(ctx_spec))
     ctx_agent = FaultyAgent(LoopbackAgent("ctx-agent", fabric=fabric), faults)
-    gen_agent = LoopbackAgent("gen-agent", fabric=fabric)
+    gen_faults = FaultInjector(plan=parse_faults(gen_spec))
+    gen_agent = FaultyAgent(LoopbackAgent("gen-agent", fabric=fabric), gen_faults)
     block_bytes = LAYERS * 2 * HEADS * TPB * HEAD_DIM * 4
     ctx_memory = np.random.default_rng(0).integers(0, 255, NUM_SLOTS * block_bytes, np.uint8)
     gen_memory = np.zeros(NUM_SLOTS * block_bytes, np.uint8)
@@ -106,9 +109,10 @@ async def test_timeout_with_a_write_in_flight_holds_the_blocks_until_it_lands() 
 
 
 async def test_ctx_answers_a_cancel_at_once_when_nothing_is_in_flight() -> None:
-    # The write's announcement and result are lost: gen times out. ctx has nothing in flight
-    # any more, so it answers gen's CANCEL at once, and gen frees long before a second timeout.
-    async with _pair("drop:WRITE_POSTED:1;drop:TRANSFER_RESULT:1") as pair:
+    # Every word of the write is lost (announcement, result, notification): gen times out. ctx
+    # has nothing in flight any more, so it answers gen's CANCEL at once, and gen frees long
+    # before a second timeout.
+    async with _pair("drop:WRITE_POSTED:1;drop:TRANSFER_RESULT:1", LOST_NOTICE) as pair:
         started = trio.current_time()
         _start(pair)
         failed = await _gen_failure(pair.gen)
@@ -120,8 +124,8 @@ async def test_ctx_answers_a_cancel_at_once_when_nothing_is_in_flight() -> None:
 
 
 async def test_a_silent_ctx_is_given_up_on_after_a_second_timeout() -> None:
-    # Every announcement and result, answers to CANCEL too.
-    async with _pair("drop:WRITE_POSTED;drop:TRANSFER_RESULT") as pair:
+    # Every announcement, notification and result, answers to CANCEL too.
+    async with _pair("drop:WRITE_POSTED;drop:TRANSFER_RESULT", LOST_NOTICE) as pair:
         started = trio.current_time()
         _start(pair)
         assert (await _gen_failure(pair.gen)).blocks_held

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -199,3 +200,26 @@ async def test_a_successful_step_resets_the_count(model: Model, nursery: trio.Nu
     assert executor.stopped is None
     assert failed_steps(executor) == 2 * count
     assert_idle(executor)
+
+
+async def test_the_executor_is_idle_only_between_steps(model: Model, nursery: trio.Nursery) -> None:
+    # The transceiver spins its loop to watch for a peer only while no step runs (pacing.py).
+    executor = make_executor(model, max_batch_size=1)
+    seen_in_steps: list[bool] = []
+
+    class Spy:
+        """The runner, noting at every step whether the executor said it was idle."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(model.runner, name)
+
+        def execute(self, *args: Any) -> Any:
+            seen_in_steps.append(executor.idle())
+            return model.runner.execute(*args)
+
+    executor.runner = Spy()  # type: ignore[assignment]
+    await nursery.start(executor.run)
+    assert executor.idle()
+    tokens(await outputs(submit(executor, 7)))
+    assert seen_in_steps and not any(seen_in_steps)  # busy in every step
+    assert executor.idle()

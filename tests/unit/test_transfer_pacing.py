@@ -1,4 +1,5 @@
-"""ctx's per-remote write rates, whether a write is announced before its post, gen's notice spin."""
+"""ctx's per-remote write rates, whether a write is announced before its post, gen's notice spin,
+and what each side watches for."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from trtdisagg.transfer.pacing import (
     ANNOUNCE_AFTER_S,
     NOTICE_SPIN_MAX_S,
     NOTICE_SPIN_S,
+    WRITE_WATCH_S,
+    Watches,
     WriteRates,
+    gen_watches,
     notice_spin_s,
 )
 
@@ -53,3 +57,33 @@ def test_gen_spins_a_little_past_twice_ctx_estimate_and_no_longer_than_the_maxim
     assert notice_spin_s(0) == NOTICE_SPIN_MAX_S  # no estimate yet
     assert notice_spin_s(1000) == pytest.approx(NOTICE_SPIN_S + 0.002)
     assert notice_spin_s(10**6) == NOTICE_SPIN_MAX_S
+
+
+def test_a_quick_write_that_gen_watches_for_goes_before_its_announcement() -> None:
+    rates = WriteRates()
+    assert not rates.announce_first("gen", GB, quick=True, gen_watching=True)  # unknown time
+    rates.learn("gen", GB, 1.0)
+    assert not rates.announce_first("gen", 1000, quick=True, gen_watching=True)  # short
+    assert rates.announce_first("gen", 1000, quick=False, gen_watching=True)  # a slow post
+
+
+def test_ctx_counts_on_gen_watching_only_between_a_hop_and_the_end_of_its_watch() -> None:
+    told = 100.0
+    assert not gen_watches(told + 1.0, None)  # never told
+    assert not gen_watches(told, told)  # the message may not have arrived
+    assert gen_watches(told + ANNOUNCE_AFTER_S, told)
+    assert gen_watches(told + WRITE_WATCH_S / 2, told)
+    assert not gen_watches(told + WRITE_WATCH_S - ANNOUNCE_AFTER_S, told)  # about to give up
+
+
+def test_a_watch_runs_until_its_deadline_or_until_forgotten() -> None:
+    watches = Watches()
+    assert not watches.active(0.0)
+    watches.watch(("request", 1), 1.0)
+    watches.watch(("write", 2), 2.0)
+    watches.watch(("write", 2), 1.5)  # a later watch never shortens an earlier one
+    assert watches.count(0.5) == 2
+    assert watches.count(1.0) == 1  # the request's watch ran out
+    watches.forget(("write", 2))
+    watches.forget(("write", 3))  # not watched: nothing happens
+    assert not watches.active(1.2)

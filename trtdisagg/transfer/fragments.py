@@ -34,13 +34,14 @@ class Fragment:
 class Fragments(Sequence[Fragment]):
     """An immutable sequence of fragments stored as `rows` (`[n, 3]` int64)."""
 
-    __slots__ = ("rows",)
+    __slots__ = ("_num_bytes", "rows")
 
     def __init__(self, rows: Runs) -> None:
         if rows.ndim != 2 or rows.shape[1] != 3:
             raise ValueError(f"fragment rows must be [n, 3], got {rows.shape}")
         self.rows = rows.astype(np.int64, copy=False)
         self.rows.flags.writeable = False
+        self._num_bytes: int | None = None
 
     @classmethod
     def of(cls, fragments: Iterable[Fragment]) -> Fragments:
@@ -49,7 +50,10 @@ class Fragments(Sequence[Fragment]):
 
     @property
     def num_bytes(self) -> int:
-        return int(self.rows[:, 2].sum())
+        # Summed once: a write's path asks several times, each sum costing microseconds.
+        if self._num_bytes is None:
+            self._num_bytes = int(self.rows[:, 2].sum())
+        return self._num_bytes
 
     def __len__(self) -> int:
         return len(self.rows)

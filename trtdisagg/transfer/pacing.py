@@ -1,13 +1,22 @@
 """When a transfer is watched at every scheduling round, and when a write is announced. Pure.
 
-Trio's timers are millisecond-grained: a 1 ms sleep returns up to ~1.2 ms later. The transceiver
+Trio's timers are millisecond-grained: a 1 ms sleep returns up to ~1.2 ms later, and a loop
+asleep in epoll takes 0.1-0.3 ms to wake for a message on a virtual machine. The transceiver
 therefore spins (yields at every round) only where an event is due: ctx around a write's start
 and its expected end (`polls_every_round`), gen a little past ctx's estimate of a write it was
 told of (`notice_spin_s`). ctx learns how fast its writes to each remote go (`WriteRates`), which
 sets both those estimates and whether WRITE_POSTED goes before or after the post.
+
+A side that expects its peer's next move within milliseconds watches for it (`Watches`), but
+only while its executor runs no step (the step's thread would share the interpreter with a
+spinning loop, and a request waits for the step to end anyway): ctx from its response until
+gen's REQUEST_DATA (context_first), gen from ctx's WRITE_PREPARED until the write's notification
+(generation_first: the write waits only for the prefill step running at ctx).
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import attrs
 
@@ -20,6 +29,13 @@ NOTICE_SPIN_MAX_S = 0.05
 # post, a shorter one before it. About a ZMQ hop between two local processes (0.25-0.45 ms on the
 # device); on 2 x H200, announcing 256 MiB on one GPU (0.25 ms) after the post cost 0.2 ms.
 ANNOUNCE_AFTER_S = 0.0005
+# ctx, after responding: watch this long for gen's REQUEST_DATA (the coordinator's hop to gen
+# and gen's admission take a few ms).
+REQUEST_WATCH_S = 0.05
+# gen, told that ctx prepared its write (WRITE_PREPARED): watch this long for the notification.
+# It covers the last prefill step of a prompt of a few thousand tokens (16-60 ms for an 8B model
+# on an H200), after which the write goes at once.
+WRITE_WATCH_S = 0.1
 # A 1 ms Trio sleep returns up to ~1.2 ms later (epoll's millisecond timeout, rounded up): a long
 # write is polled at every round from this long before its expected end.
 TIMER_SLACK_S = 0.0015
@@ -55,14 +71,19 @@ class WriteRates:
         rate = self._rates.get(remote)
         return num_bytes / rate if rate else None
 
-    def announce_first(self, remote: str, num_bytes: int, *, quick: bool) -> bool:
+    def announce_first(
+        self, remote: str, num_bytes: int, *, quick: bool, gen_watching: bool = False
+    ) -> bool:
         """Whether WRITE_POSTED goes before the post rather than after it. Before a slow post,
         which may copy a host pool's bytes inside the call; before a quick one when the write
         is expected to end within a message hop (or its time is unknown yet), else the message
-        would land after the notification and hold gen up. A longer write is better off with
-        its bytes moving first."""
+        would land after the notification and wake gen late. A longer write is better off with
+        its bytes moving first, and so is any quick write that gen watches for (its
+        notification says what WRITE_POSTED says, and gen drains it at once)."""
         if not quick:
             return True
+        if gen_watching:
+            return False
         expected = self.expected_s(remote, num_bytes)
         return expected is None or expected < ANNOUNCE_AFTER_S
 
@@ -75,3 +96,36 @@ class WriteRates:
         rate = num_bytes / seconds
         old = self._rates.get(remote)
         self._rates[remote] = rate if old is None else 0.75 * old + 0.25 * rate
+
+
+def gen_watches(now: float, told_at: float | None) -> bool:
+    """ctx: whether gen, told at `told_at` that a write is coming (WRITE_PREPARED), watches for
+    its notification now: the message has had a hop's time to arrive, and gen's watch has not
+    run out. (gen watches only while its executor is idle, which ctx cannot know.)"""
+    if told_at is None:
+        return False
+    return told_at + ANNOUNCE_AFTER_S <= now < told_at + WRITE_WATCH_S - ANNOUNCE_AFTER_S
+
+
+@attrs.define
+class Watches:
+    """What this side watches for, each until a deadline."""
+
+    _until: dict[Hashable, float] = attrs.field(factory=dict)
+
+    def watch(self, what: Hashable, until: float) -> None:
+        self._until[what] = max(until, self._until.get(what, until))
+
+    def forget(self, what: Hashable) -> None:
+        self._until.pop(what, None)
+
+    def active(self, now: float) -> bool:
+        """Whether anything is watched now; forgets what ran out."""
+        return self.count(now) > 0
+
+    def count(self, now: float) -> int:
+        """How many things are watched now; forgets what ran out."""
+        if self._until:
+            for what in [w for w, until in self._until.items() if until <= now]:
+                del self._until[what]
+        return len(self._until)

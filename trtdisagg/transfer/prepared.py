@@ -31,6 +31,7 @@ class PreparedWrite:
     fragments: Fragments
     remote: str
     handle: XferHandle
+    told_at: float | None = None  # when gen was told (WRITE_PREPARED); None: not told
 
 
 @attrs.frozen(kw_only=True)

@@ -20,7 +20,7 @@ nursery.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 
 import attrs
 import trio
@@ -29,7 +29,7 @@ from trtdisagg.transfer.agents.base import TransferAgent
 from trtdisagg.transfer.bounce import bounces, canonical_bytes
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
 from trtdisagg.transfer.messenger import Dealer
-from trtdisagg.transfer.pacing import SPIN_POLL_S, notice_spin_s
+from trtdisagg.transfer.pacing import SPIN_POLL_S, WRITE_WATCH_S, notice_spin_s
 from trtdisagg.transfer.peers import PeerRegistrar
 from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.rendezvous import CtxPeers
@@ -47,6 +47,7 @@ from trtdisagg.transfer.wire import (
     TransferResult,
     WriteNotice,
     WritePosted,
+    WritePrepared,
     decode,
     pack_block_ids,
 )
@@ -88,6 +89,8 @@ class GenReceiver:
     _start_timing: Callable[[int], None]
     _outcome: Callable[..., TransferOutcome]
     _cancel_message: Callable[[int], Cancel]
+    _watch: Callable[[Hashable, float], None]
+    _forget: Callable[[Hashable], None]
     quarantine_expired: int = 0  # quarantines ended by the second timeout, not by ctx
     bounced: int = 0  # receives that went through staging
     _failed_early: dict[int, str] = attrs.Factory(dict)
@@ -453,6 +456,14 @@ class GenReceiver:
         if session.is_terminal:
             self.wake()
 
+    def on_write_prepared(self, prepared: WritePrepared) -> None:
+        """ctx prepared the write of `prepared.key` (generation_first): it goes when ctx's
+        prefill step ends, so watch for its notification from now on (pacing.py)."""
+        self._stamp(prepared.key, "prepared_seen")
+        session = self.receivers.lookup(prepared.instance_name, prepared.key)
+        if session is not None and not session.is_terminal:
+            self._watch(("write", prepared.key), WRITE_WATCH_S)
+
     async def poll_notifications(self) -> None:
         """Agent notifications (WRITE_NOTICE) mark the bytes of a write as landed."""
         while True:
@@ -469,6 +480,11 @@ class GenReceiver:
             if len(self.receivers):  # (a notification for no session would be dropped)
                 self._drain_notifications()
 
+    def drain_if_receiving(self) -> None:
+        """Drain notifications now, if a receive is open (else one would be dropped)."""
+        if len(self.receivers):
+            self._drain_notifications()
+
     def _drain_notifications(self) -> None:
         if self._agent_lock.locked():
             return  # a threaded agent call is running; the poller comes back within 1 ms
@@ -481,5 +497,15 @@ class GenReceiver:
                 continue
             self._stamp(notice.key, "notice")
             session = self.receivers.lookup(notice.instance_name, notice.key)
-            if session is not None and session.on_notice(notice.instance_rank):
+            if session is None:
+                continue
+            if notice.summarizes:  # what WRITE_POSTED says, should it not be in yet
+                session.on_posted(
+                    notice.instance_rank,
+                    num_bytes=notice.num_bytes,
+                    num_descriptors=notice.num_descriptors,
+                    first_tokens=notice.first_tokens,
+                )
+            if session.on_notice(notice.instance_rank):
+                self._forget(("write", notice.key))
                 self.wake()

@@ -12,13 +12,14 @@ is given them (or what uses them), and every task it starts runs in the shell's 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import attrs
 import trio
 
 from trtdisagg.transfer.agents.base import TransferAgent, posts_quickly, write_preparer
 from trtdisagg.transfer.errors import TransferLayerError
+from trtdisagg.transfer.pacing import REQUEST_WATCH_S
 from trtdisagg.transfer.peers import PeerRegistrar
 from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
 from trtdisagg.transfer.sessions import (
@@ -54,6 +55,8 @@ class CtxSender:
     _spawn: Callable[..., None]
     _start_timing: Callable[[int], None]
     _outcome: Callable[..., TransferOutcome]
+    _watch: Callable[[Hashable, float], None]
+    _forget: Callable[[Hashable], None]
 
     def respond_and_send_async(
         self,
@@ -72,6 +75,9 @@ class CtxSender:
         requests, cancelled = self.early.take(key)
         if cancelled:
             session.cancel()
+        elif not requests:
+            # context_first: gen's REQUEST_DATA follows within milliseconds (pacing.py).
+            self._watch(("request", key), REQUEST_WATCH_S)
         for request in requests:
             self._accept_request(session, request)
         self.writes.start_writes(session)
@@ -118,7 +124,12 @@ class CtxSender:
             log.debug("KV write %d to %s not prepared: %s", key, peer_key, exc)
             return  # the write path maps it again and reports what is wrong
         write = PreparedWrite(
-            request=request, source=source, fragments=fragments, remote=remote, handle=handle
+            request=request,
+            source=source,
+            fragments=fragments,
+            remote=remote,
+            handle=handle,
+            told_at=self.writes.tell_prepared(key, request),
         )
         self.writes.release_handles([self.prepared.add(key, write)])
 
@@ -170,6 +181,7 @@ class CtxSender:
                 self.early.add_request(self.clock(), request)
                 self._prepare(request.key, request)
             return
+        self._forget(("request", request.key))
         self._accept_request(session, request)
         self.writes.start_writes(session)
 

@@ -45,11 +45,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
 import attrs
 import trio
+import trio.lowlevel
 
 from trtdisagg.transfer.agents.base import TransferAgent
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
@@ -61,6 +62,7 @@ from trtdisagg.transfer.pacing import (
     NOTICE_SPIN_S,
     SPIN_POLL_S,
     TIMER_SLACK_S,
+    Watches,
     polls_every_round,
 )
 from trtdisagg.transfer.peers import PeerRegistrar
@@ -90,6 +92,7 @@ from trtdisagg.transfer.wire import (
     TransferResult,
     WriteNotice,
     WritePosted,
+    WritePrepared,
 )
 from trtdisagg.transfer.writes import CtxWrites
 
@@ -116,8 +119,10 @@ STAGES = (
     "request",  # gen: request_and_receive_async called
     "sent",  # gen: REQUEST_DATA handed to zmq (every expected ctx rank)
     "received",  # ctx: REQUEST_DATA dispatched
+    "prepared_seen",  # gen: WRITE_PREPARED dispatched (generation_first: ctx prepared the write)
     "write",  # ctx: the write task runs
     "mapped",  # ctx: the write's fragments are computed
+    "post",  # ctx: the agent's post call starts
     "posted",  # ctx: the agent write is posted (WRITE_POSTED goes to zmq around it)
     "posted_seen",  # gen: WRITE_POSTED dispatched
     "done",  # ctx: the agent reports DONE
@@ -141,6 +146,7 @@ class TransceiverStatistics:
     connections: int = 0  # open DEALERs to peers' control endpoints
     prepared: int = 0  # writes prepared before their KV was ready and not yet posted
     prepared_posts: int = 0  # writes posted from such a preparation (since start)
+    watched: int = 0  # peers' next moves watched for now (pacing.py)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -166,6 +172,9 @@ class KvTransceiver:
     # multi-rank instance turns it off: its ranks' outcomes are merged, and a rank reports a
     # failure only once its blocks are free, so the merged outcome can free them.
     early_failures: bool = True
+    # Whether the loop may spin now to watch for a peer's next move (pacing.py): the worker
+    # says so while its executor runs no step; a multi-rank follower never does.
+    may_spin: Callable[[], bool] = lambda: True
     registrar: PeerRegistrar = attrs.field(init=False)
     senders: SessionRegistry[SenderSession] = attrs.Factory(SessionRegistry)
     receivers: SessionRegistry[ReceiverSession] = attrs.Factory(SessionRegistry)
@@ -179,6 +188,8 @@ class KvTransceiver:
     _dealer_locks: dict[str, trio.Lock] = attrs.Factory(dict)
     _remote_names: dict[tuple[str, int], str] = attrs.Factory(dict)
     _timing: dict[int, _Timing] = attrs.Factory(dict)
+    _watches: Watches = attrs.Factory(Watches)
+    _watch_started: trio.Event = attrs.Factory(trio.Event)
     # Benchmarks only: when a list, every transfer appends (key, stage, clock()) at each step
     # of its way (see `STAGES`), so a bench can tell where the time goes. None: nothing kept.
     stages: list[tuple[int, str, float]] | None = None
@@ -230,6 +241,8 @@ class KvTransceiver:
             spawn=self._spawn,
             start_timing=self._start_timing,
             outcome=self._outcome,
+            watch=self._watch,
+            forget=self._watches.forget,
         )
         self._gen_side = GenReceiver(
             local=self.local,
@@ -249,6 +262,8 @@ class KvTransceiver:
             start_timing=self._start_timing,
             outcome=self._outcome,
             cancel_message=self._cancel_message,
+            watch=self._watch,
+            forget=self._watches.forget,
         )
 
     @property
@@ -283,6 +298,7 @@ class KvTransceiver:
             nursery.start_soon(self._listen_router)
             nursery.start_soon(self._gen_side.poll_notifications)
             nursery.start_soon(self._sweep)
+            nursery.start_soon(self._keep_awake)
             task_status.started()
 
     def statistics(self) -> TransceiverStatistics:
@@ -307,11 +323,33 @@ class KvTransceiver:
             connections=len(self._dealers),
             prepared=len(self.prepared),
             prepared_posts=self.prepared_posts,
+            watched=self._watches.count(self.clock()),
         )
 
     def _stamp(self, key: int, stage: str) -> None:
         if self.stages is not None:
             self.stages.append((key, stage, self.clock()))
+
+    def _watch(self, what: Hashable, seconds: float) -> None:
+        """Watch for `what` (a peer's next move) for up to `seconds` (pacing.py)."""
+        self._watches.watch(what, self.clock() + seconds)
+        self._watch_started.set()
+
+    async def _keep_awake(self) -> None:
+        """Spin the loop while something is watched: a loop asleep in epoll takes 0.1-0.3 ms to
+        wake for a message on a virtual machine, while one that checkpoints at every round
+        polls epoll without a timeout and reads the message as it lands. gen's notifications
+        are drained at every round too (one spinning task, not two)."""
+        while True:
+            if not self._watches.active(self.clock()):
+                await self._watch_started.wait()
+                self._watch_started = trio.Event()
+                continue
+            if not self.may_spin():
+                await trio.sleep(0.001)
+                continue
+            await trio.lowlevel.checkpoint()
+            self._gen_side.drain_if_receiving()
 
     def _spawn(self, fn: Callable[..., object], *args: object) -> None:
         assert self._nursery is not None, "the transceiver is not running"
@@ -510,6 +548,8 @@ class KvTransceiver:
                 self._ctx_side.on_request_data(message)
             case TransferResult():
                 self._gen_side.on_transfer_result(message)
+            case WritePrepared():
+                self._gen_side.on_write_prepared(message)
             case WritePosted():
                 self._gen_side.on_write_posted(message)
             case Cancel():

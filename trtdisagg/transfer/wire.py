@@ -38,7 +38,9 @@ from cattrs.v import format_exception
 from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.rank_info import RankInfo
 
-PROTOCOL_VERSION: Final = 2  # 2: TRANSFER_RESULT.first_tokens, WRITE_POSTED
+# 2: TRANSFER_RESULT.first_tokens, WRITE_POSTED; 3: WRITE_PREPARED, WRITE_NOTICE says what
+# WRITE_POSTED says
+PROTOCOL_VERSION: Final = 3
 MAX_KEY: Final = 2**63 - 1
 
 
@@ -176,7 +178,8 @@ class WritePosted:
     """ctx rank -> gen rank: the one write of `key` to this rank is posted, with what it moves.
 
     Sent with the post (just after a quick one, just before a slow one), so it travels while
-    the bytes do.
+    the bytes do. The write's notification says the same (WRITE_NOTICE), so this is gen's early
+    word of the write, which wakes it to watch for the notification.
     gen may then finish the transfer on the write's notification (WRITE_NOTICE: the bytes have
     landed) without waiting for TRANSFER_RESULT, which ctx sends only once its own poll sees the
     write done. Only for a rank's single write (not the bounce path); TRANSFER_RESULT still
@@ -192,12 +195,36 @@ class WritePosted:
 
 
 @attrs.frozen(kw_only=True)
-class WriteNotice:
-    """Payload of the transfer agent's notification for one write of `key` by a ctx rank."""
+class WritePrepared:
+    """ctx rank -> gen rank: the write of `key` to this rank is prepared, and goes as soon as
+    the prefill step running now ends (generation_first). gen watches for the write's
+    notification from now on, rather than waking only when WRITE_POSTED comes."""
 
     key: int = attrs.field(validator=_key)
     instance_name: str  # the writing (ctx) rank
     instance_rank: int = attrs.field(validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class WriteNotice:
+    """Payload of the transfer agent's notification for one write of `key` by a ctx rank.
+
+    The notification arrives only once the write's bytes have landed. When it is the rank's
+    only write (not the bounce path), it also says what WRITE_POSTED says (`num_descriptors` >
+    0): gen then finishes that rank on the notification alone, whichever of the two comes
+    first, so ctx need not announce a short write before posting it."""
+
+    key: int = attrs.field(validator=_key)
+    instance_name: str  # the writing (ctx) rank
+    instance_rank: int = attrs.field(validator=_non_negative)
+    num_bytes: int = attrs.field(default=0, validator=_non_negative)
+    num_descriptors: int = attrs.field(default=0, validator=_non_negative)  # 0: no summary
+    first_tokens: tuple[int, ...] = attrs.field(default=(), validator=_token_ids)
+
+    @property
+    def summarizes(self) -> bool:
+        """Whether this notice says what the write moved (WRITE_POSTED's part)."""
+        return self.num_descriptors > 0
 
 
 Message = (
@@ -208,6 +235,7 @@ Message = (
     | RequestData
     | TransferResult
     | Cancel
+    | WritePrepared
     | WritePosted
     | WriteNotice
 )
@@ -220,6 +248,7 @@ MESSAGE_TAGS: Final[dict[type, str]] = {
     RequestData: "REQUEST_DATA",
     TransferResult: "TRANSFER_RESULT",
     Cancel: "CANCEL",
+    WritePrepared: "WRITE_PREPARED",
     WritePosted: "WRITE_POSTED",
     WriteNotice: "WRITE_NOTICE",
 }

@@ -28,7 +28,7 @@ from trtdisagg.transfer.bounce import staged_fragments, staged_runs
 from trtdisagg.transfer.errors import TransferLayerError
 from trtdisagg.transfer.fragments import Fragments
 from trtdisagg.transfer.messenger import Dealer
-from trtdisagg.transfer.pacing import WriteRates, polls_every_round
+from trtdisagg.transfer.pacing import WriteRates, gen_watches, polls_every_round
 from trtdisagg.transfer.peers import PeerRegistrar, SendPlan
 from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
 from trtdisagg.transfer.rank_info import RankInfo
@@ -41,6 +41,7 @@ from trtdisagg.transfer.wire import (
     TransferResult,
     WriteNotice,
     WritePosted,
+    WritePrepared,
     encode,
     unpack_block_ids,
 )
@@ -149,7 +150,7 @@ class CtxWrites:
             or not posts_quickly(self.agent, fragments, remote)
         ):
             return fragments
-        submit = self._submitter(session.key, fragments, request, plan)
+        submit = self._submitter(session.key, fragments, request, plan, summary=session)
         return self._post_now(session, request, fragments, remote, submit)
 
     def _post_prepared(
@@ -158,12 +159,19 @@ class CtxWrites:
         preparer = write_preparer(self.agent)
         assert preparer is not None
 
+        # Prepared before the first tokens were known: the notice is replaced at the post.
+        notice = self.notice(session.key, prepared.fragments, session.first_tokens)
+
         def post() -> XferHandle:
-            preparer.post_prepared(prepared.handle)
+            self._stamp(session.key, "post")
+            preparer.post_prepared(prepared.handle, notice)
             self._stamp(session.key, "posted")
             return prepared.handle
 
-        posted = self._post_now(session, request, prepared.fragments, prepared.remote, post)
+        watching = gen_watches(self.clock(), prepared.told_at)
+        posted = self._post_now(
+            session, request, prepared.fragments, prepared.remote, post, gen_watching=watching
+        )
         self.prepared_posts += 1
         return posted
 
@@ -174,10 +182,14 @@ class CtxWrites:
         fragments: Fragments,
         remote: str,
         submit: Callable[[], XferHandle],
+        *,
+        gen_watching: bool = False,
     ) -> _Posted:
         """Post a quick write right here, announced before or after
-        (`WriteRates.announce_first`)."""
-        first = self._write_rates.announce_first(remote, fragments.num_bytes, quick=True)
+        (`WriteRates.announce_first`; `gen_watching`: gen was told of it, see `gen_watches`)."""
+        first = self._write_rates.announce_first(
+            remote, fragments.num_bytes, quick=True, gen_watching=gen_watching
+        )
         if first:
             self._announce(session, request, fragments, remote)
         posted = self._posted(submit(), remote, fragments)
@@ -329,7 +341,7 @@ class CtxWrites:
         """Post one write of `fragments` to the requesting rank and poll it to the end.
         `announce`: this is the rank's only write for the session; tell gen (WRITE_POSTED)."""
         remote = self._remote_names[(request.instance_name, request.instance_rank)]
-        submit = self._submitter(key, fragments, request, plan)
+        submit = self._submitter(key, fragments, request, plan, summary=announce)
         # On the loop only when the agent says this post is quick (NIXL: a few descriptors to a
         # connected peer, from VRAM or a small DRAM region: ~0.1-0.2 ms, less than the thread
         # hop). A long descriptor list, a first write (connection set-up) or a large host-memory
@@ -344,14 +356,24 @@ class CtxWrites:
         await self._await_write(key, self._posted(handle, remote, fragments))
 
     def _submitter(
-        self, key: int, fragments: Fragments, request: RequestData, plan: SendPlan
+        self,
+        key: int,
+        fragments: Fragments,
+        request: RequestData,
+        plan: SendPlan,
+        *,
+        summary: SenderSession | None = None,
     ) -> Callable[[], XferHandle]:
-        """The agent call that posts the write (on the loop or in a worker thread)."""
+        """The agent call that posts the write (on the loop or in a worker thread).
+        `summary`: the rank's only write for this session, whose notice says what it moves."""
         remote = self._remote_names[(request.instance_name, request.instance_rank)]
         notice = self.notice(key)
+        if summary is not None:
+            notice = self.notice(key, fragments, summary.first_tokens)
         memory_type, device_id = self.destination(plan)
 
         def submit() -> XferHandle:
+            self._stamp(key, "post")
             handle = self.agent.submit_write(
                 fragments, remote, notice, dst_memory_type=memory_type, dst_device_id=device_id
             )
@@ -360,13 +382,19 @@ class CtxWrites:
 
         return submit
 
-    def notice(self, key: int) -> bytes:
-        """The notification payload of a write of `key` from this rank (WRITE_NOTICE)."""
+    def notice(
+        self, key: int, fragments: Fragments | None = None, first_tokens: tuple[int, ...] = ()
+    ) -> bytes:
+        """The notification payload of a write of `key` from this rank (WRITE_NOTICE); with
+        `fragments`, the rank's only write, it also says what the write moves."""
         return encode(
             WriteNotice(
                 key=key,
                 instance_name=self.local.instance_name,
                 instance_rank=self.local.instance_rank,
+                num_bytes=fragments.num_bytes if fragments is not None else 0,
+                num_descriptors=len(fragments) if fragments is not None else 0,
+                first_tokens=first_tokens,
             )
         )
 
@@ -411,13 +439,13 @@ class CtxWrites:
         self, session: SenderSession, request: RequestData, fragments: Fragments, remote: str
     ) -> None:
         """WRITE_POSTED to the requesting rank, sent with the post so that it travels while the
-        bytes do: gen can then end the transfer on the write's notification instead of waiting
-        for TRANSFER_RESULT, which needs this side's poll to see the write done and another
-        message hop. Just before a slow post, which may copy a host pool's bytes inside the
-        call, and before a quick one whose write is short (`WriteRates.announce_first`); just
-        after a quick post otherwise. Safe before the post: gen counts the write only on its
-        notification, which a write that failed to post never sends. On the loop (it may spawn
-        a send)."""
+        bytes do. The write's notification says the same and suffices, but gen's event loop
+        may sleep until a message comes: this one wakes it to watch for the notification. Just
+        before a slow post, which may copy a host pool's bytes inside the call, and before a
+        quick one whose write is short when gen is not watching for it
+        (`WriteRates.announce_first`); just after a quick post otherwise. Safe before the
+        post: gen counts the write only on its notification, which a write that failed to post
+        never sends. On the loop (it may spawn a send)."""
         peer = self.registrar.get((request.instance_name, request.instance_rank))
         if peer is None:
             return
@@ -431,11 +459,29 @@ class CtxWrites:
             expected_us=round(expected_s * 1e6),
             first_tokens=session.first_tokens,
         )
-        dealer = self._dealers.get(peer.control_endpoint)
+        self._send_now(peer.control_endpoint, message)
+
+    def tell_prepared(self, key: int, request: RequestData) -> float | None:
+        """WRITE_PREPARED to the requesting rank: its write is prepared and goes when the step
+        running now ends, so gen watches for the notification from now on. When it was sent
+        (None: the rank is gone)."""
+        peer = self.registrar.get((request.instance_name, request.instance_rank))
+        if peer is None:
+            return None
+        message = WritePrepared(
+            key=key, instance_name=self.local.instance_name, instance_rank=self.local.instance_rank
+        )
+        self._send_now(peer.control_endpoint, message)
+        return self.clock()
+
+    def _send_now(self, endpoint: str, message: Message) -> None:
+        """Send `message` from synchronous code: at once on an open dealer with room, else in a
+        task (which opens the dealer or waits for room)."""
+        dealer = self._dealers.get(endpoint)
         if dealer is not None:
             try:
                 dealer.send_message_nowait(message)
                 return
             except trio.WouldBlock:
                 pass
-        self._spawn(self._send, peer.control_endpoint, message)
+        self._spawn(self._send, endpoint, message)

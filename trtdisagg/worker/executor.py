@@ -185,6 +185,7 @@ class Executor:
     _synced: dict[str, int] = attrs.field(factory=dict, alias="synced")
     _wake: trio.Event = attrs.field(factory=trio.Event, alias="wake")
     steps: int = 0
+    _stepping: bool = False  # a step (or a multi-rank tick) runs in a worker thread
     # Why this worker stopped serving (too many failed steps in a row); None while it serves.
     stopped: str | None = None
     _failed_steps: int = attrs.field(default=0, alias="failed_steps")  # in a row
@@ -311,11 +312,14 @@ class Executor:
         execute: Callable[[StepPlan, dict[int, SampleSpec]], StepOutput] = self.runner.execute
         if self.test_hooks is not None and self.test_hooks.take_step_failure():
             execute = fail_step
+        self._stepping = True
         try:
             out = await trio.to_thread.run_sync(execute, plan, specs)
         except Exception as exc:
             self._step_failed(plan, exc)
             return None
+        finally:
+            self._stepping = False
         self._failed_steps = 0
         return out
 
@@ -427,7 +431,11 @@ class Executor:
                 out = self.runner.execute_items(command.items, specs, group)
             return out, group.gather_reports(local)
 
-        out, reports = await trio.to_thread.run_sync(tick, abandon_on_cancel=True)
+        self._stepping = True
+        try:
+            out, reports = await trio.to_thread.run_sync(tick, abandon_on_cancel=True)
+        finally:
+            self._stepping = False
         self._apply_reports(reports)
         if plan is not None and out is not None:
             self.steps += 1
@@ -847,6 +855,10 @@ class Executor:
         self.metrics.requests_total.labels(role=self.role, status=status).inc()
         if status == "ok":
             self.metrics.e2e_latency.observe(now - request.arrival_time)
+
+    def idle(self) -> bool:
+        """Whether no step runs now (the transceiver may then spin its loop, pacing.py)."""
+        return not self._stepping
 
     def _advance(self, counter: Counter, name: str, total: int) -> None:
         """Bring a Prometheus counter up to a running total kept by the transceiver."""

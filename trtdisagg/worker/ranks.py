@@ -190,6 +190,7 @@ async def _follow(
                 ),
             )
             transceiver.early_failures = False  # see KvTransceiver.early_failures
+            transceiver.may_spin = lambda: False  # its outcomes wait for rank 0's next tick
             await nursery.start(transceiver.run)
         log.info("rank %d ready (%s)", rank, group.parallel)
         while True:

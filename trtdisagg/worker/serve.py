@@ -54,6 +54,10 @@ async def hold_router(
         await trio.sleep_forever()
 
 
+def _never() -> bool:
+    return False
+
+
 def hypercorn_config(host: str, port: int) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -183,6 +187,9 @@ async def _serve_rank0(
             faults=faults,
         )
         executor.transceiver.early_failures = group is None  # see KvTransceiver.early_failures
+        # A multi-rank instance gathers its ranks' outcomes at its next tick: watching for a
+        # peer's move sooner gains nothing there (nor on its followers, worker/ranks.py).
+        executor.transceiver.may_spin = executor.idle if group is None else _never
         await nursery.start(executor.transceiver.run)
         service.ctx_info_endpoint = executor.transceiver.info_endpoint
         service.ctx_instance = executor.transceiver.local.instance_name

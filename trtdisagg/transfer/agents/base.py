@@ -161,8 +161,9 @@ class WritePreparer(Protocol):
         `submit_is_quick` says so. Raises AgentError as `submit_write` does."""
         ...
 
-    def post_prepared(self, handle: XferHandle) -> None:
+    def post_prepared(self, handle: XferHandle, notif: bytes | None = None) -> None:
         """Start a prepared write (once); then `poll` and `release` it as any other. Quick.
+        `notif`, when given, replaces the notification given to `prepare_write`.
 
         Raises:
             AgentError: an unknown handle, or the backend refused the post (the handle is then

@@ -128,11 +128,12 @@ class LoopbackAgent:
         self._prepared[handle] = (fragments, remote, notif)
         return handle
 
-    def post_prepared(self, handle: XferHandle) -> None:
+    def post_prepared(self, handle: XferHandle, notif: bytes | None = None) -> None:
         prepared = self._prepared.pop(handle, None)
         if prepared is None:
             raise AgentError(f"{self._name}: no prepared write {handle}")
-        fragments, remote, notif = prepared
+        fragments, remote, prepared_notif = prepared
+        notif = prepared_notif if notif is None else notif
         if len(fragments):
             for src, dst, size in fragments.rows.tolist():
                 ctypes.memmove(dst, src, size)

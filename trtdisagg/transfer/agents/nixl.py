@@ -174,8 +174,9 @@ class NixlAgent:
         self._targets[xfer] = remote
         return xfer
 
-    def post_prepared(self, handle: XferHandle) -> None:
-        """Start a prepared write (once). Quick (about 0.03-0.1 ms on an H200 host)."""
+    def post_prepared(self, handle: XferHandle, notif: bytes | None = None) -> None:
+        """Start a prepared write (once). Quick (about 0.03-0.1 ms on an H200 host). NIXL takes
+        a notification per post, which replaces the one given at preparation."""
         if handle == _DONE:
             return
         nixl_handle = self._handles.get(handle)
@@ -183,7 +184,10 @@ class NixlAgent:
             raise AgentError(f"{self._name}: no prepared write {handle}")
         remote = self._targets[handle]
         try:
-            state = self._agent.transfer(nixl_handle)
+            if notif is None:
+                state = self._agent.transfer(nixl_handle)
+            else:
+                state = self._agent.transfer(nixl_handle, notif)
         except Exception as exc:
             self.release(handle)
             raise AgentError(f"{self._name}: write to {remote} not submitted: {exc}") from exc
