@@ -187,9 +187,13 @@ async def _serve_rank0(
             faults=faults,
         )
         executor.transceiver.early_failures = group is None  # see KvTransceiver.early_failures
-        # A multi-rank instance gathers its ranks' outcomes at its next tick: watching for a
-        # peer's move sooner gains nothing there (nor on its followers, worker/ranks.py).
-        executor.transceiver.may_spin = executor.idle if group is None else _never
+        # Watching for a peer's move (transfer/pacing.py) saves a fraction of a millisecond.
+        # A multi-rank instance gathers its ranks' outcomes at its next tick, so it gains
+        # nothing there (nor on its followers, worker/ranks.py); nor where the KV is in host
+        # memory, whose writes take milliseconds, and a spinning loop would take a core from
+        # the other processes of a small machine.
+        watches = group is None and config.device == "cuda"
+        executor.transceiver.may_spin = executor.idle if watches else _never
         await nursery.start(executor.transceiver.run)
         service.ctx_info_endpoint = executor.transceiver.info_endpoint
         service.ctx_instance = executor.transceiver.local.instance_name
