@@ -53,6 +53,7 @@ class WorkerMetrics:
     kv_quarantine_expired: Counter
     kv_bounce_transfers: Counter
     kv_prepared_writes: Counter
+    kv_watch_seconds: Counter
     control_connections: Gauge
     faults_injected: Counter
     event_loop_lag: Histogram
@@ -142,6 +143,12 @@ class WorkerMetrics:
             kv_prepared_writes=Counter(
                 p + "kv_prepared_writes",
                 "KV writes prepared while their prefill ran and posted when the KV was ready",
+                registry=r,
+            ),
+            kv_watch_seconds=Counter(
+                p + "kv_watch_seconds",
+                "Seconds the transceiver spun its event loop watching for a peer's next move "
+                "(a core busy; only while the executor ran no step)",
                 registry=r,
             ),
             kv_quarantine_expired=Counter(

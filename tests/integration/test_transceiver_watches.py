@@ -16,6 +16,7 @@ from tests.integration.test_transceiver_prepared import (
     _prepared_early,
     _until,
 )
+from trtdisagg.transfer.pacing import REQUEST_WATCH_S
 
 
 async def test_gen_watches_from_ctx_s_word_of_a_prepared_write_until_its_notice() -> None:
@@ -40,3 +41,20 @@ async def test_ctx_watches_from_its_response_until_gen_s_request() -> None:
         assert (await _outcome(pair.gen.check_gen_transfer_status)).ok
         assert pair.ctx.statistics().watched == 0  # REQUEST_DATA ended the watch
         assert pair.gen.statistics().watched == 0  # no word of a prepared write: not watched
+
+
+async def test_the_time_spent_watching_is_counted_and_only_while_spinning_is_allowed() -> None:
+    async with _open_pair() as pair:
+        await _connect(pair)  # (ctx watched for its request meanwhile)
+        before = pair.ctx.statistics().watch_s
+        pair.ctx.may_spin = lambda: False  # its executor runs a step throughout
+        pair.ctx.respond_and_send_async(2**41 + 11, [[4, 5, 6]], NUM_TOKENS)
+        await _until(lambda: pair.ctx.statistics().watched == 0, "the watch running out")
+        assert pair.ctx.statistics().watch_s == before  # watched, never spun
+        pair.ctx.may_spin = lambda: True
+        pair.ctx.respond_and_send_async(2**41 + 12, [[4, 5, 6]], NUM_TOKENS)
+        await _until(lambda: pair.ctx.statistics().watched == 0, "the watch running out")
+        await _until(lambda: pair.ctx.statistics().watch_s > before, "the spin counted")
+        # Nobody asked: the loop spun for the whole watch (REQUEST_WATCH_S), and no longer.
+        spun = pair.ctx.statistics().watch_s - before
+        assert REQUEST_WATCH_S * 0.9 <= spun <= REQUEST_WATCH_S * 3

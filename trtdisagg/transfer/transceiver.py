@@ -147,6 +147,7 @@ class TransceiverStatistics:
     prepared: int = 0  # writes prepared before their KV was ready and not yet posted
     prepared_posts: int = 0  # writes posted from such a preparation (since start)
     watched: int = 0  # peers' next moves watched for now (pacing.py)
+    watch_s: float = 0.0  # seconds the loop spun watching for them (since start)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -189,6 +190,7 @@ class KvTransceiver:
     _remote_names: dict[tuple[str, int], str] = attrs.Factory(dict)
     _timing: dict[int, _Timing] = attrs.Factory(dict)
     _watches: Watches = attrs.Factory(Watches)
+    watch_s: float = 0.0  # time the loop spun watching (since start; what it cost in CPU)
     _watch_started: trio.Event = attrs.Factory(trio.Event)
     # Benchmarks only: when a list, every transfer appends (key, stage, clock()) at each step
     # of its way (see `STAGES`), so a bench can tell where the time goes. None: nothing kept.
@@ -324,6 +326,7 @@ class KvTransceiver:
             prepared=len(self.prepared),
             prepared_posts=self.prepared_posts,
             watched=self._watches.count(self.clock()),
+            watch_s=self.watch_s,
         )
 
     def _stamp(self, key: int, stage: str) -> None:
@@ -340,16 +343,22 @@ class KvTransceiver:
         wake for a message on a virtual machine, while one that checkpoints at every round
         polls epoll without a timeout and reads the message as it lands. gen's notifications
         are drained at every round too (one spinning task, not two)."""
+        spinning_since: float | None = None
         while True:
-            if not self._watches.active(self.clock()):
+            now = self.clock()
+            spins = self._watches.active(now) and self.may_spin()
+            if spinning_since is not None and not spins:
+                self.watch_s += now - spinning_since
+                spinning_since = None
+            if not self._watches.active(now):
                 await self._watch_started.wait()
                 self._watch_started = trio.Event()
-                continue
-            if not self.may_spin():
+            elif not spins:
                 await trio.sleep(0.001)
-                continue
-            await trio.lowlevel.checkpoint()
-            self._gen_side.drain_if_receiving()
+            else:
+                spinning_since = now if spinning_since is None else spinning_since
+                await trio.lowlevel.checkpoint()
+                self._gen_side.drain_if_receiving()
 
     def _spawn(self, fn: Callable[..., object], *args: object) -> None:
         assert self._nursery is not None, "the transceiver is not running"

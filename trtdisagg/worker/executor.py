@@ -182,7 +182,7 @@ class Executor:
     _receiving: dict[int, _Live] = attrs.field(factory=dict, alias="receiving")
     _sending: dict[int, Request] = attrs.field(factory=dict, alias="sending")
     _cancelling: dict[int, _Live] = attrs.field(factory=dict, alias="cancelling")
-    _synced: dict[str, int] = attrs.field(factory=dict, alias="synced")
+    _synced: dict[str, float] = attrs.field(factory=dict, alias="synced")
     _wake: trio.Event = attrs.field(factory=trio.Event, alias="wake")
     steps: int = 0
     _stepping: bool = False  # a step (or a multi-rank tick) runs in a worker thread
@@ -860,7 +860,7 @@ class Executor:
         """Whether no step runs now (the transceiver may then spin its loop, pacing.py)."""
         return not self._stepping
 
-    def _advance(self, counter: Counter, name: str, total: int) -> None:
+    def _advance(self, counter: Counter, name: str, total: float) -> None:
         """Bring a Prometheus counter up to a running total kept by the transceiver."""
         delta = total - self._synced.get(name, 0)
         if delta > 0:
@@ -881,6 +881,7 @@ class Executor:
             self._advance(self.metrics.kv_bounce_transfers, "bounced", transfer.bounced)
             prepared = transfer.prepared_posts
             self._advance(self.metrics.kv_prepared_writes, "prepared_posts", prepared)
+            self._advance(self.metrics.kv_watch_seconds, "watch_s", transfer.watch_s)
             self.metrics.control_connections.set(transfer.connections)
         stats = self.scheduler.statistics()
         self.metrics.requests_running.set(stats.num_running)
