@@ -58,3 +58,14 @@ async def test_the_time_spent_watching_is_counted_and_only_while_spinning_is_all
         # Nobody asked: the loop spun for the whole watch (REQUEST_WATCH_S), and no longer.
         spun = pair.ctx.statistics().watch_s - before
         assert REQUEST_WATCH_S * 0.9 <= spun <= REQUEST_WATCH_S * 3
+
+
+async def test_a_cancelled_receive_stops_the_watch_for_its_write() -> None:
+    async with _open_pair() as pair:
+        key = 2**41 + 13
+        await _prepared_early(pair, key, [1, 2, 3])
+        await _until(lambda: pair.gen.statistics().watched == 1, "gen watching")
+        pair.gen.cancel_request(key)  # ctx answers the CANCEL at once: nothing is in flight
+        outcome = await _outcome(pair.gen.check_gen_transfer_status)
+        assert outcome.cancelled
+        assert pair.gen.statistics().watched == 0  # not left to run out (100 ms)

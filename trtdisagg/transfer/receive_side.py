@@ -360,6 +360,7 @@ class GenReceiver:
                     done.append(attrs.evolve(failed, blocks_held=True))
                 continue
             self.receivers.pop(session.key)
+            self._forget(("write", session.key))  # (a failed or cancelled one may be watched)
             status = session.status
             outcome = None
             if not session.failure_reported:  # else it was told, and the executor frees
@@ -507,5 +508,6 @@ class GenReceiver:
                     first_tokens=notice.first_tokens,
                 )
             if session.on_notice(notice.instance_rank):
-                self._forget(("write", notice.key))
+                if session.is_terminal:  # every ctx rank's part is in (one of several: not yet)
+                    self._forget(("write", notice.key))
                 self.wake()
