@@ -22,7 +22,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.args import ModelArgs
@@ -49,11 +48,22 @@ def causal_mask(seq: SeqSlice, device: torch.device) -> torch.Tensor | None:
     return mask.tril(diagonal=seq.kv_len - seq.q_len)
 
 
+def _causal_lower_right(q_len: int, kv_len: int) -> torch.Tensor:
+    """torch's lower-right causal bias. Imported here, not at the top: its module imports
+    torch._dynamo, about 2 s of CPU in every process, and only CUDA prefill uses it (a CUDA
+    model imports it when built, so that no request pays it)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(q_len, kv_len)
+
+
 class Attention(nn.Module):
     def __init__(
         self, args: ModelArgs, *, parallel: Parallel, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
+        if device.type == "cuda":
+            import torch.nn.attention.bias  # noqa: F401  (see _causal_lower_right)
         self.parallel = parallel
         self.head_dim = args.head_dim
         q_start, q_end = parallel.even_range(args.num_heads, what="num_attention_heads")
@@ -210,7 +220,7 @@ class Attention(nn.Module):
                     q[rows].transpose(0, 1)[None],  # [1, heads, q_len, D]
                     keys[None],
                     values[None],
-                    attn_mask=causal_lower_right(seq.q_len, seq.kv_len) if seq.q_len > 1 else None,
+                    attn_mask=_causal_lower_right(seq.q_len, seq.kv_len) if seq.q_len > 1 else None,
                 )[0]
             else:
                 attended = F.scaled_dot_product_attention(
