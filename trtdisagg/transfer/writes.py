@@ -367,8 +367,9 @@ class CtxWrites:
         """The agent call that posts the write (on the loop or in a worker thread).
         `summary`: the rank's only write for this session, whose notice says what it moves."""
         remote = self._remote_names[(request.instance_name, request.instance_rank)]
-        notice = self.notice(key)
-        if summary is not None:
+        if summary is None:
+            notice = self.notice(key)
+        else:
             notice = self.notice(key, fragments, summary.first_tokens)
         memory_type, device_id = self.destination(plan)
 
