@@ -346,11 +346,12 @@ class KvTransceiver:
         spinning_since: float | None = None
         while True:
             now = self.clock()
-            spins = self._watches.active(now) and self.may_spin()
+            watched = self._watches.active(now)
+            spins = watched and self.may_spin()
             if spinning_since is not None and not spins:
                 self.watch_s += now - spinning_since
                 spinning_since = None
-            if not self._watches.active(now):
+            if not watched:
                 await self._watch_started.wait()
                 self._watch_started = trio.Event()
             elif not spins:

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 import trio
@@ -312,14 +312,12 @@ class Executor:
         execute: Callable[[StepPlan, dict[int, SampleSpec]], StepOutput] = self.runner.execute
         if self.test_hooks is not None and self.test_hooks.take_step_failure():
             execute = fail_step
-        self._stepping = True
         try:
-            out = await trio.to_thread.run_sync(execute, plan, specs)
+            with self._step_running():
+                out = await trio.to_thread.run_sync(execute, plan, specs)
         except Exception as exc:
             self._step_failed(plan, exc)
             return None
-        finally:
-            self._stepping = False
         self._failed_steps = 0
         return out
 
@@ -431,11 +429,8 @@ class Executor:
                 out = self.runner.execute_items(command.items, specs, group)
             return out, group.gather_reports(local)
 
-        self._stepping = True
-        try:
+        with self._step_running():
             out, reports = await trio.to_thread.run_sync(tick, abandon_on_cancel=True)
-        finally:
-            self._stepping = False
         self._apply_reports(reports)
         if plan is not None and out is not None:
             self.steps += 1
@@ -855,6 +850,14 @@ class Executor:
         self.metrics.requests_total.labels(role=self.role, status=status).inc()
         if status == "ok":
             self.metrics.e2e_latency.observe(now - request.arrival_time)
+
+    @contextlib.contextmanager
+    def _step_running(self) -> Iterator[None]:
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
 
     def idle(self) -> bool:
         """Whether no step runs now (the transceiver may then spin its loop, pacing.py)."""

@@ -54,10 +54,6 @@ async def hold_router(
         await trio.sleep_forever()
 
 
-def _never() -> bool:
-    return False
-
-
 def hypercorn_config(host: str, port: int) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -193,7 +189,7 @@ async def _serve_rank0(
         # memory, whose writes take milliseconds, and a spinning loop would take a core from
         # the other processes of a small machine.
         watches = group is None and config.device == "cuda"
-        executor.transceiver.may_spin = executor.idle if watches else _never
+        executor.transceiver.may_spin = executor.idle if watches else lambda: False
         await nursery.start(executor.transceiver.run)
         service.ctx_info_endpoint = executor.transceiver.info_endpoint
         service.ctx_instance = executor.transceiver.local.instance_name

@@ -184,10 +184,8 @@ class NixlAgent:
             raise AgentError(f"{self._name}: no prepared write {handle}")
         remote = self._targets[handle]
         try:
-            if notif is None:
-                state = self._agent.transfer(nixl_handle)
-            else:
-                state = self._agent.transfer(nixl_handle, notif)
+            # b"" (NIXL's default) keeps the notification given at preparation
+            state = self._agent.transfer(nixl_handle, b"" if notif is None else notif)
         except Exception as exc:
             self.release(handle)
             raise AgentError(f"{self._name}: write to {remote} not submitted: {exc}") from exc
