@@ -295,12 +295,19 @@ class BenchConfig:
     timeout_s: float = 60.0
     seed: int = 0
     progress_thread: bool = True  # NIXL's UCX progress thread (production: on)
+    # ctx takes REQUEST_DATA as a NIXL notification too (RankInfo.request_notices); None: as
+    # a single-rank worker does, on CUDA only
+    request_notices: bool | None = None
     # generation-first: the last prefill step, between `prepare_send` and the KV being ready
     prefill_step_s: float = 0.01
     label: str = "default"
     result_json: Path | None = None
     # transceiver schedules measured, each against raw; the first one's ratio is the last line
     schedules: tuple[str, ...] = attrs.field(default=(CONTEXT_FIRST,), validator=_check_schedules)
+
+    @property
+    def takes_request_notices(self) -> bool:
+        return self.device == "cuda" if self.request_notices is None else self.request_notices
 
     @property
     def primary_schedule(self) -> str:
@@ -372,6 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the KV being ready (untimed; ctx's loop runs meanwhile, as beside a real forward). An "
         "8B model's step on an H200 takes 16 ms or more",
     )
+    parser.add_argument(
+        "--request-notices",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="whether ctx takes REQUEST_DATA as a NIXL notification too, besides ZMQ (auto: as "
+        "a single-rank worker does, on CUDA only); off also runs against a transceiver older "
+        "than that",
+    )
     parser.add_argument("--result-json", type=Path)
     pairing = parser.add_argument_group("pairing (heterogeneous: not yet, issue 5)")
     for flag in ("--ctx-tp", "--gen-tp", "--ctx-pp", "--gen-pp"):
@@ -431,6 +446,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         timeout_s=args.timeout,
         seed=args.seed,
         progress_thread=args.nixl_progress_thread == "on",
+        request_notices={"auto": None, "on": True, "off": False}[args.request_notices],
         prefill_step_s=args.prefill_step_ms / 1000,
         label=label,
         result_json=args.result_json,
@@ -615,6 +631,12 @@ def _row(name: str, s: dict[str, Any]) -> str:
     )
 
 
+def _takes_request_notices(cfg: dict[str, Any]) -> bool:
+    """`BenchConfig.takes_request_notices` of a config in its JSON form."""
+    setting = cfg.get("request_notices")
+    return cfg["device"] == "cuda" if setting is None else bool(setting)
+
+
 def format_report(doc: dict[str, Any]) -> str:
     """The text printed on stdout; the last line is `ratio_vs_raw_nixl=<x>` of the primary
     (first) schedule, after one `ratio_vs_raw_nixl_<schedule>=<x>` line per other schedule."""
@@ -684,7 +706,8 @@ def format_report(doc: dict[str, Any]) -> str:
         "  CPU (cores busy): measured phase ctx "
         f"{cores('ctx', 'measured')} gen {cores('gen', 'measured')}; idle ctx "
         f"{cores('ctx', 'idle')} gen {cores('gen', 'idle')} (NIXL progress threads: "
-        f"{'on' if cfg['progress_thread'] else 'off'})"
+        f"{'on' if cfg['progress_thread'] else 'off'}; REQUEST_DATA by notification too: "
+        f"{'on' if _takes_request_notices(cfg) else 'off'})"
     )
     stats = doc["transceiver_statistics"]
     lines.append(
@@ -1055,6 +1078,7 @@ async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
         page_table = cache.page_table(range(geo.layers))
         await trio.to_thread.run_sync(agent.register_memory, pool_regions(page_table))
         async with open_router("tcp://127.0.0.1:0") as router:
+            notices: dict[str, Any] = {"request_notices": True} if cfg.takes_request_notices else {}
             info = RankInfo(
                 instance_name=instance_name,
                 instance_rank=0,
@@ -1076,6 +1100,8 @@ async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
                 agent_name=agent_name,
                 agent_metadata=agent.local_metadata(),
                 page_table=page_table,
+                # (left out when off, so that the bench also runs an older transceiver)
+                **notices,
             )
             waker = _Waker()
             side: _Side

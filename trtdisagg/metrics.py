@@ -54,6 +54,7 @@ class WorkerMetrics:
     kv_bounce_transfers: Counter
     kv_prepared_writes: Counter
     kv_watch_seconds: Counter
+    kv_request_notices: Counter
     control_connections: Gauge
     faults_injected: Counter
     event_loop_lag: Histogram
@@ -149,6 +150,12 @@ class WorkerMetrics:
                 p + "kv_watch_seconds",
                 "Seconds the transceiver spun its event loop watching for a peer's next move "
                 "(a core busy; only while the executor ran no step)",
+                registry=r,
+            ),
+            kv_request_notices=Counter(
+                p + "kv_request_notices",
+                "REQUEST_DATA that ctx took from a transfer-agent notification, ahead of its "
+                "ZMQ copy (context_first, on workers that watch for requests)",
                 registry=r,
             ),
             kv_quarantine_expired=Counter(

@@ -32,6 +32,7 @@ class Pair:
     ctx: KvTransceiver
     gen: KvTransceiver
     ctx_agent: LoopbackAgent
+    gen_agent: LoopbackAgent
     ctx_memory: np.ndarray
     gen_memory: np.ndarray
 
@@ -69,10 +70,14 @@ async def pair() -> AsyncIterator[Pair]:
 
 
 @asynccontextmanager
-async def _open_pair(ctx_faults: str | None = None) -> AsyncIterator[Pair]:
+async def _open_pair(
+    ctx_faults: str | None = None, *, request_notices: bool = False, gen_faults: str | None = None
+) -> AsyncIterator[Pair]:
     """ctx and gen transceivers in this trio run; ctx's control messages follow `ctx_faults`
-    (its agent stays the plain loopback one, which prepares writes)."""
+    (its agent stays the plain loopback one, which prepares writes), gen's `gen_faults`.
+    `request_notices`: ctx takes REQUEST_DATA as an agent notification too."""
     faults = FaultInjector(plan=parse_faults(ctx_faults)) if ctx_faults else None
+    faults_at_gen = FaultInjector(plan=parse_faults(gen_faults)) if gen_faults else None
     fabric = LoopbackFabric()
     ctx_agent = LoopbackAgent("ctx-agent", fabric=fabric)
     gen_agent = LoopbackAgent("gen-agent", fabric=fabric)
@@ -87,18 +92,19 @@ async def _open_pair(ctx_faults: str | None = None) -> AsyncIterator[Pair]:
         def service(info: Any, agent: LoopbackAgent, router: Any) -> KvTransceiver:
             return KvTransceiver(
                 local=info, instance=(info,), agent=agent, router=router, timeout_s=30,
-                wake=lambda: None, faults=faults if agent is ctx_agent else None,
+                wake=lambda: None, faults=faults if agent is ctx_agent else faults_at_gen,
             )  # fmt: skip
 
+        ctx_info = rank_info("ctx", ctx_memory, ctx_agent, ctx_router.endpoint)
         ctx = service(
-            rank_info("ctx", ctx_memory, ctx_agent, ctx_router.endpoint), ctx_agent, ctx_router
+            attrs.evolve(ctx_info, request_notices=request_notices), ctx_agent, ctx_router
         )
         gen = service(
             rank_info("gen", gen_memory, gen_agent, gen_router.endpoint), gen_agent, gen_router
         )
         await nursery.start(ctx.run)
         await nursery.start(gen.run)
-        yield Pair(ctx, gen, ctx_agent, ctx_memory, gen_memory)
+        yield Pair(ctx, gen, ctx_agent, gen_agent, ctx_memory, gen_memory)
         nursery.cancel_scope.cancel()
 
 

@@ -48,7 +48,6 @@ from trtdisagg.transfer.wire import (
     WriteNotice,
     WritePosted,
     WritePrepared,
-    decode,
     pack_block_ids,
 )
 
@@ -91,6 +90,8 @@ class GenReceiver:
     _cancel_message: Callable[[int], Cancel]
     _watch: Callable[[Hashable, float], None]
     _forget: Callable[[Hashable], None]
+    _drain: Callable[[], None]  # the agent's notifications, to both sides
+    _notice_request: Callable[[tuple[str, int], RequestData], None]  # the quicker copy
     quarantine_expired: int = 0  # quarantines ended by the second timeout, not by ctx
     bounced: int = 0  # receives that went through staging
     _failed_early: dict[int, str] = attrs.Factory(dict)
@@ -146,6 +147,8 @@ class GenReceiver:
         )
         if request is None:
             return True
+        for rank in sorted(overlap.ranks):
+            self._notice_request(by_rank[rank].key, request)
         for endpoint, dealer in zip(endpoints, dealers):
             assert dealer is not None
             try:
@@ -239,6 +242,8 @@ class GenReceiver:
         if request is None:
             return
         by_rank = {info.instance_rank: info for info in ranks}
+        for rank in sorted(overlap.ranks):
+            self._notice_request(by_rank[rank].key, request)
         for rank in sorted(overlap.ranks):
             await self._send(by_rank[rank].control_endpoint, request)
         self._requested(key)
@@ -436,7 +441,7 @@ class GenReceiver:
         ):
             # The write's notification has usually landed already: finish without
             # waiting for the notification poller's next round.
-            self._drain_notifications()
+            self._drain()
             self.wake()
 
     def on_write_posted(self, posted: WritePosted) -> None:
@@ -453,7 +458,7 @@ class GenReceiver:
         # of the write, bounded so that a write that never lands does not spin a core for long.
         spin = notice_spin_s(posted.expected_us)
         self._spin_notices_until = max(self._spin_notices_until, self.clock() + spin)
-        self._drain_notifications()
+        self._drain()
         if session.is_terminal:
             self.wake()
 
@@ -479,35 +484,22 @@ class GenReceiver:
             spinning = self.clock() < self._spin_notices_until
             await trio.sleep(0 if spinning else 0.001)
             if len(self.receivers):  # (a notification for no session would be dropped)
-                self._drain_notifications()
+                self._drain()
 
-    def drain_if_receiving(self) -> None:
-        """Drain notifications now, if a receive is open (else one would be dropped)."""
-        if len(self.receivers):
-            self._drain_notifications()
-
-    def _drain_notifications(self) -> None:
-        if self._agent_lock.locked():
-            return  # a threaded agent call is running; the poller comes back within 1 ms
-        for _remote, payload in self.agent.get_notifications():
-            try:
-                notice = decode(payload)
-            except TransferLayerError:
-                continue
-            if not isinstance(notice, WriteNotice):
-                continue
-            self._stamp(notice.key, "notice")
-            session = self.receivers.lookup(notice.instance_name, notice.key)
-            if session is None:
-                continue
-            if notice.summarizes:  # what WRITE_POSTED says, should it not be in yet
-                session.on_posted(
-                    notice.instance_rank,
-                    num_bytes=notice.num_bytes,
-                    num_descriptors=notice.num_descriptors,
-                    first_tokens=notice.first_tokens,
-                )
-            if session.on_notice(notice.instance_rank):
-                if session.is_terminal:  # every ctx rank's part is in (one of several: not yet)
-                    self._forget(("write", notice.key))
-                self.wake()
+    def on_write_notice(self, notice: WriteNotice) -> None:
+        """A write's notification (drained by the shell): its bytes have landed."""
+        self._stamp(notice.key, "notice")
+        session = self.receivers.lookup(notice.instance_name, notice.key)
+        if session is None:
+            return
+        if notice.summarizes:  # what WRITE_POSTED says, should it not be in yet
+            session.on_posted(
+                notice.instance_rank,
+                num_bytes=notice.num_bytes,
+                num_descriptors=notice.num_descriptors,
+                first_tokens=notice.first_tokens,
+            )
+        if session.on_notice(notice.instance_rank):
+            if session.is_terminal:  # every ctx rank's part is in (one of several: not yet)
+                self._forget(("write", notice.key))
+            self.wake()

@@ -61,6 +61,7 @@ class CtxPeers:
     registrar: PeerRegistrar
     _send: Callable[[str, Message], Awaitable[None]]  # on the dealer to an endpoint
     _drop_dealer: Callable[[str], None]
+    _met: Callable[[tuple[RankInfo, ...]], Awaitable[None]]  # a ctx instance accepted us
     rendezvous_count: int = 0
     _ctx_peers: dict[str, _CtxPeer] = attrs.Factory(dict)
     _replies: dict[_Slot, trio.MemorySendChannel[Message]] = attrs.Factory(dict)
@@ -146,6 +147,7 @@ class CtxPeers:
             if not isinstance(ack, RegisterAck) or not ack.accepted:
                 reason = ack.reason if isinstance(ack, RegisterAck) else "no acknowledgement"
                 raise PeerIncompatible(info.label, reason)
+        await self._met(reply.ranks)
         log.info(
             "registered with ctx instance %s at %s (%d ranks)",
             reply.ranks[0].instance_name,

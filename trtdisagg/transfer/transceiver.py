@@ -15,7 +15,8 @@ Lifecycle of a transfer key (= disagg_request_id):
 1. gen: first contact with a `ctx_info_endpoint` runs the rendezvous (REQUEST_INSTANCE_INFO,
    then REGISTER_PEER to every ctx rank); the result, or the refusal, is cached per endpoint.
 2. gen: a ReceiverSession expects one TRANSFER_RESULT per overlapping ctx rank; REQUEST_DATA
-   goes to each of them.
+   goes to each of them (to a rank whose RankInfo says `request_notices`, also as an agent
+   notification, which ctx takes when it comes first: it is the quicker on a virtual machine).
 3. ctx: REQUEST_DATA joins the SenderSession (or waits in EarlyMessages until prefill ends).
    A write task maps blocks to fragments, submits one agent WRITE whose notification names the
    key, announces it (WRITE_POSTED: bytes, descriptors, first tokens), polls it, and reports
@@ -52,7 +53,7 @@ import attrs
 import trio
 import trio.lowlevel
 
-from trtdisagg.transfer.agents.base import TransferAgent
+from trtdisagg.transfer.agents.base import Notifier, TransferAgent, notifier
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
 from trtdisagg.transfer.faults import FaultInjector
 from trtdisagg.transfer.messenger import Dealer, Router, open_dealer
@@ -93,6 +94,8 @@ from trtdisagg.transfer.wire import (
     WriteNotice,
     WritePosted,
     WritePrepared,
+    decode,
+    encode,
 )
 from trtdisagg.transfer.writes import CtxWrites
 
@@ -148,6 +151,10 @@ class TransceiverStatistics:
     prepared_posts: int = 0  # writes posted from such a preparation (since start)
     watched: int = 0  # peers' next moves watched for now (pacing.py)
     watch_s: float = 0.0  # seconds the loop spun watching for them (since start)
+    # ctx: REQUEST_DATA taken from an agent notification, ahead of its ZMQ copy (since start),
+    # and how many of those copies are still to come (each is dropped when it does)
+    request_notices: int = 0
+    request_copies_due: int = 0
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -187,7 +194,9 @@ class KvTransceiver:
     _dealer_scopes: dict[str, trio.CancelScope] = attrs.Factory(dict)
     _closed_bad_frames: int = 0  # bad frames counted by dealers since closed
     _dealer_locks: dict[str, trio.Lock] = attrs.Factory(dict)
-    _remote_names: dict[tuple[str, int], str] = attrs.Factory(dict)
+    _remote_names: dict[tuple[str, int], str] = attrs.Factory(dict)  # ctx: gen ranks' agents
+    # gen: the agents of ctx ranks that take REQUEST_DATA as a notification, connected
+    _notice_remotes: dict[tuple[str, int], str] = attrs.Factory(dict)
     _timing: dict[int, _Timing] = attrs.Factory(dict)
     _watches: Watches = attrs.Factory(Watches)
     watch_s: float = 0.0  # time the loop spun watching (since start; what it cost in CPU)
@@ -210,6 +219,7 @@ class KvTransceiver:
             registrar=self.registrar,
             send=self._send,
             drop_dealer=self._drop_dealer,
+            met=self._connect_request_notices,
         )
         self._writes = CtxWrites(
             local=self.local,
@@ -266,6 +276,8 @@ class KvTransceiver:
             cancel_message=self._cancel_message,
             watch=self._watch,
             forget=self._watches.forget,
+            drain=self._drain_notifications,
+            notice_request=self._notice_request,
         )
 
     @property
@@ -327,6 +339,8 @@ class KvTransceiver:
             prepared_posts=self.prepared_posts,
             watched=self._watches.count(self.clock()),
             watch_s=self.watch_s,
+            request_notices=self._ctx_side.request_notices,
+            request_copies_due=self._ctx_side.copies_due,
         )
 
     def _stamp(self, key: int, stage: str) -> None:
@@ -359,7 +373,64 @@ class KvTransceiver:
             else:
                 spinning_since = now if spinning_since is None else spinning_since
                 await trio.lowlevel.checkpoint()
-                self._gen_side.drain_if_receiving()
+                if len(self.receivers) or (self.local.request_notices and len(self.senders)):
+                    self._drain_notifications()
+
+    def _drain_notifications(self) -> None:
+        """The agent's notifications: a write's WRITE_NOTICE to gen's side, a REQUEST_DATA sent
+        as one to ctx's (anything else is dropped: only peers we loaded can send them)."""
+        if self._agent_lock.locked():
+            return  # a threaded agent call is running; the pollers come back within 1 ms
+        for remote, payload in self.agent.get_notifications():
+            try:
+                message = decode(payload)
+            except TransferLayerError:
+                continue
+            if isinstance(message, WriteNotice):
+                self._gen_side.on_write_notice(message)
+            elif isinstance(message, RequestData):
+                self._ctx_side.on_request_notice(remote, message)
+
+    def _request_notices(self) -> Notifier | None:
+        """gen: the agent's own notifications, when REQUEST_DATA may go that way too. Not with
+        faults armed: they apply to ZMQ messages, which a test must be able to drop."""
+        return notifier(self.agent) if self.faults is None else None
+
+    async def _connect_request_notices(self, ranks: Sequence[RankInfo]) -> None:
+        """gen, once a ctx instance accepted us: load and connect the agents of its ranks that
+        take REQUEST_DATA as a notification (off the loop: the connection takes milliseconds).
+        A rank that cannot be reached so gets REQUEST_DATA over ZMQ only."""
+        channel = self._request_notices()
+        if channel is None:
+            return
+        for info in ranks:
+            if not info.request_notices or info.key in self._notice_remotes:
+                continue
+
+            def connect(info: RankInfo = info, channel: Notifier = channel) -> str:
+                name = self.agent.add_remote(info.agent_metadata)
+                channel.connect(name)
+                return name
+
+            try:
+                async with self._agent_lock:
+                    name = await trio.to_thread.run_sync(connect)
+            except TransferLayerError as exc:
+                log.warning("REQUEST_DATA to %s goes over ZMQ only: %s", info.label, exc)
+                continue
+            self._notice_remotes[info.key] = name
+
+    def _notice_request(self, ctx_rank: tuple[str, int], request: RequestData) -> None:
+        """gen: send `request` to `ctx_rank` as a notification too, if that rank takes it so.
+        Best effort (the ZMQ copy follows), and never while a threaded agent call runs."""
+        remote = self._notice_remotes.get(ctx_rank)
+        channel = self._request_notices()
+        if remote is None or channel is None or self._agent_lock.locked():
+            return
+        try:
+            channel.send_notification(remote, encode(request))
+        except TransferLayerError as exc:
+            log.debug("REQUEST_DATA %d by notification to %s: %s", request.key, remote, exc)
 
     def _spawn(self, fn: Callable[..., object], *args: object) -> None:
         assert self._nursery is not None, "the transceiver is not running"
@@ -622,6 +693,9 @@ class KvTransceiver:
             ):
                 self.wake()
             self._writes.release_handles(self.prepared.expired(self.clock()))
+            self._ctx_side.forget_noticed(self.clock())
+            if self.local.request_notices:
+                self._drain_notifications()  # REQUEST_DATA copies that came while not watching
             for stale in self.early.sweep(self.clock()):
                 self._ctx_side.forget_prepared(stale.key)
                 await self._ctx_side.refuse_stale(stale)

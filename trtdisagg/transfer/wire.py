@@ -16,6 +16,10 @@ Conversation (one ZMQ frame carries one encoded message):
                               no write to it is in flight (else that write's result answers it)
     ctx agent -> gen agent    WRITE_NOTICE: not a ZMQ message but the NIXL notification payload of
                               a write, so gen knows the bytes of that write have landed.
+    gen agent -> ctx agent    REQUEST_DATA again, as a notification of its own, to a ctx rank
+                              whose RankInfo says `request_notices`: it arrives 0.2-0.5 ms before
+                              the ZMQ copy on a virtual machine. ctx takes whichever comes first
+                              and drops the other (transfer/send_side.py).
 
 Block id lists travel as packed little-endian int64 (`pack_block_ids`), one `bytes` per layer
 group of the receiver, not as msgpack lists.
@@ -39,8 +43,8 @@ from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.rank_info import RankInfo
 
 # 2: TRANSFER_RESULT.first_tokens, WRITE_POSTED; 3: WRITE_PREPARED, WRITE_NOTICE says what
-# WRITE_POSTED says
-PROTOCOL_VERSION: Final = 3
+# WRITE_POSTED says; 4: REQUEST_DATA also as an agent notification (RankInfo.request_notices)
+PROTOCOL_VERSION: Final = 4
 MAX_KEY: Final = 2**63 - 1
 
 

@@ -113,18 +113,21 @@ class CtxWrites:
     async def _release_handle(self, handle: XferHandle) -> None:
         await self._call_agent(lambda: self.agent.release(handle), quick=True)
 
-    def start_writes(self, session: SenderSession) -> None:
+    def start_writes(self, session: SenderSession, *, gen_watching: bool = False) -> None:
+        """Start a write to each rank that asked and has none yet. `gen_watching`: its
+        REQUEST_DATA just came, and gen drains its notifications at every round for a while
+        after sending one (so a quick write is announced after its post)."""
         for request in session.take_writes():
             start = self.clock()
             early: _Posted | Fragments | Exception | None
             try:
-                early = self._post_at_once(session, request)
+                early = self._post_at_once(session, request, gen_watching=gen_watching)
             except (TransferLayerError, ValueError) as exc:
                 early = exc
             self._spawn(self._write, session, request, start, early)
 
     def _post_at_once(
-        self, session: SenderSession, request: RequestData
+        self, session: SenderSession, request: RequestData, *, gen_watching: bool = False
     ) -> _Posted | Fragments | None:
         """Map a direct write right here, and post it too when the post is quick: the write
         then starts the moment the KV is ready (or gen's request arrives), not at the write
@@ -151,7 +154,9 @@ class CtxWrites:
         ):
             return fragments
         submit = self._submitter(session.key, fragments, request, plan, summary=session)
-        return self._post_now(session, request, fragments, remote, submit)
+        return self._post_now(
+            session, request, fragments, remote, submit, gen_watching=gen_watching
+        )
 
     def _post_prepared(
         self, session: SenderSession, request: RequestData, prepared: PreparedWrite

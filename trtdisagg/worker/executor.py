@@ -885,6 +885,8 @@ class Executor:
             prepared = transfer.prepared_posts
             self._advance(self.metrics.kv_prepared_writes, "prepared_posts", prepared)
             self._advance(self.metrics.kv_watch_seconds, "watch_s", transfer.watch_s)
+            notices = transfer.request_notices
+            self._advance(self.metrics.kv_request_notices, "request_notices", notices)
             self.metrics.control_connections.set(transfer.connections)
         stats = self.scheduler.statistics()
         self.metrics.requests_running.set(stats.num_running)

@@ -171,6 +171,12 @@ async def _serve_rank0(
         log.info("cache_transceiver is disabled")
     else:
         router = await nursery.start(hold_router, config.host, faults)
+        # Watching for a peer's move (transfer/pacing.py) saves a fraction of a millisecond.
+        # A multi-rank instance gathers its ranks' outcomes at its next tick, so it gains
+        # nothing there (nor on its followers, worker/ranks.py); nor where the KV is in host
+        # memory, whose writes take milliseconds, and a spinning loop would take a core from
+        # the other processes of a small machine.
+        watches = group is None and config.device == "cuda"
         executor.transceiver = await build_transceiver(
             config,
             runner,
@@ -181,14 +187,9 @@ async def _serve_rank0(
             instance_name=instance_name,
             share_infos=share_infos_with(group) if group is not None else None,
             faults=faults,
+            watches=watches,
         )
         executor.transceiver.early_failures = group is None  # see KvTransceiver.early_failures
-        # Watching for a peer's move (transfer/pacing.py) saves a fraction of a millisecond.
-        # A multi-rank instance gathers its ranks' outcomes at its next tick, so it gains
-        # nothing there (nor on its followers, worker/ranks.py); nor where the KV is in host
-        # memory, whose writes take milliseconds, and a spinning loop would take a core from
-        # the other processes of a small machine.
-        watches = group is None and config.device == "cuda"
         executor.transceiver.may_spin = executor.idle if watches else lambda: False
         await nursery.start(executor.transceiver.run)
         service.ctx_info_endpoint = executor.transceiver.info_endpoint

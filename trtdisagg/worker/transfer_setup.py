@@ -21,7 +21,13 @@ from trtdisagg.kv.staging import StagingBuffer
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.args import model_fingerprint
 from trtdisagg.model.parallel import pp_layer_range
-from trtdisagg.transfer.agents.base import MemoryRegion, TransferAgent, make_agent, pool_regions
+from trtdisagg.transfer.agents.base import (
+    MemoryRegion,
+    TransferAgent,
+    make_agent,
+    notifier,
+    pool_regions,
+)
 from trtdisagg.transfer.agents.faulty import FaultyAgent
 from trtdisagg.transfer.agents.loopback import LoopbackFabric
 from trtdisagg.transfer.faults import FaultInjector
@@ -81,11 +87,15 @@ async def build_transceiver(
     share_infos: Callable[[RankInfo], Awaitable[tuple[RankInfo, ...]]] | None = None,
     faults: FaultInjector | None = None,
     on_write: Callable[[int, int, float], None] | None = None,
+    watches: bool = False,
 ) -> KvTransceiver:
     """This rank's transceiver. A multi-rank instance passes its shared `instance_name` and
     `share_infos`, which swaps RankInfos with the other ranks (every rank must call it).
     `on_write(bytes, descriptors, seconds)` learns of each KV write; by default it feeds
-    `metrics` (a follower rank passes its own, to report its writes to rank 0)."""
+    `metrics` (a follower rank passes its own, to report its writes to rank 0). `watches`: the
+    worker lets it watch for a peer's next move (transfer/pacing.py), so a ctx rank also takes
+    REQUEST_DATA as an agent notification, drained while it watches (not with faults armed:
+    they apply to ZMQ messages)."""
     transfer = config.cache_transceiver_config
     assert transfer.backend is not None
     model = runner.model
@@ -149,6 +159,7 @@ async def build_transceiver(
             size_mb=transfer.kv_cache_bounce_size_mb,
             threshold_bytes=transfer.kv_cache_bounce_threshold_bytes,
         ),
+        request_notices=watches and faults is None and notifier(agent) is not None,
     )
 
     instance = (info,) if share_infos is None else await share_infos(info)

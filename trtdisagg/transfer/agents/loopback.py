@@ -145,12 +145,26 @@ class LoopbackAgent:
         """Handles not yet released (tests check that none leak)."""
         return len(self._handles)
 
+    @property
+    def num_notifications(self) -> int:
+        """Notifications received and not yet taken (tests wait for them to be drained)."""
+        return len(self._notifications)
+
     def poll(self, handle: XferHandle) -> XferStatus:
         return self._handles[handle]
 
     def release(self, handle: XferHandle) -> None:
         self._handles.pop(handle, None)
         self._prepared.pop(handle, None)
+
+    def connect(self, remote: str) -> None:
+        if remote not in self._remotes:
+            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
+
+    def send_notification(self, remote: str, payload: bytes) -> None:
+        if remote not in self._remotes:
+            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
+        self._fabric.get(remote)._notifications.append((self._name, payload))
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         notifications, self._notifications = self._notifications, []
