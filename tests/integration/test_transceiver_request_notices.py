@@ -1,13 +1,20 @@
-"""REQUEST_DATA as a transfer-agent notification (RankInfo.request_notices): two KvTransceivers in
-one trio run (real ZMQ, loopback agent), as in test_transceiver_prepared.py.
+"""What shortens the way from KV ready to the write's post: two KvTransceivers in one trio run
+(real ZMQ, loopback agent), as in test_transceiver_prepared.py.
 
-gen sends it both ways to a ctx rank that takes it so; ctx takes the notification when its
-session waits for the request (context_first) and drops the ZMQ copy that follows. Anything
-else about a notification (no session yet, a sender other than the rank it names) leaves the
-work to the ZMQ copy.
+context_first: REQUEST_DATA as a transfer-agent notification (RankInfo.request_notices). gen
+sends it both ways to a ctx rank that takes it so; ctx takes the notification when its session
+waits for the request and drops the ZMQ copy that follows. Anything else about a notification
+(no session yet, a sender other than the rank it names) leaves the work to the ZMQ copy.
+
+generation_first: a write prepared during the prefill is posted as soon as the KV is ready,
+before the session is made, when that session is sure to take the request it was made for.
 """
 
 from __future__ import annotations
+
+import time
+
+import attrs
 
 from tests.integration.test_transceiver_prepared import (
     NUM_TOKENS,
@@ -16,11 +23,13 @@ from tests.integration.test_transceiver_prepared import (
     _connect,
     _open_pair,
     _outcome,
+    _prepared_early,
     _until,
 )
 from trtdisagg.transfer.agents.loopback import LoopbackAgent
 from trtdisagg.transfer.messenger import open_dealer
-from trtdisagg.transfer.wire import RequestData, encode, pack_block_ids
+from trtdisagg.transfer.pacing import ANNOUNCE_AFTER_S
+from trtdisagg.transfer.wire import RequestData, decode, encode, pack_block_ids
 
 SRC, DST = [4, 5, 6], [1, 2, 3]
 
@@ -36,9 +45,18 @@ def _request(pair: Pair, key: int) -> RequestData:
     )
 
 
-async def test_ctx_takes_the_request_from_gen_s_notification() -> None:
+async def test_gen_sends_the_request_both_ways_and_ctx_answers_it_once() -> None:
     async with _open_pair(request_notices=True) as pair:
         await _connect(pair)  # the rendezvous connected gen's agent to ctx's
+        seen: list[tuple[str, RequestData | None]] = []
+        drain = pair.ctx_agent.get_notifications
+
+        def recording() -> list[tuple[str, bytes]]:
+            found = drain()
+            seen.extend((remote, _as_request(payload)) for remote, payload in found)
+            return found
+
+        pair.ctx_agent.get_notifications = recording  # type: ignore[method-assign]
         before = pair.ctx.statistics().request_notices
         key = 2**42 + 1
         pair.ctx.respond_and_send_async(key, [SRC], NUM_TOKENS, first_tokens=(5,))
@@ -47,10 +65,19 @@ async def test_ctx_takes_the_request_from_gen_s_notification() -> None:
         assert outcome.ok and outcome.first_tokens == (5,)
         assert pair.gen_blocks(DST) == pair.ctx_blocks(SRC)
         assert (await _outcome(pair.ctx.check_context_transfer_status)).ok
-        assert pair.ctx.statistics().request_notices == before + 1
-        # The ZMQ copy comes after and is dropped: not held for a prefill to come.
+        mine = [(remote, r) for remote, r in seen if r is not None and r.key == key]
+        assert mine == [(pair.gen_agent.name, _request(pair, key))]
+        # Whichever copy came first was taken (in one process ZMQ may win the race), and the
+        # other one dropped: nothing is held for a prefill to come, nothing awaited.
+        taken = pair.ctx.statistics().request_notices - before
+        assert taken in (0, 1)
         await _until(lambda: pair.ctx.statistics().request_copies_due == 0, "the ZMQ copy")
         assert pair.ctx.statistics().early == 0
+
+
+def _as_request(payload: bytes) -> RequestData | None:
+    message = decode(payload)
+    return message if isinstance(message, RequestData) else None
 
 
 async def test_the_zmq_copy_is_dropped_even_after_the_transfer_ended() -> None:
@@ -113,3 +140,54 @@ async def test_gen_sends_zmq_only_to_a_ctx_that_does_not_take_notices_or_with_fa
             assert (await _outcome(pair.gen.check_gen_transfer_status)).ok
             assert pair.ctx.statistics().request_notices == 0, (notices, gen_faults)
             assert pair.ctx_agent.num_notifications == 0  # none was ever sent
+
+
+# ---- generation_first: a prepared write posted ahead of the session's bookkeeping ----
+
+
+async def _watching(pair: Pair) -> None:
+    """Until gen watches for the prepared write, as far as ctx can tell (pacing.gen_watches)."""
+    told = time.monotonic()
+    await _until(lambda: time.monotonic() >= told + ANNOUNCE_AFTER_S, "gen told a hop ago")
+
+
+async def test_a_prepared_write_is_posted_before_the_session_is_made() -> None:
+    async with _open_pair() as pair:
+        pair.ctx.stages = []
+        key = 2**42 + 6
+        await _prepared_early(pair, key, DST)
+        await _watching(pair)
+        pair.ctx.respond_and_send_async(key, [SRC], NUM_TOKENS, first_tokens=(8,))
+        outcome = await _outcome(pair.gen.check_gen_transfer_status)
+        assert outcome.ok and outcome.first_tokens == (8,)
+        assert pair.gen_blocks(DST) == pair.ctx_blocks(SRC)
+        assert (await _outcome(pair.ctx.check_context_transfer_status)).ok
+        stages = [stage for k, stage, _ in pair.ctx.stages if k == key]
+        assert stages.index("posted") < stages.index("write")  # the session's write came after
+        assert pair.ctx.statistics().prepared_posts == 1
+        await _until(lambda: pair.ctx_agent.num_handles == 0, "every handle released")
+
+
+async def test_a_rank_that_asked_twice_differently_is_not_posted_ahead() -> None:
+    # The session takes the first request; the write prepared for the second must not go.
+    async with _open_pair() as pair:
+        pair.ctx.stages = []
+        await _connect(pair)
+        key, other = 2**42 + 7, [7, 8, 9]
+        first = _request(pair, key)
+        second = attrs.evolve(first, block_ids=(pack_block_ids(other),))
+        zeros = pair.gen_blocks(other)
+        async with open_dealer(pair.ctx.local.control_endpoint) as dealer:
+            await dealer.send_message(first)
+            await dealer.send_message(second)
+            await _until(lambda: pair.ctx.statistics().early == 1, "ctx holding them")
+            await _until(lambda: len(pair.ctx.early.peek(key)) == 2, "both held")
+            pair.ctx.prepare_send(key, [SRC], NUM_TOKENS)
+            await _watching(pair)
+            pair.ctx.respond_and_send_async(key, [SRC], NUM_TOKENS)
+            assert (await _outcome(pair.ctx.check_context_transfer_status)).ok
+        assert pair.gen_blocks(DST) == pair.ctx_blocks(SRC)
+        assert pair.gen_blocks(other) == zeros
+        stages = [stage for k, stage, _ in pair.ctx.stages if k == key]
+        assert stages.index("write") < stages.index("post")  # posted by the session, not ahead
+        await _until(lambda: pair.ctx_agent.num_handles == 0, "every handle released")

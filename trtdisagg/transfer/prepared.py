@@ -73,6 +73,10 @@ class PreparedWrites:
         self._writes[(key, write.request.instance_rank)] = write
         return None if old is None else old.handle
 
+    def ready(self, key: int, source: SourceBlocks) -> list[PreparedWrite]:
+        """The writes prepared for `key` from exactly `source` (left in place)."""
+        return [w for (k, _), w in self._writes.items() if k == key and w.source == source]
+
     def take(
         self, key: int, request: RequestData, source: SourceBlocks
     ) -> tuple[PreparedWrite | None, XferHandle | None]:

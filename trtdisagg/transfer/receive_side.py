@@ -147,8 +147,6 @@ class GenReceiver:
         )
         if request is None:
             return True
-        for rank in sorted(overlap.ranks):
-            self._notice_request(by_rank[rank].key, request)
         for endpoint, dealer in zip(endpoints, dealers):
             assert dealer is not None
             try:
@@ -169,17 +167,10 @@ class GenReceiver:
         staged: _Staged | None = None,
     ) -> RequestData | None:
         """Start the receive session of `key`; the REQUEST_DATA to send to each expected ctx
-        rank, or None (the failure is reported) if `key` is already being received."""
-        session = ReceiverSession(
-            key=key,
-            peer_instance=ranks[0].instance_name,
-            expected=frozenset(expected),
-            deadline=deadline,
-        )
-        try:
-            self.receivers.add(session)
-            self._receiving.set()
-        except ValueError:
+        rank over ZMQ, or None (the failure is reported) if `key` is already being received.
+        A ctx rank that takes REQUEST_DATA as a notification gets it here, first: nothing can
+        land before this returns to the loop, so the session may follow."""
+        if self.receivers.get(key) is not None:
             if staged is not None and self.staging is not None:
                 self.staging.release(staged.offset)
             self._fail_receive(key, f"transfer key {key} is already being received")
@@ -197,6 +188,17 @@ class GenReceiver:
             ),
             staging_bytes=staged.num_bytes if staged is not None else 0,
         )
+        by_rank = {info.instance_rank: info for info in ranks}
+        for rank in sorted(expected):
+            self._notice_request(by_rank[rank].key, request)
+        session = ReceiverSession(
+            key=key,
+            peer_instance=ranks[0].instance_name,
+            expected=frozenset(expected),
+            deadline=deadline,
+        )
+        self.receivers.add(session)
+        self._receiving.set()
         if staged is not None:
             self._staged[key] = staged
         session.mark_requested()
@@ -242,8 +244,6 @@ class GenReceiver:
         if request is None:
             return
         by_rank = {info.instance_rank: info for info in ranks}
-        for rank in sorted(overlap.ranks):
-            self._notice_request(by_rank[rank].key, request)
         for rank in sorted(overlap.ranks):
             await self._send(by_rank[rank].control_endpoint, request)
         self._requested(key)

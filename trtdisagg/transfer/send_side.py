@@ -32,6 +32,7 @@ from trtdisagg.transfer.sessions import (
     SenderSession,
     SenderStatus,
     SessionRegistry,
+    SourceBlocks,
     TransferOutcome,
 )
 from trtdisagg.transfer.wire import Cancel, RequestData, ResultStatus
@@ -80,8 +81,14 @@ class CtxSender:
         first_tokens: Sequence[int] = (),
     ) -> None:
         """See `KvTransceiver.respond_and_send_async`."""
+        first_tokens = tuple(first_tokens)
+        if len(self.prepared) and self._takes_early_requests(key):
+            # The KV is ready: its prepared writes go first, the bookkeeping after (which costs
+            # as long as a write of 128 MiB on one GPU takes).
+            source = SourceBlocks(block_ids=tuple(map(tuple, block_ids)), num_tokens=num_tokens)
+            self.writes.post_ready(key, source, first_tokens)
         session = SenderSession(
-            key=key, deadline=self.clock() + self.timeout_s, first_tokens=tuple(first_tokens)
+            key=key, deadline=self.clock() + self.timeout_s, first_tokens=first_tokens
         )
         session.set_source(block_ids, num_tokens)
         self.senders.add(session)
@@ -96,6 +103,28 @@ class CtxSender:
             self._accept_request(session, request)
         self.writes.start_writes(session)
         self.forget_prepared(key)  # what `start_writes` did not post is of no use now
+
+    def _takes_early_requests(self, key: int) -> bool:
+        """Whether the session about to be made for `key` will take every REQUEST_DATA held for
+        it (`_accept_request`), so that a write posted for one before is sure to be its own:
+        no session yet, no CANCEL held, one gen instance, one request per rank (or identical
+        copies), each rank registered and overlapping."""
+        if self.senders.get(key) is not None or self.early.cancelled(key):
+            return False
+        requests = self.early.peek(key)
+        if not requests or len({request.instance_name for request in requests}) != 1:
+            return False
+        if len(set(requests)) != len({request.instance_rank for request in requests}):
+            return False  # a rank asked twice, differently: the session takes the first
+        first = self.registrar.get((requests[0].instance_name, requests[0].instance_rank))
+        if first is None:
+            return False
+        expected = self.registrar.overlap(first, peer_dp_rank=first.dp_rank).ranks  # as `bind`
+        return all(
+            request.instance_rank in expected
+            and self.registrar.get((request.instance_name, request.instance_rank)) is not None
+            for request in requests
+        )
 
     def prepare_send(self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
         """See `KvTransceiver.prepare_send`."""

@@ -413,6 +413,10 @@ class EarlyMessages:
         """Transfer keys with something held (requests or a cancel)."""
         return len(self._requests.keys() | self._cancelled.keys())
 
+    def cancelled(self, key: int) -> bool:
+        """Whether a CANCEL for `key` is held (left in place)."""
+        return key in self._cancelled
+
     def peek(self, key: int) -> list[RequestData]:
         """The requests held for `key`, left in place."""
         return [request for _, request in self._requests.get(key, [])]

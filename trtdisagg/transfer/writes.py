@@ -100,6 +100,9 @@ class CtxWrites:
     _send: Callable[[str, Message], Awaitable[None]]
     _call_agent: _CallAgent
     prepared_posts: int = 0  # writes posted from a preparation (since start)
+    # (key, gen rank) -> a prepared write posted by `post_ready` (or why its post failed),
+    # for the session's write to that rank to take up
+    _posted_ahead: dict[tuple[int, int], _Posted | TransferLayerError] = attrs.Factory(dict)
     bounced: int = 0  # sends that went through staging
     _write_rates: WriteRates = attrs.Factory(WriteRates)  # bytes/s of writes, per remote
 
@@ -112,6 +115,29 @@ class CtxWrites:
 
     async def _release_handle(self, handle: XferHandle) -> None:
         await self._call_agent(lambda: self.agent.release(handle), quick=True)
+
+    def post_ready(self, key: int, source: SourceBlocks, first_tokens: tuple[int, ...]) -> None:
+        """The KV of `key` just became ready in `source`: post the writes prepared from it now,
+        ahead of the session that `start_writes` then gives them to. The caller made sure that
+        session takes each of their requests. Only writes that gen watches for (else WRITE_POSTED
+        goes first, on the usual path), and never while a threaded agent call runs."""
+        preparer = write_preparer(self.agent)
+        if preparer is None or self._agent_lock.locked():
+            return
+        now = self.clock()
+        for prepared in self.prepared.ready(key, source):
+            if not gen_watches(now, prepared.told_at):
+                continue
+            notice = self.notice(key, prepared.fragments, first_tokens)
+            posted: _Posted | TransferLayerError
+            try:
+                self._stamp(key, "post")
+                preparer.post_prepared(prepared.handle, notice)
+                self._stamp(key, "posted")
+                posted = self._posted(prepared.handle, prepared.remote, prepared.fragments)
+            except TransferLayerError as exc:  # the agent released the handle
+                posted = exc
+            self._posted_ahead[(key, prepared.request.instance_rank)] = posted
 
     def start_writes(self, session: SenderSession, *, gen_watching: bool = False) -> None:
         """Start a write to each rank that asked and has none yet. `gen_watching`: its
@@ -137,6 +163,9 @@ class CtxWrites:
             return None
         self._stamp(session.key, "write")
         prepared, stale = self.prepared.take(session.key, request, session.source)
+        ahead = self._posted_ahead.pop((session.key, request.instance_rank), None)
+        if ahead is not None:  # `stale` is its handle when the request differs: posted, kept
+            return self._took_posted(session, request, ahead, prepared or stale)
         self.release_handles([stale])
         if prepared is not None:
             if session.cancelled or self._agent_lock.locked():
@@ -178,6 +207,23 @@ class CtxWrites:
             session, request, prepared.fragments, prepared.remote, post, gen_watching=watching
         )
         self.prepared_posts += 1
+        return posted
+
+    def _took_posted(
+        self,
+        session: SenderSession,
+        request: RequestData,
+        posted: _Posted | TransferLayerError,
+        prepared: PreparedWrite | XferHandle | None,
+    ) -> _Posted:
+        """The write `post_ready` posted for `request`, now the session's: announced after the
+        post (gen watches for it)."""
+        if isinstance(posted, TransferLayerError):
+            raise posted
+        self.prepared_posts += 1
+        if isinstance(prepared, PreparedWrite):
+            fragments = prepared.fragments
+            self._announce(session, request, fragments, posted.remote)
         return posted
 
     def _post_now(
