@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+import attrs
 import numpy as np
 import trio
 import zmq
@@ -29,7 +30,8 @@ def _transceiver(
     name: str, memory: np.ndarray, fabric: LoopbackFabric, router: Router
 ) -> KvTransceiver:
     agent = LoopbackAgent(f"{name}-agent", fabric=fabric)
-    info = rank_info(name, memory, agent, router.endpoint)
+    # (a ctx takes REQUEST_DATA as a notification too: gen loads its agent when they meet)
+    info = attrs.evolve(rank_info(name, memory, agent, router.endpoint), request_notices=True)
     return KvTransceiver(
         local=info, instance=(info,), agent=agent, router=router, timeout_s=10, wake=lambda: None
     )
@@ -97,4 +99,6 @@ async def test_a_new_ctx_instance_on_the_old_endpoint_is_met_again() -> None:
         # dead registration, the new ctx would drop it, and the transfer would time out.
         assert await serve_once("ctx-second", endpoint, key=12, dst=[5, 6]) == endpoint
         assert gen.rendezvous_count == 2
+        # gen unloaded the first instance's agent when it met the second
+        assert gen.agent.remotes == {"ctx-second-agent"}  # type: ignore[attr-defined]
         nursery.cancel_scope.cancel()

@@ -62,6 +62,7 @@ class CtxPeers:
     _send: Callable[[str, Message], Awaitable[None]]  # on the dealer to an endpoint
     _drop_dealer: Callable[[str], None]
     _met: Callable[[tuple[RankInfo, ...]], Awaitable[None]]  # a ctx instance accepted us
+    _replaced: Callable[[tuple[RankInfo, ...]], None]  # ... and was replaced by another
     rendezvous_count: int = 0
     _ctx_peers: dict[str, _CtxPeer] = attrs.Factory(dict)
     _replies: dict[_Slot, trio.MemorySendChannel[Message]] = attrs.Factory(dict)
@@ -88,6 +89,7 @@ class CtxPeers:
             peer.instance_name,
         )
         del self._ctx_peers[endpoint]
+        self._replaced(peer.ranks)
 
     async def ensure_ctx_peer(self, endpoint: str) -> tuple[RankInfo, ...]:
         """Rendezvous with the ctx instance at `endpoint` once; cached, refusal included."""

@@ -220,6 +220,7 @@ class KvTransceiver:
             send=self._send,
             drop_dealer=self._drop_dealer,
             met=self._connect_request_notices,
+            replaced=self._forget_request_notices,
         )
         self._writes = CtxWrites(
             local=self.local,
@@ -419,6 +420,20 @@ class KvTransceiver:
                 log.warning("REQUEST_DATA to %s goes over ZMQ only: %s", info.label, exc)
                 continue
             self._notice_remotes[info.key] = name
+
+    def _forget_request_notices(self, ranks: Sequence[RankInfo]) -> None:
+        """gen: the ctx instance of `ranks` was replaced by a new one (a restart on the same
+        endpoint): its agents are unloaded, so that restarts do not pile up peers in ours."""
+        for info in ranks:
+            name = self._notice_remotes.pop(info.key, None)
+            if name is not None:
+                self._spawn(self._remove_remote, name)
+
+    async def _remove_remote(self, name: str) -> None:
+        try:
+            await self._call_agent(lambda: self.agent.remove_remote(name), quick=False)
+        except TransferLayerError as exc:
+            log.warning("could not unload agent %s: %s", name, exc)
 
     def _notice_request(self, ctx_rank: tuple[str, int], request: RequestData) -> None:
         """gen: send `request` to `ctx_rank` as a notification too, if that rank takes it so.

@@ -146,6 +146,11 @@ class LoopbackAgent:
         return len(self._handles)
 
     @property
+    def remotes(self) -> frozenset[str]:
+        """The peers loaded with `add_remote` (tests check that none are left behind)."""
+        return frozenset(self._remotes)
+
+    @property
     def num_notifications(self) -> int:
         """Notifications received and not yet taken (tests wait for them to be drained)."""
         return len(self._notifications)
