@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import attrs
+import pytest
 
 from tests.integration.test_transceiver_prepared import (
     NUM_TOKENS,
@@ -26,6 +27,7 @@ from tests.integration.test_transceiver_prepared import (
     _prepared_early,
     _until,
 )
+from trtdisagg.transfer import pacing
 from trtdisagg.transfer.agents.loopback import LoopbackAgent
 from trtdisagg.transfer.messenger import open_dealer
 from trtdisagg.transfer.pacing import ANNOUNCE_AFTER_S
@@ -191,3 +193,41 @@ async def test_a_rank_that_asked_twice_differently_is_not_posted_ahead() -> None
         stages = [stage for k, stage, _ in pair.ctx.stages if k == key]
         assert stages.index("write") < stages.index("post")  # posted by the session, not ahead
         await _until(lambda: pair.ctx_agent.num_handles == 0, "every handle released")
+
+
+# ---- WRITE_POSTED: left out where gen watches for a write that ends soon ----
+
+
+def _seen_posted(pair: Pair, key: int) -> bool:
+    assert pair.gen.stages is not None
+    return (key, "posted_seen") in [(k, stage) for k, stage, _ in pair.gen.stages]
+
+
+async def test_a_short_write_that_gen_watches_for_goes_unannounced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # "Short": below SILENT_WRITE_S by ctx's estimate, which on a loaded 2-core machine may
+    # learn a loopback copy as slow as 1 ms; the threshold itself has its unit test (pacing).
+    monkeypatch.setattr(pacing, "SILENT_WRITE_S", 60.0)
+    async with _open_pair(request_notices=True) as pair:
+        pair.gen.stages = []
+        await _connect(pair)  # key 1: no estimate of the write's time yet, so announced
+        await _until(lambda: _seen_posted(pair, 1), "WRITE_POSTED of the first write")
+        key = 2**42 + 8  # context_first: gen watches just after its request
+        pair.ctx.respond_and_send_async(key, [SRC], NUM_TOKENS, first_tokens=(4,))
+        pair.gen.request_and_receive_async(key, pair.ctx.info_endpoint, [DST], NUM_TOKENS)
+        outcome = await _outcome(pair.gen.check_gen_transfer_status)
+        assert outcome.ok and outcome.first_tokens == (4,)  # the notice said it all
+        prepared = 2**42 + 9  # generation_first, told of the prepared write
+        await _ask_early(pair, prepared, [0, 6, 7])
+        pair.ctx.prepare_send(prepared, [SRC], NUM_TOKENS)
+        await _watching(pair)
+        pair.ctx.respond_and_send_async(prepared, [SRC], NUM_TOKENS, first_tokens=(6,))
+        outcome = await _outcome(pair.gen.check_gen_transfer_status)
+        assert outcome.ok and outcome.first_tokens == (6,)
+        for done in (key, prepared):  # TRANSFER_RESULT comes after; WRITE_POSTED never did
+            await _until(
+                lambda k=done: (k, "result") in [(s[0], s[1]) for s in pair.gen.stages or []],
+                "TRANSFER_RESULT",
+            )
+            assert not _seen_posted(pair, done)

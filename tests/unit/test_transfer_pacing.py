@@ -9,6 +9,7 @@ from trtdisagg.transfer.pacing import (
     ANNOUNCE_AFTER_S,
     NOTICE_SPIN_MAX_S,
     NOTICE_SPIN_S,
+    SILENT_WRITE_S,
     WRITE_WATCH_S,
     Watches,
     WriteRates,
@@ -65,6 +66,17 @@ def test_a_quick_write_that_gen_watches_for_goes_before_its_announcement() -> No
     rates.learn("gen", GB, 1.0)
     assert not rates.announce_first("gen", 1000, quick=True, gen_watching=True)  # short
     assert rates.announce_first("gen", 1000, quick=False, gen_watching=True)  # a slow post
+
+
+def test_a_write_gen_watches_for_goes_unannounced_only_when_it_should_end_soon() -> None:
+    rates = WriteRates()
+    assert rates.announce_after("gen", 1000, gen_watching=True)  # no estimate yet
+    rates.learn("gen", GB, 1.0)  # 1 GB/s
+    short = int(SILENT_WRITE_S * GB) - 1000
+    long = int(SILENT_WRITE_S * GB) + 1000
+    assert not rates.announce_after("gen", short, gen_watching=True)
+    assert rates.announce_after("gen", long, gen_watching=True)  # gen needs the estimate
+    assert rates.announce_after("gen", short, gen_watching=False)  # gen may sleep
 
 
 def test_ctx_counts_on_gen_watching_only_between_a_hop_and_the_end_of_its_watch() -> None:

@@ -221,9 +221,10 @@ class CtxWrites:
         if isinstance(posted, TransferLayerError):
             raise posted
         self.prepared_posts += 1
-        if isinstance(prepared, PreparedWrite):
-            fragments = prepared.fragments
-            self._announce(session, request, fragments, posted.remote)
+        if isinstance(prepared, PreparedWrite) and self._write_rates.announce_after(
+            posted.remote, posted.num_bytes, gen_watching=True
+        ):
+            self._announce(session, request, prepared.fragments, posted.remote)
         return posted
 
     def _post_now(
@@ -244,7 +245,9 @@ class CtxWrites:
         if first:
             self._announce(session, request, fragments, remote)
         posted = self._posted(submit(), remote, fragments)
-        if not first:
+        if not first and self._write_rates.announce_after(
+            remote, fragments.num_bytes, gen_watching=gen_watching
+        ):
             self._announce(session, request, fragments, remote)
         return posted
 
@@ -495,7 +498,8 @@ class CtxWrites:
         may sleep until a message comes: this one wakes it to watch for the notification. Just
         before a slow post, which may copy a host pool's bytes inside the call, and before a
         quick one whose write is short when gen is not watching for it
-        (`WriteRates.announce_first`); just after a quick post otherwise. Safe before the
+        (`WriteRates.announce_first`); just after a quick post otherwise, except for a short
+        write that gen watches for, which goes unannounced (`WriteRates.announce_after`). Safe before the
         post: gen counts the write only on its notification, which a write that failed to post
         never sends. On the loop (it may spawn a send)."""
         peer = self.registrar.get((request.instance_name, request.instance_rank))
