@@ -31,6 +31,7 @@ from trtdisagg.transfer import pacing
 from trtdisagg.transfer.agents.loopback import LoopbackAgent
 from trtdisagg.transfer.messenger import open_dealer
 from trtdisagg.transfer.pacing import ANNOUNCE_AFTER_S
+from trtdisagg.transfer.send_side import CtxSender
 from trtdisagg.transfer.wire import RequestData, decode, encode, pack_block_ids
 
 SRC, DST = [4, 5, 6], [1, 2, 3]
@@ -231,3 +232,22 @@ async def test_a_short_write_that_gen_watches_for_goes_unannounced(
                 "TRANSFER_RESULT",
             )
             assert not _seen_posted(pair, done)
+
+
+async def test_a_write_posted_ahead_that_the_session_does_not_take_is_settled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Unreachable by design (ctx posts ahead only for requests its session will take); should
+    # one slip through, the session fails, keeps its blocks until the write ended, and the
+    # handle goes back to the agent.
+    async with _open_pair() as pair:
+        pair.ctx.stages = []
+        key = 2**42 + 10
+        await _prepared_early(pair, key, DST)
+        await _watching(pair)
+        monkeypatch.setattr(CtxSender, "_accept_request", lambda self, session, request: False)
+        pair.ctx.respond_and_send_async(key, [SRC], NUM_TOKENS)
+        assert pair.ctx.senders.get(key) is not None  # held: not quiescent before the write ends
+        outcome = await _outcome(pair.ctx.check_context_transfer_status)
+        assert not outcome.ok and "did not take" in (outcome.error or "")
+        await _until(lambda: pair.ctx_agent.num_handles == 0, "the handle released")

@@ -89,6 +89,11 @@ class PreparedWrites:
             return None, write.handle
         return write, None
 
+    def posted(self, key: int, rank: int) -> None:
+        """The write prepared for gen rank `rank` of `key` was posted: no longer ours to
+        release (its poll hands the handle back)."""
+        self._writes.pop((key, rank), None)
+
     def drop(self, key: int) -> list[XferHandle]:
         """Forget `key` (answered, cancelled, refused); the handles to release."""
         self._expected.pop(key, None)

@@ -102,6 +102,7 @@ class CtxSender:
         for request in requests:
             self._accept_request(session, request)
         self.writes.start_writes(session)
+        self.writes.settle_posted_ahead(session)
         self.forget_prepared(key)  # what `start_writes` did not post is of no use now
 
     def _takes_early_requests(self, key: int) -> bool:

@@ -159,6 +159,11 @@ class SenderSession:
         self._in_flight.update(request.instance_rank for request in ready)
         return ready
 
+    def adopt_write(self, rank: int) -> None:
+        """A write to `rank` runs that this session did not start: in flight until
+        `write_finished`, so that its source blocks stay pinned."""
+        self._in_flight.add(rank)
+
     def write_finished(self, rank: int, status: ResultStatus, error: str = "") -> bool:
         """A write to `rank` ended (or was never needed); False if it was not in flight."""
         if rank not in self._in_flight:

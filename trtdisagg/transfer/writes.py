@@ -10,6 +10,7 @@ and writes them in one go (transfer/bounce.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
@@ -138,6 +139,25 @@ class CtxWrites:
             except TransferLayerError as exc:  # the agent released the handle
                 posted = exc
             self._posted_ahead[(key, prepared.request.instance_rank)] = posted
+
+    def settle_posted_ahead(self, session: SenderSession) -> None:
+        """Writes `post_ready` posted for `session` that it did not take up. Its caller's check
+        makes this unreachable; should one slip through, the session fails, and it keeps its
+        blocks until the write has ended (its handle then goes back to the agent)."""
+        for key, rank in [k for k in self._posted_ahead if k[0] == session.key]:
+            posted = self._posted_ahead.pop((key, rank))
+            self.prepared.posted(key, rank)
+            if isinstance(posted, _Posted):
+                log.error("KV write %d to gen rank %d posted for a request not taken", key, rank)
+                session.adopt_write(rank)
+                self._spawn(self._settle_untaken, session, rank, posted)
+
+    async def _settle_untaken(self, session: SenderSession, rank: int, posted: _Posted) -> None:
+        with contextlib.suppress(TransferLayerError):  # failed: ended all the same
+            await self._await_write(session.key, posted)
+        reason = "a write was posted for a request this session did not take"
+        session.write_finished(rank, ResultStatus.ERROR, reason)
+        self.wake()
 
     def start_writes(self, session: SenderSession, *, gen_watching: bool = False) -> None:
         """Start a write to each rank that asked and has none yet. `gen_watching`: its
@@ -499,9 +519,9 @@ class CtxWrites:
         before a slow post, which may copy a host pool's bytes inside the call, and before a
         quick one whose write is short when gen is not watching for it
         (`WriteRates.announce_first`); just after a quick post otherwise, except for a short
-        write that gen watches for, which goes unannounced (`WriteRates.announce_after`). Safe before the
-        post: gen counts the write only on its notification, which a write that failed to post
-        never sends. On the loop (it may spawn a send)."""
+        write that gen watches for, which goes unannounced (`WriteRates.announce_after`). Safe
+        before the post: gen counts the write only on its notification, which a write that
+        failed to post never sends. On the loop (it may spawn a send)."""
         peer = self.registrar.get((request.instance_name, request.instance_rank))
         if peer is None:
             return
