@@ -4,12 +4,15 @@ notification (`send_notif`), the receiver spinning on both.
 Why: REQUEST_DATA can go either way (RankInfo.request_notices). The sender is this process, the
 receiver a `spawn`ed child that polls its ROUTER (non-blocking) and its agent's notifications in
 one tight loop, so neither path waits on a sleeping receiver. The two kinds alternate, one
-message at a time, each carrying its send time (CLOCK_MONOTONIC, one host); the child records
-when it read it. Printed: p50 and p90 of the one-way time of each kind, and of the sender's
-call. The last line is `notif_vs_zmq_p50=<NIXL p50 / ZMQ p50>`.
+message at a time after `--idle-ms` of quiet (as between a ctx's response and gen's request:
+ZMQ's I/O threads have gone to sleep by then, and waking them is most of a ZMQ hop), each
+carrying its send time (CLOCK_MONOTONIC, one host); the child records when it read it.
+Printed: p50 and p90 of the one-way time of each kind, and of the sender's call. The last line
+is `notif_vs_zmq_p50=<NIXL p50 / ZMQ p50>`.
 
     python tools/bench_control_hop.py                        # 300 messages, progress threads on
     python tools/bench_control_hop.py --nixl-progress-thread off
+    python tools/bench_control_hop.py --idle-ms 0            # back to back: I/O threads awake
 
 Without NIXL's progress thread the sender progresses its own worker between messages (so a
 queued notification goes out), as the transceiver's polling does.
@@ -53,7 +56,9 @@ def _receiver(conn: Connection, count: int, progress_thread: bool) -> None:
     conn.send(seen)
 
 
-def measure(count: int, warmup: int, progress_thread: bool) -> dict[str, list[float]]:
+def measure(
+    count: int, warmup: int, progress_thread: bool, idle_s: float
+) -> dict[str, list[float]]:
     import zmq
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -77,6 +82,7 @@ def measure(count: int, warmup: int, progress_thread: bool) -> dict[str, list[fl
                 if not progress_thread:
                     agent.get_new_notifs()  # progress our worker: a queued message goes out
             parent.recv()
+            time.sleep(idle_s)  # quiet, as between two requests (`--idle-ms`)
             kind = "nixl" if i % 2 else "zmq"
             sent = time.monotonic()
             if kind == "zmq":
@@ -118,10 +124,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--messages", type=int, default=300, help="measured, half of each kind")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--nixl-progress-thread", choices=("on", "off"), default="on")
+    parser.add_argument("--idle-ms", type=float, default=2.0, help="quiet before each message")
     args = parser.parse_args(argv)
-    if args.messages < 2 or args.warmup < 0:
-        parser.error("--messages must be >= 2 and --warmup >= 0")
-    print(report(measure(args.messages, args.warmup, args.nixl_progress_thread == "on")))
+    if args.messages < 2 or args.warmup < 0 or args.idle_ms < 0:
+        parser.error("--messages must be >= 2, --warmup and --idle-ms >= 0")
+    on = args.nixl_progress_thread == "on"
+    print(report(measure(args.messages, args.warmup, on, args.idle_ms / 1000)))
 
 
 if __name__ == "__main__":
