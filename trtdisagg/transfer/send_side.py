@@ -3,7 +3,7 @@
 REQUEST_DATA joins the SenderSession (or waits in EarlyMessages until prefill ends); each
 requesting gen rank then gets one write (transfer/writes.py). A rank whose RankInfo says
 `request_notices` also gets REQUEST_DATA as an agent notification, sent by gen before the ZMQ
-copy and 0.2-0.5 ms quicker on a virtual machine: it only ever joins a session that waits for it
+copy and about 0.1 ms sooner on a virtual machine: it only ever joins a session that waits for it
 (a response's: context_first), and the ZMQ copy of a request so taken is dropped.
 
 When REQUEST_DATA came before the KV and the executor said where the KV will be

@@ -17,7 +17,7 @@ Conversation (one ZMQ frame carries one encoded message):
     ctx agent -> gen agent    WRITE_NOTICE: not a ZMQ message but the NIXL notification payload of
                               a write, so gen knows the bytes of that write have landed.
     gen agent -> ctx agent    REQUEST_DATA again, as a notification of its own, to a ctx rank
-                              whose RankInfo says `request_notices`: it arrives 0.2-0.5 ms before
+                              whose RankInfo says `request_notices`: it arrives ~0.1 ms before
                               the ZMQ copy on a virtual machine. ctx takes whichever comes first
                               and drops the other (transfer/send_side.py).
 

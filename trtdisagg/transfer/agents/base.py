@@ -31,8 +31,8 @@ An agent may also carry small messages of ours (`Notifier`, optional): `connect(
 the connection to a loaded remote ahead of time (may block), after which
 `send_notification(remote, payload)` is quick and the payload shows up in the remote's
 `get_notifications()`. gen sends REQUEST_DATA that way too, besides ZMQ: on a virtual machine a
-ZMQ message between two processes takes 0.2-0.5 ms (its I/O threads wake up on both sides),
-a notification 0.03-0.05 ms (measured on the device).
+ZMQ message between two processes took 0.16-0.18 ms at p50 after a quiet spell (its I/O
+threads wake up on both sides), a notification 0.05-0.06 ms (tools/bench_control_hop.py).
 """
 
 from __future__ import annotations

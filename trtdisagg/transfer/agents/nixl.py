@@ -216,7 +216,7 @@ class NixlAgent:
             raise AgentError(f"{self._name}: cannot connect to {remote}: {exc}") from exc
 
     def send_notification(self, remote: str, payload: bytes) -> None:
-        """A notification of our own to `remote` (about 0.02-0.03 ms once connected)."""
+        """A notification of our own to `remote` (0.01-0.05 ms once connected, on the device)."""
         if remote not in self._remotes:
             raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
         try:
