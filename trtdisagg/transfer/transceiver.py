@@ -410,7 +410,11 @@ class KvTransceiver:
 
             def connect(info: RankInfo = info, channel: Notifier = channel) -> str:
                 name = self.agent.add_remote(info.agent_metadata)
-                channel.connect(name)
+                try:
+                    channel.connect(name)
+                except TransferLayerError:
+                    self.agent.remove_remote(name)  # not left loaded for nothing
+                    raise
                 return name
 
             try:

@@ -108,7 +108,10 @@ class NixlAgent:
         if name in self._remotes:
             self._remotes.discard(name)
             self._connected.discard(name)
-            self._agent.remove_remote_agent(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:
+                raise AgentError(f"{self._name}: cannot unload remote agent {name}: {exc}") from exc
 
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
         """A few descriptors to a peer written to before (no connection set-up; descriptor
