@@ -27,7 +27,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import attrs
 import httpx
 import trio
 import yaml
+from _bench_common import free_port
 
 CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 START_TIMEOUT_S: Final = 60.0
@@ -105,12 +105,6 @@ def process_tree_cpu_s(root: int) -> float:
         total += ticks.get(pid, 0)
         stack.extend(children.get(pid, []))
     return total / CLK_TCK
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _fake_main(role: str, port: int) -> None:

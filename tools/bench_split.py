@@ -27,7 +27,6 @@ import contextlib
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import attrs
 import httpx
 import trio
 import yaml
-from _bench_common import percentile
+from _bench_common import free_port, percentile
 
 from trtdisagg.coordinator.split import ctx_request, gen_request, parse_ctx_response
 
@@ -58,12 +57,6 @@ class Summary:
     @classmethod
     def of(cls, seconds: Sequence[float]) -> Summary:
         return cls(p50_ms=percentile(seconds, 50) * 1e3, p90_ms=percentile(seconds, 90) * 1e3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -325,6 +325,7 @@ class BenchConfig:
         out = attrs.asdict(self, recurse=True)
         out["result_json"] = None if self.result_json is None else str(self.result_json)
         out["schedules"] = list(self.schedules)
+        out["takes_request_notices"] = self.takes_request_notices  # the setting, resolved
         return out
 
 
@@ -631,12 +632,6 @@ def _row(name: str, s: dict[str, Any]) -> str:
     )
 
 
-def _takes_request_notices(cfg: dict[str, Any]) -> bool:
-    """`BenchConfig.takes_request_notices` of a config in its JSON form."""
-    setting = cfg.get("request_notices")
-    return cfg["device"] == "cuda" if setting is None else bool(setting)
-
-
 def format_report(doc: dict[str, Any]) -> str:
     """The text printed on stdout; the last line is `ratio_vs_raw_nixl=<x>` of the primary
     (first) schedule, after one `ratio_vs_raw_nixl_<schedule>=<x>` line per other schedule."""
@@ -707,7 +702,7 @@ def format_report(doc: dict[str, Any]) -> str:
         f"{cores('ctx', 'measured')} gen {cores('gen', 'measured')}; idle ctx "
         f"{cores('ctx', 'idle')} gen {cores('gen', 'idle')} (NIXL progress threads: "
         f"{'on' if cfg['progress_thread'] else 'off'}; REQUEST_DATA by notification too: "
-        f"{'on' if _takes_request_notices(cfg) else 'off'})"
+        f"{'on' if cfg.get('takes_request_notices') else 'off'})"
     )
     stats = doc["transceiver_statistics"]
     lines.append(

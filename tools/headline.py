@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -44,16 +43,11 @@ from typing import Any
 
 import httpx
 import yaml
+from _bench_common import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "tools" / "bench_serving.py"
 STOP_GRACE_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- the cluster ----
