@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 import attrs
 import trio
 
-from trtdisagg.transfer.agents.base import TransferAgent
 from trtdisagg.transfer.bounce import bounces, canonical_bytes
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
 from trtdisagg.transfer.messenger import Dealer
@@ -70,7 +69,6 @@ class GenReceiver:
     """gen: the receiver sessions, from the executor's request to their outcomes."""
 
     local: RankInfo
-    agent: TransferAgent
     registrar: PeerRegistrar
     timeout_s: float
     wake: Callable[[], None]
@@ -78,9 +76,8 @@ class GenReceiver:
     staging: StagingArea | None
     receivers: SessionRegistry[ReceiverSession]
     ctx_peers: CtxPeers
-    # The shell's, shared: open dealers, the agent lock.
+    # The shell's, shared: open dealers.
     _dealers: Mapping[str, Dealer]
-    _agent_lock: trio.Lock
     # The shell's services (transfer/transceiver.py).
     _stamp: Callable[[int, str], None]
     _spawn: Callable[..., None]

@@ -259,7 +259,6 @@ class KvTransceiver:
         )
         self._gen_side = GenReceiver(
             local=self.local,
-            agent=self.agent,
             registrar=self.registrar,
             timeout_s=self.timeout_s,
             wake=self.wake,
@@ -268,7 +267,6 @@ class KvTransceiver:
             receivers=self.receivers,
             ctx_peers=self._ctx_peers,
             dealers=self._dealers,
-            agent_lock=self._agent_lock,
             stamp=self._stamp,
             spawn=self._spawn,
             send=self._send,
