@@ -71,15 +71,20 @@ async def pair() -> AsyncIterator[Pair]:
 
 @asynccontextmanager
 async def _open_pair(
-    ctx_faults: str | None = None, *, request_notices: bool = False, gen_faults: str | None = None
+    ctx_faults: str | None = None,
+    *,
+    request_notices: bool = False,
+    gen_faults: str | None = None,
+    notify_on_poll: bool = False,
 ) -> AsyncIterator[Pair]:
     """ctx and gen transceivers in this trio run; ctx's control messages follow `ctx_faults`
     (its agent stays the plain loopback one, which prepares writes), gen's `gen_faults`.
-    `request_notices`: ctx takes REQUEST_DATA as an agent notification too."""
+    `request_notices`: ctx takes REQUEST_DATA as an agent notification too. `notify_on_poll`:
+    ctx's agent sends a write's notification from the poll that finds it done (as NIXL's)."""
     faults = FaultInjector(plan=parse_faults(ctx_faults)) if ctx_faults else None
     faults_at_gen = FaultInjector(plan=parse_faults(gen_faults)) if gen_faults else None
     fabric = LoopbackFabric()
-    ctx_agent = LoopbackAgent("ctx-agent", fabric=fabric)
+    ctx_agent = LoopbackAgent("ctx-agent", fabric=fabric, notify_on_poll=notify_on_poll)
     gen_agent = LoopbackAgent("gen-agent", fabric=fabric)
     ctx_memory = np.random.default_rng(5).integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
     gen_memory = np.zeros(NUM_SLOTS * BLOCK_BYTES, np.uint8)

@@ -251,3 +251,37 @@ async def test_a_write_posted_ahead_that_the_session_does_not_take_is_settled(
         outcome = await _outcome(pair.ctx.check_context_transfer_status)
         assert not outcome.ok and "did not take" in (outcome.error or "")
         await _until(lambda: pair.ctx_agent.num_handles == 0, "the handle released")
+
+
+# NIXL's UCX backend sends a write's notification from the first poll that finds the write
+# done; the write's own task polls only once the loop is back from the caller. The transceiver
+# therefore polls young writes itself before handing control back (`CtxWrites.nudge`).
+
+
+async def test_a_write_that_ended_during_the_call_is_told_before_the_call_returns() -> None:
+    async with _open_pair(notify_on_poll=True) as pair:
+        key = 2**42 + 10
+        await _prepared_early(pair, key, DST)
+        await _watching(pair)
+        assert pair.gen_agent.num_notifications == 0
+        pair.ctx.respond_and_send_async(key, [SRC], NUM_TOKENS, first_tokens=(9,))
+        # No checkpoint since the call: only the call itself can have polled the write.
+        assert pair.gen_agent.num_notifications == 1
+        outcome = await _outcome(pair.gen.check_gen_transfer_status)
+        assert outcome.ok and outcome.first_tokens == (9,)
+        assert pair.gen_blocks(DST) == pair.ctx_blocks(SRC)
+        assert (await _outcome(pair.ctx.check_context_transfer_status)).ok
+        await _until(lambda: pair.ctx_agent.num_handles == 0, "every handle released")
+
+
+async def test_a_write_started_by_a_noticed_request_is_polled_at_once() -> None:
+    async with _open_pair(request_notices=True, notify_on_poll=True) as pair:
+        await _connect(pair)
+        key = 2**42 + 11
+        pair.ctx.respond_and_send_async(key, [SRC], NUM_TOKENS)  # context_first: ctx watches
+        pair.gen_agent.send_notification(pair.ctx_agent.name, encode(_request(pair, key)))
+        pair.ctx._drain_notifications()  # what ctx's watching loop does at its next round
+        assert pair.gen_agent.num_notifications == 1  # the write's, sent from within that round
+        assert pair.gen_blocks(DST) == pair.ctx_blocks(SRC)
+        assert (await _outcome(pair.ctx.check_context_transfer_status)).ok
+        await _until(lambda: pair.ctx_agent.num_handles == 0, "every handle released")

@@ -124,6 +124,28 @@ def test_loopback_prepared_write_copies_only_when_posted() -> None:
     assert gen.get_notifications() == []
 
 
+def test_loopback_can_notify_from_the_first_poll_that_finds_a_write_done() -> None:
+    """As NIXL's UCX backend does for a write still in flight when posted."""
+    fabric = LoopbackFabric()
+    ctx = LoopbackAgent("ctx/0", fabric=fabric, notify_on_poll=True)
+    gen = LoopbackAgent("gen/0", fabric=fabric)
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    ctx.register_memory([MemoryRegion(address=int(src.ctypes.data), size=64)])
+    gen.register_memory([MemoryRegion(address=int(dst.ctypes.data), size=64)])
+    remote = ctx.add_remote(gen.local_metadata())
+    rows = Fragments(np.array([[src.ctypes.data, dst.ctypes.data, 64]], dtype=np.int64))
+    handle = ctx.submit_write(rows, remote, b"polled")
+    assert (dst == src).all() and gen.get_notifications() == []  # landed, not yet told
+    assert ctx.poll(handle) is XferStatus.DONE
+    assert gen.get_notifications() == [("ctx/0", b"polled")]
+    assert ctx.poll(handle) is XferStatus.DONE and gen.get_notifications() == []  # once
+    ctx.release(handle)
+    never = ctx.submit_write(rows, remote, b"never polled")
+    ctx.release(never)
+    assert gen.get_notifications() == [] and ctx.num_handles == 0
+
+
 def test_loopback_refuses_out_of_bounds_and_unknown_remotes() -> None:
     src = np.ones(64, dtype=np.uint8)
     dst = np.zeros(64, dtype=np.uint8)

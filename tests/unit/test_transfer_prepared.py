@@ -8,7 +8,7 @@ from trtdisagg.transfer.agents.base import XferHandle
 from trtdisagg.transfer.fragments import Fragments
 from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
 from trtdisagg.transfer.sessions import SourceBlocks
-from trtdisagg.transfer.wire import RequestData, pack_block_ids
+from trtdisagg.transfer.wire import NoticeTemplate, RequestData, WriteNotice, pack_block_ids
 
 KEY = 77
 SOURCE = SourceBlocks(block_ids=((1, 2, 3),), num_tokens=11)
@@ -25,6 +25,7 @@ def _write(rank: int, handle: int, source: SourceBlocks = SOURCE) -> PreparedWri
     return PreparedWrite(
         request=_request(rank), source=source, remote="gen#0",
         fragments=Fragments(np.array([[0, 0, 8]], dtype=np.int64)), handle=XferHandle(handle),
+        notice=NoticeTemplate.of(WriteNotice(key=KEY, instance_name="ctx", instance_rank=0)),
     )  # fmt: skip
 
 

@@ -87,6 +87,30 @@ def test_round_trip(message: wire.Message) -> None:
     assert wire.decode(wire.encode(message)) == message
 
 
+token_ids = st.lists(st.integers(0, 2**31 - 1), max_size=4).map(tuple)
+
+
+@given(
+    st.builds(
+        wire.WriteNotice,
+        key=keys,
+        instance_name=names,
+        instance_rank=ranks,
+        num_bytes=st.integers(0, 2**50),
+        num_descriptors=st.integers(0, 2**30),
+    ),
+    token_ids,
+)
+def test_a_notice_template_encodes_what_the_whole_notice_encodes(
+    notice: wire.WriteNotice, first_tokens: tuple[int, ...]
+) -> None:
+    """ctx fills in the first tokens of a notice unstructured ahead (a prepared write): the
+    bytes gen decodes must be those of the notice with those tokens."""
+    encoded = wire.NoticeTemplate.of(notice).encode(first_tokens)
+    assert encoded == wire.encode(attrs.evolve(notice, first_tokens=first_tokens))
+    assert wire.decode(encoded) == attrs.evolve(notice, first_tokens=first_tokens)
+
+
 @settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=256))
 def test_random_bytes_raise_only_protocol_error(data: bytes) -> None:

@@ -21,7 +21,7 @@ import attrs
 from trtdisagg.transfer.agents.base import XferHandle
 from trtdisagg.transfer.fragments import Fragments
 from trtdisagg.transfer.sessions import SourceBlocks
-from trtdisagg.transfer.wire import RequestData
+from trtdisagg.transfer.wire import NoticeTemplate, RequestData
 
 
 @attrs.frozen(kw_only=True)
@@ -31,6 +31,7 @@ class PreparedWrite:
     fragments: Fragments
     remote: str
     handle: XferHandle
+    notice: NoticeTemplate  # its notification, once the first tokens are known
     told_at: float | None = None  # when gen was told (WRITE_PREPARED); None: not told
 
 

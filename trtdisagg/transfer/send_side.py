@@ -104,6 +104,7 @@ class CtxSender:
         self.writes.start_writes(session)
         self.writes.settle_posted_ahead(session)
         self.forget_prepared(key)  # what `start_writes` did not post is of no use now
+        self.writes.nudge()  # a short write may have ended by now: gen hears of it at once
 
     def _takes_early_requests(self, key: int) -> bool:
         """Whether the session about to be made for `key` will take every REQUEST_DATA held for
@@ -173,6 +174,7 @@ class CtxSender:
             fragments=fragments,
             remote=remote,
             handle=handle,
+            notice=self.writes.notice_template(key, fragments),
             told_at=self.writes.tell_prepared(key, request),
         )
         self.writes.release_handles([self.prepared.add(key, write)])
@@ -181,6 +183,7 @@ class CtxSender:
         self.writes.release_handles(self.prepared.drop(key))
 
     def check_context_transfer_status(self) -> list[TransferOutcome]:
+        self.writes.nudge()  # the executor's tick may come before the write's task polls
         now = self.clock()
         for session in self.senders.expired(now):
             session.fail(f"KV transfer {session.key} timed out after {self.timeout_s:g}s")

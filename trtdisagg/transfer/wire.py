@@ -35,6 +35,7 @@ from typing import Any, Final
 
 import attrs
 import cattrs
+import msgpack
 from cattrs.preconf.msgpack import MsgpackConverter, make_converter
 from cattrs.strategies import configure_tagged_union
 from cattrs.v import format_exception
@@ -286,6 +287,24 @@ def encode(message: Message) -> bytes:
     """One message as msgpack bytes (a map with a `"type"` tag)."""
     data: bytes = _converter.dumps(message, unstructure_as=Message)
     return data
+
+
+@attrs.frozen(eq=False)
+class NoticeTemplate:
+    """A WRITE_NOTICE unstructured ahead, but for its first tokens: ctx prepares a write while
+    the prefill runs, and when the KV is ready only the sampled tokens are left to fill in,
+    just before the post (1 us on the CPU host, against 8-16 us to encode the whole notice)."""
+
+    _fields: dict[str, Any]
+
+    @classmethod
+    def of(cls, notice: WriteNotice) -> NoticeTemplate:
+        return cls(_converter.unstructure(notice, unstructure_as=Message))
+
+    def encode(self, first_tokens: Sequence[int]) -> bytes:
+        """`encode(attrs.evolve(notice, first_tokens=first_tokens))`, byte for byte."""
+        data: bytes = msgpack.packb({**self._fields, "first_tokens": list(first_tokens)})
+        return data
 
 
 def decode(data: bytes) -> Message:

@@ -29,7 +29,7 @@ from trtdisagg.transfer.bounce import staged_fragments, staged_runs
 from trtdisagg.transfer.errors import TransferLayerError
 from trtdisagg.transfer.fragments import Fragments
 from trtdisagg.transfer.messenger import Dealer
-from trtdisagg.transfer.pacing import WriteRates, gen_watches, polls_every_round
+from trtdisagg.transfer.pacing import SPIN_POLL_S, WriteRates, gen_watches, polls_every_round
 from trtdisagg.transfer.peers import PeerRegistrar, SendPlan
 from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
 from trtdisagg.transfer.rank_info import RankInfo
@@ -37,6 +37,7 @@ from trtdisagg.transfer.sessions import SenderSession, SourceBlocks
 from trtdisagg.transfer.staging_area import StagingArea
 from trtdisagg.transfer.wire import (
     Message,
+    NoticeTemplate,
     RequestData,
     ResultStatus,
     TransferResult,
@@ -62,6 +63,7 @@ class _CallAgent(Protocol):
 class _Posted:
     """ctx: one write handed to the agent, to be polled to its end (`_await_write`)."""
 
+    key: int
     handle: XferHandle
     remote: str
     num_bytes: int
@@ -106,6 +108,10 @@ class CtxWrites:
     _posted_ahead: dict[tuple[int, int], _Posted | TransferLayerError] = attrs.Factory(dict)
     bounced: int = 0  # sends that went through staging
     _write_rates: WriteRates = attrs.Factory(WriteRates)  # bytes/s of writes, per remote
+    # Writes posted and polled by their tasks (`_await_write`), which `nudge` polls too while
+    # they are young; a write it found ended -> (its state, when).
+    _in_flight: dict[XferHandle, _Posted] = attrs.Factory(dict)
+    _ended: dict[XferHandle, tuple[XferStatus, float]] = attrs.Factory(dict)
 
     def release_handles(self, handles: Sequence[XferHandle | None]) -> None:
         """Hand prepared writes that will never be posted back to the agent (in a task: the
@@ -129,16 +135,17 @@ class CtxWrites:
         for prepared in self.prepared.ready(key, source):
             if not gen_watches(now, prepared.told_at):
                 continue
-            notice = self.notice(key, prepared.fragments, first_tokens)
+            notice = prepared.notice.encode(first_tokens)
             posted: _Posted | TransferLayerError
             try:
                 self._stamp(key, "post")
                 preparer.post_prepared(prepared.handle, notice)
                 self._stamp(key, "posted")
-                posted = self._posted(prepared.handle, prepared.remote, prepared.fragments)
+                posted = self._posted(key, prepared.handle, prepared.remote, prepared.fragments)
             except TransferLayerError as exc:  # the agent released the handle
                 posted = exc
             self._posted_ahead[(key, prepared.request.instance_rank)] = posted
+        self.nudge()  # a cold post call can outlast a short write (128 MiB on one H200)
 
     def settle_posted_ahead(self, session: SenderSession) -> None:
         """Writes `post_ready` posted for `session` that it did not take up. Its caller's check
@@ -171,6 +178,7 @@ class CtxWrites:
             except (TransferLayerError, ValueError) as exc:
                 early = exc
             self._spawn(self._write, session, request, start, early)
+        self.nudge()
 
     def _post_at_once(
         self, session: SenderSession, request: RequestData, *, gen_watching: bool = False
@@ -214,7 +222,7 @@ class CtxWrites:
         assert preparer is not None
 
         # Prepared before the first tokens were known: the notice is replaced at the post.
-        notice = self.notice(session.key, prepared.fragments, session.first_tokens)
+        notice = prepared.notice.encode(session.first_tokens)
 
         def post() -> XferHandle:
             self._stamp(session.key, "post")
@@ -264,7 +272,7 @@ class CtxWrites:
         )
         if first:
             self._announce(session, request, fragments, remote)
-        posted = self._posted(submit(), remote, fragments)
+        posted = self._posted(session.key, submit(), remote, fragments)
         if not first and self._write_rates.announce_after(
             remote, fragments.num_bytes, gen_watching=gen_watching
         ):
@@ -427,7 +435,7 @@ class CtxWrites:
         handle = await self._call_agent(submit, quick=quick)
         if announce is not None and not first:
             self._announce(announce, request, fragments, remote)
-        await self._await_write(key, self._posted(handle, remote, fragments))
+        await self._await_write(key, self._posted(key, handle, remote, fragments))
 
     def _submitter(
         self,
@@ -462,15 +470,23 @@ class CtxWrites:
     ) -> bytes:
         """The notification payload of a write of `key` from this rank (WRITE_NOTICE); with
         `fragments`, the rank's only write, it also says what the write moves."""
-        return encode(
-            WriteNotice(
-                key=key,
-                instance_name=self.local.instance_name,
-                instance_rank=self.local.instance_rank,
-                num_bytes=fragments.num_bytes if fragments is not None else 0,
-                num_descriptors=len(fragments) if fragments is not None else 0,
-                first_tokens=first_tokens,
-            )
+        return encode(self._notice(key, fragments, first_tokens))
+
+    def notice_template(self, key: int, fragments: Fragments) -> NoticeTemplate:
+        """`notice(key, fragments, first_tokens)` for first tokens known later (a prepared
+        write: the prefill that samples them still runs)."""
+        return NoticeTemplate.of(self._notice(key, fragments))
+
+    def _notice(
+        self, key: int, fragments: Fragments | None, first_tokens: tuple[int, ...] = ()
+    ) -> WriteNotice:
+        return WriteNotice(
+            key=key,
+            instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            num_bytes=fragments.num_bytes if fragments is not None else 0,
+            num_descriptors=len(fragments) if fragments is not None else 0,
+            first_tokens=first_tokens,
         )
 
     @staticmethod
@@ -479,10 +495,11 @@ class CtxWrites:
         pool = plan.peer.page_table.layer_groups[0].pool
         return pool.memory_type, pool.device_id
 
-    def _posted(self, handle: XferHandle, remote: str, fragments: Fragments) -> _Posted:
+    def _posted(self, key: int, handle: XferHandle, remote: str, fragments: Fragments) -> _Posted:
         posted = self.clock()
         expected_s = self._write_rates.expected_s(remote, fragments.num_bytes)
-        return _Posted(
+        write = _Posted(
+            key=key,
             handle=handle,
             remote=remote,
             num_bytes=fragments.num_bytes,
@@ -490,13 +507,41 @@ class CtxWrites:
             posted=posted,
             expected=posted + (expected_s or 0.0),
         )
+        self._in_flight[handle] = write  # until `_await_write` has seen it end
+        return write
+
+    def nudge(self) -> None:
+        """Poll the writes posted within the last SPIN_POLL_S, here and now. The agent sends a
+        write's notification from the first poll that finds the write ended (NIXL's UCX
+        backend: gen hears nothing before), and a write's own task polls only once the loop is
+        back from whoever posted it: on one H200, a write of 128 MiB ends 0.1 ms after its post,
+        before the executor's call that posted it has returned. Synchronous; skipped while a
+        threaded agent call runs (the tasks then poll as before)."""
+        if not self._in_flight or self._agent_lock.locked():
+            return
+        now = self.clock()
+        for handle, write in list(self._in_flight.items()):
+            if now > write.posted + SPIN_POLL_S:
+                continue  # an old write: its task's polls are paced (polls_every_round)
+            try:
+                state = self.agent.poll(handle)
+            except TransferLayerError:
+                continue  # its task's own poll reports it
+            if state is not XferStatus.PENDING:
+                del self._in_flight[handle]
+                self._ended[handle] = (state, self.clock())
+                if state is XferStatus.DONE:
+                    self._stamp(write.key, "done")
 
     async def _await_write(self, key: int, write: _Posted) -> None:
         """Poll a posted write to its end, then hand its handle back (also when cancelled)."""
         handle = write.handle
         try:
             while True:
-                state = await self._call_agent(lambda: self.agent.poll(handle), quick=True)
+                state, ended = self._ended.pop(handle, (None, 0.0))
+                if state is None:
+                    state = await self._call_agent(lambda: self.agent.poll(handle), quick=True)
+                    ended = self.clock()
                 if state is XferStatus.DONE:
                     self._stamp(key, "done")
                     break
@@ -504,8 +549,10 @@ class CtxWrites:
                     raise TransferLayerError(f"agent reported an error writing {key}")
                 every_round = polls_every_round(self.clock(), write.posted, write.expected)
                 await trio.sleep(0 if every_round else 0.001)
-            self._write_rates.learn(write.remote, write.num_bytes, self.clock() - write.posted)
+            self._write_rates.learn(write.remote, write.num_bytes, ended - write.posted)
         finally:
+            self._in_flight.pop(handle, None)
+            self._ended.pop(handle, None)
             # Shielded: a cancelled write task must still hand its handle back.
             with trio.CancelScope(shield=True):
                 await self._call_agent(lambda: self.agent.release(handle), quick=True)

@@ -6,6 +6,10 @@ lies in the writer's registered memory and every destination in the target's, co
 `ctypes.memmove`, and queues the notification on the target; it is DONE when `submit_write`
 (or `post_prepared`) returns. DRAM only (host addresses). Same contract as
 `base.TransferAgent`; nothing here blocks.
+
+`notify_on_poll=True` sends a write's notification only from the first `poll` that finds it
+done, as NIXL's UCX backend does for a write still in flight when posted (a GPU write): then
+gen hears of a write no sooner than ctx polls it.
 """
 
 from __future__ import annotations
@@ -47,9 +51,11 @@ class LoopbackFabric:
 
 
 class LoopbackAgent:
-    def __init__(self, name: str, *, fabric: LoopbackFabric) -> None:
+    def __init__(self, name: str, *, fabric: LoopbackFabric, notify_on_poll: bool = False) -> None:
         self._name = name
         self._fabric = fabric
+        self._notify_on_poll = notify_on_poll
+        self._unsent: dict[XferHandle, tuple[str, bytes]] = {}  # notify_on_poll: not polled yet
         self._regions: list[MemoryRegion] = []
         self._remotes: set[str] = set()
         self._notifications: list[tuple[str, bytes]] = []
@@ -137,7 +143,10 @@ class LoopbackAgent:
         if len(fragments):
             for src, dst, size in fragments.rows.tolist():
                 ctypes.memmove(dst, src, size)
-            self._fabric.get(remote)._notifications.append((self._name, notif))
+            if self._notify_on_poll:
+                self._unsent[handle] = (remote, notif)
+            else:
+                self._fabric.get(remote)._notifications.append((self._name, notif))
         self._handles[handle] = XferStatus.DONE
 
     @property
@@ -156,11 +165,16 @@ class LoopbackAgent:
         return len(self._notifications)
 
     def poll(self, handle: XferHandle) -> XferStatus:
+        unsent = self._unsent.pop(handle, None)
+        if unsent is not None:
+            remote, notif = unsent
+            self._fabric.get(remote)._notifications.append((self._name, notif))
         return self._handles[handle]
 
     def release(self, handle: XferHandle) -> None:
         self._handles.pop(handle, None)
         self._prepared.pop(handle, None)
+        self._unsent.pop(handle, None)  # never polled: never sent (as NIXL's)
 
     def connect(self, remote: str) -> None:
         if remote not in self._remotes:
@@ -178,6 +192,7 @@ class LoopbackAgent:
     def close(self) -> None:
         self._handles.clear()
         self._prepared.clear()
+        self._unsent.clear()
         self._remotes.clear()
         self._regions.clear()
         self._fabric.detach(self._name)
