@@ -65,6 +65,11 @@ generation-first: after ctx's respond, so REQUEST_DATA's stages are negative), c
 `ratio_vs_raw_nixl=<transceiver GB/s / raw GB/s>` of the first selected schedule (with
 `--schedule both`: context-first, preceded by `ratio_vs_raw_nixl_generation_first=<x>`).
 
+`--ctx-busy-ms N` keeps ctx busy as a loaded ctx is: from the moment its KV is ready (and in the
+raw path from just before the post), a worker thread runs ctx's "next step" for N ms, launching
+small device ops from Python as a forward does, while ctx's loop goes on with the transfer. The
+timed windows are unchanged; every path (raw too) runs beside it.
+
 `--nixl-progress-thread off` creates the children's agents with `progress_thread=False` (what the
 CPU launcher configs run with), so that transfers progress only when polled.
 NIXL's UCX progress thread spins (about one core per idle agent), which on a 2-core machine
@@ -300,6 +305,8 @@ class BenchConfig:
     request_notices: bool | None = None
     # generation-first: the last prefill step, between `prepare_send` and the KV being ready
     prefill_step_s: float = 0.01
+    # ctx's next step, run in a worker thread from when its KV is ready (0: ctx idles)
+    ctx_busy_s: float = 0.0
     label: str = "default"
     result_json: Path | None = None
     # transceiver schedules measured, each against raw; the first one's ratio is the last line
@@ -381,6 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
         "8B model's step on an H200 takes 16 ms or more",
     )
     parser.add_argument(
+        "--ctx-busy-ms",
+        type=float,
+        default=0.0,
+        help="ctx runs its next step (a worker thread launching small device ops) for this "
+        "long from the moment its KV is ready, as a loaded ctx does; every path runs beside it",
+    )
+    parser.add_argument(
         "--request-notices",
         choices=("auto", "on", "off"),
         default="auto",
@@ -430,6 +444,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
     if not 0 <= args.prefill_step_ms <= 10_000:
         raise ValueError(f"--prefill-step-ms must be in [0, 10000], got {args.prefill_step_ms}")
+    if not 0 <= args.ctx_busy_ms <= 10_000:
+        raise ValueError(f"--ctx-busy-ms must be in [0, 10000], got {args.ctx_busy_ms}")
     if args.device == "cpu" and (args.gen_gpu is not None or args.ctx_gpu != 0):
         raise ValueError("--ctx-gpu/--gen-gpu need --device cuda")
     if min(args.ctx_gpu, 0 if args.gen_gpu is None else args.gen_gpu) < 0:
@@ -449,6 +465,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         progress_thread=args.nixl_progress_thread == "on",
         request_notices={"auto": None, "on": True, "off": False}[args.request_notices],
         prefill_step_s=args.prefill_step_ms / 1000,
+        ctx_busy_s=args.ctx_busy_ms / 1000,
         label=label,
         result_json=args.result_json,
         schedules=schedules_for(args.schedule),
@@ -656,6 +673,13 @@ def format_report(doc: dict[str, Any]) -> str:
         f"  descriptors: transceiver {doc['descriptors']} (expected {doc['expected_descriptors']}),"
         f" raw 1",
         f"  cold first transfer: {cold}, raw {_ms(doc['cold']['raw_s'])}",
+    ]
+    if cfg.get("ctx_busy_s"):
+        lines.append(
+            f"  ctx busy: its next step runs {cfg['ctx_busy_s'] * 1e3:g} ms in a worker thread "
+            "from the moment its KV is ready (raw: from the post)"
+        )
+    lines += [
         f"  {'path':<56}{'median':>12}{'p10':>12}{'p90':>12}{'GB/s':>10}",
     ]
     for name, sd in schedules.items():
@@ -798,6 +822,7 @@ class _Side:
         self.writes: list[tuple[int, int, float]] = []  # on_write: (bytes, descriptors, seconds)
         self.nursery: trio.Nursery | None = None  # set once the child's nursery is open
         self.pending: _PendingReceive | None = None
+        self.busy: trio.Event | None = None  # ctx's next step (--ctx-busy-ms): set when over
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -864,10 +889,32 @@ class _Side:
 
     # ctx
     async def respond(self, args: dict[str, Any]) -> dict[str, Any]:
-        """The KV is ready: `respond_and_send_async`; `t0` is stamped just before the call."""
+        """The KV is ready: `respond_and_send_async`; `t0` is stamped just before the call.
+        With --ctx-busy-ms, ctx's next step starts right after it, as the executor's does."""
         t0 = time.monotonic()
         self.transceiver.respond_and_send_async(args["key"], [self.blocks], self.cfg.tokens)
+        self._start_busy()
         return {"t0": t0}
+
+    def _start_busy(self) -> None:
+        if not self.cfg.ctx_busy_s or self.nursery is None:
+            return
+        done = self.busy = trio.Event()
+        device, seconds = self.cache.pool.device, self.cfg.ctx_busy_s
+
+        async def step() -> None:
+            try:
+                await trio.to_thread.run_sync(_busy_step, device, seconds)
+            finally:
+                done.set()
+
+        self.nursery.start_soon(step)
+
+    async def _busy_over(self) -> None:
+        if self.busy is not None:
+            with trio.fail_after(self.cfg.ctx_busy_s + self.cfg.timeout_s):
+                await self.busy.wait()
+            self.busy = None
 
     async def prepare(self, args: dict[str, Any]) -> dict[str, Any]:
         """The prompt's last prefill step: `prepare_send` as the executor calls it when the step
@@ -889,6 +936,7 @@ class _Side:
         outcome = await self._await_outcome(
             args["key"], self.transceiver.check_context_transfer_status
         )
+        await self._busy_over()
         write = self.writes.pop() if self.writes else None
         self.writes.clear()
         return {"outcome": attrs.asdict(outcome), "write": write}
@@ -926,7 +974,9 @@ class _Side:
                 raise RuntimeError(f"raw write {args['tag']} failed")
             return start, done
 
+        self._start_busy()
         start, done = await trio.to_thread.run_sync(write)
+        await self._busy_over()
         return {"start": start, "done": done}
 
     # gen
@@ -1146,6 +1196,21 @@ async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
                 nursery.cancel_scope.cancel()
     finally:
         await trio.to_thread.run_sync(agent.close)
+
+
+def _busy_step(device: torch.device, seconds: float) -> int:
+    """ctx's next step, in a worker thread: small ops launched from Python for `seconds` (a
+    forward's pattern: the interpreter lock held between launches, released inside each)."""
+    import torch
+
+    x = torch.full((64, 64), 0.01, device=device)
+    steps, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        x = torch.tanh(x @ x)
+        steps += sum(range(64)) > 0  # a module call's Python around each op
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return steps
 
 
 async def _next_command(conn: Connection) -> tuple[str, dict[str, Any]]:

@@ -167,12 +167,21 @@ def test_heterogeneous_pairings_are_refused_clearly(
         (["--gen-gpu", "1"], "need --device cuda"),
         (["--device", "cuda", "--gen-gpu", "-1"], "GPU indices"),
         (["--ctx-tp", "0"], "parallel sizes must be >= 1"),
+        (["--ctx-busy-ms", "-1"], "--ctx-busy-ms must be in [0, 10000]"),
     ],
 )
 def test_invalid_arguments(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert message in _rejected(argv, capsys)
+
+
+def test_ctx_busy_is_off_unless_asked_and_named_in_the_report() -> None:
+    assert bt.parse_config([]).ctx_busy_s == 0.0
+    assert bt.parse_config(["--ctx-busy-ms", "5"]).ctx_busy_s == pytest.approx(0.005)
+    assert "ctx busy" not in bt.format_report(_doc([], {"context-first": 0.8}))
+    busy = bt.format_report(_doc(["--ctx-busy-ms", "5"], {"context-first": 0.8}))
+    assert "ctx busy: its next step runs 5 ms in a worker thread" in busy
 
 
 def test_tokens_and_kv_mib_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
