@@ -18,19 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_small_run_of_every_schedule_verifies_its_bytes(tmp_path: Path) -> None:
     result = tmp_path / "bench.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench_transfer.py"),
-            "--kv-mib", "1", "--iterations", "3", "--warmup", "1", "--schedule", "all",
-            "--ctx-busy-ms", "1", "--nixl-progress-thread", "off",
-            "--result-json", str(result),
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=200,
-        cwd=ROOT,
-    )
+    argv = [
+        sys.executable, str(ROOT / "tools" / "bench_transfer.py"),
+        "--kv-mib", "1", "--iterations", "3", "--warmup", "1", "--schedule", "all",
+        "--ctx-busy-ms", "1", "--nixl-progress-thread", "off", "--result-json", str(result),
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=200, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert lines[-1].startswith("ratio_vs_raw_nixl=")
