@@ -23,6 +23,9 @@ from tests.procs import REPO, Server, metric, stop, wait_healthy, worker_config
 
 TIMEOUT_S = 2.0  # default kv_transfer_timeout_ms of the fault tests' workers, in seconds
 SLACK_S = 1.5  # scheduling, HTTP and polling on a loaded 2-core machine
+# cache_transceiver_config.peer_probe_ms of the fault tests' workers: a dead peer is forgotten
+# within about 4 x this (transfer/liveness.py); a live one answers its probes within it.
+PEER_PROBE_MS = 1000
 # Digests of the KV moved (TRTDISAGG_TEST_HOOKS), and faults armed with no rule yet.
 ENV = {"TRTDISAGG_TEST_HOOKS": "1", "TRTDISAGG_FAULTS": "none"}
 
@@ -39,6 +42,7 @@ class Processes:
             "backend": "NIXL",
             "kv_transfer_timeout_ms": int(timeout_s * 1000),
             "nixl_progress_thread": False,
+            "peer_probe_ms": PEER_PROBE_MS,
         }
         config = self.tmp / f"{role}-{port}.yaml"
         config.write_text(yaml.safe_dump(worker_config(cache_transceiver_config=transfer)))

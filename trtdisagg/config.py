@@ -84,6 +84,9 @@ class CacheTransceiverConfig:
     # NIXL's own progress thread. It spins a core even when idle; with it off, the transceiver's
     # polling drives transfers, which suits CPU clusters where cores are scarce.
     nixl_progress_thread: bool = True
+    # A peer instance silent this long is probed; three unanswered probes this long apart mean
+    # it is gone, and it is forgotten, its agents unloaded (transfer/liveness.py).
+    peer_probe_ms: int = attrs.field(default=5000, validator=_positive)
 
 
 @attrs.frozen(kw_only=True)

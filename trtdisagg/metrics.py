@@ -55,6 +55,7 @@ class WorkerMetrics:
     kv_prepared_writes: Counter
     kv_watch_seconds: Counter
     kv_request_notices: Counter
+    kv_peers_forgotten: Counter
     control_connections: Gauge
     faults_injected: Counter
     event_loop_lag: Histogram
@@ -156,6 +157,12 @@ class WorkerMetrics:
                 p + "kv_request_notices",
                 "REQUEST_DATA that ctx took from a transfer-agent notification, ahead of its "
                 "ZMQ copy (context_first, on workers that watch for requests)",
+                registry=r,
+            ),
+            kv_peers_forgotten=Counter(
+                p + "kv_peers_forgotten",
+                "Peer instances forgotten as gone (unanswered probes, or another instance at "
+                "their endpoint), their transfer agents unloaded",
                 registry=r,
             ),
             kv_quarantine_expired=Counter(

@@ -21,6 +21,7 @@ import trio
 import yaml
 
 from tests.fault_checks import (
+    PEER_PROBE_MS,
     SLACK_S,
     Processes,
     completion,
@@ -37,6 +38,7 @@ from tests.procs import Server, free_port, metric, wait_healthy
 pytestmark = pytest.mark.timeout(300)
 
 REQUEST_TIMEOUT_S = 30
+FORGOTTEN = "trtdisagg_kv_peers_forgotten_total"
 # kv_transfer_timeout_ms of this module's workers: 3 s, since 100 concurrent requests on a
 # loaded 2-core machine can take 2 s from ctx's answer to gen's request for the KV.
 TIMEOUT_S = 3.0
@@ -296,7 +298,9 @@ async def test_ctx_killed_mid_transfer_fails_the_request_then_a_new_ctx_serves(
         stalls = metric((await client.get(ctx.url + "/metrics")).text,
                         "trtdisagg_faults_injected_total", stall)  # fmt: skip
         expired = "trtdisagg_kv_quarantine_expired_total"
-        expired_before = metric((await client.get(gen.url + "/metrics")).text, expired)
+        gen_before = (await client.get(gen.url + "/metrics")).text
+        expired_before = metric(gen_before, expired)
+        forgotten_before = metric(gen_before, FORGOTTEN)
         await set_faults(client, ctx, "stall_transfer:60s:1")
         out = Outcome()
         body = completion(_prompt(random.Random(5), 50), 8)
@@ -318,6 +322,10 @@ async def test_ctx_killed_mid_transfer_fails_the_request_then_a_new_ctx_serves(
 
         gen_text = await wait_metrics(client, gen, is_idle, "gen idle", TIMEOUT_S + 2 * SLACK_S)
         assert metric(gen_text, expired) == expired_before + 1  # freed without ctx's answer
+        await wait_metrics(  # the dead ctx: forgotten, its agents unloaded
+            client, gen, lambda t: metric(t, FORGOTTEN) == forgotten_before + 1,
+            "gen forgetting the dead ctx", 4 * PEER_PROBE_MS / 1000 + 2 * SLACK_S,
+        )  # fmt: skip
 
         await trio.to_thread.run_sync(cluster.start_workers, "ctx")
         ctx = cluster.servers["ctx"]
@@ -346,6 +354,7 @@ async def test_gen_killed_mid_decode_fails_its_requests_and_ctx_frees_by_deadlin
     url = coord.url + "/v1/completions"
     rng = random.Random(8)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S + 10) as client:
+        forgotten_before = metric((await client.get(ctx.url + "/metrics")).text, FORGOTTEN)
         decoding, waiting = [Outcome(), Outcome()], [Outcome(), Outcome()]
         async with trio.open_nursery() as nursery:
             for out in decoding:
@@ -370,6 +379,10 @@ async def test_gen_killed_mid_decode_fails_its_requests_and_ctx_frees_by_deadlin
             assert out.done_at - killed_at < SLACK_S, out.done_at - killed_at
         await wait_metrics(client, ctx, is_idle, "ctx idle", TIMEOUT_S + SLACK_S)
         assert time.monotonic() - killed_at < TIMEOUT_S + SLACK_S
+        await wait_metrics(  # the dead gen: forgotten, its agent unloaded
+            client, ctx, lambda t: metric(t, FORGOTTEN) == forgotten_before + 1,
+            "ctx forgetting the dead gen", 4 * PEER_PROBE_MS / 1000 + 2 * SLACK_S,
+        )  # fmt: skip
         await _health(client, coord.url, 503, 5)
         r = await client.post(url, json=completion(_prompt(rng, 20), 4))
         assert r.status_code == 503, r.text

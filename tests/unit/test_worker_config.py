@@ -26,6 +26,7 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     assert config.kv_cache_config.layout is Layout.NHD
     assert config.kv_cache_config.tokens_per_block == 16
     assert load_worker_config(None) == WorkerConfig()
+    assert WorkerConfig().cache_transceiver_config.peer_probe_ms == 5000
 
 
 @pytest.mark.parametrize(
@@ -39,6 +40,10 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         ("dtype: int8\n", ["dtype", "int8"]),
         ("max_batch_size: 0\n", ["max_batch_size", "positive"]),
         ("cache_transceiver_config: {backend: RDMA}\n", ["cache_transceiver_config.backend"]),
+        (
+            "cache_transceiver_config: {peer_probe_ms: 0}\n",
+            ["cache_transceiver_config", "peer_probe_ms", "positive"],
+        ),
         ("kv_cache_config: {max_tokens: 8, tokens_per_block: 32}\n", ["max_tokens"]),
         ("- a list\n", ["mapping"]),
         ("port: [1\n", ["not valid YAML"]),

@@ -276,6 +276,10 @@ class PeerRegistrar:
         one per overlapping peer rank, whether or not it moves bytes."""
         return len(self.overlap(peer, peer_dp_rank=peer_dp_rank))
 
+    def ranks_of(self, instance_name: str) -> list[RankInfo]:
+        """The registered ranks of one peer instance."""
+        return [info for key, info in self._peers.items() if key[0] == instance_name]
+
     def forget(self, instance_name: str) -> None:
         """Drop every rank, plan, overlap and refusal of one peer instance."""
         for table in (self._peers, self._plans, self._overlaps):

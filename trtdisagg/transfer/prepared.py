@@ -95,6 +95,12 @@ class PreparedWrites:
         release (its poll hands the handle back)."""
         self._writes.pop((key, rank), None)
 
+    def drop_requests_of(self, instance_name: str) -> list[XferHandle]:
+        """Forget the writes prepared for requests of the gen instance `instance_name` (gone);
+        the handles to release."""
+        keys = [k for k, w in self._writes.items() if w.request.instance_name == instance_name]
+        return [self._writes.pop(k).handle for k in keys]
+
     def drop(self, key: int) -> list[XferHandle]:
         """Forget `key` (answered, cancelled, refused); the handles to release."""
         self._expected.pop(key, None)

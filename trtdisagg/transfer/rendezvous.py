@@ -91,6 +91,21 @@ class CtxPeers:
         del self._ctx_peers[endpoint]
         self._replaced(peer.ranks)
 
+    def forget_instance(self, instance: str, *, rank_endpoint: str = "") -> tuple[RankInfo, ...]:
+        """Drop what is cached for the ctx instance `instance` (gone, or it forgot us), and for
+        whichever instance was met with a rank at `rank_endpoint` (the one that just said it
+        does not know us: it may have replaced the instance we met there). The next request to
+        such an endpoint meets whatever answers there. The ranks dropped, as met."""
+        ranks: tuple[RankInfo, ...] = ()
+        for endpoint, peer in list(self._ctx_peers.items()):
+            there = bool(rank_endpoint) and any(
+                info.control_endpoint == rank_endpoint for info in peer.ranks
+            )
+            if peer.ready.is_set() and (peer.instance_name == instance or there):
+                del self._ctx_peers[endpoint]
+                ranks += peer.ranks
+        return ranks
+
     async def ensure_ctx_peer(self, endpoint: str) -> tuple[RankInfo, ...]:
         """Rendezvous with the ctx instance at `endpoint` once; cached, refusal included."""
         peer = self._ctx_peers.get(endpoint)

@@ -149,6 +149,7 @@ class CtxSender:
             or request.staging_bytes
             or self._agent_lock.locked()
             or self.registrar.get(peer_key) is None
+            or peer_key not in self._remote_names
         ):
             return
         plan = self.registrar.send_plan(peer_key)

@@ -32,6 +32,10 @@ Lifecycle of a transfer key (= disagg_request_id):
    with no write in flight answers a CANCEL at once) or, if ctx is silent, a second timeout
    past the deadline; its failure is reported at once, with `blocks_held`.
 
+6. Both: a peer instance that goes silent is probed, and one that is gone (three probes
+   unanswered, or another instance at its endpoint) is forgotten and its agents unloaded, so
+   that its GPU memory is not kept mapped (transfer/liveness.py, transfer/peer_watch.py).
+
 Listener tasks only update sessions and wake the executor; they never wait on a transfer.
 
 This module is the shell: the service's tasks, dealers and router, message dispatch, and what
@@ -43,6 +47,7 @@ uses of the shell, and every task runs in the shell's nursery.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -53,9 +58,10 @@ import attrs
 import trio
 import trio.lowlevel
 
-from trtdisagg.transfer.agents.base import Notifier, TransferAgent, notifier
+from trtdisagg.transfer.agents.base import Notifier, TransferAgent, XferHandle, notifier
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
 from trtdisagg.transfer.faults import FaultInjector
+from trtdisagg.transfer.liveness import PeerLiveness
 from trtdisagg.transfer.messenger import Dealer, Router, open_dealer
 from trtdisagg.transfer.pacing import (
     ANNOUNCE_AFTER_S,
@@ -66,6 +72,7 @@ from trtdisagg.transfer.pacing import (
     Watches,
     polls_every_round,
 )
+from trtdisagg.transfer.peer_watch import PeerWatch
 from trtdisagg.transfer.peers import PeerRegistrar
 from trtdisagg.transfer.prepared import PreparedWrites
 from trtdisagg.transfer.rank_info import RankInfo
@@ -82,6 +89,7 @@ from trtdisagg.transfer.sessions import (
 )
 from trtdisagg.transfer.staging_area import StagingArea
 from trtdisagg.transfer.wire import (
+    NOT_REGISTERED,
     PROTOCOL_VERSION,
     Cancel,
     InstanceInfo,
@@ -90,6 +98,7 @@ from trtdisagg.transfer.wire import (
     RegisterPeer,
     RequestData,
     RequestInstanceInfo,
+    ResultStatus,
     TransferResult,
     WriteNotice,
     WritePosted,
@@ -155,6 +164,10 @@ class TransceiverStatistics:
     # and how many of those copies are still to come (each is dropped when it does)
     request_notices: int = 0
     request_copies_due: int = 0
+    # peer instances watched for being gone (transfer/liveness.py), and forgotten as gone
+    peers_watched: int = 0
+    peers_forgotten: int = 0
+    peer_probes: int = 0
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -183,6 +196,8 @@ class KvTransceiver:
     # Whether the loop may spin now to watch for a peer's next move (pacing.py): the worker
     # says so while its executor runs no step; a multi-rank follower never does.
     may_spin: Callable[[], bool] = lambda: True
+    # Which peer instances are gone (transfer/liveness.py); tests shorten its times.
+    liveness: PeerLiveness = attrs.Factory(PeerLiveness)
     registrar: PeerRegistrar = attrs.field(init=False)
     senders: SessionRegistry[SenderSession] = attrs.Factory(SessionRegistry)
     receivers: SessionRegistry[ReceiverSession] = attrs.Factory(SessionRegistry)
@@ -209,6 +224,7 @@ class KvTransceiver:
     _writes: CtxWrites = attrs.field(init=False)
     _ctx_side: CtxSender = attrs.field(init=False)
     _gen_side: GenReceiver = attrs.field(init=False)
+    _peer_watch: PeerWatch = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.registrar = PeerRegistrar(self.local)
@@ -219,8 +235,11 @@ class KvTransceiver:
             registrar=self.registrar,
             send=self._send,
             drop_dealer=self._drop_dealer,
-            met=self._connect_request_notices,
+            met=self._met_ctx,
             replaced=self._forget_request_notices,
+        )
+        self._peer_watch = PeerWatch(
+            liveness=self.liveness, clock=self.clock, send=self._send, forget=self._forget_peer
         )
         self._writes = CtxWrites(
             local=self.local,
@@ -312,6 +331,7 @@ class KvTransceiver:
             nursery.start_soon(self._gen_side.poll_notifications)
             nursery.start_soon(self._sweep)
             nursery.start_soon(self._keep_awake)
+            nursery.start_soon(self._peer_watch.run)
             task_status.started()
 
     def statistics(self) -> TransceiverStatistics:
@@ -340,6 +360,9 @@ class KvTransceiver:
             watch_s=self.watch_s,
             request_notices=self._ctx_side.request_notices,
             request_copies_due=self._ctx_side.copies_due,
+            peers_watched=len(self.liveness),
+            peers_forgotten=self._peer_watch.forgotten,
+            peer_probes=self._peer_watch.probes,
         )
 
     def _stamp(self, key: int, stage: str) -> None:
@@ -385,6 +408,8 @@ class KvTransceiver:
                 message = decode(payload)
             except TransferLayerError:
                 continue
+            if isinstance(message, WriteNotice | RequestData):
+                self.liveness.heard(message.instance_name, self.clock())
             if isinstance(message, WriteNotice):
                 self._gen_side.on_write_notice(message)
             elif isinstance(message, RequestData):
@@ -394,6 +419,42 @@ class KvTransceiver:
         """gen: the agent's own notifications, when REQUEST_DATA may go that way too. Not with
         faults armed: they apply to ZMQ messages, which a test must be able to drop."""
         return notifier(self.agent) if self.faults is None else None
+
+    async def _met_ctx(self, ranks: Sequence[RankInfo]) -> None:
+        """gen, once a ctx instance accepted us: watch it (liveness.py), and connect the agents
+        of its ranks that take REQUEST_DATA as a notification."""
+        rank0 = min(ranks, key=lambda info: info.instance_rank)
+        self.liveness.track(rank0.instance_name, rank0.control_endpoint, self.clock())
+        await self._connect_request_notices(ranks)
+
+    def _forget_peer(self, instance: str) -> None:
+        """A peer instance is gone (transfer/liveness.py): forget it, so that a new request
+        meets it again should it come back, and unload its agents. A dead peer's KV pool stays
+        allocated on its GPU while an agent of ours maps it. ctx unloads a gen rank's agent once
+        no write to it is in flight (such a write fails: the rank is gone)."""
+        ranks = [*self.registrar.ranks_of(instance), *self._ctx_peers.forget_instance(instance)]
+        self.registrar.forget(instance)
+        handles = self.prepared.drop_requests_of(instance)
+        names = [self._remote_names.pop(k) for k in list(self._remote_names) if k[0] == instance]
+        if names or handles:
+            self._spawn(self._unload_gen_agents, names, handles)
+        self._forget_request_notices(ranks)  # gen: ctx ranks' agents (gen never writes to them)
+        for endpoint in {info.control_endpoint for info in ranks}:
+            self._drop_dealer(endpoint)
+        self.wake()  # the executor's metrics count it
+
+    async def _unload_gen_agents(self, names: Sequence[str], handles: Sequence[XferHandle]) -> None:
+        """ctx: release the writes prepared to a gone gen instance, wait for those in flight to
+        end (each ends by its deadline), then unload its ranks' agents."""
+        for handle in handles:
+            await self._call_agent(functools.partial(self.agent.release, handle), quick=True)
+        with trio.move_on_after(2 * self.timeout_s):
+            await self._writes.until_not_writing_to(names)
+        for name in names:
+            if self._writes.writing_to(name):
+                log.warning("agent %s stays loaded: a write to it never ended", name)
+            else:
+                await self._remove_remote(name)
 
     async def _connect_request_notices(self, ranks: Sequence[RankInfo]) -> None:
         """gen, once a ctx instance accepted us: load and connect the agents of its ranks that
@@ -626,6 +687,9 @@ class KvTransceiver:
 
     async def _dispatch(self, message: Message, *, reply: bytes | None, source: str) -> None:
         """Route one inbound message. Never blocks on a transfer; never raises on peer input."""
+        sender = getattr(message, "instance_name", None)
+        if isinstance(sender, str):
+            self.liveness.heard(sender, self.clock())
         try:
             await self._handle(message, reply, source)
         except TransferLayerError as exc:
@@ -641,10 +705,21 @@ class KvTransceiver:
                 if reply is not None:
                     await self._register_peer(info, reply)
             case InstanceInfo() | RegisterAck():
+                if isinstance(message, InstanceInfo) and message.ranks and source:
+                    self.liveness.answered(source, message.ranks[0].instance_name, self.clock())
                 self._ctx_peers.deliver(message, source)
             case RequestData():
-                self._ctx_side.on_request_data(message)
+                known = self.registrar.get((message.instance_name, message.instance_rank))
+                if known is None and reply is not None:
+                    await self._refuse_unregistered(message, reply)
+                else:
+                    self._ctx_side.on_request_data(message)
             case TransferResult():
+                if message.status is ResultStatus.ERROR and message.error.startswith(
+                    NOT_REGISTERED
+                ):
+                    # meet it again (a new instance may answer where we met another)
+                    self._ctx_peers.forget_instance(message.instance_name, rank_endpoint=source)
                 self._gen_side.on_transfer_result(message)
             case WritePrepared():
                 self._gen_side.on_write_prepared(message)
@@ -655,6 +730,25 @@ class KvTransceiver:
             case WriteNotice():
                 pass  # only valid as an agent notification payload
 
+    async def _refuse_unregistered(self, request: RequestData, identity: bytes) -> None:
+        """ctx: REQUEST_DATA from a gen rank we do not know (never registered, or forgotten as
+        gone while it was alive): fail it at once, and gen meets us again at its next request."""
+        log.warning(
+            "REQUEST_DATA %d from unregistered gen rank %s#%d refused",
+            request.key,
+            request.instance_name,
+            request.instance_rank,
+        )
+        result = TransferResult(
+            key=request.key,
+            instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            status=ResultStatus.ERROR,
+            error=f"{NOT_REGISTERED}: gen rank {request.instance_name}#{request.instance_rank}"
+            " registers again at its next request",
+        )
+        await self.router.send_message(identity, result)
+
     async def _register_peer(self, info: RankInfo, identity: bytes) -> None:
         accepted, reason = True, ""
         try:
@@ -663,6 +757,8 @@ class KvTransceiver:
                 async with self._agent_lock:
                     name = await trio.to_thread.run_sync(self.agent.add_remote, info.agent_metadata)
                 self._remote_names[info.key] = name
+            if info.instance_rank == 0:
+                self.liveness.track(info.instance_name, info.control_endpoint, self.clock())
         except (PeerIncompatible, TransferLayerError) as exc:
             accepted, reason = False, str(exc)
             log.warning("refused gen rank %s: %s", info.label, reason)

@@ -93,6 +93,12 @@ def _packed_ids(_inst: object, attr: attrs.Attribute[Any], value: tuple[bytes, .
         raise ValueError(f"{attr.name}: packed block ids must be multiples of 8 bytes")
 
 
+# TRANSFER_RESULT's error, ERROR status, for a REQUEST_DATA from a gen rank that this ctx does
+# not know (never registered, or forgotten as gone: transfer/liveness.py): gen meets the ctx
+# instance again at its next request.
+NOT_REGISTERED = "not registered with this ctx instance"
+
+
 class ResultStatus(enum.Enum):
     OK = "ok"
     ERROR = "error"

@@ -108,10 +108,11 @@ class CtxWrites:
     _posted_ahead: dict[tuple[int, int], _Posted | TransferLayerError] = attrs.Factory(dict)
     bounced: int = 0  # sends that went through staging
     _write_rates: WriteRates = attrs.Factory(WriteRates)  # bytes/s of writes, per remote
-    # Writes posted and polled by their tasks (`_await_write`), which `nudge` polls too while
-    # they are young; a write it found ended -> (its state, when).
+    # Writes posted and not yet released by their tasks (`_await_write`), which `nudge` polls
+    # too while they are young; a write it found ended -> (its state, when).
     _in_flight: dict[XferHandle, _Posted] = attrs.Factory(dict)
     _ended: dict[XferHandle, tuple[XferStatus, float]] = attrs.Factory(dict)
+    _released: trio.Event = attrs.Factory(trio.Event)  # set (and replaced) at each release
 
     def release_handles(self, handles: Sequence[XferHandle | None]) -> None:
         """Hand prepared writes that will never be posted back to the agent (in a task: the
@@ -200,9 +201,9 @@ class CtxWrites:
                 self.release_handles([prepared.handle])
             else:
                 return self._post_prepared(session, request, prepared)
-        plan = self.registrar.send_plan((request.instance_name, request.instance_rank))
+        plan = self._plan(request)
         fragments = self._fragments(session, request, plan)
-        remote = self._remote_names[(request.instance_name, request.instance_rank)]
+        remote = self._remote(request)
         if (
             session.cancelled
             or not len(fragments)
@@ -349,7 +350,7 @@ class CtxWrites:
         self, session: SenderSession, request: RequestData, fragments: Fragments | None
     ) -> tuple[int, int]:
         assert session.source is not None
-        plan = self.registrar.send_plan((request.instance_name, request.instance_rank))
+        plan = self._plan(request)
         if request.staging_bytes:
             self._stamp(session.key, "write")
             num_tokens = min(request.num_tokens, session.source.num_tokens)
@@ -422,7 +423,7 @@ class CtxWrites:
     ) -> None:
         """Post one write of `fragments` to the requesting rank and poll it to the end.
         `announce`: this is the rank's only write for the session; tell gen (WRITE_POSTED)."""
-        remote = self._remote_names[(request.instance_name, request.instance_rank)]
+        remote = self._remote(request)
         submit = self._submitter(key, fragments, request, plan, summary=announce)
         # On the loop only when the agent says this post is quick (NIXL: a few descriptors to a
         # connected peer, from VRAM or a small DRAM region: ~0.1-0.2 ms, less than the thread
@@ -448,7 +449,7 @@ class CtxWrites:
     ) -> Callable[[], XferHandle]:
         """The agent call that posts the write (on the loop or in a worker thread).
         `summary`: the rank's only write for this session, whose notice says what it moves."""
-        remote = self._remote_names[(request.instance_name, request.instance_rank)]
+        remote = self._remote(request)
         if summary is None:
             notice = self.notice(key)
         else:
@@ -510,6 +511,34 @@ class CtxWrites:
         self._in_flight[handle] = write  # until `_await_write` has seen it end
         return write
 
+    def _remote(self, request: RequestData) -> str:
+        """The agent of the gen rank that sent `request`; TransferLayerError once that gen
+        instance was forgotten as gone (transfer/liveness.py): its write fails."""
+        remote = self._remote_names.get((request.instance_name, request.instance_rank))
+        if remote is None:
+            rank = f"{request.instance_name}#{request.instance_rank}"
+            raise TransferLayerError(f"gen rank {rank} is gone")
+        return remote
+
+    def _plan(self, request: RequestData) -> SendPlan:
+        try:
+            return self.registrar.send_plan((request.instance_name, request.instance_rank))
+        except KeyError:
+            raise TransferLayerError(
+                f"gen rank {request.instance_name}#{request.instance_rank} is gone"
+            ) from None
+
+    async def until_not_writing_to(self, remotes: Sequence[str]) -> None:
+        """Until no write to any of `remotes` may still be in flight (see `writing_to`)."""
+        while any(self.writing_to(remote) for remote in remotes):
+            await self._released.wait()
+
+    def writing_to(self, remote: str) -> bool:
+        """Whether a write to the agent `remote` may still be in flight (its handle not yet
+        seen ended): the agent must stay loaded until then."""
+        ahead = (p for p in self._posted_ahead.values() if isinstance(p, _Posted))
+        return any(w.remote == remote for w in (*self._in_flight.values(), *ahead))
+
     def nudge(self) -> None:
         """Poll the writes posted within the last SPIN_POLL_S, here and now. The agent sends a
         write's notification from the first poll that finds the write ended (NIXL's UCX
@@ -521,14 +550,13 @@ class CtxWrites:
             return
         now = self.clock()
         for handle, write in list(self._in_flight.items()):
-            if now > write.posted + SPIN_POLL_S:
-                continue  # an old write: its task's polls are paced (polls_every_round)
+            if handle in self._ended or now > write.posted + SPIN_POLL_S:
+                continue  # ended, or old: its task's polls are paced (polls_every_round)
             try:
                 state = self.agent.poll(handle)
             except TransferLayerError:
                 continue  # its task's own poll reports it
             if state is not XferStatus.PENDING:
-                del self._in_flight[handle]
                 self._ended[handle] = (state, self.clock())
                 if state is XferStatus.DONE:
                     self._stamp(write.key, "done")
@@ -551,11 +579,15 @@ class CtxWrites:
                 await trio.sleep(0 if every_round else 0.001)
             self._write_rates.learn(write.remote, write.num_bytes, ended - write.posted)
         finally:
-            self._in_flight.pop(handle, None)
-            self._ended.pop(handle, None)
             # Shielded: a cancelled write task must still hand its handle back.
             with trio.CancelScope(shield=True):
-                await self._call_agent(lambda: self.agent.release(handle), quick=True)
+                try:
+                    await self._call_agent(lambda: self.agent.release(handle), quick=True)
+                finally:
+                    self._in_flight.pop(handle, None)  # released: its remote may go now
+                    self._ended.pop(handle, None)
+                    self._released.set()
+                    self._released = trio.Event()
 
     def _announce(
         self, session: SenderSession, request: RequestData, fragments: Fragments, remote: str

@@ -887,6 +887,8 @@ class Executor:
             self._advance(self.metrics.kv_watch_seconds, "watch_s", transfer.watch_s)
             notices = transfer.request_notices
             self._advance(self.metrics.kv_request_notices, "request_notices", notices)
+            forgotten = transfer.peers_forgotten
+            self._advance(self.metrics.kv_peers_forgotten, "peers_forgotten", forgotten)
             self.metrics.control_connections.set(transfer.connections)
         stats = self.scheduler.statistics()
         self.metrics.requests_running.set(stats.num_running)

@@ -31,6 +31,7 @@ from trtdisagg.transfer.agents.base import (
 from trtdisagg.transfer.agents.faulty import FaultyAgent
 from trtdisagg.transfer.agents.loopback import LoopbackFabric
 from trtdisagg.transfer.faults import FaultInjector
+from trtdisagg.transfer.liveness import PeerLiveness
 from trtdisagg.transfer.messenger import Router
 from trtdisagg.transfer.rank_info import BounceConfig, RankInfo, flat_rank, make_instance_name
 from trtdisagg.transfer.staging_area import StagingArea
@@ -180,4 +181,7 @@ async def build_transceiver(
         on_write=on_write or count_write,
         faults=faults,
         staging=StagingArea(stager=stager, clock=time.monotonic) if stager is not None else None,
+        liveness=PeerLiveness(
+            idle_s=transfer.peer_probe_ms / 1000, answer_s=transfer.peer_probe_ms / 1000
+        ),
     )

@@ -1,0 +1,182 @@
+"""Peer instances that are gone are forgotten, and their agents unloaded (transfer/liveness.py).
+
+Two KvTransceivers in one trio run (real ZMQ, loopback agents), each with its own router and
+its own cancel scope, so that one side can stop while the other runs on. Probe times are cut to
+tens of milliseconds. A peer's loaded agent maps its KV pool on a GPU (UCX cuda_ipc), so a
+peer that is gone must not stay loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from tests.transceivers import NUM_SLOTS, rank_info
+from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.liveness import PeerLiveness
+from trtdisagg.transfer.messenger import open_router
+from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
+from trtdisagg.transfer.wire import NOT_REGISTERED
+
+BLOCK_BYTES = 2 * 2 * 2 * 4 * 8 * 4  # LAYERS x K/V x HEADS x TPB x HEAD_DIM x float32
+NUM_TOKENS = 4 * 3 - 1
+SRC, DST = [4, 5, 6], [1, 2, 3]
+
+
+def _liveness() -> PeerLiveness:
+    return PeerLiveness(idle_s=0.05, answer_s=0.05, misses=2)
+
+
+@attrs.define
+class Side:
+    transceiver: KvTransceiver
+    agent: LoopbackAgent
+    memory: np.ndarray
+    scope: trio.CancelScope
+    stopped: trio.Event
+
+    def blocks(self, ids: list[int]) -> bytes:
+        return b"".join(self.memory[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES].tobytes() for b in ids)
+
+    async def stop(self) -> None:
+        """Gone: its transceiver stops and its router closes (probes go unanswered)."""
+        self.scope.cancel()
+        with trio.fail_after(5):
+            await self.stopped.wait()
+
+
+async def _run_side(
+    name: str,
+    fabric: LoopbackFabric,
+    memory: np.ndarray,
+    *,
+    request_notices: bool,
+    task_status: trio.TaskStatus[Side],
+) -> None:
+    agent = LoopbackAgent(f"{name}-agent", fabric=fabric)
+    stopped = trio.Event()
+    try:
+        with trio.CancelScope() as scope:
+            async with open_router() as router, trio.open_nursery() as nursery:
+                info = rank_info(name, memory, agent, router.endpoint)
+                info = attrs.evolve(info, request_notices=request_notices)
+                transceiver = KvTransceiver(
+                    local=info, instance=(info,), agent=agent, router=router, timeout_s=5,
+                    wake=lambda: None, liveness=_liveness(),
+                )  # fmt: skip
+                await nursery.start(transceiver.run)
+                task_status.started(Side(transceiver, agent, memory, scope, stopped))
+                await trio.sleep_forever()
+    finally:
+        fabric.detach(agent.name)
+        stopped.set()
+
+
+@asynccontextmanager
+async def _pair(*, request_notices: bool = False) -> AsyncIterator[tuple[Side, Side]]:
+    fabric = LoopbackFabric()
+    ctx_memory = np.random.default_rng(3).integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
+    gen_memory = np.zeros(NUM_SLOTS * BLOCK_BYTES, np.uint8)
+    async with trio.open_nursery() as nursery:
+        ctx: Side = await nursery.start(_run_side_kw, "ctx", fabric, ctx_memory, request_notices)
+        gen: Side = await nursery.start(_run_side_kw, "gen", fabric, gen_memory, False)
+        yield ctx, gen
+        nursery.cancel_scope.cancel()
+
+
+async def _run_side_kw(
+    name: str,
+    fabric: LoopbackFabric,
+    memory: np.ndarray,
+    request_notices: bool,
+    *,
+    task_status: trio.TaskStatus[Side] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await _run_side(name, fabric, memory, request_notices=request_notices, task_status=task_status)
+
+
+async def _until(predicate: Any, what: str) -> None:
+    with trio.fail_after(5):
+        while not predicate():  # noqa: ASYNC110
+            await trio.sleep(0.005)
+
+
+async def _outcome(check: Any) -> TransferOutcome:
+    found: list[TransferOutcome] = []
+    await _until(lambda: found.extend(check()) or found, "an outcome")
+    (outcome,) = found
+    return outcome
+
+
+async def _transfer(ctx: Side, gen: Side, key: int) -> TransferOutcome:
+    ctx.transceiver.respond_and_send_async(key, [SRC], NUM_TOKENS)
+    gen.transceiver.request_and_receive_async(key, ctx.transceiver.info_endpoint, [DST], NUM_TOKENS)
+    outcome = await _outcome(gen.transceiver.check_gen_transfer_status)
+    await _outcome(ctx.transceiver.check_context_transfer_status)
+    return outcome
+
+
+def _known_gen(ctx: Side, gen: Side) -> bool:
+    key = (gen.transceiver.local.instance_name, 0)
+    return ctx.transceiver.registrar.get(key) is not None
+
+
+async def test_ctx_forgets_a_gen_that_is_gone_and_unloads_its_agent() -> None:
+    async with _pair() as (ctx, gen):
+        assert (await _transfer(ctx, gen, 1)).ok
+        assert gen.blocks(DST) == ctx.blocks(SRC)
+        assert _known_gen(ctx, gen) and gen.agent.name in ctx.agent.remotes
+        await gen.stop()
+        await _until(lambda: ctx.transceiver.statistics().peers_forgotten == 1, "forgotten")
+        assert not _known_gen(ctx, gen)
+        await _until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
+        assert ctx.transceiver.statistics().peers_watched == 0
+
+
+async def test_gen_forgets_a_ctx_that_is_gone_and_unloads_its_notice_agent() -> None:
+    async with _pair(request_notices=True) as (ctx, gen):
+        assert (await _transfer(ctx, gen, 1)).ok
+        assert ctx.agent.name in gen.agent.remotes  # REQUEST_DATA goes as a notification too
+        rendezvous = gen.transceiver.statistics().rendezvous
+        await ctx.stop()
+        await _until(lambda: gen.transceiver.statistics().peers_forgotten == 1, "forgotten")
+        await _until(lambda: ctx.agent.name not in gen.agent.remotes, "the agent unloaded")
+        assert gen.transceiver.statistics().peers_watched == 0
+        assert gen.transceiver.statistics().rendezvous == rendezvous
+
+
+async def test_live_idle_peers_answer_their_probes_and_are_kept() -> None:
+    async with _pair(request_notices=True) as (ctx, gen):
+        assert (await _transfer(ctx, gen, 1)).ok
+        both = (ctx.transceiver, gen.transceiver)
+        await _until(lambda: all(t.statistics().peer_probes >= 4 for t in both), "probes")
+        assert [t.statistics().peers_forgotten for t in both] == [0, 0]
+        assert [t.statistics().peers_watched for t in both] == [1, 1]
+        rendezvous = gen.transceiver.statistics().rendezvous
+        assert (await _transfer(ctx, gen, 2)).ok  # no new rendezvous: nothing was forgotten
+        assert gen.transceiver.statistics().rendezvous == rendezvous
+
+
+async def test_a_gen_forgotten_while_alive_is_refused_once_and_meets_ctx_again() -> None:
+    async with _pair() as (ctx, gen):
+        assert (await _transfer(ctx, gen, 1)).ok
+        ctx.transceiver._forget_peer(gen.transceiver.local.instance_name)  # a false "gone"
+        await _until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
+        ctx.transceiver.respond_and_send_async(2, [SRC], NUM_TOKENS)
+        gen.transceiver.request_and_receive_async(
+            2, ctx.transceiver.info_endpoint, [DST], NUM_TOKENS
+        )
+        failed = await _outcome(gen.transceiver.check_gen_transfer_status)
+        assert not failed.ok and failed.error is not None and NOT_REGISTERED in failed.error
+        assert ctx.transceiver.cancel_request(2)  # its request never came: nothing in flight
+        assert (await _outcome(ctx.transceiver.check_context_transfer_status)).cancelled
+        rendezvous = gen.transceiver.statistics().rendezvous
+        gen.memory[:] = 0
+        assert (await _transfer(ctx, gen, 3)).ok  # registered again
+        assert gen.transceiver.statistics().rendezvous == rendezvous + 1
+        assert gen.blocks(DST) == ctx.blocks(SRC) and _known_gen(ctx, gen)

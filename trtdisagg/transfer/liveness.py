@@ -1,0 +1,117 @@
+"""Which peer instances are gone. Pure.
+
+A ctx keeps the NIXL agent of every gen rank that registered with it, and a gen the agents of
+the ctx ranks it sends REQUEST_DATA to as notifications. A loaded agent of a peer on the same
+node maps the peer's whole KV pool (UCX cuda_ipc), and that memory cannot be freed until the
+mapping is dropped: a peer that exits, crashes or restarts under a new instance name stays
+pinned in GPU memory for as long as we keep its agent (a restarted gen on the same GPU then
+finds its old pool still allocated). So each side watches the peer instances it knows:
+
+- anything heard from an instance (a message naming it, an answer to a probe) counts as alive;
+- an instance silent for `idle_s` is probed: REQUEST_INSTANCE_INFO to its rank 0, whose
+  answer (INSTANCE_INFO, from any live rank 0) names the instance now at that endpoint;
+- an answer that names another instance means it was replaced: gone at once;
+- `misses` probes in a row without an answer within `answer_s` each: gone.
+
+What is gone is forgotten by the shell: its registration, its agents (unloaded once no write
+to them is in flight), its dealers.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+# A live peer answers a probe within milliseconds; these leave room for a peer whose loop is
+# busy (a long prefill step's thread competes for the interpreter) and still release a dead
+# peer's GPU memory within half a minute, before a restarted worker on that GPU sizes its pool.
+PROBE_IDLE_S = 5.0
+PROBE_ANSWER_S = 5.0
+PROBE_MISSES = 3
+
+
+@attrs.define
+class _Peer:
+    endpoint: str  # rank 0's control endpoint: where probes go
+    heard: float
+    probed: float | None = None  # the probe awaiting an answer
+    misses: int = 0
+
+
+@attrs.define
+class PeerLiveness:
+    """The peer instances one rank knows, by name, and when each was last heard from."""
+
+    idle_s: float = PROBE_IDLE_S
+    answer_s: float = PROBE_ANSWER_S
+    misses: int = PROBE_MISSES
+    _peers: dict[str, _Peer] = attrs.field(factory=dict)
+    _replaced: set[str] = attrs.field(factory=set)
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __contains__(self, instance: str) -> bool:
+        return instance in self._peers
+
+    def track(self, instance: str, endpoint: str, now: float) -> None:
+        """Watch `instance`, whose rank 0 listens at `endpoint` (again: heard now)."""
+        peer = self._peers.get(instance)
+        if peer is None:
+            self._peers[instance] = _Peer(endpoint=endpoint, heard=now)
+        else:
+            peer.endpoint = endpoint
+            self.heard(instance, now)
+
+    def forget(self, instance: str) -> None:
+        self._peers.pop(instance, None)
+        self._replaced.discard(instance)
+
+    def heard(self, instance: str, now: float) -> None:
+        """A message from `instance`: alive (untracked names are ignored)."""
+        peer = self._peers.get(instance)
+        if peer is not None:
+            peer.heard = max(peer.heard, now)
+            peer.probed = None
+            peer.misses = 0
+
+    def answered(self, endpoint: str, instance: str, now: float) -> None:
+        """rank 0 at `endpoint` says it is `instance`: that one is alive, and any other tracked
+        instance whose rank 0 was there is gone (a restart on the same port)."""
+        for name, peer in self._peers.items():
+            if peer.endpoint != endpoint:
+                continue
+            if name == instance:
+                self.heard(name, now)
+            else:
+                self._replaced.add(name)
+
+    def to_probe(self, now: float) -> list[tuple[str, str]]:
+        """(instance, endpoint) to probe now: silent for `idle_s`, or whose last probe went
+        unanswered for `answer_s` (a miss). Each call marks them probed at `now`."""
+        due = []
+        for name, peer in self._peers.items():
+            if name in self._replaced:
+                continue
+            if peer.probed is not None:
+                if now - peer.probed < self.answer_s:
+                    continue
+                peer.misses += 1
+                if peer.misses >= self.misses:
+                    continue  # gone: `gone` says so
+            elif now - peer.heard < self.idle_s:
+                continue
+            peer.probed = now
+            due.append((name, peer.endpoint))
+        return due
+
+    def gone(self, now: float) -> list[str]:
+        """Instances replaced at their endpoint, or that missed `misses` probes in a row (the
+        last one unanswered for `answer_s`); the caller forgets them."""
+        out = sorted(self._replaced)
+        for name, peer in self._peers.items():
+            if name in self._replaced or peer.probed is None:
+                continue
+            missed = peer.misses + (now - peer.probed >= self.answer_s)
+            if missed >= self.misses:
+                out.append(name)
+        return out
