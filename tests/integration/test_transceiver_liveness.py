@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import attrs
 import numpy as np
 import trio
 
+from tests.integration.test_transceiver_prepared import _outcome, _until
 from tests.transceivers import NUM_SLOTS, rank_info
 from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
 from trtdisagg.transfer.liveness import PeerLiveness
@@ -98,19 +98,6 @@ async def _run_side_kw(
     task_status: trio.TaskStatus[Side] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     await _run_side(name, fabric, memory, request_notices=request_notices, task_status=task_status)
-
-
-async def _until(predicate: Any, what: str) -> None:
-    with trio.fail_after(5):
-        while not predicate():  # noqa: ASYNC110
-            await trio.sleep(0.005)
-
-
-async def _outcome(check: Any) -> TransferOutcome:
-    found: list[TransferOutcome] = []
-    await _until(lambda: found.extend(check()) or found, "an outcome")
-    (outcome,) = found
-    return outcome
 
 
 async def _transfer(ctx: Side, gen: Side, key: int) -> TransferOutcome:
