@@ -21,6 +21,7 @@ import pytest
 import torch
 import trio
 
+from tests.fault_checks import wait_metrics
 from tests.gpu.test_gpu_disagg import (
     TRANSFER,
     coordinator_yaml,
@@ -74,12 +75,10 @@ async def test_a_killed_gen_s_gpu_pool_is_released_once_its_ctx_forgets_it(
                 held = _free_bytes()
                 workers["gen"].proc.send_signal(signal.SIGKILL)
                 await trio.to_thread.run_sync(workers["gen"].proc.wait, 30)
-                with trio.fail_after(30):
-                    while True:  # polling another process's metrics
-                        text = (await client.get(workers["ctx"].url + "/metrics")).text
-                        if metric(text, FORGOTTEN) == before + 1:
-                            break
-                        await trio.sleep(0.2)
+                await wait_metrics(
+                    client, workers["ctx"], lambda t: metric(t, FORGOTTEN) == before + 1,
+                    "ctx forgetting the killed gen", 30,
+                )  # fmt: skip
                 with trio.fail_after(20):
                     while _free_bytes() - held < 0.8 * gen_pool:  # noqa: ASYNC110
                         await trio.sleep(0.2)

@@ -72,6 +72,10 @@ class _Posted:
     expected: float  # when it should be done, from the peer's learned rate (= posted: unknown)
 
 
+def _gone(request: RequestData) -> TransferLayerError:
+    return TransferLayerError(f"gen rank {request.instance_name}#{request.instance_rank} is gone")
+
+
 def direct_fragments(plan: SendPlan, source: SourceBlocks, request: RequestData) -> Fragments:
     """The merged fragments of a direct write of the KV in `source` into `request`'s blocks."""
     return plan.fragments(
@@ -516,17 +520,15 @@ class CtxWrites:
         instance was forgotten as gone (transfer/liveness.py): its write fails."""
         remote = self._remote_names.get((request.instance_name, request.instance_rank))
         if remote is None:
-            rank = f"{request.instance_name}#{request.instance_rank}"
-            raise TransferLayerError(f"gen rank {rank} is gone")
+            raise _gone(request)
         return remote
 
     def _plan(self, request: RequestData) -> SendPlan:
+        """The send plan of the gen rank that sent `request` (TransferLayerError: gone)."""
         try:
             return self.registrar.send_plan((request.instance_name, request.instance_rank))
         except KeyError:
-            raise TransferLayerError(
-                f"gen rank {request.instance_name}#{request.instance_rank} is gone"
-            ) from None
+            raise _gone(request) from None
 
     async def until_not_writing_to(self, remotes: Sequence[str]) -> None:
         """Until no write to any of `remotes` may still be in flight (see `writing_to`)."""
@@ -570,8 +572,9 @@ class CtxWrites:
                 if state is None:
                     state = await self._call_agent(lambda: self.agent.poll(handle), quick=True)
                     ended = self.clock()
+                    if state is XferStatus.DONE:
+                        self._stamp(key, "done")  # (`nudge` stamps what it finds)
                 if state is XferStatus.DONE:
-                    self._stamp(key, "done")
                     break
                 if state is XferStatus.ERROR:
                     raise TransferLayerError(f"agent reported an error writing {key}")
