@@ -13,6 +13,7 @@ is `notif_vs_zmq_p50=<NIXL p50 / ZMQ p50>`.
     python tools/bench_control_hop.py                        # 300 messages, progress threads on
     python tools/bench_control_hop.py --nixl-progress-thread off
     python tools/bench_control_hop.py --idle-ms 0            # back to back: I/O threads awake
+    python tools/bench_control_hop.py --payload-bytes 8300   # REQUEST_DATA of 1024 blocks
 
 Without NIXL's progress thread the sender progresses its own worker between messages (so a
 queued notification goes out), as the transceiver's polling does.
@@ -27,6 +28,18 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from _bench_common import percentile
+
+
+def _sent_at(payload: bytes) -> float:
+    """The send time a message starts with (`_message`)."""
+    return float(payload.split(b" ", 1)[0])
+
+
+def _message(sent: float, payload_bytes: int) -> bytes:
+    """The send time, padded to `payload_bytes` (a REQUEST_DATA of a long prompt carries 8
+    bytes per block id)."""
+    stamp = repr(sent).encode() + b" "
+    return stamp + b"x" * max(0, payload_bytes - len(stamp))
 
 
 def _receiver(conn: Connection, count: int, progress_thread: bool) -> None:
@@ -44,20 +57,20 @@ def _receiver(conn: Connection, count: int, progress_thread: bool) -> None:
         while True:
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
-                seen.append(("zmq", float(frames[-1]), time.monotonic()))
+                seen.append(("zmq", _sent_at(frames[-1]), time.monotonic()))
                 break
             except zmq.Again:
                 pass
             notifs = agent.get_new_notifs()
             if notifs:
                 (payload,) = [p for payloads in notifs.values() for p in payloads]
-                seen.append(("nixl", float(payload), time.monotonic()))
+                seen.append(("nixl", _sent_at(payload), time.monotonic()))
                 break
     conn.send(seen)
 
 
 def measure(
-    count: int, warmup: int, progress_thread: bool, idle_s: float
+    count: int, warmup: int, progress_thread: bool, idle_s: float, payload_bytes: int = 0
 ) -> dict[str, list[float]]:
     import zmq
     from nixl._api import nixl_agent, nixl_agent_config
@@ -85,10 +98,11 @@ def measure(
             time.sleep(idle_s)  # quiet, as between two requests (`--idle-ms`)
             kind = "nixl" if i % 2 else "zmq"
             sent = time.monotonic()
+            message = _message(sent, payload_bytes)
             if kind == "zmq":
-                dealer.send(repr(sent).encode())
+                dealer.send(message)
             else:
-                agent.send_notif(remote, repr(sent).encode())
+                agent.send_notif(remote, message)
             if i >= warmup:
                 calls[kind].append(time.monotonic() - sent)
         while not parent.poll(0):
@@ -125,11 +139,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--nixl-progress-thread", choices=("on", "off"), default="on")
     parser.add_argument("--idle-ms", type=float, default=2.0, help="quiet before each message")
+    parser.add_argument(
+        "--payload-bytes", type=int, default=0, help="pad each message to this size"
+    )
     args = parser.parse_args(argv)
-    if args.messages < 2 or args.warmup < 0 or args.idle_ms < 0:
-        parser.error("--messages must be >= 2, --warmup and --idle-ms >= 0")
+    if args.messages < 2 or args.warmup < 0 or args.idle_ms < 0 or args.payload_bytes < 0:
+        parser.error("--messages must be >= 2, --warmup, --idle-ms and --payload-bytes >= 0")
     on = args.nixl_progress_thread == "on"
-    print(report(measure(args.messages, args.warmup, on, args.idle_ms / 1000)))
+    idle_s = args.idle_ms / 1000
+    print(report(measure(args.messages, args.warmup, on, idle_s, args.payload_bytes)))
 
 
 if __name__ == "__main__":

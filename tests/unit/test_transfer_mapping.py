@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trtdisagg.kv.page_table import Layout, MapperKind
+from trtdisagg.transfer.block_runs import BlockRun, packed_run
 from trtdisagg.transfer.errors import MappingError, PeerIncompatible
 from trtdisagg.transfer.mappers import (
     HndHeadMismatchMapper,
@@ -31,7 +32,7 @@ from trtdisagg.transfer.mappers import (
     align_blocks,
     aligned_blocks,
 )
-from trtdisagg.transfer.peers import PeerRegistrar
+from trtdisagg.transfer.peers import PeerRegistrar, direct_fragments
 from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.sessions import (
     ReceiverSession,
@@ -308,13 +309,13 @@ def test_every_destination_byte_written_once(s: Scenario) -> None:
             sender = senders[rank]
             assert sender.add_request(request), "ctx did not expect this gen rank"
             assert [r.instance_rank for r in sender.take_writes()] == [g.instance_rank]
-            fragments = (
-                ctx_reg[rank]
-                .send_plan(g.key)
-                .fragments(
-                    src_blocks=[s.ctx_blocks], dst_blocks=[s.gen_blocks], num_tokens=s.num_tokens
-                )
+            plan = ctx_reg[rank].send_plan(g.key)
+            fragments = plan.fragments(
+                src_blocks=[s.ctx_blocks], dst_blocks=[s.gen_blocks], num_tokens=s.num_tokens
             )
+            assert sender.source is not None
+            # The write path: a constant-time mapping where both lists are runs, else this.
+            assert direct_fragments(plan, sender.source, request) == fragments
             src, dst = ctx_pools[rank], gen_pools[g.instance_rank]
             for f in fragments:
                 so, do = src.offset(f.src_addr, f.size), dst.offset(f.dst_addr, f.size)
@@ -500,6 +501,11 @@ def test_the_consecutive_fast_path_equals_the_general_mapping(
         dst[0], dst[1] = dst[1], dst[0]
     tokens = count * 4 - partial
     fast = mapper.map_consecutive(src, dst, num_tokens=tokens)
+    dst_run = packed_run(pack_block_ids(dst))
+    by_runs = None if dst_run is None else mapper.map_runs(
+        BlockRun(src_first, count), dst_run, num_tokens=tokens
+    )  # fmt: skip
+    assert by_runs == fast  # a source list that is a run: the same answer, in constant time
     try:
         ids = aligned_blocks(src, dst, num_tokens=tokens, tokens_per_block=4)
         general = mapper.map_blocks(*ids)

@@ -44,6 +44,15 @@ class Fragments(Sequence[Fragment]):
         self._num_bytes: int | None = None
 
     @classmethod
+    def one(cls, src_addr: int, dst_addr: int, size: int) -> Fragments:
+        """A single fragment, made with as few numpy calls as can be (a write's path)."""
+        fragments = cls.__new__(cls)
+        fragments.rows = np.array([(src_addr, dst_addr, size)], dtype=np.int64)
+        fragments.rows.flags.writeable = False
+        fragments._num_bytes = size
+        return fragments
+
+    @classmethod
     def of(cls, fragments: Iterable[Fragment]) -> Fragments:
         rows = [(f.src_addr, f.dst_addr, f.size) for f in fragments]
         return cls(np.array(rows, dtype=np.int64).reshape(-1, 3))

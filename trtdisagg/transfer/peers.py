@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from trtdisagg.transfer.block_runs import BlockRun, packed_run
 from trtdisagg.transfer.errors import MappingError, PeerIncompatible, UnsupportedPairing
 from trtdisagg.transfer.fragments import Fragments, Runs, empty_runs, merge_runs
 from trtdisagg.transfer.mappers import (
@@ -44,6 +45,8 @@ from trtdisagg.transfer.rank_info import (
     head_range,
     layer_range,
 )
+from trtdisagg.transfer.sessions import SourceBlocks
+from trtdisagg.transfer.wire import RequestData, unpack_block_ids
 
 
 def _intersect(a: range, b: range) -> range:
@@ -204,9 +207,53 @@ class SendPlan:
                 tokens_per_block=view.mapper.src.tokens_per_block,
             )
             runs.append(view.mapper.map_blocks(src, dst, tokens).rows)
-        if len(runs) == 1:
-            return Fragments(runs[0])
-        return Fragments(merge_runs(np.concatenate([empty_runs(), *runs])))
+        return _combined(runs)
+
+    def run_fragments(
+        self,
+        *,
+        src_runs: Sequence[BlockRun | None],
+        dst_runs: Sequence[BlockRun | None],
+        num_tokens: int,
+    ) -> Fragments | None:
+        """`fragments` when every layer group's blocks form a run on both sides (block_runs.py)
+        and each view copies whole slots: the usual homogeneous transfer, mapped in constant
+        time. None: not that case (`fragments` maps it, or says what is wrong)."""
+        if not self.elected:
+            return None
+        runs: list[Runs] = []
+        for view in self.views:
+            if view.src_group >= len(src_runs) or view.dst_group >= len(dst_runs):
+                return None
+            src, dst = src_runs[view.src_group], dst_runs[view.dst_group]
+            if src is None or dst is None:
+                return None
+            fast = view.mapper.map_runs(src, dst, num_tokens=num_tokens)
+            if fast is None:
+                return None
+            runs.append(fast.rows)
+        return _combined(runs)
+
+
+def _combined(runs: Sequence[Runs]) -> Fragments:
+    """The fragments of several views' runs, merged where they continue each other."""
+    if len(runs) == 1:
+        return Fragments(runs[0])
+    return Fragments(merge_runs(np.concatenate([empty_runs(), *runs])))
+
+
+def direct_fragments(plan: SendPlan, source: SourceBlocks, request: RequestData) -> Fragments:
+    """The merged fragments of a direct write of the KV in `source` into `request`'s blocks."""
+    num_tokens = min(request.num_tokens, source.num_tokens)
+    dst_runs = [packed_run(ids) for ids in request.block_ids]
+    fast = plan.run_fragments(src_runs=source.runs, dst_runs=dst_runs, num_tokens=num_tokens)
+    if fast is not None:
+        return fast
+    return plan.fragments(
+        src_blocks=source.block_ids,
+        dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
+        num_tokens=num_tokens,
+    )
 
 
 class PeerRegistrar:

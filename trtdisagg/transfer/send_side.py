@@ -25,7 +25,7 @@ import trio
 from trtdisagg.transfer.agents.base import TransferAgent, posts_quickly, write_preparer
 from trtdisagg.transfer.errors import TransferLayerError
 from trtdisagg.transfer.pacing import REQUEST_WATCH_S
-from trtdisagg.transfer.peers import PeerRegistrar
+from trtdisagg.transfer.peers import PeerRegistrar, direct_fragments
 from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
 from trtdisagg.transfer.sessions import (
     EarlyMessages,
@@ -36,7 +36,7 @@ from trtdisagg.transfer.sessions import (
     TransferOutcome,
 )
 from trtdisagg.transfer.wire import Cancel, RequestData, ResultStatus
-from trtdisagg.transfer.writes import CtxWrites, direct_fragments
+from trtdisagg.transfer.writes import CtxWrites
 
 log = logging.getLogger(__name__)
 

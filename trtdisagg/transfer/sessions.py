@@ -39,11 +39,13 @@ feed TRANSFER_RESULT to `on_result` and agent notifications (WRITE_NOTICE) to `o
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import attrs
 
+from trtdisagg.transfer.block_runs import BlockRun, run_of
 from trtdisagg.transfer.wire import RequestData, ResultStatus
 
 
@@ -70,6 +72,11 @@ class SourceBlocks:
 
     block_ids: tuple[tuple[int, ...], ...]
     num_tokens: int
+
+    @functools.cached_property
+    def runs(self) -> tuple[BlockRun | None, ...]:
+        """Each layer group's blocks as a run, where they form one (block_runs.py)."""
+        return tuple(run_of(ids) for ids in self.block_ids)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -136,6 +143,7 @@ class SenderSession:
         if self.source is not None:
             raise ValueError(f"session {self.key}: source set twice")
         self.source = SourceBlocks(block_ids=tuple(map(tuple, block_ids)), num_tokens=num_tokens)
+        self.source.runs  # noqa: B018 -- found now, while gen has yet to ask (context_first)
 
     def add_request(self, request: RequestData) -> bool:
         """Record a gen rank's REQUEST_DATA; False if terminal, unexpected or a duplicate."""

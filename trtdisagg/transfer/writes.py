@@ -30,7 +30,7 @@ from trtdisagg.transfer.errors import TransferLayerError
 from trtdisagg.transfer.fragments import Fragments
 from trtdisagg.transfer.messenger import Dealer
 from trtdisagg.transfer.pacing import SPIN_POLL_S, WriteRates, gen_watches, polls_every_round
-from trtdisagg.transfer.peers import PeerRegistrar, SendPlan
+from trtdisagg.transfer.peers import PeerRegistrar, SendPlan, direct_fragments
 from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
 from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.sessions import SenderSession, SourceBlocks
@@ -74,15 +74,6 @@ class _Posted:
 
 def _gone(request: RequestData) -> TransferLayerError:
     return TransferLayerError(f"gen rank {request.instance_name}#{request.instance_rank} is gone")
-
-
-def direct_fragments(plan: SendPlan, source: SourceBlocks, request: RequestData) -> Fragments:
-    """The merged fragments of a direct write of the KV in `source` into `request`'s blocks."""
-    return plan.fragments(
-        src_blocks=source.block_ids,
-        dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
-        num_tokens=min(request.num_tokens, source.num_tokens),
-    )
 
 
 @attrs.define(eq=False, kw_only=True)
