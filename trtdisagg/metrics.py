@@ -56,6 +56,7 @@ class WorkerMetrics:
     kv_watch_seconds: Counter
     kv_request_notices: Counter
     kv_peers_forgotten: Counter
+    kv_peers_dead: Counter
     control_connections: Gauge
     faults_injected: Counter
     event_loop_lag: Histogram
@@ -163,6 +164,13 @@ class WorkerMetrics:
                 p + "kv_peers_forgotten",
                 "Peer instances forgotten as gone (unanswered probes, or another instance at "
                 "their endpoint), their transfer agents unloaded",
+                registry=r,
+            ),
+            kv_peers_dead=Counter(
+                p + "kv_peers_dead",
+                "Peer instances forgotten because their process ended (their control connection "
+                "dropped and stayed down, or another instance took their endpoint); what waited "
+                "on them failed at once",
                 registry=r,
             ),
             kv_quarantine_expired=Counter(

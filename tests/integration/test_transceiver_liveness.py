@@ -8,7 +8,7 @@ peer that is gone must not stay loaded.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import attrs
@@ -18,7 +18,7 @@ import trio
 from tests.integration.test_transceiver_prepared import _outcome, _until
 from tests.transceivers import NUM_SLOTS, rank_info
 from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.liveness import PeerLiveness
+from trtdisagg.transfer.liveness import Gone, PeerLiveness
 from trtdisagg.transfer.messenger import open_router
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
 from trtdisagg.transfer.wire import NOT_REGISTERED
@@ -30,6 +30,11 @@ SRC, DST = [4, 5, 6], [1, 2, 3]
 
 def _liveness() -> PeerLiveness:
     return PeerLiveness(idle_s=0.05, answer_s=0.05, misses=2)
+
+
+def _links_only() -> PeerLiveness:
+    """No probe within the test: only a dropped connection can say a peer is gone."""
+    return PeerLiveness(idle_s=60, answer_s=60, misses=3, relink_s=0.2)
 
 
 @attrs.define
@@ -56,6 +61,7 @@ async def _run_side(
     memory: np.ndarray,
     *,
     request_notices: bool,
+    liveness: Callable[[], PeerLiveness],
     task_status: trio.TaskStatus[Side],
 ) -> None:
     agent = LoopbackAgent(f"{name}-agent", fabric=fabric)
@@ -67,7 +73,7 @@ async def _run_side(
                 info = attrs.evolve(info, request_notices=request_notices)
                 transceiver = KvTransceiver(
                     local=info, instance=(info,), agent=agent, router=router, timeout_s=5,
-                    wake=lambda: None, liveness=_liveness(),
+                    wake=lambda: None, liveness=liveness(),
                 )  # fmt: skip
                 await nursery.start(transceiver.run)
                 task_status.started(Side(transceiver, agent, memory, scope, stopped))
@@ -78,13 +84,17 @@ async def _run_side(
 
 
 @asynccontextmanager
-async def _pair(*, request_notices: bool = False) -> AsyncIterator[tuple[Side, Side]]:
+async def _pair(
+    *, request_notices: bool = False, liveness: Callable[[], PeerLiveness] = _liveness
+) -> AsyncIterator[tuple[Side, Side]]:
     fabric = LoopbackFabric()
     ctx_memory = np.random.default_rng(3).integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
     gen_memory = np.zeros(NUM_SLOTS * BLOCK_BYTES, np.uint8)
     async with trio.open_nursery() as nursery:
-        ctx: Side = await nursery.start(_run_side_kw, "ctx", fabric, ctx_memory, request_notices)
-        gen: Side = await nursery.start(_run_side_kw, "gen", fabric, gen_memory, False)
+        ctx: Side = await nursery.start(
+            _run_side_kw, "ctx", fabric, ctx_memory, request_notices, liveness
+        )
+        gen: Side = await nursery.start(_run_side_kw, "gen", fabric, gen_memory, False, liveness)
         yield ctx, gen
         nursery.cancel_scope.cancel()
 
@@ -94,10 +104,14 @@ async def _run_side_kw(
     fabric: LoopbackFabric,
     memory: np.ndarray,
     request_notices: bool,
+    liveness: Callable[[], PeerLiveness],
     *,
     task_status: trio.TaskStatus[Side] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    await _run_side(name, fabric, memory, request_notices=request_notices, task_status=task_status)
+    await _run_side(
+        name, fabric, memory, request_notices=request_notices, liveness=liveness,
+        task_status=task_status,
+    )  # fmt: skip
 
 
 async def _transfer(ctx: Side, gen: Side, key: int) -> TransferOutcome:
@@ -152,7 +166,7 @@ async def test_live_idle_peers_answer_their_probes_and_are_kept() -> None:
 async def test_a_gen_forgotten_while_alive_is_refused_once_and_meets_ctx_again() -> None:
     async with _pair() as (ctx, gen):
         assert (await _transfer(ctx, gen, 1)).ok
-        ctx.transceiver._forget_peer(gen.transceiver.local.instance_name)  # a false "gone"
+        ctx.transceiver._forget_peer(Gone(gen.transceiver.local.instance_name, False, "a test"))
         await _until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
         ctx.transceiver.respond_and_send_async(2, [SRC], NUM_TOKENS)
         gen.transceiver.request_and_receive_async(
@@ -167,3 +181,25 @@ async def test_a_gen_forgotten_while_alive_is_refused_once_and_meets_ctx_again()
         assert (await _transfer(ctx, gen, 3)).ok  # registered again
         assert gen.transceiver.statistics().rendezvous == rendezvous + 1
         assert gen.blocks(DST) == ctx.blocks(SRC) and _known_gen(ctx, gen)
+
+
+async def test_a_ctx_that_ends_fails_the_request_waiting_on_it_and_frees_its_blocks() -> None:
+    """A ctx process that ends drops gen's control connection and it stays down: the request
+    waiting for its KV fails within about `relink_s`, not at its deadline (5 s here), and its
+    blocks are free at once (a process that ended writes nothing any more)."""
+    async with _pair(liveness=_links_only) as (ctx, gen):
+        assert (await _transfer(ctx, gen, 1)).ok
+        gen.transceiver.request_and_receive_async(
+            2, ctx.transceiver.info_endpoint, [DST], NUM_TOKENS
+        )
+        await _until(lambda: ctx.transceiver.statistics().early == 1, "ctx holding the request")
+        stopped = trio.current_time()
+        await ctx.stop()
+        outcome = await _outcome(gen.transceiver.check_gen_transfer_status)
+        assert trio.current_time() - stopped < 2
+        assert not outcome.ok and not outcome.blocks_held, outcome
+        assert outcome.error is not None and "is gone" in outcome.error, outcome.error
+        assert "dropped" in outcome.error
+        stats = gen.transceiver.statistics()
+        assert (stats.peers_dead, stats.peers_forgotten, stats.receivers) == (1, 1, 0)
+        assert stats.quarantined == 0 and stats.quarantine_expired == 0

@@ -152,3 +152,43 @@ async def test_a_peer_that_never_reads_does_not_block_the_others() -> None:
             hog.close(linger=0)
         assert router.statistics().overflowed > 0
         nursery.cancel_scope.cancel()
+
+
+async def _serve(bind: str, stop: trio.Event, *, task_status: trio.TaskStatus[Router]) -> None:
+    """A ROUTER bound at `bind` until `stop` (then its socket closes, as at a process's end)."""
+    async with open_router(bind=bind) as router:
+        task_status.started(router)
+        await stop.wait()
+
+
+async def test_a_dealer_reports_its_link_going_down_and_up() -> None:
+    """`on_link` says when the ROUTER's socket closes (its process ended) and when a ROUTER
+    is back at that endpoint."""
+    links: list[bool] = []
+    changed = trio.Event()
+
+    def on_link(up: bool) -> None:
+        nonlocal changed
+        links.append(up)
+        changed.set()
+        changed = trio.Event()
+
+    async def until(count: int) -> None:
+        with trio.fail_after(10):
+            while len(links) < count:
+                await changed.wait()
+
+    async with trio.open_nursery() as nursery:
+        first, second = trio.Event(), trio.Event()
+        router = await nursery.start(_serve, "tcp://127.0.0.1:0", first)
+        async with open_dealer(router.endpoint, on_link=on_link) as dealer:
+            await until(1)
+            await dealer.send_message(_cancel(1))  # the link carries messages
+            assert (await router.receive_message())[1] == _cancel(1)
+            first.set()
+            await until(2)
+            await nursery.start(_serve, router.endpoint, second)  # back on the same port
+            await until(3)
+            second.set()
+            await until(4)
+    assert links == [True, False, True, False]

@@ -185,6 +185,20 @@ def test_receiver_cancel() -> None:
     assert not r.expired(100.0)
 
 
+def test_a_receiver_whose_ctx_died_fails_and_is_quiescent_at_once() -> None:
+    r = _receiver()
+    r.mark_requested()
+    assert not r.is_quiescent
+    r.peer_died("peer instance ctx-a is gone: its connection dropped")
+    assert r.status is ReceiverStatus.ERROR and r.is_quiescent
+    assert r.error == "peer instance ctx-a is gone: its connection dropped"
+    cancelled = _receiver()
+    cancelled.mark_requested()
+    cancelled.cancel()  # quarantined: a write may still land, until the ctx instance ended
+    cancelled.peer_died("gone")
+    assert cancelled.status is ReceiverStatus.CANCELLED and cancelled.is_quiescent
+
+
 def test_registry_routes_only_to_the_owning_peer() -> None:
     senders: SessionRegistry[SenderSession] = SessionRegistry()
     unbound = SenderSession(key=1, deadline=5.0)

@@ -11,10 +11,16 @@ finds its old pool still allocated). So each side watches the peer instances it 
 - an instance silent for `idle_s` is probed: REQUEST_INSTANCE_INFO to its rank 0, whose
   answer (INSTANCE_INFO, from any live rank 0) names the instance now at that endpoint;
 - an answer that names another instance means it was replaced: gone at once;
-- `misses` probes in a row without an answer within `answer_s` each: gone.
+- `misses` probes in a row without an answer within `answer_s` each: gone;
+- the control connection to one of its ranks dropped and did not come back within `relink_s`:
+  gone. A live process keeps its sockets open, a stalled one too (the kernel holds them), so
+  this is a process that ended, seen within about a second instead of half a minute.
 
 What is gone is forgotten by the shell: its registration, its agents (unloaded once no write
-to them is in flight), its dealers.
+to them is in flight), its dealers. A peer that is `dead` (replaced, or its connection gone)
+can write nothing any more, so the shell also fails at once what waits on it, and gen frees
+the blocks that peer was to fill. A peer that only went silent may be stalled and write
+later: what waits on it keeps its deadline, and its blocks their quarantine.
 """
 
 from __future__ import annotations
@@ -27,6 +33,18 @@ import attrs
 PROBE_IDLE_S = 5.0
 PROBE_ANSWER_S = 5.0
 PROBE_MISSES = 3
+# A dropped connection that a live peer re-makes (zmq reconnects within ~0.1 s) against a
+# process that ended: its port refuses connections until a new process binds it.
+RELINK_S = 1.0
+
+
+@attrs.frozen
+class Gone:
+    """A peer instance to forget, and why. `dead`: it can write nothing any more."""
+
+    instance: str
+    dead: bool
+    reason: str
 
 
 @attrs.define
@@ -35,6 +53,8 @@ class _Peer:
     heard: float
     probed: float | None = None  # the probe awaiting an answer
     misses: int = 0
+    down: dict[str, float] = attrs.field(factory=dict)  # rank endpoint -> when its link dropped
+    recheck: bool = False  # probe at once (a link came back: maybe to a new process)
 
 
 @attrs.define
@@ -44,8 +64,10 @@ class PeerLiveness:
     idle_s: float = PROBE_IDLE_S
     answer_s: float = PROBE_ANSWER_S
     misses: int = PROBE_MISSES
+    relink_s: float = RELINK_S
     _peers: dict[str, _Peer] = attrs.field(factory=dict)
     _replaced: set[str] = attrs.field(factory=set)
+    _links: dict[str, str] = attrs.field(factory=dict)  # rank control endpoint -> instance
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -61,10 +83,29 @@ class PeerLiveness:
         else:
             peer.endpoint = endpoint
             self.heard(instance, now)
+        self._links[endpoint] = instance
+
+    def track_link(self, instance: str, endpoint: str) -> None:
+        """The control connection to `endpoint`, one of `instance`'s ranks, counts for it
+        (`link`); rank 0's, given to `track`, always does."""
+        self._links[endpoint] = instance
 
     def forget(self, instance: str) -> None:
         self._peers.pop(instance, None)
         self._replaced.discard(instance)
+        for endpoint in [e for e, name in self._links.items() if name == instance]:
+            del self._links[endpoint]
+
+    def link(self, endpoint: str, up: bool, now: float) -> None:
+        """Our control connection to `endpoint` came up or dropped (endpoints of no tracked
+        instance are ignored)."""
+        peer = self._peers.get(self._links.get(endpoint, ""))
+        if peer is None:
+            return
+        if not up:
+            peer.down.setdefault(endpoint, now)
+        elif peer.down.pop(endpoint, None) is not None:
+            peer.recheck = True
 
     def heard(self, instance: str, now: float) -> None:
         """A message from `instance`: alive (untracked names are ignored)."""
@@ -92,7 +133,9 @@ class PeerLiveness:
         for name, peer in self._peers.items():
             if name in self._replaced:
                 continue
-            if peer.probed is not None:
+            if peer.recheck:
+                peer.recheck = False
+            elif peer.probed is not None:
                 if now - peer.probed < self.answer_s:
                     continue
                 peer.misses += 1
@@ -104,14 +147,25 @@ class PeerLiveness:
             due.append((name, peer.endpoint))
         return due
 
-    def gone(self, now: float) -> list[str]:
-        """Instances replaced at their endpoint, or that missed `misses` probes in a row (the
+    def gone(self, now: float) -> list[Gone]:
+        """Instances replaced at their endpoint, whose connection to a rank dropped `relink_s`
+        ago and has not come back (both dead), or that missed `misses` probes in a row (the
         last one unanswered for `answer_s`); the caller forgets them."""
-        out = sorted(self._replaced)
+        out = [
+            Gone(name, True, "a new instance answers at its endpoint")
+            for name in sorted(self._replaced)
+        ]
         for name, peer in self._peers.items():
-            if name in self._replaced or peer.probed is None:
+            if name in self._replaced:
+                continue
+            lost = [e for e, at in sorted(peer.down.items()) if now - at >= self.relink_s]
+            if lost:
+                back = f"was not back within {self.relink_s:g}s"
+                out.append(Gone(name, True, f"its connection to {lost[0]} dropped and {back}"))
+                continue
+            if peer.probed is None:
                 continue
             missed = peer.misses + (now - peer.probed >= self.answer_s)
             if missed >= self.misses:
-                out.append(name)
+                out.append(Gone(name, False, f"{missed} probes in a row went unanswered"))
         return out

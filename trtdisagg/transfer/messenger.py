@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import AsyncIterator
+import struct
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import attrs
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.faults import FaultAction, FaultInjector
@@ -406,16 +408,48 @@ async def open_dealer(
     max_message_bytes: int = 64 * 2**20,
     high_water_mark: int = 1000,
     faults: FaultInjector | None = None,
+    on_link: Callable[[bool], None] | None = None,
 ) -> AsyncIterator[Dealer]:
     """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); `faults` as
-    for `open_router`."""
+    for `open_router`. `on_link(True)` is called each time the connection comes up, and
+    `on_link(False)` each time it drops (the peer closed it, or its process ended)."""
     socket = _socket(zmq.DEALER, context, max_message_bytes, high_water_mark)
     if identity is not None:
         socket.setsockopt(zmq.ROUTING_ID, identity)
+    monitor = None
+    if on_link is not None:  # before connecting: the first CONNECTED is not missed
+        monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     socket.connect(endpoint)
     pump = _Pump(socket, frames=1, queue_size=queue_size)
-    async with _running(socket, pump) as nursery:
-        yield Dealer(pump, endpoint, _faulty(faults, nursery))
+    try:
+        async with _running(socket, pump) as nursery:
+            if monitor is not None and on_link is not None:
+                nursery.start_soon(_watch_link, monitor, on_link)
+            yield Dealer(pump, endpoint, _faulty(faults, nursery))
+    finally:
+        if monitor is not None:
+            monitor.close(linger=0)
+
+
+async def _watch_link(monitor: zmq.Socket[bytes], on_link: Callable[[bool], None]) -> None:
+    """Report a DEALER's monitor events (its PAIR socket, edge-triggered like any zmq FD)."""
+    fd = int(monitor.getsockopt(zmq.FD))
+    while True:
+        try:
+            frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if not int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # re-arms the edge
+                await trio.lowlevel.wait_readable(fd)
+            continue
+        try:
+            event = parse_monitor_message(frames)["event"]
+        except (ValueError, IndexError, struct.error):
+            continue  # not an event zmq would send
+        if event == zmq.EVENT_CONNECTED:
+            on_link(True)
+        elif event == zmq.EVENT_DISCONNECTED:
+            on_link(False)
+        await trio.lowlevel.checkpoint()
 
 
 def _faulty(faults: FaultInjector | None, nursery: trio.Nursery) -> _FaultySender | None:

@@ -11,7 +11,7 @@ import attrs
 import trio
 
 from trtdisagg.transfer.errors import TransferLayerError
-from trtdisagg.transfer.liveness import PeerLiveness
+from trtdisagg.transfer.liveness import Gone, PeerLiveness
 from trtdisagg.transfer.wire import PROTOCOL_VERSION, Message, RequestInstanceInfo
 
 log = logging.getLogger(__name__)
@@ -22,21 +22,24 @@ class PeerWatch:
     liveness: PeerLiveness
     clock: Callable[[], float]
     _send: Callable[[str, Message], Awaitable[None]]  # on the dealer to an endpoint
-    _forget: Callable[[str], None]  # forget one peer instance, and unload its agents
+    _forget: Callable[[Gone], None]  # forget one peer instance, and unload its agents
     forgotten: int = 0  # peer instances forgotten as gone (since start)
+    dead: int = 0  # ... of which had ended (`Gone.dead`)
     probes: int = 0  # probes sent (since start)
 
     async def run(self) -> None:
-        period = min(self.liveness.idle_s, self.liveness.answer_s) / 4
+        watch = self.liveness
+        period = min(watch.idle_s, watch.answer_s, watch.relink_s) / 4
         async with trio.open_nursery() as nursery:
             while True:
                 await trio.sleep(period)
                 now = self.clock()
-                for instance in self.liveness.gone(now):
-                    self.liveness.forget(instance)
+                for gone in watch.gone(now):
+                    watch.forget(gone.instance)
                     self.forgotten += 1
-                    log.info("peer instance %s is gone: forgetting it", instance)
-                    self._forget(instance)
+                    self.dead += gone.dead
+                    log.warning("peer instance %s is gone (%s)", gone.instance, gone.reason)
+                    self._forget(gone)
                 for _instance, endpoint in self.liveness.to_probe(now):
                     self.probes += 1
                     nursery.start_soon(self._probe, endpoint)

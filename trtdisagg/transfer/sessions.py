@@ -223,6 +223,7 @@ class ReceiverSession:
     # The shell's bookkeeping for a session that ended while a ctx write may still land:
     cancel_sent: bool = False  # CANCEL went to the expected ctx ranks (once)
     failure_reported: bool = False  # the failure went to the executor; the blocks stay pinned
+    peer_dead: bool = False  # the ctx instance ended (`peer_died`): none of its writes can land
     _results: dict[int, RankResult] = attrs.field(factory=dict)
     _posted: dict[int, RankResult] = attrs.field(factory=dict)  # WRITE_POSTED, result to come
     _noticed: set[int] = attrs.field(factory=set)
@@ -263,9 +264,9 @@ class ReceiverSession:
 
     @property
     def is_quiescent(self) -> bool:
-        """Every expected ctx rank reported, or had its only write land: nobody writes into our
-        blocks any more."""
-        return all(
+        """Every expected ctx rank reported, or had its only write land, or the ctx instance
+        ended: nobody writes into our blocks any more."""
+        return self.peer_dead or all(
             rank in self._results or (rank in self._posted and rank in self._noticed)
             for rank in self.expected
         )
@@ -347,6 +348,12 @@ class ReceiverSession:
     def fail(self, reason: str) -> None:
         if not self.is_terminal:
             self.error = reason
+
+    def peer_died(self, reason: str) -> None:
+        """The ctx instance's process ended (transfer/liveness.py): fail unless done, and
+        nothing of that instance can land in our blocks any more."""
+        self.fail(reason)
+        self.peer_dead = True
 
     def cancel(self) -> None:
         if not self.is_terminal:

@@ -61,7 +61,7 @@ import trio.lowlevel
 from trtdisagg.transfer.agents.base import Notifier, TransferAgent, XferHandle, notifier
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
 from trtdisagg.transfer.faults import FaultInjector
-from trtdisagg.transfer.liveness import PeerLiveness
+from trtdisagg.transfer.liveness import Gone, PeerLiveness
 from trtdisagg.transfer.messenger import Dealer, Router, open_dealer
 from trtdisagg.transfer.pacing import (
     ANNOUNCE_AFTER_S,
@@ -167,6 +167,7 @@ class TransceiverStatistics:
     # peer instances watched for being gone (transfer/liveness.py), and forgotten as gone
     peers_watched: int = 0
     peers_forgotten: int = 0
+    peers_dead: int = 0  # ... of which had ended: what waited on them failed at once
     peer_probes: int = 0
 
 
@@ -362,6 +363,7 @@ class KvTransceiver:
             request_copies_due=self._ctx_side.copies_due,
             peers_watched=len(self.liveness),
             peers_forgotten=self._peer_watch.forgotten,
+            peers_dead=self._peer_watch.dead,
             peer_probes=self._peer_watch.probes,
         )
 
@@ -425,13 +427,25 @@ class KvTransceiver:
         of its ranks that take REQUEST_DATA as a notification."""
         rank0 = min(ranks, key=lambda info: info.instance_rank)
         self.liveness.track(rank0.instance_name, rank0.control_endpoint, self.clock())
+        for info in ranks:
+            self.liveness.track_link(info.instance_name, info.control_endpoint)
         await self._connect_request_notices(ranks)
 
-    def _forget_peer(self, instance: str) -> None:
+    def _forget_peer(self, gone: Gone) -> None:
         """A peer instance is gone (transfer/liveness.py): forget it, so that a new request
         meets it again should it come back, and unload its agents. A dead peer's KV pool stays
         allocated on its GPU while an agent of ours maps it. ctx unloads a gen rank's agent once
-        no write to it is in flight (such a write fails: the rank is gone)."""
+        no write to it is in flight (such a write fails: the rank is gone). A peer that ended
+        fails what waits on it now, and frees gen's blocks it was to fill: it writes no more."""
+        instance = gone.instance
+        if gone.dead:
+            reason = f"peer instance {instance} is gone: {gone.reason}"
+            for receiver in self.receivers:
+                if receiver.peer_instance == instance:
+                    receiver.peer_died(reason)
+            for sender in self.senders:
+                if sender.peer_instance == instance:
+                    sender.fail(reason)
         ranks = [*self.registrar.ranks_of(instance), *self._ctx_peers.forget_instance(instance)]
         self.registrar.forget(instance)
         handles = self.prepared.drop_requests_of(instance)
@@ -663,7 +677,8 @@ class KvTransceiver:
         with trio.CancelScope() as scope:
             self._dealer_scopes[endpoint] = scope
             try:
-                async with open_dealer(endpoint, faults=self.faults) as dealer:
+                on_link = functools.partial(self._on_link, endpoint)
+                async with open_dealer(endpoint, faults=self.faults, on_link=on_link) as dealer:
                     self._dealers[endpoint] = dealer
                     task_status.started(dealer)
                     while True:
@@ -674,6 +689,11 @@ class KvTransceiver:
                 if gone is not None:
                     self._closed_bad_frames += gone.statistics().bad_frames
                 self._dealer_scopes.pop(endpoint, None)
+
+    def _on_link(self, endpoint: str, up: bool) -> None:
+        """Our connection to a peer rank's control endpoint came up or dropped: a dropped one
+        that stays down means that peer's process ended (liveness.py)."""
+        self.liveness.link(endpoint, up, self.clock())
 
     def _drop_dealer(self, endpoint: str) -> None:
         scope = self._dealer_scopes.get(endpoint)
@@ -759,6 +779,7 @@ class KvTransceiver:
                 self._remote_names[info.key] = name
             if info.instance_rank == 0:
                 self.liveness.track(info.instance_name, info.control_endpoint, self.clock())
+            self.liveness.track_link(info.instance_name, info.control_endpoint)
         except (PeerIncompatible, TransferLayerError) as exc:
             accepted, reason = False, str(exc)
             log.warning("refused gen rank %s: %s", info.label, reason)

@@ -889,6 +889,7 @@ class Executor:
             self._advance(self.metrics.kv_request_notices, "request_notices", notices)
             forgotten = transfer.peers_forgotten
             self._advance(self.metrics.kv_peers_forgotten, "peers_forgotten", forgotten)
+            self._advance(self.metrics.kv_peers_dead, "peers_dead", transfer.peers_dead)
             self.metrics.control_connections.set(transfer.connections)
         stats = self.scheduler.statistics()
         self.metrics.requests_running.set(stats.num_running)
