@@ -8,6 +8,7 @@ peer that is gone must not stay loaded.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -26,6 +27,7 @@ from trtdisagg.transfer.wire import NOT_REGISTERED
 BLOCK_BYTES = 2 * 2 * 2 * 4 * 8 * 4  # LAYERS x K/V x HEADS x TPB x HEAD_DIM x float32
 NUM_TOKENS = 4 * 3 - 1
 SRC, DST = [4, 5, 6], [1, 2, 3]
+CHURN = 20
 
 
 def _liveness() -> PeerLiveness:
@@ -203,3 +205,34 @@ async def test_a_ctx_that_ends_fails_the_request_waiting_on_it_and_frees_its_blo
         stats = gen.transceiver.statistics()
         assert (stats.peers_dead, stats.peers_forgotten, stats.receivers) == (1, 1, 0)
         assert stats.quarantined == 0 and stats.quarantine_expired == 0
+
+
+def _open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_gen_instances_that_come_and_go_leave_ctx_no_sockets_behind() -> None:
+    """One socket (and its monitor) per peer endpoint, never closed, ran a prefill server out of
+    file descriptors (peers.md, pain point 8). Here gen instances meet ctx one after another,
+    each moves its KV and ends: ctx forgets each as dead and closes what it opened for it, so
+    the open files of this process (both sides run in it) come back to where they were."""
+    fabric = LoopbackFabric()
+    ctx_memory = np.random.default_rng(5).integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
+    async with trio.open_nursery() as nursery:
+        ctx: Side = await nursery.start(_run_side_kw, "ctx", fabric, ctx_memory, False, _links_only)
+        before = _open_files()
+        stats = ctx.transceiver.statistics
+        for i in range(CHURN):
+            memory = np.zeros(NUM_SLOTS * BLOCK_BYTES, np.uint8)
+            gen: Side = await nursery.start(
+                _run_side_kw, f"gen{i}", fabric, memory, False, _links_only
+            )
+            assert (await _transfer(ctx, gen, i + 1)).ok
+            assert gen.blocks(DST) == ctx.blocks(SRC)
+            assert _open_files() > before  # what ctx opened for gen, and gen's own
+            await gen.stop()
+            await _until(lambda i=i: stats().peers_dead == i + 1, "ctx forgetting a gen as dead")
+            await _until(lambda: _open_files() <= before, f"files closed after gen {i}")
+            await _until(lambda: not ctx.agent.remotes, f"gen {i}'s agent unloaded")
+            assert stats().peers_watched == 0
+        nursery.cancel_scope.cancel()
