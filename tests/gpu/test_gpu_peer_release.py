@@ -4,8 +4,8 @@ A loaded NIXL agent of a peer on the same node maps that peer's GPU memory (UCX 
 killed while its ctx keeps its agent would stay allocated on the GPU for as long as ctx lives
 (40 GiB measured with a bare NIXL pair, even after `remove_remote_agent` with UCX's default IPC
 cache). Workers turn that cache off and forget peers whose control connection drops and stays
-down, or that stop answering probes (transfer/liveness.py); here a real ctx and gen share GPU 0, and the gen pool's memory must come
-back once ctx has forgotten the killed gen.
+down, or that stop answering probes (transfer/liveness.py); here a real ctx and gen share GPU 0,
+and the gen pool's memory must come back once ctx has forgotten the killed gen.
 
     PYTHONPATH=/tmp/site:$PWD python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider
 """
