@@ -57,6 +57,7 @@ class WorkerMetrics:
     kv_request_notices: Counter
     kv_peers_forgotten: Counter
     kv_peers_dead: Counter
+    kv_sends_released: Counter
     control_connections: Gauge
     faults_injected: Counter
     event_loop_lag: Histogram
@@ -171,6 +172,12 @@ class WorkerMetrics:
                 "Peer instances forgotten because their process ended (their control connection "
                 "dropped and stayed down, or another instance took their endpoint); what waited "
                 "on them failed at once",
+                registry=r,
+            ),
+            kv_sends_released=Counter(
+                p + "kv_sends_released",
+                "context_only requests whose KV the coordinator released before any gen took "
+                "it (the gen leg was refused, unreachable, or its client left)",
                 registry=r,
             ),
             kv_quarantine_expired=Counter(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -310,6 +311,31 @@ def test_coordinator_in_front_of_tp2_ctx_and_pp2_gen(
             stream=True, extra_body={"ignore_eos": True},
         )  # fmt: skip
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == aggregated
+
+
+async def test_a_tp2_ctx_frees_kv_released_before_any_gen_asked(kv2: Group) -> None:
+    """`/disagg/release` (the coordinator's call when no gen leg took the KV): every rank of a
+    multi-rank ctx stops holding it, long before the 20 s transfer deadline."""
+    ctx = kv2.servers["ctx_tp2"]
+    key = 2**44 + 77
+    params = {"request_type": "context_only", "disagg_request_id": key}
+    async with httpx.AsyncClient(timeout=60) as client:
+        r = await client.post(
+            ctx.url + "/v1/completions", json=_body(_prompts(13)[2], disaggregated_params=params)
+        )
+        assert r.status_code == 200, r.text
+        text = (await client.get(ctx.url + "/metrics")).text
+        free = metric(text, "trtdisagg_kv_cache_free_blocks")
+        free += metric(text, "trtdisagg_kv_cache_reusable_blocks")
+        assert free < metric(text, "trtdisagg_kv_cache_total_blocks")  # held for a gen
+        asked = time.monotonic()
+        r = await client.post(ctx.url + "/disagg/release", json={"disagg_request_id": key})
+        assert r.status_code == 200 and r.json()["released"] is True, r.text
+        await _wait_idle(client, ctx)
+        assert time.monotonic() - asked < TRANSFER["kv_transfer_timeout_ms"] / 4000
+        r = await client.post(ctx.url + "/disagg/release", json={"disagg_request_id": key})
+        assert r.json()["released"] is False  # nothing held any more
+        assert _counter(ctx, "trtdisagg_kv_sends_released_total") >= 1
 
 
 def _counter(server: Server, name: str) -> float:

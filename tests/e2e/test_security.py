@@ -6,8 +6,9 @@
   process's socket inodes (/proc/PID/fd) joined with its network namespace's tables
   (/proc/PID/net/{tcp,tcp6,udp,udp6}).
 * With an API key (env `TRTDISAGG_API_KEY` for the workers, `api_key` in the coordinator's file),
-  every OpenAI route of every process answers 401 without the key or with a wrong one, serves
-  with `Authorization: Bearer <key>`, and the key never shows in any process's log.
+  every OpenAI route of every process, and the workers' `/disagg/release`, answers 401 without
+  the key or with a wrong one, serves with `Authorization: Bearer <key>`, and the key never
+  shows in any process's log.
 """
 
 from __future__ import annotations
@@ -255,6 +256,14 @@ def test_every_openai_route_needs_the_key(keyed: tuple[Cluster, str]) -> None:
                 assert r.status_code != 200, (server.url, variant, r.text)
             for path in ("/health", "/metrics", "/version"):  # probes need no key
                 assert client.get(server.url + path).status_code == 200
+        release = {"disagg_request_id": 12345}  # the coordinator's call; no request holds it
+        for server in cluster.workers:
+            for headers in wrong:
+                r = client.post(server.url + "/disagg/release", json=release, headers=headers)
+                assert r.status_code == 401, (server.url, headers, r.text)
+            r = client.post(server.url + "/disagg/release", json=release, headers=_auth(key))
+            assert r.status_code == 200, (server.url, r.text)
+            assert r.json() == {**release, "released": False}
 
 
 def test_with_the_key_a_disaggregated_request_streams_through(keyed: tuple[Cluster, str]) -> None:

@@ -21,6 +21,9 @@ from trtdisagg.api.errors import ApiError
 log = logging.getLogger(__name__)
 
 OPENAI_PREFIX = "/v1/"
+# Routes that act on requests: the OpenAI ones and the coordinator's calls to a worker (a
+# `/disagg/release` from anyone else would drop another client's KV).
+KEYED_PREFIXES = (OPENAI_PREFIX, "/disagg/")
 
 
 def dumps(value: Any) -> str:
@@ -36,7 +39,7 @@ def error_response(exc: ApiError) -> Response:
 
 
 def install_common_handlers(app: QuartTrio, *, max_body_bytes: int, api_key: str | None) -> None:
-    """Error handlers and the Bearer-key check on the OpenAI routes (`/v1/...`)."""
+    """Error handlers and the Bearer-key check on `/v1/...` and `/disagg/...`."""
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
 
     @app.errorhandler(ApiError)
@@ -74,7 +77,7 @@ def install_common_handlers(app: QuartTrio, *, max_body_bytes: int, api_key: str
 
     @app.before_request
     async def authorize() -> Response | None:
-        if api_key is None or not request.path.startswith(OPENAI_PREFIX):
+        if api_key is None or not request.path.startswith(KEYED_PREFIXES):
             return None
         # Constant-time comparison: a plain `!=` leaks how long the matching prefix is.
         given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")

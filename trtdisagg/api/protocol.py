@@ -39,6 +39,14 @@ class DisaggregatedParams:
 
 
 @attrs.frozen(kw_only=True)
+class KvRelease:
+    """`POST /disagg/release` to a ctx worker: the coordinator gave up on this request's gen
+    leg before any gen took its KV, so ctx stops holding it."""
+
+    disagg_request_id: int
+
+
+@attrs.frozen(kw_only=True)
 class ContentPart:
     type: str
     text: str | None = None

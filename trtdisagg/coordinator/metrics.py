@@ -34,6 +34,8 @@ class CoordinatorMetrics:
     local_prefill: Counter
     """Requests served by gen alone (conditional disaggregation)."""
     upstream_errors: Counter
+    ctx_releases: Counter
+    """``{outcome}``: ctx KV released because no gen took it; released | not_held | failed."""
     event_loop_lag: Histogram
 
     @classmethod
@@ -69,6 +71,11 @@ class CoordinatorMetrics:
             ),
             upstream_errors=Counter(
                 p + "coordinator_upstream_errors", "Failed calls to workers", ["role", "kind"],
+                registry=r,
+            ),
+            ctx_releases=Counter(
+                p + "coordinator_ctx_releases",
+                "ctx KV holds ended early because no gen leg took the KV", ["outcome"],
                 registry=r,
             ),
             event_loop_lag=event_loop_lag_histogram(r),

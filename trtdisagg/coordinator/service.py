@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 Json = dict[str, Any]
 
 CTX: Final = ServerRole.CONTEXT
+RELEASE_TIMEOUT_S: Final = 2.0  # `_release_ctx`, which runs even while the request is cancelled
 GEN: Final = ServerRole.GENERATION
 
 
@@ -243,8 +244,15 @@ class DisaggService:
             ctx = await self._ctx_leg(call, disagg_id, await self._lease(call, CTX, disagg_id))
             if ctx.finished:
                 return self._ctx_reply(call, ctx)
-            gen = gen or await self._lease(call, GEN, disagg_id)
-            return await self._gen_leg(call, gen_request(call.raw, ctx), gen, ctx=ctx)
+            taken = False
+            try:
+                gen = gen or await self._lease(call, GEN, disagg_id)
+                reply = await self._gen_leg(call, gen_request(call.raw, ctx), gen, ctx=ctx)
+                taken = True
+                return reply
+            finally:
+                if not taken:
+                    await self._release_ctx(call, ctx)
         finally:
             if gen is not None:
                 await gen.release_unless_handed_off(success=False)
@@ -269,6 +277,26 @@ class DisaggService:
         finally:
             call.clock.ctx_end = trio.current_time()
             await lease.release(success=success)
+
+    async def _release_ctx(self, call: _Call, ctx: CtxResult) -> None:
+        """No gen leg took ctx's KV (no gen, refused, unreachable, or the client left): ask ctx
+        to stop holding it now rather than for its whole `kv_transfer_timeout_ms` (peers.md,
+        pain point 16). Best effort, bounded, and done even when the request is cancelled; a
+        gen that did reach ctx cancels on its own, and a release after that changes nothing."""
+        key = ctx.params.get("disagg_request_id")
+        if not isinstance(key, int):
+            return
+        outcome = "failed"
+        with trio.CancelScope(deadline=trio.current_time() + RELEASE_TIMEOUT_S, shield=True):
+            try:
+                answer = await self.client.post_json(
+                    ctx.server, "/disagg/release", {"disagg_request_id": key},
+                    role=CTX.value, headers=call.headers,
+                )  # fmt: skip
+                outcome = "released" if answer.get("released") is True else "not_held"
+            except UpstreamError as exc:
+                log.warning("could not release ctx's KV of request %d: %s", key, exc)
+        self.metrics.ctx_releases.labels(outcome=outcome).inc()
 
     def _perf(self, call: _Call, ctx: CtxResult | None) -> Callable[[Json | None], Json] | None:
         if not call.ask.return_perf_metrics:
@@ -390,6 +418,7 @@ class DisaggService:
                 raise ctx_error[0]
             return self._ctx_reply(call, ctx_result[0])
         if gen_error:
+            await self._release_ctx(call, ctx_result[0])
             raise gen_error[0]
         reply, ctx = gen_result[0], ctx_result[0]
         if isinstance(reply, StreamReply):

@@ -91,6 +91,7 @@ class CtxResult:
     """A validated ctx answer."""
 
     body: Json
+    server: str  # the ctx server that answered, and holds the KV until a gen takes it
     finished: bool
     """ctx already finished the request (stop token, max_tokens 1): no gen leg runs."""
     params: Json
@@ -130,6 +131,7 @@ def parse_ctx_response(data: object, *, server: str) -> CtxResult:
     perf = data.get("perf_metrics")
     return CtxResult(
         body=data,
+        server=server,
         finished=finished,
         params=params if isinstance(params, dict) else {},
         prompt_token_ids=list(prompt_ids) if isinstance(prompt_ids, list) else [],

@@ -16,7 +16,7 @@ from trtdisagg import __version__
 from trtdisagg.api.codec import parse_json, structure_body, to_json, validate_request
 from trtdisagg.api.errors import ApiError, bad_request
 from trtdisagg.api.http import install_common_handlers, json_response
-from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
+from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, KvRelease
 from trtdisagg.metrics import CONTENT_TYPE
 from trtdisagg.transfer.faults import FaultInjector, FaultSpecError, parse_faults
 from trtdisagg.worker.service import WorkerService
@@ -98,6 +98,13 @@ def create_app(service: WorkerService) -> QuartTrio:
         faults.replace(plan)
         log.warning("fault plan replaced: %s", plan)
         return json_response(to_json(faults.statistics()))
+
+    @app.post("/disagg/release")
+    async def release_kv() -> Response:
+        body = parse_json(await request.get_data(cache=False, as_text=False))
+        ask = structure_body(body, KvRelease)
+        released = service.release_send(ask)
+        return json_response({"disagg_request_id": ask.disagg_request_id, "released": released})
 
     @app.get("/v1/models")
     async def models() -> Response:

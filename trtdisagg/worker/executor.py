@@ -176,6 +176,7 @@ class Executor:
     _live: dict[int, _Live] = attrs.field(factory=dict, alias="live")
     _new: list[_Live] = attrs.field(factory=list, alias="new")
     _aborts: list[int] = attrs.field(factory=list, alias="aborts")
+    _releases: list[int] = attrs.field(factory=list, alias="releases")  # ctx: transfer keys
     _pending_gen: collections.deque[_Live] = attrs.field(
         factory=collections.deque, alias="pending_gen"
     )
@@ -238,6 +239,17 @@ class Executor:
     def abort(self, request_id: int) -> None:
         self._aborts.append(request_id)
         self._wake.set()
+
+    def release_send(self, key: int) -> bool:
+        """ctx: the coordinator gave up on the gen leg of transfer `key` before any gen took
+        its KV (no gen, refused, unreachable, or its client left): stop holding the KV now, as
+        a gen's CANCEL would, not at `kv_transfer_timeout_ms`. A write already in flight runs
+        to its end first. False when no request of this worker holds KV under `key`."""
+        if key not in self._sending:
+            return False
+        self._releases.append(key)
+        self._wake.set()
+        return True
 
     def wake(self) -> None:
         self._wake.set()
@@ -496,6 +508,17 @@ class Executor:
                 continue
             self._abort(aborted, now)
         self._aborts.clear()
+        for key in self._releases:
+            if key not in self._sending:
+                continue  # its transfer ended meanwhile
+            log.info("KV send %d released: its gen leg never took it", key)
+            self.metrics.kv_sends_released.inc()
+            if self.ranks is not None:
+                self._queue_cancel(key)
+            else:
+                assert self.transceiver is not None
+                self.transceiver.cancel_request(key)
+        self._releases.clear()
 
     def _abort(self, live: _Live, now: float) -> None:
         request = live.request

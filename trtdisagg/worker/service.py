@@ -23,6 +23,7 @@ from trtdisagg.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DisaggregatedParams,
+    KvRelease,
     PerfMetrics,
     Usage,
 )
@@ -112,6 +113,22 @@ class WorkerService:
             }
             for e in self.executor.scheduler.pool.drain_events()
         ]
+
+    def release_send(self, ask: KvRelease) -> bool:
+        """`POST /disagg/release`: whether a context_only request held KV under that id (it
+        is released at the executor's next step)."""
+        key = ask.disagg_request_id
+        if not 0 <= key < 2**63:
+            raise bad_request(
+                f"disagg_request_id: must be in [0, 2**63), got {key}", param="disagg_request_id"
+            )
+        if self.executor.transceiver is None:
+            raise bad_request(
+                "disagg_request_id: there is no KV to release: cache_transceiver is disabled on "
+                "this worker",
+                param="disagg_request_id",
+            )
+        return self.executor.release_send(key)
 
     # ---- requests ----
 
