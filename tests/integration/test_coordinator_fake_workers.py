@@ -376,6 +376,98 @@ async def test_client_disconnect_during_ctx_leg_cancels_it(
         await c.gen[0].worker.wait_running(0)
 
 
+def _sent_id(fake: Fake) -> int:
+    key = fake.worker.bodies[-1]["disaggregated_params"]["disagg_request_id"]
+    assert isinstance(key, int)
+    return key
+
+
+async def _releases(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    text = (await client.get(url + "/metrics")).text
+    prefix = 'trtdisagg_coordinator_ctx_releases_total{outcome="'
+    return {
+        line[len(prefix) :].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+async def test_ctx_kv_is_released_only_when_no_gen_leg_took_it(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """Pain point 16: ctx's KV is handed back when the gen leg fails, and only then; a ctx that
+    answered with an error holds nothing and is not asked."""
+    c = await start_cluster(nursery, max_retries=0)
+    ctx, gen = c.ctx[0], c.gen[0].worker
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 200, r.text
+    assert ctx.worker.releases == []
+    gen.fail_status, gen.fail_count = 400, 1
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 400, r.text
+    assert ctx.worker.releases == [_sent_id(ctx)]  # done before the client got its answer
+    assert _sent_id(ctx) not in ctx.worker.held
+    ctx.worker.fail_status, ctx.worker.fail_count = 500, 1
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 502, r.text
+    assert len(ctx.worker.releases) == 1
+    assert await _releases(client, c.url) == {"released": 1.0}
+
+
+@pytest.mark.parametrize("style", ["context_first", "generation_first"])
+async def test_a_ctx_leg_cut_short_releases_ctx_and_ends_the_gen_leg(
+    nursery: trio.Nursery, client: httpx.AsyncClient, style: str
+) -> None:
+    """Pain points 16 and 22: ctx takes the request and stays silent. At `request_timeout` the
+    client gets a 504, ctx is asked to release the id it was sent (it may have answered just
+    then, holding KV no gen will take), and a gen leg already running ends too."""
+    c = await start_cluster(
+        nursery, request_timeout=1, schedule_style=style, gen_knobs={"token_delay": 5}
+    )
+    ctx, gen = c.ctx[0], c.gen[0].worker
+    ctx.worker.hang = True
+    started = time.monotonic()
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 504, r.text
+    assert time.monotonic() - started < 3
+    with trio.fail_after(1):
+        await ctx.worker.wait_releases(1)
+        await gen.wait_running(0)
+    assert ctx.worker.releases == [_sent_id(ctx)]
+    assert await _releases(client, c.url) == {"not_held": 1.0}
+    with trio.move_on_after(0.3):  # the client hangs up while ctx still works
+        await client.post(c.url + "/v1/completions", json=_body())
+    with trio.fail_after(2.5):
+        await ctx.worker.wait_releases(2)
+    assert ctx.worker.releases[-1] == _sent_id(ctx)
+
+
+async def test_a_stream_that_stalls_midway_ends_at_the_deadline_and_frees_gen(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """Pain point 22: gen streams two tokens and goes silent with its connection open. The
+    client's stream ends at `request_timeout` with an error event and [DONE], and the gen leg
+    is cancelled (its request no longer runs)."""
+    c = await start_cluster(nursery, request_timeout=1, gen_knobs={"stall_after": 2})
+    gen = c.gen[0].worker
+    started = time.monotonic()
+    tokens: list[int] = []
+    events: list[Any] = []
+    async with client.stream("POST", c.url + "/v1/completions", json=_body(stream=True)) as r:
+        assert r.status_code == 200
+        async for event in _events(r):
+            events.append(event)
+            if isinstance(event, dict):
+                for choice in event.get("choices", []):
+                    tokens.extend(choice.get("token_ids") or [])
+    assert time.monotonic() - started < 3
+    assert tokens == _expected("hello world, this is a prompt")[:2]
+    assert events[-1] == "[DONE]"
+    assert "timed out" in events[-2]["error"]["message"], events[-2]
+    with trio.fail_after(1):
+        await gen.wait_running(0)
+
+
 async def test_round_robin_alternates_ctx_servers(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:

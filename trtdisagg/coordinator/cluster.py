@@ -6,9 +6,15 @@ Lifecycle of one server::
                                                          ▲      finds it unreachable──> UNHEALTHY
                                                          └──────────/health 200──────────┘
 
-The health monitor (`health.py`) feeds transitions in; routers get the healthy set out through
+The health monitor (`local.py`) feeds transitions in; routers get the serving set out through
 `views(role)`. The cluster is *ready* once start-up has finished waiting and at least one server
-of each role is healthy (of generation only, in aggregated mode: no context servers configured).
+of each role serves (of generation only, in aggregated mode: no context servers configured).
+
+A healthy server serves unless it can exchange KV with no healthy server of the other role: each
+worker publishes what a peer must match (`kv_compat` in `/server_info`), and a ctx and a gen that
+differ would fail every request at the transfer while both look healthy (peers.md, pain point
+11). Such a server is left out of rotation and named, with both values, in `not_ready_reason`
+and `/cluster_info`. A worker that does not publish `kv_compat` is taken as able to pair.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import attrs
 
 from trtdisagg.coordinator.config import CoordinatorConfig, normalize_url
 from trtdisagg.coordinator.routers import ServerView
+from trtdisagg.transfer.rank_info import compat_mismatches
 
 Json = dict[str, Any]
 
@@ -49,6 +56,9 @@ class ServerInfo:
     tokens_per_block: int | None = None
     kv_hash_algorithm: str | None = None
     ctx_info_endpoint: str | None = None
+    transceiver: bool | None = None
+    """Whether the worker can send or receive KV; None when it does not say (no `kv_compat`)."""
+    kv_compat: tuple[tuple[str, str | int], ...] = ()
 
     @classmethod
     def parse(cls, data: Json) -> ServerInfo:
@@ -56,7 +66,14 @@ class ServerInfo:
         endpoint = params.get("ctx_info_endpoint") if isinstance(params, dict) else None
         if isinstance(endpoint, list):  # TensorRT-LLM lists one per DP rank; we use the first
             endpoint = endpoint[0] if endpoint else None
+        compat = data.get("kv_compat")
         return cls(
+            transceiver=isinstance(compat, dict) if "kv_compat" in data else None,
+            kv_compat=tuple(
+                (k, v)
+                for k, v in (compat.items() if isinstance(compat, dict) else ())
+                if isinstance(k, str) and isinstance(v, str | int) and not isinstance(v, bool)
+            ),
             model=_str(data, "model"),
             model_path=_str(data, "model_path"),
             max_batch_size=_int(data, "max_batch_size"),
@@ -66,7 +83,29 @@ class ServerInfo:
         )
 
     def to_json(self) -> Json:
-        return {k: v for k, v in attrs.asdict(self).items() if v is not None}
+        out = {k: v for k, v in attrs.asdict(self).items() if v is not None}
+        out["kv_compat"] = dict(self.kv_compat)
+        if self.transceiver is None:
+            del out["kv_compat"]
+        return out
+
+
+def pairing_problem(ctx: ServerInfo | None, gen: ServerInfo | None) -> str | None:
+    """Why this ctx and this gen cannot exchange KV, or None when they can (or cannot tell)."""
+    for role, info in (("ctx", ctx), ("gen", gen)):
+        if info is not None and info.transceiver is False:
+            return f"cache_transceiver is disabled on {role}"
+    if ctx is None or gen is None or not ctx.transceiver or not gen.transceiver:
+        return None
+    mismatches = compat_mismatches(dict(ctx.kv_compat), dict(gen.kv_compat), names=("ctx", "gen"))
+    return "; ".join(mismatches) or None
+
+
+@attrs.frozen(kw_only=True)
+class IncompatiblePair:
+    context: str
+    generation: str
+    reason: str
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -92,6 +131,10 @@ class Cluster:
     servers: dict[str, ServerState]
     started: bool = False
     """Start-up finished waiting for the servers (successfully)."""
+    incompatible: list[IncompatiblePair] = attrs.Factory(list)
+    """Healthy ctx and gen that cannot exchange KV (`pairing_problem`); kept by `_pair`."""
+    _unpaired: dict[str, str] = attrs.field(factory=dict, alias="unpaired")
+    """url -> why: healthy servers that can pair with no healthy server of the other role."""
 
     @classmethod
     def from_config(cls, config: CoordinatorConfig) -> Cluster:
@@ -109,8 +152,12 @@ class Cluster:
     def of_role(self, role: ServerRole) -> list[ServerState]:
         return [s for s in self.servers.values() if s.role is role]
 
+    def serving(self, role: ServerRole) -> list[ServerState]:
+        """Healthy servers of `role` in rotation: those that can pair with the other role."""
+        return [s for s in self.of_role(role) if s.healthy and s.url not in self._unpaired]
+
     def views(self, role: ServerRole) -> list[ServerView]:
-        return [s.view() for s in self.of_role(role) if s.healthy]
+        return [s.view() for s in self.serving(role)]
 
     def mark_healthy(self, url: str, info: ServerInfo) -> bool:
         """Record a passing health check; True when the server was not healthy before."""
@@ -120,6 +167,8 @@ class Cluster:
         server.ever_healthy = True
         server.info = info
         server.last_error = None
+        if changed:
+            self._pair()
         return changed
 
     def mark_unhealthy(self, url: str, reason: str) -> bool:
@@ -128,7 +177,47 @@ class Cluster:
         changed = server.healthy
         server.healthy = False
         server.last_error = reason
+        if changed:
+            self._pair()
         return changed
+
+    def _pair(self) -> None:
+        """Recompute `incompatible` and who can pair, after any change of the healthy set."""
+        ctxs = [s for s in self.of_role(ServerRole.CONTEXT) if s.healthy]
+        gens = [s for s in self.of_role(ServerRole.GENERATION) if s.healthy]
+        problems = {
+            (c.url, g.url): why
+            for c in ctxs
+            for g in gens
+            if (why := pairing_problem(c.info, g.info)) is not None
+        }
+        self.incompatible = [
+            IncompatiblePair(context=c, generation=g, reason=why)
+            for (c, g), why in problems.items()
+        ]
+        self._unpaired = {}
+
+        def leave_out_if_unpaired(url: str, found: list[str | None]) -> None:
+            if found and all(found):
+                self._unpaired[url] = f"can pair with no healthy peer: {found[0]}"
+
+        for c in ctxs:
+            leave_out_if_unpaired(c.url, [problems.get((c.url, g.url)) for g in gens])
+        for g in gens:
+            leave_out_if_unpaired(g.url, [problems.get((c.url, g.url)) for c in ctxs])
+
+    def pairing_reason(self) -> str:
+        """Why a role with healthy servers has none in rotation; "" when that is not the case."""
+        for role in self.required_roles():
+            healthy = [s for s in self.of_role(role) if s.healthy]
+            if healthy and not self.serving(role) and self.incompatible:
+                pair = self.incompatible[0]
+                return (
+                    f"no {role.value} server can exchange KV with a healthy "
+                    f"{_other(role).value} server: context {pair.context} vs generation "
+                    f"{pair.generation}: {pair.reason}"
+                )
+        return ""
 
     def all_healthy(self) -> bool:
         return all(s.healthy for s in self.servers.values())
@@ -141,7 +230,7 @@ class Cluster:
         return [r for r in ServerRole if r is ServerRole.GENERATION or self.of_role(r)]
 
     def has_each_role(self) -> bool:
-        return all(any(s.healthy for s in self.of_role(role)) for role in self.required_roles())
+        return all(self.serving(role) for role in self.required_roles())
 
     def is_ready(self) -> bool:
         return self.started and self.has_each_role()
@@ -149,6 +238,8 @@ class Cluster:
     def not_ready_reason(self) -> str:
         if not self.started:
             return "coordinator is starting: waiting for servers"
+        if why := self.pairing_reason():
+            return why
         empty = [role.value for role in self.required_roles() if not self.views(role)]
         return f"no healthy {' or '.join(empty)} servers" if empty else ""
 
@@ -167,13 +258,20 @@ class Cluster:
                 out["server_info"] = server.info.to_json()
             if server.last_error is not None:
                 out["last_error"] = server.last_error
+            if server.url in self._unpaired:
+                out["unpaired"] = self._unpaired[server.url]
             return out
 
         return {
             "is_ready": self.is_ready(),
             "server_lists": {
-                role.value: [s.url for s in self.of_role(role) if s.healthy] for role in ServerRole
+                role.value: [s.url for s in self.serving(role)] for role in ServerRole
             },
             "unhealthy": {role.value: self.missing(role) for role in ServerRole},
+            "incompatible_pairs": [attrs.asdict(pair) for pair in self.incompatible],
             "servers": [describe(s) for s in self.servers.values()],
         }
+
+
+def _other(role: ServerRole) -> ServerRole:
+    return ServerRole.GENERATION if role is ServerRole.CONTEXT else ServerRole.CONTEXT

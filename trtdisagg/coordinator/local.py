@@ -13,7 +13,10 @@ Tasks (all in the nursery of `serve`):
 
 Start-up waits until every listed server is healthy, or ``server_start_timeout``. If by then a
 role has no healthy server at all, start-up fails naming the missing servers; otherwise it logs
-the missing ones and serves with the rest (they join when they become healthy).
+the missing ones and serves with the rest (they join when they become healthy). It also fails
+when the healthy servers include no ctx that can exchange KV with a gen: the message
+names the field and both values (`Cluster.pairing_reason`); a misconfigured pair would otherwise
+answer every request with a 502. A pair that cannot exchange KV is logged once as it appears.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class LocalPlacement:
     _answered: dict[str, float] = attrs.field(factory=dict)  # url -> last request answered OK
     _event_locks: dict[str, trio.Lock] = attrs.field(factory=dict)
     _last_event_id: dict[str, int] = attrs.field(factory=dict)
+    _logged_pairs: set[tuple[str, str, str]] = attrs.field(factory=set)
 
     @classmethod
     def create(cls, config: CoordinatorConfig, client: WorkerClient) -> LocalPlacement:
@@ -153,6 +157,8 @@ class LocalPlacement:
             with trio.move_on_at(min(deadline, next_log)):
                 await self._wait_changed()
         missing = {role.value: self.cluster.missing(role) for role in ServerRole}
+        if why := self.cluster.pairing_reason():
+            raise StartupError(why)
         if not self.cluster.has_each_role():
             raise StartupError(
                 f"servers not healthy after server_start_timeout={timeout:g}s: "
@@ -168,7 +174,20 @@ class LocalPlacement:
         await self._changed.wait()
 
     def _servers_changed(self, role: ServerRole) -> None:
-        self.routers[role].update_servers(self.cluster.views(role))
+        # Both roles: a server of one role joining or leaving can put servers of the other one
+        # into or out of rotation (only those that can exchange KV with a peer serve).
+        for each in ServerRole:
+            self.routers[each].update_servers(self.cluster.views(each))
+        for pair in self.cluster.incompatible:
+            key = (pair.context, pair.generation, pair.reason)
+            if key not in self._logged_pairs:
+                self._logged_pairs.add(key)
+                log.warning(
+                    "context server %s and generation server %s cannot exchange KV: %s",
+                    pair.context,
+                    pair.generation,
+                    pair.reason,
+                )
         self._changed.set()
         self._changed = trio.Event()
 

@@ -56,7 +56,13 @@ from trtdisagg.coordinator.split import (
     merge_usage,
     parse_ctx_response,
 )
-from trtdisagg.coordinator.upstream import UpstreamError, UpstreamUnreachable, WorkerClient
+from trtdisagg.coordinator.upstream import (
+    UpstreamError,
+    UpstreamFailed,
+    UpstreamRejected,
+    UpstreamUnreachable,
+    WorkerClient,
+)
 from trtdisagg.errors import TrtDisaggError
 from trtdisagg.ids import SnowflakeGenerator
 
@@ -252,7 +258,7 @@ class DisaggService:
                 return reply
             finally:
                 if not taken:
-                    await self._release_ctx(call, ctx)
+                    await self._release_ctx(call, ctx.server, disagg_id)
         finally:
             if gen is not None:
                 await gen.release_unless_handed_off(success=False)
@@ -260,6 +266,11 @@ class DisaggService:
     async def _ctx_leg(self, call: _Call, disagg_id: int, lease: Lease) -> CtxResult:
         call.clock.ctx_start = trio.current_time()
         success = False
+        # Whether ctx may hold KV under `disagg_id` that no gen will take. It may unless it said
+        # otherwise (an error status) or never got the request: a leg cancelled while ctx
+        # answers (the client left, `request_timeout`) or whose answer broke or did not parse
+        # would otherwise strand the prompt's blocks for ctx's whole `kv_transfer_timeout_ms`.
+        may_hold = True
         try:
             data = await self.client.post_json(
                 lease.server,
@@ -274,23 +285,28 @@ class DisaggService:
                 raise UpstreamError(str(exc), server=lease.server, role=CTX.value) from None
             success = True
             return ctx
+        except UpstreamUnreachable as exc:
+            may_hold = exc.sent
+            raise
+        except (UpstreamFailed, UpstreamRejected):
+            may_hold = False
+            raise
         finally:
             call.clock.ctx_end = trio.current_time()
+            if not success and may_hold:
+                await self._release_ctx(call, lease.server, disagg_id)
             await lease.release(success=success)
 
-    async def _release_ctx(self, call: _Call, ctx: CtxResult) -> None:
+    async def _release_ctx(self, call: _Call, server: str, key: int) -> None:
         """No gen leg took ctx's KV (no gen, refused, unreachable, or the client left): ask ctx
         to stop holding it now rather than for its whole `kv_transfer_timeout_ms` (peers.md,
         pain point 16). Best effort, bounded, and done even when the request is cancelled; a
         gen that did reach ctx cancels on its own, and a release after that changes nothing."""
-        key = ctx.params.get("disagg_request_id")
-        if not isinstance(key, int):
-            return
         outcome = "failed"
         with trio.CancelScope(deadline=trio.current_time() + RELEASE_TIMEOUT_S, shield=True):
             try:
                 answer = await self.client.post_json(
-                    ctx.server, "/disagg/release", {"disagg_request_id": key},
+                    server, "/disagg/release", {"disagg_request_id": key},
                     role=CTX.value, headers=call.headers,
                 )  # fmt: skip
                 outcome = "released" if answer.get("released") is True else "not_held"
@@ -418,7 +434,7 @@ class DisaggService:
                 raise ctx_error[0]
             return self._ctx_reply(call, ctx_result[0])
         if gen_error:
-            await self._release_ctx(call, ctx_result[0])
+            await self._release_ctx(call, ctx_result[0].server, disagg_id)
             raise gen_error[0]
         reply, ctx = gen_result[0], ctx_result[0]
         if isinstance(reply, StreamReply):

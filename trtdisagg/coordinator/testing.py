@@ -9,7 +9,9 @@ are equal exactly when the coordinator splits and merges correctly.
 
 Knobs for failure tests live on the `FakeWorker` object: ``token_delay`` (seconds per token),
 ``fail_status``/``fail_count`` (answer the next N requests with that status), ``hang``
-(accept requests and never answer) and ``health_hang`` (``/health`` alone never answers).
+(accept requests and never answer), ``stall_after`` (a stream stops after N tokens and stays
+open) and ``health_hang`` (``/health`` alone never answers). A fake ctx records each
+``/disagg/release`` it gets (``releases``) and which of its answers still hold "KV" (``held``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class FakeWorker:
     fail_status: int | None = None
     fail_count: int = 0
     hang: bool = False
+    stall_after: int | None = None  # a stream sends this many tokens, then nothing, for ever
     health_hang: bool = False  # /health never answers (everything else still does)
     health_checks: int = 0  # /health requests received
     unhealthy: str | None = None  # /health answers 503 with this reason, as a stopped worker does
@@ -77,6 +80,11 @@ class FakeWorker:
     requests: Counter[str] = attrs.Factory(Counter)
     """Requests served, by request_type."""
     bodies: list[Json] = attrs.Factory(list)
+    held: set[int] = attrs.Factory(set)
+    """ctx: disagg_request_ids of the context_only answers not released since (a fake gen
+    takes nothing, so the ids of requests that succeeded stay here)."""
+    releases: list[int] = attrs.Factory(list)
+    """ctx: the ids of every `/disagg/release` received, in order."""
     _stored: set[int] = attrs.Factory(set)
     _events: list[Json] = attrs.Factory(list)
     _event_ids: itertools.count[int] = attrs.Factory(itertools.count)
@@ -90,6 +98,10 @@ class FakeWorker:
 
     async def wait_running(self, value: int) -> None:
         while self.running != value:
+            await self.running_changed.wait()
+
+    async def wait_releases(self, count: int) -> None:
+        while len(self.releases) < count:
             await self.running_changed.wait()
 
     def _store(self, prompt: list[int]) -> int:
@@ -178,6 +190,15 @@ def create_fake_app(worker: FakeWorker) -> QuartTrio:
     async def metrics() -> Response:
         return Response(worker.metrics_text(), content_type="text/plain")
 
+    @app.post("/disagg/release")
+    async def release() -> Response:
+        key = (await request.get_json())["disagg_request_id"]
+        released = key in worker.held
+        worker.held.discard(key)
+        worker.releases.append(key)
+        worker._set_running(0)  # wakes `wait_releases`
+        return as_json({"disagg_request_id": key, "released": released})
+
     @app.get("/v1/models")
     async def models() -> Response:
         return as_json({"object": "list", "data": [{"id": worker.model, "object": "model"}]})
@@ -213,6 +234,7 @@ async def _serve(worker: FakeWorker, body: Json, *, chat: bool) -> Response:
         tokens = generate(prompt, 1)
         finish = "length" if max_tokens == 1 else None
         if finish is None:
+            worker.held.add(int(params["disagg_request_id"]))
             choice_extra["disaggregated_params"] = {
                 "request_type": "context_only",
                 "first_gen_tokens": tokens,
@@ -279,6 +301,8 @@ async def _stream(
     worker._set_running(+1)
     try:
         for i, token in enumerate(tokens):
+            if i == worker.stall_after:
+                await trio.sleep_forever()
             await trio.sleep(worker.token_delay)
             finish = "length" if i == len(tokens) - 1 else None
             choice: Json = {"index": 0, "finish_reason": finish, "token_ids": [token]}

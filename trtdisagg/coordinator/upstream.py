@@ -43,7 +43,12 @@ class UpstreamError(TrtDisaggError):
 
 
 class UpstreamUnreachable(UpstreamError):
-    pass
+    """No HTTP answer. `sent`: the request may have reached the server (the connection broke or
+    timed out after it was made), so the server may have acted on it."""
+
+    def __init__(self, message: str, *, server: str, role: str, sent: bool = True) -> None:
+        super().__init__(message, server=server, role=role)
+        self.sent = sent
 
 
 class UpstreamFailed(UpstreamError):
@@ -159,7 +164,10 @@ class WorkerClient:
             response = await self.http.post(url + path, json=body, headers=headers)
         except httpx.TransportError as exc:
             raise UpstreamUnreachable(
-                f"{role} server {url} unreachable: {_describe(exc)}", server=url, role=role
+                f"{role} server {url} unreachable: {_describe(exc)}",
+                server=url,
+                role=role,
+                sent=not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)),
             ) from None
         _check_status(response.status_code, response.content, url=url, role=role)
         try:

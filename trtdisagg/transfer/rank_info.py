@@ -20,6 +20,7 @@ Topology conventions (shared with `peers.py`):
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 
 import attrs
 
@@ -176,32 +177,46 @@ class RankInfo:
         return head_range(self.num_kv_heads, self.tp_per_dp, self.tp_in_dp)
 
 
-def check_compatible(local: RankInfo, peer: RankInfo) -> None:
-    """Raise PeerIncompatible unless `peer` can exchange KV with `local`.
-
-    Checked: protocol version, model fingerprint, dtype, element bytes, KV heads, head dim,
-    tokens_per_block, layer count and the bounce buffer size. The message lists
-    every mismatching field with both values (`dtype: local 'float32' vs peer 'bfloat16'`).
-    Differences in TP/PP/DP and layout (HND/NHD) are not checked here: `peers.py` maps them
-    (or refuses a pairing).
-    """
-    checks: list[tuple[str, object, object]] = [
-        ("protocol_version", local.protocol_version, peer.protocol_version),
-        ("model_fingerprint", local.model_fingerprint, peer.model_fingerprint),
-        ("dtype", local.dtype, peer.dtype),
-        ("element_bytes", local.element_bytes, peer.element_bytes),
-        ("num_kv_heads", local.num_kv_heads, peer.num_kv_heads),
-        ("head_dim", local.head_dim, peer.head_dim),
-        ("tokens_per_block", local.tokens_per_block, peer.tokens_per_block),
-        ("num_layers", local.num_layers, peer.num_layers),
+def compat_fields(info: RankInfo) -> dict[str, str | int]:
+    """What two instances must agree on to exchange KV, by name: checked at registration
+    (`check_compatible`), and published in a worker's `/server_info` (`kv_compat`) so that a
+    coordinator can refuse a pairing before any request does. TP/PP/DP and layout (HND/NHD) may
+    differ: `peers.py` maps them (or refuses a pairing)."""
+    return {
+        "protocol_version": info.protocol_version,
+        "model_fingerprint": info.model_fingerprint,
+        "dtype": info.dtype,
+        "element_bytes": info.element_bytes,
+        "num_kv_heads": info.num_kv_heads,
+        "head_dim": info.head_dim,
+        "tokens_per_block": info.tokens_per_block,
+        "num_layers": info.num_layers,
         # The bounce size shapes how KV is staged on both sides; any difference is refused.
-        ("kv_cache_bounce_size_mb", local.bounce.size_mb, peer.bounce.size_mb),
-        (
-            "kv_cache_bounce_threshold_bytes",
-            local.bounce.threshold_bytes,
-            peer.bounce.threshold_bytes,
-        ),
+        "kv_cache_bounce_size_mb": info.bounce.size_mb,
+        "kv_cache_bounce_threshold_bytes": info.bounce.threshold_bytes,
+    }
+
+
+def compat_mismatches(
+    a: Mapping[str, object], b: Mapping[str, object], *, names: tuple[str, str]
+) -> list[str]:
+    """Each field on which `a` and `b` (`compat_fields`) differ, with both values:
+    `dtype: local 'float32' vs peer 'bfloat16'` for names ("local", "peer")."""
+    return [
+        f"{key}: {names[0]} {a.get(key)!r} vs {names[1]} {b.get(key)!r}"
+        for key in dict.fromkeys([*a, *b])
+        if a.get(key) != b.get(key)
     ]
-    mismatches = [f"{name}: local {a!r} vs peer {b!r}" for name, a, b in checks if a != b]
+
+
+def check_compatible(local: RankInfo, peer: RankInfo) -> None:
+    """Raise PeerIncompatible unless `peer` can exchange KV with `local` (`compat_fields`).
+
+    The message lists every mismatching field with both values (`dtype: local 'float32' vs
+    peer 'bfloat16'`).
+    """
+    mismatches = compat_mismatches(
+        compat_fields(local), compat_fields(peer), names=("local", "peer")
+    )
     if mismatches:
         raise PeerIncompatible(peer.label, "; ".join(mismatches))

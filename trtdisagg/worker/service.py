@@ -33,6 +33,7 @@ from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.transfer.endpoints import is_tcp_endpoint
 from trtdisagg.transfer.faults import FaultInjector
+from trtdisagg.transfer.rank_info import compat_fields
 from trtdisagg.worker import responses
 from trtdisagg.worker.executor import Executor, GenerationSource, RequestHandle, RequestOutput
 from trtdisagg.worker.handoff import ctx_instance_of, ctx_state
@@ -61,6 +62,9 @@ class ServerInfo:
     dtype: str
     version: str
     disaggregated_params: dict[str, str | None]
+    # What a peer must match to exchange KV with this worker (`rank_info.compat_fields`); None
+    # when cache_transceiver is disabled. The coordinator pairs only matching ctx and gen.
+    kv_compat: dict[str, str | int] | None
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -98,7 +102,14 @@ class WorkerService:
             dtype=c.dtype,
             version=__version__,
             disaggregated_params={"ctx_info_endpoint": self.ctx_info_endpoint},
+            kv_compat=self._kv_compat(),
         )
+
+    def _kv_compat(self) -> dict[str, str | int] | None:
+        transceiver = self.executor.transceiver
+        if transceiver is None:
+            return None
+        return compat_fields(transceiver.local)
 
     def render_metrics(self) -> bytes:
         return self.metrics.render(self.executor.refresh_gauges)
