@@ -225,22 +225,29 @@ async def test_generation_first_gets_its_first_token_with_the_kv(
             await _wait_idle(client, server)
 
 
+@pytest.mark.parametrize("ending", ["first_token", "step_failure"])
 async def test_generation_first_gen_is_refused_at_once_when_ctx_sends_no_kv(
-    pair: tuple[Server, Server],
+    pair: tuple[Server, Server], ending: str
 ) -> None:
-    """gen asked first; ctx's request then ends at its first token (max_tokens 1), so no KV
-    will come. gen's request fails now with that reason, not at kv_transfer_timeout_ms, and
-    both workers are idle after."""
+    """gen asked first; ctx's request then ends without KV to send: at its first token
+    (max_tokens 1), or because its prefill step raised (a 500). gen's request fails within a
+    second with that reason, not at kv_transfer_timeout_ms, and both workers are idle after
+    (peers.md, pain point 1: a prefill-side end must free the decode slot in under a second)."""
     ctx, gen = pair
-    key = 2**50 + 7200
+    key = 2**50 + 7200 + (ending == "step_failure")
     body = _body(_prompt(random.Random(5), 24), 6)
     gen_body = {**body, "disaggregated_params": {
         "request_type": "generation_only", "schedule_style": "generation_first",
         "disagg_request_id": key, "ctx_request_id": key, "ctx_info_endpoint": _info_endpoint(ctx),
     }}  # fmt: skip
-    ctx_body = {**body, "max_tokens": 1, "disaggregated_params": {
+    ctx_body = {**body, "disaggregated_params": {
         "request_type": "context_only", "disagg_request_id": key,
     }}  # fmt: skip
+    if ending == "first_token":
+        ctx_body["max_tokens"] = 1
+        ctx_status, reason = 200, "it finished at its first token"
+    else:
+        ctx_status, reason = 500, "it failed"
     async with httpx.AsyncClient(timeout=60) as client:
         refused: list[httpx.Response] = []
 
@@ -255,18 +262,18 @@ async def test_generation_first_gen_is_refused_at_once_when_ctx_sends_no_kv(
                     if metric(text, "trtdisagg_kv_early_messages") >= 1:
                         break
                     await trio.sleep(0.02)  # polling an observable gauge, bounded above
+            if ending == "step_failure":
+                armed = await client.post(ctx.url + "/debug/step_failures", json={"count": 1})
+                assert armed.status_code == 200, armed.text
             started = time.monotonic()
             r = await client.post(ctx.url + "/v1/completions", json=ctx_body)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert r.status_code == ctx_status, r.text
         elapsed = time.monotonic() - started
         (g,) = refused
         assert g.status_code == 502, g.text
-        assert (
-            "ctx request ended before its KV was ready: it finished at its first token"
-            in (g.json()["error"]["message"])
-        )
-        assert elapsed < TIMEOUT_MS / 1000 / 2, elapsed  # not the deadline
+        message = g.json()["error"]["message"]
+        assert f"ctx request ended before its KV was ready: {reason}" in message, message
+        assert elapsed < min(1.0, TIMEOUT_MS / 1000 / 2), elapsed  # not the deadline
         await _wait_idle(client, gen)
         await _wait_idle(client, ctx)
 

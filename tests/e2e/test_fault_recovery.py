@@ -284,14 +284,26 @@ async def _health(client: httpx.AsyncClient, url: str, status: int, timeout: flo
             await trio.sleep(0.05)
 
 
+async def _sample_health(
+    client: httpx.AsyncClient, url: str, statuses: list[int], *, task_status: Any
+) -> None:
+    """Record `url`'s /health status every 50 ms until cancelled (a peer's death must not
+    change it: peers.md, pain point 7)."""
+    task_status.started()
+    while True:
+        statuses.append((await client.get(url + "/health")).status_code)
+        await trio.sleep(0.05)  # sampling an observable state, not waiting for it
+
+
 async def test_ctx_killed_mid_transfer_fails_the_request_then_a_new_ctx_serves(
     cluster: Cluster,
 ) -> None:
     """kill -9 of ctx while its NIXL write is in flight (stalled on purpose): gen's connection
     to ctx drops and stays down, so within about RELINK_S, long before the transfer deadline,
     gen forgets that ctx as dead, the client gets a 5xx that says so, and gen frees the
-    request's blocks (no quarantine: a process that ended writes nothing). A new ctx on the
-    same port then serves the next request with exactly its bytes, with the same gen process."""
+    request's blocks (no quarantine: a process that ended writes nothing). gen's own /health
+    stays 200 throughout, and the coordinator keeps it in rotation. A new ctx on the same port
+    then serves the next request with exactly its bytes, with the same gen process."""
     cluster.ensure_workers()
     ctx, gen, coord = (cluster.servers[r] for r in ("ctx", "gen", "coordinator"))
     gen_pid = gen.proc.pid
@@ -308,26 +320,35 @@ async def test_ctx_killed_mid_transfer_fails_the_request_then_a_new_ctx_serves(
         await set_faults(client, ctx, "stall_transfer:60s:1")
         out = Outcome()
         body = completion(_prompt(random.Random(5), 50), 8)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_post, client, coord.url + "/v1/completions", body, out)
-            await wait_metrics(
-                client, ctx,
-                lambda t: metric(t, "trtdisagg_faults_injected_total", stall) == stalls + 1,
-                "ctx write in flight", 20,
-            )  # fmt: skip
-            await wait_metrics(
-                client, gen, lambda t: held_blocks(t) > 0, "gen holding the KV's blocks", 5
-            )
-            killed_at = time.monotonic()
-            await trio.to_thread.run_sync(cluster.kill, "ctx")
-        assert 500 <= out.status < 600, out.text
-        assert "is gone" in out.text and "dropped" in out.text, out.text
-        assert out.done_at - killed_at < RELINK_S + 2 * SLACK_S < TIMEOUT_S, out.done_at - killed_at
-
-        gen_text = await wait_metrics(client, gen, is_idle, "gen idle", SLACK_S)
+        gen_health: list[int] = []
+        async with trio.open_nursery() as watch:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_post, client, coord.url + "/v1/completions", body, out)
+                await wait_metrics(
+                    client, ctx,
+                    lambda t: metric(t, "trtdisagg_faults_injected_total", stall) == stalls + 1,
+                    "ctx write in flight", 20,
+                )  # fmt: skip
+                await wait_metrics(
+                    client, gen, lambda t: held_blocks(t) > 0, "gen holding the KV's blocks", 5
+                )
+                await watch.start(_sample_health, client, gen.url, gen_health)
+                killed_at = time.monotonic()
+                await trio.to_thread.run_sync(cluster.kill, "ctx")
+            assert 500 <= out.status < 600, out.text
+            assert "is gone" in out.text and "dropped" in out.text, out.text
+            took = out.done_at - killed_at
+            assert took < RELINK_S + 2 * SLACK_S < TIMEOUT_S, took
+            gen_text = await wait_metrics(client, gen, is_idle, "gen idle", SLACK_S)
+            watch.cancel_scope.cancel()
+        assert len(gen_health) >= 5 and set(gen_health) == {200}, gen_health
         assert metric(gen_text, expired) == expired_before  # freed at once, not quarantined
         assert metric(gen_text, DEAD) == dead_before + 1
         assert metric(gen_text, FORGOTTEN) == forgotten_before + 1  # its agents unloaded
+        await _health(client, coord.url, 503, 10)  # no ctx left
+        seen = (await client.get(coord.url + "/cluster_info")).json()
+        assert seen["server_lists"]["generation"] == [gen.url], seen
+        assert seen["unhealthy"] == {"context": [ctx.url], "generation": []}, seen
 
         await trio.to_thread.run_sync(cluster.start_workers, "ctx")
         ctx = cluster.servers["ctx"]

@@ -603,6 +603,36 @@ async def test_generation_first_posts_both_legs(
     assert r.json()["usage"]["completion_tokens"] == 6
 
 
+@pytest.mark.parametrize(("status", "answer"), [(400, 400), (500, 502)])
+async def test_generation_first_ends_the_waiting_gen_leg_when_ctx_fails(
+    nursery: trio.Nursery, client: httpx.AsyncClient, status: int, answer: int
+) -> None:
+    """Pain point 2: ctx answers an error while the gen leg, posted with it, waits for KV. The
+    client gets ctx's error at once and the gen leg ends with it, not at a timeout."""
+    c = await start_cluster(
+        nursery, schedule_style="generation_first", max_retries=0, gen_knobs={"token_delay": 5}
+    )
+    ctx, gen = c.ctx[0].worker, c.gen[0].worker
+    ctx.fail_status, ctx.fail_count = status, 1
+    ctx.gate = trio.Event()  # ctx answers once the gen leg runs
+    replies: list[httpx.Response] = []
+
+    async def post() -> None:
+        replies.append(await client.post(c.url + "/v1/completions", json=_body()))
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(post)
+        with trio.fail_after(2):
+            await gen.wait_running(1)
+        started = time.monotonic()
+        ctx.gate.set()
+    assert replies[0].status_code == answer, replies[0].text
+    assert time.monotonic() - started < 1
+    with trio.fail_after(1):
+        await gen.wait_running(0)
+    assert ctx.releases == []  # an error answer holds no KV
+
+
 async def test_bad_input_and_routes(nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
     c = await start_cluster(nursery, api_key="sesame")
     auth = {"Authorization": "Bearer sesame"}

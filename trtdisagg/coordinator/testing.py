@@ -9,9 +9,10 @@ are equal exactly when the coordinator splits and merges correctly.
 
 Knobs for failure tests live on the `FakeWorker` object: ``token_delay`` (seconds per token),
 ``fail_status``/``fail_count`` (answer the next N requests with that status), ``hang``
-(accept requests and never answer), ``stall_after`` (a stream stops after N tokens and stays
-open) and ``health_hang`` (``/health`` alone never answers). A fake ctx records each
-``/disagg/release`` it gets (``releases``) and which of its answers still hold "KV" (``held``).
+(accept requests and never answer), ``gate`` (requests wait for this event), ``stall_after``
+(a stream stops after N tokens and stays open) and ``health_hang`` (``/health`` alone never
+answers). A fake ctx records each ``/disagg/release`` it gets (``releases``) and which of its
+answers still hold "KV" (``held``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class FakeWorker:
     fail_status: int | None = None
     fail_count: int = 0
     hang: bool = False
+    gate: trio.Event | None = None  # requests wait for it to be set before anything else
     stall_after: int | None = None  # a stream sends this many tokens, then nothing, for ever
     health_hang: bool = False  # /health never answers (everything else still does)
     health_checks: int = 0  # /health requests received
@@ -216,6 +218,8 @@ def create_fake_app(worker: FakeWorker) -> QuartTrio:
 
 async def _serve(worker: FakeWorker, body: Json, *, chat: bool) -> Response:
     worker.bodies.append(body)
+    if worker.gate is not None:
+        await worker.gate.wait()
     if worker.hang:
         await trio.sleep_forever()
     if worker.fail_count > 0 and worker.fail_status is not None:
