@@ -275,6 +275,8 @@ def test_usage_prompt_and_cached_from_ctx_completion_from_gen(
                       if line.startswith("data: {")]  # fmt: skip
         assert events[-1]["usage"]["completion_tokens"] == 5
         assert events[-1]["usage"]["prompt_tokens"] == n
+        cached = again["usage"]["prompt_tokens_details"]
+        assert events[-1]["usage"]["prompt_tokens_details"] == cached  # ctx's, streamed too
 
 
 def test_kv_cache_aware_routes_a_shared_prefix_to_the_same_ctx(

@@ -23,6 +23,7 @@ import trio.lowlevel
 from trtdisagg.coordinator.config import coordinator_config_from_dict
 from trtdisagg.coordinator.serve import bind_socket, serve_coordinator, serve_http
 from trtdisagg.coordinator.testing import FakeWorker, create_fake_app, fake_tokenize, generate
+from trtdisagg.kv.hashing import reusable_block_hashes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,6 +152,36 @@ async def test_split_answer_equals_aggregated_and_usage_merges(
     # The second identical prompt is a prefix hit on ctx: cached tokens come from ctx.
     r = await client.post(c.url + "/v1/completions", json=_body())
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("style", ["context_first", "generation_first"])
+async def test_usage_counts_ctx_s_cached_tokens_in_every_mode(
+    nursery: trio.Nursery, client: httpx.AsyncClient, style: str, stream: bool
+) -> None:
+    """Pain point 23: `prompt_tokens_details.cached_tokens` is ctx's prefix-cache hit (gen,
+    which received the KV, reports 0), whichever leg goes first, streamed or not."""
+    c = await start_cluster(nursery, schedule_style=style)
+    body = _body(stream=stream, stream_options={"include_usage": True}) if stream else _body()
+    prompt = fake_tokenize(body["prompt"])
+    expected = len(reusable_block_hashes(prompt, c.ctx[0].worker.tokens_per_block))
+    expected *= c.ctx[0].worker.tokens_per_block
+    assert expected > 0
+    for cached in (0, expected):  # the second identical prompt hits ctx's prefix cache
+        usage = None
+        if stream:
+            async with client.stream("POST", c.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for event in _events(r):
+                    if isinstance(event, dict) and event.get("usage"):
+                        usage = event["usage"]
+        else:
+            r = await client.post(c.url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+        assert usage is not None
+        assert usage["prompt_tokens_details"] == {"cached_tokens": cached}, (style, usage)
+        assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == 6
 
 
 async def test_streaming_relays_chunks_as_they_arrive(
