@@ -528,12 +528,22 @@ async def test_kv_cache_aware_routes_shared_prefixes_together(
                 if f.worker.bodies and f.worker.bodies[-1]["prompt"] == prefix
             )
         )
+    labels = '{role="context",router="kv_cache_aware"}'
+    text = (await client.get(c.url + "/metrics")).text
+    assert f"trtdisagg_router_prompt_tokens_total{labels} 96.0" in text  # 4 x 24
+    assert f"trtdisagg_router_matched_tokens_total{labels} 0.0" in text  # all new
     for prefix, home in zip(prefixes, homes, strict=True):
         for tail in ([1, 2, 3], [7, 8, 9, 10, 11]):
             before = len(c.ctx[home].worker.bodies)
             r = await client.post(c.url + "/v1/completions", json=_body(prefix + tail))
             assert r.status_code == 200
             assert len(c.ctx[home].worker.bodies) == before + 1
+    # The hit rate shows. A prompt's block holding its last token is never reused, so the bare
+    # 24-token prefix left 5 blocks of 4 (20 tokens) for its first tail; that 27-token prompt
+    # left 6 (24 tokens) for the second.
+    text = (await client.get(c.url + "/metrics")).text
+    assert f"trtdisagg_router_prompt_tokens_total{labels} {96.0 + 4 * (27 + 29)}" in text
+    assert f"trtdisagg_router_matched_tokens_total{labels} {4 * (20.0 + 24)}" in text
 
 
 async def test_conditional_disagg_serves_short_prompts_on_gen_alone(

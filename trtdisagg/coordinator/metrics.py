@@ -33,6 +33,12 @@ class CoordinatorMetrics:
     retries: Counter
     local_prefill: Counter
     """Requests served by gen alone (conditional disaggregation)."""
+    router_prompt_tokens: Counter
+    """``{role, router}``: prompt tokens of the requests routed by a router that reads them."""
+    router_matched_tokens: Counter
+    """``{role, router}``: of those, the ones already cached on the chosen server. Their ratio
+    is the KV-aware routing hit rate; a router whose block table never fills shows 0 here
+    instead of falling back to load-only routing unseen (TRT-LLM#14882)."""
     upstream_errors: Counter
     ctx_releases: Counter
     """``{outcome}``: ctx KV released because no gen took it; released | not_held | failed."""
@@ -68,6 +74,16 @@ class CoordinatorMetrics:
             local_prefill=Counter(
                 p + "coordinator_local_prefill",
                 "Requests prefilled on gen itself (conditional disaggregation)", registry=r,
+            ),
+            router_prompt_tokens=Counter(
+                p + "router_prompt_tokens",
+                "Prompt tokens of requests routed by prompt-aware routers", ["role", "router"],
+                registry=r,
+            ),
+            router_matched_tokens=Counter(
+                p + "router_matched_tokens",
+                "Prompt tokens found cached on the server the router chose", ["role", "router"],
+                registry=r,
             ),
             upstream_errors=Counter(
                 p + "coordinator_upstream_errors", "Failed calls to workers", ["role", "kind"],

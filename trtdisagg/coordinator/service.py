@@ -229,6 +229,11 @@ class DisaggService:
             selection = await self.placement.select(role, route, exclude=None)
         router = self.placement.router_type(role).value
         self.metrics.router_decisions.labels(router=router, server=selection.server).inc()
+        tokens = call.route.prompt_token_ids
+        if tokens is not None and self.placement.uses_prompt_tokens(role):
+            labels = {"role": role.value, "router": router}
+            self.metrics.router_prompt_tokens.labels(**labels).inc(len(tokens))
+            self.metrics.router_matched_tokens.labels(**labels).inc(selection.matched_tokens)
         return Lease(placement=self.placement, role=role, key=key, selection=selection)
 
     async def _attempt(self, call: _Call, disagg_id: int) -> Reply:
