@@ -102,3 +102,37 @@ async def test_a_new_ctx_instance_on_the_old_endpoint_is_met_again() -> None:
         # gen unloaded the first instance's agent when it met the second
         assert gen.agent.remotes == {"ctx-second-agent"}  # type: ignore[attr-defined]
         nursery.cancel_scope.cancel()
+
+
+async def test_a_burst_of_first_requests_to_a_new_ctx_shares_one_rendezvous() -> None:
+    """peers.md, pain point 21: the first requests to a ctx arrive together (a cold start, a
+    new ctx joining under load). They must wait on one handshake, not run one each."""
+    fabric = LoopbackFabric()
+    memory = np.random.default_rng(2).integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
+    gen_memory = np.zeros(NUM_SLOTS * BLOCK_BYTES, np.uint8)
+    burst = NUM_SLOTS // 2  # one block each way per request
+    async with (
+        open_router() as ctx_router,
+        open_router() as gen_router,
+        trio.open_nursery() as nursery,
+    ):
+        ctx = _transceiver("ctx-burst", memory, fabric, ctx_router)
+        gen = _transceiver("gen-burst", gen_memory, fabric, gen_router)
+        await nursery.start(ctx.run)
+        await nursery.start(gen.run)
+        for i in range(burst):  # all asked before the first rendezvous can answer
+            ctx.respond_and_send_async(100 + i, [[i]], TPB)
+            gen.request_and_receive_async(
+                100 + i, ctx_router.endpoint, [[burst + i]], TPB,
+                ctx_instance=ctx.local.instance_name,
+            )  # fmt: skip
+        outcomes: dict[int, TransferOutcome] = {}
+        with trio.fail_after(10):
+            while len(outcomes) < burst:  # each check hands its outcomes over once
+                outcomes.update((o.key, o) for o in gen.check_gen_transfer_status())
+                await trio.sleep(0.001)
+        for i in range(burst):
+            assert outcomes[100 + i].ok, outcomes[100 + i].error
+            assert np.array_equal(_block(gen_memory, burst + i), _block(memory, i))
+        assert gen.rendezvous_count == 1
+        nursery.cancel_scope.cancel()
