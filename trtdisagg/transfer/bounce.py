@@ -108,6 +108,14 @@ class StagingAllocator:
     _used: dict[int, int] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
+        # Sizes are rounded up to the alignment, so in a buffer with a ragged end a request of
+        # the whole capacity would round past it and wait forever (found by
+        # tests/unit/test_transfer_staging_fuzz.py). Real buffers are whole MiB.
+        if self.alignment <= 0 or self.capacity < 0 or self.capacity % self.alignment:
+            raise ValueError(
+                f"staging capacity {self.capacity} is not a multiple of the alignment "
+                f"{self.alignment}"
+            )
         self._free = [(0, self.capacity)] if self.capacity > 0 else []
 
     def allocate(self, num_bytes: int) -> int | None:

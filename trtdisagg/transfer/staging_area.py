@@ -35,7 +35,13 @@ class StagingArea:
         return self.stager.capacity
 
     async def reserve(self, num_bytes: int, deadline: float) -> int:
-        """The offset of `num_bytes` reserved bytes; TransferLayerError at the deadline."""
+        """The offset of `num_bytes` reserved bytes; TransferLayerError at the deadline, or at
+        once for a size no wait can serve (it would otherwise hold the head of the line, and
+        everyone behind it, until its deadline)."""
+        if not 0 < num_bytes <= self.capacity:
+            raise TransferLayerError(
+                f"cannot stage {num_bytes} bytes in a staging buffer of {self.capacity}"
+            )
         ticket = object()
         self._queue.append(ticket)
         try:
