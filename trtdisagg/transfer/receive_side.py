@@ -101,6 +101,10 @@ class GenReceiver:
     _scattered: list[TransferOutcome] = attrs.Factory(list)  # ... and copied: to report
     _receiving: trio.Event = attrs.Factory(trio.Event)  # set when a receive session starts
     _spin_notices_until: float = 0.0  # gen: drain notifications every round until then
+    # (ctx instance, ctx rank, key) -> when: a session of `key` ended before that rank's
+    # TRANSFER_RESULT came (on the write's notice, or given up on). That result, when it
+    # comes, is the ended session's, not one of a later session of the key.
+    _results_due: dict[tuple[str, int, int], float] = attrs.Factory(dict)
 
     def request_and_receive_async(
         self,
@@ -339,6 +343,8 @@ class GenReceiver:
 
     def check_gen_transfer_status(self, *, early_failures: bool) -> list[TransferOutcome]:
         now = self.clock()
+        for due in [d for d, at in self._results_due.items() if now - at > 2 * self.timeout_s]:
+            del self._results_due[due]
         done = [self._outcome(key, ok=False, error=err) for key, err in self._failed_early.items()]
         self._failed_early.clear()
         done += [self._outcome(key, ok=False, cancelled=True) for key in self._cancelled_early]
@@ -363,6 +369,9 @@ class GenReceiver:
                 continue
             self.receivers.pop(session.key)
             self._forget(("write", session.key))  # (a failed or cancelled one may be watched)
+            if not session.peer_dead:
+                for rank in session.unreported:
+                    self._results_due[(session.peer_instance, rank, session.key)] = now
             status = session.status
             outcome = None
             if not session.failure_reported:  # else it was told, and the executor frees
@@ -427,6 +436,9 @@ class GenReceiver:
 
     def on_transfer_result(self, message: TransferResult) -> None:
         self._stamp(message.key, "result")
+        due = (message.instance_name, message.instance_rank, message.key)
+        if self._results_due.pop(due, None) is not None:
+            return  # an ended session's, come late
         session = self.receivers.lookup(message.instance_name, message.key)
         if session is not None and session.on_result(
             message.instance_rank,

@@ -250,6 +250,9 @@ class CtxSender:
                 request.instance_rank,
             )
             return
+        if self.early.take_overtaken(request):
+            log.info("REQUEST_DATA %d came after its CANCEL: dropped", request.key)
+            return
         session = self.senders.lookup(request.instance_name, request.key)
         if session is None:
             if self.senders.get(request.key) is None:

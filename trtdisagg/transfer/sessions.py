@@ -94,6 +94,9 @@ class SenderSession:
     _requests: dict[int, RequestData] = attrs.field(factory=dict)
     _in_flight: set[int] = attrs.field(factory=set)
     _finished: dict[int, ResultStatus] = attrs.field(factory=dict)
+    # gen ranks whose REQUEST_DATA reached this session, taken or not (a CANCEL from a rank
+    # not among them overtook its request, which is then dropped when it comes)
+    heard: set[int] = attrs.field(factory=set)
 
     @property
     def status(self) -> SenderStatus:
@@ -148,6 +151,7 @@ class SenderSession:
     def add_request(self, request: RequestData) -> bool:
         """Record a gen rank's REQUEST_DATA; False if terminal, unexpected or a duplicate."""
         rank = request.instance_rank
+        self.heard.add(rank)
         if self.is_terminal or rank in self._requests:
             return False
         if self.expected is not None and rank not in self.expected:
@@ -250,6 +254,11 @@ class ReceiverSession:
             and result.status is ResultStatus.OK
             and (result.num_bytes == 0 or rank in self._noticed)
         )
+
+    @property
+    def unreported(self) -> frozenset[int]:
+        """Expected ctx ranks whose TRANSFER_RESULT has not come (it may still)."""
+        return self.expected - self._results.keys()
 
     def _part(self, rank: int) -> RankResult | None:
         return self._results.get(rank) or self._posted.get(rank)
@@ -422,6 +431,29 @@ class EarlyMessages:
     ttl: float = 120.0
     _requests: dict[int, list[tuple[float, RequestData]]] = attrs.field(factory=dict)
     _cancelled: dict[int, float] = attrs.field(factory=dict)
+    # (gen instance, gen rank, key) -> when: that gen rank's CANCEL came before its
+    # REQUEST_DATA (overtaken), which is dropped when it comes rather than held for a later
+    # session of the key, whose gen blocks it does not name.
+    _overtaken: dict[tuple[str, int, int], float] = attrs.field(factory=dict)
+
+    def add_overtaken(self, now: float, instance: str, rank: int, key: int) -> None:
+        self._overtaken[(instance, rank, key)] = now
+
+    def take_overtaken(self, request: RequestData) -> bool:
+        """Whether `request` is one its own CANCEL overtook (forgotten now)."""
+        entry = (request.instance_name, request.instance_rank, request.key)
+        return self._overtaken.pop(entry, None) is not None
+
+    def drop_requests_of(self, instance: str, rank: int, key: int) -> int:
+        """Drop the requests held for `key` from that gen rank (its CANCEL answered them);
+        how many there were."""
+        held = self._requests.get(key, [])
+        kept = [e for e in held if (e[1].instance_name, e[1].instance_rank) != (instance, rank)]
+        if kept:
+            self._requests[key] = kept
+        else:
+            self._requests.pop(key, None)
+        return len(held) - len(kept)
 
     def add_request(self, now: float, request: RequestData) -> None:
         self._requests.setdefault(request.key, []).append((now, request))
@@ -458,6 +490,8 @@ class EarlyMessages:
                 del self._requests[key]
         for key in [k for k, t in self._cancelled.items() if now - t >= self.ttl]:
             del self._cancelled[key]
+        for entry in [e for e, t in self._overtaken.items() if now - t >= self.ttl]:
+            del self._overtaken[entry]
         return stale
 
 

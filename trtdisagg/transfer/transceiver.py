@@ -794,6 +794,10 @@ class KvTransceiver:
     def _on_cancel(self, cancel: Cancel) -> None:
         sender = self.senders.lookup(cancel.instance_name, cancel.key)
         if sender is not None:
+            if cancel.instance_rank not in sender.heard:
+                self.early.add_overtaken(
+                    self.clock(), cancel.instance_name, cancel.instance_rank, cancel.key
+                )
             sender.cancel()
             if not sender.is_writing(cancel.instance_rank):
                 self._spawn(self._ctx_side.ack_cancel, cancel)  # else the write's result answers it
@@ -807,6 +811,15 @@ class KvTransceiver:
             self.wake()
             return
         if self.senders.get(cancel.key) is None:
+            # The answer below is that rank's one answer to its request: drop what we hold of
+            # it (else our sweep answers it again, maybe to a later use of the key); if we
+            # hold nothing, the CANCEL overtook the request, which is dropped when it comes.
+            if not self.early.drop_requests_of(
+                cancel.instance_name, cancel.instance_rank, cancel.key
+            ):
+                self.early.add_overtaken(
+                    self.clock(), cancel.instance_name, cancel.instance_rank, cancel.key
+                )
             self.early.add_cancel(self.clock(), cancel.key)  # a session made later starts cancelled
             self._ctx_side.forget_prepared(cancel.key)
             self._spawn(self._ctx_side.ack_cancel, cancel)
