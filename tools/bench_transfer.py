@@ -39,8 +39,11 @@ Per measured iteration, in the same run, one transfer of each selected transceiv
                     runs it next to the other two.
   raw NIXL          ctx posts ONE write (a single descriptor of the same byte count, from the
                     same source range into a contiguous destination range) on the same agents,
-                    with a notification; gen spins on `get_notifications`. Timed from just
-                    before the post (ctx) to the notification seen (gen).
+                    with a notification; ctx spins on the write's state (its poll that finds
+                    the write done is what sends the notification) and gen on
+                    `get_notifications`, each in a thread that on CUDA never sleeps
+                    (`--raw-poll-us`).
+                    Timed from just before the post (ctx) to the notification seen (gen).
 
 The cross-process times (generation-first, raw) use one CLOCK_MONOTONIC on one host.
 
@@ -126,7 +129,12 @@ HETEROGENEOUS_REFUSAL: Final = "heterogeneous pairings need multi-rank workers (
 RSS_CHECKPOINT: Final = 100  # RSS is sampled after this many measured iterations ...
 RSS_SOAK_ITERATIONS: Final = 1000  # ... and its growth to the end is judged from this many on
 SETUP_TIMEOUT_S: Final = 300.0  # a child importing torch and creating its agent on 2 busy cores
-POLL_S: Final = 20e-6  # the raw path's poll interval (time.sleep: no event-loop granularity)
+# The raw path's poll interval, both sides, by device. On CUDA raw spins: a sleep of 20 us lasts
+# 55-110 us on these hosts (timer slack, a VM's timer), and made raw wait up to that long to see
+# its write end on ctx (whose poll is what sends the notification), then again to see the
+# notification on gen. On the 2-core CPU machine two spinning threads starve the copy itself
+# (64 MiB: 23 ms spinning against 15 ms sleeping 20 us), so raw sleeps there.
+RAW_POLL_S: Final = {"cuda": 0.0, "cpu": 20e-6}
 RESULT_LINE: Final = "ratio_vs_raw_nixl"
 IDLE_SAMPLE_S: Final = 1.0  # how long the idle children's CPU use is sampled
 EARLY_POLL_S: Final = 1e-4  # ctx's poll for gen's early REQUEST_DATA (Trio rounds it to ~1 ms)
@@ -307,6 +315,8 @@ class BenchConfig:
     prefill_step_s: float = 0.01
     # ctx's next step, run in a worker thread from when its KV is ready (0: ctx idles)
     ctx_busy_s: float = 0.0
+    # how long raw's two polling loops sleep between polls (0: they spin)
+    raw_poll_s: float = RAW_POLL_S["cpu"]
     label: str = "default"
     result_json: Path | None = None
     # transceiver schedules measured, each against raw; the first one's ratio is the last line
@@ -395,6 +405,14 @@ def build_parser() -> argparse.ArgumentParser:
         "long from the moment its KV is ready, as a loaded ctx does; every path runs beside it",
     )
     parser.add_argument(
+        "--raw-poll-us",
+        type=float,
+        help="the raw path: microseconds its ctx and gen threads sleep between polls; default "
+        "0 on CUDA (they spin: the best a raw caller gets there) and 20 on the CPU, where "
+        "spinning starves the copy. Until the thirteenth session raw slept 20 us on CUDA too, "
+        "which lasts 55-110 us and slowed it down",
+    )
+    parser.add_argument(
         "--request-notices",
         choices=("auto", "on", "off"),
         default="auto",
@@ -446,6 +464,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError(f"--prefill-step-ms must be in [0, 10000], got {args.prefill_step_ms}")
     if not 0 <= args.ctx_busy_ms <= 10_000:
         raise ValueError(f"--ctx-busy-ms must be in [0, 10000], got {args.ctx_busy_ms}")
+    if args.raw_poll_us is not None and not 0 <= args.raw_poll_us <= 10_000:
+        raise ValueError(f"--raw-poll-us must be in [0, 10000], got {args.raw_poll_us}")
     if args.device == "cpu" and (args.gen_gpu is not None or args.ctx_gpu != 0):
         raise ValueError("--ctx-gpu/--gen-gpu need --device cuda")
     if min(args.ctx_gpu, 0 if args.gen_gpu is None else args.gen_gpu) < 0:
@@ -466,6 +486,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         request_notices={"auto": None, "on": True, "off": False}[args.request_notices],
         prefill_step_s=args.prefill_step_ms / 1000,
         ctx_busy_s=args.ctx_busy_ms / 1000,
+        raw_poll_s=(
+            RAW_POLL_S[args.device] if args.raw_poll_us is None else args.raw_poll_us / 1e6
+        ),
         label=label,
         result_json=args.result_json,
         schedules=schedules_for(args.schedule),
@@ -726,7 +749,8 @@ def format_report(doc: dict[str, Any]) -> str:
         f"{cores('ctx', 'measured')} gen {cores('gen', 'measured')}; idle ctx "
         f"{cores('ctx', 'idle')} gen {cores('gen', 'idle')} (NIXL progress threads: "
         f"{'on' if cfg['progress_thread'] else 'off'}; REQUEST_DATA by notification too: "
-        f"{'on' if cfg.get('takes_request_notices') else 'off'})"
+        f"{'on' if cfg.get('takes_request_notices') else 'off'}; raw polls "
+        f"{_raw_polls(cfg.get('raw_poll_s', 20e-6))})"
     )
     stats = doc["transceiver_statistics"]
     lines.append(
@@ -952,6 +976,7 @@ class _Side:
         fragments = Fragments(rows)
         tag = args["tag"].encode()
         deadline = time.monotonic() + self.cfg.timeout_s
+        poll_s = self.cfg.raw_poll_s
 
         def write() -> tuple[float, float]:
             start = time.monotonic()
@@ -966,7 +991,8 @@ class _Side:
                 while (state := self.agent.poll(handle)) is XferStatus.PENDING:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"raw write {args['tag']} not DONE")
-                    time.sleep(POLL_S)
+                    if poll_s:
+                        time.sleep(poll_s)
                 done = time.monotonic()
             finally:
                 self.agent.release(handle)
@@ -1034,6 +1060,7 @@ class _Side:
     async def raw_wait(self, args: dict[str, Any]) -> dict[str, Any]:
         tag = args["tag"].encode()
         deadline = time.monotonic() + self.cfg.timeout_s
+        poll_s = self.cfg.raw_poll_s
 
         def spin() -> float:
             self.conn.send(("armed", {}))  # polling from here on: ctx may post
@@ -1043,7 +1070,8 @@ class _Side:
                         return time.monotonic()
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no notification {args['tag']}")
-                time.sleep(POLL_S)
+                if poll_s:
+                    time.sleep(poll_s)
 
         return {"seen": await trio.to_thread.run_sync(spin)}
 
@@ -1069,6 +1097,11 @@ class _Side:
         stamps = self.transceiver.stages or []
         self.transceiver.stages = []
         return {"stamps": stamps}
+
+
+def _raw_polls(poll_s: float) -> str:
+    """How raw's loops poll (results from before the option have slept 20 us)."""
+    return "spinning" if poll_s == 0 else f"every {poll_s * 1e6:g} us (sleeping)"
 
 
 def _device_digest(data: torch.Tensor) -> str:

@@ -168,6 +168,7 @@ def test_heterogeneous_pairings_are_refused_clearly(
         (["--device", "cuda", "--gen-gpu", "-1"], "GPU indices"),
         (["--ctx-tp", "0"], "parallel sizes must be >= 1"),
         (["--ctx-busy-ms", "-1"], "--ctx-busy-ms must be in [0, 10000]"),
+        (["--raw-poll-us", "-1"], "--raw-poll-us must be in [0, 10000]"),
     ],
 )
 def test_invalid_arguments(
@@ -182,6 +183,21 @@ def test_ctx_busy_is_off_unless_asked_and_named_in_the_report() -> None:
     assert "ctx busy" not in bt.format_report(_doc([], {"context-first": 0.8}))
     busy = bt.format_report(_doc(["--ctx-busy-ms", "5"], {"context-first": 0.8}))
     assert "ctx busy: its next step runs 5 ms in a worker thread" in busy
+
+
+def test_raw_spins_on_cuda_and_sleeps_on_the_cpu_unless_told() -> None:
+    """A 20 us sleep lasts 55-110 us here: on CUDA it slowed raw, the anchor, down; on the
+    2-core CPU machine spinning starves the copy instead."""
+    assert bt.parse_config(["--device", "cuda"]).raw_poll_s == 0.0
+    assert bt.parse_config([]).raw_poll_s == pytest.approx(20e-6)
+    assert bt.parse_config(["--device", "cuda", "--raw-poll-us", "20"]).raw_poll_s == (
+        pytest.approx(20e-6)
+    )
+    assert bt.parse_config(["--raw-poll-us", "0"]).raw_poll_s == 0.0
+    assert "raw polls spinning" in bt.format_report(
+        _doc(["--raw-poll-us", "0"], {"context-first": 0.8})
+    )
+    assert "raw polls every 20 us (sleeping)" in bt.format_report(_doc([], {"context-first": 0.8}))
 
 
 def test_tokens_and_kv_mib_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
