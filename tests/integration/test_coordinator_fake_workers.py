@@ -21,7 +21,12 @@ import trio
 import trio.lowlevel
 
 from trtdisagg.coordinator.config import coordinator_config_from_dict
-from trtdisagg.coordinator.serve import bind_socket, serve_coordinator, serve_http
+from trtdisagg.coordinator.serve import (
+    bind_socket,
+    serve_coordinator,
+    serve_coordinator_state,
+    serve_http,
+)
 from trtdisagg.coordinator.testing import FakeWorker, create_fake_app, fake_tokenize, generate
 from trtdisagg.kv.hashing import reusable_block_hashes
 
@@ -82,6 +87,22 @@ async def start_cluster(
 ) -> Cluster:
     ctxs = [await _fake(nursery, "ctx") for _ in range(ctx)]
     gens = [await _fake(nursery, "gen", **(gen_knobs or {})) for _ in range(gen)]
+    return await _start_coordinator(
+        nursery, ctxs, gens, ctx_router=ctx_router, gen_router=gen_router, **config
+    )
+
+
+async def _start_coordinator(
+    nursery: trio.Nursery,
+    ctxs: list[Fake],
+    gens: list[Fake],
+    *,
+    ctx_router: str = "round_robin",
+    gen_router: str = "round_robin",
+    fleet: bool = False,
+    **config: Any,
+) -> Cluster:
+    """A coordinator in front of the fakes; with `fleet`, a front end and its state process."""
     data = {
         "hostname": "127.0.0.1",
         "port": 0,
@@ -92,6 +113,13 @@ async def start_cluster(
         "request_timeout": 10,
         **config,
     }
+    if fleet:
+        state = coordinator_config_from_dict(data, source="test")
+        sock = bind_socket("127.0.0.1", 0, reuse_port=False)
+        host, port = await nursery.start(
+            functools.partial(serve_coordinator_state, state, sock=sock)
+        )
+        data["disagg_coordinator_url"] = f"http://{host}:{port}"
     coordinator = coordinator_config_from_dict(data, source="test")
     host, port = await nursery.start(functools.partial(serve_coordinator, coordinator))
     return Cluster(url=f"http://{host}:{port}", ctx=ctxs, gen=gens, nursery=nursery)
@@ -672,6 +700,109 @@ async def test_generation_first_ends_the_waiting_gen_leg_when_ctx_fails(
     with trio.fail_after(1):
         await gen.wait_running(0)
     assert ctx.releases == []  # an error answer holds no KV
+
+
+# ---- routing by pair (pain point 11) ----
+#
+# A rolling upgrade: the new workers publish another protocol version than the old ones, and a
+# fake gen answers 500 to KV from a ctx of the other group. Group A (old) has one ctx and
+# `a_gens` gens, group B (new) one of each: with two gens in A, round robin on each role alone
+# does not keep step with the groups and would cross them.
+
+OLD_KV: dict[str, str | int] = {"protocol_version": 4, "tokens_per_block": 4}
+NEW_KV: dict[str, str | int] = {"protocol_version": 5, "tokens_per_block": 4}
+
+
+async def start_groups(nursery: trio.Nursery, *, a_gens: int = 2, **config: Any) -> Cluster:
+    """ctx = [A's, B's]; gen = [A's..., B's]."""
+    ctxs = [await _fake(nursery, "ctx", kv_compat=kv) for kv in (OLD_KV, NEW_KV)]
+    gens = [await _fake(nursery, "gen", kv_compat=kv) for kv in [OLD_KV] * a_gens + [NEW_KV]]
+    return await _start_coordinator(nursery, ctxs, gens, **config)
+
+
+@pytest.mark.parametrize("router", ["round_robin", "load_balancing"])
+@pytest.mark.parametrize("fleet", [False, True], ids=["local", "fleet"])
+@pytest.mark.parametrize("style", ["context_first", "generation_first", "conditional"])
+async def test_two_kv_groups_are_each_paired_only_among_themselves(
+    nursery: trio.Nursery, client: httpx.AsyncClient, style: str, fleet: bool, router: str
+) -> None:
+    """Whichever leg is placed first (conditional disaggregation reserves gen first), the second
+    is of its group: every request succeeds, with no retry to hide a crossed pair. A fleet's
+    front end pairs round robin itself, from the state process's `incompatible_pairs`; other
+    routers are asked through the state process (`pair_with`)."""
+    config: dict[str, Any] = {"max_retries": 0, "ctx_router": router, "gen_router": router}
+    if style == "conditional":  # prompts all uncached: gen first, then a ctx
+        config["conditional_disagg_config"] = {"max_local_prefill_length": 0}
+    else:
+        config["schedule_style"] = style
+    c = await start_groups(nursery, fleet=fleet, **config)
+    for i in range(12):
+        prompt = [i + 1, i + 2, i + 3, i + 4, i + 5]
+        r = await client.post(c.url + "/v1/completions", json=_body(prompt))
+        assert r.status_code == 200, (i, r.text)
+        assert r.json()["choices"][0]["token_ids"] == _expected(prompt)
+    assert sum(f.worker.requests["context_only"] for f in c.ctx) == 12
+    assert sum(f.worker.requests["generation_only"] for f in c.gen) == 12
+    assert all(f.worker.bodies for f in c.ctx + c.gen)  # both groups, every server of them
+
+
+@pytest.mark.parametrize(
+    ("fleet", "router"), [(False, "round_robin"), (True, "load_balancing")], ids=["local", "fleet"]
+)
+async def test_no_gen_left_to_pair_with_ctx_is_503_naming_both_and_releases_ctx(
+    nursery: trio.Nursery, client: httpx.AsyncClient, fleet: bool, router: str
+) -> None:
+    """A's only gen fails while A's ctx prefills: B's gen is healthy but cannot take A's KV, so
+    the request ends with a 503 that says why, and ctx's KV is released at once."""
+    c = await start_groups(
+        nursery, a_gens=1, fleet=fleet, ctx_router=router, gen_router=router, max_retries=0
+    )
+    a_ctx, a_gen = c.ctx[0].worker, c.gen[0].worker
+    a_ctx.gate = trio.Event()
+    replies: list[httpx.Response] = []
+
+    async def post() -> None:
+        replies.append(await client.post(c.url + "/v1/completions", json=_body()))
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(post)
+        with trio.fail_after(5):
+            await a_ctx.wait_bodies(1)  # the first request goes to the first ctx
+            a_gen.unhealthy = "stopped"
+            # Two failed checks evict it. Health checks run in rounds, one after the other, so
+            # a third one received means the round of the second is over.
+            await a_gen.wait_health_checks(a_gen.health_checks + 3)
+        a_ctx.gate.set()
+    r = replies[0]
+    assert r.status_code == 503, r.text
+    message = r.json()["error"]["message"]
+    assert message == (
+        f"no generation server can exchange KV with {c.ctx[0].url}: "
+        f"{c.gen[1].url}: protocol_version: ctx 4 vs gen 5"
+    )
+    assert a_ctx.releases == [_sent_id(c.ctx[0])] and a_ctx.held == set()
+    assert c.gen[1].worker.bodies == []
+    # A's ctx is out of rotation now (it can pair with no healthy gen): B serves.
+    r = await client.post(c.url + "/v1/completions", json=_body())
+    assert r.status_code == 200, r.text
+    assert len(a_ctx.bodies) == 1 and c.ctx[1].worker.requests == {"context_only": 1}
+
+
+@pytest.mark.parametrize("fleet", [False, True], ids=["local", "fleet"])
+async def test_a_retry_left_only_the_gen_that_failed_goes_back_to_it_not_across(
+    nursery: trio.Nursery, client: httpx.AsyncClient, fleet: bool
+) -> None:
+    """A retry avoids the gen that failed, unless nothing else is left: then it goes back to
+    that gen, still among those that can pair with its ctx (the conversation keeps the retry
+    on A's ctx, whose only gen failed), not to B's idle one."""
+    c = await start_groups(nursery, a_gens=1, fleet=fleet, ctx_router="conversation", max_retries=1)
+    a_gen = c.gen[0].worker
+    a_gen.fail_status, a_gen.fail_count = 500, 1
+    r = await client.post(c.url + "/v1/completions", json=_body(conversation_id="chat-a"))
+    assert r.status_code == 200, r.text
+    assert c.ctx[0].worker.requests == {"context_only": 2} and c.ctx[1].worker.bodies == []
+    assert len(a_gen.bodies) == 2 and c.gen[1].worker.bodies == []
+    assert len(c.ctx[0].worker.releases) == 1  # the first attempt's KV, which no gen took
 
 
 async def test_bad_input_and_routes(nursery: trio.Nursery, client: httpx.AsyncClient) -> None:

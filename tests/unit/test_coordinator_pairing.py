@@ -3,15 +3,26 @@
 A ctx and a gen whose KV settings differ pass their health checks and fail every request at the
 transfer. The cluster state reads each worker's `kv_compat` (`/server_info`) and keeps a server
 out of rotation when it can pair with no healthy server of the other role, naming the field and
-both values.
+both values; a request's second server is chosen among those that can pair with its first.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from trtdisagg.coordinator.cluster import Cluster, ServerInfo, ServerRole
-from trtdisagg.coordinator.config import coordinator_config_from_dict
+import pytest
+
+from trtdisagg.coordinator.cluster import (
+    Cluster,
+    IncompatiblePair,
+    ServerInfo,
+    ServerRole,
+    pairing_of,
+)
+from trtdisagg.coordinator.config import RouterConfig, RouterType, coordinator_config_from_dict
+from trtdisagg.coordinator.routers import NoServerAvailable, Router, RouteRequest, create_router
+from trtdisagg.coordinator.state_wire import SelectBody, decode, encode
 
 CTX = ["http://127.0.0.1:8001", "http://127.0.0.1:8003"]
 GEN = ["http://127.0.0.1:8002", "http://127.0.0.1:8004"]
@@ -133,3 +144,131 @@ def test_kv_compat_values_of_the_wrong_type_are_dropped_not_trusted() -> None:
     parsed = ServerInfo.parse({"kv_compat": {"dtype": "bfloat16", "x": [1], "y": True, "z": 2}})
     assert parsed.transceiver is True
     assert dict(parsed.kv_compat) == {"dtype": "bfloat16", "z": 2}
+
+
+# ---- routing by pair: two groups each compatible only among themselves ----
+#
+# A rolling upgrade: the new workers publish another protocol version than the old ones, so
+# during the rollout an old ctx must be paired only with an old gen and a new one with a new.
+# Group A has two gens and group B one, so that round robin on each role alone does not keep
+# step with the groups and would cross them.
+
+A_CTX, A_GENS = "http://127.0.0.1:8101", ["http://127.0.0.1:8102", "http://127.0.0.1:8103"]
+B_CTX, B_GEN = "http://127.0.0.1:8201", "http://127.0.0.1:8202"
+OLD, NEW = COMPAT, {**COMPAT, "protocol_version": 5}
+GROUP = {A_CTX: "A", A_GENS[0]: "A", A_GENS[1]: "A", B_CTX: "B", B_GEN: "B"}
+
+
+def two_groups(router: str = "round_robin") -> tuple[Cluster, dict[ServerRole, Router]]:
+    state = cluster(ctx=[A_CTX, B_CTX], gen=[*A_GENS, B_GEN])
+    for url in GROUP:
+        state.mark_healthy(url, info(OLD if GROUP[url] == "A" else NEW))
+    routers = {
+        role: create_router(RouterConfig(type=RouterType(router)), role=role.value)
+        for role in ServerRole
+    }
+    refresh(state, routers)
+    return state, routers
+
+
+def refresh(state: Cluster, routers: dict[ServerRole, Router]) -> None:
+    for role, router in routers.items():
+        router.update_servers(state.views(role))
+
+
+OTHER = {ServerRole.CONTEXT: ServerRole.GENERATION, ServerRole.GENERATION: ServerRole.CONTEXT}
+
+
+@pytest.mark.parametrize("router", ["round_robin", "load_balancing", "kv_cache_aware"])
+@pytest.mark.parametrize("first", [ServerRole.CONTEXT, ServerRole.GENERATION])
+def test_the_second_server_is_always_of_the_first_s_group(first: ServerRole, router: str) -> None:
+    state, routers = two_groups(router)
+    assert state.is_ready() and len(state.incompatible) == 3  # every server serves
+    picked: set[str] = set()
+    for key in range(60):
+        request = RouteRequest(key=key)
+        one = routers[first].select(request).server
+        other = routers[OTHER[first]].select(request, pairing=state.pairing(one)).server
+        assert GROUP[one] == GROUP[other], (first.value, one, other)
+        picked |= {one, other}
+        if key % 3:  # some requests stay in flight, so the load-based routers see load
+            routers[first].finish(key)
+            routers[OTHER[first]].finish(key)
+    assert picked == set(GROUP)  # both groups served, every server of them
+
+
+def test_no_server_left_to_pair_with_names_the_first_and_both_values() -> None:
+    state = cluster(ctx=[A_CTX, B_CTX], gen=[A_GENS[0], B_GEN])
+    for url in (A_CTX, A_GENS[0]):
+        state.mark_healthy(url, info(OLD))
+    for url in (B_CTX, B_GEN):
+        state.mark_healthy(url, info(NEW))
+    routers = {role: create_router(RouterConfig(), role=role.value) for role in ServerRole}
+    refresh(state, routers)
+    assert routers[ServerRole.CONTEXT].select(RouteRequest(key=1)).server == A_CTX
+    # A's only gen fails while A's ctx serves the request: B's gen is healthy but cannot pair.
+    state.mark_unhealthy(A_GENS[0], "gone")
+    refresh(state, routers)
+    with pytest.raises(NoServerAvailable) as caught:
+        routers[ServerRole.GENERATION].select(RouteRequest(key=1), pairing=state.pairing(A_CTX))
+    assert str(caught.value) == (
+        f"no generation server can exchange KV with {A_CTX}: "
+        f"{B_GEN}: protocol_version: ctx 4 vs gen 5"
+    )
+
+
+def test_exclude_and_pairing_together() -> None:
+    state, routers = two_groups()
+    gens = routers[ServerRole.GENERATION]
+    pairing = state.pairing(A_CTX)
+    # A retry excludes the gen that failed: the other gen of the group takes it, never B's.
+    for key in range(6):
+        assert (
+            gens.select(RouteRequest(key=key), exclude=A_GENS[0], pairing=pairing).server
+            == A_GENS[1]
+        )
+    state.mark_unhealthy(A_GENS[1], "gone")
+    refresh(state, routers)
+    with pytest.raises(
+        NoServerAvailable,
+        match=(
+            f"^no generation servers left after excluding {A_GENS[0]} "
+            f"and those that cannot exchange KV with {A_CTX}$"
+        ),
+    ):
+        gens.select(RouteRequest(key=9), exclude=A_GENS[0], pairing=pairing)
+    # What the service then does: select again without `exclude`, still paired.
+    assert gens.select(RouteRequest(key=9), pairing=pairing).server == A_GENS[0]
+
+
+def test_a_fleet_front_end_pairs_from_the_state_process_s_cluster_info() -> None:
+    state, _ = two_groups()
+    published = json.loads(json.dumps(state.cluster_info()))["incompatible_pairs"]
+    pairs = decode(published, list[IncompatiblePair])
+    for url in GROUP:
+        assert pairing_of(pairs, url) == state.pairing(url)
+    assert set(state.pairing(B_GEN).incompatible) == {A_CTX}
+    assert set(state.pairing(A_CTX).incompatible) == {B_GEN}
+
+
+def test_select_body_carries_pair_with_and_an_older_one_decodes_without() -> None:
+    request = RouteRequest(key=7, prompt_text="hi")
+    body = SelectBody.of(ServerRole.GENERATION, request, exclude=None, pair_with=A_CTX)
+    assert decode(json.loads(json.dumps(encode(body))), SelectBody) == body
+    older = {"role": "generation", "key": 7, "exclude": None, "prompt_text": "hi"}
+    assert decode(older, SelectBody).pair_with is None
+
+
+@pytest.mark.parametrize(
+    "published",
+    [
+        {"model": "tiny"},
+        {"model": "tiny", "kv_compat": None},
+        {"kv_compat": COMPAT, "disaggregated_params": {"ctx_info_endpoint": "tcp://ctx:1"}},
+    ],
+)
+def test_server_info_in_cluster_info_reads_back_as_published(published: dict[str, Any]) -> None:
+    """A fleet front end reads each server's info back from the state process's /cluster_info:
+    generation_first needs ctx's info endpoint, pairing the transceiver and `kv_compat`."""
+    parsed = ServerInfo.parse(published)
+    assert ServerInfo.parse(json.loads(json.dumps(parsed.to_json()))) == parsed

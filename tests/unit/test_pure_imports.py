@@ -1,4 +1,5 @@
-"""Pure modules import no torch, trio, zmq or nixl, so they stay fast to test and easy to reuse.
+"""Pure modules import no torch, trio, zmq, nixl or httpx, so they stay fast to test and easy
+to reuse.
 
 Extend PURE_MODULES when adding a pure module.
 """
@@ -25,8 +26,10 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.transfer.prepared",
     "trtdisagg.transfer.pacing",
     "trtdisagg.worker.rank_plan",
+    "trtdisagg.coordinator.cluster",
+    "trtdisagg.coordinator.routers",
 )
-FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl")
+FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl", "httpx")
 
 _PROBE = """
 import importlib, sys

@@ -1,4 +1,4 @@
-"""Routers: choices, reservations, exclude, KV-aware scoring, conversation stickiness."""
+"""Routers: choices, reservations, exclude, pairing, KV-aware scoring, conversation stickiness."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from trtdisagg.coordinator.routers import (
     KvEvent,
     LoadBalancingRouter,
     NoServerAvailable,
+    Pairing,
     RoundRobinRouter,
     Router,
     RouteRequest,
@@ -64,6 +65,36 @@ def test_no_servers_and_only_excluded_server() -> None:
     router.update_servers(servers(A))
     with pytest.raises(NoServerAvailable, match=f"after excluding {A}"):
         router.select(req(1), exclude=A)
+
+
+@pytest.mark.parametrize(
+    "kind", [RoundRobinRouter, LoadBalancingRouter, KvCacheAwareRouter, ConversationRouter]
+)
+def test_a_server_that_cannot_pair_is_never_chosen_however_it_scores(kind: type[Router]) -> None:
+    router = make(kind, A, B, C)
+    prompt = list(range(1, 18))
+    router.apply_kv_events(A, _stored(reusable_block_hashes(prompt, 4)))  # A holds the prefix
+    router.select(req(1, prompt, conversation_id="c"))  # ... and the conversation
+    router.finish(1)
+    if kind in (KvCacheAwareRouter, ConversationRouter):
+        assert router.select(req(2, prompt, conversation_id="c")).server == A  # A would win
+        router.finish(2)
+    pairing = Pairing(peer="http://ctx:1", incompatible={A: "tokens_per_block: ctx 16 vs gen 32"})
+    for i in range(6):
+        assert router.select(req(3 + i, prompt, conversation_id="c"), pairing=pairing).server != A
+    nowhere = Pairing(peer="http://ctx:1", incompatible=dict.fromkeys([A, B, C], "x"))
+    with pytest.raises(NoServerAvailable, match=r"^no context server can exchange KV with"):
+        router.select(req(9), pairing=nowhere)
+
+
+def test_round_robin_stays_fair_when_the_candidates_change() -> None:
+    """Two groups taking turns: {A, B} pair with one ctx and {C} with another. A and B each
+    get half of their group's requests (a counter over the candidates gave A all of them)."""
+    router = make(RoundRobinRouter, A, B, C)
+    first = Pairing(peer="http://ctx-1:1", incompatible={C: "-"})
+    second = Pairing(peer="http://ctx-2:1", incompatible={A: "-", B: "-"})
+    picks = [router.select(req(i), pairing=(first, second)[i % 2]).server for i in range(8)]
+    assert picks == [A, C, B, C, A, C, B, C]
 
 
 def test_reservations_release_exactly_once() -> None:

@@ -15,17 +15,22 @@ worker publishes what a peer must match (`kv_compat` in `/server_info`), and a c
 differ would fail every request at the transfer while both look healthy (peers.md, pain point
 11). Such a server is left out of rotation and named, with both values, in `not_ready_reason`
 and `/cluster_info`. A worker that does not publish `kv_compat` is taken as able to pair.
+
+A server in rotation may still be unable to pair with some servers of the other role (two groups
+each compatible only among themselves, as in a rolling upgrade), so the request's second server
+is chosen among those that can pair with its first: `pairing(url)` says who cannot.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
 from trtdisagg.coordinator.config import CoordinatorConfig, normalize_url
-from trtdisagg.coordinator.routers import ServerView
+from trtdisagg.coordinator.routers import Pairing, ServerView
 from trtdisagg.transfer.rank_info import compat_mismatches
 
 Json = dict[str, Any]
@@ -83,10 +88,13 @@ class ServerInfo:
         )
 
     def to_json(self) -> Json:
-        out = {k: v for k, v in attrs.asdict(self).items() if v is not None}
-        out["kv_compat"] = dict(self.kv_compat)
-        if self.transceiver is None:
-            del out["kv_compat"]
+        """In the shape of a worker's ``/server_info``: a fleet front end `parse`s it back."""
+        skip = ("transceiver", "kv_compat", "ctx_info_endpoint")
+        out = {k: v for k, v in attrs.asdict(self).items() if v is not None and k not in skip}
+        if self.transceiver is not None:
+            out["kv_compat"] = dict(self.kv_compat) if self.transceiver else None
+        if self.ctx_info_endpoint is not None:
+            out["disaggregated_params"] = {"ctx_info_endpoint": self.ctx_info_endpoint}
         return out
 
 
@@ -106,6 +114,20 @@ class IncompatiblePair:
     context: str
     generation: str
     reason: str
+
+
+def pairing_of(pairs: Iterable[IncompatiblePair], peer: str) -> Pairing:
+    """For the other leg of a request placed on `peer`: the servers that cannot pair with it.
+
+    Urls are unique across roles, so `peer` names its role too.
+    """
+    incompatible = {}
+    for pair in pairs:
+        if pair.context == peer:
+            incompatible[pair.generation] = pair.reason
+        elif pair.generation == peer:
+            incompatible[pair.context] = pair.reason
+    return Pairing(peer=peer, incompatible=incompatible)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -158,6 +180,10 @@ class Cluster:
 
     def views(self, role: ServerRole) -> list[ServerView]:
         return [s.view() for s in self.serving(role)]
+
+    def pairing(self, peer: str) -> Pairing:
+        """The servers that cannot exchange KV with `peer`, among the healthy ones."""
+        return pairing_of(self.incompatible, peer)
 
     def mark_healthy(self, url: str, info: ServerInfo) -> bool:
         """Record a passing health check; True when the server was not healthy before."""

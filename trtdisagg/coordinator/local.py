@@ -108,10 +108,16 @@ class LocalPlacement:
     # ---- reservations ----
 
     async def select(
-        self, role: ServerRole, request: RouteRequest, *, exclude: str | None
+        self,
+        role: ServerRole,
+        request: RouteRequest,
+        *,
+        exclude: str | None,
+        pair_with: str | None = None,
     ) -> Selection:
         await trio.lowlevel.checkpoint()
-        return self.routers[role].select(request, exclude=exclude)
+        pairing = self.cluster.pairing(pair_with) if pair_with is not None else None
+        return self.routers[role].select(request, exclude=exclude, pairing=pairing)
 
     async def finish(self, role: ServerRole, key: int, *, success: bool) -> None:
         router = self.routers[role]

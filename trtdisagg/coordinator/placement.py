@@ -53,9 +53,19 @@ class Placement(Protocol):
     def uses_prompt_tokens(self, role: ServerRole) -> bool: ...
 
     async def select(
-        self, role: ServerRole, request: RouteRequest, *, exclude: str | None
+        self,
+        role: ServerRole,
+        request: RouteRequest,
+        *,
+        exclude: str | None,
+        pair_with: str | None = None,
     ) -> Selection:
-        """Raises NoServerAvailable or CoordinatorUnavailable."""
+        """Choose a server of `role` other than `exclude` that can exchange KV with
+        `pair_with`, the server already chosen for the request's other leg.
+
+        Raises NoServerAvailable (naming `pair_with` and why, when no server can pair with it)
+        or CoordinatorUnavailable.
+        """
         ...
 
     async def finish(self, role: ServerRole, key: int, *, success: bool) -> None:

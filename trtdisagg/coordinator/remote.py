@@ -3,11 +3,13 @@
 * Start-up probes ``GET {state}/cluster_info`` until it answers 200, for at most
   ``server_start_timeout``; then fails with `StartupError` naming the URL, so a misconfigured
   fleet worker exits instead of answering "not ready" forever.
-* A sync task re-reads ``/cluster_info`` every ``health_check_interval``: readiness, the healthy
-  server lists (for local round robin) and server infos. If the state process stops answering,
-  the front end is not ready (``/health`` 503) and requests fail fast with 503.
+* A sync task re-reads ``/cluster_info`` every ``health_check_interval``: readiness, server
+  infos, and for local round robin the healthy server lists and the pairs that cannot exchange
+  KV. If the state process stops answering, the front end is not ready (``/health`` 503) and
+  requests fail fast with 503.
 * ``round_robin`` roles are placed locally; every other router is stateful and lives in the
-  state process (``POST /select``, ``POST /finish``).
+  state process (``POST /select``, ``POST /finish``), which pairs the request's second server
+  with its first from its own cluster state (``pair_with``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import attrs
 import httpx
 import trio
 
-from trtdisagg.coordinator.cluster import ServerInfo, ServerRole
+from trtdisagg.coordinator.cluster import IncompatiblePair, ServerInfo, ServerRole, pairing_of
 from trtdisagg.coordinator.config import CoordinatorConfig, RouterType
 from trtdisagg.coordinator.placement import CoordinatorUnavailable, StartupError
 from trtdisagg.coordinator.routers import (
@@ -30,7 +32,14 @@ from trtdisagg.coordinator.routers import (
     ServerView,
     create_router,
 )
-from trtdisagg.coordinator.state_wire import FinishBody, SelectAnswer, SelectBody, decode, encode
+from trtdisagg.coordinator.state_wire import (
+    BadBody,
+    FinishBody,
+    SelectAnswer,
+    SelectBody,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +57,7 @@ class RemotePlacement:
     local_routers: dict[ServerRole, Router]
     wants_tokens: dict[ServerRole, bool]
     _info: Json | None = None
+    _incompatible: list[IncompatiblePair] = attrs.Factory(list)
     _reachable: bool = False
 
     @classmethod
@@ -117,13 +127,19 @@ class RemotePlacement:
     # ---- reservations ----
 
     async def select(
-        self, role: ServerRole, request: RouteRequest, *, exclude: str | None
+        self,
+        role: ServerRole,
+        request: RouteRequest,
+        *,
+        exclude: str | None,
+        pair_with: str | None = None,
     ) -> Selection:
         router = self.local_routers.get(role)
         if router is not None:
             await trio.lowlevel.checkpoint()
-            return router.select(request, exclude=exclude)
-        body = encode(SelectBody.of(role, request, exclude))
+            pairing = pairing_of(self._incompatible, pair_with) if pair_with is not None else None
+            return router.select(request, exclude=exclude, pairing=pairing)
+        body = encode(SelectBody.of(role, request, exclude=exclude, pair_with=pair_with))
         try:
             response = await self.http.post(
                 self.state_url + "/select", json=body, timeout=STATE_CALL_TIMEOUT
@@ -205,6 +221,11 @@ class RemotePlacement:
         if not isinstance(info, dict):
             self._reachable = False
             return "cluster_info is not an object"
+        try:
+            self._incompatible = decode(info.get("incompatible_pairs", []), list[IncompatiblePair])
+        except BadBody as exc:
+            self._reachable = False
+            return f"cluster_info.incompatible_pairs: {exc}"
         if not self._reachable and self._info is not None:
             log.info("coordinator state process at %s is back", self.state_url)
         self._info = info

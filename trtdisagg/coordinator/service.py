@@ -6,7 +6,9 @@ Per request:
    (``request_timeout``, 504 when it passes);
 2. tokenize the prompt when a router or conditional disaggregation needs its token ids;
 3. attempt, up to ``1 + max_retries`` times, each attempt with a new ``disagg_request_id``
-   (the client's positive one is used for the first) and excluding the servers that failed:
+   (the client's positive one is used for the first) and excluding the servers that failed;
+   the second server of an attempt is chosen among those that can exchange KV with the first
+   (503 naming the first server and why when none is left):
    * conditional disaggregation: reserve gen first; if the prompt's uncached part is at most
      ``max_local_prefill_length`` tokens, gen serves it alone (plain aggregated request);
    * ``context_first``: ctx leg (non-streaming, ``context_only``); if ctx finished the request,
@@ -22,6 +24,7 @@ No retry happens once a stream has started. Every reservation is a `Lease`, rele
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, Final
@@ -218,15 +221,21 @@ class DisaggService:
                 call.exclude[ServerRole(exc.role)] = exc.server
         raise AssertionError("unreachable")
 
-    async def _lease(self, call: _Call, role: ServerRole, key: int) -> Lease:
+    async def _lease(
+        self, call: _Call, role: ServerRole, key: int, *, pair_with: str | None = None
+    ) -> Lease:
+        """Reserve a server of `role` that can exchange KV with `pair_with` (the server of the
+        attempt's other leg, when already chosen). A server that failed the last attempt is
+        avoided, unless it is the only one left; one that cannot pair never is."""
         route = attrs.evolve(call.route, key=key)
         exclude = call.exclude.get(role)
+        select = functools.partial(self.placement.select, role, route, pair_with=pair_with)
         try:
-            selection = await self.placement.select(role, route, exclude=exclude)
+            selection = await select(exclude=exclude)
         except NoServerAvailable:
             if exclude is None:
                 raise
-            selection = await self.placement.select(role, route, exclude=None)
+            selection = await select(exclude=None)
         router = self.placement.router_type(role).value
         self.metrics.router_decisions.labels(router=router, server=selection.server).inc()
         tokens = call.route.prompt_token_ids
@@ -252,12 +261,15 @@ class DisaggService:
             if self.config.schedule_style is ScheduleStyle.GENERATION_FIRST:
                 gen = gen or await self._lease(call, GEN, disagg_id)
                 return await self._generation_first(call, disagg_id, gen)
-            ctx = await self._ctx_leg(call, disagg_id, await self._lease(call, CTX, disagg_id))
+            pair_with = gen.server if gen is not None else None
+            ctx_lease = await self._lease(call, CTX, disagg_id, pair_with=pair_with)
+            ctx = await self._ctx_leg(call, disagg_id, ctx_lease)
             if ctx.finished:
                 return self._ctx_reply(call, ctx)
             taken = False
             try:
-                gen = gen or await self._lease(call, GEN, disagg_id)
+                # No gen that can pair with ctx left (NoServerAvailable) also releases ctx's KV.
+                gen = gen or await self._lease(call, GEN, disagg_id, pair_with=ctx.server)
                 reply = await self._gen_leg(call, gen_request(call.raw, ctx), gen, ctx=ctx)
                 taken = True
                 return reply
@@ -403,7 +415,7 @@ class DisaggService:
         soon as both sides are ready. gen learns where the KV comes from (ctx's
         ``ctx_info_endpoint`` from its /server_info) and under which id, but not ctx's first
         token: ctx sends that with the KV (TRANSFER_RESULT.first_tokens)."""
-        ctx_lease = await self._lease(call, CTX, disagg_id)
+        ctx_lease = await self._lease(call, CTX, disagg_id, pair_with=gen.server)
         info = self.placement.server_info(ctx_lease.server)
         tokens = call.route.prompt_token_ids
         body = gen_first_request(

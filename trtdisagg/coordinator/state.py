@@ -50,7 +50,7 @@ class StateService:
 
     async def select(self, body: SelectBody) -> SelectAnswer:
         selection = await self.placement.select(
-            body.role, body.route_request(), exclude=body.exclude
+            body.role, body.route_request(), exclude=body.exclude, pair_with=body.pair_with
         )
         router = self.placement.router_type(body.role).value
         self.metrics.router_decisions.labels(router=router, server=selection.server).inc()

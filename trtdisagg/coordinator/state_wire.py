@@ -4,6 +4,9 @@ POST /select  SelectBody → SelectAnswer (200) | 503 no server | 400 bad body
 POST /finish  FinishBody → {} (200)
 GET  /cluster_info       → the cluster's `cluster_info()` (plus "routers")
 GET  /health             → 200 ready | 503, with {"pid"}
+
+A field added later has a default, so a body from an older front end still decodes (a missing
+``pair_with`` means None: no other leg placed yet).
 """
 
 from __future__ import annotations
@@ -28,17 +31,27 @@ class SelectBody:
     role: ServerRole
     key: int
     exclude: str | None = None
+    pair_with: str | None = None
+    """The server of the request's other leg: only servers that can exchange KV with it."""
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     conversation_id: str | None = None
 
     @classmethod
-    def of(cls, role: ServerRole, request: RouteRequest, exclude: str | None) -> SelectBody:
+    def of(
+        cls,
+        role: ServerRole,
+        request: RouteRequest,
+        *,
+        exclude: str | None,
+        pair_with: str | None = None,
+    ) -> SelectBody:
         ids = request.prompt_token_ids
         return cls(
             role=role,
             key=request.key,
             exclude=exclude,
+            pair_with=pair_with,
             prompt_token_ids=list(ids) if ids is not None else None,
             prompt_text=request.prompt_text,
             conversation_id=request.conversation_id,

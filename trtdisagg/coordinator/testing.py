@@ -13,6 +13,11 @@ Knobs for failure tests live on the `FakeWorker` object: ``token_delay`` (second
 (a stream stops after N tokens and stays open) and ``health_hang`` (``/health`` alone never
 answers). A fake ctx records each ``/disagg/release`` it gets (``releases``) and which of its
 answers still hold "KV" (``held``).
+
+``kv_compat`` is published in ``/server_info`` as a worker's is. A fake ctx's info endpoint
+carries it, so a fake gen with a ``kv_compat`` of its own answers 500 naming both to a
+``generation_only`` request whose KV would come from a ctx that differs, as a real gen's
+transceiver refuses such a peer.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import itertools
 import json
 import math
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -78,6 +84,7 @@ class FakeWorker:
     health_hang: bool = False  # /health never answers (everything else still does)
     health_checks: int = 0  # /health requests received
     unhealthy: str | None = None  # /health answers 503 with this reason, as a stopped worker does
+    kv_compat: dict[str, str | int] | None = None  # None: not published (taken as able to pair)
     running: int = 0
     requests: Counter[str] = attrs.Factory(Counter)
     """Requests served, by request_type."""
@@ -105,6 +112,24 @@ class FakeWorker:
     async def wait_releases(self, count: int) -> None:
         while len(self.releases) < count:
             await self.running_changed.wait()
+
+    async def wait_bodies(self, count: int) -> None:
+        while len(self.bodies) < count:
+            await self.running_changed.wait()
+
+    async def wait_health_checks(self, count: int) -> None:
+        while self.health_checks < count:
+            await self.running_changed.wait()
+
+    @property
+    def ctx_info_endpoint(self) -> str:
+        return _info_endpoint(self.role, self.kv_compat)
+
+    def refuses_kv_from(self, ctx_info_endpoint: object) -> str | None:
+        """gen: why KV from that ctx cannot come here, or None when it can."""
+        if self.kv_compat is None or ctx_info_endpoint == _info_endpoint("ctx", self.kv_compat):
+            return None
+        return f"fake gen: ctx {ctx_info_endpoint} differs from gen's kv_compat {self.kv_compat}"
 
     def _store(self, prompt: list[int]) -> int:
         """Register the prompt's blocks; returns how many prompt tokens were cached before."""
@@ -136,15 +161,24 @@ class FakeWorker:
         return "\n".join(lines) + "\n"
 
     def server_info(self) -> Json:
+        compat = {"kv_compat": self.kv_compat} if self.kv_compat is not None else {}
         return {
+            **compat,
             "role": self.role,
             "model": self.model,
             "model_path": "/nonexistent/fake-model",
             "max_batch_size": self.max_batch_size,
             "tokens_per_block": self.tokens_per_block,
             "kv_hash_algorithm": "blake2b-63-chained-v1",
-            "disaggregated_params": {"ctx_info_endpoint": f"tcp://fake-{self.role}:1"},
+            "disaggregated_params": {"ctx_info_endpoint": self.ctx_info_endpoint},
         }
+
+
+def _info_endpoint(role: str, kv_compat: dict[str, str | int] | None) -> str:
+    endpoint = f"tcp://fake-{role}:1"
+    if kv_compat is None:
+        return endpoint
+    return endpoint + "?" + urllib.parse.urlencode(sorted(kv_compat.items()))
 
 
 def _prompt_ids(body: Json, chat: bool) -> list[int]:
@@ -174,6 +208,7 @@ def create_fake_app(worker: FakeWorker) -> QuartTrio:
     @app.get("/health")
     async def health() -> Response:
         worker.health_checks += 1
+        worker._set_running(0)  # wakes `wait_health_checks`
         if worker.health_hang:
             await trio.sleep_forever()
         if worker.unhealthy is not None:
@@ -218,6 +253,7 @@ def create_fake_app(worker: FakeWorker) -> QuartTrio:
 
 async def _serve(worker: FakeWorker, body: Json, *, chat: bool) -> Response:
     worker.bodies.append(body)
+    worker._set_running(0)  # wakes `wait_bodies`
     if worker.gate is not None:
         await worker.gate.wait()
     if worker.hang:
@@ -245,13 +281,15 @@ async def _serve(worker: FakeWorker, body: Json, *, chat: bool) -> Response:
                 "ctx_request_id": next(worker._ctx_ids),
                 "disagg_request_id": params.get("disagg_request_id"),
                 "ctx_dp_rank": 0,
-                "ctx_info_endpoint": f"tcp://fake-{worker.role}:1",
+                "ctx_info_endpoint": worker.ctx_info_endpoint,
             }
         answer = _whole(chat, tokens, finish, _usage(len(prompt), 1, cached), worker.model)
         answer["choices"][0].update(choice_extra)
         answer["prompt_token_ids"] = prompt
         return Response(json.dumps(answer), content_type="application/json")
     if kind == "generation_only":
+        if refused := worker.refuses_kv_from(params.get("ctx_info_endpoint")):
+            return _error(500, refused)
         worker._store(prompt)  # the received KV is reusable on gen from now on
         first = params.get("first_gen_tokens") or generate(prompt, 1)
         tokens = first + generate(prompt + first, max_tokens - len(first))

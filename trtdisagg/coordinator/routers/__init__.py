@@ -14,6 +14,7 @@ from trtdisagg.coordinator.config import RouterConfig, RouterType
 from trtdisagg.coordinator.routers.base import (
     KvEvent,
     NoServerAvailable,
+    Pairing,
     Router,
     RouteRequest,
     RouterStatistics,
@@ -31,6 +32,7 @@ __all__ = [
     "KvEvent",
     "LoadBalancingRouter",
     "NoServerAvailable",
+    "Pairing",
     "RoundRobinRouter",
     "RouteRequest",
     "Router",

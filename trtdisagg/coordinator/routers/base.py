@@ -4,7 +4,9 @@ A router picks one server of a role (context or generation) for a request and tr
 placed there until the request finishes:
 
 1. `update_servers(views)`: the healthy servers, from the cluster state (health checks).
-2. `select(request, exclude=...)`: choose, and reserve load on the choice under `request.key`.
+2. `select(request, exclude=..., pairing=...)`: choose, and reserve load on the choice under
+   `request.key`. `pairing` names the server already chosen for the request's other leg and the
+   servers of this role that cannot exchange KV with it: those are never chosen.
 3. `finish(key, success=...)`: release that reservation. Exactly once per successful select; a
    second finish, or one for an unknown key, is a no-op (callers release in `finally`).
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import abc
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
 import attrs
@@ -59,6 +61,15 @@ class RouteRequest:
         if self.prompt_text is not None:
             return max(len(self.prompt_text), 1)
         return 1
+
+
+@attrs.frozen(kw_only=True)
+class Pairing:
+    """The server chosen for the request's other leg, and who cannot pair with it."""
+
+    peer: str
+    incompatible: Mapping[str, str] = attrs.Factory(dict)
+    """url -> why that server cannot exchange KV with `peer` (the reason names both values)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -134,7 +145,8 @@ class Router(abc.ABC):
         self._reservations: dict[int, _Reservation] = {}
         self._active_requests: Counter[str] = Counter()
         self._active_tokens: Counter[str] = Counter()
-        self._rr = 0
+        self._turns = 0
+        self._chosen: dict[str, int] = {}  # url -> the turn `_round_robin` last chose it
 
     @property
     def uses_prompt_tokens(self) -> bool:
@@ -158,19 +170,26 @@ class Router(abc.ABC):
         """Feed KV cache events drained from one server. Default: ignored."""
         return None
 
-    def select(self, request: RouteRequest, *, exclude: str | None = None) -> Selection:
+    def select(
+        self,
+        request: RouteRequest,
+        *,
+        exclude: str | None = None,
+        pairing: Pairing | None = None,
+    ) -> Selection:
         """Choose a server and reserve the request's load on it.
 
         Raises:
-            NoServerAvailable: no healthy server, or only `exclude` is left.
+            NoServerAvailable: no healthy server, or none left once `exclude` and the servers
+                that cannot pair with `pairing.peer` are left out (the message says which).
         """
         if request.key in self._reservations:
             self.finish(request.key, success=False)
-        candidates = [s for s in self._servers if s.url != exclude]
+        unpairable = pairing.incompatible if pairing is not None else {}
+        pairable = [s for s in self._servers if s.url not in unpairable]
+        candidates = [s for s in pairable if s.url != exclude]
         if not candidates:
-            if not self._servers:
-                raise NoServerAvailable(f"no {self.role} servers available")
-            raise NoServerAvailable(f"no {self.role} servers left after excluding {exclude}")
+            raise NoServerAvailable(self._none_left(exclude, pairing, pairable))
         selection = self._choose(candidates, request)
         weight = request.weight
         self._reservations[request.key] = _Reservation(server=selection.server, weight=weight)
@@ -190,6 +209,19 @@ class Router(abc.ABC):
             self._active_tokens.pop(reservation.server, None)
         self._on_finish(key, reservation.server, success=success)
         return reservation.server
+
+    def _none_left(
+        self, exclude: str | None, pairing: Pairing | None, pairable: list[ServerView]
+    ) -> str:
+        if not self._servers:
+            return f"no {self.role} servers available"
+        if pairing is not None and not pairable:
+            why = "; ".join(f"{s.url}: {pairing.incompatible[s.url]}" for s in self._servers)
+            return f"no {self.role} server can exchange KV with {pairing.peer}: {why}"
+        also = ""
+        if pairing is not None and len(pairable) < len(self._servers):
+            also = f" and those that cannot exchange KV with {pairing.peer}"
+        return f"no {self.role} servers left after excluding {exclude}{also}"
 
     def active_requests(self, url: str) -> int:
         return self._active_requests[url]
@@ -211,6 +243,14 @@ class Router(abc.ABC):
         return None
 
     def _round_robin(self, tied: Sequence[ServerView]) -> ServerView:
-        choice = tied[self._rr % len(tied)]
-        self._rr += 1
+        """The one of `tied` chosen least recently (never chosen first, in list order).
+
+        Not a counter over `tied`: candidates differ from one request to the next (`exclude`,
+        `pairing`), and a counter, or a turn through the server list, can keep landing on the
+        same one: two groups of sizes 2 and 1 taking turns would send all of the first group's
+        requests to its first server.
+        """
+        choice = min(tied, key=lambda s: self._chosen.get(s.url, -1))
+        self._turns += 1
+        self._chosen[choice.url] = self._turns
         return choice

@@ -9,8 +9,9 @@ from trtdisagg.coordinator.routers.base import Router, RouteRequest, Selection, 
 
 
 class RoundRobinRouter(Router):
-    """Each call takes the next server in turn (skipping `exclude`). Stateless across
-    processes, so fleet front ends run it locally."""
+    """Each call takes the candidate chosen least recently: the next in turn, skipping the
+    excluded and the unpairable. Needs no state shared across processes, so fleet front ends
+    run it locally."""
 
     type: ClassVar[RouterType] = RouterType.ROUND_ROBIN
 
