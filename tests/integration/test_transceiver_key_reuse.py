@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import trio
 
-from tests.integration.test_transceiver_prepared import BLOCK_BYTES, NUM_TOKENS, _outcome
+from tests.integration.test_transceiver_prepared import BLOCK_BYTES, NUM_TOKENS, _outcome, blocks_of
 from tests.integration.test_transceiver_quarantine import _until
 from tests.transceivers import NUM_SLOTS, TPB, rank_info
 from trtdisagg.transfer.agents.faulty import FaultyAgent
@@ -68,14 +68,10 @@ class Pair:
     gen_memory: np.ndarray
 
     def gen_blocks(self, blocks: list[int]) -> bytes:
-        return b"".join(
-            self.gen_memory[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES].tobytes() for b in blocks
-        )
+        return blocks_of(self.gen_memory, blocks)
 
     def ctx_blocks(self, blocks: list[int]) -> bytes:
-        return b"".join(
-            self.ctx_memory[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES].tobytes() for b in blocks
-        )
+        return blocks_of(self.ctx_memory, blocks)
 
     def fill_gen_blocks(self, blocks: list[int], value: int) -> bytes:
         """What another request of gen's would do to blocks it was given: write them."""

@@ -27,6 +27,11 @@ BLOCK_BYTES = LAYERS * 2 * HEADS * TPB * HEAD_DIM * 4
 NUM_TOKENS = 3 * TPB - 1
 
 
+def blocks_of(memory: np.ndarray, blocks: list[int]) -> bytes:
+    """The bytes of `blocks` of a pool laid out as BLOCK_BYTES per block."""
+    return b"".join(memory[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES].tobytes() for b in blocks)
+
+
 @attrs.define
 class Pair:
     ctx: KvTransceiver
@@ -37,14 +42,10 @@ class Pair:
     gen_memory: np.ndarray
 
     def gen_blocks(self, blocks: list[int]) -> bytes:
-        return b"".join(
-            self.gen_memory[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES].tobytes() for b in blocks
-        )
+        return blocks_of(self.gen_memory, blocks)
 
     def ctx_blocks(self, blocks: list[int]) -> bytes:
-        return b"".join(
-            self.ctx_memory[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES].tobytes() for b in blocks
-        )
+        return blocks_of(self.ctx_memory, blocks)
 
 
 async def _until(predicate: Any, what: str) -> None:
