@@ -207,6 +207,25 @@ async def test_a_ctx_that_ends_fails_the_request_waiting_on_it_and_frees_its_blo
         assert stats.quarantined == 0 and stats.quarantine_expired == 0
 
 
+async def test_a_gen_that_ends_before_ctx_ever_connected_to_it_is_found_dead() -> None:
+    """A gen can meet ctx, ask for KV and end before ctx has opened a connection to it (ctx
+    answers the rendezvous on its own router). ctx's first connection to it, here a probe, is
+    refused: that says the process ended as surely as a connection that drops, so the gen is
+    forgotten as dead within `relink_s`, not after its probes time out (60 s here)."""
+    refused = lambda: PeerLiveness(idle_s=0.05, answer_s=60, misses=3, relink_s=0.2)  # noqa: E731
+    async with _pair(liveness=refused) as (ctx, gen):
+        gen.transceiver.request_and_receive_async(
+            1, ctx.transceiver.info_endpoint, [DST], NUM_TOKENS
+        )
+        await _until(lambda: ctx.transceiver.statistics().early == 1, "ctx holding the request")
+        assert ctx.transceiver.statistics().connections == 0  # ctx never connected to gen
+        await gen.stop()
+        stats = ctx.transceiver.statistics
+        await _until(lambda: stats().peers_dead == 1, "ctx finding the gen dead")
+        assert stats().peer_probes >= 1 and stats().peers_forgotten == 1
+        await _until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
+
+
 def _open_files() -> int:
     return len(os.listdir("/proc/self/fd"))
 

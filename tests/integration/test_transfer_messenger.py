@@ -161,23 +161,29 @@ async def _serve(bind: str, stop: trio.Event, *, task_status: trio.TaskStatus[Ro
         await stop.wait()
 
 
+class _Links:
+    """What a dealer's `on_link` reported, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+        self._changed = trio.Event()
+
+    def __call__(self, up: bool) -> None:
+        self.seen.append(up)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def until(self, count: int) -> None:
+        with trio.fail_after(10):
+            while len(self.seen) < count:
+                await self._changed.wait()
+
+
 async def test_a_dealer_reports_its_link_going_down_and_up() -> None:
     """`on_link` says when the ROUTER's socket closes (its process ended) and when a ROUTER
-    is back at that endpoint."""
-    links: list[bool] = []
-    changed = trio.Event()
-
-    def on_link(up: bool) -> None:
-        nonlocal changed
-        links.append(up)
-        changed.set()
-        changed = trio.Event()
-
-    async def until(count: int) -> None:
-        with trio.fail_after(10):
-            while len(links) < count:
-                await changed.wait()
-
+    is back at that endpoint; zmq's reconnect attempts in between are no news."""
+    links = _Links()
+    on_link, until = links, links.until
     async with trio.open_nursery() as nursery:
         first, second = trio.Event(), trio.Event()
         router = await nursery.start(_serve, "tcp://127.0.0.1:0", first)
@@ -191,4 +197,43 @@ async def test_a_dealer_reports_its_link_going_down_and_up() -> None:
             await until(3)
             second.set()
             await until(4)
-    assert links == [True, False, True, False]
+    assert links.seen == [True, False, True, False]
+
+
+async def test_a_dealer_whose_peer_never_listened_reports_its_link_down_once() -> None:
+    """A peer that ended before we first connected to it: the connect is refused, and that is
+    the only word of it (no connection ever drops). Said once, not at every retry; up once a
+    ROUTER listens there."""
+    async with open_router() as gone:
+        endpoint = gone.endpoint
+    links = _Links()
+    async with trio.open_nursery() as nursery, open_dealer(endpoint, on_link=links):
+        await links.until(1)
+        assert links.seen == [False]
+        with trio.move_on_after(0.5):  # zmq retries every 0.1 s: several refusals
+            await links.until(2)
+        assert links.seen == [False]
+        stop = trio.Event()
+        await nursery.start(_serve, endpoint, stop)
+        await links.until(2)
+        assert links.seen == [False, True]
+        stop.set()
+
+
+async def test_dealers_opened_as_others_close_all_watch_their_links() -> None:
+    """Each dealer's link monitor has an endpoint of its own. pyzmq names one after the
+    socket's descriptor, which a new socket reuses at once while zmq still holds the closed
+    socket's monitor name: opening the dealer failed ("Address already in use"), and took the
+    transceiver down with it. Here every name pyzmq could pick is taken on purpose."""
+    async with open_router() as router:
+        squatter = zmq.Context.instance().socket(zmq.PAIR)
+        for fd in range(4096):
+            squatter.bind(f"inproc://monitor.s-{fd}")
+        try:
+            for _ in range(5):
+                links = _Links()
+                async with open_dealer(router.endpoint, on_link=links):
+                    await links.until(1)
+                assert links.seen == [True]
+        finally:
+            squatter.close(linger=0)

@@ -12,9 +12,10 @@ finds its old pool still allocated). So each side watches the peer instances it 
   answer (INSTANCE_INFO, from any live rank 0) names the instance now at that endpoint;
 - an answer that names another instance means it was replaced: gone at once;
 - `misses` probes in a row without an answer within `answer_s` each: gone;
-- the control connection to one of its ranks dropped and did not come back within `relink_s`:
-  gone. A live process keeps its sockets open, a stalled one too (the kernel holds them), so
-  this is a process that ended, seen within about a second instead of half a minute.
+- the control connection to one of its ranks dropped, or could not be made (the peer ended
+  before we first connected), and did not come up within `relink_s`: gone. A live process
+  keeps its sockets open, a stalled one too (the kernel holds them), so this is a process
+  that ended, seen within about a second instead of half a minute.
 
 What is gone is forgotten by the shell: its registration, its agents (unloaded once no write
 to them is in flight), its dealers. A peer that is `dead` (replaced, or its connection gone)
@@ -97,8 +98,8 @@ class PeerLiveness:
             del self._links[endpoint]
 
     def link(self, endpoint: str, up: bool, now: float) -> None:
-        """Our control connection to `endpoint` came up or dropped (endpoints of no tracked
-        instance are ignored)."""
+        """Our control connection to `endpoint` came up, or dropped or failed to connect
+        (endpoints of no tracked instance are ignored)."""
         peer = self._peers.get(self._links.get(endpoint, ""))
         if peer is None:
             return
@@ -161,7 +162,9 @@ class PeerLiveness:
             lost = [e for e, at in sorted(peer.down.items()) if now - at >= self.relink_s]
             if lost:
                 back = f"was not back within {self.relink_s:g}s"
-                out.append(Gone(name, True, f"its connection to {lost[0]} dropped and {back}"))
+                # (a connection that never came up was refused: nothing listened there)
+                dropped = f"its connection to {lost[0]} dropped (or was refused)"
+                out.append(Gone(name, True, f"{dropped} and {back}"))
                 continue
             if peer.probed is None:
                 continue

@@ -34,6 +34,7 @@ nursery, so it never holds up the sender and dies with the socket. Without one, 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import struct
 from collections.abc import AsyncIterator, Callable
@@ -412,13 +413,15 @@ async def open_dealer(
 ) -> AsyncIterator[Dealer]:
     """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); `faults` as
     for `open_router`. `on_link(True)` is called each time the connection comes up, and
-    `on_link(False)` each time it drops (the peer closed it, or its process ended)."""
+    `on_link(False)` each time it goes down: it drops (the peer closed it, or its process
+    ended), or it cannot be made (nothing listens there: a peer that ended before we first
+    connected)."""
     socket = _socket(zmq.DEALER, context, max_message_bytes, high_water_mark)
     if identity is not None:
         socket.setsockopt(zmq.ROUTING_ID, identity)
     monitor = None
     if on_link is not None:  # before connecting: the first CONNECTED is not missed
-        monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = _monitor(socket, endpoint)
     socket.connect(endpoint)
     pump = _Pump(socket, frames=1, queue_size=queue_size)
     try:
@@ -431,9 +434,31 @@ async def open_dealer(
             monitor.close(linger=0)
 
 
+_monitor_ids = itertools.count()
+
+
+def _monitor(socket: zmq.Socket[bytes], endpoint: str) -> zmq.Socket[bytes] | None:
+    """A PAIR socket receiving `socket`'s link events, or None (logged) if zmq refuses one.
+
+    Each monitor gets an inproc name of its own. pyzmq's default names it after the socket's
+    descriptor, which a socket opened right after another one closed reuses while zmq's reaper
+    thread still holds the old name: "Address already in use", which took the whole
+    transceiver down with it when dealers to peers came and went."""
+    events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+    address = f"inproc://trtdisagg.link-monitor.{next(_monitor_ids)}"
+    try:
+        return socket.get_monitor_socket(events, addr=address)
+    except zmq.ZMQError as exc:
+        log.warning("no link events for %s (liveness falls back to probes): %s", endpoint, exc)
+        return None
+
+
 async def _watch_link(monitor: zmq.Socket[bytes], on_link: Callable[[bool], None]) -> None:
-    """Report a DEALER's monitor events (its PAIR socket, edge-triggered like any zmq FD)."""
+    """Report a DEALER's link changing state, from its monitor's events (a PAIR socket,
+    edge-triggered like any zmq FD). zmq retries a refused connect every 0.1 s or so; only the
+    first failure is a change."""
     fd = int(monitor.getsockopt(zmq.FD))
+    up: bool | None = None
     while True:
         try:
             frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
@@ -445,9 +470,13 @@ async def _watch_link(monitor: zmq.Socket[bytes], on_link: Callable[[bool], None
             event = parse_monitor_message(frames)["event"]
         except (ValueError, IndexError, struct.error):
             continue  # not an event zmq would send
-        if event == zmq.EVENT_CONNECTED:
+        if event == zmq.EVENT_CONNECTED and up is not True:
+            up = True
             on_link(True)
-        elif event == zmq.EVENT_DISCONNECTED:
+        elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED) and up is not False:
+            # A retried connect was refused: no process listens at the peer's endpoint. A
+            # connection that never came up says so only this way.
+            up = False
             on_link(False)
         await trio.lowlevel.checkpoint()
 
