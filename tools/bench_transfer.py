@@ -909,7 +909,7 @@ class _Side:
                 found = self.outcomes.pop(key, None)
                 if found is not None:
                     return found
-                await event.wait()
+                await self.transceiver.wait_for(event)  # as the executor waits
 
     # ctx
     async def respond(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -1001,7 +1001,8 @@ class _Side:
             return start, done
 
         self._start_busy()
-        start, done = await trio.to_thread.run_sync(write)
+        async with self.transceiver.lend_agent():
+            start, done = await trio.to_thread.run_sync(write)
         await self._busy_over()
         return {"start": start, "done": done}
 
@@ -1073,7 +1074,10 @@ class _Side:
                 if poll_s:
                     time.sleep(poll_s)
 
-        return {"seen": await trio.to_thread.run_sync(spin)}
+        # The transceiver's pollers would drain (and drop) raw's notification: they skip the
+        # agent while it is lent.
+        async with self.transceiver.lend_agent():
+            return {"seen": await trio.to_thread.run_sync(spin)}
 
     # both
     async def clear(self, args: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trtdisagg.transfer.sessions import (
     EarlyMessages,
@@ -310,3 +312,53 @@ def test_an_announced_write_that_fails_before_its_notice_fails_the_receiver() ->
     r.on_result(0, ERROR, num_bytes=0, num_descriptors=0, error="write failed")
     assert r.status is ReceiverStatus.ERROR and r.is_quiescent
     assert not r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=())  # after result
+
+
+_receiver_events = st.lists(
+    st.tuples(
+        st.sampled_from(["result", "posted", "notice", "fail", "cancel", "died"]),
+        st.integers(0, 3),  # the ctx rank (3 is never expected)
+        st.sampled_from(ResultStatus),
+        st.integers(0, 2),  # bytes moved
+    ),
+    max_size=12,
+)
+
+
+def _derived_status(session: ReceiverSession) -> ReceiverStatus:
+    """The receiver's status from its facts alone, as its definition reads."""
+    if session.cancelled:
+        return ReceiverStatus.CANCELLED
+    if session.error is not None:
+        return ReceiverStatus.ERROR
+    if all(session._landed(rank) for rank in session.expected):
+        return ReceiverStatus.TRANSFERRED
+    return ReceiverStatus.TRANSFERRING if session.requested else ReceiverStatus.INIT
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sets(st.integers(0, 2), min_size=1), _receiver_events)
+def test_a_receiver_s_kept_status_is_always_its_derived_one(
+    expected: set[int], events: list[tuple[str, int, ResultStatus, int]]
+) -> None:
+    """The receiver keeps which ranks have landed as events come (the shell reads every
+    session's status at every step); after any sequence of events that matches the status
+    derived from its facts."""
+    session = ReceiverSession(key=1, peer_instance="ctx", expected=frozenset(expected), deadline=9)
+    session.mark_requested()
+    for kind, rank, status, num_bytes in events:
+        if kind == "result":
+            session.on_result(rank, status, num_bytes=num_bytes, num_descriptors=1, error="e")
+        elif kind == "posted":
+            session.on_posted(rank, num_bytes=num_bytes, num_descriptors=1, first_tokens=(7,))
+        elif kind == "notice":
+            session.on_notice(rank)
+        elif kind == "fail":
+            session.fail("failed")
+        elif kind == "cancel":
+            session.cancel()
+        else:
+            session.peer_died("gone")
+        assert session.status is _derived_status(session)
+        assert session.is_terminal == (session.status is not ReceiverStatus.TRANSFERRING)
+        assert session.expired(10) == (not session.is_terminal)

@@ -141,7 +141,7 @@ def test_well_formed_msgpack_garbage_raises_only_protocol_error(value: object, t
 
 
 @settings(max_examples=200, deadline=None)
-@given(messages, st.data())
+@given(messages.filter(lambda m: not isinstance(m, wire.WriteNotice)), st.data())
 def test_mutated_messages_raise_only_protocol_error(
     message: wire.Message, data: st.DataObject
 ) -> None:
@@ -153,6 +153,53 @@ def test_mutated_messages_raise_only_protocol_error(
     except ProtocolError:
         return
     assert type(decoded) in wire.MESSAGE_TAGS
+
+
+notices = st.builds(
+    wire.WriteNotice,
+    key=keys,
+    instance_name=names,
+    instance_rank=ranks,
+    num_bytes=st.integers(0, 2**50),
+    num_descriptors=st.integers(0, 2**30),
+    first_tokens=st.lists(st.integers(0, 2**31 - 1), max_size=4).map(tuple),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(notices, st.integers(0, 80), st.integers(0, 8), st.binary(max_size=8))
+def test_mutated_notices_raise_only_protocol_error(
+    notice: wire.WriteNotice, at: int, cut: int, patch: bytes
+) -> None:
+    """WRITE_NOTICE's binary layout: any bytes spliced in, cut out or overwritten decode to a
+    notice or raise ProtocolError (a length that disagrees with the header, a key past 2**63,
+    a token past 2**31, a name that is not UTF-8), never anything else."""
+    encoded = wire.encode(notice)
+    assert encoded[:1] == b"\xc1"  # a byte msgpack never uses
+    mutated = encoded[:at] + patch + encoded[at + cut :]
+    try:
+        decoded = wire.decode(mutated)
+    except ProtocolError:
+        return
+    assert isinstance(decoded, wire.WriteNotice)
+
+
+def test_a_notice_s_layout_is_checked_field_by_field() -> None:
+    notice = wire.WriteNotice(key=7, instance_name="ctx", instance_rank=1, first_tokens=(3,))
+    encoded = wire.encode(notice)
+    with pytest.raises(ProtocolError, match="shorter than its header"):
+        wire.decode(encoded[:20])
+    with pytest.raises(ProtocolError, match="its header says 3 bytes of name and 1 tokens"):
+        wire.decode(encoded + b"\0")
+    past_key = encoded[:12] + (2**63).to_bytes(8, "little") + encoded[20:]
+    with pytest.raises(ProtocolError, match="outside"):
+        wire.decode(past_key)
+    with pytest.raises(ProtocolError, match="token id outside"):
+        wire.decode(encoded[:-4] + (2**31).to_bytes(4, "little"))
+    with pytest.raises(ProtocolError, match="invalid WRITE_NOTICE"):
+        wire.decode(encoded[:-7] + b"\xff\xfe\xfd" + encoded[-4:])
+    with pytest.raises(ValueError, match="token id outside"):
+        wire.NoticeTemplate.of(notice).encode([-1])
 
 
 def _fields(message: wire.Message) -> dict[str, object]:

@@ -43,14 +43,22 @@ class _Expected:
 
 @attrs.define
 class PreparedWrites:
-    """Expected sources by transfer key, and the writes prepared from them by (key, gen rank)."""
+    """Expected sources by transfer key, and the writes prepared from them by (key, gen rank).
+
+    A key is `safe` once its writes were prepared and the caller found that the session made
+    when the KV is ready will take every request they answer (transfer/send_side.py): that
+    moment is the one that decides how soon the bytes move, so the check is made while the
+    prefill runs. Anything that changes what is held for the key (a new request, a write added
+    or dropped, a new expectation) makes it unsafe until the caller checks again.
+    """
 
     _expected: dict[int, _Expected] = attrs.field(factory=dict)
-    _writes: dict[tuple[int, int], PreparedWrite] = attrs.field(factory=dict)
+    _writes: dict[int, dict[int, PreparedWrite]] = attrs.field(factory=dict)  # key -> rank ->
+    _safe: set[int] = attrs.field(factory=set)
 
     def __len__(self) -> int:
         """Writes prepared and not yet taken or dropped."""
-        return len(self._writes)
+        return sum(map(len, self._writes.values()))
 
     def expect(
         self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int, deadline: float
@@ -69,21 +77,38 @@ class PreparedWrites:
 
     def add(self, key: int, write: PreparedWrite) -> XferHandle | None:
         """Keep `write` for gen rank `write.request.instance_rank`; returns a handle it replaces
-        (to release), if any."""
-        old = self._writes.get((key, write.request.instance_rank))
-        self._writes[(key, write.request.instance_rank)] = write
+        (to release), if any. The key is unsafe until `mark_safe`."""
+        self._safe.discard(key)
+        writes = self._writes.setdefault(key, {})
+        old = writes.get(write.request.instance_rank)
+        writes[write.request.instance_rank] = write
         return None if old is None else old.handle
+
+    def mark_safe(self, key: int) -> None:
+        """The caller checked that the session made for `key` will take what is held for it."""
+        if key in self._writes:
+            self._safe.add(key)
+
+    def unsafe(self, key: int) -> None:
+        """Something changed what is held for `key`: check again before posting."""
+        self._safe.discard(key)
+
+    def is_safe(self, key: int) -> bool:
+        return key in self._safe
 
     def ready(self, key: int, source: SourceBlocks) -> list[PreparedWrite]:
         """The writes prepared for `key` from exactly `source` (left in place)."""
-        return [w for (k, _), w in self._writes.items() if k == key and w.source == source]
+        writes = self._writes.get(key)
+        if not writes:
+            return []
+        return [w for w in writes.values() if w.source == source]
 
     def take(
         self, key: int, request: RequestData, source: SourceBlocks
     ) -> tuple[PreparedWrite | None, XferHandle | None]:
         """(the prepared write for exactly this request and source, or None; a handle prepared
         for something else, to release, or None)."""
-        write = self._writes.pop((key, request.instance_rank), None)
+        write = self._pop(key, request.instance_rank)
         if write is None:
             return None, None
         if write.request != request or write.source != source:
@@ -93,19 +118,34 @@ class PreparedWrites:
     def posted(self, key: int, rank: int) -> None:
         """The write prepared for gen rank `rank` of `key` was posted: no longer ours to
         release (its poll hands the handle back)."""
-        self._writes.pop((key, rank), None)
+        self._pop(key, rank)
+
+    def _pop(self, key: int, rank: int) -> PreparedWrite | None:
+        writes = self._writes.get(key)
+        if writes is None:
+            return None
+        write = writes.pop(rank, None)
+        if not writes:
+            del self._writes[key]
+            self._safe.discard(key)
+        return write
 
     def drop_requests_of(self, instance_name: str) -> list[XferHandle]:
         """Forget the writes prepared for requests of the gen instance `instance_name` (gone);
         the handles to release."""
-        keys = [k for k, w in self._writes.items() if w.request.instance_name == instance_name]
-        return [self._writes.pop(k).handle for k in keys]
+        handles: list[XferHandle] = []
+        for key, writes in list(self._writes.items()):
+            for rank in [r for r, w in writes.items() if w.request.instance_name == instance_name]:
+                handles.append(writes[rank].handle)
+                self._pop(key, rank)
+                self._safe.discard(key)
+        return handles
 
     def drop(self, key: int) -> list[XferHandle]:
         """Forget `key` (answered, cancelled, refused); the handles to release."""
         self._expected.pop(key, None)
-        ranks = [rank for k, rank in self._writes if k == key]
-        return [self._writes.pop((key, rank)).handle for rank in ranks]
+        self._safe.discard(key)
+        return [write.handle for write in self._writes.pop(key, {}).values()]
 
     def expired(self, now: float) -> list[XferHandle]:
         """Forget the keys whose expectation is past its deadline (the KV never came)."""

@@ -82,9 +82,10 @@ class CtxSender:
     ) -> None:
         """See `KvTransceiver.respond_and_send_async`."""
         first_tokens = tuple(first_tokens)
-        if len(self.prepared) and self._takes_early_requests(key):
+        if self.prepared.is_safe(key) and self.senders.get(key) is None:
             # The KV is ready: its prepared writes go first, the bookkeeping after (which costs
-            # as long as a write of 128 MiB on one GPU takes).
+            # as long as a write of 128 MiB on one GPU takes). Whether the session made below
+            # takes their requests was checked when they were prepared (`_prepare`).
             source = SourceBlocks(block_ids=tuple(map(tuple, block_ids)), num_tokens=num_tokens)
             self.writes.post_ready(key, source, first_tokens)
         session = SenderSession(
@@ -107,8 +108,8 @@ class CtxSender:
         self.writes.nudge()  # a short write may have ended by now: gen hears of it at once
 
     def _takes_early_requests(self, key: int) -> bool:
-        """Whether the session about to be made for `key` will take every REQUEST_DATA held for
-        it (`_accept_request`), so that a write posted for one before is sure to be its own:
+        """Whether a session made for `key` will take every REQUEST_DATA held for it
+        (`_accept_request`), so that a write posted for one before is sure to be its own:
         no session yet, no CANCEL held, one gen instance, one request per rank (or identical
         copies), each rank registered and overlapping."""
         if self.senders.get(key) is not None or self.early.cancelled(key):
@@ -179,6 +180,8 @@ class CtxSender:
             told_at=self.writes.tell_prepared(key, request),
         )
         self.writes.release_handles([self.prepared.add(key, write)])
+        if self._takes_early_requests(key):
+            self.prepared.mark_safe(key)
 
     def forget_prepared(self, key: int) -> None:
         self.writes.release_handles(self.prepared.drop(key))
@@ -256,6 +259,7 @@ class CtxSender:
         session = self.senders.lookup(request.instance_name, request.key)
         if session is None:
             if self.senders.get(request.key) is None:
+                self.prepared.unsafe(request.key)  # `_prepare` checks again
                 self.early.add_request(self.clock(), request)
                 self._prepare(request.key, request)
             return

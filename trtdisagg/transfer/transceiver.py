@@ -51,7 +51,8 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import attrs
@@ -65,6 +66,7 @@ from trtdisagg.transfer.liveness import Gone, PeerLiveness
 from trtdisagg.transfer.messenger import Dealer, Router, open_dealer
 from trtdisagg.transfer.pacing import (
     ANNOUNCE_AFTER_S,
+    DRAIN_BURST_S,
     NOTICE_SPIN_MAX_S,
     NOTICE_SPIN_S,
     SPIN_POLL_S,
@@ -217,6 +219,8 @@ class KvTransceiver:
     _watches: Watches = attrs.Factory(Watches)
     watch_s: float = 0.0  # time the loop spun watching (since start; what it cost in CPU)
     _watch_started: trio.Event = attrs.Factory(trio.Event)
+    _waiting: int = 0  # tasks in `wait_for` (the executor), which then spin in its place
+    _waiter_spins: bool = False  # ... and one of them spins now: gen's poller leaves it alone
     # Benchmarks only: when a list, every transfer appends (key, stage, clock()) at each step
     # of its way (see `STAGES`), so a bench can tell where the time goes. None: nothing kept.
     stages: list[tuple[int, str, float]] | None = None
@@ -296,6 +300,7 @@ class KvTransceiver:
             watch=self._watch,
             forget=self._watches.forget,
             drain=self._drain_notifications,
+            waiter_spins=lambda: self._waiter_spins,
             notice_request=self._notice_request,
         )
 
@@ -375,17 +380,61 @@ class KvTransceiver:
         """Watch for `what` (a peer's next move) for up to `seconds` (pacing.py)."""
         self._watches.watch(what, self.clock() + seconds)
         self._watch_started.set()
+        if self._waiting:
+            self.wake()  # a waiter in `wait_for` parked: it comes back and spins
+
+    async def wait_for(self, event: trio.Event) -> None:
+        """Wait for `event`, which `wake` sets (the executor's wake-up). While a peer's next move
+        is watched and the loop may spin (pacing.py), this task spins and drains the agent's
+        notifications itself, in place of `_keep_awake`: a notification that ends a transfer
+        then sets `event` in the waiter's own turn, and the waiter goes on at once rather than
+        one scheduling round later (25-50 us on the device, more than the drain itself). A
+        watch that starts while the waiter is parked wakes it (`_watch`)."""
+        self._waiting += 1
+        spinning_since: float | None = None
+        try:
+            while not event.is_set():
+                now = self.clock()
+                self._waiter_spins = self._watches.active(now) and self.may_spin()
+                if self._waiter_spins:
+                    spinning_since = now if spinning_since is None else spinning_since
+                    await trio.lowlevel.checkpoint()
+                    if not event.is_set() and self._drains():
+                        self._drain_burst()
+                else:
+                    if spinning_since is not None:
+                        self.watch_s += now - spinning_since
+                        spinning_since = None
+                    await event.wait()
+        finally:
+            self._waiting -= 1
+            self._waiter_spins = False
+            if spinning_since is not None:
+                self.watch_s += self.clock() - spinning_since
+
+    def _drains(self) -> bool:
+        """Whether a notification may be due: gen receives, or ctx takes REQUEST_DATA so."""
+        return bool(len(self.receivers) or (self.local.request_notices and len(self.senders)))
+
+    def _drain_burst(self) -> None:
+        """Drain until a notification comes, for up to DRAIN_BURST_S: a round of the loop costs
+        more than a drain (on the device 10-20 us, for its epoll call), and a notification that
+        lands within one waited half a round on average."""
+        until = self.clock() + DRAIN_BURST_S
+        while not self._drain_notifications() and self.clock() < until:
+            pass
 
     async def _keep_awake(self) -> None:
         """Spin the loop while something is watched: a loop asleep in epoll takes 0.1-0.3 ms to
         wake for a message on a virtual machine, while one that checkpoints at every round
         polls epoll without a timeout and reads the message as it lands. gen's notifications
-        are drained at every round too (one spinning task, not two)."""
+        are drained at every round too (`_drain_burst`; one spinning task, not two). A waiter
+        in `wait_for` (the executor) spins in this one's place."""
         spinning_since: float | None = None
         while True:
             now = self.clock()
             watched = self._watches.active(now)
-            spins = watched and self.may_spin()
+            spins = watched and self.may_spin() and not self._waiting
             if spinning_since is not None and not spins:
                 self.watch_s += now - spinning_since
                 spinning_since = None
@@ -397,15 +446,17 @@ class KvTransceiver:
             else:
                 spinning_since = now if spinning_since is None else spinning_since
                 await trio.lowlevel.checkpoint()
-                if len(self.receivers) or (self.local.request_notices and len(self.senders)):
-                    self._drain_notifications()
+                if self._drains() and not self._waiting:
+                    self._drain_burst()
 
-    def _drain_notifications(self) -> None:
+    def _drain_notifications(self) -> bool:
         """The agent's notifications: a write's WRITE_NOTICE to gen's side, a REQUEST_DATA sent
-        as one to ctx's (anything else is dropped: only peers we loaded can send them)."""
+        as one to ctx's (anything else is dropped: only peers we loaded can send them). Whether
+        there were any (or the agent is busy in a thread: nothing to wait for now)."""
         if self._agent_lock.locked():
-            return  # a threaded agent call is running; the pollers come back within 1 ms
-        for remote, payload in self.agent.get_notifications():
+            return True  # a threaded agent call is running; the pollers come back within 1 ms
+        notifications = self.agent.get_notifications()
+        for remote, payload in notifications:
             try:
                 message = decode(payload)
             except TransferLayerError:
@@ -416,6 +467,7 @@ class KvTransceiver:
                 self._gen_side.on_write_notice(message)
             elif isinstance(message, RequestData):
                 self._ctx_side.on_request_notice(remote, message)
+        return bool(notifications)
 
     def _request_notices(self) -> Notifier | None:
         """gen: the agent's own notifications, when REQUEST_DATA may go that way too. Not with
@@ -530,6 +582,14 @@ class KvTransceiver:
 
     def _start_timing(self, key: int) -> None:
         self._timing[key] = _Timing(started=self.clock())
+
+    @asynccontextmanager
+    async def lend_agent(self) -> AsyncIterator[TransferAgent]:
+        """The agent, for the caller's own calls (a benchmark's raw writes, from a worker
+        thread), as one of our threaded calls holds it: nothing of ours calls it meanwhile,
+        so none of its notifications is drained from under the caller."""
+        async with self._agent_lock:
+            yield self.agent
 
     async def _call_agent(self, call: Callable[[], T], *, quick: bool) -> T:
         """One synchronous agent call: on the loop when `quick` (the agent's contract says it
@@ -841,7 +901,7 @@ class KvTransceiver:
                 self.wake()
             self._writes.release_handles(self.prepared.expired(self.clock()))
             self._ctx_side.forget_noticed(self.clock())
-            if self.local.request_notices:
+            if self.local.request_notices and not self._waiter_spins:
                 self._drain_notifications()  # REQUEST_DATA copies that came while not watching
             for stale in self.early.sweep(self.clock()):
                 self._ctx_side.forget_prepared(stale.key)

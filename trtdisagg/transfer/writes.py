@@ -29,7 +29,13 @@ from trtdisagg.transfer.bounce import staged_fragments, staged_runs
 from trtdisagg.transfer.errors import TransferLayerError
 from trtdisagg.transfer.fragments import Fragments
 from trtdisagg.transfer.messenger import Dealer
-from trtdisagg.transfer.pacing import SPIN_POLL_S, WriteRates, gen_watches, polls_every_round
+from trtdisagg.transfer.pacing import (
+    SPIN_POLL_S,
+    WriteRates,
+    gen_watches,
+    polls_every_round,
+    spins_for_done,
+)
 from trtdisagg.transfer.peers import PeerRegistrar, SendPlan, direct_fragments
 from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
 from trtdisagg.transfer.rank_info import RankInfo
@@ -141,7 +147,7 @@ class CtxWrites:
             except TransferLayerError as exc:  # the agent released the handle
                 posted = exc
             self._posted_ahead[(key, prepared.request.instance_rank)] = posted
-        self.nudge()  # a cold post call can outlast a short write (128 MiB on one H200)
+        self.nudge(spin=True)  # the post call can outlast a short write (128 MiB on one H200)
 
     def settle_posted_ahead(self, session: SenderSession) -> None:
         """Writes `post_ready` posted for `session` that it did not take up. Its caller's check
@@ -174,7 +180,7 @@ class CtxWrites:
             except (TransferLayerError, ValueError) as exc:
                 early = exc
             self._spawn(self._write, session, request, start, early)
-        self.nudge()
+        self.nudge(spin=True)
 
     def _post_at_once(
         self, session: SenderSession, request: RequestData, *, gen_watching: bool = False
@@ -532,27 +538,33 @@ class CtxWrites:
         ahead = (p for p in self._posted_ahead.values() if isinstance(p, _Posted))
         return any(w.remote == remote for w in (*self._in_flight.values(), *ahead))
 
-    def nudge(self) -> None:
+    def nudge(self, *, spin: bool = False) -> None:
         """Poll the writes posted within the last SPIN_POLL_S, here and now. The agent sends a
         write's notification from the first poll that finds the write ended (NIXL's UCX
         backend: gen hears nothing before), and a write's own task polls only once the loop is
         back from whoever posted it: on one H200, a write of 128 MiB ends 0.1 ms after its post,
-        before the executor's call that posted it has returned. Synchronous; skipped while a
-        threaded agent call runs (the tasks then poll as before)."""
+        before the executor's call that posted it has returned. `spin` (just after a post):
+        poll a write that should end within DONE_SPIN_MAX_S until it does (pacing.py).
+        Synchronous; skipped while a threaded agent call runs (the tasks then poll as before)."""
         if not self._in_flight or self._agent_lock.locked():
             return
         now = self.clock()
         for handle, write in list(self._in_flight.items()):
             if handle in self._ended or now > write.posted + SPIN_POLL_S:
                 continue  # ended, or old: its task's polls are paced (polls_every_round)
-            try:
-                state = self.agent.poll(handle)
-            except TransferLayerError:
-                continue  # its task's own poll reports it
-            if state is not XferStatus.PENDING:
-                self._ended[handle] = (state, self.clock())
-                if state is XferStatus.DONE:
-                    self._stamp(write.key, "done")
+            until = spins_for_done(now, write.posted, write.expected) if spin else None
+            while True:
+                try:
+                    state = self.agent.poll(handle)
+                except TransferLayerError:
+                    break  # its task's own poll reports it
+                if state is not XferStatus.PENDING:
+                    self._ended[handle] = (state, self.clock())
+                    if state is XferStatus.DONE:
+                        self._stamp(write.key, "done")
+                    break
+                if until is None or self.clock() > until:
+                    break
 
     async def _await_write(self, key: int, write: _Posted) -> None:
         """Poll a posted write to its end, then hand its handle back (also when cancelled)."""

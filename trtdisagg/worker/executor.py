@@ -490,7 +490,11 @@ class Executor:
 
     async def _wait_for_work(self, timeout: float = math.inf) -> None:
         with trio.move_on_after(timeout):
-            await self._wake.wait()
+            if self.transceiver is not None:
+                # spins while a transfer is watched: its end wakes this task in its own turn
+                await self.transceiver.wait_for(self._wake)
+            else:
+                await self._wake.wait()
         self._wake = trio.Event()
 
     def _admit(self) -> None:
