@@ -380,7 +380,7 @@ class KvTransceiver:
         """Watch for `what` (a peer's next move) for up to `seconds` (pacing.py)."""
         self._watches.watch(what, self.clock() + seconds)
         self._watch_started.set()
-        if self._waiting:
+        if self._waiting and self.may_spin():
             self.wake()  # a waiter in `wait_for` parked: it comes back and spins
 
     async def wait_for(self, event: trio.Event) -> None:
