@@ -8,7 +8,7 @@ source, and every prepared handle goes back to the agent whatever ends the reque
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -77,11 +77,13 @@ async def _open_pair(
     request_notices: bool = False,
     gen_faults: str | None = None,
     notify_on_poll: bool = False,
+    gen_wake: Callable[[], None] = lambda: None,
 ) -> AsyncIterator[Pair]:
     """ctx and gen transceivers in this trio run; ctx's control messages follow `ctx_faults`
     (its agent stays the plain loopback one, which prepares writes), gen's `gen_faults`.
     `request_notices`: ctx takes REQUEST_DATA as an agent notification too. `notify_on_poll`:
-    ctx's agent sends a write's notification from the poll that finds it done (as NIXL's)."""
+    ctx's agent sends a write's notification from the poll that finds it done (as NIXL's).
+    `gen_wake`: what gen's transceiver calls to wake its executor."""
     faults = FaultInjector(plan=parse_faults(ctx_faults)) if ctx_faults else None
     faults_at_gen = FaultInjector(plan=parse_faults(gen_faults)) if gen_faults else None
     fabric = LoopbackFabric()
@@ -98,7 +100,8 @@ async def _open_pair(
         def service(info: Any, agent: LoopbackAgent, router: Any) -> KvTransceiver:
             return KvTransceiver(
                 local=info, instance=(info,), agent=agent, router=router, timeout_s=30,
-                wake=lambda: None, faults=faults if agent is ctx_agent else faults_at_gen,
+                wake=gen_wake if agent is gen_agent else lambda: None,
+                faults=faults if agent is ctx_agent else faults_at_gen,
             )  # fmt: skip
 
         ctx_info = rank_info("ctx", ctx_memory, ctx_agent, ctx_router.endpoint)

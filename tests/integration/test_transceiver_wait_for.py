@@ -8,14 +8,11 @@ task: it goes on at once, not one scheduling round after another task woke it.
 
 from __future__ import annotations
 
-import numpy as np
 import trio
 
-from tests.integration.test_transceiver_prepared import BLOCK_BYTES, NUM_TOKENS, _until, blocks_of
-from tests.transceivers import NUM_SLOTS, TPB, rank_info
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.messenger import open_router
-from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
+from tests.integration.test_transceiver_prepared import NUM_TOKENS, _open_pair, _until
+from tests.transceivers import TPB
+from trtdisagg.transfer.transceiver import TransferOutcome
 
 
 class _Waker:
@@ -31,30 +28,9 @@ class _Waker:
 
 
 async def test_the_waiter_drains_the_notice_that_ends_its_transfer() -> None:
-    fabric = LoopbackFabric()
-    ctx_agent = LoopbackAgent("ctx-agent", fabric=fabric, notify_on_poll=True)
-    gen_agent = LoopbackAgent("gen-agent", fabric=fabric)
-    ctx_memory = np.random.default_rng(9).integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
-    gen_memory = np.zeros(NUM_SLOTS * BLOCK_BYTES, np.uint8)
     waker = _Waker()
-    async with (
-        open_router() as ctx_router,
-        open_router() as gen_router,
-        trio.open_nursery() as nursery,
-    ):
-        ctx_info = rank_info("ctx", ctx_memory, ctx_agent, ctx_router.endpoint)
-        gen_info = rank_info("gen", gen_memory, gen_agent, gen_router.endpoint)
-        ctx = KvTransceiver(
-            local=ctx_info, instance=(ctx_info,), agent=ctx_agent, router=ctx_router,
-            timeout_s=30, wake=lambda: None,
-        )  # fmt: skip
-        gen = KvTransceiver(
-            local=gen_info, instance=(gen_info,), agent=gen_agent, router=gen_router,
-            timeout_s=30, wake=waker,
-        )  # fmt: skip
-        await nursery.start(ctx.run)
-        await nursery.start(gen.run)
-
+    async with _open_pair(notify_on_poll=True, gen_wake=waker) as pair, trio.open_nursery() as n:
+        ctx, gen = pair.ctx, pair.gen
         outcomes: list[TransferOutcome] = []
         waiter: list[trio.lowlevel.Task] = []
 
@@ -73,7 +49,7 @@ async def test_the_waiter_drains_the_notice_that_ends_its_transfer() -> None:
         # A first transfer connects ctx to gen: only writes to a peer written to are prepared.
         ctx.respond_and_send_async(1, [[0]], TPB)
         gen.request_and_receive_async(1, ctx.info_endpoint, [[0]], TPB)
-        await nursery.start(executor)
+        await n.start(executor)
         await _until(lambda: outcomes, "the first outcome")
         assert outcomes.pop().ok
         await _until(lambda: ctx.check_context_transfer_status(), "ctx's first outcome")
@@ -81,7 +57,7 @@ async def test_the_waiter_drains_the_notice_that_ends_its_transfer() -> None:
         # generation-first: gen asks, ctx prepares (gen is told and watches), the KV is ready.
         gen.request_and_receive_async(2, ctx.info_endpoint, [[1, 2, 3]], NUM_TOKENS)
         await _until(lambda: ctx.statistics().early == 1, "ctx holding the request")
-        await nursery.start(executor)
+        await n.start(executor)
         ctx.prepare_send(2, [[4, 5, 6]], NUM_TOKENS)
         await _until(lambda: gen.statistics().watched == 1, "gen watching for the write")
         waker.callers.clear()
@@ -89,8 +65,7 @@ async def test_the_waiter_drains_the_notice_that_ends_its_transfer() -> None:
         await _until(lambda: outcomes, "the outcome")
         (outcome,) = outcomes
         assert outcome.ok and outcome.first_tokens == (7,)
-        assert blocks_of(gen_memory, [1, 2, 3]) == blocks_of(ctx_memory, [4, 5, 6])
+        assert pair.gen_blocks([1, 2, 3]) == pair.ctx_blocks([4, 5, 6])
         # The end of the transfer woke the waiter from its own task, and nothing else did.
-        assert waker.callers == [waiter[-1]], [t.name for t in waker.callers]
+        assert waker.callers == [waiter[-1]], [task.name for task in waker.callers]
         assert gen.statistics().watched == 0
-        nursery.cancel_scope.cancel()

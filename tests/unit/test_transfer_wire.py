@@ -88,19 +88,18 @@ def test_round_trip(message: wire.Message) -> None:
 
 
 token_ids = st.lists(st.integers(0, 2**31 - 1), max_size=4).map(tuple)
-
-
-@given(
-    st.builds(
-        wire.WriteNotice,
-        key=keys,
-        instance_name=names,
-        instance_rank=ranks,
-        num_bytes=st.integers(0, 2**50),
-        num_descriptors=st.integers(0, 2**30),
-    ),
-    token_ids,
+notices = st.builds(
+    wire.WriteNotice,
+    key=keys,
+    instance_name=names,
+    instance_rank=ranks,
+    num_bytes=st.integers(0, 2**50),
+    num_descriptors=st.integers(0, 2**30),
+    first_tokens=token_ids,
 )
+
+
+@given(notices, token_ids)
 def test_a_notice_template_encodes_what_the_whole_notice_encodes(
     notice: wire.WriteNotice, first_tokens: tuple[int, ...]
 ) -> None:
@@ -153,17 +152,6 @@ def test_mutated_messages_raise_only_protocol_error(
     except ProtocolError:
         return
     assert type(decoded) in wire.MESSAGE_TAGS
-
-
-notices = st.builds(
-    wire.WriteNotice,
-    key=keys,
-    instance_name=names,
-    instance_rank=ranks,
-    num_bytes=st.integers(0, 2**50),
-    num_descriptors=st.integers(0, 2**30),
-    first_tokens=st.lists(st.integers(0, 2**31 - 1), max_size=4).map(tuple),
-)
 
 
 @settings(max_examples=500, deadline=None)
