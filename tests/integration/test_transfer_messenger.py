@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import trio
 import zmq
 
@@ -237,3 +239,29 @@ async def test_dealers_opened_as_others_close_all_watch_their_links() -> None:
                 assert links.seen == [True]
         finally:
             squatter.close(linger=0)
+
+
+async def test_dealers_to_a_dead_peer_closed_in_bulk_leave_the_process_s_sockets_working() -> None:
+    """zmq sends a socket's link events from its I/O thread, and blocks there until they can go.
+    A dealer to a peer that ended keeps retrying, and each retry is an event: one that came
+    while the dealer closed, after its monitor's reader had closed, blocked the I/O thread for
+    good, and every socket of the process stopped moving (a ctx dropping the dealers of gens
+    that ended, then every transfer after timing out). Here batches of such dealers close
+    while they retry, and a request still gets its answer after each batch."""
+    async with open_router() as gone:
+        dead = gone.endpoint
+    async with open_router() as router, trio.open_nursery() as nursery:
+        await nursery.start(_echo, router)
+        async with open_dealer(router.endpoint) as probe:
+            for batch in range(8):
+                async with contextlib.AsyncExitStack() as stack:
+                    links = [_Links() for _ in range(40)]
+                    for on_link in links:
+                        await stack.enter_async_context(open_dealer(dead, on_link=on_link))
+                    for on_link in links:
+                        await on_link.until(1)  # refused once: retrying from here on
+                    await trio.sleep(0.15 + 0.02 * batch)  # (a retry every 0.1 s; not a sync)
+                await probe.send_message(_cancel(batch))
+                with trio.fail_after(5):
+                    assert await probe.receive_message() == _cancel(batch)
+        nursery.cancel_scope.cancel()

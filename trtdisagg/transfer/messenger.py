@@ -428,7 +428,11 @@ async def open_dealer(
         async with _running(socket, pump) as nursery:
             if monitor is not None and on_link is not None:
                 nursery.start_soon(_watch_link, monitor, on_link)
-            yield Dealer(pump, endpoint, _faulty(faults, nursery))
+            try:
+                yield Dealer(pump, endpoint, _faulty(faults, nursery))
+            finally:
+                if monitor is not None:
+                    _stop_monitor(socket)
     finally:
         if monitor is not None:
             monitor.close(linger=0)
@@ -451,6 +455,18 @@ def _monitor(socket: zmq.Socket[bytes], endpoint: str) -> zmq.Socket[bytes] | No
     except zmq.ZMQError as exc:
         log.warning("no link events for %s (liveness falls back to probes): %s", endpoint, exc)
         return None
+
+
+def _stop_monitor(socket: zmq.Socket[bytes]) -> None:
+    """Stop `socket`'s events before either socket closes. zmq sends a monitor's events from its
+    I/O thread and blocks until they can go: an event of a closing dealer (a refused reconnect,
+    its disconnection) sent to a monitor whose reader was closed first blocked that thread for
+    good, and with it every socket of the process (a dealer churned out, then every transfer
+    after it timed out; its descriptors never closed)."""
+    try:
+        socket.disable_monitor()
+    except zmq.ZMQError as exc:
+        log.warning("could not stop a link monitor: %s", exc)
 
 
 async def _watch_link(monitor: zmq.Socket[bytes], on_link: Callable[[bool], None]) -> None:
