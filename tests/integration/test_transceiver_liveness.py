@@ -39,6 +39,12 @@ def _links_only() -> PeerLiveness:
     return PeerLiveness(idle_s=60, answer_s=60, misses=3, relink_s=0.2)
 
 
+def _refusals_only() -> PeerLiveness:
+    """Probes go out at once, but none is ever missed within the test: only a connection that
+    drops, or cannot be made, can say a peer is gone."""
+    return PeerLiveness(idle_s=0.05, answer_s=60, misses=3, relink_s=0.2)
+
+
 @attrs.define
 class Side:
     transceiver: KvTransceiver
@@ -212,8 +218,7 @@ async def test_a_gen_that_ends_before_ctx_ever_connected_to_it_is_found_dead() -
     answers the rendezvous on its own router). ctx's first connection to it, here a probe, is
     refused: that says the process ended as surely as a connection that drops, so the gen is
     forgotten as dead within `relink_s`, not after its probes time out (60 s here)."""
-    refused = lambda: PeerLiveness(idle_s=0.05, answer_s=60, misses=3, relink_s=0.2)  # noqa: E731
-    async with _pair(liveness=refused) as (ctx, gen):
+    async with _pair(liveness=_refusals_only) as (ctx, gen):
         gen.transceiver.request_and_receive_async(
             1, ctx.transceiver.info_endpoint, [DST], NUM_TOKENS
         )

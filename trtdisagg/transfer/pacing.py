@@ -48,10 +48,10 @@ SILENT_WRITE_S = 0.001
 # H200 the post call itself returns 0.03-0.05 ms before a 256 MiB write ends, and the loop's
 # next round came 0.05-0.09 ms after that.
 DONE_SPIN_MAX_S = 0.0003
+DONE_SPIN_SLACK_S = 0.00005
 # A side that spins while watching drains its notifications for up to this long between two
 # rounds of its loop (which then waits no longer than this for anything else).
 DRAIN_BURST_S = 0.0001
-DONE_SPIN_SLACK_S = 0.00005
 
 
 def spins_for_done(now: float, posted: float, expected: float) -> float | None:

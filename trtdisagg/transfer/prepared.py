@@ -135,10 +135,10 @@ class PreparedWrites:
         the handles to release."""
         handles: list[XferHandle] = []
         for key, writes in list(self._writes.items()):
-            for rank in [r for r, w in writes.items() if w.request.instance_name == instance_name]:
-                handles.append(writes[rank].handle)
-                self._pop(key, rank)
+            ranks = [r for r, w in writes.items() if w.request.instance_name == instance_name]
+            if ranks:
                 self._safe.discard(key)
+            handles += [write.handle for rank in ranks if (write := self._pop(key, rank))]
         return handles
 
     def drop(self, key: int) -> list[XferHandle]:
