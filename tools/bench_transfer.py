@@ -901,6 +901,7 @@ class _Side:
     async def _await_outcome(
         self, key: int, check: Callable[[], list[TransferOutcome]]
     ) -> TransferOutcome:
+        woke = None
         with trio.fail_after(self.cfg.timeout_s + 5):
             while True:
                 event = self.waker.arm()
@@ -908,8 +909,13 @@ class _Side:
                     self.outcomes[outcome.key] = outcome
                 found = self.outcomes.pop(key, None)
                 if found is not None:
+                    stages = self.transceiver.stages
+                    if stages is not None:  # the check's end, and the wake-up before it
+                        stages.append((key, "checked", time.monotonic()))
+                        stages += [(key, "woke", woke)] if woke is not None else []
                     return found
                 await self.transceiver.wait_for(event)  # as the executor waits
+                woke = time.monotonic()
 
     # ctx
     async def respond(self, args: dict[str, Any]) -> dict[str, Any]:

@@ -79,6 +79,7 @@ from trtdisagg.transfer.peers import PeerRegistrar
 from trtdisagg.transfer.prepared import PreparedWrites
 from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.receive_side import GenReceiver
+from trtdisagg.transfer.rehearsal import HandoverRehearsal
 from trtdisagg.transfer.rendezvous import RENDEZVOUS_TIMEOUT_S, CtxPeers
 from trtdisagg.transfer.send_side import CtxSender
 from trtdisagg.transfer.sessions import (
@@ -142,8 +143,13 @@ STAGES = (
     "done",  # ctx: the agent reports DONE
     "result_sent",  # ctx: TRANSFER_RESULT handed to zmq
     "result",  # gen: TRANSFER_RESULT dispatched
+    "drain_idle",  # gen: the last drain before the notice's found nothing
+    "drain_call",  # gen: the drain that found the notice started
+    "drain_got",  # gen: ... and the agent's call returned (then it is decoded)
     "notice",  # gen: the write's notification drained
     "outcome",  # both: the outcome handed to the executor
+    "woke",  # gen (benchmarks): the waiter's `wait_for` returned
+    "checked",  # gen (benchmarks): the check that hands the outcome over returned
 )
 
 
@@ -171,6 +177,7 @@ class TransceiverStatistics:
     peers_forgotten: int = 0
     peers_dead: int = 0  # ... of which had ended: what waited on them failed at once
     peer_probes: int = 0
+    rehearsals: int = 0  # gen: twin hand-overs run while spinning for a write (rehearsal.py)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -224,6 +231,9 @@ class KvTransceiver:
     # Benchmarks only: when a list, every transfer appends (key, stage, clock()) at each step
     # of its way (see `STAGES`), so a bench can tell where the time goes. None: nothing kept.
     stages: list[tuple[int, str, float]] | None = None
+    _drained_empty_at: float = 0.0  # (stages kept only) when a drain last found nothing
+    _rehearsal: HandoverRehearsal | None = None  # gen: made at its first spin for a write
+    _rehearsal_due: float = 0.0  # ... and run again from then (inf: it failed, never again)
     # The two sides (transfer/send_side.py, writes.py, receive_side.py, rendezvous.py).
     _ctx_peers: CtxPeers = attrs.field(init=False)
     _writes: CtxWrites = attrs.field(init=False)
@@ -370,6 +380,7 @@ class KvTransceiver:
             peers_forgotten=self._peer_watch.forgotten,
             peers_dead=self._peer_watch.dead,
             peer_probes=self._peer_watch.probes,
+            rehearsals=self._rehearsal.runs if self._rehearsal is not None else 0,
         )
 
     def _stamp(self, key: int, stage: str) -> None:
@@ -419,10 +430,35 @@ class KvTransceiver:
     def _drain_burst(self) -> None:
         """Drain until a notification comes, for up to DRAIN_BURST_S: a round of the loop costs
         more than a drain (on the device 10-20 us, for its epoll call), and a notification that
-        lands within one waited half a round on average."""
+        lands within one waited half a round on average. A burst that ends with nothing
+        drained is when gen rehearses its hand-over, if one is due (`_rehearse`)."""
         until = self.clock() + DRAIN_BURST_S
-        while not self._drain_notifications() and self.clock() < until:
-            pass
+        while not self._drain_notifications():
+            now = self.clock()
+            if now >= until:
+                if len(self.receivers) and now >= self._rehearsal_due:
+                    self._rehearse(now)
+                return
+
+    def _rehearse(self, now: float) -> None:
+        """gen, spinning for a write: take a twin transfer through the hand-over, so that the
+        real one finds its code and data in the CPU caches (transfer/rehearsal.py). A rehearsal
+        that fails says the twin left the real path; it is logged once and not run again."""
+        rehearsal = self._rehearsal
+        try:
+            if rehearsal is None:
+                rehearsal = self._rehearsal = HandoverRehearsal.of(
+                    self.local,
+                    timeout_s=self.timeout_s,
+                    clock=self.clock,
+                    stamp=self._stamp,
+                    outcome=self._outcome,
+                )
+            rehearsal.run(now)
+            self._rehearsal_due = rehearsal.next_at
+        except Exception:
+            log.exception("the hand-over rehearsal failed; gen goes on without it")
+            self._rehearsal_due = math.inf
 
     async def _keep_awake(self) -> None:
         """Spin the loop while something is watched: a loop asleep in epoll takes 0.1-0.3 ms to
@@ -455,12 +491,21 @@ class KvTransceiver:
         there were any (or the agent is busy in a thread: nothing to wait for now)."""
         if self._agent_lock.locked():
             return True  # a threaded agent call is running; the pollers come back within 1 ms
+        stages = self.stages
+        called = self.clock() if stages is not None else 0.0
         notifications = self.agent.get_notifications()
+        got = self.clock() if stages is not None else 0.0
+        if stages is not None and not notifications:
+            self._drained_empty_at = got
         for remote, payload in notifications:
             try:
                 message = decode(payload)
             except TransferLayerError:
                 continue
+            if stages is not None and isinstance(message, WriteNotice):
+                key = message.key
+                stages.append((key, "drain_idle", self._drained_empty_at))
+                stages += [(key, "drain_call", called), (key, "drain_got", got)]
             if isinstance(message, WriteNotice | RequestData):
                 self.liveness.heard(message.instance_name, self.clock())
             if isinstance(message, WriteNotice):

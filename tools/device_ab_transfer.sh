@@ -1,0 +1,54 @@
+#!/bin/bash
+# One device call: tools/bench_transfer.py on CUDA for this tree and for variants of it, in turn,
+# so that each comparison is made within one call on one host (BENCHMARKS.md, fifteenth session).
+#
+# Run from the repository root on the device, with the wheels of docs/bench_gpu_headline.md
+# ("Reproduce: the wheels") in .whl/. Results go to $OUT (bench.txt, cold_path.txt, results.tgz).
+#
+#   VARIANTS="base norehearse" ROUNDS="1 2 3" SIZES="2048 8192" ONCE="1024 32768" BUSY=2048 \
+#       SUITE=1 bash tools/device_ab_transfer.sh
+#
+# Variants (copies of the tree under /tmp/v with one thing changed):
+#   base        the tree as it is
+#   norehearse  gen does not rehearse its hand-over (REHEARSE_EVERY_S = inf: one rehearsal per
+#               process, at its first spin)
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/res /tmp/v
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONUNBUFFERED=1
+for v in ${VARIANTS:-base}; do
+    rm -rf "/tmp/v/$v" && mkdir -p "/tmp/v/$v" && cp -r trtdisagg tools "/tmp/v/$v/"
+done
+if [ -d /tmp/v/norehearse ]; then
+    sed -i 's/^REHEARSE_EVERY_S = .*/REHEARSE_EVERY_S = float("inf")/' \
+        /tmp/v/norehearse/trtdisagg/transfer/rehearsal.py
+fi
+for _ in 1 2; do
+    PYTHONPATH=/tmp/site:$PWD python3 tools/cold_path.py --rounds 200 | tee -a "$OUT/cold_path.txt"
+done
+
+bench() { # variant tokens round [extra bench_transfer arguments]
+    local v=$1 t=$2 r=$3 schedule=${SCHED:-generation-first}
+    shift 3
+    local tag="${v}_${t}_${r}_${schedule}${1:+_busy}"
+    echo "=== $v tokens=$t round=$r schedule=$schedule $* $(date +%T)" >> "$OUT/bench.txt"
+    (cd "/tmp/v/$v" && PYTHONPATH="/tmp/site:/tmp/v/$v" timeout 150 python3 tools/bench_transfer.py \
+        --device cuda --model-8b --tokens "$t" --gen-gpu 0 --iterations "${ITER:-40}" --warmup 3 \
+        --schedule "$schedule" --result-json "/tmp/res/r_$tag.json" "$@" 2>&1 \
+        | grep -v "UCX  WARN\|NIXL INFO\|iterations$" >> "$OUT/bench.txt")
+}
+for r in ${ROUNDS:-1}; do for t in ${SIZES:-2048}; do for v in ${VARIANTS:-base}; do
+    bench "$v" "$t" "$r"
+done; done; done
+for t in ${ONCE:-}; do for v in ${VARIANTS:-base}; do bench "$v" "$t" 1; done; done
+for t in ${BUSY:-}; do for v in ${VARIANTS:-base}; do bench "$v" "$t" 1 --ctx-busy-ms 5; done; done
+for t in ${ALL:-}; do for v in ${VARIANTS:-base}; do SCHED=all bench "$v" "$t" 1; done; done
+tar -czf "$OUT/results.tgz" -C /tmp res
+if [ "${SUITE:-0}" = 1 ]; then
+    PYTHONPATH=/tmp/site:$PWD timeout 240 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
+        > "$OUT/gpu_suite.txt" 2>&1
+    tail -5 "$OUT/gpu_suite.txt"
+fi
+grep -h "ratio vs raw\|^===" "$OUT/bench.txt"
