@@ -311,6 +311,9 @@ class BenchConfig:
     # ctx takes REQUEST_DATA as a NIXL notification too (RankInfo.request_notices); None: as
     # a single-rank worker does, on CUDA only
     request_notices: bool | None = None
+    # the transceivers spin while they watch for a peer's next move (pacing.py); None: as a
+    # single-rank worker does, on CUDA only (worker/serve.py)
+    watch: bool | None = None
     # generation-first: the last prefill step, between `prepare_send` and the KV being ready
     prefill_step_s: float = 0.01
     # ctx's next step, run in a worker thread from when its KV is ready (0: ctx idles)
@@ -325,6 +328,10 @@ class BenchConfig:
     @property
     def takes_request_notices(self) -> bool:
         return self.device == "cuda" if self.request_notices is None else self.request_notices
+
+    @property
+    def watches(self) -> bool:
+        return self.device == "cuda" if self.watch is None else self.watch
 
     @property
     def primary_schedule(self) -> str:
@@ -343,6 +350,7 @@ class BenchConfig:
         out["result_json"] = None if self.result_json is None else str(self.result_json)
         out["schedules"] = list(self.schedules)
         out["takes_request_notices"] = self.takes_request_notices  # the setting, resolved
+        out["watches"] = self.watches
         return out
 
 
@@ -420,6 +428,14 @@ def build_parser() -> argparse.ArgumentParser:
         "a single-rank worker does, on CUDA only); off also runs against a transceiver older "
         "than that",
     )
+    parser.add_argument(
+        "--watch",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="whether the transceivers spin while they watch for the peer's next move (auto: as "
+        "a single-rank worker does, on CUDA only: on the CPU a spinning loop takes a core from "
+        "the other processes). Until the fifteenth session they spun on the CPU too",
+    )
     parser.add_argument("--result-json", type=Path)
     pairing = parser.add_argument_group("pairing (heterogeneous: not yet, issue 5)")
     for flag in ("--ctx-tp", "--gen-tp", "--ctx-pp", "--gen-pp"):
@@ -484,6 +500,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         progress_thread=args.nixl_progress_thread == "on",
         request_notices={"auto": None, "on": True, "off": False}[args.request_notices],
+        watch={"auto": None, "on": True, "off": False}[args.watch],
         prefill_step_s=args.prefill_step_ms / 1000,
         ctx_busy_s=args.ctx_busy_ms / 1000,
         raw_poll_s=(
@@ -749,7 +766,8 @@ def format_report(doc: dict[str, Any]) -> str:
         f"{cores('ctx', 'measured')} gen {cores('gen', 'measured')}; idle ctx "
         f"{cores('ctx', 'idle')} gen {cores('gen', 'idle')} (NIXL progress threads: "
         f"{'on' if cfg['progress_thread'] else 'off'}; REQUEST_DATA by notification too: "
-        f"{'on' if cfg.get('takes_request_notices') else 'off'}; raw polls "
+        f"{'on' if cfg.get('takes_request_notices') else 'off'}; watching spins: "
+        f"{'on' if cfg.get('watches', True) else 'off'}; raw polls "
         f"{_raw_polls(cfg.get('raw_poll_s', 20e-6))})"
     )
     stats = doc["transceiver_statistics"]
@@ -1203,6 +1221,8 @@ async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
                 on_write=lambda b, d, s: side.writes.append((b, d, s)),
                 stages=[],
             )
+            if not cfg.watches:
+                transceiver.may_spin = lambda: False  # as worker/serve.py sets it off CUDA
             side = _Side(
                 role=role,
                 cfg=cfg,

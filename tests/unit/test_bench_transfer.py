@@ -200,6 +200,17 @@ def test_raw_spins_on_cuda_and_sleeps_on_the_cpu_unless_told() -> None:
     assert "raw polls every 20 us (sleeping)" in bt.format_report(_doc([], {"context-first": 0.8}))
 
 
+def test_the_transceivers_watch_as_a_worker_s_do_unless_told() -> None:
+    """A single-rank worker spins while it watches on CUDA only (worker/serve.py)."""
+    assert bt.parse_config(["--device", "cuda"]).watches
+    assert not bt.parse_config([]).watches
+    assert bt.parse_config(["--watch", "on"]).watches
+    assert not bt.parse_config(["--device", "cuda", "--watch", "off"]).watches
+    assert "watching spins: off" in bt.format_report(_doc([], {"context-first": 0.8}))
+    on = _doc(["--watch", "on"], {"context-first": 0.8})
+    assert "watching spins: on" in bt.format_report(on)
+
+
 def test_tokens_and_kv_mib_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
     assert "not allowed with argument" in _rejected(["--tokens", "8", "--kv-mib", "1"], capsys)
 

@@ -1,11 +1,12 @@
 """gen rehearses its hand-over while it waits for a write, so that the real one runs warm.
 
 Code and data that a process leaves untouched for a few milliseconds fall out of the CPU caches
-on the virtual machines we run on (other tenants' work evicts them). On the CI VM, decoding a
-WRITE_NOTICE took 92 us at p50 after 10 ms of spinning, 10 us right after another decode, and
-11 us when one ran every 0.5 ms meanwhile (`tools/cold_path.py`). A gen that waits for a write
-spins through the whole last prefill step at ctx, and then ran its hand-over cold: on an H200
-host, 0.1-0.15 ms from the notification to the executor, where a raw NIXL reader takes 0.01 ms.
+on the virtual machines we run on (what evicts them we did not find: not our own spin loop).
+One hand-over took 216-285 us at p50 on the CI VM after 10 ms of spinning, 34-41 us right after
+another, and 43-54 us when a twin rehearsed it every 0.25 ms meanwhile; on the H200 host 37-100,
+15-34 and 17-37 us (`tools/cold_path.py`). A gen that waits for a write spins through the whole
+last prefill step at ctx, and then ran its hand-over cold: 0.1-0.15 ms there from the
+notification to the executor, where a raw NIXL reader takes 0.01 ms.
 
 So while gen spins, it runs the same hand-over every REHEARSE_EVERY_S on a twin of its receiver:
 a WRITE_NOTICE is decoded, noticed, ended and checked through the very methods the real one goes
@@ -27,8 +28,9 @@ from trtdisagg.transfer.rendezvous import CtxPeers
 from trtdisagg.transfer.sessions import ReceiverSession, SessionRegistry
 from trtdisagg.transfer.wire import WriteNotice, decode, encode
 
-# About how long the code stays cached on the CI VM and on the device host (see above); one
-# rehearsal takes 10-30 us there, during which a notification waits.
+# Well within how long the code stays cached on the CI VM and the device host (see above); a
+# rehearsal takes 20-35 us on the device host and 45-55 us on the CI VM, and a notification
+# that lands meanwhile waits for its end.
 REHEARSE_EVERY_S = 0.00025
 # A key no executor uses (request ids count up from 1), and a ctx instance name no peer has.
 REHEARSAL_KEY = 2**63 - 1
