@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.rehearsal import REHEARSE_EVERY_S, HandoverRehearsal
-from trtdisagg.transfer.sessions import TransferOutcome
 from trtdisagg.transfer.testing import make_instance
 
 clock = time.perf_counter
@@ -39,12 +38,7 @@ def _local() -> RankInfo:
 
 
 def _twin() -> HandoverRehearsal:
-    def outcome(key: int, *, ok: bool, **fields: object) -> TransferOutcome:
-        return TransferOutcome(key=key, ok=ok, **fields)  # type: ignore[arg-type]
-
-    return HandoverRehearsal.of(
-        _local(), timeout_s=30, clock=clock, stamp=lambda key, stage: None, outcome=outcome
-    )
+    return HandoverRehearsal.of(_local(), timeout_s=30, clock=clock)
 
 
 def _spin(seconds: float, rehearse: Callable[[float], None] | None) -> None:

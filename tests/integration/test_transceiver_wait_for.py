@@ -20,7 +20,7 @@ import trio
 from tests.integration.test_transceiver_prepared import NUM_TOKENS, Pair, _open_pair, _until
 from tests.transceivers import TPB
 from trtdisagg.transfer.agents.loopback import LoopbackAgent
-from trtdisagg.transfer.rehearsal import HandoverRehearsal, RehearsalEffect
+from trtdisagg.transfer.rehearsal import REHEARSAL_KEY, HandoverRehearsal, RehearsalEffect
 from trtdisagg.transfer.transceiver import TransferOutcome
 
 
@@ -38,16 +38,17 @@ class _Waker:
 
 @attrs.define
 class _Watching:
-    """A pair where gen asked for key 2, ctx prepared its write, and gen's executor waits."""
+    """A pair where gen asked for `key`, ctx prepared its write, and gen's executor waits."""
 
     pair: Pair
     waker: _Waker
     outcomes: list[TransferOutcome]
     waiter: trio.lowlevel.Task
+    key: int
 
 
 @asynccontextmanager
-async def _gen_watching() -> AsyncIterator[_Watching]:
+async def _gen_watching(key: int = 2) -> AsyncIterator[_Watching]:
     waker = _Waker()
     async with _open_pair(notify_on_poll=True, gen_wake=waker) as pair, trio.open_nursery() as n:
         ctx, gen = pair.ctx, pair.gen
@@ -75,23 +76,24 @@ async def _gen_watching() -> AsyncIterator[_Watching]:
         await _until(lambda: ctx.check_context_transfer_status(), "ctx's first outcome")
 
         # generation-first: gen asks, ctx prepares (gen is told and watches), the KV is ready.
-        gen.request_and_receive_async(2, ctx.info_endpoint, [[1, 2, 3]], NUM_TOKENS)
+        gen.request_and_receive_async(key, ctx.info_endpoint, [[1, 2, 3]], NUM_TOKENS)
         await _until(lambda: ctx.statistics().early == 1, "ctx holding the request")
         await n.start(executor)
-        ctx.prepare_send(2, [[4, 5, 6]], NUM_TOKENS)
+        ctx.prepare_send(key, [[4, 5, 6]], NUM_TOKENS)
         await _until(lambda: gen.statistics().watched == 1, "gen watching for the write")
-        yield _Watching(pair, waker, outcomes, waiter[-1])
+        yield _Watching(pair, waker, outcomes, waiter[-1], key)
 
 
-async def _respond(watching: _Watching) -> None:
-    """The KV is ready: ctx writes it, and the waiter has the outcome of key 2."""
+async def _respond(watching: _Watching) -> TransferOutcome:
+    """The KV is ready: ctx writes it, and the waiter has the outcome of the watched key."""
     pair = watching.pair
-    pair.ctx.respond_and_send_async(2, [[4, 5, 6]], NUM_TOKENS, first_tokens=[7])
+    pair.ctx.respond_and_send_async(watching.key, [[4, 5, 6]], NUM_TOKENS, first_tokens=[7])
     await _until(lambda: watching.outcomes, "the outcome")
     (outcome,) = watching.outcomes
-    assert outcome.ok and outcome.first_tokens == (7,)
+    assert outcome.key == watching.key and outcome.ok and outcome.first_tokens == (7,)
     assert pair.gen_blocks([1, 2, 3]) == pair.ctx_blocks([4, 5, 6])
     assert pair.gen.statistics().watched == 0
+    return outcome
 
 
 async def test_the_waiter_drains_the_notice_that_ends_its_transfer() -> None:
@@ -105,6 +107,16 @@ async def test_the_waiter_drains_the_notice_that_ends_its_transfer() -> None:
         # The end of the transfer woke the waiter from its own task, and nothing else did.
         callers = watching.waker.callers
         assert callers == [watching.waiter], [task.name for task in callers]
+
+
+async def test_a_transfer_with_the_rehearsal_s_key_keeps_its_session_and_timing() -> None:
+    """A client may pick any transfer key: the twin's share nothing with the real ones."""
+    async with _gen_watching(key=REHEARSAL_KEY) as watching:
+        gen = watching.pair.gen
+        await _until(lambda: gen.statistics().rehearsals >= 3, "gen rehearsing its hand-over")
+        assert gen.statistics().receivers == 1 and not watching.outcomes
+        outcome = await _respond(watching)
+        assert outcome.seconds > 0
 
 
 async def test_a_rehearsal_that_fails_is_logged_once_and_the_transfer_goes_on(

@@ -16,6 +16,7 @@ through, on objects that nothing else sees. The twin's callbacks that would reac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import attrs
@@ -25,7 +26,7 @@ from trtdisagg.transfer.peers import PeerRegistrar
 from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.receive_side import GenReceiver
 from trtdisagg.transfer.rendezvous import CtxPeers
-from trtdisagg.transfer.sessions import ReceiverSession, SessionRegistry
+from trtdisagg.transfer.sessions import ReceiverSession, SessionRegistry, TransferOutcome
 from trtdisagg.transfer.wire import WriteNotice, decode, encode
 
 # Well within how long the code stays cached on the CI VM and the device host (see above); a
@@ -49,6 +50,12 @@ def _nothing(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
+def _outcome(key: int, *, ok: bool, **fields: Any) -> TransferOutcome:
+    """The shell's `_outcome` without its timings and stamps, which are keyed by transfer key:
+    a client may pick any key, REHEARSAL_KEY too."""
+    return TransferOutcome(key=key, ok=ok, **fields)
+
+
 @attrs.define(eq=False)
 class HandoverRehearsal:
     """A twin of gen's receiver and a WRITE_NOTICE for it: `run` takes one transfer through."""
@@ -61,16 +68,9 @@ class HandoverRehearsal:
 
     @classmethod
     def of(
-        cls,
-        local: RankInfo,
-        *,
-        timeout_s: float,
-        clock: Any,
-        stamp: Any,
-        outcome: Any,
+        cls, local: RankInfo, *, timeout_s: float, clock: Callable[[], float]
     ) -> HandoverRehearsal:
-        """A rehearsal for a gen rank `local`. `clock`, `stamp` and `outcome` are the shell's
-        own (they only read the clock, or keep benchmark stamps and timings by key)."""
+        """A rehearsal for a gen rank `local`, on the shell's `clock`."""
         registrar = PeerRegistrar(local)
         watches = Watches()
         ctx_peers = CtxPeers(
@@ -91,11 +91,11 @@ class HandoverRehearsal:
             receivers=SessionRegistry(),
             ctx_peers=ctx_peers,
             dealers={},
-            stamp=stamp,
+            stamp=_nothing,
             spawn=_unused,
             send=_unused,
             start_timing=_unused,
-            outcome=outcome,
+            outcome=_outcome,
             cancel_message=_unused,
             watch=watches.watch,
             forget=watches.forget,
@@ -112,7 +112,7 @@ class HandoverRehearsal:
         )
         return cls(twin=twin, payload=encode(notice), timeout_s=timeout_s)
 
-    def run(self, now: float) -> None:
+    def run(self, now: float) -> TransferOutcome:
         """One transfer through the twin, as a single-rank write that gen watched for: its
         session, the notice that ends it, and the check that hands its outcome over."""
         self.next_at = now + REHEARSE_EVERY_S
@@ -132,3 +132,4 @@ class HandoverRehearsal:
         if len(outcomes) != 1 or not outcomes[0].ok or len(self.twin.receivers):
             raise RehearsalEffect(f"the rehearsal ended with {outcomes} and a session left")
         self.runs += 1
+        return outcomes[0]

@@ -448,11 +448,7 @@ class KvTransceiver:
         try:
             if rehearsal is None:
                 rehearsal = self._rehearsal = HandoverRehearsal.of(
-                    self.local,
-                    timeout_s=self.timeout_s,
-                    clock=self.clock,
-                    stamp=self._stamp,
-                    outcome=self._outcome,
+                    self.local, timeout_s=self.timeout_s, clock=self.clock
                 )
             rehearsal.run(now)
             self._rehearsal_due = rehearsal.next_at
