@@ -7,6 +7,7 @@
 #
 #   VARIANTS="base norehearse" ROUNDS="1 2 3" SIZES="2048 8192" ONCE="1024 32768" BUSY=2048 \
 #       SUITE=1 bash tools/device_ab_transfer.sh
+# GEN_GPU=1 puts gen on the second GPU (GPU to GPU, on a two-GPU machine); default 0 (the same GPU).
 #
 # Variants (copies of the tree under /tmp/v with one thing changed):
 #   base        the tree as it is
@@ -35,8 +36,9 @@ bench() { # variant tokens round [extra bench_transfer arguments]
     local tag="${v}_${t}_${r}_${schedule}${1:+_busy}"
     echo "=== $v tokens=$t round=$r schedule=$schedule $* $(date +%T)" >> "$OUT/bench.txt"
     (cd "/tmp/v/$v" && PYTHONPATH="/tmp/site:/tmp/v/$v" timeout 150 python3 tools/bench_transfer.py \
-        --device cuda --model-8b --tokens "$t" --gen-gpu 0 --iterations "${ITER:-40}" --warmup 3 \
-        --schedule "$schedule" --result-json "/tmp/res/r_$tag.json" "$@" 2>&1 \
+        --device cuda --model-8b --tokens "$t" --gen-gpu "${GEN_GPU:-0}" \
+        --iterations "${ITER:-40}" --warmup 3 --schedule "$schedule" \
+        --result-json "/tmp/res/r_$tag.json" "$@" 2>&1 \
         | grep -v "UCX  WARN\|NIXL INFO\|iterations$" >> "$OUT/bench.txt")
 }
 for r in ${ROUNDS:-1}; do for t in ${SIZES:-2048}; do for v in ${VARIANTS:-base}; do
