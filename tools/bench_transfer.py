@@ -930,7 +930,8 @@ class _Side:
                     stages = self.transceiver.stages
                     if stages is not None:  # the check's end, and the wake-up before it
                         stages.append((key, "checked", time.monotonic()))
-                        stages += [(key, "woke", woke)] if woke is not None else []
+                        if woke is not None:
+                            stages.append((key, "woke", woke))
                     return found
                 await self.transceiver.wait_for(event)  # as the executor waits
                 woke = time.monotonic()

@@ -29,11 +29,12 @@ from trtdisagg.transfer.rendezvous import CtxPeers
 from trtdisagg.transfer.sessions import ReceiverSession, SessionRegistry, TransferOutcome
 from trtdisagg.transfer.wire import WriteNotice, decode, encode
 
-# Well within how long the code stays cached on the CI VM and the device host (see above); a
-# rehearsal takes 20-35 us on the device host and 45-55 us on the CI VM, and a notification
-# that lands meanwhile waits for its end.
+# How often the shell rehearses while it spins: well within how long the code stays cached on
+# the CI VM and the device host (see above). A rehearsal takes 17-37 us on the device host and
+# 43-54 us on the CI VM, and a notification that lands meanwhile waits for its end.
 REHEARSE_EVERY_S = 0.00025
-# A key no executor uses (request ids count up from 1), and a ctx instance name no peer has.
+# A key no id generator hands out (global ids stay below it; a client may still pick it, so the
+# twin keeps nothing by key outside itself), and a ctx instance name no peer has.
 REHEARSAL_KEY = 2**63 - 1
 REHEARSAL_PEER = "rehearsal"
 
@@ -64,7 +65,6 @@ class HandoverRehearsal:
     payload: bytes
     timeout_s: float
     runs: int = 0
-    next_at: float = 0.0  # when the next rehearsal is due (the spinning loop's clock)
 
     @classmethod
     def of(
@@ -115,7 +115,6 @@ class HandoverRehearsal:
     def run(self, now: float) -> TransferOutcome:
         """One transfer through the twin, as a single-rank write that gen watched for: its
         session, the notice that ends it, and the check that hands its outcome over."""
-        self.next_at = now + REHEARSE_EVERY_S
         session = ReceiverSession(
             key=REHEARSAL_KEY,
             peer_instance=REHEARSAL_PEER,

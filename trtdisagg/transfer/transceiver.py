@@ -79,7 +79,7 @@ from trtdisagg.transfer.peers import PeerRegistrar
 from trtdisagg.transfer.prepared import PreparedWrites
 from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.receive_side import GenReceiver
-from trtdisagg.transfer.rehearsal import HandoverRehearsal
+from trtdisagg.transfer.rehearsal import REHEARSE_EVERY_S, HandoverRehearsal
 from trtdisagg.transfer.rendezvous import RENDEZVOUS_TIMEOUT_S, CtxPeers
 from trtdisagg.transfer.send_side import CtxSender
 from trtdisagg.transfer.sessions import (
@@ -451,7 +451,7 @@ class KvTransceiver:
                     self.local, timeout_s=self.timeout_s, clock=self.clock
                 )
             rehearsal.run(now)
-            self._rehearsal_due = rehearsal.next_at
+            self._rehearsal_due = now + REHEARSE_EVERY_S
         except Exception:
             log.exception("the hand-over rehearsal failed; gen goes on without it")
             self._rehearsal_due = math.inf
@@ -499,9 +499,11 @@ class KvTransceiver:
             except TransferLayerError:
                 continue
             if stages is not None and isinstance(message, WriteNotice):
-                key = message.key
-                stages.append((key, "drain_idle", self._drained_empty_at))
-                stages += [(key, "drain_call", called), (key, "drain_got", got)]
+                stages += [
+                    (message.key, "drain_idle", self._drained_empty_at),
+                    (message.key, "drain_call", called),
+                    (message.key, "drain_got", got),
+                ]
             if isinstance(message, WriteNotice | RequestData):
                 self.liveness.heard(message.instance_name, self.clock())
             if isinstance(message, WriteNotice):
