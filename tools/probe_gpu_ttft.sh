@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Where does the disaggregated short-request TTFT go? (docs/BENCHMARKS.md, "Disaggregated
-# short-request TTFT"). Starts the 2-GPU disaggregated cluster once, then in the same run:
+# Where does the disaggregated short-request TTFT go? (docs/BENCHMARKS.md, "Disaggregated vs
+# aggregated on two H200s"). Starts the 2-GPU disaggregated cluster once, then in the same run:
 #   1. the short class alone through the coordinator (ctx -> gen), with server phase timings;
 #   2. the same load sent straight to the gen worker (served there aggregated), as the baseline;
 #   3. the mixed workload (long prompts at 1/s) through the coordinator, with phase timings.

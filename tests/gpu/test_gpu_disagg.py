@@ -6,7 +6,7 @@ and, when there are two GPUs, a gen worker on GPU 1 (NVLink), each gen behind it
 coordinator. The reference is the same request served aggregated (one worker, no transfer) on
 GPU 0 in bf16, with the top-2 logprobs of every step for the near-tie rule (DESIGN.md §10).
 
-Run on the device machine (see docs/bench_gpu_headline.md for the wheels to carry):
+Run on the device machine (docs/BENCHMARKS.md, "Running on the GPU machine", has the wheels):
 
     PYTHONPATH=/tmp/site:$PWD python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider
 """

@@ -211,11 +211,11 @@ class Attention(nn.Module):
             if q.is_cuda:
                 # SDPA's fused (flash) kernels take 4-D inputs only, and no explicit mask: with
                 # [heads, q_len, D] or a bool mask it falls back to its math kernel, which
-                # materialises [heads, q_len, kv_len] scores (it asked for 9 GiB for an 8k chunk
-                # of a 16k prompt of the 8B model on an H200, and prefill ran at about 5k tokens
-                # per second: docs/bench_gpu_headline.md). A lower-right causal bias is the same
-                # mask as `mask` (and as is_causal when q_len == kv_len) and runs in the flash
-                # kernel, whose causal mode is lower-right.
+                # materialises [heads, q_len, kv_len] scores: gigabytes for an 8k chunk of a long
+                # prompt of an 8B model, and a prefill several times slower than the flash
+                # kernel's. A lower-right causal bias is the same mask as `mask` (and as
+                # is_causal when q_len == kv_len) and runs in the flash kernel, whose causal
+                # mode is lower-right.
                 attended = F.scaled_dot_product_attention(
                     q[rows].transpose(0, 1)[None],  # [1, heads, q_len, D]
                     keys[None],
