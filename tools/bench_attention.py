@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         assert meta8k is not None
         for long_rows, block_n, warps, stages in (
             (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-            (64, 32, 4, 4), (128, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 4),
+            (64, 32, 4, 4), (128, 64, 8, 2), (64, 128, 4, 2), (128, 64, 8, 4),
         ):  # fmt: skip
             tiles = AttentionTiles(
                 long_rows=long_rows, block_n=block_n, long_warps=warps, num_stages=stages

@@ -20,7 +20,8 @@ rounds its softmax). Two kinds of program share the launch:
 * a longer one takes tiles of `long_rows` rows, each walking first the key blocks that every row
   of the tile sees (no mask), then the blocks on the causal diagonal. A tile finds its sequence by
   binary search over cu_q: tile t belongs to the last s with `cu_q[s] // LONG_TOKENS + s <= t`,
-  which bounds the tile count by `N // LONG_TOKENS + S` without a tile map.
+  which bounds the tile count by `N // LONG_TOKENS + S` without a tile map. Tiles launch last
+  first, so the programs that see the most keys start earliest.
 
 Triton compiles one variant per specialisation key: the argument types, ints equal to 1 or
 divisible by 16, pointers aligned to 16 bytes, and constexprs. What varies from step to step (the
@@ -289,7 +290,9 @@ def _paged_attention_kernel(
                 tl.store(part_ml_ptr + part * 2, m_i)
                 tl.store(part_ml_ptr + part * 2 + 1, l_i)
     elif HAS_LONG:
-        tile = pid - short_programs
+        # Last tiles first: a sequence's later tiles see more keys, and starting the longest
+        # programs first keeps the tail of the launch short.
+        tile = tl.num_programs(0) - 1 - pid
         lo = tl.full([], 0, tl.int32)
         hi = lo + num_seqs
         while hi - lo > 1:
