@@ -120,11 +120,12 @@ def test_mixed_batch_matches_float64(layout: Layout, tpb: int, hq: int, hkv: int
     meta = mixed_meta(cache, MIXED_Q, MIXED_KV, pad_seqs=3)
     q = torch.randn(sum(MIXED_Q) + 17, hq, d, device=CUDA, dtype=BF16)  # 17 padding tokens
     want, owned = reference_attention(q, cache, 1, meta)
-    tiles_variants = [
-        AttentionTiles(),
-        AttentionTiles(long_rows=64, block_n=32, long_warps=4),
-        AttentionTiles(long_rows=128, block_n=128),
-    ]
+    tiles_variants = [AttentionTiles()]
+    if hq == 32:  # other tile configs on the 8B geometry only (each compiles its own variants)
+        tiles_variants += [
+            AttentionTiles(long_rows=64, block_n=32, long_warps=4),
+            AttentionTiles(long_rows=128, block_n=128, num_stages=2),
+        ]
     cu_q = meta.cu_q.tolist()
     for tiles in tiles_variants:
         ops = TritonOps(tiles)
