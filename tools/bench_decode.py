@@ -374,20 +374,16 @@ def bench_attention(
             ("torch_gather_sdpa", functools.partial(decode_attention_torch, q, cache, 0, meta))
         ]
         if ops is not None and ops.name == "triton":
-            from trtdisagg.model.triton_ops import TritonOps, decode_num_splits
+            from trtdisagg.model.attention_meta import from_decode
+            from trtdisagg.model.paged_attention import AttentionTiles, num_splits_for
+            from trtdisagg.model.triton_ops import TritonOps
 
-            assert isinstance(ops, TritonOps)
-            auto = decode_num_splits(size, cache.num_kv_heads, device)
+            auto = num_splits_for(size, cache.num_kv_heads, device)
             configs = [(auto, 64), (auto, 32), (auto, 128), (max(1, auto // 4), 64)]
             for splits, block_n in dict.fromkeys(configs):
+                tuned = TritonOps(AttentionTiles(block_n=block_n))
                 call = functools.partial(
-                    ops.decode_attention_splits,
-                    q,
-                    cache,
-                    0,
-                    meta,
-                    num_splits=splits,
-                    block_n=block_n,
+                    tuned.paged_attention, q, cache, 0, from_decode(meta), num_splits=splits
                 )
                 variants.append((f"triton splits={splits} block_n={block_n}", call))
         for name, fn in variants:

@@ -1,7 +1,8 @@
 """The CUDA model path: Triton kernels, batched decode, CUDA graphs (run on the device machine).
 
 * Each Triton op against the torch reference op (random bf16 inputs, both KV layouts, odd
-  tokens_per_block, GQA groups 1-8, split-K variants, padding rows).
+  tokens_per_block, GQA groups 1-8, split-K variants, padding rows); the paged attention kernel
+  on mixed batches is in test_gpu_paged_attention.py.
 * One decode step's logits: CUDA graph == eager fused == eager per-sequence reference.
 * Greedy tokens through `ModelRunner` (graphs on, graphs off) against the eager per-sequence
   path in bf16 on the same GPU (near-tie rule, bf16 tolerance) and against transformers in
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.attention_reference import reference_attention
 from tests.oracle import PagedGreedy, Seq, assert_greedy_match, hf_greedy, make_hf_checkpoint
 from tests.runner_greedy import runner_greedy
 from trtdisagg.config import KvCacheConfig, WorkerConfig
@@ -153,26 +155,6 @@ def test_rope_kv_kernel_matches_torch(layout: Layout, tpb: int) -> None:
     assert torch.equal(before, b.pool)
 
 
-def reference_attention(
-    q: torch.Tensor, cache: KVCache, layer: int, meta: DecodeMeta
-) -> torch.Tensor:
-    """Float64, one sequence at a time, through KVCache.gather (the per-sequence path)."""
-    s, hq, _d = q.shape
-    group = hq // cache.num_kv_heads
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    for i in range(s):
-        length = int(meta.context_lens[i])
-        if length == 0:
-            continue
-        blocks = meta.block_table[i, : math.ceil(length / cache.tokens_per_block)].long()
-        keys, values = cache.gather(layer, blocks, length)
-        keys = keys.double().repeat_interleave(group, dim=0)
-        values = values.double().repeat_interleave(group, dim=0)
-        scores = (q[i].double()[:, None, :] @ keys.transpose(1, 2))[:, 0] / math.sqrt(q.shape[2])
-        out[i] = torch.einsum("hl,hld->hd", scores.softmax(-1), values)
-    return out
-
-
 @pytest.mark.parametrize(
     ("layout", "tpb", "hq", "hkv", "d"),
     [
@@ -185,6 +167,11 @@ def reference_attention(
 def test_decode_attention_kernel_matches_reference(
     layout: Layout, tpb: int, hq: int, hkv: int, d: int
 ) -> None:
+    """A decode step (`DecodeMeta`, as the graph staging sends it) through the paged attention
+    kernel, every split count, against float64; padding rows come out 0."""
+    from trtdisagg.model import attention_meta
+    from trtdisagg.model.paged_attention import SPLIT_CHOICES
+
     torch.manual_seed(2)
     cache = make_pool(layout, tpb, hkv, d, blocks=2048)
     lens = [1, 17, 300, 1030, 0, 64]  # 0: a padding row
@@ -196,13 +183,14 @@ def test_decode_attention_kernel_matches_reference(
         max_context_len=max(lens),
     )
     q = torch.randn(len(lens), hq, d, device=CUDA, dtype=BF16)
-    want = reference_attention(q, cache, 1, meta)
+    want, _ = reference_attention(q, cache, 1, attention_meta.from_decode(meta))
     tri = triton_ops()
-    for splits, block_n in [(None, None), (1, 64), (4, 16), (32, 32)]:
-        got = tri.decode_attention_splits(q, cache, 1, meta, num_splits=splits, block_n=block_n)
+    assert float(tri.decode_attention(q, cache, 1, meta)[4].abs().max()) == 0.0
+    for splits in SPLIT_CHOICES:
+        got = tri.paged_attention(q, cache, 1, attention_meta.from_decode(meta), num_splits=splits)
         assert torch.isfinite(got).all()
         assert float(got[4].abs().max()) == 0.0  # the padding row
-        assert rel_err(got, want) < 1e-2, (splits, block_n)
+        assert rel_err(got.cpu(), want) < 1e-2, splits
     # The batched torch path (no padding rows allowed there) agrees too.
     real = [i for i, n in enumerate(lens) if n > 0]
     meta_real = DecodeMeta(
@@ -210,7 +198,8 @@ def test_decode_attention_kernel_matches_reference(
         context_lens=meta.context_lens[real],
         max_context_len=max(lens),
     )
-    assert rel_err(TorchOps().decode_attention(q[real], cache, 1, meta_real), want[real]) < 1e-2
+    torch_out = TorchOps().decode_attention(q[real], cache, 1, meta_real)
+    assert rel_err(torch_out.cpu(), want[real]) < 1e-2
 
 
 # ---- one decode step: graph == eager fused == eager per sequence ----

@@ -1,7 +1,8 @@
-"""Paged self-attention: project, rotate, write K/V into the cache, attend per sequence.
+"""Paged self-attention: project, rotate, write K/V into the cache, attend.
 
-Projections run over all N flat tokens; the attention itself runs one sequence at a time, on K/V
-gathered from that sequence's blocks. Query i of a sequence sits at position
+Projections run over all N flat tokens. On the reference path (and the fused path on torch ops,
+i.e. CPU) the attention itself runs one sequence at a time, on K/V gathered from that sequence's
+blocks. Query i of a sequence sits at position
 `kv_len - q_len + i` and sees keys 0..that position, which covers prefill chunks, decode steps and
 tails after a prefix-cache hit with one rule.
 
@@ -12,7 +13,8 @@ A decode-only batch (`batch.decode` set) attends batched instead: one padded gat
 for all sequences. A mixed batch with `batch.decode_head` attends its leading decode rows the same
 way and only its prefill chunks one sequence at a time. The fused path (`forward_fused`, after
 `fuse()`) runs one q/k/v GEMM and the model's `TorchOps`/`TritonOps` for RoPE, the KV write and
-decode attention.
+attention; with `TritonOps` every step, of any mix, attends in one paged attention launch
+(`trtdisagg.model.paged_attention`), and nothing runs per sequence.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.args import ModelArgs
-from trtdisagg.model.batch import DecodeMeta, ForwardBatch, SeqSlice
+from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch, SeqSlice
 from trtdisagg.model.layers import Linear, RMSNorm, all_reduce
 from trtdisagg.model.ops import TorchOps, decode_attention_torch
 from trtdisagg.model.parallel import Parallel
@@ -135,30 +137,43 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         masks: tuple[torch.Tensor | None, ...],
+        attention: AttentionMeta | None,
         batch: ForwardBatch,
         cache: KVCache,
         layer: int,
     ) -> torch.Tensor:
-        """`forward` after `fuse()`: one q/k/v GEMM, then `ops` for RoPE, KV write, attention."""
+        """`forward` after `fuse()`: one q/k/v GEMM, then `ops` for RoPE, KV write, attention.
+
+        With `attention` (the Triton ops) every step attends in one `ops.paged_attention`
+        call; without it (the torch ops) as `forward` does.
+        """
         assert self.qkv_weight is not None, "call fuse() first"
-        n, d = x.shape[0], self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
-        q = qkv[:, :q_width].view(n, self.num_heads, d)
-        k = qkv[:, q_width : q_width + kv_width].view(n, self.num_kv_heads, d)
-        v = qkv[:, q_width + kv_width :].view(n, self.num_kv_heads, d)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.split_qkv(F.linear(x, self.qkv_weight, self.qkv_bias))
         q = ops.rope_write_kv(
             q, k, v, cos=cos, sin=sin, cache=cache, layer=layer, slot_mapping=batch.slot_mapping
         )
-        if batch.decode is not None:
+        if attention is not None:
+            out = ops.paged_attention(q, cache, layer, attention)
+        elif batch.decode is not None:
             out = ops.decode_attention(q, cache, layer, batch.decode)
         else:
             out = self._attend_mixed(
                 q, ops.decode_attention, masks=masks, batch=batch, cache=cache, layer=layer
             )
         return self._project_out(out)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's output [N, (Hq + 2H) D] as q [N, Hq, D], k and v [N, H, D]
+        (views, or the q/k norms' outputs)."""
+        assert self.qkv_weight is not None, "call fuse() first"
+        n, d = qkv.shape[0], self.head_dim
+        q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
+        q = qkv[:, :q_width].view(n, self.num_heads, d)
+        k = qkv[:, q_width : q_width + kv_width].view(n, self.num_kv_heads, d)
+        v = qkv[:, q_width + kv_width :].view(n, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(out.reshape(out.shape[0], -1), self.o_proj.weight), self.parallel)

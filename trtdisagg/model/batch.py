@@ -15,6 +15,11 @@ A mixed step (prefill chunks next to decodes) may carry `decode_head`: `DecodeMe
 `S` sequences when each has `q_len == 1` (rows 0..S-1). Those attend batched and only the rest
 one sequence at a time; the scheduler puts decodes first, so a burst of new prompts no longer
 turns every running stream's attention into a per-sequence loop.
+
+`attention` (`AttentionMeta`) describes the whole step to the paged attention kernel on device
+(int32 offsets, lengths and block table): with it every step, of any mix, attends in one launch.
+A runner may fill it (padded to a size bucket, for a CUDA graph); otherwise the Triton ops build
+it from `seqs` or `decode` (`trtdisagg.model.attention_meta`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,41 @@ class DecodeMeta:
 
 
 @attrs.frozen(kw_only=True, eq=False)
+class AttentionMeta:
+    """A step's sequences as the paged attention kernel reads them: int32 tensors on the device.
+
+    Sequence s owns query rows `cu_q[s]..cu_q[s+1]` of the flat batch and `kv_lens[s]` keys, held
+    in the first `ceil(kv_lens[s] / tokens_per_block)` entries of `block_table[s]`. Padding
+    sequences have q_len 0 (`cu_q` repeats its last value); tokens past `cu_q[S]` are padding
+    too, and their attention output is left unwritten. A sequence with kv_len 0 attends to
+    nothing (output 0).
+    """
+
+    cu_q: torch.Tensor  # int32 [S + 1], non-decreasing, cu_q[0] == 0
+    kv_lens: torch.Tensor  # int32 [S], each >= q_len of its sequence
+    block_table: torch.Tensor  # int32 [S, W], row stride may exceed W; entries past use unread
+    max_q_len: int  # host-side bound on every q_len: it decides whether long tiles launch
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("cu_q", "kv_lens", "block_table"):
+            if getattr(self, name).dtype != torch.int32:
+                raise ValueError(f"AttentionMeta.{name} must be int32")
+        num_seqs = self.kv_lens.shape[0]
+        if self.cu_q.shape != (num_seqs + 1,) or self.block_table.shape[0] != num_seqs:
+            raise ValueError(
+                f"AttentionMeta of {num_seqs} sequences needs cu_q [{num_seqs + 1}] and "
+                f"block_table [{num_seqs}, W], got {tuple(self.cu_q.shape)} and "
+                f"{tuple(self.block_table.shape)}"
+            )
+        if self.block_table.dim() != 2 or self.block_table.stride(1) != 1:
+            raise ValueError("AttentionMeta.block_table must be 2-D with unit column stride")
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.kv_lens.shape[0])
+
+
+@attrs.frozen(kw_only=True, eq=False)
 class ForwardBatch:
     input_ids: torch.Tensor  # long (or int32) [N], all sequences' new tokens, concatenated
     positions: torch.Tensor  # long (or int32) [N]
@@ -61,6 +101,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # long [S], flat index of each sequence's last new token
     decode: DecodeMeta | None = None  # set only when every sequence has q_len == 1
     decode_head: DecodeMeta | None = None  # mixed steps: the leading q_len == 1 sequences
+    attention: AttentionMeta | None = None  # the whole step for the paged attention kernel
 
     @property
     def num_tokens(self) -> int:

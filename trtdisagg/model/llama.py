@@ -12,7 +12,8 @@ Two paths compute the same function. The reference path (the default, used on CP
 oracle tests) is the plain module graph above. `use_ops(ops)` switches to the fused path: q/k/v
 and gate/up run as one GEMM each, and the residual adds, norms, SiLU-and-mul, RoPE + KV write and
 decode attention go through `ops` (`TorchOps` anywhere, `TritonOps` on CUDA), which on CUDA is
-a handful of kernels per layer and can be captured in a CUDA graph.
+a handful of kernels per layer and can be captured in a CUDA graph; there every step attends in
+one paged attention launch, and `warm_up` compiles the kernels' variants before serving.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.args import ModelArgs
 from trtdisagg.model.attention import Attention, causal_mask
-from trtdisagg.model.batch import ForwardBatch
+from trtdisagg.model.batch import AttentionMeta, ForwardBatch
 from trtdisagg.model.layers import MLP, Embedding, Linear, RMSNorm
 from trtdisagg.model.ops import TorchOps
 from trtdisagg.model.parallel import Parallel
@@ -72,6 +73,7 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
         layer: int,
+        attention: AttentionMeta | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused path: (x, residual) -> (mlp output, residual stream before it).
 
@@ -84,7 +86,15 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         attended = self.self_attn.forward_fused(
-            h, ops=ops, cos=cos, sin=sin, masks=masks, batch=batch, cache=cache, layer=layer
+            h,
+            ops=ops,
+            cos=cos,
+            sin=sin,
+            masks=masks,
+            attention=attention,
+            batch=batch,
+            cache=cache,
+            layer=layer,
         )
         norm = self.post_attention_layernorm
         h, residual = ops.add_rms_norm(attended, residual, norm.weight, norm.eps)
@@ -162,6 +172,13 @@ class CausalLM(nn.Module):
                 block.mlp.fuse()
         self.ops = ops
 
+    def warm_up(self, cache: KVCache) -> None:
+        """Compile every kernel variant the fused path can meet while serving (nothing on the
+        reference path or the torch ops). Writes nothing into `cache`; call it before serving,
+        after `use_ops`."""
+        if self.ops is not None:
+            self.ops.warm_up(self, cache)
+
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
         """This stage's layers, typed."""
@@ -199,13 +216,23 @@ class CausalLM(nn.Module):
                 raise ValueError(f"pipeline stage {self.parallel.pp_rank} needs hidden states")
             x = hidden
         cos, sin = cos_sin(self._inv_freq, batch.positions, x.dtype)
-        # A decode batch attends batched, with no masks (and may carry no seqs).
+        # Built once for all layers: the step's metadata for the paged attention kernel.
+        attention = None if self.ops is None else self.ops.prepare_attention(batch)
+        # A decode batch attends batched, with no masks (and may carry no seqs); the paged
+        # attention kernel needs none either.
         masks: tuple[torch.Tensor | None, ...] = ()
-        if batch.decode is None:
+        if batch.decode is None and attention is None:
             masks = tuple(causal_mask(seq, x.device) for seq in batch.seqs)
         if self.ops is not None:
             return self._forward_fused(
-                x, self.ops, cos=cos, sin=sin, masks=masks, batch=batch, cache=cache
+                x,
+                self.ops,
+                cos=cos,
+                sin=sin,
+                masks=masks,
+                attention=attention,
+                batch=batch,
+                cache=cache,
             )
         for layer, block in enumerate(self.model.layers):
             x = block(x, cos=cos, sin=sin, masks=masks, batch=batch, cache=cache, layer=layer)
@@ -224,6 +251,7 @@ class CausalLM(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         masks: tuple[torch.Tensor | None, ...],
+        attention: AttentionMeta | None,
         batch: ForwardBatch,
         cache: KVCache,
     ) -> torch.Tensor:
@@ -239,6 +267,7 @@ class CausalLM(nn.Module):
                 batch=batch,
                 cache=cache,
                 layer=layer,
+                attention=attention,
             )
         norm = self.model.norm
         if self.lm_head is None or norm is None:

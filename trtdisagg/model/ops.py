@@ -1,5 +1,5 @@
 """The fused-path operations: RMSNorm (+ residual add), SiLU-and-mul, RoPE + KV write, and
-batched paged decode attention.
+paged attention (batched for decode steps here; for every step in `TritonOps`).
 
 `TorchOps` computes each with plain torch ops, in exactly the order of operations of the
 reference modules (`RMSNorm`, `MLP`, `apply_rope` + `KVCache.write`), and runs on any device.
@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.kv.page_table import Layout
-from trtdisagg.model.batch import DecodeMeta
+from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
 from trtdisagg.model.rope import apply_rope
+
+if TYPE_CHECKING:
+    from trtdisagg.model.llama import CausalLM
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,6 +121,20 @@ class TorchOps:
         self, q: torch.Tensor, cache: KVCache, layer: int, meta: DecodeMeta
     ) -> torch.Tensor:
         return decode_attention_torch(q, cache, layer, meta)
+
+    def prepare_attention(self, batch: ForwardBatch) -> AttentionMeta | None:
+        """The step's metadata for `paged_attention`, built once per forward; None where these
+        ops attend per sequence instead (the torch ops: `Attention._attend_mixed`)."""
+        return None
+
+    def paged_attention(
+        self, q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta
+    ) -> torch.Tensor:
+        """Every sequence of the step in one call (q [N, Hq, D] -> [N, Hq, D])."""
+        raise NotImplementedError(f"{self.name} ops attend per sequence")
+
+    def warm_up(self, model: CausalLM, cache: KVCache) -> None:
+        """Compile whatever the ops compile, before serving (nothing to do in torch)."""
 
 
 def triton_available() -> bool:

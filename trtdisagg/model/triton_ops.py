@@ -5,12 +5,14 @@ Each kernel reproduces the rounding of the torch reference (`trtdisagg.model.ops
 bf16 op in torch computes in float32 and rounds once, so the kernels round to the activation
 dtype at the same points. Only reduction order differs.
 
-Paged decode attention is split-K ("flash decoding"): program (sequence, kv head, split) walks
-its share of the sequence's tokens through the block table, keeps an online softmax for the
-`group` query heads of that kv head, and writes a partial result that a second kernel combines.
-The grid depends only on the batch size, and lengths are read from device memory, so a captured
-CUDA graph serves any context length. Token addresses come from the pool's strides, which covers
-both the HND and NHD layouts and any tokens_per_block.
+Attention, for every kind of step, is the paged attention kernel of
+`trtdisagg.model.paged_attention`, fed by `AttentionMeta` (built once per forward by
+`prepare_attention`). Its grid depends only on tensor sizes and it reads lengths from device
+memory, so a captured CUDA graph serves any context length.
+
+No kernel compiles while serving: arguments that vary from step to step are kept out of Triton's
+specialisation key (`do_not_specialize*`), so each kernel meets a fixed set of variants, and
+`warm_up` compiles every one of them at start-up. `compiled_variants` counts what is compiled.
 
 Kernels are imported only on CUDA with Triton installed. Under `TRITON_INTERPRET=1` (CPU) they
 run on CPU tensors, with dots in float32: the interpreter cannot multiply bf16 matrices.
@@ -18,17 +20,30 @@ run on CPU tensors, with dots in float32: the interpreter cannot multiply bf16 m
 
 from __future__ import annotations
 
-import functools
 import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton  # type: ignore[import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
 from trtdisagg.kv.cache import KVCache
-from trtdisagg.kv.page_table import Layout
-from trtdisagg.model.batch import DecodeMeta
+from trtdisagg.model import attention_meta
+from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
 from trtdisagg.model.ops import TorchOps
+from trtdisagg.model.paged_attention import (
+    KERNELS as ATTENTION_KERNELS,
+)
+from trtdisagg.model.paged_attention import (
+    SPLIT_CHOICES,
+    AttentionTiles,
+    head_token_strides,
+    paged_attention,
+    short_tile,
+)
+
+if TYPE_CHECKING:
+    from trtdisagg.model.llama import CausalLM
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -78,7 +93,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, gu_stride, out_stride, BLOCK: tl.c
     tl.store(out_ptr + row * out_stride + cols, y, mask=mask)
 
 
-@triton.jit
+# A step's slot mapping may be a view at any offset of a packed int buffer.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _rope_kv_kernel(
     q_ptr,
     k_ptr,
@@ -143,140 +159,6 @@ def _rope_kv_kernel(
     tl.store(dst + s_kv, v, mask=write)
 
 
-@triton.jit
-def _decode_attn_kernel(
-    q_ptr,
-    kv_ptr,  # the pool, already offset to this layer's K
-    table_ptr,
-    lens_ptr,
-    out_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
-    table_row,
-    s_block,
-    s_kv,
-    s_head,
-    s_tok,
-    tokens_per_block,
-    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
-    HQ: tl.constexpr,
-    GROUP: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    length = tl.load(lens_ptr + seq).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, length)
-
-    rows = tl.arange(0, BLOCK_G)
-    rmask = rows < GROUP
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    heads = kv_head * GROUP + rows
-    q = tl.load(
-        q_ptr + (seq * HQ + heads[:, None]) * D + d[None, :],
-        mask=rmask[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    if DOT_FP32:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    head_ptr = kv_ptr + kv_head * s_head
-    for n0 in range(start, end, BLOCK_N):
-        toks = n0 + tl.arange(0, BLOCK_N)
-        valid = toks < end
-        page = tl.load(table_ptr + seq * table_row + toks // tokens_per_block, mask=valid, other=0)
-        addr = page.to(tl.int64) * s_block + (toks % tokens_per_block) * s_tok
-        lmask = valid[:, None] & dmask[None, :]
-        k = tl.load(head_ptr + addr[:, None] + d[None, :], mask=lmask, other=0.0)
-        v = tl.load(head_ptr + s_kv + addr[:, None] + d[None, :], mask=lmask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    omask = rmask[:, None] & dmask[None, :]
-    if NUM_SPLITS == 1:
-        safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-        out = acc / safe_l[:, None]
-        tl.store(
-            out_ptr + (seq * HQ + heads[:, None]) * D + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=omask,
-        )
-    else:
-        part = (seq * HQ + heads) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=omask)
-        tl.store(part_ml_ptr + part * 2, m_i, mask=rmask)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=rmask)
-
-
-@triton.jit
-def _combine_splits_kernel(
-    part_acc_ptr,
-    part_ml_ptr,
-    out_ptr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)  # seq * HQ + head
-    sp = tl.arange(0, BLOCK_SPLITS)
-    smask = sp < NUM_SPLITS
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    part = row * NUM_SPLITS + sp
-    m = tl.load(part_ml_ptr + part * 2, mask=smask, other=float("-inf"))
-    ell = tl.load(part_ml_ptr + part * 2 + 1, mask=smask, other=0.0)
-    m_max = tl.max(m, 0)
-    has = m > float("-inf")
-    weight = tl.where(has, tl.exp2(tl.where(has, m, 0.0) - tl.where(has, m_max, 0.0)), 0.0)
-    total = tl.sum(weight * ell, 0)
-    acc = tl.load(
-        part_acc_ptr + part[:, None] * D + d[None, :],
-        mask=smask[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    out = tl.sum(weight[:, None] * acc, 0)
-    out = out / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per (sequence, kv head): enough programs for about two waves of the chip."""
-    target = 2 * _num_sms(device)
-    splits = 1
-    while num_seqs * num_kv_heads * splits < target and splits < 32:
-        splits *= 2
-    return splits
-
-
 def _norm_warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
@@ -286,7 +168,9 @@ class TritonOps(TorchOps):
 
     name = "triton"
     graph_safe = True
-    block_n = 64  # keys per inner iteration of decode attention
+
+    def __init__(self, tiles: AttentionTiles | None = None) -> None:
+        self.tiles = tiles or AttentionTiles()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm(x, None, weight, eps)[0]
@@ -356,7 +240,7 @@ class TritonOps(TorchOps):
         if n == 0:
             return q_out
         pool = cache.pool
-        s_head, s_tok = _head_token_strides(cache)
+        s_head, s_tok = head_token_strides(cache)
         _rope_kv_kernel[(n,)](
             q,
             k,
@@ -385,84 +269,80 @@ class TritonOps(TorchOps):
         )
         return q_out
 
-    def decode_attention(
-        self, q: torch.Tensor, cache: KVCache, layer: int, meta: DecodeMeta
-    ) -> torch.Tensor:
-        return self.decode_attention_splits(q, cache, layer, meta, num_splits=None)
+    def prepare_attention(self, batch: ForwardBatch) -> AttentionMeta | None:
+        return attention_meta.for_batch(batch)
 
-    def decode_attention_splits(
+    def paged_attention(
         self,
         q: torch.Tensor,
         cache: KVCache,
         layer: int,
-        meta: DecodeMeta,
+        meta: AttentionMeta,
         *,
-        num_splits: int | None,
-        block_n: int | None = None,
+        num_splits: int | None = None,
     ) -> torch.Tensor:
-        """`decode_attention` with the split count and key tile given (for tuning)."""
-        s, num_heads, d = q.shape
-        assert q.is_contiguous()
-        num_kv_heads = cache.num_kv_heads
-        group = num_heads // num_kv_heads
-        splits = num_splits or decode_num_splits(s, num_kv_heads, q.device)
-        out = torch.empty_like(q)
-        if s == 0:
-            return out
-        if splits > 1:
-            part_acc = torch.empty(
-                (s * num_heads * splits, d), dtype=torch.float32, device=q.device
-            )
-            part_ml = torch.empty((s * num_heads * splits, 2), dtype=torch.float32, device=q.device)
-        else:
-            part_acc = part_ml = out  # unused
-        table = meta.block_table
-        assert table.stride(1) == 1
-        pool = cache.pool
-        s_head, s_tok = _head_token_strides(cache)
-        block_d = triton.next_power_of_2(d)
-        _decode_attn_kernel[(s, num_kv_heads, splits)](
-            q,
-            pool.select(1, layer),
-            table,
-            meta.context_lens,
-            out,
-            part_acc,
-            part_ml,
-            table.stride(0),
-            pool.stride(0),
-            pool.stride(2),
-            s_head,
-            s_tok,
-            cache.tokens_per_block,
-            d**-0.5 * 1.4426950408889634,
-            HQ=num_heads,
-            GROUP=group,
-            D=d,
-            BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_D=block_d,
-            BLOCK_N=block_n or self.block_n,
-            NUM_SPLITS=splits,
-            DOT_FP32=_INTERPRET,
-            num_warps=4,
+        return paged_attention(
+            q, cache, layer, meta, tiles=self.tiles, dot_fp32=_INTERPRET, num_splits=num_splits
         )
-        if splits > 1:
-            _combine_splits_kernel[(s * num_heads,)](
-                part_acc,
-                part_ml,
-                out,
-                D=d,
-                BLOCK_D=block_d,
-                NUM_SPLITS=splits,
-                BLOCK_SPLITS=triton.next_power_of_2(splits),
-                num_warps=4,
+
+    def decode_attention(
+        self, q: torch.Tensor, cache: KVCache, layer: int, meta: DecodeMeta
+    ) -> torch.Tensor:
+        return self.paged_attention(q, cache, layer, attention_meta.from_decode(meta))
+
+    def warm_up(self, model: CausalLM, cache: KVCache) -> None:
+        """Launch every kernel over every variant that `model`'s forward can meet (compiling
+        them), the way the forward calls it. Writes nothing into `cache`: slots are -1 and
+        attention only reads."""
+        layers = model.decoder_layers
+        if not layers:
+            return
+        block = layers[0]
+        attn, mlp = block.self_attn, block.mlp
+        assert attn.qkv_weight is not None and mlp.gate_up_weight is not None, "call fuse() first"
+        device, dtype, rows = cache.device, model.dtype, 3
+        norm = block.input_layernorm
+        x = torch.randn(rows, model.args.hidden_size, device=device, dtype=dtype)
+        self.rms_norm(x, norm.weight, norm.eps)
+        self.add_rms_norm(x, torch.randn_like(x), norm.weight, norm.eps)
+        gate_up = mlp.gate_up_weight.shape[0]
+        self.silu_mul(torch.randn(rows, gate_up, device=device, dtype=dtype))
+        qkv = torch.randn(rows, attn.qkv_weight.shape[0], device=device, dtype=dtype)
+        q, k, v = attn.split_qkv(qkv)
+        cos = torch.randn(rows, attn.head_dim, device=device, dtype=dtype)
+        sin = torch.randn_like(cos)
+        for slot_dtype in (torch.int32, torch.int64):  # staging buffers send int32, runners int64
+            slots = torch.full((rows,), -1, dtype=slot_dtype, device=device)
+            q = self.rope_write_kv(
+                q, k, v, cos=cos, sin=sin, cache=cache, layer=0, slot_mapping=slots
             )
-        return out
+        self.warm_up_attention(q, cache)
+
+    def warm_up_attention(self, q: torch.Tensor, cache: KVCache) -> None:
+        """Every variant of the attention kernels, for queries shaped like `q` [_, Hq, D]."""
+        group = q.shape[1] // cache.num_kv_heads
+        long_q = short_tile(group).tokens + 1
+        tpb = cache.tokens_per_block
+        table = [0] * -(-long_q // tpb)  # block 0: only read
+        for q_lens in ([1], [1, long_q]):  # decode-only; with a long sequence
+            meta = attention_meta.from_lists(
+                q_lens, q_lens, [table] * len(q_lens), device=cache.device
+            )
+            x = torch.randn(sum(q_lens), *q.shape[1:], device=q.device, dtype=q.dtype)
+            for splits in SPLIT_CHOICES:
+                self.paged_attention(x, cache, 0, meta, num_splits=splits)
 
 
-def _head_token_strides(cache: KVCache) -> tuple[int, int]:
-    """Pool strides (elements) of one kv head and of one token within a block."""
-    pool = cache.pool
-    if cache.layout is Layout.HND:  # [blocks, layers, 2, H, T, D]
-        return pool.stride(3), pool.stride(4)
-    return pool.stride(4), pool.stride(3)  # [blocks, layers, 2, T, H, D]
+def compiled_variants() -> dict[str, int]:
+    """How many variants of each kernel are compiled in this process (0 under the
+    interpreter, which compiles nothing)."""
+    kernels: dict[str, Any] = {
+        "rms_norm": _rms_norm_kernel,
+        "silu_mul": _silu_mul_kernel,
+        "rope_kv": _rope_kv_kernel,
+        **ATTENTION_KERNELS,
+    }
+    return {
+        name: sum(len(entry[0]) for entry in getattr(kernel, "device_caches", {}).values())
+        for name, kernel in kernels.items()
+    }

@@ -150,8 +150,9 @@ class DecodeGraphs:
     replays: int = 0  # decode steps served from a graph
 
     def capture(self) -> None:
-        """Warm up (compiling the kernels) and capture one graph per batch size, largest first,
-        sharing one memory pool. Slow (seconds); call once before serving."""
+        """Compile every kernel variant serving can meet (`CausalLM.warm_up`: eager and mixed
+        steps too), then capture one graph per batch size, largest first, sharing one memory
+        pool. Slow (seconds); call once before serving."""
         ops = self.model.ops
         if ops is None or not ops.graph_safe:
             raise ValueError("CUDA graphs need the model on graph-safe ops (TritonOps)")
@@ -159,6 +160,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         empty = DecodeRows(token_ids=[], positions=[], slots=[], context_lens=[], block_tables=[])
         with torch.inference_mode(), torch.cuda.device(device):
+            self.model.warm_up(self.cache)
             for size in sorted(self.batch_sizes, reverse=True):
                 staging = DecodeStaging.allocate(
                     size,

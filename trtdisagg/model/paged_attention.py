@@ -1,0 +1,465 @@
+# mypy: disable-error-code="no-untyped-def"
+"""Paged attention for any step in one Triton launch: a flat batch of query tokens from many
+sequences (prefill chunks, decode rows, tails after a prefix-cache hit) against the KV pool.
+
+Sequence s owns query rows `cu_q[s]..cu_q[s+1]` of the flat batch and `kv_lens[s]` keys reached
+through row s of the block table; query i of it sits at position `kv_len - q_len + i` and sees keys
+0..that position. Every length and offset is read from device memory and the grid depends only on
+the sizes of the tensors (`AttentionMeta`), so a padded batch (sequences with q_len 0, tokens past
+`cu_q[S]`) can be replayed from a CUDA graph captured for its size bucket.
+
+A program attends a tile of rows that share one kv head: (query token, query head of that kv
+head's GQA group), so every K/V tile it loads serves all the group's heads of several tokens. The
+loop is FlashAttention-2's: online softmax in base 2 with float32 statistics and accumulator, and
+the probabilities rounded to the activation dtype before the PV product (where the torch reference
+rounds its softmax). Two kinds of program share the launch:
+
+* a short sequence (q_len <= the short tile's tokens: decode rows) takes one 16-row tile, and its
+  keys are split over NUM_SPLITS programs ("flash decoding") so that a small batch fills the chip;
+  `_combine_splits_kernel` merges the splits;
+* a longer one takes tiles of `long_rows` rows, each walking first the key blocks that every row
+  of the tile sees (no mask), then the blocks on the causal diagonal. A tile finds its sequence by
+  binary search over cu_q: tile t belongs to the last s with `cu_q[s] // LONG_TOKENS + s <= t`,
+  which bounds the tile count by `N // LONG_TOKENS + S` without a tile map. Tiles launch last
+  first, so the programs that see the most keys start earliest.
+
+Triton compiles one variant per specialisation key: the argument types, ints equal to 1 or
+divisible by 16, pointers aligned to 16 bytes, and constexprs. What varies from step to step (the
+sequence count, the block-table width, the metadata pointers, which may be views into one packed
+buffer) is kept out of the key, so a model meets `2 x len(SPLIT_CHOICES)` variants of the main
+kernel and one combine variant per split count above 1; `warm_up` compiles them all.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+import torch
+import triton  # type: ignore[import-not-found, unused-ignore]
+import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
+
+from trtdisagg.kv.cache import KVCache
+from trtdisagg.kv.page_table import Layout
+from trtdisagg.model.batch import AttentionMeta
+
+SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
+SHORT_ROWS = 16  # a short sequence's tile: the smallest M of a tensor-core dot
+
+# Arguments kept out of the specialisation key (see the module docstring).
+MAIN_DYNAMIC_INTS = ("num_seqs", "table_row")
+MAIN_DYNAMIC_POINTERS = ("cu_q_ptr", "kv_lens_ptr", "table_ptr")
+COMBINE_DYNAMIC_POINTERS = ("cu_q_ptr",)
+
+
+@attrs.frozen(kw_only=True)
+class AttentionTiles:
+    """Tile sizes and launch options of the attention kernel (fixed per process)."""
+
+    long_rows: int = 128  # rows (query token x group head) of a long sequence's tile
+    block_n: int = 64  # keys per inner iteration
+    long_warps: int = 8  # warps of a launch that has long tiles
+    short_warps: int = 4  # warps of a launch of short tiles only (decode steps)
+    num_stages: int = 3  # software pipelining depth of the key loop
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("long_rows", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class TileShape:
+    rows: int  # tile rows, a power of two
+    tokens: int  # query tokens per tile: rows // group
+
+
+def short_tile(group: int) -> TileShape:
+    rows = max(SHORT_ROWS, triton.next_power_of_2(group))
+    return TileShape(rows=rows, tokens=rows // group)
+
+
+def long_tile(group: int, tiles: AttentionTiles) -> TileShape:
+    rows = max(tiles.long_rows, triton.next_power_of_2(group))
+    return TileShape(rows=rows, tokens=rows // group)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def num_splits_for(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Key splits per short sequence: enough programs for about two waves of the chip, from
+    `SPLIT_CHOICES` only (each is a compiled variant)."""
+    target = 2 * _num_sms(device)
+    for splits in SPLIT_CHOICES:
+        if num_seqs * num_kv_heads * splits >= target:
+            return splits
+    return SPLIT_CHOICES[-1]
+
+
+@triton.jit
+def _key_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    pos,
+    head_ptr,
+    table_row_ptr,
+    n0,
+    key_hi,
+    s_block,
+    s_kv,
+    s_tok,
+    tokens_per_block,
+    qk_scale,
+    d,
+    dmask,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One step of the online softmax over keys n0..n0+BLOCK_N; MASKED applies `key < key_hi`
+    and the causal rule `key <= pos` (the unmasked blocks are seen by every row)."""
+    toks = n0 + tl.arange(0, BLOCK_N)
+    valid = toks < key_hi
+    page = tl.load(table_row_ptr + toks // tokens_per_block, mask=valid, other=0)
+    addr = page.to(tl.int64) * s_block + (toks % tokens_per_block) * s_tok
+    kv_mask = valid[:, None] & dmask[None, :]
+    k = tl.load(head_ptr + addr[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(head_ptr + s_kv + addr[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        seen = valid[None, :] & (toks[None, :] <= pos[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # A row that has seen no key yet keeps m = -inf; shifting by 0 then gives p = 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(scores - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_tile(
+    q_ptr,
+    head_ptr,
+    table_row_ptr,
+    q_start,
+    q_len,
+    kv_len,
+    tok0,
+    key_lo,
+    key_hi,
+    kv_head,
+    q_row,
+    s_block,
+    s_kv,
+    s_tok,
+    tokens_per_block,
+    qk_scale,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Attention of one tile (query tokens tok0..tok0+TOKENS of a sequence, the GROUP heads of
+    `kv_head`) over its keys in [key_lo, key_hi), key_lo a multiple of BLOCK_N. Returns the
+    unnormalised accumulator, the row maxima and sums, and each row's offset and mask in q."""
+    r = tl.arange(0, ROWS)
+    tok = tok0 + r // GROUP
+    row_ok = (r < TOKENS * GROUP) & (tok < q_len)
+    heads = kv_head * GROUP + r % GROUP
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q_offs = (q_start + tok).to(tl.int64) * q_row + heads * D
+    q = tl.load(
+        q_ptr + q_offs[:, None] + d[None, :], mask=row_ok[:, None] & dmask[None, :], other=0.0
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    pos = kv_len - q_len + tok
+    first = kv_len - q_len + tok0
+    last = kv_len - q_len + tl.minimum(tok0 + TOKENS, q_len) - 1
+    # Blocks below the first query's position are seen whole by every row.
+    unmasked_end = tl.maximum(key_lo, tl.minimum(first + 1, key_hi) // BLOCK_N * BLOCK_N)
+    masked_end = tl.minimum(key_hi, last + 1)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for n0 in range(key_lo, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _key_block(
+            acc, m_i, l_i, q, pos, head_ptr, table_row_ptr, n0, key_hi, s_block, s_kv, s_tok,
+            tokens_per_block, qk_scale, d, dmask, BLOCK_N, False, DOT_FP32,
+        )  # fmt: skip
+    for n0 in range(unmasked_end, masked_end, BLOCK_N):
+        acc, m_i, l_i = _key_block(
+            acc, m_i, l_i, q, pos, head_ptr, table_row_ptr, n0, key_hi, s_block, s_kv, s_tok,
+            tokens_per_block, qk_scale, d, dmask, BLOCK_N, True, DOT_FP32,
+        )  # fmt: skip
+    return acc, m_i, l_i, q_offs, row_ok
+
+
+@triton.jit
+def _store_rows(out_ptr, q_offs, row_ok, acc, l_i, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key seen (padding): 0
+    tl.store(
+        out_ptr + q_offs[:, None] + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (d < D)[None, :],
+    )
+
+
+@triton.jit(
+    do_not_specialize=MAIN_DYNAMIC_INTS, do_not_specialize_on_alignment=MAIN_DYNAMIC_POINTERS
+)
+def _paged_attention_kernel(
+    q_ptr,
+    kv_ptr,  # the pool, already offset to this layer's K
+    out_ptr,
+    cu_q_ptr,
+    kv_lens_ptr,
+    table_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    num_seqs,
+    table_row,
+    q_row,
+    s_block,
+    s_kv,
+    s_head,
+    s_tok,
+    tokens_per_block,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SHORT_M: tl.constexpr,
+    SHORT_TOKENS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    LONG_M: tl.constexpr,
+    LONG_TOKENS: tl.constexpr,
+    HAS_LONG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    num_kv_heads = tl.num_programs(1)
+    head_ptr = kv_ptr + kv_head * s_head
+    short_programs = num_seqs * NUM_SPLITS
+    if pid < short_programs:
+        seq = pid // NUM_SPLITS
+        split = pid % NUM_SPLITS
+        q_start = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+        if (q_len > 0) & (q_len <= SHORT_TOKENS):
+            kv_len = tl.load(kv_lens_ptr + seq)
+            per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            key_lo = tl.minimum(split * per_split, kv_len)
+            key_hi = tl.minimum(key_lo + per_split, kv_len)
+            acc, m_i, l_i, q_offs, row_ok = _attend_tile(
+                q_ptr, head_ptr, table_ptr + seq.to(tl.int64) * table_row, q_start, q_len,
+                kv_len, 0, key_lo, key_hi, kv_head, q_row, s_block, s_kv, s_tok,
+                tokens_per_block, qk_scale, GROUP, D, BLOCK_D, SHORT_M, SHORT_TOKENS,
+                BLOCK_N, DOT_FP32,
+            )  # fmt: skip
+            if NUM_SPLITS == 1:
+                _store_rows(out_ptr, q_offs, row_ok, acc, l_i, D, BLOCK_D)
+            else:
+                r = tl.arange(0, SHORT_M)
+                d = tl.arange(0, BLOCK_D)
+                part = ((seq * NUM_SPLITS + split) * num_kv_heads + kv_head) * SHORT_M + r
+                part = part.to(tl.int64)
+                tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=(d < D)[None, :])
+                tl.store(part_ml_ptr + part * 2, m_i)
+                tl.store(part_ml_ptr + part * 2 + 1, l_i)
+    elif HAS_LONG:
+        # Last tiles first: a sequence's later tiles see more keys, and starting the longest
+        # programs first keeps the tail of the launch short.
+        tile = tl.num_programs(0) - 1 - pid
+        lo = tl.full([], 0, tl.int32)
+        hi = lo + num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            first_tile = tl.load(cu_q_ptr + mid) // LONG_TOKENS + mid
+            go_right = first_tile <= tile
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid)
+        seq = lo
+        q_start = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+        tok0 = (tile - (q_start // LONG_TOKENS + seq)) * LONG_TOKENS
+        if (q_len > SHORT_TOKENS) & (tok0 < q_len):
+            kv_len = tl.load(kv_lens_ptr + seq)
+            acc, m_i, l_i, q_offs, row_ok = _attend_tile(
+                q_ptr, head_ptr, table_ptr + seq.to(tl.int64) * table_row, q_start, q_len,
+                kv_len, tok0, 0, kv_len, kv_head, q_row, s_block, s_kv, s_tok,
+                tokens_per_block, qk_scale, GROUP, D, BLOCK_D, LONG_M, LONG_TOKENS, BLOCK_N,
+                DOT_FP32,
+            )  # fmt: skip
+            _store_rows(out_ptr, q_offs, row_ok, acc, l_i, D, BLOCK_D)
+
+
+@triton.jit(do_not_specialize_on_alignment=COMBINE_DYNAMIC_POINTERS)
+def _combine_splits_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    cu_q_ptr,
+    q_row,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SHORT_M: tl.constexpr,
+    SHORT_TOKENS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    num_kv_heads = tl.num_programs(1)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if (q_len > 0) & (q_len <= SHORT_TOKENS):
+        r = tl.arange(0, SHORT_M)
+        tok = r // GROUP
+        row_ok = (r < SHORT_TOKENS * GROUP) & (tok < q_len)
+        q_offs = (q_start + tok).to(tl.int64) * q_row + (kv_head * GROUP + r % GROUP) * D
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        m = tl.full([SHORT_M], float("-inf"), tl.float32)
+        ell = tl.zeros([SHORT_M], tl.float32)
+        acc = tl.zeros([SHORT_M, BLOCK_D], tl.float32)
+        for split in range(NUM_SPLITS):
+            part = ((seq * NUM_SPLITS + split) * num_kv_heads + kv_head) * SHORT_M + r
+            part = part.to(tl.int64)
+            m_s = tl.load(part_ml_ptr + part * 2, mask=row_ok, other=float("-inf"))
+            l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=row_ok, other=0.0)
+            a_s = tl.load(
+                part_acc_ptr + part[:, None] * D + d[None, :],
+                mask=row_ok[:, None] & dmask[None, :],
+                other=0.0,
+            )
+            m_new = tl.maximum(m, m_s)
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_shift)
+            beta = tl.exp2(m_s - m_shift)
+            acc = acc * alpha[:, None] + a_s * beta[:, None]
+            ell = ell * alpha + l_s * beta
+            m = m_new
+        _store_rows(out_ptr, q_offs, row_ok, acc, ell, D, BLOCK_D)
+
+
+def head_token_strides(cache: KVCache) -> tuple[int, int]:
+    """Pool strides (elements) of one kv head and of one token within a block."""
+    pool = cache.pool
+    if cache.layout is Layout.HND:  # [blocks, layers, 2, H, T, D]
+        return pool.stride(3), pool.stride(4)
+    return pool.stride(4), pool.stride(3)  # [blocks, layers, 2, T, H, D]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    meta: AttentionMeta,
+    *,
+    tiles: AttentionTiles,
+    dot_fp32: bool,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q [N, Hq, D] (dense) -> [N, Hq, D]: every sequence of `meta` attends its keys in `cache`.
+
+    Rows of tokens past `cu_q[S]` (padding) are left unwritten. `num_splits` overrides the key
+    split of short sequences (for tuning); `dot_fp32` runs the dots in float32 (the interpreter
+    cannot multiply bf16 matrices).
+    """
+    n, num_heads, d = q.shape
+    if not q.is_contiguous():
+        raise ValueError("q must be dense: [N, heads, head_dim] contiguous")
+    out = torch.empty_like(q)
+    num_seqs = meta.num_seqs
+    if n == 0 or num_seqs == 0:
+        return out
+    num_kv_heads = cache.num_kv_heads
+    group = num_heads // num_kv_heads
+    short, long = short_tile(group), long_tile(group, tiles)
+    splits = num_splits or num_splits_for(num_seqs, num_kv_heads, q.device)
+    has_long = meta.max_q_len > short.tokens
+    programs = num_seqs * splits + (n // long.tokens + num_seqs if has_long else 0)
+    if splits > 1:
+        rows = num_seqs * splits * num_kv_heads * short.rows
+        part_acc = torch.empty((rows, d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((rows, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    pool = cache.pool
+    s_head, s_tok = head_token_strides(cache)
+    block_d = triton.next_power_of_2(d)
+    table = meta.block_table
+    _paged_attention_kernel[(programs, num_kv_heads)](
+        q,
+        pool.select(1, layer),
+        out,
+        meta.cu_q,
+        meta.kv_lens,
+        table,
+        part_acc,
+        part_ml,
+        num_seqs,
+        table.stride(0),
+        q.stride(0),
+        pool.stride(0),
+        pool.stride(2),
+        s_head,
+        s_tok,
+        cache.tokens_per_block,
+        d**-0.5 * 1.4426950408889634,
+        GROUP=group,
+        D=d,
+        BLOCK_D=block_d,
+        SHORT_M=short.rows,
+        SHORT_TOKENS=short.tokens,
+        NUM_SPLITS=splits,
+        LONG_M=long.rows,
+        LONG_TOKENS=long.tokens,
+        HAS_LONG=has_long,
+        BLOCK_N=tiles.block_n,
+        DOT_FP32=dot_fp32,
+        num_warps=tiles.long_warps if has_long else tiles.short_warps,
+        num_stages=tiles.num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(num_seqs, num_kv_heads)](
+            part_acc,
+            part_ml,
+            out,
+            meta.cu_q,
+            q.stride(0),
+            GROUP=group,
+            D=d,
+            BLOCK_D=block_d,
+            SHORT_M=short.rows,
+            SHORT_TOKENS=short.tokens,
+            NUM_SPLITS=splits,
+            num_warps=4,
+        )
+    return out
+
+
+KERNELS = {"paged_attention": _paged_attention_kernel, "combine_splits": _combine_splits_kernel}
