@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     on_cuda = device.type == "cuda"
     if on_cuda:
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     small = args.small
     margs = small_args() if small else llama_8b_args()
