@@ -38,6 +38,7 @@ from tests.edges import (
     wait_idle,
 )
 from tests.procs import Server, free_port, metric
+from trtdisagg.api.http import is_json_type
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -265,7 +266,9 @@ def test_anything_on_any_route_is_never_a_5xx(
     response = client.request(method, server.url + path, content=body, headers=headers)
     _check(response, method=method)
     if method == "POST" and path in OPENAI_POSTS and not _json_object(body):
-        assert response.status_code == 400, response.text
+        declared = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
+        refused = 415 if declared.strip() and not is_json_type(declared) else 400
+        assert response.status_code in (400, refused), response.text
 
 
 @FUZZ
@@ -284,7 +287,15 @@ def test_hostile_openai_bodies_are_refused_or_served(
     assert response.status_code in (200, 400, 404, 409, 413), response.text
     if response.status_code == 200 and not body.get("stream"):
         choices = response.json()["choices"]
-        assert len(choices) == 1 and choices[0]["finish_reason"] in (None, "stop", "length")
+        assert [c["index"] for c in choices] == list(range(_choices_asked(body, chat=chat)))
+        assert all(c["finish_reason"] in (None, "stop", "length") for c in choices)
+
+
+def _choices_asked(body: dict[str, Any], *, chat: bool) -> int:
+    """n × prompts of a body the server accepted (so every field has its right type)."""
+    prompt = body.get("prompt")
+    batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+    return int(body.get("n") or 1) * (len(prompt) if batched and not chat else 1)
 
 
 # ---- semantically hostile cases, one by one ----
@@ -302,7 +313,16 @@ def test_edge_values_get_a_400_naming_the_field(
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, "top_p"),
-        ({"n": 3}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": 65, "prompt": [[5], [6]]}, "n"),  # n × prompts above 128
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"max_tokens": MAX_SEQ_LEN}, "max_tokens"),  # with the prompt, beyond the context
+        ({"seed": 2**63}, "seed"),
+        ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"best_of": 2}, "best_of"),
+        ({"echo": True, "logprobs": 1}, "echo"),
         ({"disaggregated_params": {"disagg_request_id": 2**63}}, "disagg_request_id"),
         ({"disaggregated_params": {"disagg_request_id": -5}}, "disagg_request_id"),
         ({"prompt": [1, 2, 99999]}, "prompt"),
@@ -333,11 +353,14 @@ def test_extreme_but_valid_values_are_served(
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == greedy
     prompt = list(range(10, 10 + MAX_SEQ_LEN - 3))
-    for max_tokens in (2**31, 2**63, 10**30):  # capped by the room left in the context
-        r = client.post(url, json=completion(prompt, max_tokens, top_k=2**40, seed=2**64 - 1,
-                                             temperature=0.7))  # fmt: skip
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 3
+    r = client.post(url, json=completion(prompt, 3, top_k=2**40, seed=2**63 - 1,
+                                         temperature=0.7))  # fmt: skip
+    assert r.status_code == 200, r.text  # exactly the room left in the context
+    assert r.json()["usage"]["completion_tokens"] == 3
+    for max_tokens in (4, 2**31, 2**63, 10**30):  # beyond it: peers answer 400 too
+        r = client.post(url, json=completion(prompt, max_tokens))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "max_tokens", r.text
 
 
 def test_context_only_with_an_id_in_use_is_a_409(cluster: Cluster, client: httpx.Client) -> None:

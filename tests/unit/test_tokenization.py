@@ -102,8 +102,8 @@ def test_chat_template(tok: Tokenizer) -> None:
     )
     ids = tok.encode(prompt, add_special_tokens=False)
     assert ids.count(1) == 1  # the template wrote BOS; encoding must not add another
-    with pytest.raises(TokenizerError, match="unsupported role: tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(TokenizerError, match="unsupported role: robot"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
 
 
 def test_matches_transformers(model_dir: Path, tok: Tokenizer) -> None:
