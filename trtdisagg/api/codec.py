@@ -23,7 +23,12 @@ from trtdisagg.api.protocol import (
     ContentPart,
     prune,
 )
-from trtdisagg.api.responses_api import ResponsesRequest, responses_input
+from trtdisagg.api.responses_api import (
+    ResponsesRequest,
+    as_responses_error,
+    chat_body,
+    responses_input,
+)
 from trtdisagg.api.validation import single_prompt, validate_request
 
 __all__ = [
@@ -269,6 +274,9 @@ def parse_request(body: object, cls: type[R]) -> R:
     check_fields(body, _RULES[cls])
     if isinstance(req, CompletionRequest | ChatCompletionRequest):
         validate_request(req)
+    else:  # a Responses request is served as the chat request it becomes: check that one
+        with as_responses_error():
+            validate_request(structure_body(chat_body(req), ChatCompletionRequest))
     return req
 
 
@@ -319,7 +327,7 @@ def _refuse_unencodable(value: object) -> None:
                 )
         elif isinstance(node, dict):
             for key, child in node.items():
-                stack.append((key, path or "body"))
+                stack.append((key, path))  # a key is reported as where its object is
                 stack.append((child, f"{path}.{key}" if path else str(key)))
         elif isinstance(node, list):
             stack.extend((child, f"{path}[{i}]") for i, child in enumerate(node))

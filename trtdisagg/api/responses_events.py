@@ -94,7 +94,10 @@ def response_usage(chat_usage: Json | None) -> Json | None:
     details = chat_usage.get("prompt_tokens_details") or {}
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": int(details.get("cached_tokens") or 0)},
+        "input_tokens_details": {
+            "cached_tokens": int(details.get("cached_tokens") or 0),
+            "cache_write_tokens": 0,
+        },
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,

@@ -56,6 +56,12 @@ class _Failure:
     error: Exception
 
 
+async def _ended() -> AsyncIterator[Any]:
+    """An iterator with nothing left: what a failed source becomes."""
+    return
+    yield
+
+
 async def _close(source: Any) -> None:
     with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
         await source.aclose()
@@ -147,6 +153,7 @@ class MergedBody(ResponseBody, Generic[T]):
             except StopAsyncIteration:
                 return None
             except Exception as exc:  # a source's failure is the merger's to report
+                self._direct = _ended()
                 return 0, _Failure(exc)
         assert self._receive is not None
         try:
