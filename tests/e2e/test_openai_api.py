@@ -18,8 +18,8 @@ import openai
 import pytest
 import yaml
 
-from tests.edges import Cluster, running_cluster, wait_idle
-from tests.procs import Server, free_port, spawn
+from tests.edges import Cluster, running_cluster, wait_idle, wait_until
+from tests.procs import Server, free_port, metric, spawn
 from trtdisagg.api.fanout import choice_seed
 from trtdisagg.worker.tokenization import Tokenizer
 
@@ -616,11 +616,23 @@ def test_bad_text_and_content_types(cluster: Cluster, http: httpx.Client, target
 def test_leaving_a_stream_of_several_choices_frees_everything(
     cluster: Cluster, http: httpx.Client, target: str
 ) -> None:
+    url = url_of(cluster, target)
+    aborted = 'role="coordinator",status="aborted"'
+
+    def counts() -> tuple[float, float]:
+        text = http.get(url + "/metrics").text
+        return metric(text, "trtdisagg_requests_total", aborted), metric(
+            text, "trtdisagg_requests_running"
+        )
+
+    before = counts()[0]
     body = {"prompt": PROMPTS, "n": 2, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    url = url_of(cluster, target) + "/v1/completions"
-    with http.stream("POST", url, json=body) as r, contextlib.suppress(httpx.HTTPError):
+    stream = http.stream("POST", url + "/v1/completions", json=body)
+    with stream as r, contextlib.suppress(httpx.HTTPError):
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # the choices are running: hang up
     for worker in cluster.workers:
         wait_idle(http, worker, timeout=30)
+    if target == "coordinator":  # the client's request is counted once, however many choices
+        wait_until(lambda: counts() == (before + 1, 0), 10, "the request counted as aborted")

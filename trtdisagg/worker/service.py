@@ -1,9 +1,9 @@
-"""WorkerService: turns a validated OpenAI request into an executor request and back.
+"""WorkerService: turns a validated OpenAI request into executor requests, one per choice.
 
-It owns what the HTTP routes need besides parsing: tokenising the prompt or chat, the model-name
-and context-length checks, request ids, and assembling outputs into whole or streamed bodies.
-A handler that goes away (client disconnect, cancellation) aborts its request, which frees its
-blocks at the executor's next step.
+It owns what the HTTP routes need besides parsing: tokenising the prompts or chat, the model-name,
+context-length and vocabulary checks, request ids, and the choices' submission; `jobs.Job` reads
+their outputs into whole or streamed bodies. A handler that goes away (client disconnect,
+cancellation) aborts its requests, which frees their blocks at the executor's next step.
 """
 
 from __future__ import annotations
@@ -181,11 +181,43 @@ class WorkerService:
                 "another request on this worker",
                 param="disaggregated_params",
             )
+        runs = self._submit_choices(
+            req, plans, prompts, sampling, kind=kind, source=source, key=key
+        )
+        chat = isinstance(req, ChatCompletionRequest)
+        meta = responses.ResponseMeta(
+            response_id=("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+            created=int(time.time()),
+            model=self.served_model_name,
+            chat=chat,
+            return_token_ids=req.return_token_ids,
+        )
+        return Job(
+            req=req,
+            runs=runs,
+            meta=meta,
+            text_of=self.token_text,
+            ctx=CtxEndpoint(info_endpoint=self.ctx_info_endpoint, instance=self.ctx_instance),
+            transfer_key=key,
+            single_prompt=len(prompts) == 1,
+        )
+
+    def _submit_choices(
+        self,
+        req: AnyRequest,
+        plans: list[ChoicePlan],
+        prompts: dict[int, list[int]],
+        sampling: dict[int, SamplingParams],
+        *,
+        kind: RequestType,
+        source: GenerationSource | None,
+        key: int | None,
+    ) -> list[ChoiceRun]:
+        """One executor request per choice: the fan-out that sharing a prompt's prefill among
+        its n choices (a copy-on-write fork of its blocks) replaces. All or none are queued."""
         echo = isinstance(req, CompletionRequest) and req.echo
         runs: list[ChoiceRun] = []
         try:
-            # One executor request per choice: the fan-out that sharing a prompt's prefill
-            # among its n choices (a copy-on-write fork) replaces.
             for plan in plans:
                 request = Request(
                     request_id=next(self._ids),
@@ -209,23 +241,7 @@ class WorkerService:
             if isinstance(exc, WorkerStopped):
                 raise ApiError(503, str(exc)) from None
             raise bad_request(f"prompt: {exc}", param="prompt") from None
-        chat = isinstance(req, ChatCompletionRequest)
-        meta = responses.ResponseMeta(
-            response_id=("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
-            created=int(time.time()),
-            model=self.served_model_name,
-            chat=chat,
-            return_token_ids=req.return_token_ids,
-        )
-        return Job(
-            req=req,
-            runs=runs,
-            meta=meta,
-            text_of=self.token_text,
-            ctx=CtxEndpoint(info_endpoint=self.ctx_info_endpoint, instance=self.ctx_instance),
-            transfer_key=key,
-            single_prompt=len(prompts) == 1,
-        )
+        return runs
 
     def _prompts(self, req: AnyRequest, plans: list[ChoicePlan]) -> dict[int, list[int]]:
         """Each prompt's token ids, tokenized once however many choices it has."""
