@@ -55,13 +55,14 @@ WORKER_ROUTES = [
     ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/prometheus/metrics"),
     ("GET", "/server_info"), ("POST", "/kv_cache_events"), ("GET", "/debug/kv_digests"),
     ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models/tiny"), ("POST", "/v1/responses"),
 ]  # fmt: skip
 COORDINATOR_ROUTES = [
     ("GET", "/health"), ("GET", "/cluster_info"), ("GET", "/version"), ("GET", "/v1/models"),
     ("GET", "/metrics"), ("GET", "/prometheus/metrics"), ("POST", "/v1/completions"),
-    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/chat/completions"), ("GET", "/v1/models/tiny"), ("POST", "/v1/responses"),
 ]  # fmt: skip
-OPENAI_POSTS = {"/v1/completions", "/v1/chat/completions"}
+OPENAI_POSTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 # Headers that frame the message itself: setting them by hand makes the client, not the server,
 # refuse the request.
@@ -196,6 +197,32 @@ CHAT_BODIES = st.fixed_dictionaries(
         "add_generation_prompt": _either(st.booleans()),
     },
 )
+RESPONSE_INPUT = st.text(max_size=20) | st.lists(
+    st.fixed_dictionaries(
+        {"role": _either(st.sampled_from(["user", "assistant", "system", "developer", "tool"]))},
+        optional={
+            "type": _either(st.sampled_from(["message", "function_call"])),
+            "content": _either(CONTENT | st.lists(st.fixed_dictionaries(
+                {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                 "text": _either(st.text(max_size=8))}), max_size=2)),
+        },
+    ),
+    max_size=3,
+)  # fmt: skip
+RESPONSES_BODIES = st.fixed_dictionaries(
+    {"input": _either(RESPONSE_INPUT)},
+    optional={
+        "model": SAMPLING["model"],
+        "instructions": _either(st.text(max_size=10)),
+        "max_output_tokens": _either(EDGE_INTS | st.integers(1, 4)),
+        "temperature": SAMPLING["temperature"],
+        "top_p": SAMPLING["top_p"],
+        "stream": _either(st.booleans()),
+        "store": _either(st.booleans()),
+        "tools": _either(st.lists(JSON, max_size=1)),
+        "metadata": _either(st.dictionaries(st.text(max_size=4), st.text(max_size=4))),
+    },
+)
 HEADER_NAMES = st.text(alphabet=string.ascii_letters + "-", min_size=1, max_size=16).filter(
     lambda name: name.lower() not in FRAMING
 )
@@ -209,6 +236,7 @@ BODIES = (
     | JSON.map(json.dumps).map(str.encode)
     | COMPLETION_BODIES.map(json.dumps).map(str.encode)
     | CHAT_BODIES.map(json.dumps).map(str.encode)
+    | RESPONSES_BODIES.map(json.dumps).map(str.encode)
 )
 
 
@@ -231,7 +259,14 @@ def _check(response: httpx.Response, *, method: str) -> None:
         error = response.json()["error"]
         assert error["code"] == status and error["message"] and error["type"], response.text
     if status == 200 and response.headers.get("content-type", "").startswith("text/event-stream"):
-        assert response.text.endswith("data: [DONE]\n\n"), response.text[-500:]
+        if response.url.path == "/v1/responses":  # a Responses stream ends with its last event
+            last = response.text.rstrip("\n").rsplit("\n\n", 1)[-1]
+            assert last.split("\n")[0] in END_EVENTS, response.text[-500:]
+        else:
+            assert response.text.endswith("data: [DONE]\n\n"), response.text[-500:]
+
+
+END_EVENTS = {f"event: response.{end}" for end in ("completed", "incomplete", "failed")}
 
 
 def _target(cluster: Cluster, name: str) -> Server:
@@ -289,6 +324,19 @@ def test_hostile_openai_bodies_are_refused_or_served(
         choices = response.json()["choices"]
         assert [c["index"] for c in choices] == list(range(_choices_asked(body, chat=chat)))
         assert all(c["finish_reason"] in (None, "stop", "length") for c in choices)
+
+
+@FUZZ
+@given(target=st.sampled_from(["ctx", "gen", "coordinator"]), body=RESPONSES_BODIES)
+def test_hostile_responses_bodies_are_refused_or_served(
+    cluster: Cluster, client: httpx.Client, target: str, body: dict[str, Any]
+) -> None:
+    response = client.post(_target(cluster, target).url + "/v1/responses", json=body)
+    _check(response, method="POST")
+    assert response.status_code in (200, 400, 404, 409, 413), response.text
+    if response.status_code == 200 and not body.get("stream"):
+        answer = response.json()
+        assert answer["object"] == "response" and answer["status"] in ("completed", "incomplete")
 
 
 def _choices_asked(body: dict[str, Any], *, chat: bool) -> int:

@@ -120,6 +120,8 @@ def test_supported_fields_with_refusal_examples_are_limits() -> None:
         ("chat", {"tools": [{"type": "function"}]}, "tools"),
         ("responses", {"input": []}, "input"),
         ("responses", {"input": 5}, "input"),
+        ("responses", {"input": [{"role": []}]}, "input"),  # found by the fuzzer: a 500
+        ("responses", {"input": [{"role": "user", "content": [{"type": ["x"]}]}]}, "input"),
         ("responses", {"max_output_tokens": "9"}, "max_output_tokens"),
     ],
 )  # fmt: skip

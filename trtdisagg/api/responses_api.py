@@ -84,7 +84,7 @@ def _message(item: dict[str, Any], i: int) -> dict[str, str]:
             param="input",
         )
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise bad_request(
             f"{where}.role: expected one of {sorted(ROLES)}, got {role!r}", param="input"
         )

@@ -1,6 +1,7 @@
 """DisaggService: one client request → ctx leg → gen leg (DESIGN.md §2), with retries.
 
-Per request:
+Per request (a request with several choices, `n` or a batch of prompts, runs this per choice,
+concurrently, and merges the answers: `choices.py`):
 
 1. validate the body (400 naming the field), check readiness (503), start the request deadline
    (``request_timeout``, 504 when it passes);
@@ -13,7 +14,8 @@ Per request:
      ``max_local_prefill_length`` tokens, gen serves it alone (plain aggregated request);
    * ``context_first``: ctx leg (non-streaming, ``context_only``); if ctx finished the request,
      answer with it; else gen leg (``generation_only``) with ctx's params and prompt token ids;
-   * ``generation_first``: both legs posted concurrently (gen waits for the KV);
+   * ``generation_first``: both legs posted concurrently (gen waits for the KV); a request that
+     asks for logprobs is served context-first (the KV does not carry the first token's);
 4. non-streaming: merge and answer; streaming: hand a `RelayBody` to the HTTP layer.
 
 Worker 4xx answers go back to the client unchanged and are never retried. Unreachable servers,
