@@ -1,14 +1,13 @@
-"""The OpenAI API as real clients use it, against real processes: a ctx and a gen worker (NIXL)
-behind a coordinator, all on `tiny`, started once for the module. "worker" is the ctx worker
-serving whole (aggregated) requests alone; "coordinator" splits every choice into a ctx → gen
-pair. Each feature is checked for OpenAI's shape (the official `openai` client parses every
-answer) and for agreement: the same tokens split or not, greedy and seeded at temperature 1.
+"""The OpenAI API as real clients use it, against real processes (`tests/openai_cluster.py`:
+a ctx and a gen worker behind a coordinator, on `tiny`, started once for the module), the worker
+alone and the coordinator. Each feature is checked for OpenAI's shape (the official `openai`
+client parses every answer) and for agreement: the same tokens split or not, greedy and seeded
+at temperature 1. The validation list is `test_openai_validation.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,41 +17,45 @@ import openai
 import pytest
 import yaml
 
-from tests.edges import Cluster, running_cluster, wait_idle, wait_until
+from tests.edges import Cluster, wait_idle, wait_until
+from tests.openai_cluster import (
+    CHAT,
+    IDS,
+    LOGPROB_TOLERANCE,
+    PROMPTS,
+    TARGETS,
+    TOOL_TURNS,
+    TOOLS,
+    api,
+    assert_stream_shape,
+    both,
+    by_choice,
+    openai_cluster,
+    sse,
+    tokens_of,
+    url_of,
+)
 from tests.procs import Server, free_port, metric, spawn
 from trtdisagg.api.fanout import choice_seed
 from trtdisagg.worker.tokenization import Tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
-TARGETS = ("worker", "coordinator")
-PROMPTS = ["The quick brown fox", "Once upon a time there was", "Hello"]
-CHAT = [{"role": "user", "content": "What is two plus two?"}]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather now.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
-TOOL_TURNS = [
-    *CHAT,
-    {"role": "assistant", "content": None,
-     "tool_calls": [{"id": "call_1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-]  # fmt: skip
-IDS = {"return_token_ids": True}
-LOGPROB_TOLERANCE = 1e-4  # ctx's prefill and gen's decode sum in different orders
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, httpx.Client]]:
+    with openai_cluster(tmp_path_factory.mktemp("openai_api")) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(tmp_path_factory.mktemp("openai_api")) as running:
-        yield running
+def cluster(running: tuple[Cluster, httpx.Client]) -> Cluster:
+    return running[0]
+
+
+@pytest.fixture(scope="module")
+def http(running: tuple[Cluster, httpx.Client]) -> httpx.Client:
+    return running[1]
 
 
 @pytest.fixture(scope="module")
@@ -74,65 +77,6 @@ def generation_first(
         ["coordinator", "--config", str(path)], port=port, log_path=tmp / "coordinator.log"
     ) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=60, trust_env=False) as client:
-        yield client
-
-
-def url_of(cluster: Cluster, target: str) -> str:
-    if target == "worker":
-        return cluster.ctx.url
-    assert cluster.coordinator is not None
-    return cluster.coordinator.url
-
-
-def api(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def both(cluster: Cluster) -> tuple[openai.OpenAI, openai.OpenAI]:
-    return api(url_of(cluster, "worker")), api(url_of(cluster, "coordinator"))
-
-
-def tokens_of(answer: Any) -> list[list[int]]:
-    return [list(choice.token_ids) for choice in answer.choices]
-
-
-def sse(http: httpx.Client, url: str, body: dict[str, Any]) -> list[Any]:
-    """Every `data:` of a stream, `[DONE]` as the string."""
-    events: list[Any] = []
-    with http.stream("POST", url, json=body) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-    return events
-
-
-def by_choice(events: list[Any]) -> dict[int, list[dict[str, Any]]]:
-    choices: dict[int, list[dict[str, Any]]] = {}
-    for event in events:
-        if isinstance(event, dict):
-            for choice in event.get("choices") or []:
-                choices.setdefault(choice["index"], []).append(choice)
-    return choices
-
-
-def assert_stream_shape(events: list[Any], count: int) -> dict[str, Any]:
-    """Choices 0..count-1, each ending with its one finish chunk; one usage chunk after every
-    finish; `[DONE]` once, last. Returns the usage chunk."""
-    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-    choices = by_choice(events)
-    assert sorted(choices) == list(range(count))
-    for chunks in choices.values():
-        finishes = [c for c in chunks if c["finish_reason"] is not None]
-        assert len(finishes) == 1 and finishes[0] is chunks[-1]
-    usage = [e for e in events[:-1] if e.get("usage") and not e["choices"]]
-    assert len(usage) == 1 and usage[0] is events[-2]
-    return dict(usage[0]["usage"])
 
 
 # ---- models ----
@@ -522,91 +466,6 @@ def test_responses_refuse_what_they_do_not_support(cluster: Cluster, target: str
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="tiny", input="x", max_output_tokens=5000)
     assert info.value.body["param"] == "max_output_tokens"
-
-
-# ---- validation: one list, the worker and the coordinator ----
-
-COMPLETE = {"prompt": "Hello", "max_tokens": 2}
-CHATTING = {"messages": CHAT, "max_tokens": 2}
-REFUSALS: list[tuple[str, dict[str, Any], str]] = [
-    ("/v1/completions", {"max_tokens": 4095}, "max_tokens"),  # + the prompt: beyond 4096
-    ("/v1/completions", {"max_tokens": 2**31}, "max_tokens"),
-    ("/v1/chat/completions", {"max_completion_tokens": 4096}, "max_completion_tokens"),
-    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/completions", {"stop_token_ids": [512]}, "stop_token_ids"),  # tiny has 512 ids
-    ("/v1/completions", {"seed": 2**63}, "seed"),
-    ("/v1/completions", {"logit_bias": {"5": 1}}, "logit_bias"),
-    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"frequency_penalty": -1}, "frequency_penalty"),
-    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
-    ("/v1/completions", {"min_p": 0.1}, "min_p"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
-    ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"n": 129}, "n"),
-    ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {
-        "type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
-    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"store": True}, "store"),
-    ("/v1/chat/completions", {"logit_bias": {"5": -100}}, "logit_bias"),
-    ("/v1/responses", {"input": "x", "store": True}, "store"),
-]  # fmt: skip
-NEUTRAL = [
-    ("/v1/completions", {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
-                         "repetition_penalty": 1, "min_p": 0, "best_of": 1, "suffix": "",
-                         "response_format": {"type": "text"}, "user": "u"}),
-    ("/v1/chat/completions", {"tool_choice": "auto", "response_format": {"type": "text"},
-                              "parallel_tool_calls": True, "store": False, "modalities": ["text"],
-                              "service_tier": "auto", "metadata": {"a": "b"}}),
-]  # fmt: skip
-
-
-def _base(path: str) -> dict[str, Any]:
-    return dict(CHATTING if path == "/v1/chat/completions" else COMPLETE)
-
-
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize(("path", "change", "field"), REFUSALS)
-def test_each_refusal_is_a_400_naming_the_field(
-    cluster: Cluster, http: httpx.Client, target: str, path: str, change: Any, field: str
-) -> None:
-    body = change if path == "/v1/responses" else {**_base(path), **change}
-    r = http.post(url_of(cluster, target) + path, json=body)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == field and error["message"].startswith(field), error
-    assert error["type"] == "invalid_request_error" and error["code"] == 400
-
-
-@pytest.mark.parametrize("target", TARGETS)
-def test_neutral_values_are_served(cluster: Cluster, http: httpx.Client, target: str) -> None:
-    for path, change in NEUTRAL:
-        r = http.post(url_of(cluster, target) + path, json={**_base(path), **change})
-        assert r.status_code == 200, (change, r.text)
-
-
-@pytest.mark.parametrize("target", TARGETS)
-def test_bad_text_and_content_types(cluster: Cluster, http: httpx.Client, target: str) -> None:
-    url = url_of(cluster, target)
-    for path, raw, field in (
-        ("/v1/completions", b'{"prompt": "a\\ud800", "max_tokens": 2}', "prompt"),
-        ("/v1/chat/completions",
-         b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}', "messages"),
-        ("/v1/responses", b'{"input": "x\\ud800y"}', "input"),
-    ):  # fmt: skip
-        r = http.post(url + path, content=raw, headers={"Content-Type": "application/json"})
-        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
-    for declared in ("text/plain", "application/x-www-form-urlencoded"):
-        r = http.post(
-            url + "/v1/completions",
-            content=json.dumps(COMPLETE).encode(),
-            headers={"Content-Type": declared},
-        )
-        assert r.status_code == 415 and r.json()["error"]["param"] == "Content-Type", r.text
-    r = http.post(url + "/v1/completions", content=json.dumps(COMPLETE).encode())
-    assert r.status_code == 200, r.text  # no Content-Type at all: read as JSON
 
 
 # ---- clients that leave ----
