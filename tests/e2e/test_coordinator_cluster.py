@@ -144,7 +144,7 @@ def test_bad_input_is_400_naming_the_field(
             ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),
             ({"prompt": "x", "temperature": "hot"}, "temperature"),
             ({"max_tokens": 4}, "prompt"),
-            ({"prompt": "x", "n": 3}, "n"),
+            ({"prompt": "x", "n": 129}, "n"),
         ):
             r = httpx.post(coord.url + "/v1/completions", json=bad)
             assert r.status_code == 400, (bad, r.text)

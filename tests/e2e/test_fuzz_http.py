@@ -38,6 +38,7 @@ from tests.edges import (
     wait_idle,
 )
 from tests.procs import Server, free_port, metric
+from trtdisagg.api.http import is_json_type
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -54,13 +55,14 @@ WORKER_ROUTES = [
     ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/prometheus/metrics"),
     ("GET", "/server_info"), ("POST", "/kv_cache_events"), ("GET", "/debug/kv_digests"),
     ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models/tiny"), ("POST", "/v1/responses"),
 ]  # fmt: skip
 COORDINATOR_ROUTES = [
     ("GET", "/health"), ("GET", "/cluster_info"), ("GET", "/version"), ("GET", "/v1/models"),
     ("GET", "/metrics"), ("GET", "/prometheus/metrics"), ("POST", "/v1/completions"),
-    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/chat/completions"), ("GET", "/v1/models/tiny"), ("POST", "/v1/responses"),
 ]  # fmt: skip
-OPENAI_POSTS = {"/v1/completions", "/v1/chat/completions"}
+OPENAI_POSTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 # Headers that frame the message itself: setting them by hand makes the client, not the server,
 # refuse the request.
@@ -195,6 +197,32 @@ CHAT_BODIES = st.fixed_dictionaries(
         "add_generation_prompt": _either(st.booleans()),
     },
 )
+RESPONSE_INPUT = st.text(max_size=20) | st.lists(
+    st.fixed_dictionaries(
+        {"role": _either(st.sampled_from(["user", "assistant", "system", "developer", "tool"]))},
+        optional={
+            "type": _either(st.sampled_from(["message", "function_call"])),
+            "content": _either(CONTENT | st.lists(st.fixed_dictionaries(
+                {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                 "text": _either(st.text(max_size=8))}), max_size=2)),
+        },
+    ),
+    max_size=3,
+)  # fmt: skip
+RESPONSES_BODIES = st.fixed_dictionaries(
+    {"input": _either(RESPONSE_INPUT)},
+    optional={
+        "model": SAMPLING["model"],
+        "instructions": _either(st.text(max_size=10)),
+        "max_output_tokens": _either(EDGE_INTS | st.integers(1, 4)),
+        "temperature": SAMPLING["temperature"],
+        "top_p": SAMPLING["top_p"],
+        "stream": _either(st.booleans()),
+        "store": _either(st.booleans()),
+        "tools": _either(st.lists(JSON, max_size=1)),
+        "metadata": _either(st.dictionaries(st.text(max_size=4), st.text(max_size=4))),
+    },
+)
 HEADER_NAMES = st.text(alphabet=string.ascii_letters + "-", min_size=1, max_size=16).filter(
     lambda name: name.lower() not in FRAMING
 )
@@ -208,6 +236,7 @@ BODIES = (
     | JSON.map(json.dumps).map(str.encode)
     | COMPLETION_BODIES.map(json.dumps).map(str.encode)
     | CHAT_BODIES.map(json.dumps).map(str.encode)
+    | RESPONSES_BODIES.map(json.dumps).map(str.encode)
 )
 
 
@@ -230,7 +259,14 @@ def _check(response: httpx.Response, *, method: str) -> None:
         error = response.json()["error"]
         assert error["code"] == status and error["message"] and error["type"], response.text
     if status == 200 and response.headers.get("content-type", "").startswith("text/event-stream"):
-        assert response.text.endswith("data: [DONE]\n\n"), response.text[-500:]
+        if response.url.path == "/v1/responses":  # a Responses stream ends with its last event
+            last = response.text.rstrip("\n").rsplit("\n\n", 1)[-1]
+            assert last.split("\n")[0] in END_EVENTS, response.text[-500:]
+        else:
+            assert response.text.endswith("data: [DONE]\n\n"), response.text[-500:]
+
+
+END_EVENTS = {f"event: response.{end}" for end in ("completed", "incomplete", "failed")}
 
 
 def _target(cluster: Cluster, name: str) -> Server:
@@ -265,7 +301,9 @@ def test_anything_on_any_route_is_never_a_5xx(
     response = client.request(method, server.url + path, content=body, headers=headers)
     _check(response, method=method)
     if method == "POST" and path in OPENAI_POSTS and not _json_object(body):
-        assert response.status_code == 400, response.text
+        declared = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
+        refused = 415 if declared.strip() and not is_json_type(declared) else 400
+        assert response.status_code in (400, refused), response.text
 
 
 @FUZZ
@@ -284,7 +322,28 @@ def test_hostile_openai_bodies_are_refused_or_served(
     assert response.status_code in (200, 400, 404, 409, 413), response.text
     if response.status_code == 200 and not body.get("stream"):
         choices = response.json()["choices"]
-        assert len(choices) == 1 and choices[0]["finish_reason"] in (None, "stop", "length")
+        assert [c["index"] for c in choices] == list(range(_choices_asked(body, chat=chat)))
+        assert all(c["finish_reason"] in (None, "stop", "length") for c in choices)
+
+
+@FUZZ
+@given(target=st.sampled_from(["ctx", "gen", "coordinator"]), body=RESPONSES_BODIES)
+def test_hostile_responses_bodies_are_refused_or_served(
+    cluster: Cluster, client: httpx.Client, target: str, body: dict[str, Any]
+) -> None:
+    response = client.post(_target(cluster, target).url + "/v1/responses", json=body)
+    _check(response, method="POST")
+    assert response.status_code in (200, 400, 404, 409, 413), response.text
+    if response.status_code == 200 and not body.get("stream"):
+        answer = response.json()
+        assert answer["object"] == "response" and answer["status"] in ("completed", "incomplete")
+
+
+def _choices_asked(body: dict[str, Any], *, chat: bool) -> int:
+    """n × prompts of a body the server accepted (so every field has its right type)."""
+    prompt = body.get("prompt")
+    batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+    return int(body.get("n") or 1) * (len(prompt) if batched and not chat else 1)
 
 
 # ---- semantically hostile cases, one by one ----
@@ -302,7 +361,16 @@ def test_edge_values_get_a_400_naming_the_field(
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, "top_p"),
-        ({"n": 3}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": 65, "prompt": [[5], [6]]}, "n"),  # n × prompts above 128
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"max_tokens": MAX_SEQ_LEN}, "max_tokens"),  # with the prompt, beyond the context
+        ({"seed": 2**63}, "seed"),
+        ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"best_of": 2}, "best_of"),
+        ({"echo": True, "logprobs": 1}, "echo"),
         ({"disaggregated_params": {"disagg_request_id": 2**63}}, "disagg_request_id"),
         ({"disaggregated_params": {"disagg_request_id": -5}}, "disagg_request_id"),
         ({"prompt": [1, 2, 99999]}, "prompt"),
@@ -333,11 +401,14 @@ def test_extreme_but_valid_values_are_served(
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == greedy
     prompt = list(range(10, 10 + MAX_SEQ_LEN - 3))
-    for max_tokens in (2**31, 2**63, 10**30):  # capped by the room left in the context
-        r = client.post(url, json=completion(prompt, max_tokens, top_k=2**40, seed=2**64 - 1,
-                                             temperature=0.7))  # fmt: skip
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 3
+    r = client.post(url, json=completion(prompt, 3, top_k=2**40, seed=2**63 - 1,
+                                         temperature=0.7))  # fmt: skip
+    assert r.status_code == 200, r.text  # exactly the room left in the context
+    assert r.json()["usage"]["completion_tokens"] == 3
+    for max_tokens in (4, 2**31, 2**63, 10**30):  # beyond it: peers answer 400 too
+        r = client.post(url, json=completion(prompt, max_tokens))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "max_tokens", r.text
 
 
 def test_context_only_with_an_id_in_use_is_a_409(cluster: Cluster, client: httpx.Client) -> None:

@@ -209,9 +209,11 @@ def test_ucx_is_confined_only_for_loopback_hosts_and_never_over_a_user_value() -
 
 OPENAI_ROUTES = [
     ("GET", "/v1/models", None),
+    ("GET", "/v1/models/tiny", None),
     ("POST", "/v1/completions", completion([5, 6, 7], 3)),
     ("POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}),
+    ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 3}),
 ]  # fmt: skip
 
 
@@ -264,6 +266,20 @@ def test_every_openai_route_needs_the_key(keyed: tuple[Cluster, str]) -> None:
             r = client.post(server.url + "/disagg/release", json=release, headers=_auth(key))
             assert r.status_code == 200, (server.url, r.text)
             assert r.json() == {**release, "released": False}
+
+
+def test_every_post_needs_the_key(keyed: tuple[Cluster, str]) -> None:
+    """`POST /kv_cache_events` drains the routing events: a keyless caller must not."""
+    cluster, key = keyed
+    with httpx.Client(timeout=30, trust_env=False) as client:
+        for server in cluster.workers:
+            for headers in ({}, _auth("sk-wrong")):
+                r = client.post(server.url + "/kv_cache_events", headers=headers)
+                assert r.status_code == 401, (server.url, r.text)
+            r = client.post(server.url + "/kv_cache_events", headers=_auth(key))
+            assert r.status_code == 200 and isinstance(r.json(), list), r.text
+        for server in cluster.servers:  # an unknown POST route is refused before it is found
+            assert client.post(server.url + "/health").status_code == 401
 
 
 def test_with_the_key_a_disaggregated_request_streams_through(keyed: tuple[Cluster, str]) -> None:

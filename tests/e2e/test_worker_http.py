@@ -139,7 +139,7 @@ BAD_BODIES = [
     (json.dumps({"prompt": "x", "max_tokens": "4"}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "x", "max_tokens": -3}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
-    (json.dumps({"prompt": "x", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"prompt": "x", "n": 0}).encode(), 400, "n"),
     (json.dumps({"prompt": ""}).encode(), 400, "prompt"),
     (json.dumps({"prompt": [1, 2, 999999]}).encode(), 400, "prompt"),
     (json.dumps({"prompt": "x " * 5000}).encode(), 400, "prompt"),

@@ -28,6 +28,13 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.worker.rank_plan",
     "trtdisagg.coordinator.cluster",
     "trtdisagg.coordinator.routers",
+    "trtdisagg.api.fields",
+    "trtdisagg.api.validation",
+    "trtdisagg.api.fanout",
+    "trtdisagg.api.chat",
+    "trtdisagg.api.responses_api",
+    "trtdisagg.api.responses_events",
+    "trtdisagg.api.sse",
 )
 FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl", "httpx")
 

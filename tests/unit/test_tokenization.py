@@ -102,8 +102,8 @@ def test_chat_template(tok: Tokenizer) -> None:
     )
     ids = tok.encode(prompt, add_special_tokens=False)
     assert ids.count(1) == 1  # the template wrote BOS; encoding must not add another
-    with pytest.raises(TokenizerError, match="unsupported role: tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(TokenizerError, match="unsupported role: robot"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
 
 
 def test_matches_transformers(model_dir: Path, tok: Tokenizer) -> None:
@@ -123,6 +123,50 @@ def test_matches_transformers(model_dir: Path, tok: Tokenizer) -> None:
             messages, tokenize=False, add_generation_prompt=generation
         )
         assert tok.apply_chat_template(messages, add_generation_prompt=generation) == expected
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]  # fmt: skip
+
+
+def test_chat_template_renders_tools_and_tool_turns(tok: Tokenizer) -> None:
+    prompt = tok.apply_chat_template(TOOL_TURNS, tools=TOOLS)
+    function = json.dumps(TOOLS[0]["function"], ensure_ascii=False)
+    assert prompt == (
+        f"<|bos|><|system|>\nTools:\n{function}\n<|end|>\n"
+        "<|user|>\nWeather in Paris?<|end|>\n"
+        '<|assistant|>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        "</tool_call><|end|>\n"
+        '<|user|>\n<tool_response id="call_1">\nsunny\n</tool_response><|end|>\n'
+        "<|assistant|>\n"
+    )
+    plain = tok.apply_chat_template(TOOL_TURNS[:1])
+    assert tok.apply_chat_template(TOOL_TURNS[:1], tools=None) == plain
+    assert "Tools:" not in plain
+
+
+def test_tools_render_as_transformers_renders_them(model_dir: Path, tok: Tokenizer) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    expected = hf.apply_chat_template(
+        TOOL_TURNS, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert tok.apply_chat_template(TOOL_TURNS, tools=TOOLS) == expected
 
 
 def test_missing_tokenizer_json(tmp_path: Path) -> None:

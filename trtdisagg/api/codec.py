@@ -7,6 +7,7 @@ This is the only place HTTP bodies turn into attrs objects. Types are checked st
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any, Final, TypeVar
 
@@ -14,6 +15,7 @@ import attrs
 import cattrs
 
 from trtdisagg.api.errors import ApiError, bad_request
+from trtdisagg.api.fields import CHAT, COMPLETIONS, RESPONSES, FieldRule, check_fields
 from trtdisagg.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -21,6 +23,24 @@ from trtdisagg.api.protocol import (
     ContentPart,
     prune,
 )
+from trtdisagg.api.responses_api import (
+    ResponsesRequest,
+    as_responses_error,
+    chat_body,
+    responses_input,
+)
+from trtdisagg.api.validation import single_prompt, validate_request
+
+__all__ = [
+    "SSE_DONE",
+    "parse_json",
+    "parse_request",
+    "single_prompt",
+    "sse_event",
+    "structure_body",
+    "to_json",
+    "validate_request",
+]
 
 T = TypeVar("T")
 
@@ -102,19 +122,46 @@ def _content(value: object, _cls: object) -> str | list[ContentPart]:
     raise TypeError(f"expected a string or an array of content parts, got {_json_type(value)}")
 
 
+def _tool_choice(value: object, _cls: object) -> str | dict[str, Any]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return value
+    raise TypeError(f"expected a string or an object, got {_json_type(value)}")
+
+
+def _json_object(value: object, _cls: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, got {_json_type(value)}")
+    return value
+
+
+def _responses_input(value: object, _cls: object) -> str | list[dict[str, Any]]:
+    return responses_input(value, _json_type)
+
+
 def _make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=False)
     converter.register_structure_hook(int, _strict_int)
     converter.register_structure_hook(float, _strict_float)
     converter.register_structure_hook(bool, _strict_bool)
     converter.register_structure_hook(str, _strict_str)
-    for cls in (CompletionRequest, ChatCompletionRequest, ChatMessage):
+    for cls in (CompletionRequest, ChatCompletionRequest, ChatMessage, ResponsesRequest):
         attrs.resolve_types(cls)
     prompt_type = attrs.fields(CompletionRequest).prompt.type
     stop_type = attrs.fields(CompletionRequest).stop.type
     content_type = attrs.fields(ChatMessage).content.type
-    for union, hook in ((prompt_type, _prompt), (stop_type, _stop), (content_type, _content)):
+    tool_choice_type = attrs.fields(ChatCompletionRequest).tool_choice.type
+    input_type = attrs.fields(ResponsesRequest).input.type
+    for union, hook in (
+        (prompt_type, _prompt),
+        (stop_type, _stop),
+        (content_type, _content),
+        (tool_choice_type, _tool_choice),
+        (input_type, _responses_input),
+    ):
         converter.register_structure_hook_func(_is_type(union), _optional(hook))
+    converter.register_structure_hook_func(_is_type(dict[str, Any]), _json_object)
     converter.register_structure_hook_factory(_is_list_of_attrs, _strict_list_factory(converter))
     return converter
 
@@ -209,6 +256,30 @@ def structure_body(data: object, cls: type[T]) -> T:
         raise bad_request(message, param=param) from None
 
 
+R = TypeVar("R", bound=CompletionRequest | ChatCompletionRequest | ResponsesRequest)
+
+_RULES: Final[dict[type, dict[str, FieldRule]]] = {
+    CompletionRequest: COMPLETIONS,
+    ChatCompletionRequest: CHAT,
+    ResponsesRequest: RESPONSES,
+}
+
+
+def parse_request(body: object, cls: type[R]) -> R:
+    """A decoded JSON body as a request of `cls`, checked: types (`structure_body`), each
+    OpenAI field's rule (`fields.check_fields`), then the relations between fields
+    (`validation.validate_request`). Every failure is a 400 naming the field."""
+    req = structure_body(body, cls)
+    assert isinstance(body, dict)  # structure_body refuses anything else
+    check_fields(body, _RULES[cls])
+    if isinstance(req, CompletionRequest | ChatCompletionRequest):
+        validate_request(req)
+    else:  # a Responses request is served as the chat request it becomes: check that one
+        with as_responses_error():
+            validate_request(structure_body(chat_body(req), ChatCompletionRequest))
+    return req
+
+
 MAX_JSON_DEPTH: Final = 32
 """OpenAI bodies nest a few levels (messages → content → parts). Deeper ones are refused at the
 edge: Python's json recursion limit would otherwise surface later, on re-encoding for a worker."""
@@ -224,7 +295,42 @@ def parse_json(raw: bytes | str) -> object:
         raise bad_request(too_deep) from None
     if _json_depth(value) > MAX_JSON_DEPTH:
         raise bad_request(too_deep)
+    escape = _SURROGATE_ESCAPE if isinstance(raw, str) else _SURROGATE_ESCAPE_BYTES
+    if escape.search(raw):  # type: ignore[arg-type]  # str pattern for str, bytes for bytes
+        _refuse_unencodable(value)
     return value
+
+
+# A lone surrogate can only reach a decoded body through a `\uD800`-style escape (raw UTF-8
+# cannot encode one, and Python's decoder refuses it), so bodies without such an escape skip
+# the walk. Paired escapes (an emoji) decode to one valid character and pass the walk.
+_SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_BYTES: Final = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_unencodable(value: object) -> None:
+    """400 naming where text holds a lone surrogate: it cannot be encoded as UTF-8, so the
+    tokenizer (or the JSON sent to a worker) would fail on it deep inside the request."""
+    stack: list[tuple[object, str]] = [(value, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            found = _SURROGATE.search(node)
+            if found:
+                code = f"U+{ord(found.group()):04X}"
+                param = path.split(".")[0].split("[")[0] or None
+                raise bad_request(
+                    f"{path or 'body'}: text holds a lone surrogate ({code}), which is not "
+                    "valid Unicode",
+                    param=param,
+                )
+        elif isinstance(node, dict):
+            for key, child in node.items():
+                stack.append((key, path))  # a key is reported as where its object is
+                stack.append((child, f"{path}.{key}" if path else str(key)))
+        elif isinstance(node, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(node))
 
 
 def _json_depth(value: object) -> int:
@@ -256,84 +362,6 @@ def sse_event(payload: object) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-def validate_request(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """Semantic checks after structuring; each failure names its field."""
-    if req.n != 1:
-        raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n")
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"max_tokens: must be at least 1, got {max_tokens}", param="max_tokens")
-    if req.temperature is not None and not 0.0 <= req.temperature <= 100.0:
-        raise bad_request(
-            f"temperature: must be in [0, 100], got {req.temperature}", param="temperature"
-        )
-    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
-        raise bad_request(f"top_p: must be in (0, 1], got {req.top_p}", param="top_p")
-    if req.top_k is not None and req.top_k < -1:
-        raise bad_request(f"top_k: must be -1, 0 or positive, got {req.top_k}", param="top_k")
-    if req.min_tokens < 0:
-        raise bad_request(
-            f"min_tokens: must not be negative, got {req.min_tokens}", param="min_tokens"
-        )
-    # torch seeds are 64-bit; a larger JSON integer would fail deep inside the worker.
-    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
-        raise bad_request(f"seed: must be in [-2**63, 2**64), got {req.seed}", param="seed")
-    params = req.disaggregated_params
-    key = params.disagg_request_id if params is not None else None
-    if key is not None and not 0 <= key < 2**63:  # the wire's transfer keys are int64 (0: mint one)
-        raise bad_request(
-            f"disaggregated_params.disagg_request_id: must be in [0, 2**63), got {key}",
-            param="disaggregated_params",
-        )
-    if isinstance(req, CompletionRequest):
-        _validate_prompt(req)
-        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-            raise bad_request(f"logprobs: must be in [0, 20], got {req.logprobs}", param="logprobs")
-    else:
-        if req.messages is None:
-            raise bad_request("messages: required field missing", param="messages")
-        if not req.messages:
-            raise bad_request("messages: must not be empty", param="messages")
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise bad_request(
-                f"top_logprobs: must be in [0, 20], got {req.top_logprobs}", param="top_logprobs"
-            )
-
-
-def _validate_prompt(req: CompletionRequest) -> None:
-    prompt = req.prompt
-    if prompt is None and req.prompt_token_ids is None:
-        raise bad_request("prompt: required field missing", param="prompt")
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and isinstance(prompt[0], str | list)
-        and len(prompt) != 1
-    ):
-        raise bad_request(
-            f"prompt: batched prompts are not supported, got {len(prompt)}", param="prompt"
-        )
-    if prompt is not None and len(prompt) == 0:
-        raise bad_request("prompt: must not be empty", param="prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        inner = prompt[0]
-        if len(inner) == 0:
-            raise bad_request("prompt: must not be empty", param="prompt")
-
-
-def single_prompt(req: CompletionRequest) -> str | list[int]:
-    """The one prompt of a validated completion request, unwrapped from a batch of one."""
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        inner = prompt[0]
-        return inner if isinstance(inner, str) else list(inner)
-    if prompt is None:
-        return list(req.prompt_token_ids or [])
-    return prompt  # type: ignore[return-value]
 
 
 def error_status(exc: ApiError) -> int:

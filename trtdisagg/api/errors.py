@@ -20,6 +20,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     499: "client_closed_request",
     500: "internal_server_error",
     502: "upstream_error",

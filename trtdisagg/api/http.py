@@ -16,14 +16,19 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from trtdisagg.api.codec import parse_json
 from trtdisagg.api.errors import ApiError
 
 log = logging.getLogger(__name__)
 
 OPENAI_PREFIX = "/v1/"
-# Routes that act on requests: the OpenAI ones and the coordinator's calls to a worker (a
-# `/disagg/release` from anyone else would drop another client's KV).
+# With an API key, these need it for any method: the OpenAI routes and the coordinator's calls to
+# a worker (a `/disagg/release` from anyone else would drop another client's KV). Every other
+# route needs it for anything but a read: a POST changes state (`/kv_cache_events` drains the
+# routing events), so only the probes (`/health`, `/metrics`, ...) stay open.
 KEYED_PREFIXES = (OPENAI_PREFIX, "/disagg/")
+READ_METHODS = ("GET", "HEAD", "OPTIONS")
+JSON_TYPES = ("application/json",)
 
 
 def dumps(value: Any) -> str:
@@ -77,10 +82,51 @@ def install_common_handlers(app: QuartTrio, *, max_body_bytes: int, api_key: str
 
     @app.before_request
     async def authorize() -> Response | None:
-        if api_key is None or not request.path.startswith(KEYED_PREFIXES):
+        if api_key is None:
+            return None
+        if request.method in READ_METHODS and not request.path.startswith(KEYED_PREFIXES):
             return None
         # Constant-time comparison: a plain `!=` leaks how long the matching prefix is.
         given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
         if not hmac.compare_digest(given, expected):
             return error_response(ApiError(401, "missing or invalid API key"))
         return None
+
+
+async def json_body() -> object:
+    """An OpenAI route's body as decoded JSON. A body declared as something other than JSON
+    (curl's default form encoding, text/plain) is a 415 naming `Content-Type`; a body without
+    the header is read as JSON."""
+    declared = request.headers.get("Content-Type", "").strip()
+    if declared and not is_json_type(declared):
+        raise ApiError(
+            415,
+            f"Content-Type: expected application/json, got {declared[:80]!r}",
+            param="Content-Type",
+        )
+    data = await request.get_data(cache=False, as_text=False)
+    return parse_json(data if isinstance(data, bytes) else data.encode())
+
+
+def is_json_type(content_type: str) -> bool:
+    mime = content_type.split(";", 1)[0].strip().lower()
+    return mime in JSON_TYPES or mime.endswith("+json")
+
+
+def model_object(model: str, *, created: int, max_len: int | None) -> dict[str, object]:
+    """One entry of `/v1/models` (and `GET /v1/models/{id}`'s answer)."""
+    card: dict[str, object] = {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "trtdisagg",
+    }
+    if max_len is not None:
+        card["max_model_len"] = max_len
+    return card
+
+
+def model_not_found(model_id: str, served: str) -> ApiError:
+    return ApiError(
+        404, f"model {model_id!r} not found; this server serves {served!r}", param="model"
+    )

@@ -1,9 +1,11 @@
 """OpenAI request and response bodies, shared by the coordinator and the workers.
 
 Requests are structured from JSON through one strict converter: a wrong type is a 400 that names
-the field (`max_tokens: expected an integer, got str`). Unknown keys are ignored, as OpenAI
-clients send many optional fields we do not act on; fields we cannot honour (`n > 1`) are refused
-explicitly in `validate()`.
+the field (`max_tokens: expected an integer, got str`). Keys that are not OpenAI fields are ignored
+(clients send extensions of other servers); every OpenAI field is listed in `api/fields.py`, which
+says whether it acts, is accepted only at its neutral value, or is refused with a 400 naming it.
+Fields typed here but not acted on yet (`logit_bias`, the penalties, `min_p`, `response_format`)
+are typed so that the engine change that implements them only has to pass them on.
 """
 
 from __future__ import annotations
@@ -19,6 +21,23 @@ ScheduleStyleName = Literal["context_first", "generation_first"]
 @attrs.frozen(kw_only=True)
 class StreamOptions:
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage (so far) in every chunk
+
+
+@attrs.frozen(kw_only=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@attrs.frozen(kw_only=True)
+class FirstTokenLogprobs:
+    """The logprob and top-k of one token ctx sampled, carried to gen in `first_gen_logprobs`
+    (by token id: token strings do not map back to ids)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[TopLogprob] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)
@@ -36,6 +55,9 @@ class DisaggregatedParams:
     # generation_first: this generation_only request was posted before ctx answered, so it has
     # no first_gen_tokens; they come with the KV (the transfer result).
     schedule_style: ScheduleStyleName | None = None
+    # One entry per first_gen_tokens when the request asks for logprobs: gen emits them with
+    # ctx's token, so the answer has one logprobs entry per token.
+    first_gen_logprobs: list[FirstTokenLogprobs] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -53,10 +75,39 @@ class ContentPart:
 
 
 @attrs.frozen(kw_only=True)
+class FunctionCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+@attrs.frozen(kw_only=True)
+class ToolCall:
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+@attrs.frozen(kw_only=True)
+class FunctionDefinition:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Tool:
+    type: str
+    function: FunctionDefinition
+
+
+@attrs.frozen(kw_only=True)
 class ChatMessage:
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -81,6 +132,12 @@ class _SamplingFields:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -96,6 +153,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -105,6 +163,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 AnyRequest = CompletionRequest | ChatCompletionRequest

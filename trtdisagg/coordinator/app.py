@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Final, cast
 
 from quart import Response, request
@@ -24,21 +25,30 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from trtdisagg import __version__
-from trtdisagg.api.codec import parse_json
+from trtdisagg.api.codec import parse_request
 from trtdisagg.api.errors import ApiError
-from trtdisagg.api.http import error_response, install_common_handlers, json_response
-from trtdisagg.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
-from trtdisagg.coordinator.placement import CoordinatorUnavailable
-from trtdisagg.coordinator.relay import ReplyBody
-from trtdisagg.coordinator.routers import NoServerAvailable
-from trtdisagg.coordinator.service import (
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    DisaggService,
-    Endpoint,
-    JsonReply,
-    RequestTimeout,
+from trtdisagg.api.http import (
+    error_response,
+    install_common_handlers,
+    json_body,
+    json_response,
+    model_not_found,
+    model_object,
 )
+from trtdisagg.api.responses_api import (
+    ResponsesRequest,
+    as_responses_error,
+    chat_body,
+    responses_rejection,
+)
+from trtdisagg.api.responses_events import ResponseHead, ResponsesStream, response_body
+from trtdisagg.api.streaming import ResponsesBody
+from trtdisagg.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
+from trtdisagg.coordinator.placement import CoordinatorUnavailable, Placement
+from trtdisagg.coordinator.relay import ReplyBody
+from trtdisagg.coordinator.replies import CHAT_COMPLETIONS, COMPLETIONS, Endpoint, JsonReply
+from trtdisagg.coordinator.routers import NoServerAvailable
+from trtdisagg.coordinator.service import DisaggService, RequestTimeout
 from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected
 
 log = logging.getLogger(__name__)
@@ -80,6 +90,7 @@ def create_app(
     max_body_bytes: int,
 ) -> QuartTrio:
     app = CoordinatorApp(__name__)
+    started = int(time.time())
     install_common_handlers(app, max_body_bytes=max_body_bytes, api_key=api_key)
     app.config["RESPONSE_TIMEOUT"] = None  # streams end by the request deadline, not quart's
     app.config["BODY_TIMEOUT"] = 60
@@ -105,18 +116,21 @@ def create_app(
     async def timeout(exc: RequestTimeout) -> Response:
         return error_response(ApiError(504, str(exc)))
 
-    async def serve(endpoint: Endpoint) -> Response:
-        data = await request.get_data(cache=False, as_text=False)
-        raw = parse_json(data if isinstance(data, bytes) else data.encode())
-        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
-        reply = await service.handle(endpoint, raw, headers)
-        if isinstance(reply, JsonReply):
-            return json_response(reply.body, reply.status)
-        cast(dict[str, Any], request.scope).setdefault(_BODIES_KEY, []).append(reply.body)
-        response = Response(reply.body, content_type="text/event-stream")
+    def forwarded() -> dict[str, str]:
+        return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+
+    def sse(body: ReplyBody) -> Response:
+        cast(dict[str, Any], request.scope).setdefault(_BODIES_KEY, []).append(body)
+        response = Response(body, content_type="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None
         return response
+
+    async def serve(endpoint: Endpoint) -> Response:
+        reply = await service.handle(endpoint, await json_body(), forwarded())
+        if isinstance(reply, JsonReply):
+            return json_response(reply.body, reply.status)
+        return sse(reply.body)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -125,6 +139,30 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         return await serve(CHAT_COMPLETIONS)
+
+    @app.post("/v1/responses")
+    async def responses() -> Response:
+        """Served as a chat completion (split like any), its answer told as a Response."""
+        asked = parse_request(await json_body(), ResponsesRequest)
+        with as_responses_error():
+            chat = chat_body(asked)
+            try:
+                reply = await service.handle(CHAT_COMPLETIONS, chat, forwarded())
+            except UpstreamRejected as exc:
+                return json_response(responses_rejection(exc.json_body()), exc.status)
+        info = placement.model_info()
+        head = ResponseHead.new(
+            created_at=int(time.time()),
+            model=asked.model or (info.model if info is not None else None) or "",
+            instructions=asked.instructions,
+            max_output_tokens=asked.max_output_tokens,
+            temperature=asked.temperature,
+            top_p=asked.top_p,
+            metadata=asked.metadata,
+        )
+        if isinstance(reply, JsonReply):
+            return json_response(response_body(head, reply.body), reply.status)
+        return sse(ResponsesBody(inner=reply.body, stream=ResponsesStream(head=head)))
 
     @app.get("/health")
     async def health() -> Response:
@@ -141,13 +179,22 @@ def create_app(
     async def version() -> Response:
         return json_response({"version": __version__})
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    def model_card() -> dict[str, object]:
         info = placement.model_info()
         if info is None or info.model is None:
             raise ApiError(503, "no healthy server to read the served model from")
-        model = {"id": info.model, "object": "model", "owned_by": "trtdisagg"}
-        return json_response({"object": "list", "data": [model]})
+        return model_object(info.model, created=started, max_len=_max_model_len(placement))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        card = model_card()
+        if model_id != card["id"]:
+            raise model_not_found(model_id, str(card["id"]))
+        return json_response(card)
 
     @app.get("/metrics")
     @app.get("/prometheus/metrics")
@@ -155,3 +202,18 @@ def create_app(
         return Response(metrics.render(), content_type=CONTENT_TYPE)
 
     return app
+
+
+def _max_model_len(placement: Placement) -> int | None:
+    """The smallest context among the servers a request may go to (they may differ)."""
+    lists = placement.cluster_info().get("server_lists") or {}
+    urls = [url for role in ("context", "generation") for url in lists.get(role) or []]
+    lengths = [
+        info.max_seq_len
+        for info in map(placement.server_info, urls)
+        if info is not None and info.max_seq_len is not None
+    ]
+    if lengths:
+        return min(lengths)
+    info = placement.model_info()
+    return info.max_seq_len if info is not None else None

@@ -64,6 +64,7 @@ class ServerInfo:
     transceiver: bool | None = None
     """Whether the worker can send or receive KV; None when it does not say (no `kv_compat`)."""
     kv_compat: tuple[tuple[str, str | int], ...] = ()
+    max_seq_len: int | None = None  # the model's context on that server (`/v1/models`)
 
     @classmethod
     def parse(cls, data: Json) -> ServerInfo:
@@ -85,6 +86,7 @@ class ServerInfo:
             tokens_per_block=_int(data, "tokens_per_block"),
             kv_hash_algorithm=_str(data, "kv_hash_algorithm"),
             ctx_info_endpoint=endpoint if isinstance(endpoint, str) else None,
+            max_seq_len=_int(data, "max_seq_len"),
         )
 
     def to_json(self) -> Json:

@@ -4,7 +4,8 @@ Routing by cached prefix needs the prompt's tokens exactly as the workers will s
 coordinator loads the same tokenizer (`trtdisagg.worker.tokenization.Tokenizer.from_dir` on the
 ``model_path`` a worker reports in ``/server_info``) and tokenizes the way the worker does
 (`WorkerService._prompt_ids`): completions ``encode(prompt)``; chat
-``encode(apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)``.
+``encode(apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)``
+with the messages and tools of `api/chat.py`.
 
 When the tokenizer cannot be loaded (the model directory is not on this machine, or the worker
 package is not installed here) text prompts get no token ids: `kv_cache_aware` then routes by load
@@ -22,6 +23,7 @@ from typing import Any, Final
 import attrs
 import trio
 
+from trtdisagg.api.chat import chat_messages, chat_tools
 from trtdisagg.api.codec import single_prompt
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -101,9 +103,10 @@ def _encode(tokenizer: Any, req: AnyRequest) -> list[int] | None:
             prompt = single_prompt(req)
             assert isinstance(prompt, str)
             return list(tokenizer.encode(prompt))
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages or []]
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt
+            chat_messages(req.messages or []),
+            add_generation_prompt=req.add_generation_prompt,
+            tools=chat_tools(req),
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
     except Exception as exc:  # the worker will reject the same prompt with a 400 naming it

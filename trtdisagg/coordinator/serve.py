@@ -117,7 +117,7 @@ async def serve_coordinator(
     ids = SnowflakeGenerator(node_id=_node_id(config), process_id=process_id)
     listener = sock or bind_socket(config.hostname, config.port, reuse_port=False)
     async with make_http_client(timeout=config.request_timeout) as http:
-        client = WorkerClient(http=http)
+        client = WorkerClient(http=http, api_key=config.api_key)
         placement: Placement
         if config.disagg_coordinator_url is not None:
             placement = RemotePlacement.create(config, http)
@@ -157,7 +157,7 @@ async def serve_coordinator_state(
     metrics = CoordinatorMetrics.create()
     listener = sock or bind_socket(config.hostname, config.port - 1, reuse_port=False)
     async with make_http_client(timeout=config.request_timeout) as http:
-        placement = LocalPlacement.create(config, WorkerClient(http=http))
+        placement = LocalPlacement.create(config, WorkerClient(http=http, api_key=config.api_key))
         service = StateService(
             placement=placement,
             metrics=metrics,

@@ -1,6 +1,7 @@
 """DisaggService: one client request → ctx leg → gen leg (DESIGN.md §2), with retries.
 
-Per request:
+Per request (a request with several choices, `n` or a batch of prompts, runs this per choice,
+concurrently, and merges the answers: `choices.py`):
 
 1. validate the body (400 naming the field), check readiness (503), start the request deadline
    (``request_timeout``, 504 when it passes);
@@ -13,7 +14,8 @@ Per request:
      ``max_local_prefill_length`` tokens, gen serves it alone (plain aggregated request);
    * ``context_first``: ctx leg (non-streaming, ``context_only``); if ctx finished the request,
      answer with it; else gen leg (``generation_only``) with ctx's params and prompt token ids;
-   * ``generation_first``: both legs posted concurrently (gen waits for the KV);
+   * ``generation_first``: both legs posted concurrently (gen waits for the KV); a request that
+     asks for logprobs is served context-first (the KV does not carry the first token's);
 4. non-streaming: merge and answer; streaming: hand a `RelayBody` to the HTTP layer.
 
 Worker 4xx answers go back to the client unchanged and are never retried. Unreachable servers,
@@ -33,15 +35,23 @@ import attrs
 import httpx
 import trio
 
-from trtdisagg.api.codec import structure_body, validate_request
+from trtdisagg.api.codec import parse_request
+from trtdisagg.api.fanout import is_multi_choice
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
+from trtdisagg.coordinator.choices import serve_choices
 from trtdisagg.coordinator.cluster import ServerRole
 from trtdisagg.coordinator.config import CoordinatorConfig, ScheduleStyle
 from trtdisagg.coordinator.metrics import CoordinatorMetrics
 from trtdisagg.coordinator.perf import PhaseClock
 from trtdisagg.coordinator.placement import CoordinatorUnavailable, Lease, Placement
 from trtdisagg.coordinator.prompts import PromptTokenizer, prompt_text
-from trtdisagg.coordinator.relay import RelayBody, ReplyBody, StaticBody
+from trtdisagg.coordinator.relay import RelayBody, StaticBody
+from trtdisagg.coordinator.replies import (
+    Endpoint,
+    JsonReply,
+    Reply,
+    StreamReply,
+)
 from trtdisagg.coordinator.routers import NoServerAvailable, RouteRequest
 from trtdisagg.coordinator.split import (
     ClientAsk,
@@ -86,34 +96,6 @@ class NotReady(CoordinatorUnavailable):
     """The cluster is not ready (HTTP 503)."""
 
 
-@attrs.frozen(kw_only=True)
-class Endpoint:
-    path: str
-    chat: bool
-
-    @property
-    def request_class(self) -> type[CompletionRequest] | type[ChatCompletionRequest]:
-        return ChatCompletionRequest if self.chat else CompletionRequest
-
-
-COMPLETIONS: Final = Endpoint(path="/v1/completions", chat=False)
-CHAT_COMPLETIONS: Final = Endpoint(path="/v1/chat/completions", chat=True)
-
-
-@attrs.frozen(kw_only=True)
-class JsonReply:
-    body: Json
-    status: int = 200
-
-
-@attrs.frozen(kw_only=True)
-class StreamReply:
-    body: ReplyBody
-
-
-Reply = JsonReply | StreamReply
-
-
 @attrs.define(eq=False, kw_only=True)
 class _Call:
     """Everything one client request carries through its attempts."""
@@ -146,8 +128,7 @@ class DisaggService:
             UpstreamRejected (the worker's 4xx), UpstreamError (502), RequestTimeout (504).
         """
         arrival = trio.current_time()
-        req = structure_body(raw, endpoint.request_class)
-        validate_request(req)
+        req = parse_request(raw, endpoint.request_class)
         assert isinstance(raw, dict)
         if not self.placement.is_ready():
             raise NotReady(self.placement.not_ready_reason())
@@ -166,17 +147,10 @@ class DisaggService:
 
         try:
             with trio.CancelScope(deadline=arrival + self.config.request_timeout) as scope:
-                call = _Call(
-                    endpoint=endpoint,
-                    raw=raw,
-                    ask=ClientAsk.of(raw, chat=endpoint.chat),
-                    route=await self._route_request(req),
-                    clock=PhaseClock(arrival=arrival),
-                    deadline=arrival + self.config.request_timeout,
-                    headers=headers,
-                    outcome=outcome,
-                )
-                reply = await self._with_retries(call)
+                if is_multi_choice(req):
+                    reply = await serve_choices(self, endpoint, raw, req, headers, outcome)
+                else:
+                    reply = await self.serve_one(endpoint, raw, req, headers, outcome)
             if scope.cancelled_caught:
                 limit = self.config.request_timeout
                 raise RequestTimeout(f"request did not finish within request_timeout={limit:g}s")
@@ -187,6 +161,28 @@ class DisaggService:
             self.metrics.time_to_first_token.observe(trio.current_time() - arrival)
             outcome("ok")
         return reply
+
+    async def serve_one(
+        self,
+        endpoint: Endpoint,
+        raw: Json,
+        req: CompletionRequest | ChatCompletionRequest,
+        headers: dict[str, str],
+        outcome: Callable[[str], None],
+    ) -> Reply:
+        """One choice: a ctx → gen pair (or a local or ctx-finished answer), with retries."""
+        arrival = trio.current_time()
+        call = _Call(
+            endpoint=endpoint,
+            raw=raw,
+            ask=ClientAsk.of(raw, chat=endpoint.chat),
+            route=await self._route_request(req),
+            clock=PhaseClock(arrival=arrival),
+            deadline=arrival + self.config.request_timeout,
+            headers=headers,
+            outcome=outcome,
+        )
+        return await self._with_retries(call)
 
     async def _route_request(self, req: CompletionRequest | ChatCompletionRequest) -> RouteRequest:
         conditional = self.config.conditional_disagg_config is not None
@@ -258,7 +254,12 @@ class DisaggService:
                 ):
                     self.metrics.local_prefill.inc()
                     return await self._gen_leg(call, local_request(call.raw), gen, ctx=None)
-            if self.config.schedule_style is ScheduleStyle.GENERATION_FIRST:
+            # generation_first: ctx's first token comes with the KV, without its logprobs, so
+            # a request that asks for logprobs is served context-first (ctx's answer has them).
+            if (
+                self.config.schedule_style is ScheduleStyle.GENERATION_FIRST
+                and not call.ask.logprobs
+            ):
                 gen = gen or await self._lease(call, GEN, disagg_id)
                 return await self._generation_first(call, disagg_id, gen)
             pair_with = gen.server if gen is not None else None

@@ -43,10 +43,12 @@ class ClientAsk:
     return_token_ids: bool
     return_perf_metrics: bool
     sent_disaggregated_params: bool
+    logprobs: bool = False  # the answer has a logprobs entry per token, ctx's first one too
 
     @classmethod
     def of(cls, body: Json, *, chat: bool) -> ClientAsk:
         options = body.get("stream_options") or {}
+        logprobs = body.get("logprobs")
         return cls(
             chat=chat,
             stream=bool(body.get("stream")),
@@ -54,6 +56,7 @@ class ClientAsk:
             return_token_ids=bool(body.get("return_token_ids")),
             return_perf_metrics=bool(body.get("return_perf_metrics")),
             sent_disaggregated_params=body.get("disaggregated_params") is not None,
+            logprobs=logprobs is True if chat else logprobs not in (None, False),
         )
 
 

@@ -151,6 +151,9 @@ class WorkerClient:
     """Calls to one role's servers; `role` only labels errors ("context", "generation")."""
 
     http: httpx.AsyncClient
+    api_key: str | None = attrs.field(default=None, repr=False)  # a secret: never in a repr
+    """Sent on the coordinator's own POSTs (`/kv_cache_events`): with an API key, every POST
+    route of a worker needs it. A client's requests carry the client's own key instead."""
 
     async def post_json(
         self, url: str, path: str, body: Json, *, role: str, headers: dict[str, str] | None = None
@@ -230,8 +233,9 @@ class WorkerClient:
         return await self._json(url, path, method="POST", limit_s=limit_s, role=role)
 
     async def _json(self, url: str, path: str, *, method: str, limit_s: float, role: str) -> object:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         try:
-            response = await self.http.request(method, url + path, timeout=limit_s)
+            response = await self.http.request(method, url + path, timeout=limit_s, headers=headers)
         except httpx.TransportError as exc:
             raise UpstreamUnreachable(
                 f"{role} server {url} unreachable: {_describe(exc)}", server=url, role=role

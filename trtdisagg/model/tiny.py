@@ -33,7 +33,7 @@ from trtdisagg.model.tiny_tokenizer import (
 )
 
 # Bump when the files written for the same TinySpec change, so old caches are not reused.
-WRITER_VERSION: Final = 1
+WRITER_VERSION: Final = 2
 ARCHITECTURES: Final = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),

@@ -27,16 +27,40 @@ MIN_VOCAB_SIZE: Final = len(SPECIAL_TOKENS) + 256
 
 CHAT_TEMPLATE: Final = (
     "{{- bos_token }}\n"
+    "{%- if tools %}\n"
+    "{{- '<|system|>\\nTools:\\n' }}\n"
+    "{%- for tool in tools %}\n"
+    "{{- (tool.function if tool.function is defined else tool) | tojson }}\n"
+    "{{- '\\n' }}\n"
+    "{%- endfor %}\n"
+    "{{- '<|end|>\\n' }}\n"
+    "{%- endif %}\n"
     "{%- for message in messages %}\n"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}\n"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}\n"
     "{{- raise_exception('unsupported role: ' + message['role']) }}\n"
     "{%- endif %}\n"
-    "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}\n"
+    "{%- if message['role'] == 'tool' %}\n"
+    "{{- '<|user|>\\n<tool_response id=' + (message.tool_call_id or '') | tojson + '>\\n' }}\n"
+    "{{- (message['content'] or '') + '\\n</tool_response><|end|>\\n' }}\n"
+    "{%- else %}\n"
+    "{{- '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}\n"
+    "{%- for call in message.tool_calls or [] %}\n"
+    "{%- set arguments = call.function.arguments %}\n"
+    "{{- '<tool_call>{\"name\": ' + call.function.name | tojson + ', \"arguments\": ' }}\n"
+    "{{- (arguments if arguments is string else arguments | tojson) + '}</tool_call>' }}\n"
+    "{%- endfor %}\n"
+    "{{- '<|end|>\\n' }}\n"
+    "{%- endif %}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n"
     "{{- '<|assistant|>\\n' }}\n"
     "{%- endif %}\n"
 )
+"""The tiny model's chat template. Messages read `<|role|>\\n{content}<|end|>\\n`. With `tools`, a
+system block lists them first (`Tools:` then each function's JSON, one a line). An assistant's
+tool calls follow its content as `<tool_call>{"name": N, "arguments": A}</tool_call>`; a tool
+result is a user turn `<tool_response id="{tool_call_id}">\\n{content}\\n</tool_response>`, as
+Qwen2.5's template writes them. Without tools or tool turns, those parts render nothing."""
 
 _CORPUS: Final = """\
 The quick brown fox jumps over the lazy dog. A large language model predicts the next token of a

@@ -10,13 +10,23 @@ import logging
 import time
 
 from quart import Response, request
+from quart.wrappers.response import ResponseBody
 from quart_trio import QuartTrio
 
 from trtdisagg import __version__
-from trtdisagg.api.codec import parse_json, structure_body, to_json, validate_request
+from trtdisagg.api.codec import parse_json, parse_request, structure_body, to_json
 from trtdisagg.api.errors import ApiError, bad_request
-from trtdisagg.api.http import install_common_handlers, json_response
+from trtdisagg.api.http import (
+    install_common_handlers,
+    json_body,
+    json_response,
+    model_not_found,
+    model_object,
+)
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, KvRelease
+from trtdisagg.api.responses_api import ResponsesRequest, as_responses_error, chat_body
+from trtdisagg.api.responses_events import ResponseHead, ResponsesStream, response_body
+from trtdisagg.api.streaming import ResponsesBody
 from trtdisagg.metrics import CONTENT_TYPE
 from trtdisagg.transfer.faults import FaultInjector, FaultSpecError, parse_faults
 from trtdisagg.worker.service import WorkerService
@@ -106,36 +116,50 @@ def create_app(service: WorkerService) -> QuartTrio:
         released = service.release_send(ask)
         return json_response({"disagg_request_id": ask.disagg_request_id, "released": released})
 
+    def model_card() -> dict[str, object]:
+        return model_object(
+            service.served_model_name, created=int(service.started_at), max_len=service.max_seq_len
+        )
+
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": service.served_model_name,
-                        "object": "model",
-                        "created": int(service.started_at),
-                        "owned_by": "trtdisagg",
-                        "max_model_len": service.max_seq_len,
-                    }
-                ],
-            }
-        )
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        if model_id != service.served_model_name:
+            raise model_not_found(model_id, service.served_model_name)
+        return json_response(model_card())
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        body = parse_json(await request.get_data(cache=False, as_text=False))
-        req = structure_body(body, CompletionRequest)
-        validate_request(req)
+        req = parse_request(await json_body(), CompletionRequest)
         return await _generate(service, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        body = parse_json(await request.get_data(cache=False, as_text=False))
-        req = structure_body(body, ChatCompletionRequest)
-        validate_request(req)
+        req = parse_request(await json_body(), ChatCompletionRequest)
         return await _generate(service, req)
+
+    @app.post("/v1/responses")
+    async def responses() -> Response:
+        asked = parse_request(await json_body(), ResponsesRequest)
+        with as_responses_error():
+            req = parse_request(chat_body(asked), ChatCompletionRequest)
+            job = service.start(req)
+        head = ResponseHead.new(
+            created_at=int(time.time()),
+            model=service.served_model_name,
+            instructions=asked.instructions,
+            max_output_tokens=asked.max_output_tokens,
+            temperature=asked.temperature,
+            top_p=asked.top_p,
+            metadata=asked.metadata,
+        )
+        if req.stream:
+            return _sse(ResponsesBody(inner=job.stream_body(), stream=ResponsesStream(head=head)))
+        with as_responses_error():
+            return json_response(response_body(head, await job.collect()))
 
     return app
 
@@ -154,10 +178,14 @@ async def _generate(
     job = service.start(req)
     # ctx answers context_only once, whole: the coordinator needs its params, not a stream.
     if req.stream and job.transfer_key is None:
-        response = Response(job.stream(), content_type="text/event-stream")
-        response.headers["Cache-Control"] = "no-cache"
-        response.timeout = None
-        return response
+        return _sse(job.stream_body())
     body = await job.collect()
     log.debug("request %d done in %.3fs", job.request_id, time.time() - started)
     return json_response(body)
+
+
+def _sse(body: ResponseBody) -> Response:
+    response = Response(body, content_type="text/event-stream")
+    response.headers["Cache-Control"] = "no-cache"
+    response.timeout = None
+    return response

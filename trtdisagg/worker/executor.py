@@ -55,7 +55,7 @@ from trtdisagg.worker.rank_plan import (
 from trtdisagg.worker.ranks import rank_outcomes
 from trtdisagg.worker.request import FinishReason, Request, RequestType
 from trtdisagg.worker.runner import ModelRunner, Sampled, StepOutput, plan_items
-from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, make_generator
+from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, make_generator, skip_sample
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
 from trtdisagg.worker.stopping import StopStrings
 from trtdisagg.worker.test_hooks import TestHooks, fail_step
@@ -108,6 +108,7 @@ class GenerationSource:
     ctx_info_endpoint: str
     first_token: int | None  # None: generation_first, the token comes with the KV
     ctx_instance: str | None = None  # the ctx instance that answered, if it said (handoff.py)
+    first_logprobs: TokenLogprobs | None = None  # ctx's logprobs of first_token, if asked for
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -218,9 +219,14 @@ class Executor:
         send, receive = trio.open_memory_channel[RequestOutput](math.inf)
         params = request.sampling
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
+        generator = make_generator(params.seed, self.runner.device)
+        if source is not None and params.seed is not None:
+            # ctx drew the first token from this seed's stream: gen continues that stream, so a
+            # seeded request samples the same tokens split or not.
+            skip_sample(generator, params, self.runner.model.args.vocab_size)
         spec = SampleSpec(
             params=params,
-            generator=make_generator(params.seed, self.runner.device),
+            generator=generator,
             suppress=eos if params.min_tokens > 0 else frozenset(),
         )
         live = _Live(
@@ -682,7 +688,8 @@ class Executor:
         table = request.block_table
         assert table is not None
         self._record_digest(source.key, tuple(table.block_ids), request.num_prompt_tokens)
-        self._after_token(live, token, None, now)
+        carried = source.first_logprobs if source.first_token is not None else None
+        self._after_token(live, token, carried, now)
 
     def _start_send(self, live: _Live, now: float) -> None:
         """ctx: the first token is out; pin the blocks and answer, the KV goes when gen asks."""

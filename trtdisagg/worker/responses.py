@@ -1,4 +1,11 @@
-"""OpenAI response bodies for completions and chat, whole and streamed. Pure functions."""
+"""OpenAI response bodies for completions and chat, whole and streamed. Pure functions.
+
+A request has one or more choices (`api/fanout.py`). `whole_body` assembles the finished choices;
+`StreamAssembler` turns each choice's outputs into chunks as they come, so choices interleave in
+the order they produce tokens, each ending with its own `finish_reason` chunk, and the stream
+ends with one usage chunk (`include_usage`). Usage counts each prompt's tokens once, however many
+choices it has (as OpenAI does), and every choice's completion tokens.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from trtdisagg.api.protocol import PerfMetrics, Usage, prune
 from trtdisagg.worker.sampling import TokenLogprobs
 
 TokenText = Callable[[int], str]
+Json = dict[str, Any]
 
 
 @attrs.frozen(kw_only=True)
@@ -22,7 +30,29 @@ class ResponseMeta:
     return_token_ids: bool
 
 
-def usage_json(usage: Usage) -> dict[str, Any]:
+@attrs.frozen(kw_only=True)
+class ChoiceTokens:
+    """How many tokens one choice counts toward usage."""
+
+    prompt_index: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+def total_usage(choices: Sequence[ChoiceTokens]) -> Usage:
+    """Each prompt's tokens once (taken from its first choice), every choice's completion."""
+    prompts: dict[int, ChoiceTokens] = {}
+    for choice in choices:
+        prompts.setdefault(choice.prompt_index, choice)
+    return Usage.of(
+        sum(c.prompt_tokens for c in prompts.values()),
+        sum(c.completion_tokens for c in choices),
+        sum(c.cached_tokens for c in prompts.values()),
+    )
+
+
+def usage_json(usage: Usage) -> Json:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
@@ -31,22 +61,32 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
-def perf_json(perf: PerfMetrics | None) -> dict[str, Any] | None:
+def perf_json(perf: PerfMetrics | None) -> Json | None:
     return None if perf is None else prune(attrs.asdict(perf))
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None], text_of: TokenText
-) -> dict[str, Any] | None:
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprobs | None],
+    text_of: TokenText,
+    *,
+    offset: int = 0,
+) -> Json | None:
+    """Legacy completions logprobs; `top_logprobs` always holds the sampled token too, as
+    OpenAI's do (so `logprobs: 0` gives the sampled token alone). `offset`: where the first
+    token starts in the choice's text (a stream's later chunks continue the count)."""
     if not logprobs or all(lp is None for lp in logprobs):
         return None
     tokens, values, tops, offsets = [], [], [], []
-    offset = 0
     for token, lp in zip(token_ids, logprobs, strict=True):
         text = text_of(token)
         tokens.append(text)
         values.append(lp.logprob if lp else None)
-        tops.append({text_of(t): v for t, v in lp.top} if lp else None)
+        top: dict[str, float] | None = None
+        if lp is not None:
+            top = {text_of(t): v for t, v in lp.top}
+            top.setdefault(text, lp.logprob)
+        tops.append(top)
         offsets.append(offset)
         offset += len(text)
     return {
@@ -59,11 +99,11 @@ def completion_logprobs(
 
 def chat_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None], text_of: TokenText
-) -> dict[str, Any] | None:
+) -> Json | None:
     if not logprobs or all(lp is None for lp in logprobs):
         return None
 
-    def entry(token: int, value: float) -> dict[str, Any]:
+    def entry(token: int, value: float) -> Json:
         text = text_of(token)
         return {"token": text, "logprob": value, "bytes": list(text.encode())}
 
@@ -77,33 +117,52 @@ def chat_logprobs(
     return {"content": content}
 
 
+@attrs.frozen(kw_only=True)
+class ChoiceResult:
+    """One finished choice of a whole (non-streaming) answer."""
+
+    index: int
+    text: str
+    token_ids: Sequence[int]
+    logprobs: Json | None
+    finish_reason: str | None
+    prompt_token_ids: Sequence[int] | None = None  # per choice: a batch of prompts
+    extra: Json | None = None
+
+
+def _choice(meta: ResponseMeta, result: ChoiceResult) -> Json:
+    choice: Json = {
+        "index": result.index,
+        "logprobs": result.logprobs,
+        "finish_reason": result.finish_reason,
+    }
+    if meta.chat:
+        choice["message"] = {"role": "assistant", "content": result.text}
+    else:
+        choice["text"] = result.text
+    if meta.return_token_ids:
+        choice["token_ids"] = list(result.token_ids)
+        if result.prompt_token_ids is not None:
+            choice["prompt_token_ids"] = list(result.prompt_token_ids)
+    if result.extra:
+        choice.update(result.extra)
+    return choice
+
+
 def whole_body(
     meta: ResponseMeta,
     *,
-    text: str,
-    token_ids: Sequence[int],
-    logprobs: dict[str, Any] | None,
-    finish_reason: str | None,
+    choices: Sequence[ChoiceResult],
     usage: Usage,
     prompt_token_ids: Sequence[int] | None,
-    extra_choice: dict[str, Any] | None = None,
     perf: PerfMetrics | None = None,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
-    if meta.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    if meta.return_token_ids:
-        choice["token_ids"] = list(token_ids)
-    if extra_choice:
-        choice.update(extra_choice)
-    body: dict[str, Any] = {
+) -> Json:
+    body: Json = {
         "id": meta.response_id,
         "object": "chat.completion" if meta.chat else "text_completion",
         "created": meta.created,
         "model": meta.model,
-        "choices": [choice],
+        "choices": [_choice(meta, c) for c in sorted(choices, key=lambda c: c.index)],
         "usage": usage_json(usage),
     }
     if prompt_token_ids is not None:
@@ -113,19 +172,29 @@ def whole_body(
     return body
 
 
+def _head(meta: ResponseMeta) -> Json:
+    return {
+        "id": meta.response_id,
+        "object": "chat.completion.chunk" if meta.chat else "text_completion",
+        "created": meta.created,
+        "model": meta.model,
+    }
+
+
 def chunk_body(
     meta: ResponseMeta,
     *,
+    index: int = 0,
     text: str | None,
     token_ids: Sequence[int],
-    logprobs: dict[str, Any] | None,
+    logprobs: Json | None,
     finish_reason: str | None,
     role: bool = False,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+    extra: Json | None = None,
+) -> Json:
+    choice: Json = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     if meta.chat:
-        delta: dict[str, Any] = {}
+        delta: Json = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
@@ -135,27 +204,120 @@ def chunk_body(
         choice["text"] = text or ""
     if meta.return_token_ids:
         choice["token_ids"] = list(token_ids)
-    body: dict[str, Any] = {
-        "id": meta.response_id,
-        "object": "chat.completion.chunk" if meta.chat else "text_completion",
-        "created": meta.created,
-        "model": meta.model,
-        "choices": [choice],
-    }
+    body = {**_head(meta), "choices": [choice]}
     if extra:
         body.update(extra)
     return body
 
 
-def usage_chunk(meta: ResponseMeta, usage: Usage, perf: PerfMetrics | None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": meta.response_id,
-        "object": "chat.completion.chunk" if meta.chat else "text_completion",
-        "created": meta.created,
-        "model": meta.model,
-        "choices": [],
-        "usage": usage_json(usage),
-    }
+def usage_chunk(meta: ResponseMeta, usage: Usage, perf: PerfMetrics | None) -> Json:
+    body: Json = {**_head(meta), "choices": [], "usage": usage_json(usage)}
     if perf is not None:
         body["perf_metrics"] = perf_json(perf)
     return body
+
+
+@attrs.define(eq=False, kw_only=True)
+class ChoiceStream:
+    """A streamed choice's progress."""
+
+    index: int
+    prompt_token_ids: Sequence[int]
+    tokens: ChoiceTokens  # so far (the prompt's until the first output says more)
+    echo: str | None = None  # completions with `echo`: the prompt text, sent first
+    text_offset: int = 0  # characters of token text sent so far (logprobs' text_offset)
+    started: bool = False  # its first chunk (role, prompt ids) is out
+    finished: bool = False
+
+
+@attrs.define(eq=False, kw_only=True)
+class StreamAssembler:
+    """Chunks of a streamed answer, choice by choice as outputs arrive (module docstring)."""
+
+    meta: ResponseMeta
+    choices: list[ChoiceStream]
+    text_of: TokenText
+    include_usage: bool = False
+    continuous_usage: bool = False
+    logprobs: bool = False
+    prompt_ids_in_first_chunk: bool = False  # completions with `return_token_ids`
+
+    def opening(self) -> list[Json]:
+        """Chat: each choice's role chunk; completions with `echo`: each prompt's text."""
+        out: list[Json] = []
+        for choice in self.choices:
+            if self.meta.chat or choice.echo:
+                out.append(self._chunk(choice, text=choice.echo or "", token_ids=(), lp=None))
+        return out
+
+    def output(
+        self,
+        index: int,
+        *,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs | None],
+        finish_reason: str | None,
+        tokens: ChoiceTokens,
+    ) -> Json | None:
+        """The chunk for one output of choice `index`, or None when it shows nothing (a token
+        that completes no character, and nobody asked for ids or logprobs)."""
+        choice = self.choices[index]
+        choice.tokens = tokens
+        carries_tokens = bool(token_ids) and (self.meta.return_token_ids or self.logprobs)
+        if not text and not carries_tokens and finish_reason is None:
+            return None
+        lp = self._logprobs(choice, token_ids, logprobs)
+        if finish_reason is not None:
+            choice.finished = True
+        return self._chunk(
+            choice, text=text, token_ids=token_ids, lp=lp, finish_reason=finish_reason
+        )
+
+    def closing(self, perf: PerfMetrics | None) -> list[Json]:
+        if not self.include_usage:
+            return []
+        return [usage_chunk(self.meta, self.usage(), perf)]
+
+    def usage(self) -> Usage:
+        return total_usage([c.tokens for c in self.choices])
+
+    def _logprobs(
+        self,
+        choice: ChoiceStream,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs | None],
+    ) -> Json | None:
+        if self.meta.chat:
+            return chat_logprobs(token_ids, logprobs, self.text_of)
+        built = completion_logprobs(token_ids, logprobs, self.text_of, offset=choice.text_offset)
+        if built is not None:
+            choice.text_offset += sum(len(t) for t in built["tokens"])
+        return built
+
+    def _chunk(
+        self,
+        choice: ChoiceStream,
+        *,
+        text: str,
+        token_ids: Sequence[int],
+        lp: Json | None,
+        finish_reason: str | None = None,
+    ) -> Json:
+        first = not choice.started
+        choice.started = True
+        extra: Json = {}
+        if first and self.prompt_ids_in_first_chunk and not self.meta.chat:
+            extra["prompt_token_ids"] = list(choice.prompt_token_ids)
+        if self.continuous_usage:
+            extra["usage"] = usage_json(total_usage([choice.tokens]))
+        return chunk_body(
+            self.meta,
+            index=choice.index,
+            text=text,
+            token_ids=token_ids,
+            logprobs=lp,
+            finish_reason=finish_reason,
+            role=first and self.meta.chat,
+            extra=extra,
+        )

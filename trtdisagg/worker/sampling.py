@@ -81,6 +81,17 @@ def _sample_row(row: torch.Tensor, spec: SampleSpec) -> int:
     return int(choice.item())
 
 
+def skip_sample(generator: torch.Generator, params: SamplingParams, width: int) -> None:
+    """Advance `generator` as `sample` drawing one token over `width` logits does, without the
+    token: a seeded generation_only request continues the random stream its first token (ctx's)
+    was drawn from. Mirrors `_sample_row`: greedy draws nothing, and `multinomial` with one
+    sample takes `width` exponentials whatever the probabilities."""
+    if params.temperature < MIN_TEMPERATURE or params.top_k == 1:
+        return
+    uniform = torch.ones(width, device=generator.device)
+    torch.multinomial(uniform, 1, generator=generator)
+
+
 def _logprobs(row: torch.Tensor, token: int, top_n: int | None) -> TokenLogprobs | None:
     if top_n is None:
         return None

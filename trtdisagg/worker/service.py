@@ -1,32 +1,32 @@
-"""WorkerService: turns a validated OpenAI request into an executor request and back.
+"""WorkerService: turns a validated OpenAI request into executor requests, one per choice.
 
-It owns what the HTTP routes need besides parsing: tokenising the prompt or chat, the model-name
-and context-length checks, request ids, and assembling outputs into whole or streamed bodies.
-A handler that goes away (client disconnect, cancellation) aborts its request, which frees its
-blocks at the executor's next step.
+It owns what the HTTP routes need besides parsing: tokenising the prompts or chat, the model-name,
+context-length and vocabulary checks, request ids, and the choices' submission; `jobs.Job` reads
+their outputs into whole or streamed bodies. A handler that goes away (client disconnect,
+cancellation) aborts its requests, which frees their blocks at the executor's next step.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from trtdisagg.api.codec import SSE_DONE, single_prompt, sse_event
+from trtdisagg.api.chat import chat_messages, chat_tools
 from trtdisagg.api.errors import ApiError, bad_request
+from trtdisagg.api.fanout import ChoicePlan, plan_choices
 from trtdisagg.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DisaggregatedParams,
     KvRelease,
-    PerfMetrics,
-    Usage,
 )
+from trtdisagg.api.validation import is_batched
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.kv.hashing import HASH_ALGORITHM
@@ -35,8 +35,9 @@ from trtdisagg.transfer.endpoints import is_tcp_endpoint
 from trtdisagg.transfer.faults import FaultInjector
 from trtdisagg.transfer.rank_info import compat_fields
 from trtdisagg.worker import responses
-from trtdisagg.worker.executor import Executor, GenerationSource, RequestHandle, RequestOutput
-from trtdisagg.worker.handoff import ctx_instance_of, ctx_state
+from trtdisagg.worker.executor import Executor, GenerationSource
+from trtdisagg.worker.handoff import ctx_instance_of
+from trtdisagg.worker.jobs import ChoiceRun, CtxEndpoint, Job
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
 from trtdisagg.worker.sampling import MIN_TEMPERATURE, TokenLogprobs
 from trtdisagg.worker.tokenization import Tokenizer
@@ -44,6 +45,7 @@ from trtdisagg.worker.tokenization import Tokenizer
 AnyRequest = CompletionRequest | ChatCompletionRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TOP_LOGPROBS = 20
 
 
 @attrs.frozen(kw_only=True)
@@ -144,6 +146,7 @@ class WorkerService:
     # ---- requests ----
 
     def start(self, req: AnyRequest) -> Job:
+        """Submit every choice of a validated request (`api/fanout.py`); the job reads them."""
         if req.model is not None and req.model != self.served_model_name:
             raise ApiError(
                 404,
@@ -158,15 +161,9 @@ class WorkerService:
                 "transceiver, and cache_transceiver is disabled on this worker",
                 param="disaggregated_params",
             )
-        prompt_ids = self._prompt_ids(req)
-        sampling = self._sampling(req, len(prompt_ids))
-        request = Request(
-            request_id=next(self._ids),
-            prompt_token_ids=prompt_ids,
-            sampling=sampling,
-            request_type=kind,
-            arrival_time=time.monotonic(),
-        )
+        plans = plan_choices(req)
+        prompts = self._prompts(req, plans)
+        sampling = {p: self._sampling(req, len(ids)) for p, ids in prompts.items()}
         source, key = None, None
         if kind is RequestType.GENERATION_ONLY:
             assert params is not None
@@ -184,12 +181,9 @@ class WorkerService:
                 "another request on this worker",
                 param="disaggregated_params",
             )
-        try:
-            handle = self.executor.submit(request, source=source, transfer_key=key)
-        except CapacityError as exc:
-            raise bad_request(f"prompt: {exc}", param="prompt") from None
-        except WorkerStopped as exc:
-            raise ApiError(503, str(exc)) from None
+        runs = self._submit_choices(
+            req, plans, prompts, sampling, kind=kind, source=source, key=key
+        )
         chat = isinstance(req, ChatCompletionRequest)
         meta = responses.ResponseMeta(
             response_id=("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
@@ -198,75 +192,151 @@ class WorkerService:
             chat=chat,
             return_token_ids=req.return_token_ids,
         )
-        return Job(service=self, req=req, handle=handle, meta=meta, transfer_key=key)
+        return Job(
+            req=req,
+            runs=runs,
+            meta=meta,
+            text_of=self.token_text,
+            ctx=CtxEndpoint(info_endpoint=self.ctx_info_endpoint, instance=self.ctx_instance),
+            transfer_key=key,
+            single_prompt=len(prompts) == 1,
+        )
 
-    def _prompt_ids(self, req: AnyRequest) -> list[int]:
+    def _submit_choices(
+        self,
+        req: AnyRequest,
+        plans: list[ChoicePlan],
+        prompts: dict[int, list[int]],
+        sampling: dict[int, SamplingParams],
+        *,
+        kind: RequestType,
+        source: GenerationSource | None,
+        key: int | None,
+    ) -> list[ChoiceRun]:
+        """One executor request per choice: the fan-out that sharing a prompt's prefill among
+        its n choices (a copy-on-write fork of its blocks) replaces. All or none are queued."""
+        echo = isinstance(req, CompletionRequest) and req.echo
+        runs: list[ChoiceRun] = []
+        try:
+            for plan in plans:
+                request = Request(
+                    request_id=next(self._ids),
+                    prompt_token_ids=list(prompts[plan.prompt_index]),
+                    sampling=attrs.evolve(sampling[plan.prompt_index], seed=plan.seed),
+                    request_type=kind,
+                    arrival_time=time.monotonic(),
+                )
+                handle = self.executor.submit(request, source=source, transfer_key=key)
+                runs.append(
+                    ChoiceRun(
+                        plan=plan,
+                        handle=handle,
+                        executor=self.executor,
+                        echo=self._echo(plan, prompts) if echo else None,
+                    )
+                )
+        except (CapacityError, WorkerStopped) as exc:
+            for run in runs:
+                run.drop()
+            if isinstance(exc, WorkerStopped):
+                raise ApiError(503, str(exc)) from None
+            raise bad_request(f"prompt: {exc}", param="prompt") from None
+        return runs
+
+    def _prompts(self, req: AnyRequest, plans: list[ChoicePlan]) -> dict[int, list[int]]:
+        """Each prompt's token ids, tokenized once however many choices it has."""
+        prompts: dict[int, list[int]] = {}
+        batched = isinstance(req, CompletionRequest) and is_batched(req)
+        for plan in plans:
+            if plan.prompt_index not in prompts:
+                where = f"prompt[{plan.prompt_index}]" if batched else "prompt"
+                prompts[plan.prompt_index] = self._prompt_ids(req, plan.prompt, where)
+        return prompts
+
+    def _prompt_ids(self, req: AnyRequest, prompt: str | list[int] | None, where: str) -> list[int]:
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
         elif isinstance(req, CompletionRequest):
-            prompt = single_prompt(req)
+            assert prompt is not None
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         else:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages or []]
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=req.add_generation_prompt
-                )
-            except Exception as exc:  # a template's raise_exception() names the problem
-                raise bad_request(f"messages: {exc}", param="messages") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self._chat_prompt_ids(req)
         if not ids:
-            raise bad_request("prompt: must not be empty", param="prompt")
+            raise bad_request(f"{where}: must not be empty", param="prompt")
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(
-                f"prompt: token id {bad} outside the vocabulary [0, {vocab})", param="prompt"
+                f"{where}: token id {bad} outside the vocabulary [0, {vocab})", param="prompt"
             )
         if len(ids) >= self.max_seq_len:
             raise bad_request(
-                f"prompt: {len(ids)} tokens; this model's context is {self.max_seq_len} tokens",
+                f"{where}: {len(ids)} tokens; this model's context is {self.max_seq_len} tokens",
                 param="prompt",
             )
         return ids
 
+    def _chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                chat_messages(req.messages or []),
+                add_generation_prompt=req.add_generation_prompt,
+                tools=chat_tools(req),
+            )
+        except Exception as exc:  # a template's raise_exception() names the problem
+            raise bad_request(f"messages: {exc}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _echo(self, plan: ChoicePlan, prompts: dict[int, list[int]]) -> str:
+        """The prompt text `echo` prepends: the client's string, or its tokens decoded."""
+        if isinstance(plan.prompt, str):
+            return plan.prompt
+        return self.tokenizer.decode(prompts[plan.prompt_index], skip_special_tokens=False)
+
     def _sampling(self, req: AnyRequest, prompt_len: int) -> SamplingParams:
         room = self.max_seq_len - prompt_len
+        field = "max_tokens"
         if isinstance(req, ChatCompletionRequest):
+            if req.max_completion_tokens is not None:
+                field = "max_completion_tokens"
             asked = req.max_completion_tokens or req.max_tokens
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            max_tokens = room if asked is None else asked
         else:
-            asked = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+            asked = req.max_tokens
             logprobs = req.logprobs
+            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if asked is None else asked
+        if max_tokens > room:
+            raise bad_request(
+                f"{field}: the prompt's {prompt_len} tokens + {field} {max_tokens} exceed this "
+                f"model's context of {self.max_seq_len} tokens",
+                param=field,
+            )
+        vocab = self.tokenizer.vocab_size
+        bad_stop = next((t for t in req.stop_token_ids or () if not 0 <= t < vocab), None)
+        if bad_stop is not None:
+            raise bad_request(
+                f"stop_token_ids: token id {bad_stop} outside the vocabulary [0, {vocab})",
+                param="stop_token_ids",
+            )
         stop = req.stop
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         try:
-            return self._sampling_params(req, asked, room, logprobs, stops, top_k)
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=_temperature(req.temperature),
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=top_k,
+                seed=req.seed,
+                stop=tuple(s for s in stops if s),
+                stop_token_ids=frozenset(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                min_tokens=req.min_tokens,
+            )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-
-    def _sampling_params(
-        self,
-        req: AnyRequest,
-        asked: int | None,
-        room: int,
-        logprobs: int | None,
-        stops: tuple[str, ...],
-        top_k: int,
-    ) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=min(asked or room, room),
-            temperature=_temperature(req.temperature),
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=top_k,
-            seed=req.seed,
-            stop=tuple(s for s in stops if s),
-            stop_token_ids=frozenset(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-            min_tokens=req.min_tokens,
-        )
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -308,148 +378,35 @@ def _generation_source(params: DisaggregatedParams, vocab_size: int) -> Generati
         ctx_info_endpoint=params.ctx_info_endpoint,
         first_token=first,
         ctx_instance=ctx_instance_of(params.opaque_state),
+        first_logprobs=_first_logprobs(params, first, vocab_size),
     )
 
 
-@attrs.define(eq=False, kw_only=True)
-class Job:
-    service: WorkerService
-    req: AnyRequest
-    handle: RequestHandle
-    meta: responses.ResponseMeta
-    transfer_key: int | None = None
-    _done: bool = attrs.field(default=False, alias="done")
-
-    @property
-    def req_logprobs(self) -> bool:
-        return self.handle.request.sampling.logprobs is not None
-
-    @property
-    def request_id(self) -> int:
-        return self.handle.request.request_id
-
-    def _usage(self, last: RequestOutput) -> Usage:
-        return Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-
-    def _perf(self, last: RequestOutput) -> PerfMetrics | None:
-        return last.perf if self.req.return_perf_metrics else None
-
-    async def _outputs(self) -> AsyncIterator[RequestOutput]:
-        try:
-            async with self.handle.outputs:
-                async for output in self.handle.outputs:
-                    if output.finish_reason is not None:
-                        self._done = True
-                    yield output
-        finally:
-            if not self._done:
-                self.service.executor.abort(self.request_id)
-
-    async def collect(self) -> dict[str, Any]:
-        text: list[str] = []
-        tokens: list[int] = []
-        logprobs: list[TokenLogprobs | None] = []
-        last: RequestOutput | None = None
-        async for output in self._outputs():
-            text.append(output.text)
-            tokens.extend(output.token_ids)
-            logprobs.extend(output.logprobs)
-            last = output
-        assert last is not None
-        if last.error is not None:
-            # A generation_only request fails when its KV cannot come from ctx: upstream's fault,
-            # unless this worker failed it itself (a model step raised).
-            gen = self.handle.request.request_type is RequestType.GENERATION_ONLY
-            raise ApiError(502 if gen and not last.internal else 500, last.error)
-        if last.context_done:
-            return self._context_body(text, tokens, logprobs, last)
-        assert last.finish_reason is not None
-        return responses.whole_body(
-            self.meta,
-            text="".join(text),
-            token_ids=tokens,
-            logprobs=self._logprobs(tokens, logprobs),
-            finish_reason=last.finish_reason.value,
-            usage=self._usage(last),
-            prompt_token_ids=self.handle.request.prompt_token_ids
-            if self.req.return_token_ids
-            else None,
-            perf=self._perf(last),
+def _first_logprobs(
+    params: DisaggregatedParams, first: int | None, vocab_size: int
+) -> TokenLogprobs | None:
+    """ctx's logprobs of the first token, checked as any peer's input is."""
+    field = "disaggregated_params.first_gen_logprobs"
+    carried = params.first_gen_logprobs
+    if not carried:
+        return None
+    entry = carried[0]
+    if first is None or entry.token_id != first:
+        raise bad_request(
+            f"{field}[0].token_id: {entry.token_id} is not first_gen_tokens[0] ({first})",
+            param="disaggregated_params",
         )
-
-    def _context_body(
-        self,
-        text: list[str],
-        tokens: list[int],
-        logprobs: list[TokenLogprobs | None],
-        last: RequestOutput,
-    ) -> dict[str, Any]:
-        """ctx's answer to context_only: the first token plus what gen needs to continue."""
-        request = self.handle.request
-        instance = self.service.ctx_instance
-        params = {
-            "request_type": "context_only",
-            "first_gen_tokens": tokens[:1],
-            "ctx_request_id": request.request_id,
-            "disagg_request_id": self.transfer_key,
-            "ctx_dp_rank": 0,
-            "ctx_info_endpoint": self.service.ctx_info_endpoint,
-            "opaque_state": ctx_state(instance) if instance else None,
-        }
-        return responses.whole_body(
-            self.meta,
-            text="".join(text),
-            token_ids=tokens,
-            logprobs=self._logprobs(tokens, logprobs),
-            finish_reason=None,
-            usage=self._usage(last),
-            prompt_token_ids=request.prompt_token_ids,
-            extra_choice={"disaggregated_params": params},
-            perf=self._perf(last),
+    if len(entry.top_logprobs) > MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"{field}[0].top_logprobs: at most {MAX_TOP_LOGPROBS} entries",
+            param="disaggregated_params",
         )
-
-    def _logprobs(
-        self, tokens: list[int], logprobs: list[TokenLogprobs | None]
-    ) -> dict[str, Any] | None:
-        build = responses.chat_logprobs if self.meta.chat else responses.completion_logprobs
-        return build(tokens, logprobs, self.service.token_text)
-
-    async def stream(self) -> AsyncIterator[bytes]:
-        meta = self.meta
-        first = True
-        if meta.chat:
-            yield sse_event(
-                responses.chunk_body(
-                    meta, text="", token_ids=(), logprobs=None, finish_reason=None, role=True
-                )
+    top = tuple((t.token_id, t.logprob) for t in entry.top_logprobs)
+    for token, value in ((entry.token_id, entry.logprob), *top):
+        if not 0 <= token < vocab_size or math.isnan(value) or value > 0:
+            raise bad_request(
+                f"{field}[0]: token {token} with logprob {value} is not a token of this "
+                f"vocabulary ({vocab_size}) with a logprob <= 0",
+                param="disaggregated_params",
             )
-            first = False
-        extra: dict[str, Any] | None = None
-        if self.req.return_token_ids:
-            extra = {"prompt_token_ids": self.handle.request.prompt_token_ids}
-        last: RequestOutput | None = None
-        async for output in self._outputs():
-            last = output
-            reason = output.finish_reason.value if output.finish_reason else None
-            carries_tokens = bool(output.token_ids) and (meta.return_token_ids or self.req_logprobs)
-            if not output.text and not carries_tokens and reason is None:
-                continue  # a token that completes no character yet: nothing to show
-            if output.error is not None:
-                yield sse_event(ApiError(500, output.error).to_json())
-                break
-            yield sse_event(
-                responses.chunk_body(
-                    meta,
-                    text=output.text,
-                    token_ids=output.token_ids,
-                    logprobs=self._logprobs(list(output.token_ids), list(output.logprobs)),
-                    finish_reason=reason,
-                    role=first and meta.chat,
-                    extra=extra if first else None,
-                )
-            )
-            first = False
-        options = self.req.stream_options
-        if last is not None and options is not None and options.include_usage:
-            yield sse_event(responses.usage_chunk(meta, self._usage(last), self._perf(last)))
-        yield SSE_DONE
+    return TokenLogprobs(logprob=entry.logprob, top=top)

@@ -119,9 +119,14 @@ class Tokenizer:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any] | Any], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any] | Any],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render the chat template over `messages` (dicts, or attrs instances).
+        """Render the chat template over `messages` (dicts, or attrs instances); `tools` is the
+        template's `tools` variable (OpenAI's tool objects), None when there are none.
 
         Raises:
             TokenizerError: no chat template, or the template failed (e.g. `raise_exception`).
@@ -132,6 +137,7 @@ class Tokenizer:
         try:
             return self._template.render(
                 messages=rendered,
+                tools=None if tools is None else list(tools),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",

@@ -1,0 +1,497 @@
+"""The OpenAI API as real clients use it, against real processes (`tests/openai_cluster.py`:
+a ctx and a gen worker behind a coordinator, on `tiny`, started once for the module), the worker
+alone and the coordinator. Each feature is checked for OpenAI's shape (the official `openai`
+client parses every answer) and for agreement: the same tokens split or not, greedy and seeded
+at temperature 1. The validation list is `test_openai_validation.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.edges import Cluster, wait_idle, wait_until
+from tests.openai_cluster import (
+    CHAT,
+    IDS,
+    LOGPROB_TOLERANCE,
+    PROMPTS,
+    TARGETS,
+    TOOL_TURNS,
+    TOOLS,
+    api,
+    assert_stream_shape,
+    both,
+    by_choice,
+    openai_cluster,
+    sse,
+    tokens_of,
+    url_of,
+)
+from tests.procs import Server, free_port, metric, spawn
+from trtdisagg.api.fanout import choice_seed
+from trtdisagg.worker.tokenization import Tokenizer
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, httpx.Client]]:
+    with openai_cluster(tmp_path_factory.mktemp("openai_api")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def cluster(running: tuple[Cluster, httpx.Client]) -> Cluster:
+    return running[0]
+
+
+@pytest.fixture(scope="module")
+def http(running: tuple[Cluster, httpx.Client]) -> httpx.Client:
+    return running[1]
+
+
+@pytest.fixture(scope="module")
+def generation_first(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """A second coordinator over the same workers, with schedule_style: generation_first."""
+    tmp = tmp_path_factory.mktemp("generation_first")
+    port = free_port()
+    config = {
+        "hostname": "127.0.0.1", "port": port, "schedule_style": "generation_first",
+        "context_servers": {"urls": [cluster.ctx.url]},
+        "generation_servers": {"urls": [cluster.gen.url]},
+        "health_check_interval": 0.2, "request_timeout": 60,
+    }  # fmt: skip
+    path = tmp / "disagg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with spawn(
+        ["coordinator", "--config", str(path)], port=port, log_path=tmp / "coordinator.log"
+    ) as server:
+        yield server
+
+
+# ---- models ----
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_models(cluster: Cluster, target: str) -> None:
+    client = api(url_of(cluster, target))
+    [model] = client.models.list().data
+    assert model.id == "tiny" and model.object == "model" and model.created > 0
+    assert model.max_model_len == 4096
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4")
+    assert info.value.body["param"] == "model" and "gpt-4" in info.value.body["message"]
+
+
+# ---- batched prompts and n ----
+
+
+def test_batched_prompts_and_n_agree_split_or_not(cluster: Cluster) -> None:
+    worker, coordinator = both(cluster)
+    ask = {
+        "model": "tiny",
+        "prompt": PROMPTS,
+        "n": 2,
+        "max_tokens": 5,
+        "temperature": 0,
+        "extra_body": {**IDS, "ignore_eos": True},
+    }
+    alone, split = worker.completions.create(**ask), coordinator.completions.create(**ask)
+    for answer in (alone, split):
+        assert [c.index for c in answer.choices] == list(range(6))
+        prompt_ids = [c.prompt_token_ids for c in answer.choices]
+        assert prompt_ids[0] == prompt_ids[1] != prompt_ids[2] == prompt_ids[3]
+        assert answer.usage is not None
+        assert answer.usage.prompt_tokens == sum(len(ids) for ids in prompt_ids[::2])
+        assert answer.usage.completion_tokens == 6 * 5
+    assert tokens_of(alone) == tokens_of(split)
+    assert [c.text for c in alone.choices] == [c.text for c in split.choices]
+    for p, prompt in enumerate(PROMPTS):  # a batch equals its prompts sent one by one
+        one = worker.completions.create(**{**ask, "prompt": prompt, "n": 1})
+        assert tokens_of(one)[0] == tokens_of(alone)[2 * p] == tokens_of(alone)[2 * p + 1]
+
+
+def test_seeded_choices_agree_split_or_not_and_reproduce(cluster: Cluster) -> None:
+    worker, coordinator = both(cluster)
+    ask = {
+        "model": "tiny",
+        "prompt": PROMPTS[:2],
+        "n": 3,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 1234,
+        "extra_body": {**IDS, "ignore_eos": True},
+    }
+    alone, split = worker.completions.create(**ask), coordinator.completions.create(**ask)
+    assert tokens_of(alone) == tokens_of(split)
+    assert len({tuple(t) for t in tokens_of(alone)[:3]}) > 1  # the choices really sample
+    for i in range(3):  # choice i samples with choice_seed(seed, i), as docs/API.md says
+        one = worker.completions.create(
+            **{**ask, "prompt": PROMPTS[1], "n": 1, "seed": choice_seed(1234, i)}
+        )
+        assert tokens_of(one)[0] == tokens_of(alone)[3 + i]
+
+
+@pytest.mark.parametrize("seed", [None, 77])
+def test_chat_n_streams_interleave_and_agree(
+    cluster: Cluster, http: httpx.Client, seed: int | None
+) -> None:
+    body = {
+        "messages": CHAT,
+        "n": 3,
+        "max_tokens": 6,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        **IDS,
+        **({"temperature": 0} if seed is None else {"temperature": 1.0, "seed": seed}),
+    }
+    streamed: dict[str, dict[int, list[int]]] = {}
+    for target in TARGETS:
+        events = sse(http, url_of(cluster, target) + "/v1/chat/completions", body)
+        usage = assert_stream_shape(events, 3)
+        assert usage["completion_tokens"] == 18
+        choices = by_choice(events)
+        for chunks in choices.values():
+            assert chunks[0]["delta"].get("role") == "assistant"
+            assert all("role" not in c["delta"] for c in chunks[1:])
+        streamed[target] = {i: [t for c in cs for t in c["token_ids"]] for i, cs in choices.items()}
+        whole = api(url_of(cluster, target)).chat.completions.create(
+            model="tiny", messages=CHAT, n=3, max_tokens=6, seed=seed,
+            temperature=0 if seed is None else 1.0, extra_body={**IDS, "ignore_eos": True},
+        )  # fmt: skip
+        assert [list(c.token_ids) for c in whole.choices] == [streamed[target][i] for i in range(3)]
+    assert streamed["worker"] == streamed["coordinator"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_completion_stream_with_n_and_batch(
+    cluster: Cluster, http: httpx.Client, target: str
+) -> None:
+    body = {
+        "prompt": PROMPTS[:2],
+        "n": 2,
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        **IDS,
+    }
+    events = sse(http, url_of(cluster, target) + "/v1/completions", body)
+    usage = assert_stream_shape(events, 4)
+    whole = api(url_of(cluster, target)).completions.create(
+        model="tiny", prompt=PROMPTS[:2], n=2, max_tokens=4, temperature=0,
+        extra_body={**IDS, "ignore_eos": True},
+    )  # fmt: skip
+    assert whole.usage is not None and usage == whole.usage.model_dump(exclude_none=True)
+    texts = {i: "".join(c["text"] for c in cs) for i, cs in by_choice(events).items()}
+    assert [texts[i] for i in range(4)] == [c.text for c in whole.choices]
+
+
+def test_best_of_equal_to_n(cluster: Cluster) -> None:
+    for client in both(cluster):
+        answer = client.completions.create(
+            model="tiny", prompt="Hi", n=2, best_of=2, max_tokens=2, temperature=0
+        )
+        assert len(answer.choices) == 2
+
+
+# ---- logprobs ----
+
+
+def _close(a: list[float | None], b: list[float | None]) -> bool:
+    return len(a) == len(b) and all(
+        x is not None and y is not None and abs(x - y) < LOGPROB_TOLERANCE
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_completion_logprobs_are_whole_through_the_split(
+    cluster: Cluster, temperature: float
+) -> None:
+    worker, coordinator = both(cluster)
+    ask = {
+        "model": "tiny",
+        "prompt": PROMPTS[1],
+        "max_tokens": 6,
+        "logprobs": 3,
+        "seed": 5,
+        "temperature": temperature,
+        "extra_body": {**IDS, "ignore_eos": True},
+    }
+    alone, split = worker.completions.create(**ask), coordinator.completions.create(**ask)
+    assert tokens_of(alone) == tokens_of(split)
+    a, s = alone.choices[0].logprobs, split.choices[0].logprobs
+    assert a is not None and s is not None
+    assert s.token_logprobs is not None and s.token_logprobs[0] is not None  # ctx's token
+    assert _close(list(a.token_logprobs or []), list(s.token_logprobs))
+    assert s.tokens == a.tokens and s.text_offset == a.text_offset
+    assert s.top_logprobs is not None and a.top_logprobs is not None
+    for top_a, top_s, token in zip(a.top_logprobs, s.top_logprobs, s.tokens or [], strict=True):
+        # 3 best plus the sampled token, fewer when tokens share a text (a dict by text)
+        assert set(top_a) == set(top_s) and token in top_s and len(top_s) <= 4
+
+
+def test_logprobs_0_give_the_sampled_token_alone(cluster: Cluster) -> None:
+    for client in both(cluster):
+        answer = client.completions.create(
+            model="tiny", prompt="Hi", max_tokens=3, logprobs=0, temperature=0
+        )
+        lp = answer.choices[0].logprobs
+        assert lp is not None and lp.tokens and lp.top_logprobs and lp.token_logprobs
+        assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_have_one_entry_per_token_through_the_split(
+    cluster: Cluster, http: httpx.Client, stream: bool
+) -> None:
+    body = {
+        "messages": CHAT,
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "ignore_eos": True,
+        **IDS,
+    }
+    entries: dict[str, list[dict[str, Any]]] = {}
+    for target in TARGETS:
+        url = url_of(cluster, target) + "/v1/chat/completions"
+        if stream:
+            events = sse(http, url, {**body, "stream": True})
+            chunks = by_choice(events)[0]
+            with_tokens = [c for c in chunks if c["token_ids"]]
+            assert all(c["logprobs"] is not None for c in with_tokens)  # the first one too
+            entries[target] = [e for c in with_tokens for e in c["logprobs"]["content"]]
+        else:
+            answer = api(url_of(cluster, target)).chat.completions.create(
+                model="tiny", messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                top_logprobs=2, extra_body={**IDS, "ignore_eos": True},
+            )  # fmt: skip
+            content = answer.choices[0].logprobs.content
+            entries[target] = [e.model_dump() for e in content or []]
+        assert len(entries[target]) == 5
+    alone, split = entries["worker"], entries["coordinator"]
+    assert [e["token"] for e in alone] == [e["token"] for e in split]
+    assert _close([e["logprob"] for e in alone], [e["logprob"] for e in split])
+    assert all(len(e["top_logprobs"]) == 2 for e in split)
+
+
+def test_generation_first_serves_logprobs_context_first(
+    cluster: Cluster, generation_first: Server
+) -> None:
+    worker, coordinator = api(cluster.ctx.url), api(generation_first.url)
+    ask = {
+        "model": "tiny",
+        "prompt": PROMPTS[0],
+        "max_tokens": 6,
+        "logprobs": 2,
+        "temperature": 0,
+        "extra_body": {**IDS, "ignore_eos": True},
+    }
+    alone, split = worker.completions.create(**ask), coordinator.completions.create(**ask)
+    assert tokens_of(alone) == tokens_of(split)
+    lp = split.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and None not in lp.token_logprobs
+    seeded = {**ask, "temperature": 1.0, "seed": 99}  # seeded, without logprobs: gen first
+    del seeded["logprobs"]
+    assert tokens_of(worker.completions.create(**seeded)) == tokens_of(
+        coordinator.completions.create(**seeded)
+    )
+
+
+# ---- echo ----
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_echo(cluster: Cluster, http: httpx.Client, target: str) -> None:
+    client = api(url_of(cluster, target))
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=4, temperature=0)
+    echoed = client.completions.create(
+        model="tiny", prompt=PROMPTS[:2], max_tokens=4, temperature=0, echo=True
+    )
+    for prompt, a, b in zip(PROMPTS, plain.choices, echoed.choices, strict=False):
+        assert b.text == prompt + a.text
+    prompt_ids = client.completions.create(
+        model="tiny", prompt="Hi!", max_tokens=1, extra_body=IDS
+    ).prompt_token_ids
+    ids = client.completions.create(
+        model="tiny", prompt=[prompt_ids], max_tokens=2, temperature=0, echo=True
+    )
+    assert ids.choices[0].text.startswith("<|bos|>Hi!")  # token ids: decoded as they are
+    events = sse(
+        http,
+        url_of(cluster, target) + "/v1/completions",
+        {"prompt": PROMPTS[:2], "max_tokens": 4, "temperature": 0, "echo": True, "stream": True},
+    )
+    for index, chunks in by_choice(events).items():
+        assert chunks[0]["text"] == PROMPTS[index]
+        assert "".join(c["text"] for c in chunks) == echoed.choices[index].text
+
+
+# ---- usage in every chunk ----
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_continuous_usage_stats(cluster: Cluster, http: httpx.Client, target: str) -> None:
+    body = {
+        "prompt": PROMPTS[:2],
+        "n": 2,
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    events = sse(http, url_of(cluster, target) + "/v1/completions", body)
+    chunks = [e for e in events if isinstance(e, dict) and e["choices"]]
+    assert chunks and all("usage" in e for e in chunks)
+    seen: dict[int, int] = {}
+    for event in chunks:
+        index, used = event["choices"][0]["index"], event["usage"]["completion_tokens"]
+        assert used >= seen.get(index, 0)
+        seen[index] = used
+    assert seen == {i: 5 for i in range(4)}
+    assert assert_stream_shape(events, 4)["completion_tokens"] == 20
+
+
+# ---- tools ----
+
+
+def _template_ids(http: httpx.Client, cluster: Cluster, tools: Any, messages: Any) -> list[int]:
+    info = http.get(cluster.ctx.url + "/server_info").json()
+    tokenizer = Tokenizer.from_dir(Path(info["model_path"]))
+    text = tokenizer.apply_chat_template(messages, tools=tools)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_tools_and_tool_turns_reach_the_chat_template(cluster: Cluster, http: httpx.Client) -> None:
+    rendered = [
+        {k: v if v is not None else "" for k, v in m.items()} for m in TOOL_TURNS
+    ]  # the worker renders a null content as ""
+    expected = _template_ids(http, cluster, TOOLS, rendered)
+    without = _template_ids(http, cluster, None, rendered)
+    assert expected != without
+    results = []
+    for client in both(cluster):
+        for choice, ids in (("auto", expected), ("none", without)):
+            answer = client.chat.completions.create(
+                model="tiny", messages=TOOL_TURNS, tools=TOOLS, tool_choice=choice,
+                max_tokens=3, temperature=0, extra_body=IDS,
+            )  # fmt: skip
+            assert answer.prompt_token_ids == ids
+            results.append(list(answer.choices[0].token_ids))
+    assert results[:2] == results[2:]  # split or not
+
+
+# ---- /v1/responses ----
+
+
+def test_responses_agree_split_or_not(cluster: Cluster) -> None:
+    answers = [
+        client.responses.create(
+            model="tiny",
+            instructions="Be brief.",
+            max_output_tokens=6,
+            input=[{"role": "user", "content": "Hello there"}],
+            temperature=0,
+        )
+        for client in both(cluster)
+    ]
+    for answer in answers:
+        assert answer.object == "response" and answer.status in ("completed", "incomplete")
+        assert answer.output[0].type == "message"
+        assert answer.usage is not None and 1 <= answer.usage.output_tokens <= 6
+        assert answer.usage.total_tokens == answer.usage.input_tokens + answer.usage.output_tokens
+    assert answers[0].output_text == answers[1].output_text
+    assert answers[0].usage.input_tokens == answers[1].usage.input_tokens
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_responses_stream(cluster: Cluster, target: str) -> None:
+    client = api(url_of(cluster, target))
+    whole = client.responses.create(
+        model="tiny", input="Once upon a time", max_output_tokens=5, temperature=0
+    )
+    events = list(
+        client.responses.create(
+            model="tiny", input="Once upon a time", max_output_tokens=5, temperature=0, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert kinds[-1] == f"response.{whole.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_responses_refuse_what_they_do_not_support(cluster: Cluster, target: str) -> None:
+    client = api(url_of(cluster, target))
+    for field, value in (
+        ("store", True),
+        ("previous_response_id", "resp_1"),
+        ("tools", TOOLS),
+        ("reasoning", {"effort": "low"}),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model="tiny", input="x", **{field: value})
+        assert info.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="tiny", input="x", max_output_tokens=5000)
+    assert info.value.body["param"] == "max_output_tokens"
+
+
+# ---- clients that leave ----
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_leaving_a_stream_of_several_choices_frees_everything(
+    cluster: Cluster, http: httpx.Client, target: str
+) -> None:
+    url = url_of(cluster, target)
+    aborted = 'role="coordinator",status="aborted"'
+
+    def counts() -> tuple[float, float]:
+        text = http.get(url + "/metrics").text
+        return metric(text, "trtdisagg_requests_total", aborted), metric(
+            text, "trtdisagg_requests_running"
+        )
+
+    before = counts()[0]
+    body = {"prompt": PROMPTS, "n": 2, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    stream = http.stream("POST", url + "/v1/completions", json=body)
+    with stream as r, contextlib.suppress(httpx.HTTPError):
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # the choices are running: hang up
+    for worker in cluster.workers:
+        wait_idle(http, worker, timeout=30)
+    if target == "coordinator":  # the client's request is counted once, however many choices
+        wait_until(lambda: counts() == (before + 1, 0), 10, "the request counted as aborted")

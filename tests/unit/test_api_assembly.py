@@ -1,0 +1,360 @@
+"""Answers with several choices, whole and streamed, and Responses answers. Pure functions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pydantic
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+
+from trtdisagg.api.codec import SSE_DONE, parse_request, sse_event
+from trtdisagg.api.fanout import choice_body, choice_seed, plan_choices
+from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
+from trtdisagg.api.responses_api import ResponsesRequest, chat_body, responses_rejection
+from trtdisagg.api.responses_events import ResponseHead, ResponsesStream, response_body
+from trtdisagg.api.sse import DONE, SseSplitter, parse_event
+from trtdisagg.coordinator.choices import ChoiceSseMerger, merge_answers
+from trtdisagg.coordinator.split import ClientAsk
+from trtdisagg.worker import responses
+from trtdisagg.worker.sampling import TokenLogprobs
+
+META = responses.ResponseMeta(
+    response_id="cmpl-1", created=1, model="tiny", chat=False, return_token_ids=True
+)
+CHAT_META = responses.ResponseMeta(
+    response_id="chatcmpl-1", created=1, model="tiny", chat=True, return_token_ids=False
+)
+
+
+def text_of(token: int) -> str:
+    return f"<{token}>"
+
+
+def tokens(prompt_index: int, prompt: int, completion: int, cached: int = 0) -> Any:
+    return responses.ChoiceTokens(
+        prompt_index=prompt_index,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion,
+    )
+
+
+# ---- fan-out ----
+
+
+def test_choices_follow_openai_order_and_seeds() -> None:
+    req = parse_request({"prompt": ["a", "b", "c"], "n": 2, "seed": 7}, CompletionRequest)
+    plans = plan_choices(req)
+    assert [(p.index, p.prompt_index, p.sample_index) for p in plans] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1), (4, 2, 0), (5, 2, 1),
+    ]  # fmt: skip
+    assert [p.prompt for p in plans[::2]] == ["a", "b", "c"]
+    tokens_req = parse_request({"prompt": [[5, 6], [7]]}, CompletionRequest)
+    assert [p.prompt for p in plan_choices(tokens_req)] == [[5, 6], [7]]
+    assert [p.seed for p in plans[:2]] == [7, choice_seed(7, 1)]
+    assert plans[2].seed == plans[0].seed and plans[3].seed == plans[1].seed
+    unseeded = plan_choices(parse_request({"prompt": "a", "n": 3}, CompletionRequest))
+    assert [p.seed for p in unseeded] == [None] * 3
+
+
+def test_choice_seeds_are_fixed_int64s() -> None:
+    assert choice_seed(7, 0) == 7
+    # The derivation is part of the API (docs/API.md): these values must never change.
+    assert choice_seed(7, 1) == choice_seed(7, 1) != choice_seed(8, 1)
+    seeds = {choice_seed(s, i) for s in (-(2**63), -1, 0, 1, 2**63 - 1) for i in range(1, 40)}
+    assert len(seeds) == 5 * 39
+    assert all(-(2**63) <= s < 2**63 for s in seeds)
+
+
+def test_choice_body_is_one_prompt_n_1_with_its_seed() -> None:
+    raw = {"prompt": ["a", "b"], "n": 2, "best_of": 2, "seed": 3, "echo": True, "foo": 1}
+    req = parse_request(raw, CompletionRequest)
+    plan = plan_choices(req)[3]
+    assert choice_body(raw, plan, req) == {
+        "prompt": "b", "n": 1, "seed": choice_seed(3, 1), "echo": True, "foo": 1,
+    }  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "x"}], "n": 2}
+    chat_req = parse_request(chat, ChatCompletionRequest)
+    assert choice_body(chat, plan_choices(chat_req)[1], chat_req) == {**chat, "n": 1}
+
+
+# ---- the worker's answers ----
+
+
+def test_usage_counts_each_prompt_once() -> None:
+    usage = responses.total_usage(
+        [tokens(0, 10, 3, cached=4), tokens(0, 10, 5, cached=9), tokens(1, 7, 2)]
+    )
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (17, 10, 27)
+    assert usage.prompt_tokens_details.cached_tokens == 4
+
+
+def test_completion_logprobs_hold_the_sampled_token_and_offsets_go_on() -> None:
+    lps = [TokenLogprobs(logprob=-0.5, top=()), TokenLogprobs(logprob=-2.0, top=((9, -0.1),))]
+    built = responses.completion_logprobs([3, 44], lps, text_of, offset=10)
+    assert built == {
+        "tokens": ["<3>", "<44>"],
+        "token_logprobs": [-0.5, -2.0],
+        "top_logprobs": [{"<3>": -0.5}, {"<9>": -0.1, "<44>": -2.0}],
+        "text_offset": [10, 13],
+    }
+    assert responses.completion_logprobs([3], [None], text_of) is None
+
+
+def test_whole_body_orders_choices_and_puts_prompt_ids_per_choice() -> None:
+    results = [
+        responses.ChoiceResult(
+            index=i,
+            text=f"t{i}",
+            token_ids=[i],
+            logprobs=None,
+            finish_reason="length",
+            prompt_token_ids=[i, i],
+        )
+        for i in (2, 0, 1)
+    ]
+    body = responses.whole_body(
+        META, choices=results, usage=responses.total_usage([]), prompt_token_ids=None
+    )
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["choices"][1] == {
+        "index": 1,
+        "logprobs": None,
+        "finish_reason": "length",
+        "text": "t1",
+        "token_ids": [1],
+        "prompt_token_ids": [1, 1],
+    }
+    assert "prompt_token_ids" not in body
+
+
+def _assembler(meta: responses.ResponseMeta, **kw: Any) -> responses.StreamAssembler:
+    choices = [
+        responses.ChoiceStream(
+            index=i,
+            prompt_token_ids=[1, 2, 3],
+            tokens=tokens(i // 2, 3, 0),
+            echo=kw.pop("echo", None) if i == 1 else None,
+        )
+        for i in range(3)
+    ]
+    return responses.StreamAssembler(meta=meta, choices=choices, text_of=text_of, **kw)
+
+
+def _output(
+    assembler: responses.StreamAssembler, index: int, text: str, done: int, finish: str | None
+) -> Any:
+    return assembler.output(index, text=text, token_ids=[40 + done], logprobs=[None],
+                            finish_reason=finish, tokens=tokens(index // 2, 3, done))  # fmt: skip
+
+
+def test_a_chat_stream_opens_each_choice_with_its_role() -> None:
+    assembler = _assembler(CHAT_META, include_usage=True)
+    opening = assembler.opening()
+    assert [c["choices"][0]["index"] for c in opening] == [0, 1, 2]
+    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": ""} for c in opening)
+    chunk = _output(assembler, 2, "hi", 1, None)
+    assert chunk["choices"][0] == {"index": 2, "logprobs": None, "finish_reason": None,
+                                   "delta": {"content": "hi"}}  # fmt: skip
+    assert _output(assembler, 2, "", 2, None) is None  # nothing to show yet
+    for i in range(3):
+        assert _output(assembler, i, "!", 3, "stop")["choices"][0]["finish_reason"] == "stop"
+    [usage] = assembler.closing(None)
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 6  # 2 prompts of 3
+    assert usage["usage"]["completion_tokens"] == 9
+
+
+def test_continuous_usage_and_echo_in_a_completion_stream() -> None:
+    assembler = _assembler(META, continuous_usage=True, echo="Hello",
+                           prompt_ids_in_first_chunk=True)  # fmt: skip
+    [echo] = assembler.opening()
+    assert echo["choices"][0]["index"] == 1 and echo["choices"][0]["text"] == "Hello"
+    assert echo["prompt_token_ids"] == [1, 2, 3]
+    assert echo["usage"]["completion_tokens"] == 0
+    later = _output(assembler, 1, "x", 1, None)
+    assert "prompt_token_ids" not in later  # only the choice's first chunk has them
+    assert later["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
+                              "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    first_of_0 = _output(assembler, 0, "y", 1, None)
+    assert first_of_0["prompt_token_ids"] == [1, 2, 3] and first_of_0["choices"][0]["index"] == 0
+    assert assembler.closing(None) == []  # no include_usage: no usage chunk
+
+
+# ---- the coordinator's merge ----
+
+
+def _answer(text: str, usage: tuple[int, int, int], ids: list[int] | None = None) -> dict[str, Any]:
+    prompt, completion, cached = usage
+    answer: dict[str, Any] = {
+        "id": f"cmpl-{text}", "object": "text_completion", "created": 5, "model": "tiny",
+        "choices": [{"index": 0, "text": text, "finish_reason": "length", "logprobs": None}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                  "total_tokens": prompt + completion,
+                  "prompt_tokens_details": {"cached_tokens": cached}},
+    }  # fmt: skip
+    if ids is not None:
+        answer["prompt_token_ids"] = ids
+    return answer
+
+
+def test_merge_answers() -> None:
+    req = parse_request({"prompt": ["a", "b"], "n": 2}, CompletionRequest)
+    plans = plan_choices(req)
+    answers = [_answer("p0", (4, 2, 1), [1]), _answer("p0b", (4, 3, 4), [1]),
+               _answer("p1", (6, 1, 0), [2]), _answer("p1b", (6, 5, 0), [2])]  # fmt: skip
+    merged = merge_answers(answers, plans, single_prompt=False)
+    assert merged["id"] == "cmpl-p0" and "prompt_token_ids" not in merged
+    assert [(c["index"], c["text"], c["prompt_token_ids"]) for c in merged["choices"]] == [
+        (0, "p0", [1]), (1, "p0b", [1]), (2, "p1", [2]), (3, "p1b", [2]),
+    ]  # fmt: skip
+    assert merged["usage"] == {
+        "prompt_tokens": 10,
+        "completion_tokens": 11,
+        "total_tokens": 21,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
+    one = merge_answers(answers[:2], plans[:2], single_prompt=True)
+    assert one["prompt_token_ids"] == [1] and "prompt_token_ids" not in one["choices"][0]
+
+
+def _sse_chunk(id_: str, text: str, finish: str | None = None) -> bytes:
+    return sse_event(
+        {
+            "id": id_,
+            "object": "text_completion",
+            "created": 5,
+            "model": "tiny",
+            "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+        }
+    )
+
+
+def test_sse_merger_renumbers_choices_and_sums_usage_once() -> None:
+    req = parse_request({"prompt": "a", "n": 2, "stream": True,
+                         "stream_options": {"include_usage": True}}, CompletionRequest)  # fmt: skip
+    ask = ClientAsk.of({"stream": True, "stream_options": {"include_usage": True}}, chat=False)
+    merger = ChoiceSseMerger(plans=plan_choices(req), ask=ask, single_prompt=True)
+    usage = {"id": "cmpl-B", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2,
+             "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}}  # fmt: skip
+    stream_b = _sse_chunk("cmpl-B", "x") + _sse_chunk("cmpl-B", "y", "length")
+    out = merger.item(1, stream_b[:30]) + merger.item(1, stream_b[30:])
+    out += merger.item(0, _sse_chunk("cmpl-A", "z", "stop") + sse_event(usage) + SSE_DONE)
+    out += merger.item(1, sse_event(usage) + SSE_DONE)
+    events = [json.loads(e[6:]) for e in out]
+    assert [(e["id"], e["choices"][0]["index"], e["choices"][0]["text"]) for e in events] == [
+        ("cmpl-B", 1, "x"), ("cmpl-B", 1, "y"), ("cmpl-B", 0, "z"),
+    ]  # fmt: skip
+    *usage_chunks, done = merger.closing()
+    assert done == SSE_DONE
+    [summed] = [json.loads(e[6:]) for e in usage_chunks]
+    assert summed["choices"] == [] and summed["usage"]["prompt_tokens"] == 3
+    assert summed["usage"]["completion_tokens"] == 4
+
+
+def test_sse_merger_stops_at_an_error() -> None:
+    req = parse_request({"prompt": "a", "n": 2}, CompletionRequest)
+    merger = ChoiceSseMerger(plans=plan_choices(req), ask=ClientAsk.of({}, chat=False),
+                             single_prompt=True)  # fmt: skip
+    error = {"error": {"message": "boom", "type": "upstream_error", "code": 502}}
+    assert merger.item(0, sse_event(error)) == [sse_event(error)]
+    assert merger.stopped and merger.closing() == [SSE_DONE]
+
+
+# ---- SSE ----
+
+
+def test_sse_splitter_and_parse() -> None:
+    splitter = SseSplitter()
+    assert splitter.feed(b'data: {"a"') == []
+    assert splitter.feed(b': 1}\n\ndata: [DONE]\n\n: comment\n\nevent: x\ndata: [1]\n\nda') == [
+        b'data: {"a": 1}\n\n', b"data: [DONE]\n\n", b": comment\n\n", b"event: x\ndata: [1]\n\n",
+    ]  # fmt: skip
+    assert splitter.rest() == b"da"
+    assert parse_event(b'data: {"a": 1}\n\n') == {"a": 1}
+    assert parse_event(b"data: [DONE]\n\n") is DONE
+    assert parse_event(b": comment\n\n") is None and parse_event(b"data: {oops\n\n") is None
+
+
+# ---- Responses ----
+
+
+def test_responses_input_becomes_chat() -> None:
+    req = parse_request(
+        {"input": [{"role": "developer", "content": "Be brief."},
+                   {"type": "message", "role": "user",
+                    "content": [{"type": "input_text", "text": "Hi "},
+                                {"type": "input_text", "text": "there"}]},
+                   {"role": "assistant", "content": [{"type": "output_text", "text": "Yo",
+                                                      "annotations": []}]}],
+         "instructions": "Answer in French.", "max_output_tokens": 9, "temperature": 0.5,
+         "stream": True, "model": "tiny"},
+        ResponsesRequest,
+    )  # fmt: skip
+    assert chat_body(req) == {
+        "messages": [{"role": "system", "content": "Answer in French."},
+                     {"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "Hi there"},
+                     {"role": "assistant", "content": "Yo"}],
+        "model": "tiny", "max_tokens": 9, "temperature": 0.5, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+
+
+def test_responses_errors_name_the_responses_fields() -> None:
+    body = {"error": {"message": "max_tokens: too many", "type": "invalid_request_error",
+                      "code": 400, "param": "max_tokens"}}  # fmt: skip
+    assert responses_rejection(body)["error"] == {
+        "message": "max_output_tokens: too many", "type": "invalid_request_error",
+        "code": 400, "param": "max_output_tokens",
+    }  # fmt: skip
+
+
+HEAD = ResponseHead.new(created_at=9, model="tiny", instructions="x", max_output_tokens=4,
+                        temperature=None, top_p=None, metadata={"k": "v"})  # fmt: skip
+CHAT_USAGE = {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
+              "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
+EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+
+
+@pytest.mark.parametrize(("finish", "status"), [("stop", "completed"), ("length", "incomplete")])
+def test_a_whole_response_has_openai_s_shape(finish: str, status: str) -> None:
+    chat = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Bonjour"},
+                         "finish_reason": finish}], "usage": CHAT_USAGE}  # fmt: skip
+    parsed = Response.model_validate(response_body(HEAD, chat))
+    assert parsed.output_text == "Bonjour" and parsed.status == status
+    assert parsed.usage is not None
+    assert (parsed.usage.input_tokens, parsed.usage.output_tokens) == (7, 4)
+    assert parsed.usage.total_tokens == 11 and parsed.usage.input_tokens_details.cached_tokens == 2
+    assert parsed.metadata == {"k": "v"} and parsed.max_output_tokens == 4
+
+
+def test_a_response_stream_has_openai_s_events() -> None:
+    stream = ResponsesStream(head=HEAD)
+    chunk = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    events = stream.start() + stream.feed(chunk)
+    for text in ("Bon", "jour"):
+        events += stream.feed({"choices": [{"index": 0, "delta": {"content": text}}]})
+    events += stream.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    events += stream.feed({"choices": [], "usage": CHAT_USAGE})
+    events += stream.finish()
+    parsed = [EVENTS.validate_python(e) for e in events]
+    assert [e.type for e in parsed] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+    assert parsed[6].text == "Bonjour"  # type: ignore[union-attr]
+    completed = parsed[-1].response  # type: ignore[union-attr]
+    assert completed.output_text == "Bonjour" and completed.usage.output_tokens == 4
+
+
+def test_a_failed_response_stream() -> None:
+    stream = ResponsesStream(head=HEAD)
+    error = {"error": {"message": "boom", "type": "server_error", "code": 500}}
+    events = stream.start() + stream.failed(error)
+    parsed = [EVENTS.validate_python(e) for e in events]
+    assert [e.type for e in parsed][-2:] == ["error", "response.failed"]

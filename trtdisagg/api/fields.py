@@ -1,0 +1,403 @@
+"""Every OpenAI request field of the three generation routes: how it acts here, or its 400.
+
+One rule per field of `/v1/completions`, `/v1/chat/completions` and `/v1/responses` (every field
+of the `openai` package's request types, plus this server's extensions). `check_fields` enforces
+the rules that depend on one field alone: a `neutral` field is accepted only at the value that
+changes nothing (a penalty of 0), a `refused` one only when absent or null, each otherwise a 400
+naming it. `partial` fields, whose limits depend on other fields (`best_of` against `n`), are
+checked in `validation.py`. docs/API.md's tables are `render_table()`'s output, and a test holds
+them equal, so the document cannot drift from the code.
+
+When the engine implements a field (penalties, `logit_bias`, `min_p`, grammar-backed
+`response_format` and `tool_choice`), its rule here becomes `supported` and the request types
+already carry the value.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from trtdisagg.api.errors import bad_request
+
+
+class Support(enum.Enum):
+    SUPPORTED = "supported"
+    PARTIAL = "partial"  # some values act; the others get a 400 naming the field
+    NEUTRAL = "neutral only"  # only the value that changes nothing; any other is a 400
+    IGNORED = "ignored"  # accepted: by its nature it changes nothing in an answer here
+    REFUSED = "400"  # any value but null is a 400 naming the field
+
+
+@attrs.frozen(kw_only=True)
+class FieldRule:
+    name: str
+    support: Support
+    how: str
+    """docs/API.md's text: what the field does here, or why it is refused."""
+    neutral: tuple[Any, ...] = ()
+    """NEUTRAL: the accepted values (null always is)."""
+    refusal: Mapping[str, Any] | None = None
+    """Body fields that get a 400 naming this field (the validation tests send them)."""
+
+
+SUPPORTED, PARTIAL, NEUTRAL, IGNORED, REFUSED = (
+    Support.SUPPORTED,
+    Support.PARTIAL,
+    Support.NEUTRAL,
+    Support.IGNORED,
+    Support.REFUSED,
+)
+
+UNTIL_ENGINE: Final = "until the engine implements it"
+UNTIL_GRAMMAR: Final = "needs the grammar engine"
+TOOL: Final = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _rule(
+    name: str,
+    support: Support,
+    how: str,
+    *,
+    neutral: tuple[Any, ...] = (),
+    bad: Any = None,
+    refusal: Mapping[str, Any] | None = None,
+) -> FieldRule:
+    if refusal is None and bad is not None:
+        refusal = {name: bad}
+    return FieldRule(name=name, support=support, how=how, neutral=neutral, refusal=refusal)
+
+
+def _sampling_rules() -> list[FieldRule]:
+    """Fields both completions and chat share (OpenAI's and this server's extensions)."""
+    return [
+        _rule("frequency_penalty", NEUTRAL, f"0 only, {UNTIL_ENGINE}", neutral=(0,), bad=0.5),
+        _rule("logit_bias", NEUTRAL, f"empty only, {UNTIL_ENGINE}", neutral=({},), bad={"5": 10}),
+        _rule(
+            "n",
+            SUPPORTED,
+            "1 to 128 choices per prompt (n × prompts ≤ 128); each choice is its own request "
+            "(and, through the coordinator, its own ctx → gen pair)",
+        ),
+        _rule("presence_penalty", NEUTRAL, f"0 only, {UNTIL_ENGINE}", neutral=(0,), bad=-0.5),
+        _rule(
+            "seed",
+            SUPPORTED,
+            "an int64; choice i of a prompt samples with `choice_seed(seed, i)` (see Seeds)",
+        ),
+        _rule(
+            "stop", SUPPORTED, "a string or a list of strings; the text ends before the stop string"
+        ),
+        _rule(
+            "stream", SUPPORTED, "SSE chunks, choices interleaved as they produce tokens; `[DONE]`"
+        ),
+        _rule(
+            "stream_options",
+            SUPPORTED,
+            "`include_usage` (one usage chunk at the end), `continuous_usage_stats` (usage so "
+            "far in every chunk); only with `stream: true`",
+            refusal={"stream_options": {"include_usage": True}},
+        ),
+        _rule("temperature", SUPPORTED, "0 to 100; below 1e-5 samples greedily"),
+        _rule("top_p", SUPPORTED, "in (0, 1]"),
+        _rule("user", IGNORED, "an end-user identifier; nothing here uses it"),
+        # ---- extensions (vLLM's and TensorRT-LLM's names) ----
+        _rule("top_k", SUPPORTED, "extension: -1 or 0 off, else the k most likely tokens"),
+        _rule("min_p", NEUTRAL, f"extension: 0 only, {UNTIL_ENGINE}", neutral=(0,), bad=0.1),
+        _rule(
+            "repetition_penalty",
+            NEUTRAL,
+            f"extension: 1 only, {UNTIL_ENGINE}",
+            neutral=(1,),
+            bad=1.3,
+        ),
+        _rule("min_tokens", SUPPORTED, "extension: end-of-sequence is suppressed before this many"),
+        _rule("ignore_eos", SUPPORTED, "extension: generate past end-of-sequence"),
+        _rule(
+            "stop_token_ids",
+            SUPPORTED,
+            "extension: token ids that end the choice; each must be in the vocabulary",
+        ),
+        _rule(
+            "response_format",
+            NEUTRAL,
+            f'`{{"type": "text"}}` only; `json_object` and `json_schema` {UNTIL_GRAMMAR}',
+            neutral=({"type": "text"},),
+            bad={"type": "json_object"},
+        ),
+        _rule(
+            "return_token_ids",
+            SUPPORTED,
+            "extension: `prompt_token_ids` and each choice's `token_ids` in the answer",
+        ),
+        _rule("return_perf_metrics", SUPPORTED, "extension: per-phase timings in `perf_metrics`"),
+        _rule(
+            "disaggregated_params",
+            SUPPORTED,
+            "extension: the ctx ↔ gen hand-over (DESIGN.md §2); a context_only or "
+            "generation_only request has one choice",
+        ),
+        _rule("conversation_id", SUPPORTED, "extension: routing affinity (`conversation` router)"),
+        _rule(
+            "prompt_token_ids",
+            SUPPORTED,
+            "extension: the prompt already tokenized (the coordinator sets it for gen)",
+        ),
+    ]
+
+
+COMPLETIONS: Final = {
+    rule.name: rule
+    for rule in [
+        _rule("model", SUPPORTED, "the served model's name (else 404), or absent"),
+        _rule(
+            "prompt",
+            SUPPORTED,
+            "a string, a token list, a list of strings or a list of token lists; prompt p's "
+            "choice i has index p × n + i",
+        ),
+        _rule(
+            "best_of",
+            PARTIAL,
+            "accepted when equal to `n` (or null): any other value is a 400",
+            refusal={"best_of": 3},
+        ),
+        _rule(
+            "echo",
+            PARTIAL,
+            "each choice's text starts with its prompt (streamed first); with `logprobs` a 400 "
+            "(prompt logprobs need the engine)",
+            refusal={"echo": True, "logprobs": 1},
+        ),
+        _rule(
+            "logprobs",
+            SUPPORTED,
+            "0 to 20: each token's logprob; `top_logprobs` has that many most likely tokens "
+            "plus the sampled one (0: the sampled one alone)",
+        ),
+        _rule(
+            "max_tokens",
+            SUPPORTED,
+            "default 16; below 2**31, and prompt + max_tokens within the model's context "
+            "(else a 400 naming it)",
+            bad=2**31,
+        ),
+        _rule(
+            "suffix", NEUTRAL, "empty only: insertion is not supported", neutral=("",), bad="end"
+        ),
+        *_sampling_rules(),
+    ]
+}
+
+CHAT: Final = {
+    rule.name: rule
+    for rule in [
+        _rule("model", SUPPORTED, "the served model's name (else 404), or absent"),
+        _rule(
+            "messages",
+            SUPPORTED,
+            "rendered by the model's chat template: `content` as a string or text parts, "
+            "an assistant's `tool_calls`, a tool message's `tool_call_id`",
+        ),
+        _rule("audio", REFUSED, "audio output is not supported", bad={"voice": "alloy"}),
+        _rule("function_call", REFUSED, "deprecated by OpenAI: use `tool_choice`", bad="auto"),
+        _rule("functions", REFUSED, "deprecated by OpenAI: use `tools`", bad=[{"name": "f"}]),
+        _rule("logprobs", SUPPORTED, "with `top_logprobs`: one `logprobs.content` entry per token"),
+        _rule("max_completion_tokens", SUPPORTED, "as `max_tokens`, which it overrides", bad=2**31),
+        _rule(
+            "max_tokens",
+            SUPPORTED,
+            "default: the room left in the context; below 2**31, and prompt + max_tokens "
+            "within the model's context (else a 400 naming it)",
+            bad=2**31,
+        ),
+        _rule("metadata", IGNORED, "kept only with `store`, which is off"),
+        _rule("modalities", NEUTRAL, '`["text"]` only', neutral=(["text"],), bad=["text", "audio"]),
+        _rule("moderation", REFUSED, "moderation is not supported", bad={"model": "m"}),
+        _rule(
+            "parallel_tool_calls",
+            NEUTRAL,
+            "true only: tool calls are not parsed from the output yet",
+            neutral=(True,),
+            bad=False,
+        ),
+        _rule(
+            "prediction", REFUSED, "predicted outputs are not supported", bad={"type": "content"}
+        ),
+        _rule(
+            "prompt_cache_key", IGNORED, "a cache hint: prefixes are found by the KV-aware router"
+        ),
+        _rule("prompt_cache_options", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        _rule("prompt_cache_retention", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        _rule("reasoning_effort", REFUSED, "not a reasoning model", bad="low"),
+        _rule("safety_identifier", IGNORED, "an end-user identifier; nothing here uses it"),
+        _rule(
+            "service_tier",
+            NEUTRAL,
+            "`auto` or `default` only",
+            neutral=("auto", "default"),
+            bad="priority",
+        ),
+        _rule(
+            "store", NEUTRAL, "false only: completions are not stored", neutral=(False,), bad=True
+        ),
+        _rule(
+            "tool_choice",
+            PARTIAL,
+            f"`none` (the template gets no tools) or `auto` (it gets them); `required` or a "
+            f"named function is a 400 ({UNTIL_GRAMMAR})",
+            refusal={"tools": [TOOL], "tool_choice": "required"},
+        ),
+        _rule(
+            "tools",
+            PARTIAL,
+            "function tools reach the chat template as `tools`; the output is not parsed into "
+            "`tool_calls` yet; another tool type is a 400",
+            refusal={"tools": [{"type": "custom", "function": {"name": "x"}}]},
+        ),
+        _rule(
+            "top_logprobs",
+            SUPPORTED,
+            "0 to 20 most likely tokens per entry; needs `logprobs: true`",
+            refusal={"top_logprobs": 2},
+        ),
+        _rule("verbosity", REFUSED, "not supported", bad="low"),
+        _rule("web_search_options", REFUSED, "web search is not supported", bad={}),
+        _rule(
+            "add_generation_prompt",
+            SUPPORTED,
+            "extension: the template's assistant header (default true)",
+        ),
+        *_sampling_rules(),
+    ]
+}
+
+RESPONSES: Final = {
+    rule.name: rule
+    for rule in [
+        _rule("model", SUPPORTED, "the served model's name (else 404), or absent"),
+        _rule(
+            "input",
+            SUPPORTED,
+            "a string, or a list of messages (`role` user, assistant, system or developer; "
+            "`content` a string or `input_text`/`output_text` parts); other items are a 400",
+        ),
+        _rule("instructions", SUPPORTED, "a system message before the input"),
+        _rule(
+            "max_output_tokens",
+            SUPPORTED,
+            "as chat's `max_tokens`; the response is `incomplete` when it is reached",
+            bad=2**31,
+        ),
+        _rule("temperature", SUPPORTED, "as in chat"),
+        _rule("top_p", SUPPORTED, "as in chat"),
+        _rule(
+            "stream",
+            SUPPORTED,
+            "`response.created`, `response.in_progress`, `response.output_item.added`, "
+            "`response.content_part.added`, `response.output_text.delta`…, "
+            "`response.output_text.done`, `response.content_part.done`, "
+            "`response.output_item.done`, `response.completed`",
+        ),
+        _rule("stream_options", IGNORED, "no obfuscation padding is added to deltas"),
+        _rule("access_programs", REFUSED, "not supported", bad={"cyber": "standard"}),
+        _rule("background", NEUTRAL, "false only", neutral=(False,), bad=True),
+        _rule("background_options", REFUSED, "background responses are not supported", bad={}),
+        _rule("context_management", REFUSED, "not supported", bad=[]),
+        _rule("conversation", REFUSED, "responses are not stored", bad="conv_1"),
+        _rule("image", REFUSED, "not supported", bad={}),
+        _rule(
+            "include", NEUTRAL, "empty only", neutral=([],), bad=["message.output_text.logprobs"]
+        ),
+        _rule("max_tool_calls", REFUSED, "tools are not supported here", bad=1),
+        _rule("metadata", IGNORED, "echoed in the response"),
+        _rule("moderation", REFUSED, "moderation is not supported", bad={"model": "m"}),
+        _rule("parallel_tool_calls", NEUTRAL, "true only", neutral=(True,), bad=False),
+        _rule("previous_response_id", REFUSED, "responses are not stored", bad="resp_1"),
+        _rule("prompt", REFUSED, "prompt templates are not supported", bad={"id": "p"}),
+        _rule(
+            "prompt_cache_key", IGNORED, "a cache hint: prefixes are found by the KV-aware router"
+        ),
+        _rule("prompt_cache_options", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        _rule("prompt_cache_retention", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        _rule("reasoning", REFUSED, "not a reasoning model", bad={"effort": "low"}),
+        _rule("safety_identifier", IGNORED, "an end-user identifier; nothing here uses it"),
+        _rule(
+            "service_tier",
+            NEUTRAL,
+            "`auto` or `default` only",
+            neutral=("auto", "default"),
+            bad="priority",
+        ),
+        _rule(
+            "store",
+            NEUTRAL,
+            "false only: responses are not stored (OpenAI's default, true, is a 400)",
+            neutral=(False,),
+            bad=True,
+        ),
+        _rule(
+            "text",
+            NEUTRAL,
+            f'plain text only (`{{"format": {{"type": "text"}}}}`); structured output '
+            f"{UNTIL_GRAMMAR}",
+            neutral=({}, {"format": {"type": "text"}}),
+            bad={"format": {"type": "json_object"}},
+        ),
+        _rule(
+            "tool_choice",
+            NEUTRAL,
+            "`none` or `auto` only",
+            neutral=("none", "auto"),
+            bad="required",
+        ),
+        _rule("tools", NEUTRAL, "empty only", neutral=([],), bad=[TOOL]),
+        _rule("top_logprobs", NEUTRAL, "0 only", neutral=(0,), bad=2),
+        _rule("truncation", NEUTRAL, "`disabled` only", neutral=("disabled",), bad="auto"),
+        _rule("user", IGNORED, "an end-user identifier; nothing here uses it"),
+    ]
+}
+
+
+def check_fields(raw: Mapping[str, Any], rules: Mapping[str, FieldRule]) -> None:
+    """400 naming the first field whose value its rule does not accept by itself."""
+    for name, value in raw.items():
+        rule = rules.get(name)
+        if rule is None or value is None:
+            continue
+        if rule.support is Support.REFUSED:
+            raise bad_request(f"{name}: not supported: {rule.how}", param=name)
+        if rule.support is Support.NEUTRAL and not any(json_equal(value, n) for n in rule.neutral):
+            raise bad_request(f"{name}: {_show(value)} is not supported: {rule.how}", param=name)
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality of decoded JSON values, where `true` is not `1` and `0` equals `0.0`."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and bool(a == b)
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def render_table(rules: Mapping[str, FieldRule]) -> str:
+    """The Markdown table docs/API.md holds for one route (fields in alphabetical order)."""
+    lines = ["| Field | Support | How, or the error |", "|---|---|---|"]
+    for name in sorted(rules):
+        rule = rules[name]
+        how = rule.how.replace("|", "\\|")
+        lines.append(f"| `{name}` | {rule.support.value} | {how} |")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""`POST /v1/responses` (the text subset), asked as a chat completion. Pure functions.
+
+A Responses request becomes a chat completion body: `instructions` a system message, `input` a
+user message (a string) or the listed messages (`developer` taken as `system`), and
+`max_output_tokens` chat's `max_tokens`. Worker and coordinator serve that body on their chat
+path, so the split, the routing and the validation are chat's; `responses_events` turns the chat
+answer back into a Response. Fields outside the text subset are refused in `fields.RESPONSES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Final
+
+import attrs
+
+from trtdisagg.api.errors import ApiError, bad_request
+
+ROLES: Final = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS: Final = ("input_text", "output_text", "text")
+
+
+@attrs.frozen(kw_only=True)
+class ResponsesRequest:
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+
+
+def responses_input(
+    value: object, json_type: Callable[[object], str]
+) -> str | list[dict[str, Any]]:
+    """The structure hook of `input`: a string, or an array of objects (checked in `chat_body`)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                raise TypeError(f"element {i}: expected an object, got {json_type(item)}")
+        return value
+    raise TypeError(f"expected a string or an array of input items, got {json_type(value)}")
+
+
+def chat_body(req: ResponsesRequest) -> dict[str, Any]:
+    """The chat completion body that asks what `req` asks."""
+    if req.input is None:
+        raise bad_request("input: required field missing", param="input")
+    messages: list[dict[str, str]] = []
+    if req.instructions is not None:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+    else:
+        if not req.input:
+            raise bad_request("input: must not be empty", param="input")
+        messages.extend(_message(item, i) for i, item in enumerate(req.input))
+    body: dict[str, Any] = {"messages": messages}
+    if req.model is not None:
+        body["model"] = req.model
+    if req.max_output_tokens is not None:
+        body["max_tokens"] = req.max_output_tokens
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    if req.top_p is not None:
+        body["top_p"] = req.top_p
+    if req.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}  # response.completed carries usage
+    return body
+
+
+def _message(item: dict[str, Any], i: int) -> dict[str, str]:
+    where = f"input[{i}]"
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise bad_request(
+            f"{where}.type: only messages are supported (tools are not), got {kind!r}",
+            param="input",
+        )
+    role = item.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise bad_request(
+            f"{where}.role: expected one of {sorted(ROLES)}, got {role!r}", param="input"
+        )
+    return {"role": ROLES[role], "content": _text(item.get("content"), where)}
+
+
+def _text(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(
+            f"{where}.content: expected a string or an array of text parts", param="input"
+        )
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get("text") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(text, str):
+            raise bad_request(
+                f"{where}.content[{j}]: only text parts ({', '.join(TEXT_PARTS)}) with a string "
+                f"`text` are supported, got type {kind!r}",
+                param="input",
+            )
+        texts.append(text)
+    return "".join(texts)
+
+
+RENAMED: Final = {"max_tokens": "max_output_tokens", "messages": "input"}
+"""Chat fields an error may name, as the Responses request called them."""
+
+
+def responses_error(message: str, param: str | None) -> tuple[str, str | None]:
+    """A chat error's message and param in the Responses request's own words."""
+    for chat_name, name in RENAMED.items():
+        message = message.replace(chat_name, name)
+    return message, RENAMED.get(param, param) if param is not None else None
+
+
+@contextlib.contextmanager
+def as_responses_error() -> Iterator[None]:
+    """Errors of the chat request that serves a Responses request name the Responses fields."""
+    try:
+        yield
+    except ApiError as exc:
+        message, param = responses_error(exc.message, exc.param)
+        raise ApiError(exc.status, message, param=param) from None
+
+
+def responses_rejection(body: dict[str, Any]) -> dict[str, Any]:
+    """A worker's 4xx body (OpenAI's error shape) in the Responses request's own words."""
+    error = body.get("error")
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return body
+    param = error.get("param")
+    message, renamed = responses_error(error["message"], param if isinstance(param, str) else None)
+    out = {**error, "message": message}
+    if renamed is not None:
+        out["param"] = renamed
+    return {**body, "error": out}

@@ -1,0 +1,203 @@
+"""A chat completion's answer as a Responses API answer: the whole `Response`, or its events.
+
+Pure: `response_body` turns a whole chat answer into a `Response` object; `ResponsesStream` turns
+chat chunks (one choice, the usage chunk last) into the events of a Response stream, each with
+its `sequence_number`: `response.created`, `response.in_progress`, `response.output_item.added`,
+`response.content_part.added`, one `response.output_text.delta` per text chunk, then
+`response.output_text.done`, `response.content_part.done`, `response.output_item.done` and
+`response.completed` (`response.incomplete` when `max_output_tokens` ended the text, as
+OpenAI does). Shapes follow the `openai` package's `openai.types.responses` models.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+import attrs
+
+Json = dict[str, Any]
+
+
+@attrs.frozen(kw_only=True)
+class ResponseHead:
+    """What every Response of one request repeats."""
+
+    response_id: str
+    message_id: str
+    created_at: int
+    model: str
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    metadata: dict[str, Any] | None
+
+    @classmethod
+    def new(cls, *, created_at: int, model: str, **fields: Any) -> ResponseHead:
+        return cls(
+            response_id="resp_" + secrets.token_hex(12),
+            message_id="msg_" + secrets.token_hex(12),
+            created_at=created_at,
+            model=model,
+            **fields,
+        )
+
+
+def _response(head: ResponseHead, *, status: str, output: list[Json], usage: Json | None) -> Json:
+    return {
+        "id": head.response_id,
+        "object": "response",
+        "created_at": head.created_at,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": head.instructions,
+        "max_output_tokens": head.max_output_tokens,
+        "model": head.model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "reasoning": None,
+        "store": False,
+        "temperature": head.temperature,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": head.top_p,
+        "truncation": "disabled",
+        "usage": usage,
+        "metadata": head.metadata or {},
+    }
+
+
+def _part(text: str) -> Json:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message(head: ResponseHead, *, status: str, parts: list[Json]) -> Json:
+    return {
+        "type": "message",
+        "id": head.message_id,
+        "status": status,
+        "role": "assistant",
+        "content": parts,
+    }
+
+
+def response_usage(chat_usage: Json | None) -> Json | None:
+    if not isinstance(chat_usage, dict):
+        return None
+    prompt = int(chat_usage.get("prompt_tokens") or 0)
+    completion = int(chat_usage.get("completion_tokens") or 0)
+    details = chat_usage.get("prompt_tokens_details") or {}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {
+            "cached_tokens": int(details.get("cached_tokens") or 0),
+            "cache_write_tokens": 0,
+        },
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+def _status(finish_reason: object) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def response_body(head: ResponseHead, chat: Json) -> Json:
+    """The Response for a whole (non-streaming) chat answer of one choice."""
+    choice = (chat.get("choices") or [{}])[0]
+    text = (choice.get("message") or {}).get("content") or ""
+    status = _status(choice.get("finish_reason"))
+    output = [_message(head, status=status, parts=[_part(text)])]
+    return _response(head, status=status, output=output, usage=response_usage(chat.get("usage")))
+
+
+@attrs.define(eq=False, kw_only=True)
+class ResponsesStream:
+    """Chat chunks in, Response events out (module docstring)."""
+
+    head: ResponseHead
+    _sequence: int = 0
+    _texts: list[str] = attrs.Factory(list)
+    _finish_reason: str | None = None
+    _usage: Json | None = None
+
+    def _event(self, kind: str, **fields: Any) -> Json:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def start(self) -> list[Json]:
+        created = _response(self.head, status="in_progress", output=[], usage=None)
+        ids = {"item_id": self.head.message_id, "output_index": 0, "content_index": 0}
+        return [
+            self._event("response.created", response=created),
+            self._event("response.in_progress", response=created),
+            self._event(
+                "response.output_item.added",
+                output_index=0,
+                item=_message(self.head, status="in_progress", parts=[]),
+            ),
+            self._event("response.content_part.added", **ids, part=_part("")),
+        ]
+
+    def feed(self, chunk: Json) -> list[Json]:
+        """One chat chunk; a chunk carrying `error` is the caller's (see `failed`)."""
+        if isinstance(chunk.get("usage"), dict):
+            self._usage = chunk["usage"]
+        events: list[Json] = []
+        for choice in chunk.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                self._texts.append(text)
+                events.append(
+                    self._event(
+                        "response.output_text.delta",
+                        item_id=self.head.message_id,
+                        output_index=0,
+                        content_index=0,
+                        delta=text,
+                        logprobs=[],
+                    )
+                )
+            if choice.get("finish_reason") is not None:
+                self._finish_reason = choice["finish_reason"]
+        return events
+
+    def finish(self) -> list[Json]:
+        text = "".join(self._texts)
+        status = _status(self._finish_reason)
+        ids = {"item_id": self.head.message_id, "output_index": 0, "content_index": 0}
+        item = _message(self.head, status=status, parts=[_part(text)])
+        done = _response(self.head, status=status, output=[item], usage=response_usage(self._usage))
+        return [
+            self._event("response.output_text.done", **ids, text=text, logprobs=[]),
+            self._event("response.content_part.done", **ids, part=_part(text)),
+            self._event("response.output_item.done", output_index=0, item=item),
+            self._event(f"response.{status}", response=done),
+        ]
+
+    def failed(self, error: Json) -> list[Json]:
+        """The chat stream ended with an OpenAI error body: an `error` event, then
+        `response.failed`."""
+        inner = error.get("error")
+        body: Json = inner if isinstance(inner, dict) else {}
+        message = str(body.get("message") or "generation failed")
+        code = str(body.get("code") or "server_error")
+        failed = _response(self.head, status="failed", output=[], usage=None)
+        failed["error"] = {"code": "server_error", "message": message}
+        return [
+            self._event("error", code=code, message=message, param=body.get("param")),
+            self._event("response.failed", response=failed),
+        ]
+
+
+def sse(event: Json) -> bytes:
+    """A Responses stream event framed as OpenAI frames them (`event:` then `data:`)."""
+    data = json.dumps(event, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()

@@ -1,0 +1,287 @@
+"""A request's choices on the worker: each an executor request, read whole or as one stream.
+
+`ChoiceRun` reads one choice's outputs and aborts its executor request when it is dropped
+unfinished (a client that leaves, a sibling choice that failed), so its blocks free at the next
+step. `Job` assembles the answer: `collect()` for a whole body (ctx's context_only answer among
+them), `stream_body()` for SSE, the choices interleaved as they produce tokens (`MergedBody`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from trtdisagg.api.codec import SSE_DONE, sse_event
+from trtdisagg.api.errors import ApiError
+from trtdisagg.api.fanout import ChoicePlan
+from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
+from trtdisagg.api.streaming import MergedBody
+from trtdisagg.worker import responses
+from trtdisagg.worker.executor import Executor, RequestHandle, RequestOutput
+from trtdisagg.worker.handoff import ctx_state
+from trtdisagg.worker.request import RequestType
+from trtdisagg.worker.sampling import TokenLogprobs
+
+AnyRequest = CompletionRequest | ChatCompletionRequest
+Json = dict[str, Any]
+
+
+@attrs.define(eq=False, kw_only=True)
+class ChoiceRun:
+    """One choice's executor request; an async iterator of its outputs."""
+
+    plan: ChoicePlan
+    handle: RequestHandle
+    executor: Executor
+    echo: str | None = None  # completions with `echo`: the prompt text
+    done: bool = False  # its last output (or ctx's context_done) arrived
+    _closed: bool = attrs.field(default=False, alias="closed")
+
+    @property
+    def request_id(self) -> int:
+        return self.handle.request.request_id
+
+    def __aiter__(self) -> ChoiceRun:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done or self._closed:
+            raise StopAsyncIteration
+        try:
+            output = await self.handle.outputs.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise StopAsyncIteration from None
+        if output.finish_reason is not None or output.context_done:
+            self.done = True
+        return output
+
+    async def aclose(self) -> None:
+        self.drop()
+
+    def drop(self) -> None:
+        """Stop reading; an unfinished request is aborted (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.handle.outputs.close()
+        if not self.done:
+            self.executor.abort(self.request_id)
+
+    def tokens(self, output: RequestOutput) -> responses.ChoiceTokens:
+        return responses.ChoiceTokens(
+            prompt_index=self.plan.prompt_index,
+            prompt_tokens=output.num_prompt_tokens,
+            cached_tokens=output.num_cached_tokens,
+            completion_tokens=output.num_output_tokens,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class CtxEndpoint:
+    """What ctx's context_only answer tells gen about where the KV is (handoff.py)."""
+
+    info_endpoint: str | None
+    instance: str | None
+
+
+@attrs.define(eq=False, kw_only=True)
+class Job:
+    req: AnyRequest
+    runs: list[ChoiceRun]
+    meta: responses.ResponseMeta
+    text_of: Callable[[int], str]
+    ctx: CtxEndpoint
+    transfer_key: int | None = None
+    single_prompt: bool = True  # else each choice carries its own prompt ids
+
+    @property
+    def request_id(self) -> int:
+        return self.runs[0].request_id
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.runs[0].handle.request.sampling.logprobs is not None
+
+    def drop(self) -> None:
+        for run in self.runs:
+            run.drop()
+
+    # ---- whole answers ----
+
+    async def collect(self) -> Json:
+        # Each choice's channel is unbounded, so reading them one after another loses nothing.
+        results: list[responses.ChoiceResult] = []
+        tokens: list[responses.ChoiceTokens] = []
+        perf: PerfMetrics | None = None
+        try:
+            for run in self.runs:
+                outputs = [output async for output in run]
+                last = outputs[-1] if outputs else None
+                if last is None:
+                    raise ApiError(500, f"request {run.request_id} ended without an output")
+                self._raise_error(last)
+                if last.context_done:
+                    return self._context_body(run, outputs)
+                results.append(self._result(run, outputs))
+                tokens.append(run.tokens(last))
+                perf = perf or last.perf
+        finally:
+            self.drop()
+        first = self.runs[0].handle.request.prompt_token_ids
+        return responses.whole_body(
+            self.meta,
+            choices=results,
+            usage=responses.total_usage(tokens),
+            prompt_token_ids=first if self.req.return_token_ids and self.single_prompt else None,
+            perf=perf if self.req.return_perf_metrics else None,
+        )
+
+    def _raise_error(self, last: RequestOutput) -> None:
+        if last.error is None:
+            return
+        # A generation_only request fails when its KV cannot come from ctx: upstream's fault,
+        # unless this worker failed it itself (a model step raised).
+        gen = self.runs[0].handle.request.request_type is RequestType.GENERATION_ONLY
+        raise ApiError(502 if gen and not last.internal else 500, last.error)
+
+    def _result(self, run: ChoiceRun, outputs: Sequence[RequestOutput]) -> responses.ChoiceResult:
+        last = outputs[-1]
+        token_ids = [t for o in outputs for t in o.token_ids]
+        logprobs = [lp for o in outputs for lp in o.logprobs]
+        text = (run.echo or "") + "".join(o.text for o in outputs)
+        return responses.ChoiceResult(
+            index=run.plan.index,
+            text=text,
+            token_ids=token_ids,
+            logprobs=self._logprobs(token_ids, logprobs),
+            finish_reason=last.finish_reason.value if last.finish_reason else None,
+            prompt_token_ids=None if self.single_prompt else run.handle.request.prompt_token_ids,
+        )
+
+    def _context_body(self, run: ChoiceRun, outputs: Sequence[RequestOutput]) -> Json:
+        """ctx's answer to context_only: the first token plus what gen needs to continue."""
+        request = run.handle.request
+        last = outputs[-1]
+        tokens = [t for o in outputs for t in o.token_ids]
+        logprobs = [lp for o in outputs for lp in o.logprobs]
+        params: Json = {
+            "request_type": "context_only",
+            "first_gen_tokens": tokens[:1],
+            "ctx_request_id": request.request_id,
+            "disagg_request_id": self.transfer_key,
+            "ctx_dp_rank": 0,
+            "ctx_info_endpoint": self.ctx.info_endpoint,
+            "opaque_state": ctx_state(self.ctx.instance) if self.ctx.instance else None,
+        }
+        if logprobs and logprobs[0] is not None:
+            params["first_gen_logprobs"] = [first_token_logprobs(tokens[0], logprobs[0])]
+        result = attrs.evolve(
+            self._result(run, outputs),
+            finish_reason=None,
+            extra={"disaggregated_params": params},
+        )
+        return responses.whole_body(
+            self.meta,
+            choices=[result],
+            usage=responses.total_usage([run.tokens(last)]),
+            prompt_token_ids=request.prompt_token_ids,
+            perf=last.perf if self.req.return_perf_metrics else None,
+        )
+
+    def _logprobs(
+        self, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
+    ) -> Json | None:
+        if self.meta.chat:
+            return responses.chat_logprobs(tokens, logprobs, self.text_of)
+        return responses.completion_logprobs(tokens, logprobs, self.text_of)
+
+    # ---- streams ----
+
+    def stream_body(self) -> MergedBody[RequestOutput]:
+        options = self.req.stream_options
+        assembler = responses.StreamAssembler(
+            meta=self.meta,
+            choices=[
+                responses.ChoiceStream(
+                    index=run.plan.index,
+                    prompt_token_ids=run.handle.request.prompt_token_ids,
+                    tokens=responses.ChoiceTokens(
+                        prompt_index=run.plan.prompt_index,
+                        prompt_tokens=run.handle.request.num_prompt_tokens,
+                        cached_tokens=0,
+                        completion_tokens=0,
+                    ),
+                    echo=run.echo,
+                )
+                for run in self.runs
+            ],
+            text_of=self.text_of,
+            include_usage=options is not None and options.include_usage,
+            continuous_usage=options is not None and options.continuous_usage_stats,
+            logprobs=self.wants_logprobs,
+            prompt_ids_in_first_chunk=self.req.return_token_ids,
+        )
+        merger = OutputMerger(
+            assembler=assembler,
+            runs=self.runs,
+            with_perf=self.req.return_perf_metrics,
+        )
+        return MergedBody(list(self.runs), merger)
+
+
+@attrs.define(eq=False, kw_only=True)
+class OutputMerger:
+    """The choices' executor outputs → SSE chunks (`MergedBody`'s merger)."""
+
+    assembler: responses.StreamAssembler
+    runs: list[ChoiceRun]
+    with_perf: bool
+    stopped: bool = False
+    _perf: PerfMetrics | None = None
+
+    def opening(self) -> list[bytes]:
+        return [sse_event(chunk) for chunk in self.assembler.opening()]
+
+    def item(self, index: int, output: RequestOutput) -> list[bytes]:
+        if output.error is not None:
+            self.stopped = True
+            return [sse_event(ApiError(500, output.error).to_json())]
+        if output.perf is not None and self._perf is None:
+            self._perf = output.perf
+        chunk = self.assembler.output(
+            index,
+            text=output.text,
+            token_ids=output.token_ids,
+            logprobs=output.logprobs,
+            finish_reason=output.finish_reason.value if output.finish_reason else None,
+            tokens=self.runs[index].tokens(output),
+        )
+        return [] if chunk is None else [sse_event(chunk)]
+
+    def failed(self, index: int, error: Exception) -> list[bytes]:
+        self.stopped = True
+        return [sse_event(ApiError(500, f"choice {index} failed: {error}").to_json())]
+
+    def closing(self) -> list[bytes]:
+        if self.stopped:
+            return [SSE_DONE]
+        perf = self._perf if self.with_perf else None
+        return [sse_event(chunk) for chunk in self.assembler.closing(perf)] + [SSE_DONE]
+
+
+def first_token_logprobs(token: int, logprobs: TokenLogprobs) -> Json:
+    """`disaggregated_params.first_gen_logprobs[0]`: ctx's first token's logprobs, by id."""
+    return {
+        "token_id": token,
+        "logprob": _finite(logprobs.logprob),
+        "top_logprobs": [{"token_id": t, "logprob": _finite(v)} for t, v in logprobs.top],
+    }
+
+
+def _finite(value: float) -> float:
+    # -inf (a token masked out) is not JSON; the lowest float is as good for every use here.
+    return value if math.isfinite(value) else -3.4e38
