@@ -162,7 +162,5 @@ def log_limited(
             level, message + " (%d lines about other peers suppressed)", *args, admission.suppressed
         )
     else:
-        logger.log(
-            level, message + " (%d similar lines suppressed)", *args, admission.suppressed
-        )
+        logger.log(level, message + " (%d similar lines suppressed)", *args, admission.suppressed)
     return True

@@ -28,6 +28,10 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.worker.rank_plan",
     "trtdisagg.coordinator.cluster",
     "trtdisagg.coordinator.routers",
+    "trtdisagg.ratelimit",
+    "trtdisagg.security.secret",
+    "trtdisagg.security.limits",
+    "trtdisagg.security.policy",
 )
 FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl", "httpx")
 
