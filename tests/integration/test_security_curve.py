@@ -22,7 +22,11 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from trtdisagg.security.keys import PeerLabel, client_keypair, server_keypair
-from trtdisagg.security.limits import MAX_CONTROL_FRAME_BYTES, MAX_CONTROL_PAYLOAD_BYTES
+from trtdisagg.security.limits import (
+    HANDSHAKE_TIMEOUT_MS,
+    MAX_CONTROL_FRAME_BYTES,
+    MAX_CONTROL_PAYLOAD_BYTES,
+)
 from trtdisagg.security.secret import ClusterSecret
 from trtdisagg.security.sockets import (
     configure_curve_client,
@@ -137,7 +141,7 @@ async def receive_verified(
     """(verified label or None, routing id, payload) of the router's next message."""
     identity, payload = await receive(router)
     claims = connection_claims(payload)
-    return verifier.verify(claims.label, claims.user_id), identity.bytes, payload.bytes
+    return verifier.admit(claims, trio.current_time()), identity.bytes, payload.bytes
 
 
 def member(context: _Context, label: PeerLabel, secret: ClusterSecret = SECRET) -> _Socket:
@@ -261,7 +265,7 @@ async def test_a_key_that_does_not_match_its_label_is_refused(impostor: str) -> 
                 assert claims.user_id == public.decode()  # ZAP's User-Id: the key it used
                 assert claims.label == label
                 assert claims.address == "127.0.0.1"
-                assert verifier.verify(claims.label, claims.user_id) is None
+                assert verifier.admit(claims, trio.current_time()) is None
                 assert connection_claims(identity) == claims  # every frame carries them
             assert zap.statistics().accepted == 1
             assert verifier.statistics().refused == 1
@@ -438,3 +442,23 @@ async def test_a_stranger_cannot_make_the_handshake_buffer_a_huge_frame() -> Non
             assert peak - baseline < 0.05 * baseline, (baseline, peak)
             assert zap.statistics().accepted == 0
             assert nothing_queued(router)
+
+
+async def test_a_stalled_handshake_is_cut_after_the_handshake_timeout() -> None:
+    """A raw TCP peer that greets and then says nothing holds its connection only until
+    HANDSHAKE_TIMEOUT_MS: libzmq then closes it (and frees whatever it had buffered)."""
+    with zmq_context() as context:
+        async with zap_running(context), secured_router(context) as (_, endpoint):
+            port = int(endpoint.rsplit(":", 1)[1])
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await greet(stream, b"CURVE")
+                started = trio.current_time()
+                with trio.fail_after(HANDSHAKE_TIMEOUT_MS / 1000 + 10):  # libzmq default: 30 s
+                    try:
+                        while await stream.receive_some():  # nothing comes, then EOF
+                            pass
+                    except trio.BrokenResourceError:
+                        pass  # a reset: closed all the same
+                elapsed = trio.current_time() - started
+    assert elapsed >= 0.9 * HANDSHAKE_TIMEOUT_MS / 1000

@@ -4,6 +4,8 @@ has them)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import zmq
 from hypothesis import given
@@ -30,7 +32,7 @@ from trtdisagg.security.secret import (
     resolve_cluster_secret,
 )
 from trtdisagg.security.sockets import ZAP_DOMAIN
-from trtdisagg.security.verify import PeerVerifier, verify_peer
+from trtdisagg.security.verify import ConnectionClaims, PeerVerifier, verify_peer
 from trtdisagg.security.zap import ZAP_VERSION, answer_zap
 
 SECRET = ClusterSecret.parse("correct horse battery staple")
@@ -153,6 +155,26 @@ def test_the_verifier_remembers_a_bounded_number_of_answers() -> None:
     assert verifier.verify(GEN0.text, _user_id(GEN0)) == GEN0
     stats = verifier.statistics()
     assert (stats.accepted, stats.refused) == (3, 6)
+
+
+def test_admit_counts_refusals_and_logs_them_within_the_limit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    verifier = PeerVerifier(secret=SECRET)
+    member = ConnectionClaims(user_id=_user_id(GEN3), label=GEN3.text, address="10.0.0.3")
+    impostor_key = zmq.curve_keypair()[0].decode()
+    impostor = ConnectionClaims(user_id=impostor_key, label=GEN3.text, address="10.0.0.9")
+    with caplog.at_level(logging.WARNING, logger="trtdisagg.security.verify"):
+        assert verifier.admit(member, 0.0) == GEN3
+        assert [verifier.admit(impostor, float(t)) for t in range(10)] == [None] * 10
+        assert verifier.admit(impostor, 61.0) is None  # a new window: one line with the count
+        verifier.flush_warnings(200.0)  # nothing pending
+    stats = verifier.statistics()
+    assert (stats.accepted, stats.refused) == (1, 11)
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 4  # 3 in the first minute, then 1 saying 7 were suppressed
+    assert all(impostor_key in line and "10.0.0.9" in line for line in lines)
+    assert lines[-1].endswith("(7 similar lines suppressed)")
 
 
 # ---- the bind policy ----

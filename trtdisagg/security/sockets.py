@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from typing import Final
 
-import attrs
 import zmq
 
 from trtdisagg.security.keys import LABEL_PROPERTY, PeerLabel, client_keypair, server_keypair
 from trtdisagg.security.limits import HANDSHAKE_TIMEOUT_MS, MAX_CONTROL_FRAME_BYTES
 from trtdisagg.security.secret import ClusterSecret
+from trtdisagg.security.verify import ConnectionClaims
 
 ZAP_DOMAIN: Final = b"trtdisagg-control"
 
@@ -80,18 +80,6 @@ def _check_fresh(socket: _Socket) -> None:
             f"socket already bound or connected ({endpoint!r}): security options set now would"
             " not apply to it"
         )
-
-
-@attrs.frozen(kw_only=True)
-class ConnectionClaims:
-    """What libzmq says about the connection a frame came on; None where it says nothing."""
-
-    user_id: str | None
-    """The z85 public key ZAP approved (CURVE server sockets only)."""
-    label: str | None
-    """The peer's `X-Label` metadata: a claim, until `verify.py` checks it."""
-    address: str | None
-    """The peer's IP address, for log lines about a peer that proved nothing."""
 
 
 def connection_claims(frame: zmq.Frame) -> ConnectionClaims:

@@ -15,7 +15,7 @@ Anything else is refused (400): another mechanism, another domain, a malformed r
 request without a routing envelope cannot be answered and is dropped. `answer_zap` is the pure
 decision; `serve_zap` is the shell.
 
-Lifecycle: `await nursery.start(serve_zap, context)` once per zmq context, before any CURVE
+Lifecycle: `await nursery.start(serve_zap)` once per zmq context, before any CURVE
 ROUTER of that context binds, in a nursery that outlives those ROUTERs. It binds a ROUTER at
 the ZAP endpoint (ZapUnavailable if something else holds it: one handler per context, and libzmq
 frees the name only some time after the previous handler's socket closes), answers until
@@ -135,13 +135,14 @@ _Context = zmq.Context[zmq.Socket[bytes]]
 
 
 async def serve_zap(
-    context: _Context,
+    context: _Context | None = None,
     *,
     domain: bytes = ZAP_DOMAIN,
     task_status: trio.TaskStatus[ZapHandler] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Answer ZAP requests of `context`'s sockets until cancelled (module docstring)."""
-    socket: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
+    """Answer ZAP requests of `context`'s sockets (default: `zmq.Context.instance()`, the
+    messenger's default) until cancelled (module docstring)."""
+    socket: zmq.Socket[bytes] = (context or zmq.Context.instance()).socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     try:
         socket.bind(ZAP_ENDPOINT)
