@@ -153,8 +153,8 @@ def member(context: _Context, label: PeerLabel, secret: ClusterSecret = SECRET) 
 
 async def greet(stream: trio.SocketStream, mechanism: bytes) -> None:
     """Exchange ZMTP 3.0 greetings (signature, version, mechanism, as-server, filler) as a
-    client. libzmq failed the handshake of a NULL peer that sent READY before it had read
-    libzmq's whole greeting, so the greeting is read before anything else is sent."""
+    client. libzmq failed the handshake of a NULL peer that sent its greeting and READY in one
+    write, so libzmq's greeting is read before anything else is sent."""
     greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + mechanism.ljust(20, b"\0")
     await stream.send_all(greeting + bytes(32))
     received = b""

@@ -8,11 +8,12 @@ Each function checks that and raises ValueError otherwise.
 
 * `configure_curve_server` (every control ROUTER, with a secret): CURVE server with the
   cluster's server keypair; ZAP domain `ZAP_DOMAIN` and ZAP enforcement on, so libzmq asks the
-  ZAP task (`zap.py`) about every client and refuses all of them when no ZAP task is bound. With
-  an empty domain, or without enforcement, libzmq skips ZAP when it finds no handler and accepts
-  every client that knows the server key, and then a client can send its own `User-Id`
-  property; with these two options it cannot. The handshake must finish within
-  `HANDSHAKE_TIMEOUT_MS`.
+  ZAP task (`zap.py`) about every client and refuses all of them when no ZAP task is bound.
+  Without enforcement libzmq skips ZAP when no handler is bound; with enforcement but an empty
+  domain it skips ZAP even when one is. Either way it then admits every client that knows the
+  server key, and the ROUTER reports as `User-Id` whatever the client put in its own handshake
+  metadata (public keys are not secrets: that would let anyone pass as a member). The handshake
+  must finish within `HANDSHAKE_TIMEOUT_MS`.
 * `configure_curve_client` (every control DEALER, with a secret): CURVE client with its rank's
   keypair, the server's public key, and its label as the `X-Label` metadata.
 * `configure_unsecured` (no secret, loopback only: `policy.py`): neither.

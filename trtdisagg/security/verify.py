@@ -118,6 +118,7 @@ class PeerVerifier:
             log.warning("refused %d more control messages from %s", count, who)
 
     def verify(self, label: str | None, user_id: str | None) -> PeerLabel | None:
+        """`verify_peer`, counted, without logging."""
         peer = None
         if _plausible(label, user_id):
             assert label is not None and user_id is not None

@@ -24,7 +24,8 @@ cancelled, then closes its socket; from then on every new handshake on that cont
 
 Pyzmq's `zmq.auth` offers a thread and an asyncio authenticator, neither of which fits Trio; its
 base `Authenticator` needs a REP socket that it answers with blocking sends, and admits NULL
-clients by default. The protocol is eight frames each way, so this module speaks it directly.
+clients by default. The protocol is a handful of frames each way, so this module speaks it
+directly.
 """
 
 from __future__ import annotations
