@@ -3,8 +3,9 @@
 Every process of a cluster holds the same secret: `cache_transceiver_config.cluster_secret` in
 the worker's config, or `TRTDISAGG_CLUSTER_SECRET` in its environment (the environment wins; an
 empty variable counts as unset). `cli.py` reads the variable and hands it to
-`config.load_worker_config`, which calls `resolve_cluster_secret`; the worker then holds the
-result as a `ClusterSecret`, from which `keys.py` derives every CURVE key.
+`config.load_worker_config`, which calls `resolve_cluster_secret` and checks the result
+(`check_cluster_secret`). The worker turns the config's value into a `ClusterSecret`
+(`cluster_secret_of`), from which `keys.py` derives every CURVE key.
 
 A secret must be at least `MIN_SECRET_BYTES` bytes of UTF-8 and must not start or end with
 whitespace: two processes given "s3cret" and "s3cret\\n" would derive different keys and never
