@@ -81,7 +81,9 @@ def _run_worker(args: argparse.Namespace) -> int:
         overrides["enable_test_hooks"] = True
     if os.environ.get("TRTDISAGG_FAULTS"):  # empty counts as unset
         overrides["fault_injection"] = os.environ["TRTDISAGG_FAULTS"]
-    config = load_worker_config(args.config, overrides)
+    config = load_worker_config(
+        args.config, overrides, cluster_secret=os.environ.get("TRTDISAGG_CLUSTER_SECRET")
+    )
     _setup_logging(config.log_level, f"[{config.role.value}:{config.port}]")
     # Imported only now: a bad config is reported at once, not after loading torch.
     from trtdisagg.worker.ranks import RankDied

@@ -16,6 +16,11 @@ import cattrs
 import yaml
 
 from trtdisagg.kv.page_table import Layout
+from trtdisagg.security.secret import (
+    InvalidClusterSecret,
+    check_cluster_secret,
+    resolve_cluster_secret,
+)
 from trtdisagg.transfer.faults import FaultSpecError, parse_faults
 
 
@@ -50,6 +55,15 @@ def _fault_spec(_inst: object, attr: attrs.Attribute[Any], value: str | None) ->
         parse_faults(value)
     except FaultSpecError as exc:
         raise ConfigError(f"{attr.name} (TRTDISAGG_FAULTS): {exc}") from None
+
+
+def _cluster_secret(_inst: object, _attr: attrs.Attribute[Any], value: str | None) -> None:
+    if value is None:
+        return
+    try:
+        check_cluster_secret(value)
+    except InvalidClusterSecret as exc:
+        raise ConfigError(str(exc)) from None  # names the key, never the value
 
 
 @attrs.frozen(kw_only=True)
@@ -87,6 +101,9 @@ class CacheTransceiverConfig:
     # A peer instance silent this long is probed; three unanswered probes this long apart mean
     # it is gone, and it is forgotten, its agents unloaded (transfer/liveness.py).
     peer_probe_ms: int = attrs.field(default=5000, validator=_positive)
+    # ZeroMQ CURVE on every control socket, keyed by this (trtdisagg/security/). A secret:
+    # never in a repr, a log line or /server_info. TRTDISAGG_CLUSTER_SECRET overrides it.
+    cluster_secret: str | None = attrs.field(default=None, repr=False, validator=_cluster_secret)
 
 
 @attrs.frozen(kw_only=True)
@@ -196,9 +213,13 @@ def read_yaml(path: str | Path) -> object:
 
 
 def load_worker_config(
-    path: str | Path | None, overrides: dict[str, object] | None = None
+    path: str | Path | None,
+    overrides: dict[str, object] | None = None,
+    *,
+    cluster_secret: str | None = None,
 ) -> WorkerConfig:
-    """Read a worker YAML file (or defaults), apply CLI overrides, validate."""
+    """Read a worker YAML file (or defaults), apply CLI overrides, validate. `cluster_secret`
+    (TRTDISAGG_CLUSTER_SECRET) replaces the file's `cache_transceiver_config.cluster_secret`."""
     data = read_yaml(path) if path is not None else {}
     source = str(path) if path is not None else "worker config"
     if data is None:
@@ -206,4 +227,10 @@ def load_worker_config(
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: $ must be a mapping, got {type(data).__name__}")
     merged = {**data, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    transceiver = merged.get("cache_transceiver_config") or {}
+    if isinstance(transceiver, dict):  # anything else: `structure` says what is wrong
+        configured = transceiver.get("cluster_secret")
+        secret = resolve_cluster_secret(configured, cluster_secret)
+        if secret != configured:
+            merged["cache_transceiver_config"] = {**transceiver, "cluster_secret": secret}
     return structure(merged, WorkerConfig, source=source)

@@ -35,6 +35,10 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.api.responses_api",
     "trtdisagg.api.responses_events",
     "trtdisagg.api.sse",
+    "trtdisagg.ratelimit",
+    "trtdisagg.security.secret",
+    "trtdisagg.security.limits",
+    "trtdisagg.security.policy",
 )
 FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl", "httpx")
 
