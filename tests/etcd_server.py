@@ -11,15 +11,18 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
 import httpx
 import pytest
+import trio
 
 from tests.procs import free_port, stop
 from trtdisagg.membership.embedded import EtcdNotInstalled, etcd_args, etcd_binary
+from trtdisagg.membership.etcd import EtcdClient
+from trtdisagg.membership.etcd_wire import RangeAnswer
 
 
 @attrs.frozen
@@ -76,3 +79,18 @@ def running_etcd(
         yield Etcd(url=url, proc=proc, log_path=log_path)
     finally:
         stop(proc)
+
+
+async def wait_for_members(
+    client: EtcdClient, prefix: bytes, present: Callable[[RangeAnswer], bool], *, timeout: float
+) -> RangeAnswer:
+    """Read the prefix until `present(answer)` holds: read once, then re-read on every watch
+    event (etcd has no wait-for-key; a watch is its event)."""
+    with trio.fail_after(timeout):
+        answer = await client.get_prefix(prefix)
+        while not present(answer):
+            async with client.watch(prefix, start_revision=answer.revision + 1) as batches:
+                async for _ in batches:
+                    break
+            answer = await client.get_prefix(prefix)
+        return answer

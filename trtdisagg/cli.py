@@ -98,7 +98,12 @@ def _run_worker(args: argparse.Namespace) -> int:
 async def _until_terminated(serve: object, config: object) -> None:
     """Run a service until SIGTERM/SIGINT, then cancel it so its cleanup runs."""
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve, config)  # type: ignore[arg-type]
+
+        async def serve_then_stop() -> None:
+            await serve(config)  # type: ignore[operator]
+            nursery.cancel_scope.cancel()  # the service ended itself (a drain): so do we
+
+        nursery.start_soon(serve_then_stop)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 logging.getLogger("trtdisagg").info(

@@ -28,6 +28,9 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.worker.rank_plan",
     "trtdisagg.coordinator.cluster",
     "trtdisagg.coordinator.routers",
+    "trtdisagg.membership.etcd_wire",
+    "trtdisagg.membership.records",
+    "trtdisagg.membership.embedded",
 )
 FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl", "httpx")
 
