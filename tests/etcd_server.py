@@ -30,6 +30,7 @@ class Etcd:
     url: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    ports: tuple[int, int]
 
 
 def require_etcd() -> str:
@@ -43,10 +44,16 @@ def require_etcd() -> str:
 
 @contextlib.contextmanager
 def running_etcd(
-    tmp_path: Path, *, host: str = "127.0.0.1", netns: str | None = None
+    tmp_path: Path,
+    *,
+    host: str = "127.0.0.1",
+    netns: str | None = None,
+    ports: tuple[int, int] | None = None,
 ) -> Iterator[Etcd]:
+    """An etcd on free ports (or `ports`: client, peer), keeping its data in `tmp_path`: one
+    started again with the same ports and path is the same etcd, restarted."""
     binary = require_etcd()
-    client_port, peer_port = free_port(), free_port()
+    client_port, peer_port = ports or (free_port(), free_port())
     args = etcd_args(
         binary,
         data_dir=tmp_path / f"etcd-{client_port}",
@@ -57,7 +64,7 @@ def running_etcd(
     if netns is not None:
         args = ["ip", "netns", "exec", netns, *args]
     log_path = tmp_path / f"etcd-{client_port}.log"
-    with open(log_path, "wb") as log_file:
+    with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://{host}:{client_port}"
     try:
@@ -76,7 +83,7 @@ def running_etcd(
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"etcd not healthy after 30 s:\n{log_path.read_text()}")
                 time.sleep(0.05)  # polling its health endpoint, bounded by the deadline
-        yield Etcd(url=url, proc=proc, log_path=log_path)
+        yield Etcd(url=url, proc=proc, log_path=log_path, ports=(client_port, peer_port))
     finally:
         stop(proc)
 
