@@ -26,6 +26,7 @@ def _setup_logging(level: str, prefix: str) -> None:
         format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per call (etcd, peers)
 
 
 def _worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], role: Role) -> None:
