@@ -33,6 +33,9 @@ def _worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], rol
     p = sub.add_parser(role.value, help=f"run a {role.value} worker instance")
     p.add_argument("--config", help="worker YAML (conf/ctx.yaml, conf/gen.yaml)")
     p.add_argument("--host")
+    p.add_argument(
+        "--advertise-host", dest="advertise_host", help="the address peers reach this worker at"
+    )
     p.add_argument("--port", type=int)
     p.add_argument(
         "--model", help='"tiny", "synthetic:NAME[@SEED]" or a local Hugging Face checkpoint dir'
@@ -67,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _WORKER_KEYS = (
-    "host", "port", "model", "served_model_name", "device", "cuda_device", "dtype",
-    "tensor_parallel_size",
+    "host", "advertise_host", "port", "model", "served_model_name", "device", "cuda_device",
+    "dtype", "tensor_parallel_size",
     "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "cpu_threads", "log_level",
 )  # fmt: skip
 
