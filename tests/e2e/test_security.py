@@ -180,7 +180,7 @@ def test_default_cluster_listens_on_loopback_only_and_still_transfers(tmp_path: 
         assert {coordinator_port, ctx_port, gen_port} <= ports  # the scan does see them
         for name in ("ctx-0", "gen-0"):
             log = (tmp_path / "logs" / f"{name}.log").read_text()
-            assert "UCX restricted to the loopback device" in log
+            assert "UCX restricted to lo: 127.0.0.1 is loopback" in log
     assert proc.returncode == 0
     assert all(_gone(pid) for pid in pids)
 
