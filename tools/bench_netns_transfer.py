@@ -300,9 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         "takes the cores the kernel's TCP needs)",
     )  # fmt: skip
     p.add_argument(
-        "--nixl-progress-thread", action=argparse.BooleanOptionalAction, default=True,
-        help="the workers' cache_transceiver_config.nixl_progress_thread (UCX on TCP moves "
-        "data only while someone progresses it)",
+        "--nixl-progress-thread", action=argparse.BooleanOptionalAction, default=False,
+        help="the workers' cache_transceiver_config.nixl_progress_thread (default off, as in "
+        "conf/ for CPU hosts; UCX on TCP moves data only while someone progresses it)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench_netns_transfer"), help="logs, JSON")
     p.add_argument("--raw-peer", choices=["ctx", "gen"], help=argparse.SUPPRESS)
