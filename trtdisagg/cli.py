@@ -26,12 +26,16 @@ def _setup_logging(level: str, prefix: str) -> None:
         format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per call (etcd, peers)
 
 
 def _worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], role: Role) -> None:
     p = sub.add_parser(role.value, help=f"run a {role.value} worker instance")
     p.add_argument("--config", help="worker YAML (conf/ctx.yaml, conf/gen.yaml)")
     p.add_argument("--host")
+    p.add_argument(
+        "--advertise-host", dest="advertise_host", help="the address peers reach this worker at"
+    )
     p.add_argument("--port", type=int)
     p.add_argument(
         "--model", help='"tiny", "synthetic:NAME[@SEED]" or a local Hugging Face checkpoint dir'
@@ -66,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _WORKER_KEYS = (
-    "host", "port", "model", "served_model_name", "device", "cuda_device", "dtype",
-    "tensor_parallel_size",
+    "host", "advertise_host", "port", "model", "served_model_name", "device", "cuda_device",
+    "dtype", "tensor_parallel_size",
     "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "cpu_threads", "log_level",
 )  # fmt: skip
 
@@ -100,7 +104,12 @@ def _run_worker(args: argparse.Namespace) -> int:
 async def _until_terminated(serve: object, config: object) -> None:
     """Run a service until SIGTERM/SIGINT, then cancel it so its cleanup runs."""
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve, config)  # type: ignore[arg-type]
+
+        async def serve_then_stop() -> None:
+            await serve(config)  # type: ignore[operator]
+            nursery.cancel_scope.cancel()  # the service ended itself (a drain): so do we
+
+        nursery.start_soon(serve_then_stop)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 logging.getLogger("trtdisagg").info(

@@ -21,6 +21,7 @@ from trtdisagg.security.secret import (
     check_cluster_secret,
     resolve_cluster_secret,
 )
+from trtdisagg.membership.records import check_cluster_name, check_etcd_url, is_wildcard_host
 from trtdisagg.transfer.faults import FaultSpecError, parse_faults
 
 
@@ -106,12 +107,39 @@ class CacheTransceiverConfig:
     cluster_secret: str | None = attrs.field(default=None, repr=False, validator=_cluster_secret)
 
 
+def _cluster_name(_inst: object, attr: attrs.Attribute[Any], value: str) -> None:
+    if why := check_cluster_name(value):
+        raise ConfigError(f"{attr.name}: {why}")
+
+
+def _etcd_url(_inst: object, attr: attrs.Attribute[Any], value: str) -> None:
+    if why := check_etcd_url(value):
+        raise ConfigError(f"{attr.name}: {why}")
+
+
+@attrs.frozen(kw_only=True)
+class ClusterConfig:
+    """`cluster:` of a worker: register in etcd under `/trtdisagg/<name>/workers/<role>/<id>`
+    (trtdisagg/membership/). Without it the worker is found only through static url lists."""
+
+    etcd: str = attrs.field(validator=_etcd_url)
+    name: str = attrs.field(validator=_cluster_name)
+    # The key lives while the worker renews this lease (every third of it): a worker that dies
+    # leaves the cluster within about this long. etcd raises TTLs below its own minimum.
+    lease_ttl_s: int = attrs.field(default=10, validator=_positive)
+    # SIGTERM drains: the key goes first, then in-flight requests finish, for at most this long.
+    drain_timeout_s: float = attrs.field(default=600.0, validator=_non_negative)
+
+
 @attrs.frozen(kw_only=True)
 class WorkerConfig:
     role: Role = Role.CTX
     model: str = "tiny"
     served_model_name: str | None = None
     host: str = "127.0.0.1"
+    # The address peers and the coordinator use to reach this worker when `host` binds every
+    # interface (0.0.0.0): its URL in etcd, its control endpoints, the interface UCX may use.
+    advertise_host: str | None = None
     port: int = 8001
     device: str = "cpu"
     # CUDA only: the GPU index this worker runs on (as numbered in this process, i.e. after
@@ -139,8 +167,14 @@ class WorkerConfig:
     fault_injection: str | None = attrs.field(default=None, validator=_fault_spec)
     max_request_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
     log_level: str = "info"
+    cluster: ClusterConfig | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.cluster is not None and is_wildcard_host(self.host) and not self.advertise_host:
+            raise ConfigError(
+                f"advertise_host: required with cluster and host {self.host!r}: the address "
+                "the coordinator and peers reach this worker at"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device: must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

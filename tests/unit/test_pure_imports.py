@@ -39,6 +39,9 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.security.secret",
     "trtdisagg.security.limits",
     "trtdisagg.security.policy",
+    "trtdisagg.membership.etcd_wire",
+    "trtdisagg.membership.records",
+    "trtdisagg.membership.embedded",
 )
 FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl", "httpx")
 

@@ -28,6 +28,7 @@ import trio
 
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import TrtDisaggError
+from trtdisagg.membership.records import advertised_endpoint
 from trtdisagg.transfer.rank_info import RankInfo
 from trtdisagg.transfer.transceiver import KvTransceiver
 from trtdisagg.transfer.wire import PROTOCOL_VERSION, InstanceInfo, decode, encode
@@ -176,6 +177,7 @@ async def _follow(
         writes: list[WriteRecord] = []
         if config.cache_transceiver_config.backend is not None:
             router = await nursery.start(hold_router, config.host)
+            router.endpoint = advertised_endpoint(router.endpoint, config.advertise_host)
             transceiver = await build_transceiver(
                 config,
                 runner,

@@ -16,9 +16,12 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from trtdisagg.api.codec import to_json
 from trtdisagg.config import WorkerConfig
 from trtdisagg.kv.block_pool import BlockPool
 from trtdisagg.loop_lag import watch_loop_lag
+from trtdisagg.membership.records import WorkerRecord, advertised_endpoint, advertised_url
+from trtdisagg.membership.registration import Drain, serve_registration
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.parallel import Parallel
@@ -171,6 +174,7 @@ async def _serve_rank0(
         log.info("cache_transceiver is disabled")
     else:
         router = await nursery.start(hold_router, config.host, faults)
+        router.endpoint = advertised_endpoint(router.endpoint, config.advertise_host)
         # Watching for a peer's move (transfer/pacing.py) saves a fraction of a millisecond.
         # A multi-rank instance gathers its ranks' outcomes at its next tick, so it gains
         # nothing there (nor on its followers, worker/ranks.py); nor where the KV is in host
@@ -213,4 +217,13 @@ async def _serve_rank0(
         kv.tokens_per_block,
         binds[0],
     )
+    if config.cluster is not None:  # etcd membership and the SIGTERM drain (membership/)
+        url = advertised_url(binds[0], config.advertise_host)
+        info = to_json(service.server_info())
+        record = WorkerRecord.from_server_info(info, url=url, instance=instance_name)
+        busy = lambda: executor.num_active() + executor.num_transfers() > 0  # noqa: E731
+        drain = Drain(busy=busy, stop=nursery.cancel_scope.cancel)
+        await nursery.start(
+            functools.partial(serve_registration, config.cluster, record, drain=drain)
+        )
     task_status.started(binds)

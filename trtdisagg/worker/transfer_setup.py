@@ -7,17 +7,16 @@ registered memory.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
 
 from trtdisagg.config import TransceiverBackend, WorkerConfig
 from trtdisagg.kv.staging import StagingBuffer
+from trtdisagg.membership.interfaces import confine_ucx_to_interface
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.args import model_fingerprint
 from trtdisagg.model.parallel import pp_layer_range
@@ -40,33 +39,6 @@ from trtdisagg.transfer.wire import PROTOCOL_VERSION
 from trtdisagg.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether `host` (a config's bind address) names the loopback interface only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a DNS name: whatever it resolves to, it is not ours to narrow
-
-
-def confine_ucx_to_loopback(host: str, environ: MutableMapping[str, str] = os.environ) -> bool:
-    """Keep UCX's sockets on the loopback device when this worker is bound to loopback.
-
-    UCX's tcp transport listens on every network device it uses, so a worker configured for
-    127.0.0.1 would otherwise accept UCX connections on the machine's external address too.
-    UCX reads its environment when the NIXL agent is created, so this must run before that.
-    A value the user set is kept. True when it set `UCX_NET_DEVICES`.
-    """
-    if not is_loopback_host(host) or "UCX_NET_DEVICES" in environ:
-        return False
-    environ["UCX_NET_DEVICES"] = "lo"
-    log.info(
-        "host %s is loopback: UCX restricted to the loopback device (UCX_NET_DEVICES=lo)", host
-    )
-    return True
 
 
 def _make_agent(backend: TransceiverBackend, name: str, progress_thread: bool) -> TransferAgent:
@@ -107,7 +79,7 @@ async def build_transceiver(
     rank = flat_rank(tp_rank=parallel.tp_rank, pp_rank=parallel.pp_rank, tp_size=parallel.tp_size)
     agent_name = f"{instance_name}#{rank}"
     if transfer.backend is TransceiverBackend.NIXL:
-        confine_ucx_to_loopback(config.host)
+        await confine_ucx_to_interface(config.host, config.advertise_host)
     agent = await trio.to_thread.run_sync(
         _make_agent, transfer.backend, agent_name, transfer.nixl_progress_thread
     )
