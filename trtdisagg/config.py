@@ -16,12 +16,12 @@ import cattrs
 import yaml
 
 from trtdisagg.kv.page_table import Layout
+from trtdisagg.membership.records import check_cluster_name, check_etcd_url, is_wildcard_host
 from trtdisagg.security.secret import (
     InvalidClusterSecret,
     check_cluster_secret,
     resolve_cluster_secret,
 )
-from trtdisagg.membership.records import check_cluster_name, check_etcd_url, is_wildcard_host
 from trtdisagg.transfer.faults import FaultSpecError, parse_faults
 
 
