@@ -382,7 +382,7 @@ async def test_gen_killed_mid_decode_fails_its_requests_and_ctx_frees_by_deadlin
         decoding, waiting = [Outcome(), Outcome()], [Outcome(), Outcome()]
         async with trio.open_nursery() as nursery:
             for out in decoding:
-                nursery.start_soon(_post, client, url, completion(_prompt(rng, 30), 5000), out)
+                nursery.start_soon(_post, client, url, completion(_prompt(rng, 30), 4000), out)
             await wait_metrics(
                 client, gen, lambda t: metric(t, "trtdisagg_requests_running") == 2,
                 "two requests decoding", 20,
