@@ -18,7 +18,7 @@ import pytest
 
 from tests.fault_checks import completion, is_idle, processes, wait_all_healthy, wait_metrics
 from tests.procs import Server, free_port, metric, running_worker
-from trtdisagg.worker.executor import MAX_CONSECUTIVE_STEP_FAILURES
+from trtdisagg.worker.engine.loop import MAX_CONSECUTIVE_STEP_FAILURES
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -35,7 +35,12 @@ from trtdisagg.transfer.endpoints import is_tcp_endpoint
 from trtdisagg.transfer.faults import FaultInjector
 from trtdisagg.transfer.rank_info import compat_fields
 from trtdisagg.worker import responses
-from trtdisagg.worker.executor import Executor, GenerationSource, RequestHandle, RequestOutput
+from trtdisagg.worker.engine.executor import (
+    Executor,
+    GenerationSource,
+    RequestHandle,
+    RequestOutput,
+)
 from trtdisagg.worker.handoff import ctx_instance_of, ctx_state
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
 from trtdisagg.worker.sampling import MIN_TEMPERATURE, TokenLogprobs
