@@ -26,6 +26,10 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.transfer.prepared",
     "trtdisagg.transfer.pacing",
     "trtdisagg.worker.rank_plan",
+    "trtdisagg.worker.engine.ending",
+    "trtdisagg.worker.engine.outputs",
+    "trtdisagg.worker.engine.tracker",
+    "trtdisagg.worker.engine.ports",
     "trtdisagg.coordinator.cluster",
     "trtdisagg.coordinator.routers",
 )
