@@ -72,6 +72,9 @@ class Commands:
     releases: tuple[int, ...] = ()  # ctx: transfer keys the coordinator gave up on
 
 
+_NO_COMMANDS = Commands()
+
+
 @attrs.define(eq=False, kw_only=True)
 class Inbox:
     """Commands from the handlers, taken by the loop between steps; each one wakes the loop."""
@@ -99,6 +102,8 @@ class Inbox:
         return tuple(self._new)
 
     def take(self) -> Commands:
+        if not (self._new or self._aborts or self._releases):
+            return _NO_COMMANDS  # the common case, once per loop round
         commands = Commands(
             new=tuple(self._new), aborts=tuple(self._aborts), releases=tuple(self._releases)
         )

@@ -44,6 +44,9 @@ class Polled:
     failures: int = 0  # failed transfers (and first tokens gen cannot use), both sides
 
 
+_NOTHING = Polled()
+
+
 @attrs.define(eq=False, kw_only=True)
 class TransferTracker:
     scheduler: Scheduler
@@ -148,6 +151,8 @@ class TransferTracker:
 
     def poll(self, receives: Sequence[TransferOutcome], sends: Sequence[TransferOutcome]) -> Polled:
         """Apply the transfers that reached a final state (on every rank)."""
+        if not (receives or sends or self._quarantined):
+            return _NOTHING  # the common case, once per loop round
         arrived: list[Token] = []
         failed: list[tuple[Live, Ending]] = []
         failures = 0
