@@ -1,5 +1,8 @@
-"""The engine loop's wake-up, made before anything that wakes the loop (the transceiver, the
-handlers), so that none of them needs the loop itself; and whether a step runs now."""
+"""The engine loop's wake-up, and whether a step runs now.
+
+Made first, before anything that wakes the loop (the transceiver, the handlers' inbox), so that
+none of them needs the loop itself.
+"""
 
 from __future__ import annotations
 
