@@ -98,7 +98,13 @@ def _run_worker(args: argparse.Namespace) -> int:
         trio.run(_until_terminated, serve_worker, config)
     except* RankDied:
         died = True  # already logged, naming the rank; a traceback would add nothing
-    return 1 if died else 0
+    # Every service stopped and every rank was reaped in `serve_worker`. Tearing down the
+    # interpreter (collecting the model's objects module by module) would only hold the port's
+    # owner process a second or two longer: leave now, with the logs flushed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if died else 0)
 
 
 async def _until_terminated(serve: object, config: object) -> None:

@@ -113,6 +113,9 @@ def test_a_second_signal_during_the_stop_still_stops_every_child(tmp_path: Path)
     """Ctrl-C pressed twice (or a supervisor repeating SIGTERM) must not orphan the cluster."""
     with cluster(tmp_path) as (proc, out, _port):
         pids = _child_pids(out.read_text())
+        # A stopped child cannot act on SIGTERM, so the stop lasts until the second signal
+        # (the other children may be gone in milliseconds).
+        os.kill(pids["gen-0"], signal.SIGSTOP)
         proc.send_signal(signal.SIGTERM)
         # The second signal once the stop has begun (its log line is the event to wait for).
         deadline = time.monotonic() + 10

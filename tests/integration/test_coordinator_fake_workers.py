@@ -1,6 +1,6 @@
 """The coordinator over real HTTP in front of fake workers, all in one trio run.
 
-The fake workers (`trtdisagg.coordinator.testing`) speak the worker contract including
+The fake workers (`tests/fake_worker.py`) speak the worker contract including
 context_only / generation_only, so the whole split, merge, relay, retry and routing logic runs
 here without a model or a KV transceiver. Every wait is bounded.
 """
@@ -22,9 +22,9 @@ import trio
 import trio.lowlevel
 
 from tests.etcd_server import Etcd, running_etcd
+from tests.fake_worker import FakeWorker, create_fake_app, fake_tokenize, generate
 from trtdisagg.coordinator.config import coordinator_config_from_dict
 from trtdisagg.coordinator.serve import bind_socket, serve_coordinator, serve_http
-from trtdisagg.coordinator.testing import FakeWorker, create_fake_app, fake_tokenize, generate
 from trtdisagg.kv.hashing import reusable_block_hashes
 from trtdisagg.membership.etcd import open_etcd
 from trtdisagg.membership.records import WorkerRecord, worker_key

@@ -18,5 +18,4 @@ service). Layout, pure modules marked ◆:
   prompts        prompt token ids at the coordinator (the workers' tokenizer)
   app            HTTP routes of the front end
   serve, fleet   services, process entry points, the SO_REUSEPORT fleet supervisor
-  testing        a fake worker speaking the worker HTTP contract, for tests
 """

@@ -61,6 +61,8 @@ async def build_transceiver(
     faults: FaultInjector | None = None,
     on_write: Callable[[int, int, float], None] | None = None,
     watches: bool = False,
+    early_failures: bool = True,
+    may_spin: Callable[[], bool] = lambda: False,
 ) -> KvTransceiver:
     """This rank's transceiver. A multi-rank instance passes its shared `instance_name` and
     `share_infos`, which swaps RankInfos with the other ranks (every rank must call it).
@@ -68,7 +70,7 @@ async def build_transceiver(
     `metrics` (a follower rank passes its own, to report its writes to rank 0). `watches`: the
     worker lets it watch for a peer's next move (transfer/pacing.py), so a ctx rank also takes
     REQUEST_DATA as an agent notification, drained while it watches (not with faults armed:
-    they apply to ZMQ messages)."""
+    they apply to ZMQ messages). `early_failures` and `may_spin` are `KvTransceiver`'s."""
     transfer = config.cache_transceiver_config
     assert transfer.backend is not None
     model = runner.model
@@ -156,4 +158,6 @@ async def build_transceiver(
         liveness=PeerLiveness(
             idle_s=transfer.peer_probe_ms / 1000, answer_s=transfer.peer_probe_ms / 1000
         ),
+        early_failures=early_failures,
+        may_spin=may_spin,
     )
