@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import attrs
 
+from trtdisagg.kv.block_pool import BlockCopy
 from trtdisagg.transfer.sessions import TransferOutcome
 
 
@@ -62,6 +63,7 @@ class ReceiveCommand:
 @attrs.frozen(kw_only=True)
 class StepCommand:
     items: tuple[ItemInputs, ...] = ()
+    copies: tuple[BlockCopy, ...] = ()  # forks' copy-on-write, made before the forward
     sends: tuple[SendCommand, ...] = ()
     # ctx: the KV of these will be in their blocks when this step's forward ends
     # (`KvTransceiver.prepare_send`); applied before the forward, as rank 0 does

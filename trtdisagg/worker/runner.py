@@ -24,6 +24,7 @@ import attrs
 import torch
 
 from trtdisagg.config import WorkerConfig
+from trtdisagg.kv.block_pool import BlockCopy
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.batch import DecodeMeta, ForwardBatch, SeqSlice
 from trtdisagg.model.llama import CausalLM
@@ -77,6 +78,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
         """Run one forward step. `specs` holds a sampling spec for every item that samples."""
         start = time.perf_counter()
+        self.copy_blocks(plan.copies)
         with torch.inference_mode(), self._on_device():
             if (
                 self.batched_decode
@@ -149,6 +151,14 @@ class ModelRunner:
             Sampled(request_id=request_id, token_id=t, logprobs=lp)
             for (_, request_id), t, lp in zip(wanted, tokens, logprobs, strict=True)
         )
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """A step's copy-on-write of forks' shared blocks (`StepPlan.copies`), before its
+        forward writes them. Every rank copies its own shard."""
+        if not copies:
+            return
+        with torch.inference_mode(), self._on_device():
+            self.cache.copy_blocks([c.src for c in copies], [c.dst for c in copies])
 
     def kv_ready(self) -> None:
         """Wait until the KV written by every step launched so far is in device memory.
