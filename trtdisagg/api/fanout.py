@@ -1,10 +1,9 @@
 """One request → its choices: which prompt and which seed each choice gets. Pure functions.
 
 A completion request with P prompts and `n` asks for P × n choices; choice `p × n + i` is the
-i-th sample of prompt p (OpenAI's order). A chat request has one prompt. Today each choice is a
-request of its own: the worker submits one executor request per choice and the coordinator runs
-one ctx → gen pair per choice. Sharing one prefill (and one KV transfer) among the `n` choices of
-a prompt replaces exactly this fan-out: `plan_choices` then groups by `prompt_index`.
+i-th sample of prompt p (OpenAI's order). A chat request has one prompt. A prompt's `n` choices
+share it: the worker prefills it once and forks it `n` ways (`worker/engine/forks.py`), and the
+coordinator runs one ctx → gen pair per prompt, its body carrying `n` (`prompt_body`).
 
 Seeds: with a `seed`, choice i of every prompt samples with `choice_seed(seed, i)`. Choice 0 keeps
 the seed itself, so `n = 1` answers equal the first choice of `n > 1`; choice i ≥ 1 takes the first
@@ -63,18 +62,11 @@ def plan_choices(req: AnyRequest) -> list[ChoicePlan]:
     ]
 
 
-def is_multi_choice(req: AnyRequest) -> bool:
-    return req.n > 1 or (isinstance(req, CompletionRequest) and len(prompts_of(req)) > 1)
-
-
-def choice_body(body: dict[str, Any], plan: ChoicePlan, req: AnyRequest) -> dict[str, Any]:
-    """The JSON body of one choice as a request of its own (the coordinator's legs): one prompt,
-    `n` 1, the choice's seed. Fields the coordinator does not interpret are kept."""
+def prompt_body(body: dict[str, Any], prompt: Prompt, req: AnyRequest) -> dict[str, Any]:
+    """The JSON body of one prompt of a batch as a request of its own (the coordinator's legs):
+    that prompt, with the client's `n` and `seed` (choice i's seed is derived from it, on the
+    worker, as for a request sent alone). Fields the coordinator does not interpret are kept."""
     out = copy.copy(body)
-    out["n"] = 1
-    out.pop("best_of", None)
-    if plan.seed is not None:
-        out["seed"] = plan.seed
     if isinstance(req, CompletionRequest) and req.prompt is not None:
-        out["prompt"] = plan.prompt
+        out["prompt"] = prompt
     return out

@@ -55,8 +55,11 @@ class DisaggregatedParams:
     # generation_first: this generation_only request was posted before ctx answered, so it has
     # no first_gen_tokens; they come with the KV (the transfer result).
     schedule_style: ScheduleStyleName | None = None
-    # One entry per first_gen_tokens when the request asks for logprobs: gen emits them with
-    # ctx's token, so the answer has one logprobs entry per token.
+    # A request with n > 1 choices: ctx's first token of each, in choice order (one prefill
+    # and one KV transfer serve them all); `first_gen_tokens` then holds choice 0's.
+    first_gen_tokens_by_choice: list[int] | None = None
+    # One entry per choice's first token when the request asks for logprobs: gen emits them
+    # with ctx's tokens, so the answer has one logprobs entry per token.
     first_gen_logprobs: list[FirstTokenLogprobs] | None = None
 
 

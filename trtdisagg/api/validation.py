@@ -17,8 +17,8 @@ AnyRequest = CompletionRequest | ChatCompletionRequest
 Prompt = str | list[int]
 
 MAX_CHOICES: Final = 128
-"""n × prompts per request: each choice is a request of its own, so a body of a few bytes must
-not queue thousands of them."""
+"""n × prompts per request: each choice decodes as a sequence of its own, so a body of a few
+bytes must not queue thousands of them."""
 MAX_TOKENS_LIMIT: Final = 2**31
 """max_tokens at or above this is refused outright (no context is that long)."""
 INT64: Final = (-(2**63), 2**63)
@@ -42,10 +42,10 @@ def validate_request(req: AnyRequest) -> None:
     if choices > MAX_CHOICES:
         raise bad_request(f"n: n × prompts must be at most {MAX_CHOICES}, got {choices}", param="n")
     kind = params.request_type if params is not None else "context_and_generation"
-    if choices > 1 and kind != "context_and_generation":
+    if num_prompts(req) > 1 and kind != "context_and_generation":
         raise bad_request(
-            f"disaggregated_params.request_type: a {kind} request has one choice (one prompt, "
-            f"n = 1), this one has {choices}",
+            f"disaggregated_params.request_type: a {kind} request has one prompt (its n "
+            f"choices share its KV), this one has {num_prompts(req)}",
             param="disaggregated_params",
         )
 

@@ -116,6 +116,7 @@ class Job:
         # Each choice's channel is unbounded, so reading them one after another loses nothing.
         results: list[responses.ChoiceResult] = []
         tokens: list[responses.ChoiceTokens] = []
+        handed_over: list[tuple[ChoiceRun, list[RequestOutput]]] = []
         perf: PerfMetrics | None = None
         try:
             for run in self.runs:
@@ -124,13 +125,18 @@ class Job:
                 if last is None:
                     raise ApiError(500, f"request {run.request_id} ended without an output")
                 self._raise_error(last)
-                if last.context_done:
-                    return self._context_body(run, outputs)
+                if last.context_done:  # ctx: every choice of the prompt hands over together
+                    handed_over.append((run, outputs))
+                    continue
                 results.append(self._result(run, outputs))
                 tokens.append(run.tokens(last))
                 perf = perf or last.perf
         finally:
             self.drop()
+        if handed_over:
+            if results:
+                raise ApiError(500, "some choices of a context_only request handed over, not all")
+            return self._context_body(handed_over)
         first = self.runs[0].handle.request.prompt_token_ids
         return responses.whole_body(
             self.meta,
@@ -162,32 +168,38 @@ class Job:
             prompt_token_ids=None if self.single_prompt else run.handle.request.prompt_token_ids,
         )
 
-    def _context_body(self, run: ChoiceRun, outputs: Sequence[RequestOutput]) -> Json:
-        """ctx's answer to context_only: the first token plus what gen needs to continue."""
-        request = run.handle.request
-        last = outputs[-1]
-        tokens = [t for o in outputs for t in o.token_ids]
-        logprobs = [lp for o in outputs for lp in o.logprobs]
+    def _context_body(self, choices: Sequence[tuple[ChoiceRun, list[RequestOutput]]]) -> Json:
+        """ctx's answer to context_only: each choice's first token, plus what gen needs to go
+        on (on choice 0: one KV transfer serves every choice)."""
+        request = choices[0][0].handle.request
+        firsts = [next(t for o in outputs for t in o.token_ids) for _, outputs in choices]
         params: Json = {
             "request_type": "context_only",
-            "first_gen_tokens": tokens[:1],
+            "first_gen_tokens": firsts[:1],
             "ctx_request_id": request.request_id,
             "disagg_request_id": self.transfer_key,
             "ctx_dp_rank": 0,
             "ctx_info_endpoint": self.ctx.info_endpoint,
             "opaque_state": ctx_state(self.ctx.instance) if self.ctx.instance else None,
         }
-        if logprobs and logprobs[0] is not None:
-            params["first_gen_logprobs"] = [first_token_logprobs(tokens[0], logprobs[0])]
-        result = attrs.evolve(
-            self._result(run, outputs),
-            finish_reason=None,
-            extra={"disaggregated_params": params},
-        )
+        if len(choices) > 1:
+            params["first_gen_tokens_by_choice"] = firsts
+        logprobs = [next(lp for o in outputs for lp in o.logprobs) for _, outputs in choices]
+        if all(lp is not None for lp in logprobs):
+            params["first_gen_logprobs"] = [
+                first_token_logprobs(token, lp)
+                for token, lp in zip(firsts, logprobs, strict=True)
+                if lp is not None
+            ]
+        results = [
+            attrs.evolve(self._result(run, outputs), finish_reason=None) for run, outputs in choices
+        ]
+        results[0] = attrs.evolve(results[0], extra={"disaggregated_params": params})
+        last = choices[0][1][-1]
         return responses.whole_body(
             self.meta,
-            choices=[result],
-            usage=responses.total_usage([run.tokens(last)]),
+            choices=results,
+            usage=responses.total_usage([run.tokens(outputs[-1]) for run, outputs in choices]),
             prompt_token_ids=request.prompt_token_ids,
             perf=last.perf if self.req.return_perf_metrics else None,
         )

@@ -56,6 +56,7 @@ class Sampled:
     request_id: int
     token_id: int
     logprobs: TokenLogprobs | None
+    choice: int = 0  # i > 0: the first token of fork i of the request (`SampleSpec.forks`)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -137,19 +138,27 @@ class ModelRunner:
         rows: Sequence[tuple[int, bool]],
         specs: dict[int, SampleSpec],
     ) -> tuple[Sampled, ...]:
-        """Sample the rows whose (request_id, samples) says so; `logits` has one row each."""
-        wanted = [(i, request_id) for i, (request_id, samples) in enumerate(rows) if samples]
+        """Sample the rows whose (request_id, samples) says so; `logits` has one row each. A
+        row whose spec has forks is sampled once more per fork (choice 1, 2, ...)."""
+        wanted: list[tuple[int, int, int]] = []  # row, request id, choice
+        chosen: list[SampleSpec] = []
+        for i, (request_id, samples) in enumerate(rows):
+            if samples:
+                spec = specs[request_id]
+                for choice, one in enumerate((spec, *spec.forks)):
+                    wanted.append((i, request_id, choice))
+                    chosen.append(one)
         if not wanted:
             return ()
-        if len(wanted) == len(rows):
+        index = [i for i, _, _ in wanted]
+        if index == list(range(len(rows))):
             picked = logits
         else:
-            picked = logits[torch.tensor([i for i, _ in wanted], device=logits.device)]
-        chosen = [specs[request_id] for _, request_id in wanted]
+            picked = logits[torch.tensor(index, device=logits.device)]
         tokens, logprobs = _sample(picked.float(), chosen)
         return tuple(
-            Sampled(request_id=request_id, token_id=t, logprobs=lp)
-            for (_, request_id), t, lp in zip(wanted, tokens, logprobs, strict=True)
+            Sampled(request_id=request_id, token_id=t, logprobs=lp, choice=choice)
+            for (_, request_id, choice), t, lp in zip(wanted, tokens, logprobs, strict=True)
         )
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:

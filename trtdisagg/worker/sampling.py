@@ -27,6 +27,9 @@ class SampleSpec:
     params: SamplingParams
     generator: torch.Generator | None
     suppress: frozenset[int] = frozenset()  # e.g. EOS before min_tokens is reached
+    # A prompt's other choices, at its first token: each draws its own token from the same
+    # logits row with its own spec (the runner samples the row once per spec).
+    forks: tuple[SampleSpec, ...] = ()
 
 
 MIN_TEMPERATURE: Final = 1e-5

@@ -9,7 +9,6 @@ cancellation) aborts its requests, which frees their blocks at the executor's ne
 from __future__ import annotations
 
 import itertools
-import math
 import secrets
 import time
 from pathlib import Path
@@ -23,7 +22,6 @@ from trtdisagg.api.fanout import ChoicePlan, plan_choices
 from trtdisagg.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DisaggregatedParams,
     KvRelease,
 )
 from trtdisagg.api.validation import is_batched
@@ -31,21 +29,19 @@ from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.endpoints import is_tcp_endpoint
 from trtdisagg.transfer.faults import FaultInjector
 from trtdisagg.transfer.rank_info import compat_fields
 from trtdisagg.worker import responses
 from trtdisagg.worker.engine.executor import Executor, GenerationSource
-from trtdisagg.worker.handoff import ctx_instance_of
+from trtdisagg.worker.gen_source import generation_source
 from trtdisagg.worker.jobs import ChoiceRun, CtxEndpoint, Job
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
-from trtdisagg.worker.sampling import MIN_TEMPERATURE, TokenLogprobs
+from trtdisagg.worker.sampling import MIN_TEMPERATURE
 from trtdisagg.worker.tokenization import Tokenizer
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_TOP_LOGPROBS = 20
 
 
 @attrs.frozen(kw_only=True)
@@ -167,7 +163,7 @@ class WorkerService:
         source, key = None, None
         if kind is RequestType.GENERATION_ONLY:
             assert params is not None
-            source = _generation_source(params, self.tokenizer.vocab_size)
+            source = generation_source(params, self.tokenizer.vocab_size, req.n)
         elif kind is RequestType.CONTEXT_ONLY:
             assert params is not None
             key = params.disagg_request_id or (secrets.randbits(62) | 1 << 40)
@@ -213,28 +209,36 @@ class WorkerService:
         source: GenerationSource | None,
         key: int | None,
     ) -> list[ChoiceRun]:
-        """One executor request per choice: the fan-out that sharing a prompt's prefill among
-        its n choices (a copy-on-write fork of its blocks) replaces. All or none are queued."""
+        """One executor request per choice, a prompt's `n` choices submitted together: one
+        prefill (or KV transfer) serves them, and they fork at their first tokens. All or none
+        are queued."""
         echo = isinstance(req, CompletionRequest) and req.echo
+        by_prompt: dict[int, list[ChoicePlan]] = {}
+        for plan in plans:
+            by_prompt.setdefault(plan.prompt_index, []).append(plan)
         runs: list[ChoiceRun] = []
         try:
-            for plan in plans:
-                request = Request(
-                    request_id=next(self._ids),
-                    prompt_token_ids=list(prompts[plan.prompt_index]),
-                    sampling=attrs.evolve(sampling[plan.prompt_index], seed=plan.seed),
-                    request_type=kind,
-                    arrival_time=time.monotonic(),
-                )
-                handle = self.executor.submit(request, source=source, transfer_key=key)
-                runs.append(
-                    ChoiceRun(
-                        plan=plan,
-                        handle=handle,
-                        executor=self.executor,
-                        echo=self._echo(plan, prompts) if echo else None,
+            for index, group in by_prompt.items():
+                choices = [
+                    Request(
+                        request_id=next(self._ids),
+                        prompt_token_ids=list(prompts[index]),
+                        sampling=attrs.evolve(sampling[index], seed=plan.seed),
+                        request_type=kind,
+                        arrival_time=time.monotonic(),
                     )
-                )
+                    for plan in group
+                ]
+                handles = self.executor.submit_group(choices, source=source, transfer_key=key)
+                for plan, handle in zip(group, handles, strict=True):
+                    runs.append(
+                        ChoiceRun(
+                            plan=plan,
+                            handle=handle,
+                            executor=self.executor,
+                            echo=self._echo(plan, prompts) if echo else None,
+                        )
+                    )
         except (CapacityError, WorkerStopped) as exc:
             for run in runs:
                 run.drop()
@@ -347,66 +351,3 @@ def _temperature(asked: float | None) -> float:
     if asked is None:
         return 1.0
     return 0.0 if asked < MIN_TEMPERATURE else asked
-
-
-def _generation_source(params: DisaggregatedParams, vocab_size: int) -> GenerationSource:
-    """Validate what a generation_only request must carry from ctx's answer."""
-    field = "disaggregated_params"
-    first: int | None = None
-    if params.first_gen_tokens:
-        first = params.first_gen_tokens[0]
-        if not 0 <= first < vocab_size:
-            raise bad_request(f"{field}.first_gen_tokens: token {first} outside the vocabulary")
-    elif params.schedule_style != "generation_first":
-        raise bad_request(
-            f"{field}.first_gen_tokens: required for generation_only (unless "
-            f"{field}.schedule_style is generation_first: then ctx sends it with the KV)",
-            param=field,
-        )
-    if not params.ctx_info_endpoint:
-        raise bad_request(f"{field}.ctx_info_endpoint: required for generation_only", param=field)
-    if not is_tcp_endpoint(params.ctx_info_endpoint):
-        endpoint = params.ctx_info_endpoint
-        raise bad_request(
-            f"{field}.ctx_info_endpoint: expected tcp://host:port, got {endpoint!r}", param=field
-        )
-    key = params.disagg_request_id
-    if key is None or not 0 < key < 2**63:
-        raise bad_request(f"{field}.disagg_request_id: required, in (0, 2**63)", param=field)
-    return GenerationSource(
-        key=key,
-        ctx_info_endpoint=params.ctx_info_endpoint,
-        first_token=first,
-        ctx_instance=ctx_instance_of(params.opaque_state),
-        first_logprobs=_first_logprobs(params, first, vocab_size),
-    )
-
-
-def _first_logprobs(
-    params: DisaggregatedParams, first: int | None, vocab_size: int
-) -> TokenLogprobs | None:
-    """ctx's logprobs of the first token, checked as any peer's input is."""
-    field = "disaggregated_params.first_gen_logprobs"
-    carried = params.first_gen_logprobs
-    if not carried:
-        return None
-    entry = carried[0]
-    if first is None or entry.token_id != first:
-        raise bad_request(
-            f"{field}[0].token_id: {entry.token_id} is not first_gen_tokens[0] ({first})",
-            param="disaggregated_params",
-        )
-    if len(entry.top_logprobs) > MAX_TOP_LOGPROBS:
-        raise bad_request(
-            f"{field}[0].top_logprobs: at most {MAX_TOP_LOGPROBS} entries",
-            param="disaggregated_params",
-        )
-    top = tuple((t.token_id, t.logprob) for t in entry.top_logprobs)
-    for token, value in ((entry.token_id, entry.logprob), *top):
-        if not 0 <= token < vocab_size or math.isnan(value) or value > 0:
-            raise bad_request(
-                f"{field}[0]: token {token} with logprob {value} is not a token of this "
-                f"vocabulary ({vocab_size}) with a logprob <= 0",
-                param="disaggregated_params",
-            )
-    return TokenLogprobs(logprob=entry.logprob, top=top)
