@@ -180,6 +180,24 @@ def test_continuous_usage_and_echo_in_a_completion_stream() -> None:
     assert assembler.closing(None) == []  # no include_usage: no usage chunk
 
 
+def test_an_echo_with_logprobs_goes_out_with_the_first_output() -> None:
+    assembler = _assembler(META, echo="Hello", echo_logprobs=True, logprobs=True)
+    assert assembler.opening() == []  # the prompt's logprobs come with the first output
+    prompt = (TokenLogprobs(logprob=-1.0, top=((7, -0.5),)), TokenLogprobs(logprob=-2.0, top=()))
+    first = assembler.output(1, text="x", token_ids=[9], finish_reason=None, tokens=tokens(0, 3, 1),
+                             logprobs=[TokenLogprobs(logprob=-3.0, top=())],
+                             prompt_logprobs=prompt)  # fmt: skip
+    choice = first["choices"][0]
+    assert choice["text"] == "Hellox"
+    assert choice["logprobs"]["tokens"] == ["<1>", "<2>", "<3>", "<9>"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -2.0, -3.0]
+    assert choice["logprobs"]["top_logprobs"][:2] == [None, {"<7>": -0.5, "<2>": -1.0}]
+    assert choice["logprobs"]["text_offset"] == [0, 3, 6, 9]
+    later = assembler.output(1, text="y", token_ids=[8], finish_reason="stop",
+                             tokens=tokens(0, 3, 2), logprobs=[None])  # fmt: skip
+    assert later["choices"][0]["text"] == "y"  # the echo went out once
+
+
 # ---- the coordinator's merge ----
 
 

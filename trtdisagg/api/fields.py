@@ -168,10 +168,10 @@ COMPLETIONS: Final = {
         ),
         _rule(
             "echo",
-            PARTIAL,
-            "each choice's text starts with its prompt (streamed first); with `logprobs` a 400 "
-            "(prompt logprobs need the engine)",
-            refusal={"echo": True, "logprobs": 1},
+            SUPPORTED,
+            "each choice's text starts with its prompt (streamed first); with `logprobs`, the "
+            "prompt's tokens lead `logprobs` (the first with a null logprob), computed by the "
+            "prefill that runs anyway (see Echo)",
         ),
         _rule(
             "logprobs",

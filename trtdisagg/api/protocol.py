@@ -61,6 +61,9 @@ class DisaggregatedParams:
     # One entry per choice's first token when the request asks for logprobs: gen emits them
     # with ctx's tokens, so the answer has one logprobs entry per token.
     first_gen_logprobs: list[FirstTokenLogprobs] | None = None
+    # Completions' echo with logprobs: ctx's logprobs of prompt tokens 1, 2, ... (token 0 has
+    # none), computed by its prefill; gen puts them before its own.
+    prompt_logprobs: list[FirstTokenLogprobs] | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -92,11 +92,6 @@ def _validate_completion(req: CompletionRequest) -> None:
             f"best_of: only best_of equal to n ({req.n}) is supported, got {req.best_of}",
             param="best_of",
         )
-    if req.echo and req.logprobs is not None:
-        raise bad_request(
-            "echo: echo with logprobs needs the prompt's logprobs, which are not supported yet",
-            param="echo",
-        )
 
 
 def _validate_chat(req: ChatCompletionRequest) -> None:

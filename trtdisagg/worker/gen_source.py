@@ -9,6 +9,7 @@ tokens' logprobs). Each is a 400 naming the field when it does not fit this requ
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Final
 
 from trtdisagg.api.errors import bad_request
@@ -21,7 +22,9 @@ from trtdisagg.worker.sampling import TokenLogprobs
 MAX_TOP_LOGPROBS: Final = 20
 
 
-def generation_source(params: DisaggregatedParams, vocab_size: int, n: int) -> GenerationSource:
+def generation_source(
+    params: DisaggregatedParams, vocab_size: int, n: int, prompt: Sequence[int]
+) -> GenerationSource:
     """Validate what a generation_only request must carry from ctx's answer."""
     field = "disaggregated_params"
     firsts = _first_tokens(params, vocab_size, n)
@@ -48,6 +51,27 @@ def generation_source(params: DisaggregatedParams, vocab_size: int, n: int) -> G
         ctx_instance=ctx_instance_of(params.opaque_state),
         first_logprobs=_first_logprobs(params, firsts, vocab_size),
         num_choices=n,
+        prompt_logprobs=_prompt_logprobs(params, prompt, vocab_size),
+    )
+
+
+def _prompt_logprobs(
+    params: DisaggregatedParams, prompt: Sequence[int], vocab_size: int
+) -> tuple[TokenLogprobs, ...]:
+    """ctx's logprobs of prompt tokens 1, 2, ... (echo with logprobs), one for each."""
+    field = "disaggregated_params.prompt_logprobs"
+    carried = params.prompt_logprobs
+    if carried is None:
+        return ()
+    if len(carried) != len(prompt) - 1:
+        raise bad_request(
+            f"{field}: {len(carried)} entries for a prompt of {len(prompt)} tokens (one for "
+            "each but the first)",
+            param="disaggregated_params",
+        )
+    return tuple(
+        _checked_logprobs(entry, token, f"{field}[{i}]", vocab_size)
+        for i, (entry, token) in enumerate(zip(carried, prompt[1:], strict=True))
     )
 
 

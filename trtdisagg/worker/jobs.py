@@ -159,11 +159,19 @@ class Job:
         token_ids = [t for o in outputs for t in o.token_ids]
         logprobs = [lp for o in outputs for lp in o.logprobs]
         text = (run.echo or "") + "".join(o.text for o in outputs)
+        # echo with logprobs: the echoed prompt's tokens come first, the first one without
+        # a logprob (nothing precedes it), as OpenAI answers.
+        prompt = outputs[0].prompt_logprobs if run.echo is not None else None
+        shown_ids: list[int] = token_ids
+        shown: list[TokenLogprobs | None] = logprobs
+        if prompt is not None:
+            shown_ids = [*run.handle.request.prompt_token_ids, *token_ids]
+            shown = [*responses.echoed_logprobs(len(shown_ids) - len(token_ids), prompt), *logprobs]
         return responses.ChoiceResult(
             index=run.plan.index,
             text=text,
             token_ids=token_ids,
-            logprobs=self._logprobs(token_ids, logprobs),
+            logprobs=self._logprobs(shown_ids, shown),
             finish_reason=last.finish_reason.value if last.finish_reason else None,
             prompt_token_ids=None if self.single_prompt else run.handle.request.prompt_token_ids,
         )
@@ -184,6 +192,12 @@ class Job:
         }
         if len(choices) > 1:
             params["first_gen_tokens_by_choice"] = firsts
+        prompt = choices[0][1][0].prompt_logprobs
+        if prompt is not None:  # echo with logprobs: gen emits them before its own
+            params["prompt_logprobs"] = [
+                first_token_logprobs(token, lp)
+                for token, lp in zip(request.prompt_token_ids[1:], prompt, strict=True)
+            ]
         logprobs = [next(lp for o in outputs for lp in o.logprobs) for _, outputs in choices]
         if all(lp is not None for lp in logprobs):
             params["first_gen_logprobs"] = [
@@ -236,6 +250,7 @@ class Job:
             continuous_usage=options is not None and options.continuous_usage_stats,
             logprobs=self.wants_logprobs,
             prompt_ids_in_first_chunk=self.req.return_token_ids,
+            echo_logprobs=self.runs[0].handle.request.sampling.prompt_logprobs is not None,
         )
         merger = OutputMerger(
             assembler=assembler,
@@ -271,6 +286,7 @@ class OutputMerger:
             logprobs=output.logprobs,
             finish_reason=output.finish_reason.value if output.finish_reason else None,
             tokens=self.runs[index].tokens(output),
+            prompt_logprobs=output.prompt_logprobs,
         )
         return [] if chunk is None else [sse_event(chunk)]
 

@@ -99,6 +99,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per output token; None: none
     min_tokens: int = 0
+    # top-N logprobs of each prompt token (given the tokens before it), computed by prefill;
+    # None: none (completions' `echo` with `logprobs`)
+    prompt_logprobs: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -111,6 +114,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

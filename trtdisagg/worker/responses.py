@@ -97,6 +97,16 @@ def completion_logprobs(
     }
 
 
+def echoed_logprobs(
+    num_prompt_tokens: int, prompt: Sequence[TokenLogprobs] | None
+) -> list[TokenLogprobs | None]:
+    """The logprobs shown for an echoed prompt: none for its first token, then the computed
+    ones (none at all when they are missing)."""
+    if prompt is None or len(prompt) != num_prompt_tokens - 1:
+        return [None] * num_prompt_tokens
+    return [None, *prompt]
+
+
 def chat_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None], text_of: TokenText
 ) -> Json | None:
@@ -225,6 +235,7 @@ class ChoiceStream:
     prompt_token_ids: Sequence[int]
     tokens: ChoiceTokens  # so far (the prompt's until the first output says more)
     echo: str | None = None  # completions with `echo`: the prompt text, sent first
+    echoed: bool = False  # the echo went out (with the first output, when it has logprobs)
     text_offset: int = 0  # characters of token text sent so far (logprobs' text_offset)
     started: bool = False  # its first chunk (role, prompt ids) is out
     finished: bool = False
@@ -241,12 +252,17 @@ class StreamAssembler:
     continuous_usage: bool = False
     logprobs: bool = False
     prompt_ids_in_first_chunk: bool = False  # completions with `return_token_ids`
+    # completions with `echo` and `logprobs`: each choice's echo waits for its first output,
+    # which brings the prompt's logprobs, and goes out in one chunk with it
+    echo_logprobs: bool = False
 
     def opening(self) -> list[Json]:
         """Chat: each choice's role chunk; completions with `echo`: each prompt's text."""
         out: list[Json] = []
         for choice in self.choices:
-            if self.meta.chat or choice.echo:
+            echo_now = choice.echo is not None and not self.echo_logprobs
+            if self.meta.chat or echo_now:
+                choice.echoed = echo_now
                 out.append(self._chunk(choice, text=choice.echo or "", token_ids=(), lp=None))
         return out
 
@@ -259,15 +275,23 @@ class StreamAssembler:
         logprobs: Sequence[TokenLogprobs | None],
         finish_reason: str | None,
         tokens: ChoiceTokens,
+        prompt_logprobs: Sequence[TokenLogprobs] | None = None,
     ) -> Json | None:
         """The chunk for one output of choice `index`, or None when it shows nothing (a token
         that completes no character, and nobody asked for ids or logprobs)."""
         choice = self.choices[index]
         choice.tokens = tokens
         carries_tokens = bool(token_ids) and (self.meta.return_token_ids or self.logprobs)
+        shown_ids, shown = list(token_ids), list(logprobs)
+        if choice.echo is not None and not choice.echoed:  # with the prompt's logprobs
+            choice.echoed = True
+            text = choice.echo + text
+            prompt_ids = list(choice.prompt_token_ids)
+            shown_ids = prompt_ids + shown_ids
+            shown = [*echoed_logprobs(len(prompt_ids), prompt_logprobs), *shown]
         if not text and not carries_tokens and finish_reason is None:
             return None
-        lp = self._logprobs(choice, token_ids, logprobs)
+        lp = self._logprobs(choice, shown_ids, shown)
         if finish_reason is not None:
             choice.finished = True
         return self._chunk(

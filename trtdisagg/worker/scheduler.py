@@ -255,7 +255,9 @@ class Scheduler:
             if self._num_slots_taken() >= self._max_batch_size:
                 return
             request = self._waiting[0]
-            table = self._pool.open_table(request.all_token_ids)
+            # Prompt logprobs come from computing every prompt token: no prefix-cache hits.
+            reuse = request.sampling.prompt_logprobs is None
+            table = self._pool.open_table(request.all_token_ids, reuse=reuse)
             num_computed = table.num_cached_tokens
             chunk = min(request.num_tokens - num_computed, step.budget)
             if not self._pool.grow(table, num_computed + chunk):

@@ -163,7 +163,7 @@ class WorkerService:
         source, key = None, None
         if kind is RequestType.GENERATION_ONLY:
             assert params is not None
-            source = generation_source(params, self.tokenizer.vocab_size, req.n)
+            source = generation_source(params, self.tokenizer.vocab_size, req.n, prompts[0])
         elif kind is RequestType.CONTEXT_ONLY:
             assert params is not None
             key = params.disagg_request_id or (secrets.randbits(62) | 1 << 40)
@@ -300,6 +300,7 @@ class WorkerService:
     def _sampling(self, req: AnyRequest, prompt_len: int) -> SamplingParams:
         room = self.max_seq_len - prompt_len
         field = "max_tokens"
+        prompt_logprobs: int | None = None
         if isinstance(req, ChatCompletionRequest):
             if req.max_completion_tokens is not None:
                 field = "max_completion_tokens"
@@ -310,6 +311,8 @@ class WorkerService:
             asked = req.max_tokens
             logprobs = req.logprobs
             max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if asked is None else asked
+            if req.echo:  # the echoed prompt comes with its logprobs, computed by prefill
+                prompt_logprobs = logprobs
         if max_tokens > room:
             raise bad_request(
                 f"{field}: the prompt's {prompt_len} tokens + {field} {max_tokens} exceed this "
@@ -338,6 +341,7 @@ class WorkerService:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 min_tokens=req.min_tokens,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None

@@ -44,6 +44,7 @@ def start_choices(scheduler: Scheduler, leader: Live, firsts: Sequence[Token]) -
         )
     for token in firsts:
         token.live.request.output_token_ids.append(token.token_id)
+        token.live.state.prompt_logprobs = leader.state.prompt_logprobs  # one prompt for all
     if leader.request.request_type is RequestType.CONTEXT_ONLY:
         return  # they ride the leader's hand-over: nothing of theirs enters the scheduler
     scheduler.fork(leader.request, [fork.request for fork in forks])

@@ -33,6 +33,8 @@ class GenerationSource:
     # ctx's logprobs of each first token, when the request asks for logprobs (else empty)
     first_logprobs: tuple[TokenLogprobs | None, ...] = ()
     num_choices: int = 1  # the request's n: how many first tokens ctx must send
+    # ctx's logprobs of prompt tokens 1, 2, ..., when the request asks (echo with logprobs)
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @attrs.define(eq=False, kw_only=True)

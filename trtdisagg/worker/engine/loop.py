@@ -155,6 +155,10 @@ class StepLoop:
         now = self.clock()
         tokens: list[Token] = []
         forks: dict[int, list[Token]] = {}  # a leader's id: its forks' first tokens
+        for chunk in out.prompt_logprobs:
+            prefilled = self.lives.get(chunk.request_id)
+            if prefilled is not None:
+                prefilled.state.add_prompt_logprobs(chunk.start, chunk.logprobs)
         for sampled in out.sampled:
             live = self.lives.get(sampled.request_id)
             if live is None:

@@ -188,6 +188,7 @@ class TransferTracker:
                 failed.append((live, Ending.transfer_failed(error)))
                 continue
             self.scheduler.kv_received(live.request, tokens[0])
+            live.state.add_prompt_logprobs(1, _source(live).prompt_logprobs)
             # ctx's logprobs of the first tokens came with its answer (context-first only:
             # under generation-first the tokens come with the KV, without them).
             carried = _source(live).first_logprobs or (None,) * len(tokens)
