@@ -8,9 +8,8 @@ naming it. `partial` fields, whose limits depend on other fields (`best_of` agai
 checked in `validation.py`. docs/API.md's tables are `render_table()`'s output, and a test holds
 them equal, so the document cannot drift from the code.
 
-When the engine implements a field (penalties, `logit_bias`, `min_p`, grammar-backed
-`response_format` and `tool_choice`), its rule here becomes `supported` and the request types
-already carry the value.
+When the engine implements a field (penalties, `logit_bias`, `min_p`), its rule here becomes
+`supported` and the request types already carry the value.
 """
 
 from __future__ import annotations
@@ -80,8 +79,8 @@ def _sampling_rules() -> list[FieldRule]:
         _rule(
             "n",
             SUPPORTED,
-            "1 to 128 choices per prompt (n × prompts ≤ 128); each choice is its own request "
-            "(and, through the coordinator, its own ctx → gen pair)",
+            "1 to 128 choices per prompt (n × prompts ≤ 128); a prompt is prefilled once (and, "
+            "through the coordinator, sent from ctx to gen once) and forked n ways (see Choices)",
         ),
         _rule("presence_penalty", NEUTRAL, f"0 only, {UNTIL_ENGINE}", neutral=(0,), bad=-0.5),
         _rule(
@@ -124,11 +123,23 @@ def _sampling_rules() -> list[FieldRule]:
         ),
         _rule(
             "response_format",
-            NEUTRAL,
-            f'`{{"type": "text"}}` only; `json_object` and `json_schema` {UNTIL_GRAMMAR}',
-            neutral=({"type": "text"},),
-            bad={"type": "json_object"},
+            SUPPORTED,
+            "`text`, `json_object` (any JSON object) or `json_schema` (`{name, schema, "
+            "strict}`), enforced token by token (see Structured output); a schema llguidance "
+            "cannot compile is a 400 naming it",
+            refusal={"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
         ),
+        _rule(
+            "structured_outputs",
+            SUPPORTED,
+            "extension (vLLM's): one of `json` (a schema), `regex`, `choice` (strings), "
+            "`grammar` (Lark or GBNF)",
+            refusal={"structured_outputs": {"regex": "a", "choice": ["b"]}},
+        ),
+        _rule("guided_json", SUPPORTED, "extension (vLLM's): as `structured_outputs.json`"),
+        _rule("guided_regex", SUPPORTED, "extension (vLLM's): as `structured_outputs.regex`"),
+        _rule("guided_choice", SUPPORTED, "extension (vLLM's): as `structured_outputs.choice`"),
+        _rule("guided_grammar", SUPPORTED, "extension (vLLM's): as `structured_outputs.grammar`"),
         _rule(
             "return_token_ids",
             SUPPORTED,
@@ -220,10 +231,8 @@ CHAT: Final = {
         _rule("moderation", REFUSED, "moderation is not supported", bad={"model": "m"}),
         _rule(
             "parallel_tool_calls",
-            NEUTRAL,
-            "true only: tool calls are not parsed from the output yet",
-            neutral=(True,),
-            bad=False,
+            SUPPORTED,
+            "with `tool_choice: required`, false forces exactly one call (true: one or more)",
         ),
         _rule(
             "prediction", REFUSED, "predicted outputs are not supported", bad={"type": "content"}
@@ -247,16 +256,19 @@ CHAT: Final = {
         ),
         _rule(
             "tool_choice",
-            PARTIAL,
-            f"`none` (the template gets no tools) or `auto` (it gets them); `required` or a "
-            f"named function is a 400 ({UNTIL_GRAMMAR})",
-            refusal={"tools": [TOOL], "tool_choice": "required"},
+            SUPPORTED,
+            "`none` (the template gets no tools), `auto` (calls the output makes are parsed), "
+            "`required` or a named function (calls forced by a grammar); see Tools",
+            refusal={
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "other"}},
+            },
         ),
         _rule(
             "tools",
-            PARTIAL,
-            "function tools reach the chat template as `tools`; the output is not parsed into "
-            "`tool_calls` yet; another tool type is a 400",
+            SUPPORTED,
+            "function tools reach the chat template as `tools`; calls in the answer are "
+            "`tool_calls` (`finish_reason: tool_calls`); another tool type is a 400",
             refusal={"tools": [{"type": "custom", "function": {"name": "x"}}]},
         ),
         _rule(

@@ -4,8 +4,8 @@ Requests are structured from JSON through one strict converter: a wrong type is 
 the field (`max_tokens: expected an integer, got str`). Keys that are not OpenAI fields are ignored
 (clients send extensions of other servers); every OpenAI field is listed in `api/fields.py`, which
 says whether it acts, is accepted only at its neutral value, or is refused with a 400 naming it.
-Fields typed here but not acted on yet (`logit_bias`, the penalties, `min_p`, `response_format`)
-are typed so that the engine change that implements them only has to pass them on.
+Fields typed here but not acted on yet (`logit_bias`, the penalties, `min_p`) are typed so that
+the engine change that implements them only has to pass them on.
 """
 
 from __future__ import annotations
@@ -144,6 +144,12 @@ class _SamplingFields:
     repetition_penalty: float | None = None
     min_p: float | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's structured outputs (api/grammars.py): one of json, regex, choice, grammar
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -171,6 +177,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 AnyRequest = CompletionRequest | ChatCompletionRequest

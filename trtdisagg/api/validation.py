@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any, Final
 
 from trtdisagg.api.errors import bad_request
+from trtdisagg.api.grammars import output_grammar
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
+from trtdisagg.api.tool_calls import HERMES
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
 Prompt = str | list[int]
@@ -38,6 +40,9 @@ def validate_request(req: AnyRequest) -> None:
         _validate_completion(req)
     else:
         _validate_chat(req)
+    # The shape of an output constraint (the model's tool-call format and llguidance's compile
+    # are the worker's to check): a malformed one is a 400 before any worker is asked.
+    output_grammar(req, HERMES)
     choices = num_prompts(req) * req.n
     if choices > MAX_CHOICES:
         raise bad_request(f"n: n × prompts must be at most {MAX_CHOICES}, got {choices}", param="n")
@@ -112,23 +117,21 @@ def _validate_chat(req: ChatCompletionRequest) -> None:
                 f"tools[{i}].type: only function tools are supported, got {tool.type!r}",
                 param="tools",
             )
-    _validate_tool_choice(req.tool_choice)
+    _validate_tool_choice(req.tool_choice, bool(req.tools))
 
 
-def _validate_tool_choice(choice: str | dict[str, Any] | None) -> None:
+def _validate_tool_choice(choice: str | dict[str, Any] | None, has_tools: bool) -> None:
     if choice is None or choice in ("none", "auto"):
         return
-    what = f"{choice!r}" if isinstance(choice, str) else "a named function"
-    if choice == "required" or isinstance(choice, dict):
+    if choice != "required" and not isinstance(choice, dict):
         raise bad_request(
-            f"tool_choice: {what} needs output constrained by a grammar, which is not "
-            "supported yet; use 'auto' or 'none'",
+            f"tool_choice: expected 'none', 'auto', 'required' or a function, got {choice!r}",
             param="tool_choice",
         )
-    raise bad_request(
-        f"tool_choice: expected 'none', 'auto', 'required' or a function, got {what}",
-        param="tool_choice",
-    )
+    if not has_tools:
+        raise bad_request(
+            "tool_choice: a call is asked for, but no tools are given", param="tool_choice"
+        )
 
 
 def _validate_prompt(req: CompletionRequest) -> None:

@@ -20,6 +20,7 @@ from trtdisagg.api.errors import ApiError
 from trtdisagg.api.fanout import ChoicePlan
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
 from trtdisagg.api.streaming import MergedBody
+from trtdisagg.api.tool_calls import ToolCall, ToolCallFormat, ToolCallParser, parse_tool_calls
 from trtdisagg.worker import responses
 from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
 from trtdisagg.worker.handoff import ctx_state
@@ -97,6 +98,8 @@ class Job:
     ctx: CtxEndpoint
     transfer_key: int | None = None
     single_prompt: bool = True  # else each choice carries its own prompt ids
+    # chat with tools (not `none`): the text is searched for calls in this format
+    tools: ToolCallFormat | None = None
 
     @property
     def request_id(self) -> int:
@@ -167,12 +170,20 @@ class Job:
         if prompt is not None:
             shown_ids = [*run.handle.request.prompt_token_ids, *token_ids]
             shown = [*responses.echoed_logprobs(len(shown_ids) - len(token_ids), prompt), *logprobs]
+        finish = last.finish_reason.value if last.finish_reason else None
+        calls: tuple[ToolCall, ...] = ()
+        if self.tools is not None:
+            parsed = parse_tool_calls(text, self.tools)
+            text, calls = parsed.content, parsed.calls
+            if calls and finish == "stop":
+                finish = "tool_calls"
         return responses.ChoiceResult(
             index=run.plan.index,
             text=text,
             token_ids=token_ids,
+            tool_calls=calls,
             logprobs=self._logprobs(shown_ids, shown),
-            finish_reason=last.finish_reason.value if last.finish_reason else None,
+            finish_reason=finish,
             prompt_token_ids=None if self.single_prompt else run.handle.request.prompt_token_ids,
         )
 
@@ -242,6 +253,7 @@ class Job:
                         completion_tokens=0,
                     ),
                     echo=run.echo,
+                    tools=ToolCallParser(format=self.tools) if self.tools is not None else None,
                 )
                 for run in self.runs
             ],

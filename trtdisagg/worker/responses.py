@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from trtdisagg.api.protocol import PerfMetrics, Usage, prune
+from trtdisagg.api.tool_calls import ToolCall, ToolCallParser, tool_call_deltas
 from trtdisagg.worker.sampling import TokenLogprobs
 
 TokenText = Callable[[int], str]
@@ -138,6 +139,7 @@ class ChoiceResult:
     finish_reason: str | None
     prompt_token_ids: Sequence[int] | None = None  # per choice: a batch of prompts
     extra: Json | None = None
+    tool_calls: Sequence[ToolCall] = ()  # chat: calls found in the text (then not in `text`)
 
 
 def _choice(meta: ResponseMeta, result: ChoiceResult) -> Json:
@@ -147,7 +149,11 @@ def _choice(meta: ResponseMeta, result: ChoiceResult) -> Json:
         "finish_reason": result.finish_reason,
     }
     if meta.chat:
-        choice["message"] = {"role": "assistant", "content": result.text}
+        message: Json = {"role": "assistant", "content": result.text}
+        if result.tool_calls:
+            message["content"] = result.text or None
+            message["tool_calls"] = [call.as_json() for call in result.tool_calls]
+        choice["message"] = message
     else:
         choice["text"] = result.text
     if meta.return_token_ids:
@@ -201,14 +207,17 @@ def chunk_body(
     finish_reason: str | None,
     role: bool = False,
     extra: Json | None = None,
+    calls: Sequence[Json] = (),
 ) -> Json:
     choice: Json = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     if meta.chat:
         delta: Json = {}
         if role:
             delta["role"] = "assistant"
-        if text is not None:
+        if text is not None and (text or not calls):
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = list(calls)
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
@@ -236,6 +245,7 @@ class ChoiceStream:
     tokens: ChoiceTokens  # so far (the prompt's until the first output says more)
     echo: str | None = None  # completions with `echo`: the prompt text, sent first
     echoed: bool = False  # the echo went out (with the first output, when it has logprobs)
+    tools: ToolCallParser | None = None  # chat with tools: finds the calls in the text
     text_offset: int = 0  # characters of token text sent so far (logprobs' text_offset)
     started: bool = False  # its first chunk (role, prompt ids) is out
     finished: bool = False
@@ -289,13 +299,24 @@ class StreamAssembler:
             prompt_ids = list(choice.prompt_token_ids)
             shown_ids = prompt_ids + shown_ids
             shown = [*echoed_logprobs(len(prompt_ids), prompt_logprobs), *shown]
-        if not text and not carries_tokens and finish_reason is None:
+        calls: list[Json] = []
+        if choice.tools is not None:  # the text outside calls, and the calls it completed
+            done_before = choice.tools.num_calls
+            parsed = choice.tools.feed(text)
+            if finish_reason is not None:
+                rest = choice.tools.finish()
+                parsed = attrs.evolve(parsed, content=parsed.content + rest.content)
+                if choice.tools.num_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            text = parsed.content
+            calls = tool_call_deltas(parsed.calls, done_before)
+        if not text and not carries_tokens and not calls and finish_reason is None:
             return None
         lp = self._logprobs(choice, shown_ids, shown)
         if finish_reason is not None:
             choice.finished = True
         return self._chunk(
-            choice, text=text, token_ids=token_ids, lp=lp, finish_reason=finish_reason
+            choice, text=text, token_ids=token_ids, lp=lp, finish_reason=finish_reason, calls=calls
         )
 
     def closing(self, perf: PerfMetrics | None) -> list[Json]:
@@ -327,6 +348,7 @@ class StreamAssembler:
         token_ids: Sequence[int],
         lp: Json | None,
         finish_reason: str | None = None,
+        calls: Sequence[Json] = (),
     ) -> Json:
         first = not choice.started
         choice.started = True
@@ -344,4 +366,5 @@ class StreamAssembler:
             finish_reason=finish_reason,
             role=first and self.meta.chat,
             extra=extra,
+            calls=calls,
         )

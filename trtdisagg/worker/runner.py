@@ -364,7 +364,7 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
 def _is_plain_greedy(spec: SampleSpec) -> bool:
     params = spec.params
     greedy = params.temperature == 0.0 or params.top_k == 1
-    return greedy and not spec.suppress and params.logprobs is None
+    return greedy and not spec.suppress and params.logprobs is None and spec.allowed is None
 
 
 def _sample(

@@ -30,6 +30,9 @@ class SampleSpec:
     # A prompt's other choices, at its first token: each draws its own token from the same
     # logits row with its own spec (the runner samples the row once per spec).
     forks: tuple[SampleSpec, ...] = ()
+    # The tokens its grammar allows next (`worker/grammar.py`): llguidance's bitmask, int32
+    # [ceil(V / 32)] on the host, bit i % 32 of word i // 32 set when token i is allowed.
+    allowed: torch.Tensor | None = None
 
 
 MIN_TEMPERATURE: Final = 1e-5
@@ -53,13 +56,36 @@ def sample(
     tokens: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
     for row, spec in zip(logits, specs, strict=True):
+        shown = row
         if spec.suppress:
-            row = row.clone()
+            row = shown = row.clone()
             row[list(spec.suppress)] = float("-inf")
+        if spec.allowed is not None:
+            masked = mask_disallowed(row, spec.allowed)
+            # EOS suppressed before min_tokens where the grammar allows nothing else: the
+            # grammar wins (the output must end).
+            row = (
+                masked
+                if bool(torch.isfinite(masked).any())
+                else mask_disallowed(shown, spec.allowed)
+            )
         token = _sample_row(row, spec)
         tokens.append(token)
-        logprobs.append(_logprobs(row, token, spec.params.logprobs))
+        # A grammar changes which token is drawn, not its logprob (an allowed token's logprob
+        # under the model; a masked one would be -inf).
+        logprobs.append(
+            _logprobs(shown if spec.allowed is not None else row, token, spec.params.logprobs)
+        )
     return tokens, logprobs
+
+
+def mask_disallowed(row: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`row` (logits [V]) with every token its bitmask does not allow at -inf: one masked_fill.
+    (The batched sampler applies the same bitmasks on the device, for every row at once.)"""
+    shifts = torch.arange(32, dtype=torch.int32, device=row.device)
+    bits = (allowed.to(row.device).unsqueeze(-1) >> shifts) & 1  # [W, 32]
+    keep = bits.flatten()[: row.shape[-1]].bool()
+    return row.masked_fill(~keep, float("-inf"))
 
 
 def _sample_row(row: torch.Tensor, spec: SampleSpec) -> int:

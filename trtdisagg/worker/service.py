@@ -15,15 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 
 from trtdisagg.api.chat import chat_messages, chat_tools
 from trtdisagg.api.errors import ApiError, bad_request
 from trtdisagg.api.fanout import ChoicePlan, plan_choices
+from trtdisagg.api.grammars import output_grammar
 from trtdisagg.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     KvRelease,
 )
+from trtdisagg.api.tool_calls import ToolCallFormat, parses_tool_calls, tool_call_format
 from trtdisagg.api.validation import is_batched
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
@@ -34,6 +37,7 @@ from trtdisagg.transfer.rank_info import compat_fields
 from trtdisagg.worker import responses
 from trtdisagg.worker.engine.executor import Executor, GenerationSource
 from trtdisagg.worker.gen_source import generation_source
+from trtdisagg.worker.grammar import GrammarCompiler, GrammarError, GrammarTemplate
 from trtdisagg.worker.jobs import ChoiceRun, CtxEndpoint, Job
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
 from trtdisagg.worker.sampling import MIN_TEMPERATURE
@@ -79,7 +83,21 @@ class WorkerService:
     ctx_info_endpoint: str | None = None
     ctx_instance: str | None = None  # this worker's transceiver instance name (handoff.py)
     faults: FaultInjector | None = None  # tests only: armed by TRTDISAGG_FAULTS
+    grammars: GrammarCompiler | None = None  # made by the first request with a grammar
+    # The chat template's tool-call format (api/tool_calls.py), if it has one this server knows.
+    tool_format: ToolCallFormat | None = attrs.field(
+        default=attrs.Factory(
+            lambda self: tool_call_format(self.tokenizer.chat_template), takes_self=True
+        )
+    )
     _ids: itertools.count[int] = attrs.field(factory=itertools.count, alias="ids")
+
+    def _compiler(self) -> GrammarCompiler:
+        return GrammarCompiler(
+            tokenizer_json=self.tokenizer.to_json(),
+            vocab_size=self.executor.vocab_size,
+            eos_token_ids=sorted(self.tokenizer.eos_token_ids),
+        )
 
     def server_info(self) -> ServerInfo:
         from trtdisagg import __version__
@@ -141,8 +159,9 @@ class WorkerService:
 
     # ---- requests ----
 
-    def start(self, req: AnyRequest) -> Job:
-        """Submit every choice of a validated request (`api/fanout.py`); the job reads them."""
+    async def start(self, req: AnyRequest) -> Job:
+        """Submit every choice of a validated request (`api/fanout.py`); the job reads them.
+        A grammar the request asks for is compiled first, in a worker thread."""
         if req.model is not None and req.model != self.served_model_name:
             raise ApiError(
                 404,
@@ -157,6 +176,7 @@ class WorkerService:
                 "transceiver, and cache_transceiver is disabled on this worker",
                 param="disaggregated_params",
             )
+        grammar = await self._grammar(req)
         plans = plan_choices(req)
         prompts = self._prompts(req, plans)
         sampling = {p: self._sampling(req, len(ids)) for p, ids in prompts.items()}
@@ -178,7 +198,7 @@ class WorkerService:
                 param="disaggregated_params",
             )
         runs = self._submit_choices(
-            req, plans, prompts, sampling, kind=kind, source=source, key=key
+            req, plans, prompts, sampling, kind=kind, source=source, key=key, grammar=grammar
         )
         chat = isinstance(req, ChatCompletionRequest)
         meta = responses.ResponseMeta(
@@ -196,7 +216,33 @@ class WorkerService:
             ctx=CtxEndpoint(info_endpoint=self.ctx_info_endpoint, instance=self.ctx_instance),
             transfer_key=key,
             single_prompt=len(prompts) == 1,
+            tools=(
+                self.tool_format
+                if isinstance(req, ChatCompletionRequest) and parses_tool_calls(req)
+                else None
+            ),
         )
+
+    async def _grammar(self, req: AnyRequest) -> GrammarTemplate | None:
+        """The output grammar `req` asks for, compiled (or from the compiler's cache).
+
+        Raises:
+            ApiError: a malformed constraint, or one llguidance refuses (400 naming its field).
+        """
+        wanted = output_grammar(req, self.tool_format)
+        if wanted is None:
+            return None
+        compiler = self.grammars
+        if compiler is None:  # made on first use: it reads the whole vocabulary
+            compiler = self.grammars = await trio.to_thread.run_sync(self._compiler)
+        if compiler.cached(wanted):  # no thread hop for a schema seen before
+            template = compiler.compile(wanted)
+        else:
+            try:
+                template = await trio.to_thread.run_sync(compiler.compile, wanted)
+            except GrammarError as exc:
+                raise bad_request(f"{wanted.field}: {exc}", param=wanted.field) from None
+        return template
 
     def _submit_choices(
         self,
@@ -208,6 +254,7 @@ class WorkerService:
         kind: RequestType,
         source: GenerationSource | None,
         key: int | None,
+        grammar: GrammarTemplate | None,
     ) -> list[ChoiceRun]:
         """One executor request per choice, a prompt's `n` choices submitted together: one
         prefill (or KV transfer) serves them, and they fork at their first tokens. All or none
@@ -229,7 +276,9 @@ class WorkerService:
                     )
                     for plan in group
                 ]
-                handles = self.executor.submit_group(choices, source=source, transfer_key=key)
+                handles = self.executor.submit_group(
+                    choices, source=source, transfer_key=key, grammar=grammar
+                )
                 for plan, handle in zip(group, handles, strict=True):
                     runs.append(
                         ChoiceRun(

@@ -30,6 +30,7 @@ from trtdisagg.worker.tokenization import Tokenizer
 
 if TYPE_CHECKING:
     from trtdisagg.worker.engine.test_hooks import TestHooks
+    from trtdisagg.worker.grammar import GrammarTemplate
 
 __all__ = ["Executor", "GenerationSource", "RequestHandle", "RequestOutput"]
 
@@ -73,10 +74,12 @@ class Executor:
         *,
         source: GenerationSource | None = None,
         transfer_key: int | None = None,
+        grammar: GrammarTemplate | None = None,
     ) -> list[RequestHandle]:
         """Queue one prompt's `n` choices: one request each, with its own id and seed, the same
         prompt and type. The first is prefilled (or receives the KV) once for all; the others
         fork from it at their first tokens (`forks.py`). One handle per choice, in order.
+        With `grammar`, each choice's output follows it (its own matcher: `worker/grammar.py`).
 
         Raises CapacityError (400) or WorkerStopped (503) as `submit` does.
         """
@@ -91,7 +94,9 @@ class Executor:
         for i, request in enumerate(choices):
             send, receive = trio.open_memory_channel[RequestOutput](math.inf)
             key = transfer_key if i == 0 else None  # the leader sends the KV for all
-            lives.append(self._live(request, send, choice=i, source=source, transfer_key=key))
+            live = self._live(request, send, choice=i, source=source, transfer_key=key)
+            live.grammar = grammar.matcher() if grammar is not None else None
+            lives.append(live)
             handles.append(RequestHandle(request=request, outputs=receive))
         head, *forks = lives
         head.forks = forks

@@ -17,6 +17,7 @@ from trtdisagg.worker.request import Request
 
 if TYPE_CHECKING:
     from trtdisagg.worker.engine.outputs import OutputState, RequestOutput
+    from trtdisagg.worker.grammar import Matcher
     from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs
 
 
@@ -53,6 +54,7 @@ class Live:
     choice: int = 0
     forks: list[Live] = attrs.Factory(list)
     leader: Live | None = None
+    grammar: Matcher | None = None  # where its output stands in its grammar, if it has one
 
     @property
     def request_id(self) -> int:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
+import torch
 import trio
 
 from trtdisagg.metrics import WorkerMetrics
@@ -40,6 +41,7 @@ from trtdisagg.worker.engine.live import Inbox, Live
 from trtdisagg.worker.engine.outputs import OutputProcessor, Processed, RequestOutput, Token
 from trtdisagg.worker.engine.ports import StepDriver, StepFailed
 from trtdisagg.worker.engine.tracker import TransferTracker
+from trtdisagg.worker.grammar import allowed_tokens
 from trtdisagg.worker.request import FinishReason, Request
 from trtdisagg.worker.runner import StepOutput
 from trtdisagg.worker.sampling import SampleSpec
@@ -184,19 +186,20 @@ class StepLoop:
                 self.end(item.live, item.ending, now, last=item.output)
 
     def _specs_for(self, plan: StepPlan) -> dict[int, SampleSpec]:
-        """How each request that samples in this step picks its token."""
+        """How each request that samples in this step picks its token (and each of its forks,
+        at its first token), with the bitmask of each one that has a grammar."""
         now = self.clock()
-        specs = {}
+        rows: list[tuple[int, list[Live]]] = []  # (outputs so far, the row's choices)
         for item in plan.items:
             live = self.lives[item.request.request_id]
             live.state.scheduled(now)
             if item.samples:
-                num_outputs = len(item.request.output_token_ids)
-                spec = _current_spec(live, num_outputs)
-                if live.forks:  # each choice draws its own first token from this row
-                    forks = tuple(_current_spec(fork, num_outputs) for fork in live.forks)
-                    spec = attrs.evolve(spec, forks=forks)
-                specs[item.request.request_id] = spec
+                rows.append((len(item.request.output_token_ids), [live, *live.forks]))
+        masks = grammar_masks([choice for _, choices in rows for choice in choices])
+        specs = {}
+        for num_outputs, choices in rows:
+            head, *forks = [_current_spec(c, num_outputs, masks.get(id(c))) for c in choices]
+            specs[choices[0].request_id] = attrs.evolve(head, forks=tuple(forks)) if forks else head
         return specs
 
     # ---- endings ----
@@ -276,10 +279,20 @@ class StepLoop:
             self.end(live, ending, now)
 
 
-def _current_spec(live: Live, num_outputs: int) -> SampleSpec:
+def _current_spec(live: Live, num_outputs: int, allowed: torch.Tensor | None) -> SampleSpec:
     """How `live` samples its next token: once it has `min_tokens` outputs, EOS is no longer
-    suppressed."""
+    suppressed; `allowed` is its grammar's bitmask for this token."""
     spec = live.spec
     if spec.suppress and num_outputs >= live.request.sampling.min_tokens:
         live.spec = spec = attrs.evolve(spec, suppress=frozenset())
-    return spec
+    return spec if allowed is None else attrs.evolve(spec, allowed=allowed)
+
+
+def grammar_masks(choices: Sequence[Live]) -> dict[int, torch.Tensor]:
+    """The allowed-token bitmask of each of a step's sampling choices that has a grammar (by
+    `id` of its Live), from its matcher's state after its previous token (`grammar.py`)."""
+    constrained = [(id(c), c.grammar) for c in choices if c.grammar is not None]
+    if not constrained:
+        return {}
+    bitmasks = allowed_tokens([matcher for _, matcher in constrained])
+    return {key: mask for (key, _), mask in zip(constrained, bitmasks, strict=True)}

@@ -141,12 +141,18 @@ class OutputProcessor:
         reason: FinishReason | None = None
         text = ""
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        grammar = live.grammar
+        if grammar is not None and not is_eos and not grammar.advance(token_id):
+            # A token its grammar refused: ctx's first token under another grammar, or a bug.
+            error = f"token {token_id} breaks the request's output grammar: {grammar.error}"
+            output = self._output(live, (), "", (), reason=FinishReason.ERROR, now=now, error=error)
+            return Processed(live=live, output=output, ending=Ending.failed(error))
         if is_eos or token_id in params.stop_token_ids:
             reason = FinishReason.STOP
         else:
             text = state.stops.feed(state.detokenizer.add(token_id))
-            if state.stops.stopped:
-                reason = FinishReason.STOP
+            if state.stops.stopped or (grammar is not None and grammar.is_stopped):
+                reason = FinishReason.STOP  # a grammar that admits nothing more ends it too
         if reason is None and (
             len(request.output_token_ids) >= params.max_tokens
             or request.num_tokens >= self.max_seq_len
