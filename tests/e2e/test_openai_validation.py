@@ -49,7 +49,7 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"frequency_penalty": -1}, "frequency_penalty"),
     ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
     ("/v1/completions", {"min_p": 0.1}, "min_p"),
-    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"best_of": 3, "stream": True}, "best_of"),
     ("/v1/completions", {"n": 129}, "n"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),

@@ -5,6 +5,9 @@ i-th sample of prompt p (OpenAI's order). A chat request has one prompt. A promp
 share it: the worker prefills it once and forks it `n` ways (`worker/engine/forks.py`), and the
 coordinator runs one ctx → gen pair per prompt, its body carrying `n` (`prompt_body`).
 
+`best_of` > `n` (completions): each prompt generates `best_of` candidates, and the `n` with the
+highest cumulative logprob (the sum of their tokens' logprobs) are its choices, best first.
+
 Seeds: with a `seed`, choice i of every prompt samples with `choice_seed(seed, i)`. Choice 0 keeps
 the seed itself, so `n = 1` answers equal the first choice of `n > 1`; choice i ≥ 1 takes the first
 8 bytes of BLAKE2b over ``trtdisagg-choice:{seed}:{i}`` as a big-endian signed int64. A prompt's
@@ -21,7 +24,7 @@ from typing import Any
 import attrs
 
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
-from trtdisagg.api.validation import Prompt, prompts_of
+from trtdisagg.api.validation import Prompt, num_candidates, prompts_of
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
 
@@ -46,19 +49,22 @@ def choice_seed(seed: int, sample_index: int) -> int:
 
 
 def plan_choices(req: AnyRequest) -> list[ChoicePlan]:
+    """Every choice generated, in order: with `best_of` > `n`, each prompt's `best_of`
+    candidates (index p × best_of + i until the best `n` are picked: `pick_best`)."""
     prompts: list[Prompt | None] = (
         list(prompts_of(req)) if isinstance(req, CompletionRequest) else [None]
     )
+    per_prompt = num_candidates(req)
     return [
         ChoicePlan(
-            index=p * req.n + i,
+            index=p * per_prompt + i,
             prompt_index=p,
             sample_index=i,
             prompt=prompt,
             seed=None if req.seed is None else choice_seed(req.seed, i),
         )
         for p, prompt in enumerate(prompts)
-        for i in range(req.n)
+        for i in range(per_prompt)
     ]
 
 

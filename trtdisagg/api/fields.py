@@ -173,9 +173,11 @@ COMPLETIONS: Final = {
         ),
         _rule(
             "best_of",
-            PARTIAL,
-            "accepted when equal to `n` (or null): any other value is a 400",
-            refusal={"best_of": 3},
+            SUPPORTED,
+            "`n` to 128 (best_of × prompts ≤ 128): each prompt generates best_of candidates "
+            "(one prefill, forked) and answers the `n` of highest cumulative logprob, best first; "
+            "not with `stream` (a 400)",
+            refusal={"best_of": 3, "stream": True},
         ),
         _rule(
             "echo",

@@ -43,9 +43,12 @@ def validate_request(req: AnyRequest) -> None:
     # The shape of an output constraint (the model's tool-call format and llguidance's compile
     # are the worker's to check): a malformed one is a 400 before any worker is asked.
     output_grammar(req, HERMES)
-    choices = num_prompts(req) * req.n
+    choices = num_prompts(req) * num_candidates(req)
     if choices > MAX_CHOICES:
-        raise bad_request(f"n: n × prompts must be at most {MAX_CHOICES}, got {choices}", param="n")
+        field = "best_of" if num_candidates(req) > req.n else "n"
+        raise bad_request(
+            f"{field}: {field} × prompts must be at most {MAX_CHOICES}, got {choices}", param=field
+        )
     kind = params.request_type if params is not None else "context_and_generation"
     if num_prompts(req) > 1 and kind != "context_and_generation":
         raise bad_request(
@@ -92,11 +95,18 @@ def _validate_completion(req: CompletionRequest) -> None:
     _validate_prompt(req)
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise bad_request(f"logprobs: must be in [0, 20], got {req.logprobs}", param="logprobs")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request(
-            f"best_of: only best_of equal to n ({req.n}) is supported, got {req.best_of}",
-            param="best_of",
-        )
+    if req.best_of is not None:
+        if not req.n <= req.best_of <= MAX_CHOICES:
+            raise bad_request(
+                f"best_of: must be in [n = {req.n}, {MAX_CHOICES}], got {req.best_of}",
+                param="best_of",
+            )
+        if req.best_of > req.n and req.stream:
+            raise bad_request(
+                "best_of: the best of several candidates is known only at the end; it cannot "
+                "be streamed (as OpenAI answers)",
+                param="best_of",
+            )
 
 
 def _validate_chat(req: ChatCompletionRequest) -> None:
@@ -172,3 +182,11 @@ def num_prompts(req: AnyRequest) -> int:
 def single_prompt(req: CompletionRequest) -> Prompt:
     """The first prompt of a validated completion request (the only one unless batched)."""
     return prompts_of(req)[0]
+
+
+def num_candidates(req: AnyRequest) -> int:
+    """Choices generated per prompt: `best_of` of them (completions), of which `n` are returned,
+    else `n`."""
+    if isinstance(req, CompletionRequest) and req.best_of is not None:
+        return max(req.best_of, req.n)
+    return req.n

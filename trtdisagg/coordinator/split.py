@@ -43,12 +43,16 @@ class ClientAsk:
     return_token_ids: bool
     return_perf_metrics: bool
     sent_disaggregated_params: bool
-    logprobs: bool = False  # the answer has a logprobs entry per token, ctx's first one too
+    # the answer has a logprobs entry per token, ctx's first one too (best_of > n ranks its
+    # candidates by them)
+    logprobs: bool = False
 
     @classmethod
     def of(cls, body: Json, *, chat: bool) -> ClientAsk:
         options = body.get("stream_options") or {}
         logprobs = body.get("logprobs")
+        best_of, n = body.get("best_of"), body.get("n")
+        ranks = isinstance(best_of, int) and best_of > (n if isinstance(n, int) else 1)
         return cls(
             chat=chat,
             stream=bool(body.get("stream")),
@@ -56,7 +60,7 @@ class ClientAsk:
             return_token_ids=bool(body.get("return_token_ids")),
             return_perf_metrics=bool(body.get("return_perf_metrics")),
             sent_disaggregated_params=body.get("disaggregated_params") is not None,
-            logprobs=logprobs is True if chat else logprobs not in (None, False),
+            logprobs=(logprobs is True if chat else logprobs not in (None, False)) or ranks,
         )
 
 

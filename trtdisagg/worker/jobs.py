@@ -100,6 +100,7 @@ class Job:
     single_prompt: bool = True  # else each choice carries its own prompt ids
     # chat with tools (not `none`): the text is searched for calls in this format
     tools: ToolCallFormat | None = None
+    keep: int | None = None  # best_of > n: the n best candidates of each prompt are answered
 
     @property
     def request_id(self) -> int:
@@ -120,6 +121,7 @@ class Job:
         results: list[responses.ChoiceResult] = []
         tokens: list[responses.ChoiceTokens] = []
         handed_over: list[tuple[ChoiceRun, list[RequestOutput]]] = []
+        scores: list[float] = []  # each result's cumulative logprob
         perf: PerfMetrics | None = None
         try:
             for run in self.runs:
@@ -132,6 +134,7 @@ class Job:
                     handed_over.append((run, outputs))
                     continue
                 results.append(self._result(run, outputs))
+                scores.append(sum(lp.logprob for o in outputs for lp in o.logprobs if lp))
                 tokens.append(run.tokens(last))
                 perf = perf or last.perf
         finally:
@@ -140,6 +143,8 @@ class Job:
             if results:
                 raise ApiError(500, "some choices of a context_only request handed over, not all")
             return self._context_body(handed_over)
+        if self.keep is not None:
+            results = self._best(results, scores, self.keep)
         first = self.runs[0].handle.request.prompt_token_ids
         return responses.whole_body(
             self.meta,
@@ -148,6 +153,24 @@ class Job:
             prompt_token_ids=first if self.req.return_token_ids and self.single_prompt else None,
             perf=perf if self.req.return_perf_metrics else None,
         )
+
+    def _best(
+        self, results: list[responses.ChoiceResult], scores: list[float], keep: int
+    ) -> list[responses.ChoiceResult]:
+        """best_of: each prompt's `keep` candidates of highest cumulative logprob, best first,
+        numbered p × keep + rank; their logprobs only if the client asked for them."""
+        asked = isinstance(self.req, CompletionRequest) and self.req.logprobs is not None
+        per_prompt = len(results) // len({run.plan.prompt_index for run in self.runs})
+        best: list[responses.ChoiceResult] = []
+        for first in range(0, len(results), per_prompt):
+            ranked = sorted(
+                range(first, first + per_prompt), key=lambda i: (-scores[i], results[i].index)
+            )
+            for rank, i in enumerate(ranked[:keep]):
+                index = first // per_prompt * keep + rank
+                chosen = attrs.evolve(results[i], index=index)
+                best.append(chosen if asked else attrs.evolve(chosen, logprobs=None))
+        return best
 
     def _raise_error(self, last: RequestOutput) -> None:
         if last.error is None:

@@ -27,7 +27,7 @@ from trtdisagg.api.protocol import (
     KvRelease,
 )
 from trtdisagg.api.tool_calls import ToolCallFormat, parses_tool_calls, tool_call_format
-from trtdisagg.api.validation import is_batched
+from trtdisagg.api.validation import is_batched, num_candidates
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.kv.hashing import HASH_ALGORITHM
@@ -183,7 +183,8 @@ class WorkerService:
         source, key = None, None
         if kind is RequestType.GENERATION_ONLY:
             assert params is not None
-            source = generation_source(params, self.tokenizer.vocab_size, req.n, prompts[0])
+            candidates = num_candidates(req)
+            source = generation_source(params, self.tokenizer.vocab_size, candidates, prompts[0])
         elif kind is RequestType.CONTEXT_ONLY:
             assert params is not None
             key = params.disagg_request_id or (secrets.randbits(62) | 1 << 40)
@@ -216,6 +217,7 @@ class WorkerService:
             ctx=CtxEndpoint(info_endpoint=self.ctx_info_endpoint, instance=self.ctx_instance),
             transfer_key=key,
             single_prompt=len(prompts) == 1,
+            keep=req.n if num_candidates(req) > req.n else None,
             tools=(
                 self.tool_format
                 if isinstance(req, ChatCompletionRequest) and parses_tool_calls(req)
@@ -362,6 +364,8 @@ class WorkerService:
             max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if asked is None else asked
             if req.echo:  # the echoed prompt comes with its logprobs, computed by prefill
                 prompt_logprobs = logprobs
+            if num_candidates(req) > req.n and logprobs is None:
+                logprobs = 0  # best_of ranks candidates by their tokens' logprobs
         if max_tokens > room:
             raise bad_request(
                 f"{field}: the prompt's {prompt_len} tokens + {field} {max_tokens} exceed this "

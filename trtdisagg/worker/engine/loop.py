@@ -35,7 +35,7 @@ import torch
 import trio
 
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.worker.engine.ending import Blocks, Ending
+from trtdisagg.worker.engine.ending import Ending
 from trtdisagg.worker.engine.forks import hand_over_together, start_choices
 from trtdisagg.worker.engine.live import Inbox, Live
 from trtdisagg.worker.engine.outputs import OutputProcessor, Processed, RequestOutput, Token
@@ -217,8 +217,8 @@ class StepLoop:
             live.leader = None
         else:
             self.tracker.settle(live, ending)
-            if ending.blocks is not Blocks.SEND:
-                for fork in list(live.forks):  # choices that never started end with it
+            for fork in list(live.forks):
+                if not fork.request.output_token_ids:  # never started: it ends with it
                     self.end(fork, ending, now)
         live.deliver(last if last is not None else self.outputs.closing(live, ending, now))
         live.close()
