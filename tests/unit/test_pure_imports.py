@@ -28,6 +28,8 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.worker.rank_plan",
     "trtdisagg.coordinator.cluster",
     "trtdisagg.coordinator.routers",
+    "trtdisagg.coordinator.ledger",
+    "trtdisagg.coordinator.continuation",
     "trtdisagg.api.fields",
     "trtdisagg.api.validation",
     "trtdisagg.api.fanout",

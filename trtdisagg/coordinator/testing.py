@@ -355,6 +355,8 @@ async def _stream(
             yield b"data: " + json.dumps({**head, "choices": [choice]}).encode() + b"\n\n"
         if (body.get("stream_options") or {}).get("include_usage"):
             chunk: Json = {**head, "choices": [], "usage": usage}
+            if body.get("return_perf_metrics"):
+                chunk["perf_metrics"] = {"first_token_s": 0.001, "decode_s": 0.002}
             yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:
