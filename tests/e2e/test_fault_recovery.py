@@ -80,6 +80,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster.start_workers("ctx", "gen")
         config = {
             "hostname": "127.0.0.1", "port": ports["coordinator"], "max_retries": 0,
+            "max_migrations": 0,  # the workers' own failure paths, as the client sees them
             "context_servers": {"urls": [cluster.url("ctx")]},
             "generation_servers": {"urls": [cluster.url("gen")]},
             "health_check_interval": 0.2, "request_timeout": REQUEST_TIMEOUT_S,
@@ -382,7 +383,7 @@ async def test_gen_killed_mid_decode_fails_its_requests_and_ctx_frees_by_deadlin
         decoding, waiting = [Outcome(), Outcome()], [Outcome(), Outcome()]
         async with trio.open_nursery() as nursery:
             for out in decoding:
-                nursery.start_soon(_post, client, url, completion(_prompt(rng, 30), 5000), out)
+                nursery.start_soon(_post, client, url, completion(_prompt(rng, 30), 4000), out)
             await wait_metrics(
                 client, gen, lambda t: metric(t, "trtdisagg_requests_running") == 2,
                 "two requests decoding", 20,
