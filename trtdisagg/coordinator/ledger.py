@@ -70,7 +70,6 @@ class Ledger:
     token_ids: list[int] = attrs.Factory(list)
     """Every token relayed, in order (shown to the client or not)."""
     opening_text: str = ""  # completions with `echo`: the prompt, before any token
-    text: str = ""  # the generated text relayed
     finish_reason: str | None = None
     finished_here: bool = False
     """The coordinator found the stop string (a continuation): gen's leg is to be cut."""
@@ -78,6 +77,7 @@ class Ledger:
     replay: TextSource | None = None
     gen_perf: Json | None = None
     usage: Json | None = None  # the client's usage, once gen's usage chunk came
+    _texts: list[str] = attrs.Factory(list)  # the generated text relayed, in pieces
     _logprobs: list[Json] = attrs.Factory(list)
     _logprob_chars: int = 0  # completions: text_offset of the next logprobs entry
     _leg_chars: int = 0  # _logprob_chars when the current leg started
@@ -85,6 +85,11 @@ class Ledger:
     _opened: bool = False  # a chunk went out (chat: the role)
     _prompt_ids_sent: bool = False
     _tail_sent: bool = False
+
+    @property
+    def text(self) -> str:
+        """The generated text relayed so far (without `opening_text`)."""
+        return "".join(self._texts)
 
     # ---- legs ----
 
@@ -140,8 +145,8 @@ class Ledger:
         ids = ids[:kept]
         if not self.token_ids and not ids:
             self.opening_text += text
-        else:
-            self.text += text
+        elif text:
+            self._texts.append(text)
         self.token_ids += ids
         logprobs = self._logprobs_of(choice.get("logprobs"), kept)
         choice["logprobs"] = logprobs
