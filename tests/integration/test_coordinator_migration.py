@@ -258,3 +258,19 @@ async def test_no_gen_left_to_resume_on_ends_the_stream_cleanly(
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503, events[-2]
     metrics = await _metrics(client, c)
     assert _metric(metrics, "trtdisagg_requests_total", role="coordinator", status="error") == 1
+
+
+async def test_an_error_mid_stream_is_resumed_and_the_worker_stays_in_rotation(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """gen answered, with an error event (a failed step, KV that could not come): the answer is
+    resumed elsewhere, and the worker, which is alive and says so on /health, is not evicted."""
+    c = await start_cluster(nursery, gen=2, health_check_interval=5, **FAST)
+    c.gen[0].worker.error_after = 3
+    events = await _stream(client, c.url, _body(max_tokens=8, stream=True))
+    assert _tokens(events) == _expected(_body()["prompt"], 8)
+    assert not any("error" in e for e in events if isinstance(e, dict))
+    info = (await client.get(c.url + "/cluster_info")).json()
+    assert info["server_lists"]["generation"] == [c.gen[0].url, c.gen[1].url]
+    metrics = await _metrics(client, c)
+    assert _metric(metrics, "trtdisagg_coordinator_migrations_total", reason="failed") == 1

@@ -12,16 +12,21 @@ concurrently, and merges the answers: `choices.py`):
    (503 naming the first server and why when none is left):
    * conditional disaggregation: reserve gen first; if the prompt's uncached part is at most
      ``max_local_prefill_length`` tokens, gen serves it alone (plain aggregated request);
-   * ``context_first``: ctx leg (non-streaming, ``context_only``); if ctx finished the request,
-     answer with it; else gen leg (``generation_only``) with ctx's params and prompt token ids;
+   * ``context_first``: ctx leg (non-streaming, ``context_only``, within
+     ``ctx_first_token_timeout``); if ctx finished the request, answer with it; else gen leg
+     (``generation_only``) with ctx's params and prompt token ids;
    * ``generation_first``: both legs posted concurrently (gen waits for the KV); a request that
      asks for logprobs is served context-first (the KV does not carry the first token's);
-4. non-streaming: merge and answer; streaming: hand a `RelayBody` to the HTTP layer.
+4. the gen leg is read as a stream whatever the client asked (`gen_legs.py`): streaming, a
+   `RelayBody` goes to the HTTP layer; non-streaming, the whole answer is assembled here.
 
 Worker 4xx answers go back to the client unchanged and are never retried. Unreachable servers,
-5xx answers and unusable bodies are retried on another server; the last failure becomes a 502.
-No retry happens once a stream has started. Every reservation is a `Lease`, released in a
-``finally``; a streaming body takes over the gen lease and releases it when the stream ends.
+5xx answers, unusable bodies and legs silent past their first-token deadline are retried on
+another server (a worker that missed a deadline also leaves rotation at once); the last failure
+becomes a 502 (504 for a deadline). Once the gen leg's stream is open, a failure is no longer
+retried from scratch: the answer is resumed on another gen from what was relayed
+(``max_migrations``, `resume.py`). Every reservation is a `Lease`, released in a ``finally``;
+the gen leg's relay takes over the gen lease and releases it when the answer ends.
 """
 
 from __future__ import annotations
