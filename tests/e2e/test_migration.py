@@ -33,7 +33,8 @@ INTER_TOKEN_S = 3.0  # the coordinator's inter_token_timeout and gen_first_token
 RETRY_S = 2.5
 STALL_S = 10.0
 STREAMS = 8
-MAX_TOKENS = 1500  # a few seconds of decoding for 8 streams on two CPU gens
+MAX_TOKENS = 800  # a second or two of decoding for 8 streams on two CPU gens
+ABORTED = 'role="gen",status="aborted"'
 
 
 @attrs.define(eq=False)
@@ -80,6 +81,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster = Cluster(procs=procs, ctx=ctx, gens=gens, coordinator=ctx)  # set just below
         cluster.coordinator = cluster.start_coordinator("coordinator")
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def undisturbed(cluster: Cluster) -> list[Streamed]:
+    """`body(i)` for i in 0..8, streamed through the coordinator with nothing going wrong (it
+    also warms every gen up: first contact with ctx, the coordinator's tokenizer)."""
+
+    async def run() -> list[Streamed]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await run_all(client, cluster.coordinator.url, [body(i) for i in range(9)])
+
+    outs = trio.run(run)
+    for out in outs:
+        assert out.status == 200 and out.done and len(out.tokens) == MAX_TOKENS, out
+    return outs
 
 
 @attrs.define(eq=False)
@@ -182,6 +198,7 @@ async def test_without_migrations_a_stall_ends_the_stream_with_a_clean_error(
         generation_servers={"urls": [stalled.url]},
     )  # fmt: skip
     async with httpx.AsyncClient(timeout=60) as client:
+        aborted_before = await counter(client, stalled, "trtdisagg_requests_total", ABORTED)
         out = Streamed()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read_stream, client, coordinator.url, body(0), out)
@@ -195,13 +212,15 @@ async def test_without_migrations_a_stall_ends_the_stream_with_a_clean_error(
         assert error["code"] == 504 and "inter_token_timeout=1s" in error["message"], error
         assert ended_at - stopped_at < 1.0 + RETRY_S
         assert 10 <= len(out.tokens) < MAX_TOKENS
-        await wait_idle(client, stalled, 10)  # the cut leg was aborted when gen woke up
+        await wait_idle(client, stalled, 10)
+        aborted = await counter(client, stalled, "trtdisagg_requests_total", ABORTED)
+        assert aborted == aborted_before + 1  # the cut leg, aborted when gen woke up
     cluster.procs.started.remove(coordinator)
     stop(coordinator.proc)
 
 
 async def test_a_gen_stopped_for_10s_costs_no_stream_more_than_the_deadline_and_one_retry(
-    cluster: Cluster,
+    cluster: Cluster, undisturbed: list[Streamed]
 ) -> None:
     """SIGSTOP one gen for 10 s while 8 streams decode (4 on it): each of its streams is cut at
     the inter-token deadline and resumed on the other gen; no stream, nor a request sent just
@@ -210,11 +229,8 @@ async def test_a_gen_stopped_for_10s_costs_no_stream_more_than_the_deadline_and_
     after a good health check once it runs again, and frees the blocks of the abandoned
     requests."""
     coordinator, stalled = cluster.coordinator, cluster.gens[0]
-    bodies = [body(i) for i in range(STREAMS + 1)]
+    bodies, references = [body(i) for i in range(STREAMS + 1)], undisturbed
     async with httpx.AsyncClient(timeout=60) as client:
-        references = await run_all(client, coordinator.url, bodies)
-        for reference in references:
-            assert reference.status == 200 and len(reference.tokens) == MAX_TOKENS
         misses = f'phase="inter_token",server="{stalled.url}"'
         misses_before = await counter(
             client, coordinator, "trtdisagg_coordinator_deadline_misses_total", misses
@@ -224,8 +240,10 @@ async def test_a_gen_stopped_for_10s_costs_no_stream_more_than_the_deadline_and_
             for request, out in zip(bodies[:STREAMS], outs, strict=False):
                 nursery.start_soon(read_stream, client, coordinator.url, request, out)
             await wait_tokens(outs[:STREAMS], 10)
-            assert metric((await client.get(stalled.url + "/metrics")).text,
-                          "trtdisagg_requests_running") > 0  # fmt: skip
+            text = (await client.get(stalled.url + "/metrics")).text
+            running = metric(text, "trtdisagg_requests_running")
+            aborted_before = metric(text, "trtdisagg_requests_total", ABORTED)
+            assert running > 0
             stalled.proc.send_signal(signal.SIGSTOP)
             stopped_at = time.monotonic()
             late = time.monotonic()
@@ -251,6 +269,10 @@ async def test_a_gen_stopped_for_10s_costs_no_stream_more_than_the_deadline_and_
         )
         assert misses_after > misses_before
         await wait_idle(client, stalled, 10)
+        # Aborted when it woke up, not decoded to the end: each cut stream (and the request
+        # sent after the stop, if it landed here).
+        aborted = await counter(client, stalled, "trtdisagg_requests_total", ABORTED)
+        assert running <= aborted - aborted_before <= running + 1, (running, aborted)
         with trio.fail_after(10):
             while stalled.url not in await serving_gens(client, coordinator):  # noqa: ASYNC110
                 await trio.sleep(0.05)
@@ -258,26 +280,30 @@ async def test_a_gen_stopped_for_10s_costs_no_stream_more_than_the_deadline_and_
 
 
 async def test_kill_9_of_a_gen_while_8_streams_decode_loses_and_repeats_no_token(
-    cluster: Cluster,
+    cluster: Cluster, undisturbed: list[Streamed]
 ) -> None:
     """kill -9 of one gen while 8 streams decode, 4 of them on it: all 8 finish with HTTP 200,
     their tokens and text equal an undisturbed greedy run, with stop strings found across the
     cut as an undisturbed run finds them."""
     coordinator, victim = cluster.coordinator, cluster.gens[0]
     async with httpx.AsyncClient(timeout=60) as client:
+        # One short request per gen first: a gen that was stalled long enough for ctx to forget
+        # it meets ctx again with its next request (that one is refused, and resumed).
+        await run_all(client, coordinator.url, [body(i, max_tokens=4) for i in range(2)])
         bodies = [body(i) for i in range(STREAMS)]
-        plain = await run_all(client, coordinator.url, bodies)
+        references = undisturbed[:STREAMS]
         # Two requests also stop at a string that first shows up late in their text.
-        for i in (STREAMS - 2, STREAMS - 1):
-            text = plain[i].text
+        stopping = [STREAMS - 2, STREAMS - 1]
+        for i in stopping:
+            text = undisturbed[i].text
             start = next(k for k in range(len(text) * 3 // 4, len(text) - 4)
                          if text.find(text[k : k + 4]) == k)  # fmt: skip
             bodies[i] = body(i, stop=[text[start : start + 4]])
-        references = await run_all(client, coordinator.url, bodies)
-        for i, reference in enumerate(references):
-            assert reference.status == 200 and reference.done, reference
+        stopped = await run_all(client, coordinator.url, [bodies[i] for i in stopping])
+        for i, reference in zip(stopping, stopped, strict=True):
+            assert reference.status == 200 and reference.finishes == ["stop"], reference
             assert len(reference.tokens) > 100, i
-        assert references[-1].finishes == ["stop"]
+            references[i] = reference
         migrations_before = await counter(
             client, coordinator, "trtdisagg_coordinator_migrations_total", 'reason="unreachable"'
         )
