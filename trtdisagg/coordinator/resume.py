@@ -186,6 +186,7 @@ class GenRelay:
     migrations: int = 0
     _pending: list[Json] = attrs.Factory(list)
     _complete: bool = False
+    _failed: AnswerFailed | None = None
     _seen_token: bool = False
 
     @property
@@ -199,14 +200,20 @@ class GenRelay:
         Raises:
             AnswerFailed: the answer cannot be completed (the leg is already cut).
         """
-        if self._complete:
-            return None
-        try:
-            await self._step()
-        except LegFailure as failure:
-            await self._recover(failure)
+        if not self._complete and self._failed is None:
+            try:
+                try:
+                    await self._step()
+                except LegFailure as failure:
+                    await self._recover(failure)
+            except AnswerFailed as failed:
+                self._failed = failed  # raised once the events that came before it are out
         out, self._pending = self._pending, []
-        return out
+        if out:
+            return out
+        if self._failed is not None:
+            raise self._failed
+        return None if self._complete else []
 
     async def aclose(self) -> None:
         await self.leg.close(success=self._complete)
