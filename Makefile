@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint venv clean
+.PHONY: serve test lint venv clean system-deps
 
 venv: $(STAMP)
 
@@ -23,7 +23,17 @@ lint: $(STAMP)
 	$(PY) -m ruff check trtdisagg tests tools
 	$(PY) -m mypy
 
-test: lint
+# The membership tests run a real etcd and put hosts in network namespaces (ip netns). On a
+# fresh Debian machine (CI runs as root) the two are installed from Debian's packages, and
+# only when missing, so `make test` on a prepared machine touches nothing.
+system-deps:
+	@command -v etcd >/dev/null && command -v ip >/dev/null || { \
+		echo "installing etcd-server and iproute2 (apt-get)"; \
+		SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
+		$$SUDO apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q etcd-server iproute2; }
+
+test: lint system-deps
 	$(PY) -m pytest -q -p no:cacheprovider -m "not gpu" --durations=25
 
 clean:

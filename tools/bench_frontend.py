@@ -2,7 +2,7 @@
 
 A real ctx worker on this 2-core machine spends far more CPU per `max_tokens: 1` request (a
 forward step, tokenisation, its own HTTP) than the coordinator does, so a capacity run against
-it measures the worker. Here the upstreams are `trtdisagg.coordinator.testing.FakeWorker`s (the
+it measures the worker. Here the upstreams are `tests/fake_worker.py`'s `FakeWorker`s (the
 worker's HTTP contract, no model) in their own processes, and the figure that matters is the
 coordinator's own CPU time per request (user + system, from /proc, summed over the coordinator
 and the processes it started), which contention on a shared machine inflates far less than wall
@@ -40,6 +40,11 @@ import httpx
 import trio
 import yaml
 from _bench_common import free_port
+
+# The fake workers are the tests' (tests/fake_worker.py), imported from the repository root.
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 START_TIMEOUT_S: Final = 60.0
@@ -109,8 +114,8 @@ def process_tree_cpu_s(root: int) -> float:
 
 def _fake_main(role: str, port: int) -> None:
     """A spawned child: one FakeWorker on `port` until killed."""
+    from tests.fake_worker import FakeWorker, create_fake_app
     from trtdisagg.coordinator.serve import bind_socket, serve_http
-    from trtdisagg.coordinator.testing import FakeWorker, create_fake_app
 
     async def main() -> None:
         sock = bind_socket("127.0.0.1", port, reuse_port=False)

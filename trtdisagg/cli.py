@@ -26,12 +26,16 @@ def _setup_logging(level: str, prefix: str) -> None:
         format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per call (etcd, peers)
 
 
 def _worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], role: Role) -> None:
     p = sub.add_parser(role.value, help=f"run a {role.value} worker instance")
     p.add_argument("--config", help="worker YAML (conf/ctx.yaml, conf/gen.yaml)")
     p.add_argument("--host")
+    p.add_argument(
+        "--advertise-host", dest="advertise_host", help="the address peers reach this worker at"
+    )
     p.add_argument("--port", type=int)
     p.add_argument(
         "--model", help='"tiny", "synthetic:NAME[@SEED]" or a local Hugging Face checkpoint dir'
@@ -66,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _WORKER_KEYS = (
-    "host", "port", "model", "served_model_name", "device", "cuda_device", "dtype",
-    "tensor_parallel_size",
+    "host", "advertise_host", "port", "model", "served_model_name", "device", "cuda_device",
+    "dtype", "tensor_parallel_size",
     "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "cpu_threads", "log_level",
 )  # fmt: skip
 
@@ -81,7 +85,9 @@ def _run_worker(args: argparse.Namespace) -> int:
         overrides["enable_test_hooks"] = True
     if os.environ.get("TRTDISAGG_FAULTS"):  # empty counts as unset
         overrides["fault_injection"] = os.environ["TRTDISAGG_FAULTS"]
-    config = load_worker_config(args.config, overrides)
+    config = load_worker_config(
+        args.config, overrides, cluster_secret=os.environ.get("TRTDISAGG_CLUSTER_SECRET")
+    )
     _setup_logging(config.log_level, f"[{config.role.value}:{config.port}]")
     # Imported only now: a bad config is reported at once, not after loading torch.
     from trtdisagg.worker.ranks import RankDied
@@ -92,13 +98,24 @@ def _run_worker(args: argparse.Namespace) -> int:
         trio.run(_until_terminated, serve_worker, config)
     except* RankDied:
         died = True  # already logged, naming the rank; a traceback would add nothing
-    return 1 if died else 0
+    # Every service stopped and every rank was reaped in `serve_worker`. Tearing down the
+    # interpreter (collecting the model's objects module by module) would only hold the port's
+    # owner process a second or two longer: leave now, with the logs flushed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if died else 0)
 
 
 async def _until_terminated(serve: object, config: object) -> None:
     """Run a service until SIGTERM/SIGINT, then cancel it so its cleanup runs."""
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve, config)  # type: ignore[arg-type]
+
+        async def serve_then_stop() -> None:
+            await serve(config)  # type: ignore[operator]
+            nursery.cancel_scope.cancel()  # the service ended itself (a drain): so do we
+
+        nursery.start_soon(serve_then_stop)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 logging.getLogger("trtdisagg").info(

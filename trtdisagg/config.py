@@ -16,6 +16,12 @@ import cattrs
 import yaml
 
 from trtdisagg.kv.page_table import Layout
+from trtdisagg.membership.records import check_cluster_name, check_etcd_url, is_wildcard_host
+from trtdisagg.security.secret import (
+    InvalidClusterSecret,
+    check_cluster_secret,
+    resolve_cluster_secret,
+)
 from trtdisagg.transfer.faults import FaultSpecError, parse_faults
 
 
@@ -50,6 +56,15 @@ def _fault_spec(_inst: object, attr: attrs.Attribute[Any], value: str | None) ->
         parse_faults(value)
     except FaultSpecError as exc:
         raise ConfigError(f"{attr.name} (TRTDISAGG_FAULTS): {exc}") from None
+
+
+def _cluster_secret(_inst: object, _attr: attrs.Attribute[Any], value: str | None) -> None:
+    if value is None:
+        return
+    try:
+        check_cluster_secret(value)
+    except InvalidClusterSecret as exc:
+        raise ConfigError(str(exc)) from None  # names the key, never the value
 
 
 @attrs.frozen(kw_only=True)
@@ -87,6 +102,33 @@ class CacheTransceiverConfig:
     # A peer instance silent this long is probed; three unanswered probes this long apart mean
     # it is gone, and it is forgotten, its agents unloaded (transfer/liveness.py).
     peer_probe_ms: int = attrs.field(default=5000, validator=_positive)
+    # ZeroMQ CURVE on every control socket, keyed by this (trtdisagg/security/). A secret:
+    # never in a repr, a log line or /server_info. TRTDISAGG_CLUSTER_SECRET overrides it.
+    cluster_secret: str | None = attrs.field(default=None, repr=False, validator=_cluster_secret)
+
+
+def _cluster_name(_inst: object, attr: attrs.Attribute[Any], value: str) -> None:
+    if why := check_cluster_name(value):
+        raise ConfigError(f"{attr.name}: {why}")
+
+
+def _etcd_url(_inst: object, attr: attrs.Attribute[Any], value: str) -> None:
+    if why := check_etcd_url(value):
+        raise ConfigError(f"{attr.name}: {why}")
+
+
+@attrs.frozen(kw_only=True)
+class ClusterConfig:
+    """`cluster:` of a worker: register in etcd under `/trtdisagg/<name>/workers/<role>/<id>`
+    (trtdisagg/membership/). Without it the worker is found only through static url lists."""
+
+    etcd: str = attrs.field(validator=_etcd_url)
+    name: str = attrs.field(validator=_cluster_name)
+    # The key lives while the worker renews this lease (every third of it): a worker that dies
+    # leaves the cluster within about this long. etcd raises TTLs below its own minimum.
+    lease_ttl_s: int = attrs.field(default=10, validator=_positive)
+    # SIGTERM drains: the key goes first, then in-flight requests finish, for at most this long.
+    drain_timeout_s: float = attrs.field(default=600.0, validator=_non_negative)
 
 
 @attrs.frozen(kw_only=True)
@@ -95,6 +137,9 @@ class WorkerConfig:
     model: str = "tiny"
     served_model_name: str | None = None
     host: str = "127.0.0.1"
+    # The address peers and the coordinator use to reach this worker when `host` binds every
+    # interface (0.0.0.0): its URL in etcd, its control endpoints, the interface UCX may use.
+    advertise_host: str | None = None
     port: int = 8001
     device: str = "cpu"
     # CUDA only: the GPU index this worker runs on (as numbered in this process, i.e. after
@@ -122,8 +167,14 @@ class WorkerConfig:
     fault_injection: str | None = attrs.field(default=None, validator=_fault_spec)
     max_request_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
     log_level: str = "info"
+    cluster: ClusterConfig | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.cluster is not None and is_wildcard_host(self.host) and not self.advertise_host:
+            raise ConfigError(
+                f"advertise_host: required with cluster and host {self.host!r}: the address "
+                "the coordinator and peers reach this worker at"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device: must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -196,9 +247,13 @@ def read_yaml(path: str | Path) -> object:
 
 
 def load_worker_config(
-    path: str | Path | None, overrides: dict[str, object] | None = None
+    path: str | Path | None,
+    overrides: dict[str, object] | None = None,
+    *,
+    cluster_secret: str | None = None,
 ) -> WorkerConfig:
-    """Read a worker YAML file (or defaults), apply CLI overrides, validate."""
+    """Read a worker YAML file (or defaults), apply CLI overrides, validate. `cluster_secret`
+    (TRTDISAGG_CLUSTER_SECRET) replaces the file's `cache_transceiver_config.cluster_secret`."""
     data = read_yaml(path) if path is not None else {}
     source = str(path) if path is not None else "worker config"
     if data is None:
@@ -206,4 +261,10 @@ def load_worker_config(
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: $ must be a mapping, got {type(data).__name__}")
     merged = {**data, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    transceiver = merged.get("cache_transceiver_config") or {}
+    if isinstance(transceiver, dict):  # anything else: `structure` says what is wrong
+        configured = transceiver.get("cluster_secret")
+        secret = resolve_cluster_secret(configured, cluster_secret)
+        if secret != configured:
+            merged["cache_transceiver_config"] = {**transceiver, "cluster_secret": secret}
     return structure(merged, WorkerConfig, source=source)

@@ -19,6 +19,13 @@ The cluster file (format documented in ``conf/local.yaml``)::
       - gen.yaml
     coordinator:               # disagg.yaml keys (or `config:` a file); server urls are filled
       port: 8000               # in from ctx/gen unless given
+    etcd: null                 # "embedded", or an etcd URL: membership instead of url lists
+    cluster_name: local        # the name the workers register under (with etcd)
+
+With ``etcd`` set, every worker gets ``cluster: {etcd: URL, name: cluster_name}`` and registers
+itself, and the coordinator gets the same ``cluster`` instead of server urls: it serves whoever
+registered. ``etcd: embedded`` starts a single-member etcd first, as one more child (``etcd``;
+``etcd`` must be on PATH), with its data under ``<log_dir>/etcd-data`` (wiped at each start).
 
 Every child gets this process's environment. To put workers on different GPUs, give each its
 ``cuda_device`` key (a GPU index as this process numbers them); ``ctx`` may be an empty list when
@@ -35,7 +42,9 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -49,6 +58,8 @@ import yaml
 
 from trtdisagg.config import ConfigError, WorkerConfig, read_yaml, structure
 from trtdisagg.coordinator.config import coordinator_config_from_dict
+from trtdisagg.membership.embedded import EtcdNotInstalled, etcd_args, etcd_binary
+from trtdisagg.membership.records import check_cluster_name, check_etcd_url
 
 log = logging.getLogger("trtdisagg.launcher")
 
@@ -72,7 +83,10 @@ DEFAULT_CLUSTER: Final[Json] = {
     "coordinator": {"port": 8000},
 }
 HEALTH_POLL: Final = 0.2
-_TOP_KEYS: Final = {"log_dir", "host", "health_timeout", "stop_grace", "ctx", "gen", "coordinator"}
+_TOP_KEYS: Final = {
+    "log_dir", "host", "health_timeout", "stop_grace", "ctx", "gen", "coordinator", "etcd",
+    "cluster_name",
+}  # fmt: skip
 
 
 class ChildExited(Exception):
@@ -97,6 +111,38 @@ class ClusterPlan:
     health_timeout: float
     stop_grace: float
     log_dir: Path
+    etcd_data: Path | None = None
+    """The embedded etcd's data directory (emptied before it starts)."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def _membership(data: Json, *, host: str, log_dir: Path, source: str) -> tuple[Json, Child | None]:
+    """The `cluster:` every process gets, and the embedded etcd child (if one is asked for)."""
+    etcd = data["etcd"]
+    name = str(data.get("cluster_name", "local"))
+    if why := check_cluster_name(name):
+        raise ConfigError(f"{source}: $.cluster_name: {why}")
+    if etcd != "embedded":
+        if not isinstance(etcd, str) or (why := check_etcd_url(etcd)):
+            raise ConfigError(f"{source}: $.etcd: 'embedded' or an etcd URL; {why or etcd!r}")
+        return {"etcd": etcd, "name": name}, None
+    try:
+        binary = etcd_binary()
+    except EtcdNotInstalled as exc:
+        raise ConfigError(f"{source}: $.etcd: embedded: {exc}") from None
+    client_port, peer_port = _free_port(host), _free_port(host)
+    args = etcd_args(
+        binary, data_dir=log_dir / "etcd-data", client_port=client_port, peer_port=peer_port,
+        host=host,
+    )  # fmt: skip
+    url = f"http://{host}:{client_port}"
+    child = Child(name="etcd", args=tuple(args), url=url, log_path=log_dir / "etcd.log")
+    return {"etcd": url, "name": name}, child
 
 
 def _merge(base: Json, over: Json) -> Json:
@@ -146,6 +192,10 @@ def plan_cluster(data: object, *, source: str, root: Path) -> tuple[ClusterPlan,
     coord.setdefault("hostname", host)
     files: dict[Path, Json] = {}
     children: list[Child] = []
+    membership: Json | None = None
+    if data.get("etcd") is not None:
+        membership, etcd_child = _membership(data, host=host, log_dir=log_dir, source=source)
+        children += [etcd_child] if etcd_child is not None else []
     used = {coord_port}
     urls: dict[str, list[str]] = {"ctx": [], "gen": []}
     for role in ("ctx", "gen"):
@@ -164,6 +214,8 @@ def plan_cluster(data: object, *, source: str, root: Path) -> tuple[ClusterPlan,
             if "port" not in worker:
                 worker["port"] = next(p for p in range(coord_port + 1, 65536) if p not in used)
             worker["role"] = role
+            if membership is not None:
+                worker.setdefault("cluster", membership)
             structure(worker, WorkerConfig, source=f"{source}: {where}")
             if worker["port"] in used:
                 raise ConfigError(f"{source}: {where}.port: {worker['port']} is already taken")
@@ -175,9 +227,12 @@ def plan_cluster(data: object, *, source: str, root: Path) -> tuple[ClusterPlan,
             urls[role].append(f"{worker['host']}:{worker['port']}")
             args = (sys.executable, "-m", "trtdisagg", role, "--config", str(path))
             children.append(Child(name=name, args=args, url=url, log_path=log_dir / f"{name}.log"))
+    if membership is not None:
+        coord.setdefault("cluster", membership)  # the servers are whoever registers
     for key, role in (("context_servers", "ctx"), ("generation_servers", "gen")):
         group = dict(coord.get(key) or {})
-        group.setdefault("urls", urls[role])
+        if membership is None:
+            group.setdefault("urls", urls[role])
         coord[key] = group
     config = coordinator_config_from_dict(coord, source=f"{source}: $.coordinator")
     coord_path = log_dir / "coordinator.yaml"
@@ -195,6 +250,7 @@ def plan_cluster(data: object, *, source: str, root: Path) -> tuple[ClusterPlan,
         health_timeout=float(data.get("health_timeout", 300)),
         stop_grace=float(data.get("stop_grace", 10)),
         log_dir=log_dir,
+        etcd_data=log_dir / "etcd-data" if data.get("etcd") == "embedded" else None,
     )
     return plan, files
 
@@ -270,15 +326,14 @@ async def _stop(
     grace: float,
     signals: AsyncIterator[int],
 ) -> None:
-    """Terminate every child, wait up to `grace`, then kill what is left.
+    """Terminate every child, wait up to `grace`, then kill what is left. An embedded etcd goes
+    last, once the others are gone: draining workers leave it first.
 
     A second SIGINT/SIGTERM while waiting (Ctrl-C pressed again, a supervisor's repeat) cuts
     the wait short: the children are killed at once rather than orphaned by our own death.
     """
+    waves = [[p for p in procs if p[1].name != "etcd"], [p for p in procs if p[1].name == "etcd"]]
     with trio.CancelScope(shield=True):
-        for proc, _ in reversed(procs):
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
         async with trio.open_nursery() as nursery:
 
             async def hurry() -> None:
@@ -291,8 +346,12 @@ async def _stop(
 
             nursery.start_soon(hurry)
             with trio.move_on_after(grace):
-                for proc, _ in procs:
-                    await proc.wait()
+                for wave in waves:
+                    for proc, _ in reversed(wave):
+                        if proc.returncode is None:
+                            proc.send_signal(signal.SIGTERM)
+                    for proc, _ in wave:
+                        await proc.wait()
             nursery.cancel_scope.cancel()
         for proc, child in procs:
             if proc.returncode is None:
@@ -379,6 +438,8 @@ def run_local_cluster(path: str | None) -> int:
     plan, files = plan_cluster(data, source=source, root=root)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     plan.log_dir.mkdir(parents=True, exist_ok=True)
+    if plan.etcd_data is not None:  # a fresh etcd: an old one's members and peers mean nothing
+        shutil.rmtree(plan.etcd_data, ignore_errors=True)
     for file, content in files.items():
         file.write_text(yaml.safe_dump(content, sort_keys=False))
     for child in plan.children:

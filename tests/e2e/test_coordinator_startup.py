@@ -1,5 +1,5 @@
 """Coordinator start-up failures, as real processes: each must exit with a message naming the
-cause (a config key, missing servers, an unreachable coordinator URL) instead of hanging."""
+cause (a config key, missing servers, an unreachable etcd) instead of hanging."""
 
 from __future__ import annotations
 
@@ -87,24 +87,26 @@ def test_servers_never_healthy_fail_start_naming_them(tmp_path: Path) -> None:
     assert "server_start_timeout" in output and ctx in output and gen in output
 
 
-def test_fleet_with_unreachable_coordinator_url_fails_naming_it(tmp_path: Path) -> None:
-    url = f"http://{_nowhere()}"
+def test_fleet_with_unreachable_etcd_fails_naming_it(tmp_path: Path) -> None:
+    etcd = f"http://{_nowhere()}"
     path = _write(tmp_path, {
         "hostname": "127.0.0.1", "port": free_port(), "num_workers": 2,
-        "disagg_coordinator_url": url, "server_start_timeout": 2,
-        "context_servers": {"urls": [_nowhere()]}, "generation_servers": {"urls": [_nowhere()]},
+        "cluster": {"etcd": etcd, "name": "c"}, "server_start_timeout": 2,
     })  # fmt: skip
     result = _run(path)
     assert result.returncode != 0
-    assert f"coordinator at {url} not reachable" in result.stderr
+    assert f"etcd at {etcd} did not answer within server_start_timeout=2s" in result.stderr
 
 
-def test_single_front_end_with_unreachable_coordinator_url_fails(tmp_path: Path) -> None:
-    url = f"http://{_nowhere()}"
+def test_an_old_disagg_coordinator_url_is_ignored_with_a_warning(tmp_path: Path) -> None:
+    """There is no coordinator state process any more: the key still loads, a warning says it
+    is ignored, and the front end checks its servers itself (here: none answers)."""
     path = _write(tmp_path, {
-        "hostname": "127.0.0.1", "port": free_port(), "disagg_coordinator_url": url,
+        "hostname": "127.0.0.1", "port": free_port(), "disagg_coordinator_url": "http://x:1",
         "server_start_timeout": 1,
         "context_servers": {"urls": [_nowhere()]}, "generation_servers": {"urls": [_nowhere()]},
     })  # fmt: skip
     result = _run(path)
-    assert result.returncode != 0 and url in result.stderr
+    assert result.returncode != 0
+    assert "disagg_coordinator_url is ignored" in result.stderr
+    assert "server_start_timeout" in result.stderr

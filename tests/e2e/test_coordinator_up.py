@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,17 +24,19 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @contextlib.contextmanager
-def cluster(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, int]]:
+def cluster(tmp_path: Path, **extra: Any) -> Iterator[tuple[subprocess.Popen[bytes], Path, int]]:
     port = free_port()
+    worker = {
+        "model": "tiny",
+        "kv_cache_config": {"tokens_per_block": 16},
+        "cache_transceiver_config": {"backend": "NIXL", "nixl_progress_thread": False},
+    }
     spec = {
+        **extra,
         "log_dir": str(tmp_path / "logs"),
         "stop_grace": 5,
-        "ctx": [
-            {"model": "tiny", "port": free_port(), "kv_cache_config": {"tokens_per_block": 16}}
-        ],
-        "gen": [
-            {"model": "tiny", "port": free_port(), "kv_cache_config": {"tokens_per_block": 16}}
-        ],
+        "ctx": [{**worker, "port": free_port()}],
+        "gen": [{**worker, "port": free_port()}],
         "coordinator": {"port": port, "health_check_interval": 0.2},
     }
     path = tmp_path / "local.yaml"
@@ -84,9 +87,22 @@ def test_up_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         assert all(_gone(pid) for pid in pids.values())
 
 
-def test_up_stops_everything_when_a_child_dies(tmp_path: Path) -> None:
-    with cluster(tmp_path) as (proc, out, _port):
+def test_up_with_an_embedded_etcd_serves_registered_workers_and_stops_when_one_dies(
+    tmp_path: Path,
+) -> None:
+    """`etcd: embedded`: etcd starts first, the workers register themselves, the coordinator is
+    given only the etcd URL. Any child dying (etcd included) stops them all."""
+    with cluster(tmp_path, etcd="embedded", cluster_name="uptest") as (proc, out, port):
         pids = _child_pids(out.read_text())
+        assert set(pids) == {"etcd", "ctx-0", "gen-0", "coordinator"}
+        coordinator = yaml.safe_load((tmp_path / "logs" / "coordinator.yaml").read_text())
+        assert coordinator["cluster"]["name"] == "uptest"
+        assert "urls" not in coordinator["context_servers"]
+        body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        info = httpx.get(f"http://127.0.0.1:{port}/cluster_info").json()
+        assert info["membership"]["stale"] is False and len(info["server_lists"]["context"]) == 1
         os.kill(pids["gen-0"], signal.SIGKILL)
         assert proc.wait(30) == 1
         assert "gen-0 exited" in out.read_text()
@@ -97,6 +113,9 @@ def test_a_second_signal_during_the_stop_still_stops_every_child(tmp_path: Path)
     """Ctrl-C pressed twice (or a supervisor repeating SIGTERM) must not orphan the cluster."""
     with cluster(tmp_path) as (proc, out, _port):
         pids = _child_pids(out.read_text())
+        # A stopped child cannot act on SIGTERM, so the stop lasts until the second signal
+        # (the other children may be gone in milliseconds).
+        os.kill(pids["gen-0"], signal.SIGSTOP)
         proc.send_signal(signal.SIGTERM)
         # The second signal once the stop has begun (its log line is the event to wait for).
         deadline = time.monotonic() + 10

@@ -15,6 +15,7 @@ import pytest
 import trio
 import zmq
 
+from tests.instances import running_instances
 from tests.oracle import assert_greedy_match, hf_greedy
 from tests.procs import Server, metric, running_worker
 from trtdisagg.model.loader import resolve_model
@@ -26,14 +27,19 @@ TRANSFER = {"backend": "NIXL", "kv_transfer_timeout_ms": TIMEOUT_MS, "nixl_progr
 HOOKS = {"TRTDISAGG_TEST_HOOKS": "1"}
 
 
+@contextlib.contextmanager
+def _running_pair(tmp: Path, **overrides: Any) -> Iterator[tuple[Server, Server]]:
+    """A ctx and a gen worker with test hooks, started together."""
+    overrides = {"cache_transceiver_config": TRANSFER, **overrides}
+    specs = {"ctx": ("ctx", overrides), "gen": ("gen", overrides)}
+    with running_instances(tmp, specs, env=HOOKS) as servers:
+        yield servers["ctx"], servers["gen"]
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
-    tmp = tmp_path_factory.mktemp("pair")
-    with (
-        running_worker(tmp, "ctx", env=HOOKS, cache_transceiver_config=TRANSFER) as ctx,
-        running_worker(tmp, "gen", env=HOOKS, cache_transceiver_config=TRANSFER) as gen,
-    ):
-        yield ctx, gen
+    with _running_pair(tmp_path_factory.mktemp("pair")) as servers:
+        yield servers
 
 
 def _gen_body(ctx_answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
@@ -359,12 +365,7 @@ async def test_garbage_frames_are_counted_and_dropped(pair: tuple[Server, Server
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 async def test_other_architectures_transfer_exactly(tmp_path: Path, arch: str) -> None:
     model = ensure_tiny_checkpoint(tmp_path / "models", TinySpec(arch=arch, seed=4))
-    with (
-        running_worker(tmp_path, "ctx", env=HOOKS, model=str(model),
-                       cache_transceiver_config=TRANSFER) as ctx,
-        running_worker(tmp_path, "gen", env=HOOKS, model=str(model),
-                       cache_transceiver_config=TRANSFER) as gen,
-    ):  # fmt: skip
+    with _running_pair(tmp_path, model=str(model)) as (ctx, gen):
         async with httpx.AsyncClient(timeout=60) as client:
             body = _body(_prompt(random.Random(2), 37), 10)
             split, key = await _split(client, ctx, gen, body)

@@ -4,7 +4,7 @@ Each ctx instance and each gen instance cuts the same 4-layer GQA model its own 
 duplicated kv heads, HND or NHD). For every pairing the split answer must equal the aggregated
 TP1 answer and HF's greedy tokens, and the KV that landed on gen must be byte-for-byte the KV ctx
 computed: both sides digest every (layer, kv head) they hold, and rank 0 composes one digest that
-does not depend on the cut (worker/test_hooks.py).
+does not depend on the cut (worker/engine/test_hooks.py).
 
 The instances of one model start together and serve all its pairings; after each pairing every
 instance is idle with all its blocks back.

@@ -35,7 +35,7 @@ import yaml
 from tests.edges import Cluster, aggregated, completion, running_cluster, wait_idle, wait_until
 from tests.procs import REPO, free_port, metric
 from trtdisagg.launcher import DEFAULT_CLUSTER
-from trtdisagg.worker.transfer_setup import confine_ucx_to_loopback
+from trtdisagg.membership.interfaces import confine_ucx
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -180,7 +180,7 @@ def test_default_cluster_listens_on_loopback_only_and_still_transfers(tmp_path: 
         assert {coordinator_port, ctx_port, gen_port} <= ports  # the scan does see them
         for name in ("ctx-0", "gen-0"):
             log = (tmp_path / "logs" / f"{name}.log").read_text()
-            assert "UCX restricted to the loopback device" in log
+            assert "UCX restricted to lo: 127.0.0.1 is loopback" in log
     assert proc.returncode == 0
     assert all(_gone(pid) for pid in pids)
 
@@ -193,15 +193,16 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_ucx_is_confined_only_for_loopback_hosts_and_never_over_a_user_value() -> None:
+def test_ucx_is_confined_to_loopback_for_loopback_hosts_and_never_over_a_user_value() -> None:
+    """(The other interfaces: unit/test_membership_interfaces.py, e2e/test_netns_cluster.py.)"""
     for host in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"):
         env: dict[str, str] = {}
-        assert confine_ucx_to_loopback(host, env) and env == {"UCX_NET_DEVICES": "lo"}, host
-    for host in ("0.0.0.0", "::", "192.0.2.2", "ctx-0.cluster.local"):
+        assert confine_ucx(host, None, env) == "lo" and env == {"UCX_NET_DEVICES": "lo"}, host
+    for host in ("0.0.0.0", "::", "203.0.113.9", "ctx-0.invalid"):
         env = {}
-        assert not confine_ucx_to_loopback(host, env) and env == {}, host
+        assert confine_ucx(host, None, env) is None and env == {}, host
     env = {"UCX_NET_DEVICES": "mlx5_0:1"}
-    assert not confine_ucx_to_loopback("127.0.0.1", env)
+    assert confine_ucx("127.0.0.1", None, env) is None
     assert env == {"UCX_NET_DEVICES": "mlx5_0:1"}
 
 

@@ -10,19 +10,21 @@ transfer is a 502); the worker serves on with every block back. Failed steps in 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.fault_checks import completion, is_idle, processes, wait_all_healthy, wait_metrics
-from tests.procs import Server, free_port, metric, running_worker
-from trtdisagg.worker.executor import MAX_CONSECUTIVE_STEP_FAILURES
+from tests.fault_checks import completion, is_idle, wait_metrics
+from tests.instances import running_instances
+from tests.procs import Server, metric
+from trtdisagg.worker.engine.loop import MAX_CONSECUTIVE_STEP_FAILURES
 
 pytestmark = pytest.mark.timeout(300)
 
 ENV = {"TRTDISAGG_TEST_HOOKS": "1"}
+TRANSFER = {"cache_transceiver_config": {"backend": "NIXL", "nixl_progress_thread": False}}
 INJECTED = "internal error in the model step: InjectedStepFailure: step failure injected"
 IDLE_S = 15.0
 
@@ -59,56 +61,66 @@ async def wait_idle(client: httpx.AsyncClient, server: Server) -> str:
     return await wait_metrics(client, server, is_idle, "every block free", IDLE_S)
 
 
-async def test_a_failed_step_is_a_500_and_the_worker_serves_on(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    """A ctx and gen pair, and a ctx whose steps will keep failing, all started together."""
+    specs = {"ctx": ("ctx", TRANSFER), "gen": ("gen", TRANSFER), "doomed": ("ctx", {})}
+    with running_instances(tmp_path_factory.mktemp("workers"), specs, env=ENV) as servers:
+        yield servers
+
+
+async def test_a_failed_step_is_a_500_and_the_worker_serves_on(workers: dict[str, Server]) -> None:
     prompt = [(7 * i + 3) % 400 + 10 for i in range(30)]
     other = [(11 * i + 5) % 400 + 10 for i in range(30)]
-    with running_worker(tmp_path, "ctx", env=ENV) as worker:
-        async with httpx.AsyncClient(timeout=60) as client:
-            r = await post(client, worker, completion(prompt, 8))
-            assert r.status_code == 200, r.text
-            expected = r.json()["choices"][0]["token_ids"]
+    worker = workers["ctx"]
+    async with httpx.AsyncClient(timeout=60) as client:
+        r = await post(client, worker, completion(prompt, 8))
+        assert r.status_code == 200, r.text
+        expected = r.json()["choices"][0]["token_ids"]
 
-            await arm(client, worker, 1)
-            assert_step_failed(await post(client, worker, completion(other, 8)))
-            r = await post(client, worker, completion(prompt, 8))
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["token_ids"] == expected
+        await arm(client, worker, 1)
+        assert_step_failed(await post(client, worker, completion(other, 8)))
+        r = await post(client, worker, completion(prompt, 8))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == expected
 
-            await arm(client, worker, 1)  # a stream has sent its 200: the error is an event
-            events = await stream_events(client, worker, completion(other, 8, stream=True))
-            assert events[-1] == "[DONE]", events
-            error = events[-2]["error"]
-            assert error["message"].startswith(INJECTED) and error["code"] == 500, events
+        await arm(client, worker, 1)  # a stream has sent its 200: the error is an event
+        events = await stream_events(client, worker, completion(other, 8, stream=True))
+        assert events[-1] == "[DONE]", events
+        error = events[-2]["error"]
+        assert error["message"].startswith(INJECTED) and error["code"] == 500, events
 
-            assert (await client.get(worker.url + "/health")).status_code == 200
-            text = await wait_idle(client, worker)
-            assert metric(text, "trtdisagg_step_failures_total") == 2
-            assert metric(text, "trtdisagg_requests_total", 'role="ctx",status="error"') == 2
+        assert (await client.get(worker.url + "/health")).status_code == 200
+        text = await wait_idle(client, worker)
+        assert metric(text, "trtdisagg_step_failures_total") == 2
+        assert metric(text, "trtdisagg_requests_total", 'role="ctx",status="error"') == 2
 
 
-async def test_failed_steps_in_a_row_make_the_worker_unhealthy(tmp_path: Path) -> None:
-    with running_worker(tmp_path, "ctx", env=ENV) as worker:
-        async with httpx.AsyncClient(timeout=60) as client:
-            await arm(client, worker, MAX_CONSECUTIVE_STEP_FAILURES)
-            for i in range(MAX_CONSECUTIVE_STEP_FAILURES):  # one at a time: one step each
-                assert_step_failed(await post(client, worker, completion([20 + i] * 12, 4)))
+async def test_failed_steps_in_a_row_make_the_worker_unhealthy(
+    workers: dict[str, Server],
+) -> None:
+    worker = workers["doomed"]
+    async with httpx.AsyncClient(timeout=60) as client:
+        await arm(client, worker, MAX_CONSECUTIVE_STEP_FAILURES)
+        for i in range(MAX_CONSECUTIVE_STEP_FAILURES):  # one at a time: one step each
+            assert_step_failed(await post(client, worker, completion([20 + i] * 12, 4)))
 
-            r = await client.get(worker.url + "/health")
-            assert r.status_code == 503, r.text
-            health = r.json()
-            assert health["status"] == "unhealthy", health
-            assert health["reason"].startswith("3 model steps failed in a row"), health
-            assert "InjectedStepFailure: step failure injected" in health["reason"], health
+        r = await client.get(worker.url + "/health")
+        assert r.status_code == 503, r.text
+        health = r.json()
+        assert health["status"] == "unhealthy", health
+        assert health["reason"].startswith("3 model steps failed in a row"), health
+        assert "InjectedStepFailure: step failure injected" in health["reason"], health
 
-            r = await post(client, worker, completion([30] * 12, 4))
-            assert r.status_code == 503, r.text
-            error = r.json()["error"]
-            assert error["message"].startswith("this worker stopped serving: 3 model steps")
-            assert error["type"] == "service_unavailable"
+        r = await post(client, worker, completion([30] * 12, 4))
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["message"].startswith("this worker stopped serving: 3 model steps")
+        assert error["type"] == "service_unavailable"
 
-            assert worker.alive()  # stopped serving, not exited: its state stays readable
-            text = await wait_idle(client, worker)
-            assert metric(text, "trtdisagg_step_failures_total") == MAX_CONSECUTIVE_STEP_FAILURES
+        assert worker.alive()  # stopped serving, not exited: its state stays readable
+        text = await wait_idle(client, worker)
+        assert metric(text, "trtdisagg_step_failures_total") == MAX_CONSECUTIVE_STEP_FAILURES
 
 
 async def context_only(client: httpx.AsyncClient, ctx: Server, body: dict[str, Any]) -> Any:
@@ -122,23 +134,22 @@ def generation_only(answer: Any, body: dict[str, Any]) -> dict[str, Any]:
     return {**body, "prompt_token_ids": answer["prompt_token_ids"], "disaggregated_params": params}
 
 
-async def test_a_failed_step_on_gen_is_a_500_not_an_upstream_502(tmp_path: Path) -> None:
+async def test_a_failed_step_on_gen_is_a_500_not_an_upstream_502(
+    workers: dict[str, Server],
+) -> None:
     body = completion([(5 * i + 1) % 400 + 10 for i in range(40)], 6)
-    with processes(tmp_path) as procs:
-        ctx = procs.start_worker("ctx", free_port())
-        gen = procs.start_worker("gen", free_port())
-        wait_all_healthy(ctx, gen)
-        async with httpx.AsyncClient(timeout=60) as client:
-            answer = await context_only(client, ctx, body)
-            await arm(client, gen, 1)
-            # The KV came from ctx; the decode step after it failed: this worker's fault.
-            assert_step_failed(await post(client, gen, generation_only(answer, body)))
-            for server in (ctx, gen):
-                await wait_idle(client, server)
+    ctx, gen = workers["ctx"], workers["gen"]
+    async with httpx.AsyncClient(timeout=60) as client:
+        answer = await context_only(client, ctx, body)
+        await arm(client, gen, 1)
+        # The KV came from ctx; the decode step after it failed: this worker's fault.
+        assert_step_failed(await post(client, gen, generation_only(answer, body)))
+        for server in (ctx, gen):
+            await wait_idle(client, server)
 
-            answer = await context_only(client, ctx, body)
-            r = await post(client, gen, generation_only(answer, body))
-            assert r.status_code == 200, r.text
-            assert len(r.json()["choices"][0]["token_ids"]) == 6
-            for server in (ctx, gen):
-                await wait_idle(client, server)
+        answer = await context_only(client, ctx, body)
+        r = await post(client, gen, generation_only(answer, body))
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["token_ids"]) == 6
+        for server in (ctx, gen):
+            await wait_idle(client, server)

@@ -5,20 +5,30 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import trio
 
-from tests.procs import Server, metric, running_worker
+from tests.instances import running_instances
+from tests.procs import Server, metric
+
+# 24 blocks of 16 tokens: 12 requests of ~40 prompt + 60 output tokens cannot all fit.
+SMALL_POOL = {"tokens_per_block": 16, "max_tokens": 384, "enable_block_reuse": False}
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running_worker(tmp_path_factory.mktemp("worker"), "ctx") as server:
-        yield server
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    """The worker most tests share, and one with a small pool, started together."""
+    specs = {"worker": ("ctx", {}), "small": ("ctx", {"kv_cache_config": SMALL_POOL})}
+    with running_instances(tmp_path_factory.mktemp("worker"), specs) as servers:
+        yield servers
+
+
+@pytest.fixture
+def worker(workers: dict[str, Server]) -> Server:
+    return workers["worker"]
 
 
 def _body(prompt: str | list[int], max_tokens: int, **extra: object) -> dict[str, object]:
@@ -194,26 +204,22 @@ async def test_client_disconnect_aborts_and_frees(worker: Server) -> None:
         assert after == before + 1
 
 
-async def test_preemption_keeps_tokens_and_frees_blocks(tmp_path: Path) -> None:
-    # 24 blocks of 16 tokens: 12 requests of ~40 prompt + 60 output tokens cannot all fit.
-    small = {"tokens_per_block": 16, "max_tokens": 384, "enable_block_reuse": False}
-    with running_worker(tmp_path, "ctx", kv_cache_config=small) as server:
-        bodies = [
-            _body(f"request number {i} " * (3 + i % 4), 60, ignore_eos=True) for i in range(12)
-        ]
-        async with httpx.AsyncClient(timeout=120) as client:
-            alone = [await _tokens(client, server.url, b) for b in bodies]
-            together: list[list[int]] = [[] for _ in bodies]
+async def test_preemption_keeps_tokens_and_frees_blocks(workers: dict[str, Server]) -> None:
+    server = workers["small"]
+    bodies = [_body(f"request number {i} " * (3 + i % 4), 60, ignore_eos=True) for i in range(12)]
+    async with httpx.AsyncClient(timeout=120) as client:
+        alone = [await _tokens(client, server.url, b) for b in bodies]
+        together: list[list[int]] = [[] for _ in bodies]
 
-            async def one(i: int) -> None:
-                together[i] = await _tokens(client, server.url, bodies[i])
+        async def one(i: int) -> None:
+            together[i] = await _tokens(client, server.url, bodies[i])
 
-            async with trio.open_nursery() as nursery:
-                for i in range(len(bodies)):
-                    nursery.start_soon(one, i)
-            text = await _wait_idle(client, server.url)
-        assert metric(text, "trtdisagg_preemptions_total") > 0, "the pool was meant to overflow"
-        assert together == alone
+        async with trio.open_nursery() as nursery:
+            for i in range(len(bodies)):
+                nursery.start_soon(one, i)
+        text = await _wait_idle(client, server.url)
+    assert metric(text, "trtdisagg_preemptions_total") > 0, "the pool was meant to overflow"
+    assert together == alone
 
 
 async def test_event_loop_lag_is_exported(worker: Server) -> None:

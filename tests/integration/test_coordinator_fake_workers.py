@@ -1,6 +1,6 @@
 """The coordinator over real HTTP in front of fake workers, all in one trio run.
 
-The fake workers (`trtdisagg.coordinator.testing`) speak the worker contract including
+The fake workers (`tests/fake_worker.py`) speak the worker contract including
 context_only / generation_only, so the whole split, merge, relay, retry and routing logic runs
 here without a model or a KV transceiver. Every wait is bounded.
 """
@@ -8,9 +8,10 @@ here without a model or a KV transceiver. Every wait is bounded.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import attrs
@@ -20,15 +21,13 @@ import pytest
 import trio
 import trio.lowlevel
 
+from tests.etcd_server import Etcd, running_etcd
+from tests.fake_worker import FakeWorker, create_fake_app, fake_tokenize, generate
 from trtdisagg.coordinator.config import coordinator_config_from_dict
-from trtdisagg.coordinator.serve import (
-    bind_socket,
-    serve_coordinator,
-    serve_coordinator_state,
-    serve_http,
-)
-from trtdisagg.coordinator.testing import FakeWorker, create_fake_app, fake_tokenize, generate
+from trtdisagg.coordinator.serve import bind_socket, serve_coordinator, serve_http
 from trtdisagg.kv.hashing import reusable_block_hashes
+from trtdisagg.membership.etcd import open_etcd
+from trtdisagg.membership.records import WorkerRecord, worker_key
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,6 +46,8 @@ class Cluster:
     ctx: list[Fake]
     gen: list[Fake]
     nursery: trio.Nursery
+    name: str = ""
+    """The etcd cluster name, when the servers come from etcd."""
 
     async def stop(self, fake: Fake) -> None:
         fake.scope.cancel()
@@ -92,6 +93,27 @@ async def start_cluster(
     )
 
 
+_CLUSTER_NAMES = (f"fakes-{i}" for i in itertools.count())
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    with running_etcd(tmp_path_factory.mktemp("etcd")) as server:
+        yield server
+
+
+async def register(etcd: Etcd, cluster: str, fake: Fake, *, lease: int | None = None) -> bytes:
+    """Write `fake`'s record as a worker would register itself; its key."""
+    record = WorkerRecord(
+        url=fake.url, role=fake.worker.role, instance=f"{fake.worker.role}-{fake.port}",
+        model=fake.worker.model, kv_compat=fake.worker.kv_compat,
+    )  # fmt: skip
+    key = worker_key(cluster, record.role, record.instance)
+    async with open_etcd(etcd.url) as client:
+        await client.put(key, record.encode(), lease=lease)
+    return key
+
+
 async def _start_coordinator(
     nursery: trio.Nursery,
     ctxs: list[Fake],
@@ -99,10 +121,11 @@ async def _start_coordinator(
     *,
     ctx_router: str = "round_robin",
     gen_router: str = "round_robin",
-    fleet: bool = False,
+    etcd: Etcd | None = None,
     **config: Any,
 ) -> Cluster:
-    """A coordinator in front of the fakes; with `fleet`, a front end and its state process."""
+    """A coordinator in front of the fakes: listed in its config, or (with `etcd`) registered
+    there under a cluster name of their own and found by its membership watch."""
     data = {
         "hostname": "127.0.0.1",
         "port": 0,
@@ -113,16 +136,21 @@ async def _start_coordinator(
         "request_timeout": 10,
         **config,
     }
-    if fleet:
-        state = coordinator_config_from_dict(data, source="test")
-        sock = bind_socket("127.0.0.1", 0, reuse_port=False)
-        host, port = await nursery.start(
-            functools.partial(serve_coordinator_state, state, sock=sock)
-        )
-        data["disagg_coordinator_url"] = f"http://{host}:{port}"
+    name = ""
+    if etcd is not None:
+        name = next(_CLUSTER_NAMES)
+        for fake in ctxs + gens:
+            await register(etcd, name, fake)
+        data["cluster"] = {"etcd": etcd.url, "name": name}
+        for group in ("context_servers", "generation_servers"):
+            del data[group]["urls"]
     coordinator = coordinator_config_from_dict(data, source="test")
     host, port = await nursery.start(functools.partial(serve_coordinator, coordinator))
-    return Cluster(url=f"http://{host}:{port}", ctx=ctxs, gen=gens, nursery=nursery)
+    cluster = Cluster(url=f"http://{host}:{port}", ctx=ctxs, gen=gens, nursery=nursery, name=name)
+    if etcd is not None:  # its members joined at start-up and are checked at once: wait for that
+        async with httpx.AsyncClient() as client:
+            await _wait_health(client, cluster.url, 200)
+    return cluster
 
 
 def _body(prompt: str | list[int] = "hello world, this is a prompt", **kw: Any) -> dict[str, Any]:
@@ -728,21 +756,26 @@ async def start_groups(nursery: trio.Nursery, *, a_gens: int = 2, **config: Any)
 
 
 @pytest.mark.parametrize("router", ["round_robin", "load_balancing"])
-@pytest.mark.parametrize("fleet", [False, True], ids=["local", "fleet"])
+@pytest.mark.parametrize("members", ["listed", "etcd"])
 @pytest.mark.parametrize("style", ["context_first", "generation_first", "conditional"])
 async def test_two_kv_groups_are_each_paired_only_among_themselves(
-    nursery: trio.Nursery, client: httpx.AsyncClient, style: str, fleet: bool, router: str
+    nursery: trio.Nursery,
+    client: httpx.AsyncClient,
+    request: pytest.FixtureRequest,
+    style: str,
+    members: str,
+    router: str,
 ) -> None:
     """Whichever leg is placed first (conditional disaggregation reserves gen first), the second
-    is of its group: every request succeeds, with no retry to hide a crossed pair. A fleet's
-    front end pairs round robin itself, from the state process's `incompatible_pairs`; other
-    routers are asked through the state process (`pair_with`)."""
+    is of its group: every request succeeds, with no retry to hide a crossed pair. Workers
+    found through etcd publish `kv_compat` in their records and their `/server_info` alike."""
     config: dict[str, Any] = {"max_retries": 0, "ctx_router": router, "gen_router": router}
     if style == "conditional":  # prompts all uncached: gen first, then a ctx
         config["conditional_disagg_config"] = {"max_local_prefill_length": 0}
     else:
         config["schedule_style"] = style
-    c = await start_groups(nursery, fleet=fleet, **config)
+    etcd = request.getfixturevalue("etcd") if members == "etcd" else None
+    c = await start_groups(nursery, etcd=etcd, **config)
     for i in range(12):
         prompt = [i + 1, i + 2, i + 3, i + 4, i + 5]
         r = await client.post(c.url + "/v1/completions", json=_body(prompt))
@@ -753,17 +786,13 @@ async def test_two_kv_groups_are_each_paired_only_among_themselves(
     assert all(f.worker.bodies for f in c.ctx + c.gen)  # both groups, every server of them
 
 
-@pytest.mark.parametrize(
-    ("fleet", "router"), [(False, "round_robin"), (True, "load_balancing")], ids=["local", "fleet"]
-)
+@pytest.mark.parametrize("router", ["round_robin", "load_balancing"])
 async def test_no_gen_left_to_pair_with_ctx_is_503_naming_both_and_releases_ctx(
-    nursery: trio.Nursery, client: httpx.AsyncClient, fleet: bool, router: str
+    nursery: trio.Nursery, client: httpx.AsyncClient, router: str
 ) -> None:
     """A's only gen fails while A's ctx prefills: B's gen is healthy but cannot take A's KV, so
     the request ends with a 503 that says why, and ctx's KV is released at once."""
-    c = await start_groups(
-        nursery, a_gens=1, fleet=fleet, ctx_router=router, gen_router=router, max_retries=0
-    )
+    c = await start_groups(nursery, a_gens=1, ctx_router=router, gen_router=router, max_retries=0)
     a_ctx, a_gen = c.ctx[0].worker, c.gen[0].worker
     a_ctx.gate = trio.Event()
     replies: list[httpx.Response] = []
@@ -795,14 +824,13 @@ async def test_no_gen_left_to_pair_with_ctx_is_503_naming_both_and_releases_ctx(
     assert len(a_ctx.bodies) == 1 and c.ctx[1].worker.requests == {"context_only": 1}
 
 
-@pytest.mark.parametrize("fleet", [False, True], ids=["local", "fleet"])
 async def test_a_retry_left_only_the_gen_that_failed_goes_back_to_it_not_across(
-    nursery: trio.Nursery, client: httpx.AsyncClient, fleet: bool
+    nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:
     """A retry avoids the gen that failed, unless nothing else is left: then it goes back to
     that gen, still among those that can pair with its ctx (the conversation keeps the retry
     on A's ctx, whose only gen failed), not to B's idle one."""
-    c = await start_groups(nursery, a_gens=1, fleet=fleet, ctx_router="conversation", max_retries=1)
+    c = await start_groups(nursery, a_gens=1, ctx_router="conversation", max_retries=1)
     a_gen = c.gen[0].worker
     a_gen.fail_status, a_gen.fail_count = 500, 1
     r = await client.post(c.url + "/v1/completions", json=_body(conversation_id="chat-a"))

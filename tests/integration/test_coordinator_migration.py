@@ -15,6 +15,7 @@ import httpx
 import pytest
 import trio
 
+from tests.fake_worker import fake_tokenize, text_of
 from tests.integration.test_coordinator_fake_workers import (
     Cluster,
     _body,
@@ -22,7 +23,6 @@ from tests.integration.test_coordinator_fake_workers import (
     _expected,
     start_cluster,
 )
-from trtdisagg.coordinator.testing import fake_tokenize, text_of
 
 pytestmark = pytest.mark.timeout(60)
 

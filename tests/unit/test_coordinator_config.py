@@ -129,9 +129,38 @@ def test_round_trip() -> None:
     assert again == config
 
 
-def test_state_url() -> None:
-    assert build(hostname="h", port=9000).state_url == "http://h:8999"
-    assert build(disagg_coordinator_url="http://c:1/").state_url == "http://c:1"
+MEMBERS: dict[str, Any] = {"cluster": {"etcd": "http://etcd:2379", "name": "prod"}}
+
+
+def test_servers_from_etcd_instead_of_url_lists() -> None:
+    config = coordinator_config_from_dict(
+        {**MEMBERS, "generation_servers": {"router": {"type": "load_balancing"}}}, source="x"
+    )
+    assert config.cluster is not None and config.cluster.name == "prod"
+    assert config.context_servers.urls == [] and config.generation_servers.urls == []
+    assert config.generation_servers.router.type is RouterType.LOAD_BALANCING
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"cluster": {"etcd": "etcd", "name": "p"}}, r"\$\.cluster\.etcd: expected http://host"),
+        ({"cluster": {"etcd": "e:1", "name": "a/b"}}, r"\$\.cluster\.name: expected 1-63"),
+        ({"cluster": {"etcd": "e:1"}}, r"\$\.cluster\.name: required key missing"),
+        ({"context_servers": {"urls": ["h:1"]}}, r"\$\.context_servers\.urls: not with cluster"),
+        ({"generation_servers": {"num_instances": 1}}, r"\$\.generation_servers\.urls: not with"),
+    ],
+)
+def test_membership_errors_name_the_key(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=r"^x: .*" + message):
+        coordinator_config_from_dict({**MEMBERS, **changes}, source="x")
+
+
+def test_the_old_fleet_keys_still_load() -> None:
+    """`disagg_coordinator_url` names a state process that no longer exists: accepted (and
+    ignored with a warning at start), so an old disagg.yaml still starts."""
+    config = build(num_workers=2, disagg_coordinator_url="http://c:1", port=1)
+    assert config.num_workers == 2 and config.disagg_coordinator_url == "http://c:1"
 
 
 @pytest.mark.parametrize(

@@ -15,14 +15,11 @@ import pytest
 
 from trtdisagg.coordinator.cluster import (
     Cluster,
-    IncompatiblePair,
     ServerInfo,
     ServerRole,
-    pairing_of,
 )
 from trtdisagg.coordinator.config import RouterConfig, RouterType, coordinator_config_from_dict
 from trtdisagg.coordinator.routers import NoServerAvailable, Router, RouteRequest, create_router
-from trtdisagg.coordinator.state_wire import SelectBody, decode, encode
 
 CTX = ["http://127.0.0.1:8001", "http://127.0.0.1:8003"]
 GEN = ["http://127.0.0.1:8002", "http://127.0.0.1:8004"]
@@ -241,24 +238,6 @@ def test_exclude_and_pairing_together() -> None:
     assert gens.select(RouteRequest(key=9), pairing=pairing).server == A_GENS[0]
 
 
-def test_a_fleet_front_end_pairs_from_the_state_process_s_cluster_info() -> None:
-    state, _ = two_groups()
-    published = json.loads(json.dumps(state.cluster_info()))["incompatible_pairs"]
-    pairs = decode(published, list[IncompatiblePair])
-    for url in GROUP:
-        assert pairing_of(pairs, url) == state.pairing(url)
-    assert set(state.pairing(B_GEN).incompatible) == {A_CTX}
-    assert set(state.pairing(A_CTX).incompatible) == {B_GEN}
-
-
-def test_select_body_carries_pair_with_and_an_older_one_decodes_without() -> None:
-    request = RouteRequest(key=7, prompt_text="hi")
-    body = SelectBody.of(ServerRole.GENERATION, request, exclude=None, pair_with=A_CTX)
-    assert decode(json.loads(json.dumps(encode(body))), SelectBody) == body
-    older = {"role": "generation", "key": 7, "exclude": None, "prompt_text": "hi"}
-    assert decode(older, SelectBody).pair_with is None
-
-
 @pytest.mark.parametrize(
     "published",
     [
@@ -268,7 +247,7 @@ def test_select_body_carries_pair_with_and_an_older_one_decodes_without() -> Non
     ],
 )
 def test_server_info_in_cluster_info_reads_back_as_published(published: dict[str, Any]) -> None:
-    """A fleet front end reads each server's info back from the state process's /cluster_info:
-    generation_first needs ctx's info endpoint, pairing the transceiver and `kv_compat`."""
+    """`/cluster_info` publishes each server's info in the shape of its `/server_info`: what
+    generation_first needs (ctx's info endpoint), pairing (the transceiver, `kv_compat`)."""
     parsed = ServerInfo.parse(published)
     assert ServerInfo.parse(json.loads(json.dumps(parsed.to_json()))) == parsed

@@ -1,7 +1,8 @@
 """A model step that raises, in a real executor loop (tiny model, CPU, one rank).
 
-The failure is injected through the test hooks (`TestHooks.step_failures`): the step's forward
-raises in its worker thread, where a CUDA error or a sampling bug would. The requests of that step
+The failure is injected through the test hooks (`TestHooks.step_failures`, through the
+`FaultyRunner` the builder wraps around the runner): the step's forward raises in its worker
+thread, where a CUDA error or a sampling bug would. The requests of that step
 fail with the cause, every other request goes on, and every block comes back; failures in a row
 stop the worker (`Executor.stopped`) and fail whatever it still held.
 """
@@ -18,20 +19,17 @@ import trio
 
 from trtdisagg.config import KvCacheConfig, WorkerConfig
 from trtdisagg.errors import WorkerStopped
-from trtdisagg.kv.block_pool import BlockPool
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.parallel import Parallel
-from trtdisagg.worker.executor import (
-    MAX_CONSECUTIVE_STEP_FAILURES,
-    Executor,
-    RequestHandle,
-    RequestOutput,
-)
+from trtdisagg.worker.engine.build import assemble_executor
+from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
+from trtdisagg.worker.engine.local import LocalDriver
+from trtdisagg.worker.engine.loop import MAX_CONSECUTIVE_STEP_FAILURES
+from trtdisagg.worker.engine.test_hooks import TestHooks
+from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.request import FinishReason, Request, SamplingParams
 from trtdisagg.worker.runner import ModelRunner, build_runner
-from trtdisagg.worker.scheduler import Scheduler
-from trtdisagg.worker.test_hooks import TestHooks
 from trtdisagg.worker.tokenization import Tokenizer
 
 TOKENS_PER_BLOCK = 16
@@ -60,28 +58,24 @@ def model() -> Model:
     )
 
 
-def make_executor(model: Model, *, max_batch_size: int) -> Executor:
+def make_executor(model: Model, *, max_batch_size: int, wakeup: Wakeup | None = None) -> Executor:
     """max_batch_size 1: one request per step, so a failed step holds exactly one of them."""
-    runner = model.runner
-    pool = BlockPool(
-        num_blocks=runner.cache.num_blocks,
-        tokens_per_block=TOKENS_PER_BLOCK,
-        enable_block_reuse=True,  # a failed step must leave the prefix cache as sound as the pool
+    config = WorkerConfig(
+        max_batch_size=max_batch_size,
+        max_num_tokens=256,
+        max_seq_len=MAX_SEQ_LEN,
+        # A failed step must leave the prefix cache as sound as the pool.
+        kv_cache_config=KvCacheConfig(
+            tokens_per_block=TOKENS_PER_BLOCK, max_tokens=2048, enable_block_reuse=True
+        ),
     )
-    scheduler = Scheduler(
-        pool=pool, max_batch_size=max_batch_size, max_num_tokens=256, max_seq_len=MAX_SEQ_LEN
-    )
-    hooks = TestHooks(
-        layer_ids=runner.model.local_layer_ids, head_ids=runner.model.local_kv_head_ids
-    )
-    return Executor(
-        scheduler=scheduler,
-        runner=runner,
+    return assemble_executor(
+        config,
+        runner=model.runner,
         tokenizer=model.tokenizer,
         metrics=WorkerMetrics.create(),
-        role="ctx",
-        max_seq_len=MAX_SEQ_LEN,
-        test_hooks=hooks,
+        wakeup=wakeup or Wakeup(),
+        test_hooks=TestHooks(),
     )
 
 
@@ -204,22 +198,25 @@ async def test_a_successful_step_resets_the_count(model: Model, nursery: trio.Nu
 
 async def test_the_executor_is_idle_only_between_steps(model: Model, nursery: trio.Nursery) -> None:
     # The transceiver spins its loop to watch for a peer only while no step runs (pacing.py).
-    executor = make_executor(model, max_batch_size=1)
+    wakeup = Wakeup()
+    executor = make_executor(model, max_batch_size=1, wakeup=wakeup)
+    driver = executor.loop.driver
+    assert isinstance(driver, LocalDriver)
     seen_in_steps: list[bool] = []
 
     class Spy:
-        """The runner, noting at every step whether the executor said it was idle."""
+        """The runner, noting at every step whether the wake-up said the loop was idle."""
 
-        def __getattr__(self, name: str) -> object:
-            return getattr(model.runner, name)
+        def kv_ready(self) -> None:
+            model.runner.kv_ready()
 
         def execute(self, *args: Any) -> Any:
-            seen_in_steps.append(executor.idle())
+            seen_in_steps.append(wakeup.idle())
             return model.runner.execute(*args)
 
-    executor.runner = Spy()  # type: ignore[assignment]
+    driver.runner = Spy()
     await nursery.start(executor.run)
-    assert executor.idle()
+    assert wakeup.idle()
     tokens(await outputs(submit(executor, 7)))
     assert seen_in_steps and not any(seen_in_steps)  # busy in every step
-    assert executor.idle()
+    assert wakeup.idle()

@@ -26,6 +26,10 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.transfer.prepared",
     "trtdisagg.transfer.pacing",
     "trtdisagg.worker.rank_plan",
+    "trtdisagg.worker.engine.ending",
+    "trtdisagg.worker.engine.outputs",
+    "trtdisagg.worker.engine.tracker",
+    "trtdisagg.worker.engine.ports",
     "trtdisagg.coordinator.cluster",
     "trtdisagg.coordinator.routers",
     "trtdisagg.coordinator.ledger",
@@ -37,6 +41,13 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.api.responses_api",
     "trtdisagg.api.responses_events",
     "trtdisagg.api.sse",
+    "trtdisagg.ratelimit",
+    "trtdisagg.security.secret",
+    "trtdisagg.security.limits",
+    "trtdisagg.security.policy",
+    "trtdisagg.membership.etcd_wire",
+    "trtdisagg.membership.records",
+    "trtdisagg.membership.embedded",
 )
 FORBIDDEN: tuple[str, ...] = ("torch", "trio", "zmq", "nixl", "httpx")
 

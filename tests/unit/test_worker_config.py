@@ -27,6 +27,14 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     assert config.kv_cache_config.tokens_per_block == 16
     assert load_worker_config(None) == WorkerConfig()
     assert WorkerConfig().cache_transceiver_config.peer_probe_ms == 5000
+    member = load_worker_config(
+        _write(
+            tmp_path,
+            "host: 0.0.0.0\nadvertise_host: 198.18.0.2\ncluster: {etcd: 'e:2379', name: c}\n",
+        )
+    )
+    assert member.cluster is not None and member.cluster.lease_ttl_s == 10
+    assert member.advertise_host == "198.18.0.2"
 
 
 @pytest.mark.parametrize(
@@ -45,6 +53,11 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
             ["cache_transceiver_config", "peer_probe_ms", "positive"],
         ),
         ("kv_cache_config: {max_tokens: 8, tokens_per_block: 32}\n", ["max_tokens"]),
+        ("cluster: {etcd: 'etcd:2379'}\n", ["cluster.name", "missing"]),
+        ("cluster: {etcd: etcd, name: c}\n", ["cluster", "etcd", "http://host:port"]),
+        ("cluster: {etcd: 'e:1', name: a/b}\n", ["cluster", "name", "a/b"]),
+        ("cluster: {etcd: 'e:1', name: c, lease_ttl_s: 0}\n", ["lease_ttl_s", "positive"]),
+        ("host: 0.0.0.0\ncluster: {etcd: 'e:1', name: c}\n", ["advertise_host", "required"]),
         ("- a list\n", ["mapping"]),
         ("port: [1\n", ["not valid YAML"]),
     ],

@@ -12,15 +12,14 @@ service). Layout, pure modules marked ◆:
   perf ◆         per-request phase timings
   cluster ◆      server health and server_info
   placement      Placement interface and Lease (one reservation)
-  local          LocalPlacement: health checks, routers, KV event polling in this process
-  remote         RemotePlacement: a fleet front end talking to the state process
+  local          LocalPlacement: health checks, routers, KV event polling in this process,
+                 servers from the url lists or from the etcd membership watch
   service        DisaggService: one request through its legs, retries, deadlines
   gen_legs       a choice's gen legs: the first opened, continuations (migration)
   resume         GenRelay: gen legs read within their deadlines, resumed when one fails
   relay          streaming bodies (gen's SSE relayed as it arrives)
   upstream       the httpx client and typed upstream errors
   prompts        prompt token ids at the coordinator (the workers' tokenizer)
-  app, state     HTTP routes of the front end and of the fleet state process
+  app            HTTP routes of the front end
   serve, fleet   services, process entry points, the SO_REUSEPORT fleet supervisor
-  testing        a fake worker speaking the worker HTTP contract, for tests
 """

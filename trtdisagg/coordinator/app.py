@@ -172,10 +172,15 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        # With servers from etcd, "membership" says whether this front end still hears etcd;
+        # one that lost it serves its last known servers (200 while it has some) and says so.
+        membership = placement.membership_status()
+        extra = {"membership": membership} if membership is not None else {}
         if placement.is_ready():
-            return json_response({"status": "ok", "pid": os.getpid()})
+            return json_response({"status": "ok", "pid": os.getpid(), **extra})
         reason = placement.not_ready_reason()
-        return json_response({"status": "not ready", "reason": reason, "pid": os.getpid()}, 503)
+        body = {"status": "not ready", "reason": reason, "pid": os.getpid(), **extra}
+        return json_response(body, 503)
 
     @app.get("/cluster_info")
     async def cluster_info() -> Response:

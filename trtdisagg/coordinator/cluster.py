@@ -153,6 +153,9 @@ class ServerState:
 @attrs.define(eq=False, kw_only=True)
 class Cluster:
     servers: dict[str, ServerState]
+    context_required: bool = False
+    """A context server is needed to be ready even while none is known (servers come from
+    etcd, and conditional disaggregation is off). Static lists need it when they list one."""
     started: bool = False
     """Start-up finished waiting for the servers (successfully)."""
     incompatible: list[IncompatiblePair] = attrs.Factory(list)
@@ -171,7 +174,26 @@ class Cluster:
                 url = normalize_url(raw)
                 assert url is not None, "config validation admits only well-formed urls"
                 servers[url] = ServerState(url=url, role=role)
-        return cls(servers=servers)
+        required = config.cluster is not None and config.conditional_disagg_config is None
+        return cls(servers=servers, context_required=required)
+
+    def add_server(self, url: str, role: ServerRole) -> bool:
+        """A server joined (membership): not serving until it passes a health check. True when
+        it is new; a url known under the other role changes role (a worker restarted as such)."""
+        known = self.servers.get(url)
+        if known is not None and known.role is role:
+            return False
+        self.servers[url] = ServerState(url=url, role=role)
+        if known is not None:
+            self._pair()
+        return True
+
+    def remove_server(self, url: str) -> bool:
+        """A server left (membership): out of rotation at once. True when it was known."""
+        if self.servers.pop(url, None) is None:
+            return False
+        self._pair()
+        return True
 
     def of_role(self, role: ServerRole) -> list[ServerState]:
         return [s for s in self.servers.values() if s.role is role]
@@ -254,8 +276,13 @@ class Cluster:
         return [s.url for s in self.of_role(role) if not s.healthy]
 
     def required_roles(self) -> list[ServerRole]:
-        """Generation always; context unless none is configured (aggregated mode)."""
-        return [r for r in ServerRole if r is ServerRole.GENERATION or self.of_role(r)]
+        """Generation always; context unless none is known and none is required (aggregated
+        mode)."""
+        return [
+            r
+            for r in ServerRole
+            if r is ServerRole.GENERATION or self.of_role(r) or self.context_required
+        ]
 
     def has_each_role(self) -> bool:
         return all(self.serving(role) for role in self.required_roles())

@@ -11,8 +11,10 @@ Keys follow TensorRT-LLM's `disagg_config.yaml` (DESIGN.md §4)::
     generation_servers:
       urls: ["127.0.0.1:8002"]
       router: {type: load_balancing, use_tokens: false}
-    num_workers: 1                # >1: a fleet of front ends on one port + a state process
-    disagg_coordinator_url: null  # fleet: delegate to this coordinator state process
+    cluster: null                 # {etcd: URL, name: NAME}: the servers are the workers
+                                  # registered there (instead of the two groups' urls)
+    num_workers: 1                # >1: a fleet of front ends sharing the port
+    disagg_coordinator_url: null  # accepted and ignored (a warning): every front end places itself
     node_id: null                 # [0, 256); default: hash of hostname:port
     schedule_style: context_first # context_first | generation_first
     conditional_disagg_config: {max_local_prefill_length: 0}
@@ -43,6 +45,7 @@ import cattrs
 from cattrs.gen import make_dict_structure_fn
 
 from trtdisagg.config import ConfigError, read_yaml
+from trtdisagg.membership.records import check_cluster_name, check_etcd_url
 
 PHASE_TIMEOUTS: Final = (
     "ctx_first_token_timeout",
@@ -97,11 +100,20 @@ class ConditionalDisaggConfig:
 
 
 @attrs.frozen(kw_only=True)
+class MembershipConfig:
+    """`cluster:`: the servers are the workers registered in this etcd under this name."""
+
+    etcd: str
+    name: str
+
+
+@attrs.frozen(kw_only=True)
 class CoordinatorConfig:
     hostname: str = "localhost"
     port: int = 8000
     context_servers: ServerGroupConfig = attrs.Factory(ServerGroupConfig)
     generation_servers: ServerGroupConfig = attrs.Factory(ServerGroupConfig)
+    cluster: MembershipConfig | None = None
     num_workers: int = 1
     disagg_coordinator_url: str | None = None
     node_id: int | None = None
@@ -121,13 +133,6 @@ class CoordinatorConfig:
     api_key: str | None = attrs.field(default=None, repr=False)  # a secret: never in a repr
     max_request_body_bytes: int = 16 * 1024 * 1024
     log_level: str = "info"
-
-    @property
-    def state_url(self) -> str:
-        """Where fleet front ends find the coordinator state process."""
-        if self.disagg_coordinator_url is not None:
-            return self.disagg_coordinator_url.rstrip("/")
-        return f"http://{self.hostname}:{self.port - 1}"
 
 
 # ---- strict structuring ----
@@ -268,7 +273,7 @@ def normalize_url(url: str) -> str | None:
     return f"{match['scheme'] or 'http'}://{match['host']}:{int(match['port'])}"
 
 
-def _check_group(group: ServerGroupConfig, path: str) -> list[str]:
+def _check_urls(group: ServerGroupConfig, path: str) -> list[str]:
     errors = []
     if not group.urls:
         errors.append(f"{path}.urls: must list at least one server (host:port)")
@@ -281,6 +286,11 @@ def _check_group(group: ServerGroupConfig, path: str) -> list[str]:
         errors.append(
             f"{path}.num_instances: is {group.num_instances} but urls lists {len(group.urls)}"
         )
+    return errors
+
+
+def _check_router(group: ServerGroupConfig, path: str) -> list[str]:
+    errors = []
     router = group.router
     for name in ("max_batch_size", "tokens_per_block", "max_sessions"):
         value = getattr(router, name)
@@ -293,27 +303,53 @@ def _check_group(group: ServerGroupConfig, path: str) -> list[str]:
     return errors
 
 
-def validate(config: CoordinatorConfig) -> list[str]:
-    """Every semantic problem of a structured config, as 'key path: problem' lines."""
+def _check_servers(config: CoordinatorConfig) -> list[str]:
+    """Where the servers come from: static url lists, or the workers registered in etcd."""
+    groups = (
+        ("$.context_servers", config.context_servers),
+        ("$.generation_servers", config.generation_servers),
+    )
+    errors = [e for path, group in groups for e in _check_router(group, path)]
+    if config.cluster is not None:
+        if (why := check_etcd_url(config.cluster.etcd)) is not None:
+            errors.append(f"$.cluster.etcd: {why}")
+        if (why := check_cluster_name(config.cluster.name)) is not None:
+            errors.append(f"$.cluster.name: {why}")
+        for path, group in groups:
+            if group.urls or group.num_instances is not None:
+                errors.append(
+                    f"{path}.urls: not with cluster: the servers are the workers registered in "
+                    f"etcd (leave urls and num_instances out, or remove cluster)"
+                )
+        return errors
     # Aggregated mode: no context servers, and conditional disaggregation serves every prompt
     # within max_local_prefill_length on one generation server alone (longer ones get a 503).
     aggregated = config.conditional_disagg_config is not None and not config.context_servers.urls
-    errors = [] if aggregated else _check_group(config.context_servers, "$.context_servers")
-    if not config.context_servers.urls and not aggregated:
-        errors[0] += "; or set conditional_disagg_config to serve requests on gen alone"
-    errors += _check_group(config.generation_servers, "$.generation_servers")
+    if not aggregated:
+        ctx_errors = _check_urls(config.context_servers, "$.context_servers")
+        if not config.context_servers.urls:
+            ctx_errors[0] += (
+                "; or set conditional_disagg_config to serve requests on gen alone, or cluster "
+                "to serve the workers registered in etcd"
+            )
+        errors += ctx_errors
+    errors += _check_urls(config.generation_servers, "$.generation_servers")
     overlap = {normalize_url(u) for u in config.context_servers.urls} & {
         normalize_url(u) for u in config.generation_servers.urls
     }
     if overlap - {None}:
         both = sorted(u for u in overlap if u is not None)
         errors.append(f"$.generation_servers.urls: also listed as context servers: {both}")
+    return errors
+
+
+def validate(config: CoordinatorConfig) -> list[str]:
+    """Every semantic problem of a structured config, as 'key path: problem' lines."""
+    errors = _check_servers(config)
     if not 0 <= config.port < 65536:
         errors.append(f"$.port: must be in [0, 65536), got {config.port}")
     if not 1 <= config.num_workers <= 64:
         errors.append(f"$.num_workers: must be in [1, 64], got {config.num_workers}")
-    if config.num_workers > 1 and config.disagg_coordinator_url is None and config.port < 2:
-        errors.append("$.port: a fleet needs port - 1 for its coordinator state process")
     url = config.disagg_coordinator_url
     if url is not None and not url.startswith(("http://", "https://")):
         errors.append(f"$.disagg_coordinator_url: expected http://host:port, got {url!r}")

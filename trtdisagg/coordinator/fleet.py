@@ -1,25 +1,19 @@
 """Fleet mode (``num_workers > 1``): N front-end processes share the public port.
 
-Topologies (as TensorRT-LLM's):
-
-=============  ========================  ================================================
-num_workers    disagg_coordinator_url    processes
-=============  ========================  ================================================
-1              unset                     one self-contained coordinator (no fleet)
-> 1            unset                     state process on ``port - 1`` + N front ends
-any            set                       N front ends delegating to that URL, no state
-=============  ========================  ================================================
-
 Each front end binds its own socket on the public port with ``SO_REUSEPORT`` and the kernel
-spreads connections between them. The supervisor (this process, no event loop) first binds a
-reservation socket without listening: it claims the port (and resolves port 0) and receives no
-connections. Children are started with ``spawn`` and front end ``i`` mints ids with process id
-``i``.
+spreads connections between them. Each is a whole coordinator: it checks the servers' health,
+keeps its own routers (a router's decisions stay local: its load counts are its own requests,
+its KV-aware view the events it reads), and learns the servers from the same place as the
+others: the configured url lists, or the workers registered in etcd (``cluster``), which each
+front end watches for itself. Front ends on other hosts join the same fleet by using the same
+lists or the same etcd cluster. Nothing passes between the front ends themselves.
+
+The supervisor (this process, no event loop) first binds a reservation socket without
+listening: it claims the port (and resolves port 0) and receives no connections. Children are
+started with ``spawn`` and front end ``i`` mints ids with process id ``i``.
 
 Supervision: SIGINT/SIGTERM stop every child (terminate, then kill after a grace period). A
-front end that exits ends the fleet with its exit code. The state process exiting with
-``EXIT_STARTUP_FAILED`` (its servers never became healthy) ends the fleet too; if it dies
-otherwise, the front ends keep running and answer 503 (not ready) until the fleet is restarted.
+front end that exits ends the fleet with its exit code.
 """
 
 from __future__ import annotations
@@ -42,7 +36,6 @@ from trtdisagg.coordinator.serve import (
     bind_socket,
     run_service,
     serve_coordinator,
-    serve_coordinator_state,
 )
 
 log = logging.getLogger("trtdisagg.coordinator.fleet")
@@ -74,16 +67,6 @@ def front_end_main(config: CoordinatorConfig, process_id: int) -> None:
     sys.exit(run_service(serve))
 
 
-def state_main(config: CoordinatorConfig) -> None:
-    """Entry point of the coordinator state process (spawned)."""
-    _setup_child_logging(config.log_level, "[coordinator-state]")
-
-    async def serve() -> None:
-        await serve_coordinator_state(config)
-
-    sys.exit(run_service(serve))
-
-
 @attrs.define(eq=False, kw_only=True)
 class _Stop(Exception):
     signum: int
@@ -102,53 +85,36 @@ def run_fleet(config: CoordinatorConfig) -> int:
         return EXIT_STARTUP_FAILED
     port = reservation.getsockname()[1]
     config = attrs.evolve(config, port=port)
-    front_config = attrs.evolve(config, disagg_coordinator_url=config.state_url)
     spawn = multiprocessing.get_context("spawn")
-    state: BaseProcess | None = None
     fronts: list[BaseProcess] = []
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if config.disagg_coordinator_url is None:
-            state = spawn.Process(target=state_main, args=(config,), name="coordinator-state")
-            state.start()
-            log.info("coordinator state process pid %d on %s", state.pid, config.state_url)
         for i in range(config.num_workers):
-            proc = spawn.Process(target=front_end_main, args=(front_config, i), name=f"w{i}")
+            proc = spawn.Process(target=front_end_main, args=(config, i), name=f"w{i}")
             proc.start()
             fronts.append(proc)
         log.info(
-            "fleet of %d front ends on http://%s:%d (pids %s), coordinator %s",
-            len(fronts), config.hostname, port, [p.pid for p in fronts], front_config.state_url,
+            "fleet of %d front ends on http://%s:%d (pids %s)",
+            len(fronts), config.hostname, port, [p.pid for p in fronts],
         )  # fmt: skip
-        return _supervise(state, fronts)
+        return _supervise(fronts)
     except _Stop as stop:
         log.info("received %s, stopping the fleet", signal.Signals(stop.signum).name)
         return 0
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        _stop_all([*fronts, *([state] if state is not None else [])])
+        _stop_all(fronts)
         reservation.close()
 
 
-def _supervise(state: BaseProcess | None, fronts: list[BaseProcess]) -> int:
-    watched: dict[int, BaseProcess] = {
-        p.sentinel: p for p in [*fronts, *([state] if state is not None else [])]
-    }
+def _supervise(fronts: list[BaseProcess]) -> int:
+    watched: dict[int, BaseProcess] = {p.sentinel: p for p in fronts}
     while True:
         for sentinel in multiprocessing.connection.wait(list(watched)):
             assert isinstance(sentinel, int)
             proc = watched.pop(sentinel)
             proc.join()
-            if proc is state:
-                if proc.exitcode == EXIT_STARTUP_FAILED:
-                    log.error("coordinator state process failed to start; stopping the fleet")
-                    return 1
-                log.error(
-                    "coordinator state process exited (%s); front ends answer 503 until restarted",
-                    proc.exitcode,
-                )
-                continue
             log.error("front end %s exited with %s; stopping the fleet", proc.name, proc.exitcode)
             return proc.exitcode or 1
 

@@ -21,6 +21,7 @@ answer every request with a 502. A pair that cannot exchange KV is logged once a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import Counter
@@ -30,7 +31,7 @@ import attrs
 import trio
 
 from trtdisagg.coordinator.cluster import Cluster, ServerInfo, ServerRole
-from trtdisagg.coordinator.config import CoordinatorConfig, RouterType
+from trtdisagg.coordinator.config import CoordinatorConfig, RouterType, normalize_url
 from trtdisagg.coordinator.placement import StartupError
 from trtdisagg.coordinator.routers import (
     Router,
@@ -40,6 +41,9 @@ from trtdisagg.coordinator.routers import (
     parse_kv_events,
 )
 from trtdisagg.coordinator.upstream import UpstreamError, WorkerClient
+from trtdisagg.membership.etcd import open_etcd
+from trtdisagg.membership.records import Membership, MembershipChange
+from trtdisagg.membership.watch import MemberWatch
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,9 @@ class LocalPlacement:
     _event_locks: dict[str, trio.Lock] = attrs.field(factory=dict)
     _last_event_id: dict[str, int] = attrs.field(factory=dict)
     _logged_pairs: set[tuple[str, str, str]] = attrs.field(factory=set)
+    _check_now: trio.Event = attrs.field(factory=trio.Event)
+    watch: MemberWatch | None = None
+    """The etcd membership watch, when the servers come from etcd (`cluster:`)."""
 
     @classmethod
     def create(cls, config: CoordinatorConfig, client: WorkerClient) -> LocalPlacement:
@@ -91,7 +98,24 @@ class LocalPlacement:
         return self.cluster.not_ready_reason()
 
     def cluster_info(self) -> Json:
-        return self.cluster.cluster_info()
+        info = self.cluster.cluster_info()
+        if (membership := self.membership_status()) is not None:
+            info["membership"] = membership
+        return info
+
+    def membership_status(self) -> Json | None:
+        """Where the servers come from, when from etcd: and whether that view is stale."""
+        if self.watch is None or self.config.cluster is None:
+            return None
+        status: Json = {
+            "etcd": self.config.cluster.etcd,
+            "cluster": self.config.cluster.name,
+            "stale": self.watch.stale is not None,
+        }
+        if self.watch.stale is not None:
+            status["stale_for_s"] = round(trio.current_time() - self.watch.stale.since, 3)
+            status["reason"] = self.watch.stale.reason
+        return status
 
     def server_info(self, url: str) -> ServerInfo | None:
         server = self.cluster.servers.get(url)
@@ -125,7 +149,8 @@ class LocalPlacement:
         server = router.finish(key, success=success)  # sync: released even if cancelled below
         if server is not None and success:
             self._answered[server] = trio.current_time()
-        if server is not None and router.needs_kv_events and self.cluster.servers[server].healthy:
+        state = self.cluster.servers.get(server) if server is not None else None
+        if server is not None and router.needs_kv_events and state is not None and state.healthy:
             await self.poll_kv_events(role, server)
 
     def report_unreachable(self, role: ServerRole, url: str, reason: str) -> None:
@@ -141,12 +166,33 @@ class LocalPlacement:
     # ---- background ----
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Health checks and KV event polling; `started()` once start-up waiting is over.
+        """Health checks and KV event polling (and the etcd membership watch, with `cluster`);
+        `started()` once start-up waiting is over.
 
         Raises:
-            StartupError: after ``server_start_timeout`` a role still has no healthy server.
+            StartupError: after ``server_start_timeout`` a role still has no healthy server, or
+                etcd never answered.
         """
-        async with trio.open_nursery() as nursery:
+        async with contextlib.AsyncExitStack() as stack:
+            membership = self.config.cluster
+            etcd = (
+                await stack.enter_async_context(open_etcd(membership.etcd)) if membership else None
+            )
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            if etcd is not None and membership is not None:
+                self.watch = MemberWatch(
+                    etcd=etcd,
+                    membership=Membership(cluster=membership.name),
+                    on_change=self._members_changed,
+                )
+                timeout = self.config.server_start_timeout
+                with trio.move_on_after(timeout) as waiting:
+                    await nursery.start(self.watch.serve)
+                if waiting.cancelled_caught:
+                    raise StartupError(
+                        f"etcd at {etcd.url} did not answer within server_start_timeout="
+                        f"{timeout:g}s; cannot learn the cluster's workers"
+                    )
             await nursery.start(self._monitor)
             await self._wait_for_servers()
             for role, router in self.routers.items():
@@ -154,7 +200,40 @@ class LocalPlacement:
                     nursery.start_soon(self._poll_kv_events_forever, role)
             task_status.started()
 
+    def _members_changed(self, change: MembershipChange) -> None:
+        """Make the served set the registered one: joiners are checked at once (they serve once
+        healthy), leavers are out of rotation now."""
+        assert self.watch is not None
+        roles = {ServerRole.CONTEXT: "ctx", ServerRole.GENERATION: "gen"}
+        for role, name in roles.items():
+            wanted = {u for u in map(normalize_url, self.watch.membership.urls(name)) if u}
+            known = {s.url for s in self.cluster.of_role(role)}
+            for url in known - wanted:
+                self.cluster.remove_server(url)
+                self._forget(url)
+                log.info("%s server %s is out of rotation: it left the cluster", role.value, url)
+            for url in wanted - known:
+                self.cluster.add_server(url, role)
+        self._servers_changed(ServerRole.GENERATION)
+        self._check_now.set()
+
+    def _forget(self, url: str) -> None:
+        self._misses.pop(url, None)
+        self._answered.pop(url, None)
+        self._last_event_id.pop(url, None)
+        self._event_locks.pop(url, None)
+        for router in self.routers.values():
+            router.reset_server(url)
+
     async def _wait_for_servers(self) -> None:
+        if self.watch is not None:
+            # Members come and go (each joins once healthy): none yet, or none that pairs, is
+            # a state to wait out with /health 503 saying why, not a reason to stop. The
+            # members known now have had their first health check (`_monitor` started).
+            self.cluster.started = True
+            state = "ready" if self.cluster.is_ready() else self.cluster.not_ready_reason()
+            log.info("Serving the workers registered in etcd (%s)", state)
+            return
         timeout = self.config.server_start_timeout
         deadline = trio.current_time() + timeout
         next_log = trio.current_time()
@@ -218,7 +297,9 @@ class LocalPlacement:
                 interval = min(self.config.health_check_interval, STARTUP_POLL_INTERVAL)
             else:
                 interval = self.config.health_check_interval
-            await trio.sleep(interval)
+            with trio.move_on_after(interval):
+                await self._check_now.wait()  # a server joined: check it now, not next round
+            self._check_now = trio.Event()
 
     async def _check(self, url: str) -> None:
         server = self.cluster.servers[url]
@@ -237,6 +318,8 @@ class LocalPlacement:
                 info = ServerInfo.parse(data)
             except UpstreamError as exc:
                 ok, why = False, str(exc)
+        if self.cluster.servers.get(url) is not server:
+            return  # it left the cluster while we checked it
         if ok and self._reported.get(url, -math.inf) >= started:
             return  # answered a probe sent before it failed a request: that says nothing
         if ok and info is not None:

@@ -1,7 +1,7 @@
 """The coordinator's Prometheus metrics (DESIGN.md §9 names), in a per-process registry.
 
-In a fleet every front-end process counts what it served itself (a scrape of the public port
-reaches one of them); the state process counts its own routing decisions.
+In a fleet every front-end process counts what it served and routed itself (a scrape of the
+public port reaches one of them).
 """
 
 from __future__ import annotations

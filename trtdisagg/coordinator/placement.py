@@ -1,10 +1,8 @@
-"""Placement: where the service gets servers from. One interface, two implementations.
+"""Placement: where the service gets servers from, as an interface.
 
-* `LocalPlacement` (`local.py`): this process owns the cluster state, the health checks, the
-  routers and the KV event polling. A single coordinator, or a fleet's state process.
-* `RemotePlacement` (`remote.py`): a fleet front end. Stateful routers live in the state process
-  and are reached over ``POST /select`` / ``POST /finish``; ``round_robin`` runs locally on the
-  server lists the state process publishes.
+`LocalPlacement` (`local.py`) implements it: this process owns the cluster state, the health
+checks, the routers and the KV event polling (alone, or as one front end of a fleet); tests
+may put their own behind the same interface.
 
 A `Lease` is one reservation on one server; whoever holds it releases it exactly once, in a
 ``finally``, shielded from cancellation and bounded in time, so in-flight counts never leak.
@@ -28,11 +26,11 @@ RELEASE_TIMEOUT: Final = 2.0
 
 
 class CoordinatorUnavailable(TrtDisaggError):
-    """The coordinator state process cannot be reached, or the cluster is not ready (HTTP 503)."""
+    """The coordinator cannot serve now: the cluster is not ready (HTTP 503)."""
 
 
 class StartupError(TrtDisaggError):
-    """Start-up could not complete (servers never healthy, coordinator unreachable)."""
+    """Start-up could not complete (servers never healthy, etcd unreachable)."""
 
 
 class Placement(Protocol):
@@ -41,6 +39,10 @@ class Placement(Protocol):
     def not_ready_reason(self) -> str: ...
 
     def cluster_info(self) -> Json: ...
+
+    def membership_status(self) -> Json | None:
+        """With servers from etcd: where, and whether the view is stale (None: static lists)."""
+        ...
 
     def server_info(self, url: str) -> ServerInfo | None: ...
 

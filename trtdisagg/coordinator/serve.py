@@ -1,14 +1,14 @@
 """Coordinator services and the process entry point.
 
-* `serve_coordinator(config)`: one front end (HTTP + `DisaggService`). With
-  ``disagg_coordinator_url`` unset it owns the cluster state itself (`LocalPlacement`); with it set
-  it is a fleet front end (`RemotePlacement`).
-* `serve_coordinator_state(config)`: a fleet's state process on ``port - 1``.
+* `serve_coordinator(config)`: one front end (HTTP + `DisaggService` + `LocalPlacement`): it
+  checks the servers' health and places requests itself, whether alone or in a fleet. Its
+  servers are the configured url lists, or the workers registered in etcd (``cluster``), which
+  every front end of a fleet watches for itself.
 * `run_coordinator(config) -> int`: the sync entry point (`python -m trtdisagg coordinator`):
   one process for ``num_workers: 1``, else the fleet supervisor (`fleet.run_fleet`).
 
 Start-up order inside a service: socket bound → HTTP serving (``/health`` answers 503) → servers
-healthy (or the state process reachable) → ``task_status.started(address)`` and a "ready" log.
+healthy (or etcd read) → ``task_status.started(address)`` and a "ready" log.
 """
 
 from __future__ import annotations
@@ -27,10 +27,8 @@ from trtdisagg.coordinator.app import create_app
 from trtdisagg.coordinator.config import CoordinatorConfig
 from trtdisagg.coordinator.local import LocalPlacement
 from trtdisagg.coordinator.metrics import CoordinatorMetrics
-from trtdisagg.coordinator.placement import Placement, StartupError
-from trtdisagg.coordinator.remote import RemotePlacement
+from trtdisagg.coordinator.placement import StartupError
 from trtdisagg.coordinator.service import DisaggService
-from trtdisagg.coordinator.state import StateService, create_state_app
 from trtdisagg.coordinator.upstream import WorkerClient, make_http_client
 from trtdisagg.ids import SnowflakeGenerator, derive_node_id
 from trtdisagg.loop_lag import watch_loop_lag
@@ -38,7 +36,6 @@ from trtdisagg.loop_lag import watch_loop_lag
 log = logging.getLogger("trtdisagg.coordinator")
 
 EXIT_STARTUP_FAILED: Final = 3
-RESERVATION_GRACE: Final = 30.0
 
 Address = tuple[str, int]
 
@@ -110,19 +107,15 @@ async def serve_coordinator(
     owned by hypercorn once serving.
 
     Raises:
-        StartupError: the port cannot be bound, the servers never became healthy, or the
-            fleet's state process could not be reached within ``server_start_timeout``.
+        StartupError: the port cannot be bound, the servers never became healthy, or etcd
+            did not answer within ``server_start_timeout``.
     """
     metrics = CoordinatorMetrics.create()
     ids = SnowflakeGenerator(node_id=_node_id(config), process_id=process_id)
     listener = sock or bind_socket(config.hostname, config.port, reuse_port=False)
     async with make_http_client(timeout=config.request_timeout) as http:
         client = WorkerClient(http=http, api_key=config.api_key)
-        placement: Placement
-        if config.disagg_coordinator_url is not None:
-            placement = RemotePlacement.create(config, http)
-        else:
-            placement = LocalPlacement.create(config, client)
+        placement = LocalPlacement.create(config, client)
         service = DisaggService(
             config=config, placement=placement, client=client, ids=ids, metrics=metrics
         )
@@ -139,39 +132,6 @@ async def serve_coordinator(
             log.info("coordinator listening on http://%s:%d, waiting for servers", host, port)
             await nursery.start(placement.serve)
             log.info("coordinator ready on http://%s:%d", host, port)
-            task_status.started((host, port))
-
-
-async def serve_coordinator_state(
-    config: CoordinatorConfig,
-    *,
-    sock: socket.socket | None = None,
-    task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run a fleet's coordinator state process (cluster state + stateful routers) on
-    ``port - 1`` until cancelled. `started()` once the servers are healthy.
-
-    Raises:
-        StartupError: as `serve_coordinator`.
-    """
-    metrics = CoordinatorMetrics.create()
-    listener = sock or bind_socket(config.hostname, config.port - 1, reuse_port=False)
-    async with make_http_client(timeout=config.request_timeout) as http:
-        placement = LocalPlacement.create(config, WorkerClient(http=http, api_key=config.api_key))
-        service = StateService(
-            placement=placement,
-            metrics=metrics,
-            reservation_timeout=config.request_timeout + RESERVATION_GRACE,
-        )
-        app = create_state_app(service)
-        async with trio.open_nursery() as nursery:
-            host, port = listener.getsockname()[:2]
-            await nursery.start(serve_http, app, listener)
-            nursery.start_soon(watch_loop_lag, metrics.event_loop_lag.observe)
-            log.info("coordinator state process listening on http://%s:%d", host, port)
-            await nursery.start(placement.serve)
-            nursery.start_soon(service.expire_forever)
-            log.info("coordinator state process ready on http://%s:%d", host, port)
             task_status.started((host, port))
 
 
@@ -218,6 +178,12 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     Returns:
         0 after a signal; non-zero when start-up failed (the reason is logged).
     """
+    if config.disagg_coordinator_url is not None:
+        log.warning(
+            "disagg_coordinator_url is ignored: every front end checks the servers and places "
+            "requests itself (there is no coordinator state process); a fleet shares its "
+            "servers through the same url lists or the same etcd (cluster)"
+        )
     if config.num_workers > 1:
         from trtdisagg.coordinator.fleet import run_fleet
 

@@ -1,4 +1,4 @@
-"""HTTP to the workers and to the coordinator state process: one `httpx.AsyncClient` per process.
+"""HTTP to the workers: one `httpx.AsyncClient` per process.
 
 Every transport failure becomes one typed error, so the service decides retries on types, not on
 httpx internals:

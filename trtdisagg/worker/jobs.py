@@ -21,7 +21,7 @@ from trtdisagg.api.fanout import ChoicePlan
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
 from trtdisagg.api.streaming import MergedBody
 from trtdisagg.worker import responses
-from trtdisagg.worker.executor import Executor, RequestHandle, RequestOutput
+from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
 from trtdisagg.worker.handoff import ctx_state
 from trtdisagg.worker.request import RequestType
 from trtdisagg.worker.sampling import TokenLogprobs

@@ -2,12 +2,13 @@
 
 Only rank 0 schedules. Every step it broadcasts one `StepCommand`: the forward's inputs (each
 scheduled request's new tokens, first position and block ids) plus the transfer work it decided
-(sends to prepare and to start, receives to start, cancels, KV digests to record). Every rank
-applies the same command to its own shard, so no rank needs scheduler state or Request objects.
+(sends to prepare and to start, receives to start, cancels). Every rank applies the same command
+to its own shard, so no rank needs scheduler state or Request objects.
 
-Each rank then answers with a `RankReport`: the transfers its own transceiver finished. A
-request changes transfer state only when every rank has reported it (`OutcomeGate`): success is
-the intersection, failure and cancellation the union. Pure: no torch, trio or sockets.
+Each rank then answers with a `RankReport`: the transfers its own transceiver finished (and, with
+test hooks, digests of the KV it moved). A request changes transfer state only when every rank
+has reported it (`OutcomeGate`): success is the intersection, failure and cancellation the
+union. Pure: no torch, trio or sockets.
 """
 
 from __future__ import annotations
@@ -59,15 +60,6 @@ class ReceiveCommand:
 
 
 @attrs.frozen(kw_only=True)
-class DigestCommand:
-    """Test hooks: digest this rank's share of `key`'s KV (tokens [0, num_tokens))."""
-
-    key: int
-    block_ids: tuple[int, ...]
-    num_tokens: int
-
-
-@attrs.frozen(kw_only=True)
 class StepCommand:
     items: tuple[ItemInputs, ...] = ()
     sends: tuple[SendCommand, ...] = ()
@@ -76,7 +68,6 @@ class StepCommand:
     prepares: tuple[SendCommand, ...] = ()
     receives: tuple[ReceiveCommand, ...] = ()
     cancels: tuple[int, ...] = ()  # transfer keys; applied after this step's sends/receives
-    digests: tuple[DigestCommand, ...] = ()
     stop: bool = False  # the instance is shutting down: leave the loop
 
     @property

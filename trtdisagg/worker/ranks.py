@@ -28,20 +28,14 @@ import trio
 
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import TrtDisaggError
+from trtdisagg.membership.records import advertised_endpoint
 from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.transceiver import KvTransceiver
 from trtdisagg.transfer.wire import PROTOCOL_VERSION, InstanceInfo, decode, encode
+from trtdisagg.worker.engine.ports import Transceiver
+from trtdisagg.worker.engine.test_hooks import DigestBuffer, DigestingTransceiver
 from trtdisagg.worker.rank_group import RankGroup
-from trtdisagg.worker.rank_plan import (
-    RankDigest,
-    RankOutcome,
-    RankReport,
-    Side,
-    StepCommand,
-    WriteRecord,
-)
+from trtdisagg.worker.rank_plan import RankOutcome, RankReport, Side, StepCommand, WriteRecord
 from trtdisagg.worker.runner import ModelRunner, build_runner
-from trtdisagg.worker.test_hooks import TestHooks
 
 log = logging.getLogger("trtdisagg.worker")
 
@@ -113,7 +107,7 @@ def share_infos_with(group: RankGroup) -> Callable[[RankInfo], Awaitable[tuple[R
     return share
 
 
-def rank_outcomes(transceiver: KvTransceiver | None) -> tuple[RankOutcome, ...]:
+def rank_outcomes(transceiver: Transceiver | None) -> tuple[RankOutcome, ...]:
     """This rank's transfers that reached a final state since the last call."""
     if transceiver is None:
         return ()
@@ -149,7 +143,7 @@ def run_follower(
 async def _follow(
     config: WorkerConfig, model_dir: Path, rank: int, port: int, instance_name: str
 ) -> None:
-    from trtdisagg.worker.serve import hold_router  # serve imports this module
+    from trtdisagg.worker.engine.build import hold_router  # build imports this module
     from trtdisagg.worker.transfer_setup import build_transceiver
 
     group = await trio.to_thread.run_sync(
@@ -165,18 +159,15 @@ async def _follow(
     runner = await trio.to_thread.run_sync(
         lambda: build_runner(config, model_dir, group.parallel, agree_blocks=group.agree_min)
     )
-    hooks = None
-    if config.enable_test_hooks:
-        hooks = TestHooks(
-            layer_ids=runner.model.local_layer_ids, head_ids=runner.model.local_kv_head_ids
-        )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_exit_with_parent, rank)
-        transceiver = None
+        transceiver: Transceiver | None = None
         writes: list[WriteRecord] = []
+        digests: DigestBuffer | None = None
         if config.cache_transceiver_config.backend is not None:
             router = await nursery.start(hold_router, config.host)
-            transceiver = await build_transceiver(
+            router.endpoint = advertised_endpoint(router.endpoint, config.advertise_host)
+            built = await build_transceiver(
                 config,
                 runner,
                 model_dir,
@@ -188,10 +179,20 @@ async def _follow(
                 on_write=lambda num_bytes, descriptors, seconds: writes.append(
                     WriteRecord(num_bytes=num_bytes, num_descriptors=descriptors, seconds=seconds)
                 ),
+                early_failures=False,  # see KvTransceiver.early_failures
+                may_spin=lambda: False,  # its outcomes wait for rank 0's next tick
             )
-            transceiver.early_failures = False  # see KvTransceiver.early_failures
-            transceiver.may_spin = lambda: False  # its outcomes wait for rank 0's next tick
-            await nursery.start(transceiver.run)
+            await nursery.start(built.run)
+            transceiver = built
+            if config.enable_test_hooks:  # digests of the KV this rank moves, for rank 0
+                digests = DigestBuffer()
+                transceiver = DigestingTransceiver(
+                    inner=built,
+                    cache=runner.cache,
+                    layer_ids=runner.model.local_layer_ids,
+                    head_ids=runner.model.local_kv_head_ids,
+                    record=digests.add,
+                )
         log.info("rank %d ready (%s)", rank, group.parallel)
         while True:
             command = await trio.to_thread.run_sync(
@@ -199,15 +200,16 @@ async def _follow(
             )
             if command.stop:
                 break
-            digests = _apply(command, transceiver, runner, hooks)
+            _apply(command, transceiver, runner)
             if command.has_forward:
                 await trio.to_thread.run_sync(
                     runner.forward_items, command.items, group, abandon_on_cancel=True
                 )
+            outcomes = rank_outcomes(transceiver)  # digests what landed, with test hooks
             report = RankReport(
                 rank=rank,
-                outcomes=rank_outcomes(transceiver),
-                digests=digests,
+                outcomes=outcomes,
+                digests=digests.take() if digests is not None else (),
                 writes=tuple(writes),
             )
             writes.clear()
@@ -225,37 +227,25 @@ async def _exit_with_parent(rank: int) -> None:
     os._exit(1)
 
 
-def _apply(
-    command: StepCommand,
-    transceiver: KvTransceiver | None,
-    runner: ModelRunner,
-    hooks: TestHooks | None,
-) -> tuple[RankDigest, ...]:
+def _apply(command: StepCommand, transceiver: Transceiver | None, runner: ModelRunner) -> None:
     """The transfer work of one command, in rank 0's order: prepares, sends, receives, cancels."""
-    if transceiver is not None:
-        for prepare in command.prepares:
-            transceiver.prepare_send(prepare.key, [list(prepare.block_ids)], prepare.num_tokens)
-        if command.sends:
-            runner.kv_ready()  # the KV the last steps wrote is in memory before NIXL reads it
-        for send in command.sends:
-            transceiver.respond_and_send_async(
-                send.key, [list(send.block_ids)], send.num_tokens, send.first_tokens
-            )
-        for receive in command.receives:
-            transceiver.request_and_receive_async(
-                receive.key,
-                receive.endpoint,
-                [list(receive.block_ids)],
-                receive.num_tokens,
-                ctx_instance=receive.ctx_instance,
-            )
-        for key in command.cancels:
-            transceiver.cancel_request(key)
-    if hooks is None:
-        return ()
-    return tuple(
-        RankDigest(
-            key=d.key, parts=hooks.local_parts(runner.cache, list(d.block_ids), d.num_tokens)
+    if transceiver is None:
+        return
+    for prepare in command.prepares:
+        transceiver.prepare_send(prepare.key, [list(prepare.block_ids)], prepare.num_tokens)
+    if command.sends:
+        runner.kv_ready()  # the KV the last steps wrote is in memory before NIXL reads it
+    for send in command.sends:
+        transceiver.respond_and_send_async(
+            send.key, [list(send.block_ids)], send.num_tokens, send.first_tokens
         )
-        for d in command.digests
-    )
+    for receive in command.receives:
+        transceiver.request_and_receive_async(
+            receive.key,
+            receive.endpoint,
+            [list(receive.block_ids)],
+            receive.num_tokens,
+            ctx_instance=receive.ctx_instance,
+        )
+    for key in command.cancels:
+        transceiver.cancel_request(key)

@@ -1,57 +1,34 @@
-"""serve_worker: one worker process (one rank) — model, KV pool, executor, HTTP, in one nursery.
+"""serve_worker: one worker process (rank 0 of its instance): build the engine, start it, serve.
 
-Start-up order is explicit (DESIGN.md §1): model and KV pool loaded → executor ready → HTTP
-serving → the "ready" log line. Until then the port is closed, so a health check cannot see a
-half-started worker.
+Start-up order is explicit (DESIGN.md §1): the other ranks joined (multi-rank) → model, KV pool,
+transceiver and engine built (`engine/build.py`) → transceiver running → engine loop running →
+HTTP serving → the "ready" log line. Until then the port is closed, so a health check cannot see
+a half-started worker.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 
 import torch
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from trtdisagg.api.codec import to_json
 from trtdisagg.config import WorkerConfig
-from trtdisagg.kv.block_pool import BlockPool
 from trtdisagg.loop_lag import watch_loop_lag
-from trtdisagg.metrics import WorkerMetrics
+from trtdisagg.membership.records import WorkerRecord, advertised_url
+from trtdisagg.membership.registration import Drain, serve_registration
 from trtdisagg.model.loader import resolve_model
-from trtdisagg.model.parallel import Parallel
-from trtdisagg.model.synthetic import is_synthetic
-from trtdisagg.transfer.faults import FaultInjector
-from trtdisagg.transfer.messenger import Router, open_router
 from trtdisagg.transfer.rank_info import make_instance_name
 from trtdisagg.worker.app import create_app
-from trtdisagg.worker.executor import Executor
-from trtdisagg.worker.fault_hooks import arm_faults
+from trtdisagg.worker.engine.build import build_worker
 from trtdisagg.worker.rank_group import RankGroup
-from trtdisagg.worker.ranks import Followers, share_infos_with, start_followers
-from trtdisagg.worker.runner import build_runner
-from trtdisagg.worker.scheduler import Scheduler
-from trtdisagg.worker.service import WorkerService
-from trtdisagg.worker.test_hooks import TestHooks
-from trtdisagg.worker.tokenization import Tokenizer
-from trtdisagg.worker.transfer_setup import build_transceiver
+from trtdisagg.worker.ranks import Followers, start_followers
 
 log = logging.getLogger("trtdisagg.worker")
-
-
-async def hold_router(
-    host: str,
-    faults: FaultInjector | None = None,
-    *,
-    task_status: trio.TaskStatus[Router] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Own this rank's control-plane ROUTER for the life of the worker (bound to `host` only)."""
-    address = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
-    async with open_router(bind=address, faults=faults) as router:
-        task_status.started(router)
-        await trio.sleep_forever()
 
 
 def hypercorn_config(host: str, port: int) -> HypercornConfig:
@@ -75,9 +52,8 @@ async def serve_worker(
             group: RankGroup | None = None
             if config.world_size > 1:
                 store = await trio.to_thread.run_sync(RankGroup.open_store, config.world_size)
-                port = store.port
                 followers = start_followers(
-                    config, model_dir, port=port, instance_name=instance_name
+                    config, model_dir, port=store.port, instance_name=instance_name
                 )
                 nursery.start_soon(followers.watch)  # a rank that dies stops the instance
                 group = await trio.to_thread.run_sync(
@@ -86,7 +62,7 @@ async def serve_worker(
                         rank=0,
                         tp_size=config.tensor_parallel_size,
                         pp_size=config.pipeline_parallel_size,
-                        port=port,
+                        port=store.port,
                         device=torch.device(config.device),
                         device_index=config.cuda_device,
                         store=store,
@@ -99,118 +75,40 @@ async def serve_worker(
                     config.tensor_parallel_size,
                     config.pipeline_parallel_size,
                 )
-            await _serve_rank0(config, model_dir, instance_name, group, nursery, task_status)
+            worker = await build_worker(
+                config, model_dir, nursery=nursery, group=group, instance_name=instance_name
+            )
+            nursery.start_soon(watch_loop_lag, worker.metrics.event_loop_lag.observe)
+            if worker.transceiver is not None:
+                await nursery.start(worker.transceiver.run)
+            await nursery.start(worker.executor.run)
+            app = create_app(worker.service)
+            serve_http = functools.partial(
+                hypercorn_serve, app, hypercorn_config(config.host, config.port)
+            )
+            binds: list[str] = await nursery.start(serve_http)
+            pool = worker.executor.scheduler.pool
+            log.info(
+                "worker ready: role=%s model=%s kv_blocks=%d tokens_per_block=%d url=%s",
+                config.role.value,
+                worker.service.served_model_name,
+                pool.num_blocks,
+                pool.tokens_per_block,
+                binds[0],
+            )
+            if config.cluster is not None:  # etcd membership and the SIGTERM drain
+                executor = worker.executor
+                url = advertised_url(binds[0], config.advertise_host)
+                info = to_json(worker.service.server_info())
+                record = WorkerRecord.from_server_info(info, url=url, instance=instance_name)
+                drain = Drain(
+                    busy=lambda: executor.num_active() > 0 or executor.tracker.in_flight,
+                    stop=nursery.cancel_scope.cancel,
+                )
+                await nursery.start(
+                    functools.partial(serve_registration, config.cluster, record, drain=drain)
+                )
+            task_status.started(binds)
     finally:
         if followers is not None:
             followers.stop()
-
-
-async def _serve_rank0(
-    config: WorkerConfig,
-    model_dir: Path,
-    instance_name: str,
-    group: RankGroup | None,
-    nursery: trio.Nursery,
-    task_status: trio.TaskStatus[list[str]],
-) -> None:
-    tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, model_dir)
-    parallel = group.parallel if group is not None else Parallel(device_index=config.cuda_device)
-    runner = await trio.to_thread.run_sync(
-        functools.partial(
-            build_runner,
-            config,
-            model_dir,
-            parallel,
-            agree_blocks=group.agree_min if group is not None else None,
-        ),
-        abandon_on_cancel=group is not None,
-    )
-    max_seq_len = config.max_seq_len or runner.model.args.max_position_embeddings
-    kv = config.kv_cache_config
-    pool = BlockPool(
-        num_blocks=runner.cache.num_blocks,
-        tokens_per_block=kv.tokens_per_block,
-        enable_block_reuse=kv.enable_block_reuse,
-    )
-    scheduler = Scheduler(
-        pool=pool,
-        max_batch_size=config.max_batch_size,
-        max_num_tokens=config.max_num_tokens,
-        max_seq_len=max_seq_len,
-    )
-    metrics = WorkerMetrics.create()
-    nursery.start_soon(watch_loop_lag, metrics.event_loop_lag.observe)
-    executor = Executor(
-        scheduler=scheduler,
-        runner=runner,
-        tokenizer=tokenizer,
-        metrics=metrics,
-        role=config.role.value,
-        max_seq_len=max_seq_len,
-        ranks=group,
-    )
-    if config.enable_test_hooks:
-        executor.test_hooks = TestHooks(
-            layer_ids=runner.model.local_layer_ids, head_ids=runner.model.local_kv_head_ids
-        )
-        log.warning("test hooks are enabled (TRTDISAGG_TEST_HOOKS=1): not for production")
-    named = config.model == "tiny" or is_synthetic(config.model)  # no directory name to show
-    served = config.served_model_name or (config.model if named else model_dir.name)
-    service = WorkerService(
-        config=config,
-        served_model_name=served,
-        model_dir=model_dir,
-        tokenizer=tokenizer,
-        executor=executor,
-        metrics=metrics,
-        max_seq_len=max_seq_len,
-        faults=(faults := arm_faults(config, metrics)),
-    )
-    transfer = config.cache_transceiver_config
-    if transfer.backend is None:
-        log.info("cache_transceiver is disabled")
-    else:
-        router = await nursery.start(hold_router, config.host, faults)
-        # Watching for a peer's move (transfer/pacing.py) saves a fraction of a millisecond.
-        # A multi-rank instance gathers its ranks' outcomes at its next tick, so it gains
-        # nothing there (nor on its followers, worker/ranks.py); nor where the KV is in host
-        # memory, whose writes take milliseconds, and a spinning loop would take a core from
-        # the other processes of a small machine.
-        watches = group is None and config.device == "cuda"
-        executor.transceiver = await build_transceiver(
-            config,
-            runner,
-            model_dir,
-            router,
-            executor.wake,
-            metrics,
-            instance_name=instance_name,
-            share_infos=share_infos_with(group) if group is not None else None,
-            faults=faults,
-            watches=watches,
-        )
-        executor.transceiver.early_failures = group is None  # see KvTransceiver.early_failures
-        executor.transceiver.may_spin = executor.idle if watches else lambda: False
-        await nursery.start(executor.transceiver.run)
-        service.ctx_info_endpoint = executor.transceiver.info_endpoint
-        service.ctx_instance = executor.transceiver.local.instance_name
-        log.info(
-            "Using KvCacheTransceiver backend=%s endpoint=%s instance=%s",
-            transfer.backend.value,
-            service.ctx_info_endpoint,
-            executor.transceiver.local.instance_name,
-        )
-    await nursery.start(executor.run)
-    app = create_app(service)
-    serve_http = functools.partial(hypercorn_serve, app, hypercorn_config(config.host, config.port))
-    binds: list[str] = await nursery.start(serve_http)
-    service.ready = True
-    log.info(
-        "worker ready: role=%s model=%s kv_blocks=%d tokens_per_block=%d url=%s",
-        config.role.value,
-        served,
-        pool.num_blocks,
-        kv.tokens_per_block,
-        binds[0],
-    )
-    task_status.started(binds)

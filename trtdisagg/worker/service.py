@@ -35,7 +35,7 @@ from trtdisagg.transfer.endpoints import is_tcp_endpoint
 from trtdisagg.transfer.faults import FaultInjector
 from trtdisagg.transfer.rank_info import compat_fields
 from trtdisagg.worker import responses
-from trtdisagg.worker.executor import Executor, GenerationSource
+from trtdisagg.worker.engine.executor import Executor, GenerationSource
 from trtdisagg.worker.handoff import ctx_instance_of
 from trtdisagg.worker.jobs import ChoiceRun, CtxEndpoint, Job
 from trtdisagg.worker.request import Request, RequestType, SamplingParams

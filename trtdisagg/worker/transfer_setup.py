@@ -7,17 +7,16 @@ registered memory.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
 
 from trtdisagg.config import TransceiverBackend, WorkerConfig
 from trtdisagg.kv.staging import StagingBuffer
+from trtdisagg.membership.interfaces import confine_ucx_to_interface
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.args import model_fingerprint
 from trtdisagg.model.parallel import pp_layer_range
@@ -42,33 +41,6 @@ from trtdisagg.worker.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 
-def is_loopback_host(host: str) -> bool:
-    """Whether `host` (a config's bind address) names the loopback interface only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a DNS name: whatever it resolves to, it is not ours to narrow
-
-
-def confine_ucx_to_loopback(host: str, environ: MutableMapping[str, str] = os.environ) -> bool:
-    """Keep UCX's sockets on the loopback device when this worker is bound to loopback.
-
-    UCX's tcp transport listens on every network device it uses, so a worker configured for
-    127.0.0.1 would otherwise accept UCX connections on the machine's external address too.
-    UCX reads its environment when the NIXL agent is created, so this must run before that.
-    A value the user set is kept. True when it set `UCX_NET_DEVICES`.
-    """
-    if not is_loopback_host(host) or "UCX_NET_DEVICES" in environ:
-        return False
-    environ["UCX_NET_DEVICES"] = "lo"
-    log.info(
-        "host %s is loopback: UCX restricted to the loopback device (UCX_NET_DEVICES=lo)", host
-    )
-    return True
-
-
 def _make_agent(backend: TransceiverBackend, name: str, progress_thread: bool) -> TransferAgent:
     # LOOPBACK moves bytes only between agents of one process; a worker gets its own fabric,
     # which serves single-process tests that run ctx and gen sides in one interpreter.
@@ -89,6 +61,8 @@ async def build_transceiver(
     faults: FaultInjector | None = None,
     on_write: Callable[[int, int, float], None] | None = None,
     watches: bool = False,
+    early_failures: bool = True,
+    may_spin: Callable[[], bool] = lambda: False,
 ) -> KvTransceiver:
     """This rank's transceiver. A multi-rank instance passes its shared `instance_name` and
     `share_infos`, which swaps RankInfos with the other ranks (every rank must call it).
@@ -96,7 +70,7 @@ async def build_transceiver(
     `metrics` (a follower rank passes its own, to report its writes to rank 0). `watches`: the
     worker lets it watch for a peer's next move (transfer/pacing.py), so a ctx rank also takes
     REQUEST_DATA as an agent notification, drained while it watches (not with faults armed:
-    they apply to ZMQ messages)."""
+    they apply to ZMQ messages). `early_failures` and `may_spin` are `KvTransceiver`'s."""
     transfer = config.cache_transceiver_config
     assert transfer.backend is not None
     model = runner.model
@@ -107,7 +81,7 @@ async def build_transceiver(
     rank = flat_rank(tp_rank=parallel.tp_rank, pp_rank=parallel.pp_rank, tp_size=parallel.tp_size)
     agent_name = f"{instance_name}#{rank}"
     if transfer.backend is TransceiverBackend.NIXL:
-        confine_ucx_to_loopback(config.host)
+        await confine_ucx_to_interface(config.host, config.advertise_host)
     agent = await trio.to_thread.run_sync(
         _make_agent, transfer.backend, agent_name, transfer.nixl_progress_thread
     )
@@ -184,4 +158,6 @@ async def build_transceiver(
         liveness=PeerLiveness(
             idle_s=transfer.peer_probe_ms / 1000, answer_s=transfer.peer_probe_ms / 1000
         ),
+        early_failures=early_failures,
+        may_spin=may_spin,
     )

@@ -1,0 +1,165 @@
+"""The Executor: what the HTTP side calls (submit, abort, release, queries); the loop does the work.
+
+Its commands are sync and never block: they go to the inbox, which the loop takes between steps
+(`loop.py`). The handlers' requests and blocks are thus only ever changed by the loop.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+import trio
+
+from trtdisagg.errors import CapacityError, WorkerStopped
+from trtdisagg.metrics import WorkerMetrics
+from trtdisagg.transfer.transceiver import KvTransceiver
+from trtdisagg.worker.engine.live import GenerationSource, Inbox, Live, RequestHandle
+from trtdisagg.worker.engine.loop import StepLoop
+from trtdisagg.worker.engine.outputs import OutputState, RequestOutput
+from trtdisagg.worker.engine.tracker import TransferTracker
+from trtdisagg.worker.engine.transfer_gauges import TransferGauges
+from trtdisagg.worker.request import Request
+from trtdisagg.worker.sampling import SampleSpec, make_generator, skip_sample
+from trtdisagg.worker.scheduler import Scheduler
+from trtdisagg.worker.stopping import StopStrings
+from trtdisagg.worker.tokenization import Tokenizer
+
+if TYPE_CHECKING:
+    from trtdisagg.worker.engine.test_hooks import TestHooks
+
+__all__ = ["Executor", "GenerationSource", "RequestHandle", "RequestOutput"]
+
+
+@attrs.define(eq=False, kw_only=True)
+class Executor:
+    loop: StepLoop
+    inbox: Inbox
+    tracker: TransferTracker
+    tokenizer: Tokenizer
+    device: torch.device  # where each request's sampling generator lives
+    vocab_size: int  # the width of the model's logits (what one sample draws over)
+    max_seq_len: int
+    metrics: WorkerMetrics
+    # For the HTTP side (endpoint, instance name, KV compatibility); the engine's own transfer
+    # work goes through its driver.
+    transceiver: KvTransceiver | None = None
+    test_hooks: TestHooks | None = None  # read and armed by the /debug routes (test_hooks.py)
+    transfer_gauges: TransferGauges | None = None
+
+    # ---- commands from handlers (sync, never block) ----
+
+    def submit(
+        self,
+        request: Request,
+        *,
+        source: GenerationSource | None = None,
+        transfer_key: int | None = None,
+    ) -> RequestHandle:
+        """Queue a request. Raises CapacityError if it could never fit, so the caller can 400.
+
+        `source` is required for generation_only requests, `transfer_key` for context_only.
+        Raises WorkerStopped once the worker stopped serving, so the caller can 503.
+        """
+        if self.stopped is not None:
+            raise WorkerStopped(f"this worker stopped serving: {self.stopped}")
+        self._check_fits(request)
+        send, receive = trio.open_memory_channel[RequestOutput](math.inf)
+        params = request.sampling
+        eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
+        generator = make_generator(params.seed, self.device)
+        if source is not None and params.seed is not None:
+            # ctx drew the first token from this seed's stream: gen continues that stream, so a
+            # seeded request samples the same tokens split or not.
+            skip_sample(generator, params, self.vocab_size)
+        spec = SampleSpec(
+            params=params,
+            generator=generator,
+            suppress=eos if params.min_tokens > 0 else frozenset(),
+        )
+        state = OutputState(
+            detokenizer=self.tokenizer.incremental_detokenizer(),
+            stops=StopStrings(stops=params.stop),
+        )
+        live = Live(
+            request=request,
+            outputs=send,
+            state=state,
+            spec=spec,
+            source=source,
+            transfer_key=transfer_key,
+        )
+        self.inbox.submit(live)
+        return RequestHandle(request=request, outputs=receive)
+
+    def abort(self, request_id: int) -> None:
+        self.inbox.abort(request_id)
+
+    def release_send(self, key: int) -> bool:
+        """ctx: the coordinator gave up on the gen leg of transfer `key` before any gen took
+        its KV (no gen, refused, unreachable, or its client left): stop holding the KV now, as
+        a gen's CANCEL would, not at `kv_transfer_timeout_ms`. A write already in flight runs
+        to its end first. False when no request of this worker holds KV under `key`."""
+        if not self.tracker.holds_send(key):
+            return False
+        self.inbox.release(key)
+        return True
+
+    # ---- queries ----
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.loop.scheduler
+
+    @property
+    def stopped(self) -> str | None:
+        """Why this worker stopped serving (its model steps kept failing); None while it serves."""
+        return self.loop.stopped
+
+    def num_active(self) -> int:
+        return len(self.loop.lives) + len(self.inbox.new)
+
+    def transfer_key_in_use(self, key: int, *, sending: bool) -> bool:
+        """Whether a request of this worker already sends (ctx) or receives (gen) under `key`.
+
+        A second one would share the first one's transfer session and mix two requests' KV
+        (DESIGN.md §6), so the HTTP layer refuses it. One worker may send and receive the same
+        key (it is then its own ctx and gen), hence the side.
+        """
+        if self.tracker.key_in_use(key, sending=sending):
+            return True
+        lives = [*self.inbox.new, *self.loop.lives.values()]
+        if sending:
+            return any(live.transfer_key == key for live in lives)
+        return any(live.source is not None and live.source.key == key for live in lives)
+
+    def refresh_gauges(self) -> None:
+        """Bring the gauges up to date (before `/metrics` renders them)."""
+        if self.transfer_gauges is not None:
+            self.transfer_gauges.refresh()
+        stats = self.scheduler.statistics()
+        self.metrics.requests_running.set(stats.num_running)
+        self.metrics.requests_waiting.set(stats.num_waiting)
+        pool = stats.pool
+        self.metrics.kv_total_blocks.set(pool.total_blocks)
+        self.metrics.kv_free_blocks.set(pool.free_blocks)
+        self.metrics.kv_reusable_blocks.set(pool.reusable_blocks)
+
+    def _check_fits(self, request: Request) -> None:
+        pool = self.scheduler.pool
+        capacity = pool.num_blocks * pool.tokens_per_block
+        if request.num_prompt_tokens >= self.max_seq_len:
+            raise CapacityError(
+                f"prompt has {request.num_prompt_tokens} tokens; this model's context is "
+                f"{self.max_seq_len} tokens"
+            )
+        if request.num_prompt_tokens + 1 > capacity:
+            raise CapacityError(
+                f"prompt has {request.num_prompt_tokens} tokens; the KV cache holds {capacity}"
+            )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The loop, until cancelled (or until a step on a multi-rank instance raises)."""
+        await self.loop.run(task_status=task_status)

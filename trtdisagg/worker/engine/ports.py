@@ -1,0 +1,112 @@
+"""The engine's edges as protocols: the transceiver it calls, and what a step driver does (pure).
+
+`StepDriver` is what differs between one rank and many, so the loop (`loop.py`) is written once:
+a driver runs each step's forward (`local.LocalDriver` in a worker thread; `multi_rank.
+MultiRankDriver` on every rank together) and carries out transfer work on every rank
+(`TransferPort`). The tracker decides transfer work; only a driver does it.
+
+`Transceiver` lists exactly the `KvTransceiver` methods the engine calls, so that the transfer
+layer may change behind them, and so that a test hook can wrap them (`test_hooks.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from trtdisagg.transfer.sessions import TransferOutcome
+    from trtdisagg.worker.runner import StepOutput
+    from trtdisagg.worker.sampling import SampleSpec
+    from trtdisagg.worker.scheduler import StepPlan
+
+
+class StepFailed(Exception):
+    """The forward of one step raised, and only that step's requests are lost (one rank: nothing
+    else ran or changed). A driver raises anything else when the step may have left the
+    instance inconsistent (ranks out of step), and the loop then stops."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+class Transceiver(Protocol):
+    """The KV transceiver calls the engine makes (`transfer/transceiver.py` documents them)."""
+
+    def respond_and_send_async(
+        self,
+        key: int,
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        first_tokens: Sequence[int] = (),
+    ) -> None: ...
+
+    def prepare_send(
+        self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int
+    ) -> None: ...
+
+    def abandon_send(self, key: int, reason: str) -> None: ...
+
+    def check_context_transfer_status(self) -> list[TransferOutcome]: ...
+
+    def request_and_receive_async(
+        self,
+        key: int,
+        ctx_info_endpoint: str,
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        *,
+        ctx_instance: str | None = None,
+    ) -> None: ...
+
+    def check_gen_transfer_status(self) -> list[TransferOutcome]: ...
+
+    def cancel_request(self, key: int) -> bool: ...
+
+
+class TransferPort(Protocol):
+    """Transfer work, done on every rank of the instance (blocks are one list: one KV group)."""
+
+    def receive(
+        self,
+        key: int,
+        endpoint: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        ctx_instance: str | None,
+    ) -> None:
+        """gen: ask the ctx at `endpoint` to write `key`'s KV into `block_ids`."""
+
+    def prepare(self, key: int, block_ids: Sequence[int], num_tokens: int) -> None:
+        """ctx: `key`'s KV will be in `block_ids` when the step now starting ends."""
+
+    def send(
+        self, key: int, block_ids: Sequence[int], num_tokens: int, first_tokens: Sequence[int]
+    ) -> None:
+        """ctx: `key`'s KV is in `block_ids`; write it to the gen that asks."""
+
+    def abandon(self, key: int, reason: str) -> None:
+        """ctx: `key`'s request ended before its KV was ready; refuse a gen that asked."""
+
+    def cancel(self, key: int) -> bool:
+        """Stop transfer `key`. True when no write can land in (or read from) its blocks any
+        more on any rank; False when that is for a later `settled` or outcome to say."""
+
+    def settled(self, key: int) -> bool:
+        """A cancelled transfer: whether no write can reach its blocks any more. False also
+        when only the transfer's outcome can say so (every rank must report it)."""
+
+    def outcomes(self) -> tuple[list[TransferOutcome], list[TransferOutcome]]:
+        """Transfers that reached a final state on every rank: (receives, sends)."""
+
+
+class StepDriver(TransferPort, Protocol):
+    """Runs the engine's steps and transfer work on the instance's ranks."""
+
+    async def step(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
+        """Run one step's forward and sample. Raises StepFailed when only this step is lost."""
+
+    async def idle(self, *, has_work: bool, in_flight: bool) -> None:
+        """Nothing to compute now: wait for a wake-up. `has_work`: requests wait for blocks;
+        `in_flight`: transfers are not final yet."""

@@ -1,0 +1,241 @@
+"""The transfer tracker: which requests wait on a KV transfer, and what each outcome does (pure).
+
+It owns the four transfer containers and nothing else holds them:
+
+    waiting       gen requests that wait for blocks for their whole prompt (FIFO)
+    receiving     gen requests whose KV is landing, by transfer key
+    sending       ctx requests whose KV is pinned for gen, by transfer key
+    quarantined   gen requests that ended while a ctx write may still land in their blocks
+
+and turns transfer outcomes into scheduler calls: KV landed (`kv_received`, the first token
+goes to the output processor), a receive failed (finish, or quarantine while a write may land),
+a send is final (`release`). Transfer work goes to a `TransferPort` (the step driver), which does
+it on every rank; the tracker does no I/O itself. docs/LIFECYCLE.md has the whole lifecycle.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+from trtdisagg.worker.engine.ending import Blocks, Ending
+from trtdisagg.worker.engine.outputs import Token
+from trtdisagg.worker.request import FinishReason, Request
+from trtdisagg.worker.scheduler import Scheduler, StepPlan
+
+if TYPE_CHECKING:
+    from trtdisagg.transfer.sessions import TransferOutcome
+    from trtdisagg.worker.engine.live import GenerationSource, Live
+    from trtdisagg.worker.engine.ports import TransferPort
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class Polled:
+    """What the transfers that finished since the last poll mean for their requests."""
+
+    arrived: tuple[Token, ...] = ()  # gen: KV landed; the request runs, ctx's token is its first
+    failed: tuple[tuple[Live, Ending], ...] = ()  # gen: the KV cannot come; blocks settled
+    failures: int = 0  # failed transfers (and first tokens gen cannot use), both sides
+
+
+_NOTHING = Polled()
+
+
+@attrs.define(eq=False, kw_only=True)
+class TransferTracker:
+    scheduler: Scheduler
+    port: TransferPort
+    vocab_size: int
+    _waiting: collections.deque[Live] = attrs.field(factory=collections.deque, alias="waiting")
+    _receiving: dict[int, Live] = attrs.field(factory=dict, alias="receiving")
+    _sending: dict[int, Request] = attrs.field(factory=dict, alias="sending")
+    _quarantined: dict[int, Request] = attrs.field(factory=dict, alias="quarantined")
+
+    # ---- gen: receive ----
+
+    def wait_for_blocks(self, live: Live) -> None:
+        """A generation_only request arrived; it asks for its KV once it has blocks."""
+        if live.source is None:
+            raise ValueError(f"request {live.request_id} has no KV source: not generation_only")
+        self._waiting.append(live)
+
+    def start_receives(self) -> None:
+        """Give waiting gen requests blocks, first come first served, and ask ctx for their KV."""
+        while self._waiting:
+            live = self._waiting[0]
+            if not self.scheduler.add_generation_only(live.request):
+                return
+            self._waiting.popleft()
+            source, table = live.source, live.request.block_table
+            assert source is not None and table is not None
+            self._receiving[source.key] = live
+            self.port.receive(
+                source.key,
+                source.ctx_info_endpoint,
+                table.block_ids,
+                live.request.num_prompt_tokens,
+                source.ctx_instance,
+            )
+
+    # ---- ctx: send ----
+
+    def prepare_sends(self, plan: StepPlan, lives: Mapping[int, Live]) -> None:
+        """ctx: a context_only request whose last prefill chunk is in this step has its KV in
+        its blocks when the step ends. Said now, a gen request that already asked
+        (generation_first) gets its write prepared during the forward; only the post is left
+        once the KV is ready."""
+        for item in plan.items:
+            live = lives.get(item.request.request_id)
+            table = item.request.block_table
+            if not item.samples or live is None or live.transfer_key is None or table is None:
+                continue
+            self.port.prepare(live.transfer_key, table.block_ids, item.request.num_prompt_tokens)
+
+    def release_send(self, key: int) -> bool:
+        """The coordinator gave up on `key`'s gen leg: stop holding its KV as a CANCEL from gen
+        would. False when no request sends under `key` any more (its transfer ended)."""
+        if key not in self._sending:
+            return False
+        log.info("KV send %d released: its gen leg never took it", key)
+        self.port.cancel(key)
+        return True
+
+    # ---- endings ----
+
+    def settle(self, live: Live, ending: Ending) -> None:
+        """Carry out what `ending` says of an ending request's blocks and transfer."""
+        if ending.blocks is Blocks.SEND:
+            self._hand_over(live)
+            return
+        key = live.transfer_key
+        if key is not None and key not in self._sending:
+            # A context_only request that ends without sending: a gen that asked for its KV
+            # first (generation_first) is refused now, not at its deadline.
+            self.port.abandon(key, ending.why_not_sent)
+        if ending.blocks is Blocks.FREE:
+            self._free(live, ending.reason)
+
+    def _hand_over(self, live: Live) -> None:
+        """ctx: the first token is out; pin the blocks and send the KV when gen asks."""
+        request, key, table = live.request, live.transfer_key, live.request.block_table
+        if key is None or table is None:
+            raise ValueError(f"request {live.request_id} has no KV to send")
+        self.scheduler.hold_for_transfer(request)
+        self._sending[key] = request
+        first_tokens = tuple(request.output_token_ids[:1])
+        self.port.send(key, table.block_ids, request.num_prompt_tokens, first_tokens)
+
+    def _free(self, live: Live, reason: FinishReason) -> None:
+        """End the request in the scheduler, wherever it is; blocks a write may still reach
+        stay held (quarantined) until no write can."""
+        request = live.request
+        if live in self._waiting:
+            self._waiting.remove(live)  # not in the scheduler yet: it holds nothing
+            return
+        source = live.source
+        if source is not None and self._receiving.get(source.key) is live:
+            del self._receiving[source.key]
+            if not self.port.cancel(source.key):
+                self._quarantined[source.key] = request
+                return
+        if not request.is_finished:
+            self.scheduler.finish(request, reason)
+
+    # ---- outcomes ----
+
+    def poll(self, receives: Sequence[TransferOutcome], sends: Sequence[TransferOutcome]) -> Polled:
+        """Apply the transfers that reached a final state (on every rank)."""
+        if not (receives or sends or self._quarantined):
+            return _NOTHING  # the common case, once per loop round
+        arrived: list[Token] = []
+        failed: list[tuple[Live, Ending]] = []
+        failures = 0
+        for outcome in receives:
+            quarantined = self._quarantined.pop(outcome.key, None)
+            if quarantined is not None:  # no write can land any more
+                self.scheduler.abort(quarantined.request_id)
+                continue
+            live = self._receiving.pop(outcome.key, None)
+            if live is None:
+                continue
+            live.state.transferred(outcome.num_bytes, outcome.seconds)
+            if not outcome.ok:
+                failures += 1
+                if outcome.blocks_held:
+                    # A ctx write may still land: the request fails now, its blocks stay
+                    # quarantined until the port says no write can.
+                    self._quarantined[outcome.key] = live.request
+                else:
+                    self.scheduler.finish(live.request, FinishReason.ERROR)
+                error = outcome.error or "KV transfer failed"
+                failed.append((live, Ending.transfer_failed(error)))
+                continue
+            token, error = _first_token(live, outcome, self.vocab_size)
+            if token is None:
+                failures += 1
+                self.scheduler.finish(live.request, FinishReason.ERROR)
+                failed.append((live, Ending.transfer_failed(error)))
+                continue
+            self.scheduler.kv_received(live.request, token)
+            source = _source(live)
+            # ctx's logprobs of the first token came with its answer (context-first only: under
+            # generation-first the token comes with the KV, without them).
+            carried = source.first_logprobs if source.first_token is not None else None
+            arrived.append(Token(live=live, token_id=token, logprobs=carried))
+        for key in list(self._quarantined):
+            if self.port.settled(key):
+                self.scheduler.abort(self._quarantined.pop(key).request_id)
+        for outcome in sends:
+            request = self._sending.pop(outcome.key, None)
+            if request is None:
+                continue
+            if not outcome.ok and not outcome.cancelled:
+                failures += 1
+                log.warning("KV send %d failed: %s", outcome.key, outcome.error)
+            self.scheduler.release(request, FinishReason.STOP if outcome.ok else FinishReason.ABORT)
+        return Polled(arrived=tuple(arrived), failed=tuple(failed), failures=failures)
+
+    # ---- queries ----
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether some transfer is not final yet (or its blocks not free)."""
+        return bool(self._receiving or self._sending or self._quarantined)
+
+    def holds_send(self, key: int) -> bool:
+        return key in self._sending
+
+    def key_in_use(self, key: int, *, sending: bool) -> bool:
+        """Whether a transfer of this worker already uses `key` on that side."""
+        if sending:
+            return key in self._sending
+        busy = key in self._receiving or key in self._quarantined
+        return busy or any(_source(live).key == key for live in self._waiting)
+
+
+def _source(live: Live) -> GenerationSource:
+    assert live.source is not None
+    return live.source
+
+
+def _first_token(live: Live, outcome: TransferOutcome, vocab_size: int) -> tuple[int | None, str]:
+    """gen: ctx's first token (from its answer, or with the KV for generation_first), or why
+    there is none this worker can use."""
+    source = _source(live)
+    token = source.first_token
+    if token is None:
+        token = outcome.first_tokens[0] if outcome.first_tokens else None
+    if token is None:
+        return None, f"KV transfer {source.key}: ctx sent no first token"
+    if not 0 <= token < vocab_size:
+        return None, (
+            f"KV transfer {source.key}: ctx's first token {token} is outside the vocabulary "
+            f"({vocab_size})"
+        )
+    return token, ""
