@@ -107,11 +107,10 @@ class GenLegs:
                 ledger.prompt_token_ids = list(ctx.prompt_token_ids)
 
     def _first_token(self) -> None:
+        """The answer's first token was relayed (on whichever leg)."""
         call = self.call
-        now = trio.current_time()
-        if call.clock.gen_first_token is None:
-            call.clock.gen_first_token = now
-        if call.ask.stream and self.relay is not None and self.relay.ledger.leg == 0:
+        call.clock.gen_first_token = now = trio.current_time()
+        if call.ask.stream:  # a whole answer's is observed when it is complete
             self.service.metrics.time_to_first_token.observe(now - call.clock.arrival)
 
     async def _finish(self, status: str) -> None:
