@@ -32,6 +32,8 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.worker.engine.ports",
     "trtdisagg.coordinator.cluster",
     "trtdisagg.coordinator.routers",
+    "trtdisagg.coordinator.ledger",
+    "trtdisagg.coordinator.continuation",
     "trtdisagg.api.fields",
     "trtdisagg.api.validation",
     "trtdisagg.api.fanout",
