@@ -9,9 +9,9 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from trtdisagg.transfer.agents.base import TransferAgent, pool_regions
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.testing import make_instance
+from tests.rank_infos import make_instance
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.runtime.agents.base import TransferAgent, pool_regions
 
 NUM_SLOTS, TPB, HEADS, HEAD_DIM, LAYERS = 8, 4, 2, 8, 2
 

@@ -118,7 +118,7 @@ if TYPE_CHECKING:
     import torch
 
     from trtdisagg.kv.cache import KVCache
-    from trtdisagg.transfer.agents.nixl import NixlAgent
+    from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
     from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
 
 SCHEMA: Final = "trtdisagg.bench_transfer/1"
@@ -993,8 +993,8 @@ class _Side:
     async def raw_write(self, args: dict[str, Any]) -> dict[str, Any]:
         import numpy as np
 
-        from trtdisagg.transfer.agents.base import XferStatus
-        from trtdisagg.transfer.fragments import Fragments
+        from trtdisagg.transfer.protocol.fragments import Fragments
+        from trtdisagg.transfer.runtime.agents.base import XferStatus
 
         src = self.cache.pool.data_ptr()  # ctx blocks start at 0
         rows = np.array([[src, args["dst_address"], args["num_bytes"]]], dtype=np.int64)
@@ -1155,12 +1155,12 @@ def _device_digest(data: torch.Tensor) -> str:
 async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
     from trtdisagg.kv.cache import KVCache
     from trtdisagg.kv.page_table import Layout
-    from trtdisagg.transfer.agents.base import pool_regions
-    from trtdisagg.transfer.agents.nixl import NixlAgent
-    from trtdisagg.transfer.messenger import open_router
-    from trtdisagg.transfer.rank_info import RankInfo, make_instance_name
+    from trtdisagg.transfer.protocol.rank_info import RankInfo, make_instance_name
+    from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION
+    from trtdisagg.transfer.runtime.agents.base import pool_regions
+    from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
+    from trtdisagg.transfer.runtime.messenger import open_router
     from trtdisagg.transfer.transceiver import KvTransceiver
-    from trtdisagg.transfer.wire import PROTOCOL_VERSION
 
     geo, plan = cfg.geometry, cfg.blocks
     device = _device(cfg, role)

@@ -21,9 +21,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-from trtdisagg.transfer.rank_info import RankInfo
+from tests.rank_infos import make_instance
+from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.rehearsal import REHEARSE_EVERY_S, HandoverRehearsal
-from trtdisagg.transfer.testing import make_instance
 
 clock = time.perf_counter
 

@@ -15,8 +15,8 @@ import attrs
 import cattrs
 import yaml
 
+from trtdisagg.faults.spec import FaultSpecError, parse_faults
 from trtdisagg.kv.page_table import Layout
-from trtdisagg.transfer.faults import FaultSpecError, parse_faults
 
 
 class ConfigError(ValueError):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import trio
 
-from trtdisagg.transfer import wire
-from trtdisagg.transfer.faults import FaultInjector, parse_faults
-from trtdisagg.transfer.messenger import open_dealer, open_router
+from trtdisagg.faults.spec import FaultInjector, parse_faults
+from trtdisagg.transfer.protocol import wire
+from trtdisagg.transfer.runtime.messenger import open_dealer, open_router
 
 
 def _cancel(key: int) -> wire.Cancel:

@@ -14,16 +14,16 @@ import numpy as np
 import trio
 
 from tests.transceivers import HEAD_DIM, HEADS, LAYERS, NUM_SLOTS, TPB, rank_info
-from trtdisagg.transfer.agents.base import (
+from trtdisagg.transfer.protocol.fragments import Fragments
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.runtime.agents.base import (
     MemoryRegion,
     TransferAgent,
     XferHandle,
     XferStatus,
 )
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.fragments import Fragments
-from trtdisagg.transfer.messenger import open_router
-from trtdisagg.transfer.rank_info import RankInfo
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.runtime.messenger import open_router
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
 
 

@@ -31,12 +31,12 @@ import trio
 from tests.integration.test_transceiver_prepared import BLOCK_BYTES, NUM_TOKENS, _outcome, blocks_of
 from tests.integration.test_transceiver_quarantine import _until
 from tests.transceivers import NUM_SLOTS, TPB, rank_info
-from trtdisagg.transfer.agents.faulty import FaultyAgent
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.faults import FaultInjector, parse_faults
-from trtdisagg.transfer.messenger import open_router
+from trtdisagg.faults.agent import FaultyAgent
+from trtdisagg.faults.spec import FaultInjector, parse_faults
+from trtdisagg.transfer.protocol.wire import unpack_block_ids
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.runtime.messenger import open_router
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
-from trtdisagg.transfer.wire import unpack_block_ids
 
 TIMEOUT_S = 1.0  # both sides; also how long ctx holds a REQUEST_DATA that found no session
 HELD_BACK_S = 0.3  # a message held back by a `delay` fault; far below TIMEOUT_S

@@ -18,11 +18,11 @@ import trio
 
 from tests.integration.test_transceiver_prepared import _outcome, _until
 from tests.transceivers import NUM_SLOTS, rank_info
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.liveness import Gone, PeerLiveness
-from trtdisagg.transfer.messenger import open_router
+from trtdisagg.transfer.protocol.liveness import Gone, PeerLiveness
+from trtdisagg.transfer.protocol.wire import NOT_REGISTERED
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.runtime.messenger import open_router
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
-from trtdisagg.transfer.wire import NOT_REGISTERED
 
 BLOCK_BYTES = 2 * 2 * 2 * 4 * 8 * 4  # LAYERS x K/V x HEADS x TPB x HEAD_DIM x float32
 NUM_TOKENS = 4 * 3 - 1

@@ -18,9 +18,9 @@ import pytest
 import trio
 
 from tests.transceivers import HEAD_DIM, HEADS, LAYERS, NUM_SLOTS, TPB, rank_info
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.faults import FaultInjector, parse_faults
-from trtdisagg.transfer.messenger import open_router
+from trtdisagg.faults.spec import FaultInjector, parse_faults
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.runtime.messenger import open_router
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
 
 BLOCK_BYTES = LAYERS * 2 * HEADS * TPB * HEAD_DIM * 4

@@ -16,12 +16,12 @@ import numpy as np
 import trio
 
 from tests.transceivers import HEAD_DIM, HEADS, LAYERS, NUM_SLOTS, TPB, rank_info
-from trtdisagg.transfer.agents.base import TransferAgent
-from trtdisagg.transfer.agents.faulty import FaultyAgent
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.faults import FaultInjector, parse_faults
-from trtdisagg.transfer.messenger import open_router
-from trtdisagg.transfer.rank_info import RankInfo
+from trtdisagg.faults.agent import FaultyAgent
+from trtdisagg.faults.spec import FaultInjector, parse_faults
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.runtime.agents.base import TransferAgent
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.runtime.messenger import open_router
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
 
 TIMEOUT_S = 0.5

@@ -28,11 +28,11 @@ from tests.integration.test_transceiver_prepared import (
     _until,
 )
 from trtdisagg.transfer import pacing
-from trtdisagg.transfer.agents.loopback import LoopbackAgent
-from trtdisagg.transfer.messenger import open_dealer
 from trtdisagg.transfer.pacing import ANNOUNCE_AFTER_S
+from trtdisagg.transfer.protocol.wire import RequestData, decode, encode, pack_block_ids
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent
+from trtdisagg.transfer.runtime.messenger import open_dealer
 from trtdisagg.transfer.send_side import CtxSender
-from trtdisagg.transfer.wire import RequestData, decode, encode, pack_block_ids
 
 SRC, DST = [4, 5, 6], [1, 2, 3]
 

@@ -18,8 +18,8 @@ import trio
 import zmq
 
 from tests.transceivers import HEAD_DIM, HEADS, LAYERS, NUM_SLOTS, TPB, rank_info
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.messenger import Router, open_router
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.runtime.messenger import Router, open_router
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
 
 BLOCK_BYTES = LAYERS * 2 * HEADS * TPB * HEAD_DIM * 4

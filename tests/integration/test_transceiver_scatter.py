@@ -15,14 +15,14 @@ import numpy as np
 import trio
 
 from tests.transceivers import rank_info
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.bounce import StagedRun
-from trtdisagg.transfer.messenger import open_router
+from trtdisagg.transfer.protocol.bounce import StagedRun
+from trtdisagg.transfer.protocol.sessions import ReceiverSession
+from trtdisagg.transfer.protocol.wire import ResultStatus
 from trtdisagg.transfer.receive_side import _Staged
-from trtdisagg.transfer.sessions import ReceiverSession
-from trtdisagg.transfer.staging_area import StagingArea
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.runtime.messenger import open_router
+from trtdisagg.transfer.runtime.staging_area import StagingArea
 from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
-from trtdisagg.transfer.wire import ResultStatus
 
 KEY = 2**41 + 11
 

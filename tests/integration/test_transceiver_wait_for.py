@@ -19,8 +19,8 @@ import trio
 
 from tests.integration.test_transceiver_prepared import NUM_TOKENS, Pair, _open_pair, _until
 from tests.transceivers import TPB
-from trtdisagg.transfer.agents.loopback import LoopbackAgent
 from trtdisagg.transfer.rehearsal import REHEARSAL_KEY, HandoverRehearsal, RehearsalEffect
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent
 from trtdisagg.transfer.transceiver import TransferOutcome
 
 

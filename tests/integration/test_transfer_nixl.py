@@ -19,15 +19,20 @@ import pytest
 import torch
 import trio
 
+from tests.rank_infos import make_instance
 from trtdisagg.kv.page_table import Layout
-from trtdisagg.transfer.agents.base import TransferAgent, XferHandle, XferStatus, pool_regions
-from trtdisagg.transfer.agents.nixl import NixlAgent
 from trtdisagg.transfer.errors import AgentError
-from trtdisagg.transfer.fragments import Fragments
-from trtdisagg.transfer.peers import PeerRegistrar
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.testing import make_instance
-from trtdisagg.transfer.wire import WriteNotice, decode, encode
+from trtdisagg.transfer.protocol.fragments import Fragments
+from trtdisagg.transfer.protocol.peers import PeerRegistrar
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.wire import WriteNotice, decode, encode
+from trtdisagg.transfer.runtime.agents.base import (
+    TransferAgent,
+    XferHandle,
+    XferStatus,
+    pool_regions,
+)
+from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
 
 BLOCKS, LAYERS, HEADS, TOKENS, DIM = 8, 3, 2, 4, 8
 SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [1, 2, 3, 6], [4, 5, 6, 0], 15

@@ -21,10 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.rank_infos import make_instance
 from trtdisagg.kv.page_table import Layout, MapperKind
-from trtdisagg.transfer.block_runs import BlockRun, packed_run
 from trtdisagg.transfer.errors import MappingError, PeerIncompatible
-from trtdisagg.transfer.mappers import (
+from trtdisagg.transfer.protocol.block_runs import BlockRun, packed_run
+from trtdisagg.transfer.protocol.mappers import (
     HndHeadMismatchMapper,
     IntactMapper,
     NhdHeadMismatchMapper,
@@ -32,16 +33,15 @@ from trtdisagg.transfer.mappers import (
     align_blocks,
     aligned_blocks,
 )
-from trtdisagg.transfer.peers import PeerRegistrar, direct_fragments
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.sessions import (
+from trtdisagg.transfer.protocol.peers import PeerRegistrar, direct_fragments
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.sessions import (
     ReceiverSession,
     ReceiverStatus,
     SenderSession,
     SenderStatus,
 )
-from trtdisagg.transfer.testing import make_instance
-from trtdisagg.transfer.wire import RequestData, ResultStatus, pack_block_ids
+from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, pack_block_ids
 
 # ---------------------------------------------------------------------------------------------
 # Topologies

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from trtdisagg.transfer.agents.base import XferHandle
-from trtdisagg.transfer.fragments import Fragments
 from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
-from trtdisagg.transfer.sessions import SourceBlocks
-from trtdisagg.transfer.wire import NoticeTemplate, RequestData, WriteNotice, pack_block_ids
+from trtdisagg.transfer.protocol.fragments import Fragments
+from trtdisagg.transfer.protocol.sessions import SourceBlocks
+from trtdisagg.transfer.protocol.wire import (
+    NoticeTemplate,
+    RequestData,
+    WriteNotice,
+    pack_block_ids,
+)
+from trtdisagg.transfer.runtime.agents.base import XferHandle
 
 KEY = 77
 SOURCE = SourceBlocks(block_ids=((1, 2, 3),), num_tokens=11)

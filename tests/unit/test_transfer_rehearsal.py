@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from tests.transceivers import rank_info
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.protocol.wire import RequestData, encode
 from trtdisagg.transfer.rehearsal import (
     REHEARSAL_KEY,
     HandoverRehearsal,
     RehearsalEffect,
 )
-from trtdisagg.transfer.wire import RequestData, encode
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
 
 
 def _rehearsal() -> HandoverRehearsal:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trtdisagg.transfer.sessions import (
+from trtdisagg.transfer.protocol.sessions import (
     EarlyMessages,
     ReceiverSession,
     ReceiverStatus,
@@ -14,7 +14,7 @@ from trtdisagg.transfer.sessions import (
     SenderStatus,
     SessionRegistry,
 )
-from trtdisagg.transfer.wire import RequestData, ResultStatus, pack_block_ids
+from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, pack_block_ids
 
 OK, ERROR = ResultStatus.OK, ResultStatus.ERROR
 
@@ -274,7 +274,7 @@ def test_receiver_takes_the_first_tokens_of_the_lowest_ctx_rank_that_sent_them()
 
 
 def test_merged_outcome_keeps_the_first_tokens_of_any_rank() -> None:
-    from trtdisagg.transfer.sessions import TransferOutcome
+    from trtdisagg.transfer.protocol.sessions import TransferOutcome
     from trtdisagg.worker.rank_plan import merge_outcomes
 
     parts = [

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.rank_infos import make_instance
 from trtdisagg.kv.page_table import Layout, MapperKind
-from trtdisagg.transfer import wire
 from trtdisagg.transfer.errors import ProtocolError
-from trtdisagg.transfer.rank_info import BounceConfig, RankInfo
-from trtdisagg.transfer.testing import make_instance
+from trtdisagg.transfer.protocol import wire
+from trtdisagg.transfer.protocol.rank_info import BounceConfig, RankInfo
 
 keys = st.integers(0, wire.MAX_KEY)
 ranks = st.integers(0, 2**31)

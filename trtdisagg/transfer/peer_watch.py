@@ -11,8 +11,8 @@ import attrs
 import trio
 
 from trtdisagg.transfer.errors import TransferLayerError
-from trtdisagg.transfer.liveness import Gone, PeerLiveness
-from trtdisagg.transfer.wire import PROTOCOL_VERSION, Message, RequestInstanceInfo
+from trtdisagg.transfer.protocol.liveness import Gone, PeerLiveness
+from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION, Message, RequestInstanceInfo
 
 log = logging.getLogger(__name__)
 

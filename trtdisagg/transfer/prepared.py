@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import attrs
 
-from trtdisagg.transfer.agents.base import XferHandle
-from trtdisagg.transfer.fragments import Fragments
-from trtdisagg.transfer.sessions import SourceBlocks
-from trtdisagg.transfer.wire import NoticeTemplate, RequestData
+from trtdisagg.transfer.protocol.fragments import Fragments
+from trtdisagg.transfer.protocol.sessions import SourceBlocks
+from trtdisagg.transfer.protocol.wire import NoticeTemplate, RequestData
+from trtdisagg.transfer.runtime.agents.base import XferHandle
 
 
 @attrs.frozen(kw_only=True)

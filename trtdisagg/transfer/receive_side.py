@@ -25,21 +25,18 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 import attrs
 import trio
 
-from trtdisagg.transfer.bounce import bounces, canonical_bytes
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
-from trtdisagg.transfer.messenger import Dealer
 from trtdisagg.transfer.pacing import SPIN_POLL_S, WRITE_WATCH_S, notice_spin_s
-from trtdisagg.transfer.peers import PeerRegistrar
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.rendezvous import CtxPeers
-from trtdisagg.transfer.sessions import (
+from trtdisagg.transfer.protocol.bounce import bounces, canonical_bytes
+from trtdisagg.transfer.protocol.peers import PeerRegistrar
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.sessions import (
     ReceiverSession,
     ReceiverStatus,
     SessionRegistry,
     TransferOutcome,
 )
-from trtdisagg.transfer.staging_area import StagingArea
-from trtdisagg.transfer.wire import (
+from trtdisagg.transfer.protocol.wire import (
     Cancel,
     Message,
     RequestData,
@@ -49,6 +46,9 @@ from trtdisagg.transfer.wire import (
     WritePrepared,
     pack_block_ids,
 )
+from trtdisagg.transfer.rendezvous import CtxPeers
+from trtdisagg.transfer.runtime.messenger import Dealer
+from trtdisagg.transfer.runtime.staging_area import StagingArea
 
 log = logging.getLogger(__name__)
 

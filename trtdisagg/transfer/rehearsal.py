@@ -22,12 +22,12 @@ from typing import Any, NoReturn
 import attrs
 
 from trtdisagg.transfer.pacing import Watches
-from trtdisagg.transfer.peers import PeerRegistrar
-from trtdisagg.transfer.rank_info import RankInfo
+from trtdisagg.transfer.protocol.peers import PeerRegistrar
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.sessions import ReceiverSession, SessionRegistry, TransferOutcome
+from trtdisagg.transfer.protocol.wire import WriteNotice, decode, encode
 from trtdisagg.transfer.receive_side import GenReceiver
 from trtdisagg.transfer.rendezvous import CtxPeers
-from trtdisagg.transfer.sessions import ReceiverSession, SessionRegistry, TransferOutcome
-from trtdisagg.transfer.wire import WriteNotice, decode, encode
 
 # How often the shell rehearses while it spins: well within how long the code stays cached on
 # the CI VM and the device host (see above). A rehearsal takes 17-37 us on the device host and

@@ -17,9 +17,9 @@ import attrs
 import trio
 
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
-from trtdisagg.transfer.peers import PeerRegistrar
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.wire import (
+from trtdisagg.transfer.protocol.peers import PeerRegistrar
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.wire import (
     PROTOCOL_VERSION,
     InstanceInfo,
     Message,

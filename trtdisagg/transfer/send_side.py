@@ -22,12 +22,11 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 import attrs
 import trio
 
-from trtdisagg.transfer.agents.base import TransferAgent, posts_quickly, write_preparer
 from trtdisagg.transfer.errors import TransferLayerError
 from trtdisagg.transfer.pacing import REQUEST_WATCH_S
-from trtdisagg.transfer.peers import PeerRegistrar, direct_fragments
 from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
-from trtdisagg.transfer.sessions import (
+from trtdisagg.transfer.protocol.peers import PeerRegistrar, direct_fragments
+from trtdisagg.transfer.protocol.sessions import (
     EarlyMessages,
     SenderSession,
     SenderStatus,
@@ -35,7 +34,8 @@ from trtdisagg.transfer.sessions import (
     SourceBlocks,
     TransferOutcome,
 )
-from trtdisagg.transfer.wire import Cancel, RequestData, ResultStatus
+from trtdisagg.transfer.protocol.wire import Cancel, RequestData, ResultStatus
+from trtdisagg.transfer.runtime.agents.base import TransferAgent, posts_quickly, write_preparer
 from trtdisagg.transfer.writes import CtxWrites
 
 log = logging.getLogger(__name__)

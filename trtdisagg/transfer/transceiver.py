@@ -59,11 +59,8 @@ import attrs
 import trio
 import trio.lowlevel
 
-from trtdisagg.transfer.agents.base import Notifier, TransferAgent, XferHandle, notifier
+from trtdisagg.faults.spec import FaultInjector
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
-from trtdisagg.transfer.faults import FaultInjector
-from trtdisagg.transfer.liveness import Gone, PeerLiveness
-from trtdisagg.transfer.messenger import Dealer, Router, open_dealer
 from trtdisagg.transfer.pacing import (
     ANNOUNCE_AFTER_S,
     DRAIN_BURST_S,
@@ -75,14 +72,11 @@ from trtdisagg.transfer.pacing import (
     polls_every_round,
 )
 from trtdisagg.transfer.peer_watch import PeerWatch
-from trtdisagg.transfer.peers import PeerRegistrar
 from trtdisagg.transfer.prepared import PreparedWrites
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.receive_side import GenReceiver
-from trtdisagg.transfer.rehearsal import REHEARSE_EVERY_S, HandoverRehearsal
-from trtdisagg.transfer.rendezvous import RENDEZVOUS_TIMEOUT_S, CtxPeers
-from trtdisagg.transfer.send_side import CtxSender
-from trtdisagg.transfer.sessions import (
+from trtdisagg.transfer.protocol.liveness import Gone, PeerLiveness
+from trtdisagg.transfer.protocol.peers import PeerRegistrar
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.sessions import (
     EarlyMessages,
     ReceiverSession,
     ReceiverStatus,
@@ -90,8 +84,7 @@ from trtdisagg.transfer.sessions import (
     SessionRegistry,
     TransferOutcome,
 )
-from trtdisagg.transfer.staging_area import StagingArea
-from trtdisagg.transfer.wire import (
+from trtdisagg.transfer.protocol.wire import (
     NOT_REGISTERED,
     PROTOCOL_VERSION,
     Cancel,
@@ -109,6 +102,13 @@ from trtdisagg.transfer.wire import (
     decode,
     encode,
 )
+from trtdisagg.transfer.receive_side import GenReceiver
+from trtdisagg.transfer.rehearsal import REHEARSE_EVERY_S, HandoverRehearsal
+from trtdisagg.transfer.rendezvous import RENDEZVOUS_TIMEOUT_S, CtxPeers
+from trtdisagg.transfer.runtime.agents.base import Notifier, TransferAgent, XferHandle, notifier
+from trtdisagg.transfer.runtime.messenger import Dealer, Router, open_dealer
+from trtdisagg.transfer.runtime.staging_area import StagingArea
+from trtdisagg.transfer.send_side import CtxSender
 from trtdisagg.transfer.writes import CtxWrites
 
 __all__ = [

@@ -18,17 +18,7 @@ from typing import Protocol, TypeVar
 import attrs
 import trio
 
-from trtdisagg.transfer.agents.base import (
-    TransferAgent,
-    XferHandle,
-    XferStatus,
-    posts_quickly,
-    write_preparer,
-)
-from trtdisagg.transfer.bounce import staged_fragments, staged_runs
 from trtdisagg.transfer.errors import TransferLayerError
-from trtdisagg.transfer.fragments import Fragments
-from trtdisagg.transfer.messenger import Dealer
 from trtdisagg.transfer.pacing import (
     SPIN_POLL_S,
     WriteRates,
@@ -36,12 +26,13 @@ from trtdisagg.transfer.pacing import (
     polls_every_round,
     spins_for_done,
 )
-from trtdisagg.transfer.peers import PeerRegistrar, SendPlan, direct_fragments
 from trtdisagg.transfer.prepared import PreparedWrite, PreparedWrites
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.sessions import SenderSession, SourceBlocks
-from trtdisagg.transfer.staging_area import StagingArea
-from trtdisagg.transfer.wire import (
+from trtdisagg.transfer.protocol.bounce import staged_fragments, staged_runs
+from trtdisagg.transfer.protocol.fragments import Fragments
+from trtdisagg.transfer.protocol.peers import PeerRegistrar, SendPlan, direct_fragments
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.sessions import SenderSession, SourceBlocks
+from trtdisagg.transfer.protocol.wire import (
     Message,
     NoticeTemplate,
     RequestData,
@@ -53,6 +44,15 @@ from trtdisagg.transfer.wire import (
     encode,
     unpack_block_ids,
 )
+from trtdisagg.transfer.runtime.agents.base import (
+    TransferAgent,
+    XferHandle,
+    XferStatus,
+    posts_quickly,
+    write_preparer,
+)
+from trtdisagg.transfer.runtime.messenger import Dealer
+from trtdisagg.transfer.runtime.staging_area import StagingArea
 
 log = logging.getLogger(__name__)
 

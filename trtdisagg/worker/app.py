@@ -17,8 +17,8 @@ from trtdisagg.api.codec import parse_json, structure_body, to_json, validate_re
 from trtdisagg.api.errors import ApiError, bad_request
 from trtdisagg.api.http import install_common_handlers, json_response
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, KvRelease
+from trtdisagg.faults.spec import FaultInjector, FaultSpecError, parse_faults
 from trtdisagg.metrics import CONTENT_TYPE
-from trtdisagg.transfer.faults import FaultInjector, FaultSpecError, parse_faults
 from trtdisagg.worker.service import WorkerService
 
 log = logging.getLogger(__name__)

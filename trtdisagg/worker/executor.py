@@ -37,7 +37,7 @@ from prometheus_client import Counter
 from trtdisagg.api.protocol import PerfMetrics
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.sessions import TransferOutcome
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.transfer.transceiver import KvTransceiver
 from trtdisagg.worker.rank_group import HEARTBEAT_S, RankGroup
 from trtdisagg.worker.rank_plan import (

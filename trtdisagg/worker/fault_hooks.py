@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 
 from trtdisagg.config import WorkerConfig
+from trtdisagg.faults.spec import FaultInjector, FaultRule, parse_faults
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.faults import FaultInjector, FaultRule, parse_faults
 
 log = logging.getLogger(__name__)
 

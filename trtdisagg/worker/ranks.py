@@ -28,9 +28,9 @@ import trio
 
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import TrtDisaggError
-from trtdisagg.transfer.rank_info import RankInfo
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION, InstanceInfo, decode, encode
 from trtdisagg.transfer.transceiver import KvTransceiver
-from trtdisagg.transfer.wire import PROTOCOL_VERSION, InstanceInfo, decode, encode
 from trtdisagg.worker.rank_group import RankGroup
 from trtdisagg.worker.rank_plan import (
     RankDigest,

@@ -17,15 +17,15 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from trtdisagg.config import WorkerConfig
+from trtdisagg.faults.spec import FaultInjector
 from trtdisagg.kv.block_pool import BlockPool
 from trtdisagg.loop_lag import watch_loop_lag
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.parallel import Parallel
 from trtdisagg.model.synthetic import is_synthetic
-from trtdisagg.transfer.faults import FaultInjector
-from trtdisagg.transfer.messenger import Router, open_router
-from trtdisagg.transfer.rank_info import make_instance_name
+from trtdisagg.transfer.protocol.rank_info import make_instance_name
+from trtdisagg.transfer.runtime.messenger import Router, open_router
 from trtdisagg.worker.app import create_app
 from trtdisagg.worker.executor import Executor
 from trtdisagg.worker.fault_hooks import arm_faults

@@ -29,11 +29,11 @@ from trtdisagg.api.protocol import (
 )
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
+from trtdisagg.faults.spec import FaultInjector
 from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.endpoints import is_tcp_endpoint
-from trtdisagg.transfer.faults import FaultInjector
-from trtdisagg.transfer.rank_info import compat_fields
+from trtdisagg.transfer.protocol.endpoints import is_tcp_endpoint
+from trtdisagg.transfer.protocol.rank_info import compat_fields
 from trtdisagg.worker import responses
 from trtdisagg.worker.executor import Executor, GenerationSource, RequestHandle, RequestOutput
 from trtdisagg.worker.handoff import ctx_instance_of, ctx_state

@@ -17,26 +17,31 @@ from pathlib import Path
 import trio
 
 from trtdisagg.config import TransceiverBackend, WorkerConfig
+from trtdisagg.faults.agent import FaultyAgent
+from trtdisagg.faults.spec import FaultInjector
 from trtdisagg.kv.staging import StagingBuffer
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.args import model_fingerprint
 from trtdisagg.model.parallel import pp_layer_range
-from trtdisagg.transfer.agents.base import (
+from trtdisagg.transfer.protocol.liveness import PeerLiveness
+from trtdisagg.transfer.protocol.rank_info import (
+    BounceConfig,
+    RankInfo,
+    flat_rank,
+    make_instance_name,
+)
+from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION
+from trtdisagg.transfer.runtime.agents.base import (
     MemoryRegion,
     TransferAgent,
     make_agent,
     notifier,
     pool_regions,
 )
-from trtdisagg.transfer.agents.faulty import FaultyAgent
-from trtdisagg.transfer.agents.loopback import LoopbackFabric
-from trtdisagg.transfer.faults import FaultInjector
-from trtdisagg.transfer.liveness import PeerLiveness
-from trtdisagg.transfer.messenger import Router
-from trtdisagg.transfer.rank_info import BounceConfig, RankInfo, flat_rank, make_instance_name
-from trtdisagg.transfer.staging_area import StagingArea
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackFabric
+from trtdisagg.transfer.runtime.messenger import Router
+from trtdisagg.transfer.runtime.staging_area import StagingArea
 from trtdisagg.transfer.transceiver import KvTransceiver
-from trtdisagg.transfer.wire import PROTOCOL_VERSION
 from trtdisagg.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from trtdisagg.kv.page_table import (
     PhysicalPool,
     PoolView,
 )
-from trtdisagg.transfer.rank_info import RankInfo, flat_rank, head_range, layer_range
+from trtdisagg.transfer.protocol.rank_info import RankInfo, flat_rank, head_range, layer_range
 
 DTYPES = {4: "float32", 2: "bfloat16", 1: "float8"}
 

@@ -19,11 +19,11 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from trtdisagg.transfer.agents.base import MemoryRegion, XferHandle, XferStatus, find_region
 from trtdisagg.transfer.errors import AgentError
+from trtdisagg.transfer.runtime.agents.base import MemoryRegion, XferHandle, XferStatus, find_region
 
 if TYPE_CHECKING:
-    from trtdisagg.transfer.fragments import Fragments
+    from trtdisagg.transfer.protocol.fragments import Fragments
 
 
 QUICK_COPY_BYTES = 1 << 20

@@ -25,8 +25,8 @@ from collections.abc import Mapping
 import attrs
 
 from trtdisagg.kv.page_table import Layout, PageTable
-from trtdisagg.transfer.endpoints import is_tcp_endpoint
 from trtdisagg.transfer.errors import PeerIncompatible
+from trtdisagg.transfer.protocol.endpoints import is_tcp_endpoint
 
 
 def flat_rank(*, tp_rank: int, pp_rank: int, tp_size: int) -> int:

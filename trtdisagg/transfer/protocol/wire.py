@@ -47,7 +47,7 @@ from cattrs.strategies import configure_tagged_union
 from cattrs.v import format_exception
 
 from trtdisagg.transfer.errors import ProtocolError
-from trtdisagg.transfer.rank_info import RankInfo
+from trtdisagg.transfer.protocol.rank_info import RankInfo
 
 # 2: TRANSFER_RESULT.first_tokens, WRITE_POSTED; 3: WRITE_PREPARED, WRITE_NOTICE says what
 # WRITE_POSTED says; 4: REQUEST_DATA also as an agent notification (RankInfo.request_notices);

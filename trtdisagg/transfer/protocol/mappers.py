@@ -32,9 +32,9 @@ import numpy as np
 import numpy.typing as npt
 
 from trtdisagg.kv.page_table import LayerGroup, MapperKind, PoolView
-from trtdisagg.transfer.block_runs import BlockRun, run_of
 from trtdisagg.transfer.errors import MappingError, UnsupportedPairing
-from trtdisagg.transfer.fragments import Fragments, Runs, empty_runs, merge_runs
+from trtdisagg.transfer.protocol.block_runs import BlockRun, run_of
+from trtdisagg.transfer.protocol.fragments import Fragments, Runs, empty_runs, merge_runs
 
 IdArray = npt.NDArray[np.int64]  # block ids (or token counts), one per block
 

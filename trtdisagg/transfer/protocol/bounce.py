@@ -26,8 +26,8 @@ from typing import Protocol
 import attrs
 import numpy as np
 
-from trtdisagg.transfer.fragments import Fragments, merge_runs
-from trtdisagg.transfer.rank_info import RankInfo
+from trtdisagg.transfer.protocol.fragments import Fragments, merge_runs
+from trtdisagg.transfer.protocol.rank_info import RankInfo
 
 
 @attrs.frozen(kw_only=True)

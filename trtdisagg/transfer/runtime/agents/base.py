@@ -47,8 +47,8 @@ from trtdisagg.transfer.errors import AgentError
 
 if TYPE_CHECKING:
     from trtdisagg.kv.page_table import PageTable
-    from trtdisagg.transfer.agents.loopback import LoopbackFabric
-    from trtdisagg.transfer.fragments import Fragments
+    from trtdisagg.transfer.protocol.fragments import Fragments
+    from trtdisagg.transfer.runtime.agents.loopback import LoopbackFabric
 
 XferHandle = NewType("XferHandle", int)
 
@@ -226,7 +226,7 @@ def posts_quickly(agent: TransferAgent, fragments: Fragments, remote: str) -> bo
 def _nixl(
     name: str, *, num_threads: int, fabric: LoopbackFabric | None, progress_thread: bool
 ) -> TransferAgent:
-    from trtdisagg.transfer.agents.nixl import NixlAgent
+    from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
 
     return NixlAgent(name, num_threads=num_threads, progress_thread=progress_thread)
 
@@ -234,7 +234,7 @@ def _nixl(
 def _loopback(
     name: str, *, num_threads: int, fabric: LoopbackFabric | None, progress_thread: bool
 ) -> TransferAgent:
-    from trtdisagg.transfer.agents.loopback import LoopbackAgent
+    from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent
 
     if fabric is None:
         raise AgentError("the LOOPBACK agent needs a LoopbackFabric shared by its peers")

@@ -45,9 +45,9 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from trtdisagg.faults.spec import FaultAction, FaultInjector
 from trtdisagg.transfer.errors import ProtocolError
-from trtdisagg.transfer.faults import FaultAction, FaultInjector
-from trtdisagg.transfer.wire import MESSAGE_TAGS, Message, decode, encode
+from trtdisagg.transfer.protocol.wire import MESSAGE_TAGS, Message, decode, encode
 
 log = logging.getLogger(__name__)
 

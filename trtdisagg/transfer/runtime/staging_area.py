@@ -15,8 +15,8 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from trtdisagg.transfer.bounce import Stager, StagingAllocator
 from trtdisagg.transfer.errors import TransferLayerError
+from trtdisagg.transfer.protocol.bounce import Stager, StagingAllocator
 
 
 @attrs.define(eq=False, kw_only=True)

@@ -36,7 +36,7 @@ from typing import Final
 
 import attrs
 
-from trtdisagg.transfer.wire import MESSAGE_TAGS
+from trtdisagg.transfer.protocol.wire import MESSAGE_TAGS
 
 
 class FaultSpecError(ValueError):

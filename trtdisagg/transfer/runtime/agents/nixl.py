@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from trtdisagg.transfer.agents.base import MemoryRegion, XferHandle, XferStatus, find_region
 from trtdisagg.transfer.errors import AgentError
+from trtdisagg.transfer.runtime.agents.base import MemoryRegion, XferHandle, XferStatus, find_region
 
 if TYPE_CHECKING:
-    from trtdisagg.transfer.fragments import Fragments
+    from trtdisagg.transfer.protocol.fragments import Fragments
 
 _STATES = {"PROC": XferStatus.PENDING, "DONE": XferStatus.DONE, "ERR": XferStatus.ERROR}
 _DONE = XferHandle(0)  # the handle of an empty write: nothing was submitted

@@ -16,18 +16,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from trtdisagg.transfer.agents.base import (
+from trtdisagg.faults.spec import FaultAction, FaultInjector
+from trtdisagg.transfer.errors import AgentError
+from trtdisagg.transfer.runtime.agents.base import (
     MemoryRegion,
     TransferAgent,
     XferHandle,
     XferStatus,
     posts_quickly,
 )
-from trtdisagg.transfer.errors import AgentError
-from trtdisagg.transfer.faults import FaultAction, FaultInjector
 
 if TYPE_CHECKING:
-    from trtdisagg.transfer.fragments import Fragments
+    from trtdisagg.transfer.protocol.fragments import Fragments
 
 
 class FaultyAgent:

@@ -45,8 +45,8 @@ from typing import Generic, Protocol, TypeVar
 
 import attrs
 
-from trtdisagg.transfer.block_runs import BlockRun, run_of
-from trtdisagg.transfer.wire import RequestData, ResultStatus
+from trtdisagg.transfer.protocol.block_runs import BlockRun, run_of
+from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus
 
 
 class SenderStatus(enum.Enum):

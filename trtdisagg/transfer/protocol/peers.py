@@ -28,25 +28,25 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from trtdisagg.transfer.block_runs import BlockRun, packed_run
 from trtdisagg.transfer.errors import MappingError, PeerIncompatible, UnsupportedPairing
-from trtdisagg.transfer.fragments import Fragments, Runs, empty_runs, merge_runs
-from trtdisagg.transfer.mappers import (
+from trtdisagg.transfer.protocol.block_runs import BlockRun, packed_run
+from trtdisagg.transfer.protocol.fragments import Fragments, Runs, empty_runs, merge_runs
+from trtdisagg.transfer.protocol.mappers import (
     HeadOverlap,
     Mapper,
     ViewGeometry,
     aligned_blocks,
     select_mapper,
 )
-from trtdisagg.transfer.rank_info import (
+from trtdisagg.transfer.protocol.rank_info import (
     RankInfo,
     check_compatible,
     flat_rank,
     head_range,
     layer_range,
 )
-from trtdisagg.transfer.sessions import SourceBlocks
-from trtdisagg.transfer.wire import RequestData, unpack_block_ids
+from trtdisagg.transfer.protocol.sessions import SourceBlocks
+from trtdisagg.transfer.protocol.wire import RequestData, unpack_block_ids
 
 
 def _intersect(a: range, b: range) -> range:
