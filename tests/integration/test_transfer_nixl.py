@@ -145,19 +145,6 @@ def test_a_prepared_write_moves_nothing_until_posted() -> None:
             ctx.post_prepared(handle)  # released by _wait: nothing left to post
 
 
-def test_a_notification_of_our_own_reaches_a_connected_peer() -> None:
-    # gen's REQUEST_DATA by notification: gen loads ctx's agent, connects, sends.
-    with _agent_pair("nixl-notif", seed=7) as pair:
-        ctx_name = pair.gen.add_remote(pair.ctx.local_metadata())
-        pair.gen.connect(ctx_name)
-        pair.gen.send_notification(ctx_name, b"request")
-        assert _notifications(pair.ctx) == [("nixl-notif-gen", b"request")]
-        with pytest.raises(AgentError, match="unknown remote agent 'nobody'"):
-            pair.gen.send_notification("nobody", b"")
-        with pytest.raises(AgentError, match="unknown remote agent 'nobody'"):
-            pair.gen.connect("nobody")
-
-
 async def test_write_driven_from_trio() -> None:
     """The calling pattern the transceiver uses: blocking calls in a thread, polls on the loop."""
     src, dst = _pool(3), _pool(4)

@@ -286,37 +286,37 @@ def test_merged_outcome_keeps_the_first_tokens_of_any_rank() -> None:
     assert merge_outcomes(parts[:1]).first_tokens == ()
 
 
-def test_receiver_ends_on_an_announced_write_s_notice_before_its_result() -> None:
+def test_receiver_ends_on_a_write_s_notice_before_its_result() -> None:
     r = _receiver(expected=(0, 1))
     r.mark_requested()
-    assert r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=(5,))
-    assert not r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=(5,))  # duplicate
-    assert not r.on_posted(7, num_bytes=1, num_descriptors=1, first_tokens=())  # unexpected
-    assert r.waits_for_notice() and not r.is_quiescent
-    assert r.on_notice(0)
+    assert r.awaits_notice() and not r.is_quiescent
+    assert r.on_notice(0, num_bytes=64, num_descriptors=1, first_tokens=(5,))
+    assert not r.on_notice(0, num_bytes=64, num_descriptors=1, first_tokens=(5,))  # duplicate
+    assert not r.on_notice(7, num_bytes=1, num_descriptors=1)  # unexpected
     assert r.status is ReceiverStatus.TRANSFERRING  # rank 1 has not written yet
     assert r.is_quiescent is False
     r.on_result(1, OK, num_bytes=0, num_descriptors=0, error="")  # rank 1: nothing to move
-    assert r.status is ReceiverStatus.TRANSFERRED and r.is_quiescent
+    assert r.status is ReceiverStatus.TRANSFERRED and r.is_quiescent and not r.awaits_notice()
     assert (r.num_bytes, r.num_descriptors, r.first_tokens) == (64, 1, (5,))
     # rank 0's result comes last: it changes nothing, even an error (the bytes had landed).
     r.on_result(0, ERROR, num_bytes=64, num_descriptors=1, error="late")
     assert r.status is ReceiverStatus.TRANSFERRED and r.num_bytes == 64
 
 
-def test_an_announced_write_that_fails_before_its_notice_fails_the_receiver() -> None:
+def test_a_write_that_fails_before_its_notice_fails_the_receiver() -> None:
     r = _receiver(expected=(0,))
     r.mark_requested()
-    r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=())
     assert not r.is_quiescent  # the write may still land
     r.on_result(0, ERROR, num_bytes=0, num_descriptors=0, error="write failed")
     assert r.status is ReceiverStatus.ERROR and r.is_quiescent
-    assert not r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=())  # after result
+    # a notice after the error result says nothing more
+    assert r.on_notice(0, num_bytes=64, num_descriptors=1)
+    assert r.status is ReceiverStatus.ERROR and r.num_bytes == 0
 
 
 _receiver_events = st.lists(
     st.tuples(
-        st.sampled_from(["result", "posted", "notice", "fail", "cancel", "died"]),
+        st.sampled_from(["result", "summary", "notice", "fail", "cancel", "died"]),
         st.integers(0, 3),  # the ctx rank (3 is never expected)
         st.sampled_from(ResultStatus),
         st.integers(0, 2),  # bytes moved
@@ -349,8 +349,8 @@ def test_a_receiver_s_kept_status_is_always_its_derived_one(
     for kind, rank, status, num_bytes in events:
         if kind == "result":
             session.on_result(rank, status, num_bytes=num_bytes, num_descriptors=1, error="e")
-        elif kind == "posted":
-            session.on_posted(rank, num_bytes=num_bytes, num_descriptors=1, first_tokens=(7,))
+        elif kind == "summary":
+            session.on_notice(rank, num_bytes=num_bytes, num_descriptors=1, first_tokens=(7,))
         elif kind == "notice":
             session.on_notice(rank)
         elif kind == "fail":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -17,9 +18,11 @@ from trtdisagg.api.codec import parse_json, structure_body, to_json, validate_re
 from trtdisagg.api.errors import ApiError, bad_request
 from trtdisagg.api.http import install_common_handlers, json_response
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, KvRelease
-from trtdisagg.faults.spec import FaultInjector, FaultSpecError, parse_faults
 from trtdisagg.metrics import CONTENT_TYPE
 from trtdisagg.worker.service import WorkerService
+
+if TYPE_CHECKING:
+    from trtdisagg.faults.spec import FaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,8 @@ def create_app(service: WorkerService) -> QuartTrio:
     @app.post("/debug/faults")
     async def faults_replace() -> Response:
         """Replace the armed fault plan: body `{"spec": "drop:TRANSFER_RESULT:1"}`."""
+        from trtdisagg.faults.spec import FaultSpecError, parse_faults  # armed: tests only
+
         faults = _armed_faults(service)
         body = parse_json(await request.get_data(cache=False, as_text=False))
         spec = body.get("spec") if isinstance(body, dict) else None

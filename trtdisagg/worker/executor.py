@@ -38,7 +38,7 @@ from trtdisagg.api.protocol import PerfMetrics
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.transfer.protocol.sessions import TransferOutcome
-from trtdisagg.transfer.transceiver import KvTransceiver
+from trtdisagg.transfer.runtime.driver import KvTransceiver
 from trtdisagg.worker.rank_group import HEARTBEAT_S, RankGroup
 from trtdisagg.worker.rank_plan import (
     DigestCommand,
@@ -474,10 +474,10 @@ class Executor:
                     self._queue_cancel(key)
             for rank_digest in report.digests:
                 digests.setdefault(rank_digest.key, []).extend(rank_digest.parts)
-            for write in report.writes:  # the followers' (rank 0 counts its own as it writes)
-                self.metrics.kv_transfer_bytes.inc(write.num_bytes)
-                self.metrics.kv_transfer_descriptors.inc(write.num_descriptors)
-                self.metrics.kv_transfer_seconds.observe(write.seconds)
+            if self.transceiver is not None:  # the followers' writes (rank 0 counts its own)
+                for write in report.writes:
+                    count = self.transceiver.count_write
+                    count(write.num_bytes, write.num_descriptors, write.seconds)
         if self.test_hooks is not None:
             for key, parts in digests.items():
                 self.test_hooks.store(key, parts)
@@ -490,11 +490,7 @@ class Executor:
 
     async def _wait_for_work(self, timeout: float = math.inf) -> None:
         with trio.move_on_after(timeout):
-            if self.transceiver is not None:
-                # spins while a transfer is watched: its end wakes this task in its own turn
-                await self.transceiver.wait_for(self._wake)
-            else:
-                await self._wake.wait()
+            await self._wake.wait()
         self._wake = trio.Event()
 
     def _admit(self) -> None:
@@ -898,26 +894,6 @@ class Executor:
             self._synced[name] = total
 
     def refresh_gauges(self) -> None:
-        if self.transceiver is not None:
-            transfer = self.transceiver.statistics()
-            self._advance(self.metrics.kv_rendezvous, "rendezvous", transfer.rendezvous)
-            self._advance(self.metrics.control_bad_frames, "bad_frames", transfer.bad_frames)
-            expired = transfer.quarantine_expired
-            self._advance(self.metrics.kv_quarantine_expired, "quarantine_expired", expired)
-            self.metrics.kv_sessions.labels(side="sender").set(transfer.senders)
-            self.metrics.kv_sessions.labels(side="receiver").set(transfer.receivers)
-            self.metrics.kv_early_messages.set(transfer.early)
-            self.metrics.kv_quarantined.set(transfer.quarantined)
-            self._advance(self.metrics.kv_bounce_transfers, "bounced", transfer.bounced)
-            prepared = transfer.prepared_posts
-            self._advance(self.metrics.kv_prepared_writes, "prepared_posts", prepared)
-            self._advance(self.metrics.kv_watch_seconds, "watch_s", transfer.watch_s)
-            notices = transfer.request_notices
-            self._advance(self.metrics.kv_request_notices, "request_notices", notices)
-            forgotten = transfer.peers_forgotten
-            self._advance(self.metrics.kv_peers_forgotten, "peers_forgotten", forgotten)
-            self._advance(self.metrics.kv_peers_dead, "peers_dead", transfer.peers_dead)
-            self.metrics.control_connections.set(transfer.connections)
         stats = self.scheduler.statistics()
         self.metrics.requests_running.set(stats.num_running)
         self.metrics.requests_waiting.set(stats.num_waiting)

@@ -30,7 +30,7 @@ from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import TrtDisaggError
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION, InstanceInfo, decode, encode
-from trtdisagg.transfer.transceiver import KvTransceiver
+from trtdisagg.transfer.runtime.driver import KvTransceiver
 from trtdisagg.worker.rank_group import RankGroup
 from trtdisagg.worker.rank_plan import (
     RankDigest,
@@ -149,8 +149,7 @@ def run_follower(
 async def _follow(
     config: WorkerConfig, model_dir: Path, rank: int, port: int, instance_name: str
 ) -> None:
-    from trtdisagg.worker.serve import hold_router  # serve imports this module
-    from trtdisagg.worker.transfer_setup import build_transceiver
+    from trtdisagg.worker.transfer_setup import build_transceiver, hold_router
 
     group = await trio.to_thread.run_sync(
         lambda: RankGroup.join(
@@ -188,9 +187,8 @@ async def _follow(
                 on_write=lambda num_bytes, descriptors, seconds: writes.append(
                     WriteRecord(num_bytes=num_bytes, num_descriptors=descriptors, seconds=seconds)
                 ),
+                early_failures=False,  # see KvTransceiver.early_failures
             )
-            transceiver.early_failures = False  # see KvTransceiver.early_failures
-            transceiver.may_spin = lambda: False  # its outcomes wait for rank 0's next tick
             await nursery.start(transceiver.run)
         log.info("rank %d ready (%s)", rank, group.parallel)
         while True:

@@ -17,7 +17,6 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from trtdisagg.config import WorkerConfig
-from trtdisagg.faults.spec import FaultInjector
 from trtdisagg.kv.block_pool import BlockPool
 from trtdisagg.loop_lag import watch_loop_lag
 from trtdisagg.metrics import WorkerMetrics
@@ -25,7 +24,6 @@ from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.parallel import Parallel
 from trtdisagg.model.synthetic import is_synthetic
 from trtdisagg.transfer.protocol.rank_info import make_instance_name
-from trtdisagg.transfer.runtime.messenger import Router, open_router
 from trtdisagg.worker.app import create_app
 from trtdisagg.worker.executor import Executor
 from trtdisagg.worker.fault_hooks import arm_faults
@@ -36,22 +34,9 @@ from trtdisagg.worker.scheduler import Scheduler
 from trtdisagg.worker.service import WorkerService
 from trtdisagg.worker.test_hooks import TestHooks
 from trtdisagg.worker.tokenization import Tokenizer
-from trtdisagg.worker.transfer_setup import build_transceiver
+from trtdisagg.worker.transfer_setup import build_transceiver, hold_router
 
 log = logging.getLogger("trtdisagg.worker")
-
-
-async def hold_router(
-    host: str,
-    faults: FaultInjector | None = None,
-    *,
-    task_status: trio.TaskStatus[Router] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Own this rank's control-plane ROUTER for the life of the worker (bound to `host` only)."""
-    address = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
-    async with open_router(bind=address, faults=faults) as router:
-        task_status.started(router)
-        await trio.sleep_forever()
 
 
 def hypercorn_config(host: str, port: int) -> HypercornConfig:
@@ -171,12 +156,6 @@ async def _serve_rank0(
         log.info("cache_transceiver is disabled")
     else:
         router = await nursery.start(hold_router, config.host, faults)
-        # Watching for a peer's move (transfer/pacing.py) saves a fraction of a millisecond.
-        # A multi-rank instance gathers its ranks' outcomes at its next tick, so it gains
-        # nothing there (nor on its followers, worker/ranks.py); nor where the KV is in host
-        # memory, whose writes take milliseconds, and a spinning loop would take a core from
-        # the other processes of a small machine.
-        watches = group is None and config.device == "cuda"
         executor.transceiver = await build_transceiver(
             config,
             runner,
@@ -187,10 +166,8 @@ async def _serve_rank0(
             instance_name=instance_name,
             share_infos=share_infos_with(group) if group is not None else None,
             faults=faults,
-            watches=watches,
+            early_failures=group is None,  # see KvTransceiver.early_failures
         )
-        executor.transceiver.early_failures = group is None  # see KvTransceiver.early_failures
-        executor.transceiver.may_spin = executor.idle if watches else lambda: False
         await nursery.start(executor.transceiver.run)
         service.ctx_info_endpoint = executor.transceiver.info_endpoint
         service.ctx_instance = executor.transceiver.local.instance_name

@@ -13,7 +13,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -29,7 +29,6 @@ from trtdisagg.api.protocol import (
 )
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
-from trtdisagg.faults.spec import FaultInjector
 from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.transfer.protocol.endpoints import is_tcp_endpoint
@@ -39,6 +38,9 @@ from trtdisagg.worker.executor import Executor, GenerationSource, RequestHandle,
 from trtdisagg.worker.handoff import ctx_instance_of, ctx_state
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
 from trtdisagg.worker.sampling import MIN_TEMPERATURE, TokenLogprobs
+
+if TYPE_CHECKING:
+    from trtdisagg.faults.spec import FaultInjector
 from trtdisagg.worker.tokenization import Tokenizer
 
 AnyRequest = CompletionRequest | ChatCompletionRequest

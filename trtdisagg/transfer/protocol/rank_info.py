@@ -105,9 +105,6 @@ class RankInfo:
     agent_metadata: bytes = attrs.field(repr=False)  # TransferAgent.local_metadata()
     page_table: PageTable = attrs.field(repr=False)
     bounce: BounceConfig = BounceConfig()
-    # ctx: this rank also takes REQUEST_DATA as a transfer-agent notification, which it drains
-    # while it watches for a request (transfer/pacing.py); gen then sends it both ways.
-    request_notices: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not is_tcp_endpoint(self.control_endpoint):  # peers connect to it: checked first

@@ -1,8 +1,8 @@
 """Transfer session state machines and their registry. Pure: no I/O, no clocks.
 
-One session per (transfer key = disagg_request_id, local rank). The shell (transceiver) feeds
-events in and reads decisions out; it also owns the clock (`deadline` is a float in the shell's
-time base, checked with `expired(now)`).
+One session per (transfer key = disagg_request_id, local rank), owned by the ctx or gen protocol
+(ctx.py, gen.py), which feed events in and read decisions out; `deadline` is a float in the
+caller's time base, checked with `expired(now)`.
 
 Sender (ctx rank), status derived from its facts, first match wins:
 
@@ -15,10 +15,9 @@ Sender (ctx rank), status derived from its facts, first match wins:
 Receiver (gen rank):
 
     CANCELLED | ERROR           terminal flags (cancel() / fail() / an error or cancelled result)
-    TRANSFERRED                 every expected sender rank reported OK, and each that moved bytes
-                                also delivered its WRITE_NOTICE (the data has landed); a rank
-                                whose only write was announced (WRITE_POSTED) counts once its
-                                WRITE_NOTICE is in, before its result
+    TRANSFERRED                 every expected sender rank's part landed: its write's
+                                WRITE_NOTICE (which says what the write moved), or its OK
+                                result with, if it moved bytes, the notice
     TRANSFERRING                after `mark_requested` (REQUEST_DATA sent)
     INIT                        otherwise
 
@@ -26,14 +25,7 @@ Late or duplicate events (a second result from one rank, anything after a termin
 rank outside the expected set) are no-ops that return False. Cancellation is not quiescence:
 `cancel()` is immediate, but a sender's blocks may be freed only when `is_quiescent` (no write in
 flight), and a receiver's only when every expected rank has reported, a write's result or an
-answer to CANCEL (or the shell gives up on a silent ctx a second timeout after the deadline).
-
-Shell usage. ctx: create the session when prefill ends (`set_source`, then replay
-`EarlyMessages.take(key)`); for each REQUEST_DATA `registry.lookup(peer, key)`, `bind(peer,
-overlap ranks)` on first contact, `add_request`; each step `take_writes()` -> fragments -> agent
-write -> poll -> `write_finished` -> TRANSFER_RESULT; free the blocks once terminal and quiescent.
-gen: create with `expected` = the registrar's overlap, send REQUEST_DATA to each, `mark_requested`;
-feed TRANSFER_RESULT to `on_result` and agent notifications (WRITE_NOTICE) to `on_notice`.
+answer to CANCEL (or gen gives up on a silent ctx a second timeout after the deadline).
 """
 
 from __future__ import annotations
@@ -223,16 +215,16 @@ class ReceiverSession:
     requested: bool = False
     error: str | None = None
     cancelled: bool = False
-    # The shell's bookkeeping for a session that ended while a ctx write may still land:
+    # The core's bookkeeping for a session that ended while a ctx write may still land:
     cancel_sent: bool = False  # CANCEL went to the expected ctx ranks (once)
     failure_reported: bool = False  # the failure went to the executor; the blocks stay pinned
     peer_dead: bool = False  # the ctx instance ended (`peer_died`): none of its writes can land
     _results: dict[int, RankResult] = attrs.field(factory=dict)
-    _posted: dict[int, RankResult] = attrs.field(factory=dict)  # WRITE_POSTED, result to come
-    _noticed: set[int] = attrs.field(factory=set)
-    # Expected ranks whose part has not landed (`_landed`), kept as events come: the shell asks
-    # every session's status at every executor step, which with 64 transfers in flight cost
-    # 0.4 ms a step on the CPU host when it was derived afresh each time.
+    # ctx ranks whose write's notification came, with what it says the write moved (None: a
+    # notice that says nothing, which counts only with the rank's OK result)
+    _noticed: dict[int, RankResult | None] = attrs.field(factory=dict)
+    # Expected ranks whose part has not landed (`_landed`), kept as events come: every
+    # session's status is read after every event.
     _unlanded: set[int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -253,10 +245,10 @@ class ReceiverSession:
             self._unlanded.discard(rank)
 
     def _landed(self, rank: int) -> bool:
-        """Rank `rank`'s part is here: its OK result, and the notice if it moved bytes; or its
-        only write posted (WRITE_POSTED) and noticed (NIXL delivers a notification after the
-        write's bytes), before the result that confirms it."""
-        if rank in self._posted and rank in self._noticed:
+        """Rank `rank`'s part is here: its write's notice, which says what it moved (NIXL
+        delivers a notification only after the write's bytes); or its OK result, with the
+        notice if it moved bytes."""
+        if self._noticed.get(rank) is not None:
             return True  # whatever its result says later, the bytes are here
         result = self._results.get(rank)
         return (
@@ -271,7 +263,7 @@ class ReceiverSession:
         return self.expected - self._results.keys()
 
     def _part(self, rank: int) -> RankResult | None:
-        return self._results.get(rank) or self._posted.get(rank)
+        return self._results.get(rank) or self._noticed.get(rank)
 
     @property
     def is_terminal(self) -> bool:
@@ -279,11 +271,10 @@ class ReceiverSession:
 
     @property
     def is_quiescent(self) -> bool:
-        """Every expected ctx rank reported, or had its only write land, or the ctx instance
-        ended: nobody writes into our blocks any more."""
+        """Every expected ctx rank reported, or had its write land, or the ctx instance ended:
+        nobody writes into our blocks any more."""
         return self.peer_dead or all(
-            rank in self._results or (rank in self._posted and rank in self._noticed)
-            for rank in self.expected
+            rank in self._results or self._noticed.get(rank) is not None for rank in self.expected
         )
 
     @property
@@ -334,42 +325,43 @@ class ReceiverSession:
         self._settle(rank)
         return True
 
-    def on_posted(
-        self, rank: int, *, num_bytes: int, num_descriptors: int, first_tokens: tuple[int, ...]
+    def on_notice(
+        self,
+        rank: int,
+        *,
+        num_bytes: int = 0,
+        num_descriptors: int = 0,
+        first_tokens: tuple[int, ...] = (),
     ) -> bool:
-        """WRITE_POSTED from ctx rank `rank`: its one write is on its way. False if unexpected,
-        duplicate, or after the rank's result."""
-        if rank not in self.expected or rank in self._posted or rank in self._results:
-            return False
-        self._posted[rank] = RankResult(
-            status=ResultStatus.OK,
-            num_bytes=num_bytes,
-            num_descriptors=num_descriptors,
-            error="",
-            first_tokens=first_tokens,
-        )
-        self._settle(rank)
-        return True
-
-    def waits_for_notice(self) -> bool:
-        """A posted write whose notification has not arrived: worth polling for at once."""
-        return not self.is_terminal and any(r not in self._noticed for r in self._posted)
-
-    def on_notice(self, rank: int) -> bool:
-        """The agent notification of ctx rank `rank`'s write; False if unexpected or duplicate."""
+        """The agent notification of ctx rank `rank`'s write (its bytes have landed), with
+        what the write moved (`num_descriptors` 0: it does not say); False if unexpected or
+        a duplicate. A notice after the rank's error result changes nothing."""
         if rank not in self.expected or rank in self._noticed:
             return False
-        self._noticed.add(rank)
+        said = None
+        if num_descriptors and rank not in self._results:
+            said = RankResult(
+                status=ResultStatus.OK,
+                num_bytes=num_bytes,
+                num_descriptors=num_descriptors,
+                error="",
+                first_tokens=first_tokens,
+            )
+        self._noticed[rank] = said
         self._settle(rank)
         return True
+
+    def awaits_notice(self) -> bool:
+        """Requested, not over: a notification may come for it any moment."""
+        return self.requested and not self.is_terminal
 
     def fail(self, reason: str) -> None:
         if not self.is_terminal:
             self.error = reason
 
     def peer_died(self, reason: str) -> None:
-        """The ctx instance's process ended (transfer/liveness.py): fail unless done, and
-        nothing of that instance can land in our blocks any more."""
+        """The ctx instance's process ended (liveness.py): fail unless done, and nothing of
+        that instance can land in our blocks any more."""
         self.fail(reason)
         self.peer_dead = True
 

@@ -15,19 +15,17 @@ Conversation (one ZMQ frame carries one encoded message):
     ctx rank -> gen rank      TRANSFER_RESULT (CANCELLED): the answer to a CANCEL from gen when
                               no write to it is in flight (else that write's result answers it)
     ctx agent -> gen agent    WRITE_NOTICE: not a ZMQ message but the NIXL notification payload of
-                              a write, so gen knows the bytes of that write have landed.
-    gen agent -> ctx agent    REQUEST_DATA again, as a notification of its own, to a ctx rank
-                              whose RankInfo says `request_notices`: it arrives ~0.1 ms before
-                              the ZMQ copy on a virtual machine. ctx takes whichever comes first
-                              and drops the other (transfer/send_side.py).
+                              a write, which gen receives once the write's bytes have landed. It
+                              says what the write moved and carries ctx's first tokens, so gen
+                              may finish on it before TRANSFER_RESULT comes.
 
 Block id lists travel as packed little-endian int64 (`pack_block_ids`), one `bytes` per layer
 group of the receiver, not as msgpack lists.
 
 WRITE_NOTICE, the one message on the path of every transfer between its bytes landing and gen
 decoding, is not msgpack but a fixed little-endian layout (`_NOTICE`, then the ctx rank's name
-and the first tokens): gen decodes it with one `struct` call, where the tagged-union converter
-ran for 30-50 us with cold caches on the device. Its first byte, 0xc1, is one msgpack never
+and the first tokens): gen decodes it with one `struct` call, many times cheaper than the
+tagged-union converter. Its first byte, 0xc1, is one msgpack never
 uses, so no msgpack message can be read as a notice, nor a notice as msgpack.
 """
 
@@ -49,10 +47,9 @@ from cattrs.v import format_exception
 from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 
-# 2: TRANSFER_RESULT.first_tokens, WRITE_POSTED; 3: WRITE_PREPARED, WRITE_NOTICE says what
-# WRITE_POSTED says; 4: REQUEST_DATA also as an agent notification (RankInfo.request_notices);
-# 5: WRITE_NOTICE in its own binary layout
-PROTOCOL_VERSION: Final = 5
+# 5: WRITE_NOTICE in its own binary layout; 6: every write's notice says what it moved,
+# WRITE_POSTED, WRITE_PREPARED and REQUEST_DATA as a notification are gone
+PROTOCOL_VERSION: Final = 6
 MAX_KEY: Final = 2**63 - 1
 
 
@@ -192,45 +189,12 @@ class Cancel:
 
 
 @attrs.frozen(kw_only=True)
-class WritePosted:
-    """ctx rank -> gen rank: the one write of `key` to this rank is posted, with what it moves.
-
-    Sent with the post (just after a quick one, just before a slow one), so it travels while
-    the bytes do. The write's notification says the same (WRITE_NOTICE), so this is gen's early
-    word of the write, which wakes it to watch for the notification.
-    gen may then finish the transfer on the write's notification (WRITE_NOTICE: the bytes have
-    landed) without waiting for TRANSFER_RESULT, which ctx sends only once its own poll sees the
-    write done. Only for a rank's single write (not the bounce path); TRANSFER_RESULT still
-    follows, and an error in it fails a transfer whose notification has not arrived."""
-
-    key: int = attrs.field(validator=_key)
-    instance_name: str  # the writing (ctx) rank
-    instance_rank: int = attrs.field(validator=_non_negative)
-    num_bytes: int = attrs.field(validator=_non_negative)
-    num_descriptors: int = attrs.field(validator=_non_negative)
-    expected_us: int = attrs.field(default=0, validator=_non_negative)  # write time; 0: unknown
-    first_tokens: tuple[int, ...] = attrs.field(default=(), validator=_token_ids)
-
-
-@attrs.frozen(kw_only=True)
-class WritePrepared:
-    """ctx rank -> gen rank: the write of `key` to this rank is prepared, and goes as soon as
-    the prefill step running now ends (generation_first). gen watches for the write's
-    notification from now on, rather than waking only when WRITE_POSTED comes."""
-
-    key: int = attrs.field(validator=_key)
-    instance_name: str  # the writing (ctx) rank
-    instance_rank: int = attrs.field(validator=_non_negative)
-
-
-@attrs.frozen(kw_only=True)
 class WriteNotice:
     """Payload of the transfer agent's notification for one write of `key` by a ctx rank.
 
-    The notification arrives only once the write's bytes have landed. When it is the rank's
-    only write (not the bounce path), it also says what WRITE_POSTED says (`num_descriptors` >
-    0): gen then finishes that rank on the notification alone, whichever of the two comes
-    first, so ctx need not announce a short write before posting it."""
+    The notification arrives only once the write's bytes have landed. It says what the write
+    moved (`num_descriptors` > 0) and carries ctx's first tokens: gen finishes that rank on it
+    alone, before the TRANSFER_RESULT that confirms it."""
 
     key: int = attrs.field(validator=_key)
     instance_name: str  # the writing (ctx) rank
@@ -238,11 +202,6 @@ class WriteNotice:
     num_bytes: int = attrs.field(default=0, validator=_non_negative)
     num_descriptors: int = attrs.field(default=0, validator=_non_negative)  # 0: no summary
     first_tokens: tuple[int, ...] = attrs.field(default=(), validator=_token_ids)
-
-    @property
-    def summarizes(self) -> bool:
-        """Whether this notice says what the write moved (WRITE_POSTED's part)."""
-        return self.num_descriptors > 0
 
 
 Message = (
@@ -253,8 +212,6 @@ Message = (
     | RequestData
     | TransferResult
     | Cancel
-    | WritePrepared
-    | WritePosted
     | WriteNotice
 )
 
@@ -266,8 +223,6 @@ MESSAGE_TAGS: Final[dict[type, str]] = {
     RequestData: "REQUEST_DATA",
     TransferResult: "TRANSFER_RESULT",
     Cancel: "CANCEL",
-    WritePrepared: "WRITE_PREPARED",
-    WritePosted: "WRITE_POSTED",
     WriteNotice: "WRITE_NOTICE",
 }
 
@@ -299,7 +254,7 @@ _converter: Final = _make_converter()
 def encode(message: Message) -> bytes:
     """One message as bytes: a msgpack map with a `"type"` tag, or a WRITE_NOTICE's layout."""
     if isinstance(message, WriteNotice):
-        return NoticeTemplate.of(message).encode(message.first_tokens)
+        return _encode_notice(message)
     data: bytes = _converter.dumps(message, unstructure_as=Message)
     return data
 
@@ -308,39 +263,27 @@ def encode(message: Message) -> bytes:
 # instance_name (UTF-8) and the number of first tokens; then the name, then the tokens (uint32).
 _NOTICE_MAGIC: Final = b"\xc1WN"
 _NOTICE: Final = struct.Struct("<3sxQQQQHH")
-_TOKEN_COUNT: Final = struct.Struct("<H")  # the header's last field
 _TOKEN_BYTES: Final = 4
 
 
-@attrs.frozen(eq=False)
-class NoticeTemplate:
-    """A WRITE_NOTICE encoded ahead, but for its first tokens: ctx prepares a write while the
-    prefill runs, and when the KV is ready only the sampled tokens are left to fill in, just
-    before the post."""
-
-    _head: bytes  # the layout up to the token count
-    _name: bytes
-
-    @classmethod
-    def of(cls, notice: WriteNotice) -> NoticeTemplate:
-        name = notice.instance_name.encode()
-        head = _NOTICE.pack(
-            _NOTICE_MAGIC,
-            notice.instance_rank,
-            notice.key,
-            notice.num_bytes,
-            notice.num_descriptors,
-            len(name),
-            0,
+def _encode_notice(notice: WriteNotice) -> bytes:
+    name = notice.instance_name.encode()
+    tokens = notice.first_tokens
+    return b"".join(
+        (
+            _NOTICE.pack(
+                _NOTICE_MAGIC,
+                notice.instance_rank,
+                notice.key,
+                notice.num_bytes,
+                notice.num_descriptors,
+                len(name),
+                len(tokens),
+            ),
+            name,
+            struct.pack(f"<{len(tokens)}I", *tokens),
         )
-        return cls(head[: -_TOKEN_COUNT.size], name)
-
-    def encode(self, first_tokens: Sequence[int]) -> bytes:
-        """`encode(attrs.evolve(notice, first_tokens=first_tokens))`, byte for byte."""
-        if any(not 0 <= token < 2**31 for token in first_tokens):
-            raise ValueError(f"first_tokens holds a token id outside [0, 2**31): {first_tokens}")
-        tokens = struct.pack(f"<{len(first_tokens)}I", *first_tokens)
-        return self._head + _TOKEN_COUNT.pack(len(first_tokens)) + self._name + tokens
+    )
 
 
 def _decode_notice(data: bytes) -> WriteNotice:

@@ -25,10 +25,6 @@ Error handling: a message with the wrong frame count (ROUTER: identity + 1 paylo
 `statistics().bad_frames` and dropped; the pump never dies of peer input. A reply to a peer that
 is gone (ROUTER_MANDATORY reports it) is counted as `unroutable` and dropped. Messages larger than
 `max_message_bytes` make zmq drop the connection. Any other zmq error crashes the pump's nursery.
-
-Test-only fault injection (`transfer/faults.py`): given a `faults` injector, `send_message` drops,
-duplicates or delays messages by type. A delayed message is sent by a task of the socket's own
-nursery, so it never holds up the sender and dies with the socket. Without one, nothing changes.
 """
 
 from __future__ import annotations
@@ -45,9 +41,8 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from trtdisagg.faults.spec import FaultAction, FaultInjector
 from trtdisagg.transfer.errors import ProtocolError
-from trtdisagg.transfer.protocol.wire import MESSAGE_TAGS, Message, decode, encode
+from trtdisagg.transfer.protocol.wire import Message, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -208,58 +203,11 @@ class _Pump:
         )
 
 
-@attrs.define(eq=False, kw_only=True)
-class _FaultySender:
-    """Sends typed messages the way a test's fault plan says (drop, duplicate, delay)."""
-
-    injector: FaultInjector
-    nursery: trio.Nursery  # the socket's: delayed sends end with it
-
-    async def send(self, pump: _Pump, head: list[bytes], message: Message) -> None:
-        frames = [*head, encode(message)]
-        tag = MESSAGE_TAGS[type(message)]
-        fault = self.injector.message(tag)
-        if fault is None:
-            await pump.send(frames)
-            return
-        log.info("injected fault: %s %s", fault.action.value, tag)
-        if fault.action is FaultAction.DUPLICATE:
-            await pump.send(frames)
-            await pump.send(list(frames))
-        elif fault.action is FaultAction.DELAY:
-            self.nursery.start_soon(self._send_later, pump, frames, fault.seconds)
-        # DROP: not sent at all.
-
-    def send_nowait(self, pump: _Pump, head: list[bytes], message: Message) -> None:
-        """`send` without waiting (`_Pump.send_nowait`); the fault is drawn only once the
-        message can be taken, so a trio.WouldBlock leaves the plan untouched."""
-        if len(pump.outbox) + 2 > pump.queue_size:
-            raise trio.WouldBlock  # room for a duplicate too
-        frames = [*head, encode(message)]
-        tag = MESSAGE_TAGS[type(message)]
-        fault = self.injector.message(tag)
-        if fault is None:
-            pump.send_nowait(frames)
-            return
-        log.info("injected fault: %s %s", fault.action.value, tag)
-        if fault.action is FaultAction.DUPLICATE:
-            pump.send_nowait(frames)
-            pump.send_nowait(list(frames))
-        elif fault.action is FaultAction.DELAY:
-            self.nursery.start_soon(self._send_later, pump, frames, fault.seconds)
-
-    @staticmethod
-    async def _send_later(pump: _Pump, frames: list[bytes], seconds: float) -> None:
-        await trio.sleep(seconds)
-        await pump.send(frames)
-
-
 class Router:
     """A bound ROUTER: receive (identity, payload) from DEALERs, send back by identity."""
 
-    def __init__(self, pump: _Pump, endpoint: str, faults: _FaultySender | None = None) -> None:
+    def __init__(self, pump: _Pump, endpoint: str) -> None:
         self._pump = pump
-        self._faults = faults
         self.endpoint = endpoint
 
     async def receive(self) -> tuple[bytes, bytes]:
@@ -280,10 +228,15 @@ class Router:
                 log.warning("dropped a message from %r: %s", identity, exc)
 
     async def send_message(self, identity: bytes, message: Message) -> None:
-        if self._faults is not None:
-            await self._faults.send(self._pump, [identity], message)
-            return
         await self.send(identity, encode(message))
+
+    def send_message_nowait(self, identity: bytes, message: Message) -> None:
+        """`send_message` from synchronous code, as `Dealer.send_message_nowait`."""
+        self._pump.send_nowait([identity, encode(message)])
+
+    def has_room(self, count: int) -> bool:
+        """Whether `count` messages would be taken now without waiting."""
+        return len(self._pump.outbox) + count <= self._pump.queue_size
 
     def statistics(self) -> MessengerStatistics:
         return self._pump.statistics()
@@ -292,9 +245,8 @@ class Router:
 class Dealer:
     """A connected DEALER: send payloads to its ROUTER, receive what the ROUTER sends back."""
 
-    def __init__(self, pump: _Pump, endpoint: str, faults: _FaultySender | None = None) -> None:
+    def __init__(self, pump: _Pump, endpoint: str) -> None:
         self._pump = pump
-        self._faults = faults
         self.endpoint = endpoint
 
     async def receive(self) -> bytes:
@@ -315,19 +267,17 @@ class Dealer:
                 log.warning("dropped a message from %s: %s", self.endpoint, exc)
 
     async def send_message(self, message: Message) -> None:
-        if self._faults is not None:
-            await self._faults.send(self._pump, [], message)
-            return
         await self.send(encode(message))
 
     def send_message_nowait(self, message: Message) -> None:
         """`send_message` from synchronous code (on the Trio thread that owns the socket): sent
         now, or queued in order behind earlier messages. trio.WouldBlock when the outbox is full
         (nothing sent); the caller then falls back to `send_message`."""
-        if self._faults is not None:
-            self._faults.send_nowait(self._pump, [], message)
-            return
         self._pump.send_nowait([encode(message)])
+
+    def has_room(self, count: int) -> bool:
+        """Whether `count` messages would be taken now without waiting."""
+        return len(self._pump.outbox) + count <= self._pump.queue_size
 
     def statistics(self) -> MessengerStatistics:
         return self._pump.statistics()
@@ -377,13 +327,11 @@ async def open_router(
     queue_size: int = 1024,
     max_message_bytes: int = 64 * 2**20,
     high_water_mark: int = 1000,
-    faults: FaultInjector | None = None,
 ) -> AsyncIterator[Router]:
     """Bind a ROUTER to `bind` (port 0 or `*` = any free port; the host is used as given).
 
     `router.endpoint` is the bound address (`tcp://127.0.0.1:43121`). `queue_size` bounds both
     the inbox and the outbox (messages); `high_water_mark` is zmq's own per-peer queue limit.
-    `faults` (tests only) applies a fault plan to `send_message`.
     """
     socket = _socket(zmq.ROUTER, context, max_message_bytes, high_water_mark)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -395,8 +343,8 @@ async def open_router(
         raise
     endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
     pump = _Pump(socket, frames=2, queue_size=queue_size, drop_when_full=True)
-    async with _running(socket, pump) as nursery:
-        yield Router(pump, endpoint, _faulty(faults, nursery))
+    async with _running(socket, pump):
+        yield Router(pump, endpoint)
 
 
 @asynccontextmanager
@@ -408,11 +356,10 @@ async def open_dealer(
     queue_size: int = 1024,
     max_message_bytes: int = 64 * 2**20,
     high_water_mark: int = 1000,
-    faults: FaultInjector | None = None,
     on_link: Callable[[bool], None] | None = None,
 ) -> AsyncIterator[Dealer]:
-    """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); `faults` as
-    for `open_router`. `on_link(True)` is called each time the connection comes up, and
+    """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background).
+    `on_link(True)` is called each time the connection comes up, and
     `on_link(False)` each time it goes down: it drops (the peer closed it, or its process
     ended), or it cannot be made (nothing listens there: a peer that ended before we first
     connected)."""
@@ -429,7 +376,7 @@ async def open_dealer(
             if monitor is not None and on_link is not None:
                 nursery.start_soon(_watch_link, monitor, on_link)
             try:
-                yield Dealer(pump, endpoint, _faulty(faults, nursery))
+                yield Dealer(pump, endpoint)
             finally:
                 if monitor is not None:
                     _stop_monitor(socket)
@@ -495,7 +442,3 @@ async def _watch_link(monitor: zmq.Socket[bytes], on_link: Callable[[bool], None
             up = False
             on_link(False)
         await trio.lowlevel.checkpoint()
-
-
-def _faulty(faults: FaultInjector | None, nursery: trio.Nursery) -> _FaultySender | None:
-    return None if faults is None else _FaultySender(injector=faults, nursery=nursery)

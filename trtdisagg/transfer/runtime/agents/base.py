@@ -12,27 +12,18 @@ Lifecycle of one agent (one per rank):
 
 Threading contract (both backends): methods are synchronous. `register_memory`,
 `deregister_memory`, `add_remote` and `submit_write` may block (pinning memory, connecting to a
-peer, preparing descriptors): call them through `trio.to_thread.run_sync`. `poll`, `release`,
-`get_notifications` and `local_metadata` return quickly and may run on the event loop. Never call
-one agent from two threads at once (serialise with one `trio.CapacityLimiter(1)`), so that a
-threaded call and a loop call never overlap.
+peer, preparing descriptors): call them from a worker thread. `poll`, `release`,
+`get_notifications` and `local_metadata` return quickly. Never call one agent from two threads at
+once (runtime/pump.py: `AgentCalls` holds one lock around every call).
 
-A thread hop costs about 0.2 ms (more on a busy host), several times what posting a small write
-costs once its peer is connected. An agent that knows when its `submit_write` is that quick says
-so with an optional `submit_is_quick(fragments, remote)` method (see `posts_quickly`); the caller
-may then post on the event loop. Agents without it are always called from a thread.
+A thread hop costs more than posting a small write to a connected peer, so an agent that knows
+when its `submit_write` is that quick says so with an optional `submit_is_quick(fragments,
+remote)` method (`posts_quickly`); the caller may then post on its own thread.
 
 An agent may also split a write in two (`WritePreparer`, optional): `prepare_write` does all of
 `submit_write` but the post, and `post_prepared` starts it. ctx prepares a write while the
 prefill that produces its KV still runs (gen asked first), so that only the post is left when
 the KV is ready. `release` drops a prepared handle that is never posted.
-
-An agent may also carry small messages of ours (`Notifier`, optional): `connect(remote)` sets up
-the connection to a loaded remote ahead of time (may block), after which
-`send_notification(remote, payload)` is quick and the payload shows up in the remote's
-`get_notifications()`. gen sends REQUEST_DATA that way too, besides ZMQ: on a virtual machine a
-ZMQ message between two processes took 0.16-0.18 ms at p50 after a quiet spell (its I/O
-threads wake up on both sides), a notification 0.05-0.06 ms (tools/bench_control_hop.py).
 """
 
 from __future__ import annotations
@@ -177,34 +168,6 @@ class WritePreparer(Protocol):
                 released).
         """
         ...
-
-
-class Notifier(Protocol):
-    """The optional notification channel of an agent (see the module docstring)."""
-
-    def connect(self, remote: str) -> None:
-        """Set up the connection to `remote` (loaded with `add_remote`) now. May block.
-
-        Raises:
-            AgentError: an unknown remote, or the backend could not connect.
-        """
-        ...
-
-    def send_notification(self, remote: str, payload: bytes) -> None:
-        """Send `payload` to `remote`'s `get_notifications()`. Quick once connected.
-
-        Raises:
-            AgentError: an unknown remote, or the backend refused the message.
-        """
-        ...
-
-
-def notifier(agent: TransferAgent) -> Notifier | None:
-    """`agent` itself when it can send notifications of its own, else None (wrappers and test
-    doubles without the two methods: everything goes over ZMQ)."""
-    if hasattr(agent, "connect") and hasattr(agent, "send_notification"):
-        return agent  # type: ignore[return-value]
-    return None
 
 
 def write_preparer(agent: TransferAgent) -> WritePreparer | None:

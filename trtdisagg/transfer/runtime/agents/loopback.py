@@ -176,15 +176,6 @@ class LoopbackAgent:
         self._prepared.pop(handle, None)
         self._unsent.pop(handle, None)  # never polled: never sent (as NIXL's)
 
-    def connect(self, remote: str) -> None:
-        if remote not in self._remotes:
-            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
-
-    def send_notification(self, remote: str, payload: bytes) -> None:
-        if remote not in self._remotes:
-            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
-        self._fabric.get(remote)._notifications.append((self._name, payload))
-
     def get_notifications(self) -> list[tuple[str, bytes]]:
         notifications, self._notifications = self._notifications, []
         return notifications

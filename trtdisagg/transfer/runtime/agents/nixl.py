@@ -8,10 +8,10 @@ pools. A write builds one local and one remote descriptor list from the fragment
 notification, and posts it with `transfer`; `poll` reads `check_xfer_state`.
 
 May block (call through `trio.to_thread.run_sync`): `NixlAgent(...)`, `register_memory`,
-`deregister_memory`, `add_remote`, `connect`, `submit_write` (descriptor preparation is linear
+`deregister_memory`, `add_remote`, `submit_write` (descriptor preparation is linear
 in the number of fragments, and the first write to a peer sets up its connection), `close`.
 Quick: `poll`, `release` (of a finished handle), `get_notifications`, `local_metadata`,
-`post_prepared`, `send_notification` (to a peer `connect`ed before), and `submit_write` /
+`post_prepared`, and `submit_write` /
 `prepare_write` where `submit_is_quick` says so (a few descriptors to a peer already written
 to).
 """
@@ -217,24 +217,6 @@ class NixlAgent:
         nixl_handle = self._handles.pop(handle, None)
         if nixl_handle is not None:
             self._agent.release_xfer_handle(nixl_handle)
-
-    def connect(self, remote: str) -> None:
-        """Connect to `remote` now, not at the first write or notification. May block."""
-        if remote not in self._remotes:
-            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
-        try:
-            self._agent.make_connection(remote)
-        except Exception as exc:
-            raise AgentError(f"{self._name}: cannot connect to {remote}: {exc}") from exc
-
-    def send_notification(self, remote: str, payload: bytes) -> None:
-        """A notification of our own to `remote` (0.01-0.05 ms once connected, on the device)."""
-        if remote not in self._remotes:
-            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
-        try:
-            self._agent.send_notif(remote, payload)
-        except Exception as exc:
-            raise AgentError(f"{self._name}: notification to {remote} not sent: {exc}") from exc
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()

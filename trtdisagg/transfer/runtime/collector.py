@@ -1,0 +1,147 @@
+"""The transceiver's counters, and the Prometheus collector that reads them (DESIGN.md §9).
+
+`build_transceiver` (worker/transfer_setup.py) registers one `TransferCollector` on the worker's
+registry; every scrape reads the driver's `statistics()` and its `WriteTally` then.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator
+
+import attrs
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+SECONDS_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+@attrs.frozen(kw_only=True)
+class TransceiverStatistics:
+    rendezvous: int  # gen's rendezvous with ctx instances (since start)
+    senders: int
+    receivers: int
+    bad_frames: int
+    quarantined: int = 0  # sessions over (failed, cancelled) whose blocks a write may still reach
+    quarantine_expired: int = 0  # gen quarantines ended by the second timeout, not by ctx
+    early: int = 0  # transfer keys with REQUEST_DATA or CANCEL waiting for their session
+    bounced: int = 0  # transfers that went through the staging buffers (sends and receives)
+    connections: int = 0  # open DEALERs to peers' control endpoints
+    prepared: int = 0  # writes prepared before their KV was ready and not yet posted
+    prepared_posts: int = 0  # writes posted from such a preparation (since start)
+    # peer instances watched for being gone (liveness.py), and forgotten as gone
+    peers_watched: int = 0
+    peers_forgotten: int = 0
+    peers_dead: int = 0  # ... of which had ended: what waited on them failed at once
+    peer_probes: int = 0
+
+
+@attrs.define(eq=False)
+class WriteTally:
+    """KV writes that ended well: bytes, descriptors, and a histogram of their seconds."""
+
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    seconds_sum: float = 0.0
+    buckets: list[int] = attrs.Factory(lambda: [0] * (len(SECONDS_BUCKETS) + 1))
+
+    def count(self, num_bytes: int, num_descriptors: int, seconds: float) -> None:
+        self.num_bytes += num_bytes
+        self.num_descriptors += num_descriptors
+        self.seconds_sum += seconds
+        self.buckets[bisect.bisect_left(SECONDS_BUCKETS, seconds)] += 1
+
+
+class TransferCollector(Collector):
+    """The transfer metrics of one worker, read from its transceiver at each scrape."""
+
+    def __init__(self, statistics: Callable[[], TransceiverStatistics], tally: WriteTally) -> None:
+        self._statistics = statistics
+        self._tally = tally
+
+    def collect(self) -> Iterator[Metric]:
+        p = "trtdisagg_"
+        stats, tally = self._statistics(), self._tally
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(p + name, doc, value=value)
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(p + name, doc, value=value)
+
+        yield counter("kv_transfer_bytes", "KV bytes moved", tally.num_bytes)
+        yield counter(
+            "kv_transfer_descriptors", "NIXL descriptors submitted", tally.num_descriptors
+        )
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, SECONDS_BUCKETS), "+Inf"), tally.buckets):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily(
+            p + "kv_transfer_seconds",
+            "KV transfer duration per request",
+            buckets=buckets,
+            sum_value=tally.seconds_sum,
+        )
+        yield counter(
+            "control_bad_frames", "Malformed control-plane frames dropped", stats.bad_frames
+        )
+        yield counter(
+            "kv_rendezvous", "Rendezvous round trips with ctx instances", stats.rendezvous
+        )
+        sessions = GaugeMetricFamily(
+            p + "kv_sessions", "Transfer sessions held by the transceiver", labels=["side"]
+        )
+        sessions.add_metric(["sender"], stats.senders)
+        sessions.add_metric(["receiver"], stats.receivers)
+        yield sessions
+        yield gauge(
+            "kv_early_messages",
+            "Transfer keys whose REQUEST_DATA or CANCEL waits for a session",
+            stats.early,
+        )
+        yield gauge(
+            "kv_quarantined_requests",
+            "Ended (failed or cancelled) transfers whose blocks stay pinned: a write may land",
+            stats.quarantined,
+        )
+        yield counter(
+            "kv_quarantine_expired",
+            "gen blocks freed without ctx's answer, a second kv_transfer_timeout_ms late",
+            stats.quarantine_expired,
+        )
+        yield gauge(
+            "control_connections",
+            "Open control-plane connections (DEALERs) to peers",
+            stats.connections,
+        )
+        yield counter(
+            "kv_bounce_transfers",
+            "KV transfers through the staging (bounce) buffers, sends and receives",
+            stats.bounced,
+        )
+        yield counter(
+            "kv_prepared_writes",
+            "KV writes prepared while their prefill ran and posted when the KV was ready",
+            stats.prepared_posts,
+        )
+        yield counter(
+            "kv_peers_forgotten",
+            "Peer instances forgotten as gone (unanswered probes, or another instance at "
+            "their endpoint), their transfer agents unloaded",
+            stats.peers_forgotten,
+        )
+        yield counter(
+            "kv_peers_dead",
+            "Peer instances forgotten because their process ended (their control connection "
+            "dropped and stayed down, or another instance took their endpoint); what waited "
+            "on them failed at once",
+            stats.peers_dead,
+        )
