@@ -39,7 +39,8 @@ from trtdisagg.transfer.runtime.agents.base import (
 )
 from trtdisagg.transfer.runtime.agents.loopback import LoopbackFabric
 from trtdisagg.transfer.runtime.collector import TransferCollector
-from trtdisagg.transfer.runtime.driver import ControlRouter, DealerOpener, KvTransceiver
+from trtdisagg.transfer.runtime.control import ControlRouter, DealerOpener
+from trtdisagg.transfer.runtime.driver import KvTransceiver
 from trtdisagg.transfer.runtime.messenger import open_dealer, open_router
 from trtdisagg.transfer.runtime.staging_area import StagingArea
 from trtdisagg.worker.runner import ModelRunner

@@ -3,7 +3,7 @@
 A mapper is built once per (ctx rank view, gen rank view) pair at peer registration, from both
 page tables' registered sizes, the overlapping layers and the overlapping heads; building it is
 where an unsupported pairing is refused (`UnsupportedPairing`, naming both values). At request
-time `map(pairs)` turns aligned block pairs (see `align_blocks`) into `Fragments` (each
+time `map_blocks` turns aligned block pairs (`aligned_blocks`) into `Fragments` (each
 `(src_addr, dst_addr, size)`), sorted and merged: two pieces that continue each other on BOTH
 sides become one fragment, so a homogeneous transfer between runs of consecutive blocks is one
 fragment per run. Per-block runs are computed once per token count and placed with numpy.
@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from trtdisagg.kv.page_table import LayerGroup, MapperKind, PoolView
 from trtdisagg.transfer.errors import MappingError, UnsupportedPairing
-from trtdisagg.transfer.protocol.block_runs import BlockRun, run_of
+from trtdisagg.transfer.protocol.block_runs import BlockRun
 from trtdisagg.transfer.protocol.fragments import Fragments, Runs, empty_runs, merge_runs
 
 IdArray = npt.NDArray[np.int64]  # block ids (or token counts), one per block
@@ -46,15 +46,6 @@ class HeadOverlap:
     src_start: int
     dst_start: int
     count: int
-
-
-@attrs.frozen(kw_only=True)
-class BlockPair:
-    """A source block, the destination block it fills, and the request's tokens in it."""
-
-    src: int
-    dst: int
-    num_tokens: int
 
 
 @attrs.frozen(kw_only=True)
@@ -165,20 +156,11 @@ class Mapper:
         )
         return (int(runs[0, 0]), int(runs[0, 1]), int(runs[0, 2])) if whole else None
 
-    def map(self, pairs: Sequence[BlockPair]) -> Fragments:
-        """Merged fragments that copy every pair's block (at least its first `num_tokens`
-        tokens), sorted by source address."""
-        return self.map_blocks(
-            np.array([p.src for p in pairs], dtype=np.int64),
-            np.array([p.dst for p in pairs], dtype=np.int64),
-            np.array([p.num_tokens for p in pairs], dtype=np.int64),
-        )
-
     def map_blocks(
         self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64], tokens: IdArray
     ) -> Fragments:
-        """`map` of block pairs given as arrays (see `aligned_blocks`): no Python object per
-        block, which on a long prompt cost more than the rest of the control plane."""
+        """Merged fragments that copy each source block (at least its first `tokens`) into its
+        destination block (arrays from `aligned_blocks`), sorted by source address."""
         if not self.token_dependent:
             placed = self._place(self.src.tokens_per_block, src_ids, dst_ids)
         else:
@@ -191,23 +173,10 @@ class Mapper:
             )
         return Fragments(merge_runs(placed))
 
-    def map_consecutive(
-        self, src_blocks: Sequence[int], dst_blocks: Sequence[int], *, num_tokens: int
-    ) -> Fragments | None:
-        """`map_blocks` for the common case, without numpy: both block lists consecutive
-        (fresh blocks on both sides) and whole slots copied, which merge into one fragment.
-        Ten-odd numpy calls on 64 blocks took 0.15 ms of a 1 ms transfer on the device's CPU.
-        None: not that case (or lists that do not fit: `aligned_blocks` says why)."""
-        skip = len(src_blocks) - len(dst_blocks)  # gen already holds the first blocks
-        if skip < 0 or not dst_blocks:
-            return None
-        src, dst = run_of(src_blocks[skip:]), run_of(dst_blocks)
-        if src is None or dst is None:
-            return None
-        return self._one_fragment(src.first, dst.first, dst.count, len(src_blocks), num_tokens)
-
     def map_runs(self, src: BlockRun, dst: BlockRun, *, num_tokens: int) -> Fragments | None:
-        """`map_consecutive` of two runs (block_runs.py): no step per block at all."""
+        """`map_blocks` for the usual case, in constant time: both block lists are runs
+        (block_runs.py: fresh blocks on both sides) and whole slots are copied, which merge into
+        one fragment. None: not that case (or lists that do not fit: `aligned_blocks` says why)."""
         skip = src.count - dst.count
         if skip < 0:
             return None
@@ -370,23 +339,6 @@ def select_mapper(
     else:
         cls = NhdHeadMismatchMapper
     return cls(src=src, dst=dst, layers=tuple(layers), heads=heads)
-
-
-def align_blocks(
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    *,
-    num_tokens: int,
-    tokens_per_block: int,
-) -> list[BlockPair]:
-    """`aligned_blocks` as BlockPair values."""
-    src, dst, tokens = aligned_blocks(
-        src_blocks, dst_blocks, num_tokens=num_tokens, tokens_per_block=tokens_per_block
-    )
-    return [
-        BlockPair(src=s, dst=d, num_tokens=t)
-        for s, d, t in zip(src.tolist(), dst.tolist(), tokens.tolist())
-    ]
 
 
 def aligned_blocks(

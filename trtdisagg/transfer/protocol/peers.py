@@ -194,12 +194,6 @@ class SendPlan:
                     f"block lists for {len(src_blocks)} source / {len(dst_blocks)} destination "
                     f"layer groups, but the mapping uses groups {view.src_group}/{view.dst_group}"
                 )
-            fast = view.mapper.map_consecutive(
-                src_blocks[view.src_group], dst_blocks[view.dst_group], num_tokens=num_tokens
-            )
-            if fast is not None:
-                runs.append(fast.rows)
-                continue
             src, dst, tokens = aligned_blocks(
                 src_blocks[view.src_group],
                 dst_blocks[view.dst_group],

@@ -7,6 +7,7 @@ registry; every scrape reads the driver's `statistics()` and its `WriteTally` th
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable, Iterator
 
 import attrs
@@ -59,6 +60,33 @@ class WriteTally:
         self.buckets[bisect.bisect_left(SECONDS_BUCKETS, seconds)] += 1
 
 
+# Metrics read from `TransceiverStatistics` at each scrape: (field, name, kind, help).
+_READ = (
+    ("bad_frames", "control_bad_frames", "counter", "Malformed control-plane frames dropped"),
+    ("rendezvous", "kv_rendezvous", "counter", "Rendezvous round trips with ctx instances"),
+    ("early", "kv_early_messages", "gauge",
+     "Transfer keys whose REQUEST_DATA or CANCEL waits for a session"),
+    ("quarantined", "kv_quarantined_requests", "gauge",
+     "Ended (failed or cancelled) transfers whose blocks stay pinned: a write may land"),
+    ("quarantine_expired", "kv_quarantine_expired", "counter",
+     "gen blocks freed without ctx's answer, a second kv_transfer_timeout_ms late"),
+    ("connections", "control_connections", "gauge",
+     "Open control-plane connections (DEALERs) to peers"),
+    ("bounced", "kv_bounce_transfers", "counter",
+     "KV transfers through the staging (bounce) buffers, sends and receives"),
+    ("prepared_posts", "kv_prepared_writes", "counter",
+     "KV writes prepared while their prefill ran and posted when the KV was ready"),
+    ("peers_forgotten", "kv_peers_forgotten", "counter",
+     "Peer instances forgotten as gone (unanswered probes, or another instance at their "
+     "endpoint), their transfer agents unloaded"),
+    ("peers_dead", "kv_peers_dead", "counter",
+     "Peer instances forgotten because their process ended (their control connection dropped "
+     "and stayed down, or another instance took their endpoint); what waited on them failed "
+     "at once"),
+)  # fmt: skip
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+
+
 class TransferCollector(Collector):
     """The transfer metrics of one worker, read from its transceiver at each scrape."""
 
@@ -67,34 +95,18 @@ class TransferCollector(Collector):
         self._tally = tally
 
     def collect(self) -> Iterator[Metric]:
-        p = "trtdisagg_"
-        stats, tally = self._statistics(), self._tally
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(p + name, doc, value=value)
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(p + name, doc, value=value)
-
-        yield counter("kv_transfer_bytes", "KV bytes moved", tally.num_bytes)
-        yield counter(
-            "kv_transfer_descriptors", "NIXL descriptors submitted", tally.num_descriptors
+        p, stats, tally = "trtdisagg_", self._statistics(), self._tally
+        yield CounterMetricFamily(p + "kv_transfer_bytes", "KV bytes moved", value=tally.num_bytes)
+        yield CounterMetricFamily(
+            p + "kv_transfer_descriptors", "NIXL descriptors submitted", value=tally.num_descriptors
         )
-        cumulative, buckets = 0, []
-        for bound, count in zip((*map(str, SECONDS_BUCKETS), "+Inf"), tally.buckets):
-            cumulative += count
-            buckets.append((bound, cumulative))
+        bounds = (*map(str, SECONDS_BUCKETS), "+Inf")
+        cumulative = itertools.accumulate(tally.buckets)
         yield HistogramMetricFamily(
             p + "kv_transfer_seconds",
             "KV transfer duration per request",
-            buckets=buckets,
+            buckets=list(zip(bounds, cumulative)),
             sum_value=tally.seconds_sum,
-        )
-        yield counter(
-            "control_bad_frames", "Malformed control-plane frames dropped", stats.bad_frames
-        )
-        yield counter(
-            "kv_rendezvous", "Rendezvous round trips with ctx instances", stats.rendezvous
         )
         sessions = GaugeMetricFamily(
             p + "kv_sessions", "Transfer sessions held by the transceiver", labels=["side"]
@@ -102,46 +114,5 @@ class TransferCollector(Collector):
         sessions.add_metric(["sender"], stats.senders)
         sessions.add_metric(["receiver"], stats.receivers)
         yield sessions
-        yield gauge(
-            "kv_early_messages",
-            "Transfer keys whose REQUEST_DATA or CANCEL waits for a session",
-            stats.early,
-        )
-        yield gauge(
-            "kv_quarantined_requests",
-            "Ended (failed or cancelled) transfers whose blocks stay pinned: a write may land",
-            stats.quarantined,
-        )
-        yield counter(
-            "kv_quarantine_expired",
-            "gen blocks freed without ctx's answer, a second kv_transfer_timeout_ms late",
-            stats.quarantine_expired,
-        )
-        yield gauge(
-            "control_connections",
-            "Open control-plane connections (DEALERs) to peers",
-            stats.connections,
-        )
-        yield counter(
-            "kv_bounce_transfers",
-            "KV transfers through the staging (bounce) buffers, sends and receives",
-            stats.bounced,
-        )
-        yield counter(
-            "kv_prepared_writes",
-            "KV writes prepared while their prefill ran and posted when the KV was ready",
-            stats.prepared_posts,
-        )
-        yield counter(
-            "kv_peers_forgotten",
-            "Peer instances forgotten as gone (unanswered probes, or another instance at "
-            "their endpoint), their transfer agents unloaded",
-            stats.peers_forgotten,
-        )
-        yield counter(
-            "kv_peers_dead",
-            "Peer instances forgotten because their process ended (their control connection "
-            "dropped and stayed down, or another instance took their endpoint); what waited "
-            "on them failed at once",
-            stats.peers_dead,
-        )
+        for field, name, kind, doc in _READ:
+            yield _FAMILIES[kind](p + name, doc, value=getattr(stats, field))

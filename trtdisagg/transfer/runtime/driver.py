@@ -10,19 +10,14 @@ The executor calls these between steps; none of them waits on the network:
          check_gen_transfer_status() -> outcomes           KV landed (or failed): decode or fail
     both cancel_request(key) -> bool                       False while a write may still land
 
-Each call, each control message, each agent notification and each write's end is an event for
-the pure protocol core (protocol/core.py: the whole protocol and lifecycle are described there
-and in protocol/ctx.py, protocol/gen.py); this driver carries out the effects it answers with.
-It owns every I/O resource, each in one place: the ROUTER and the DEALERs to peers (messenger.py),
-the agent and its lock (pump.py: `AgentCalls`), the loaded peer agents, the prepared and posted
-write handles, the staging buffer, and the one thread that polls the agent while a transfer
-waits (`NotificationPump`). The check methods only hand over outcomes already made; `wake`
-tells the executor when there are some.
-
-Agent calls: a quick call (posting a write of a few descriptors to a connected peer, a release)
-runs inline; one that may block (loading an agent, a large host-memory post, packing staging)
-goes to a worker thread (`AgentCalls`). `tracer`, when given, is called with (key, stage, time)
-at a handful of points (`STAGES`); unset, it costs nothing.
+Each call, control message, agent notification and write's end is an event for the pure
+protocol core (protocol/core.py, ctx.py and gen.py describe the protocol and lifecycle); this
+driver carries out the effects it answers with, and owns every I/O resource, each in one place:
+the sockets (control.py), the agent and its lock (pump.py), the loaded peer agents, the
+prepared and posted writes, the staging buffer, and the one thread that polls the agent while a
+transfer waits (pump.py). The check methods only hand over outcomes made already; `wake` tells
+the executor when there are some. `tracer`, when given, is called with (key, stage, time) at
+each of `STAGES`; unset, it costs nothing.
 """
 
 from __future__ import annotations
@@ -31,45 +26,14 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
-from typing import Any, Final, Protocol
+from typing import Final
 
 import attrs
 import trio
 
 from trtdisagg.transfer.errors import ProtocolError, TransferLayerError
+from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.core import TransferProtocol
-from trtdisagg.transfer.protocol.events import (
-    AgentLoaded,
-    Effect,
-    Event,
-    ForgetPeer,
-    KvExpected,
-    KvReady,
-    LinkChanged,
-    LoadAgent,
-    MessageIn,
-    NoticeIn,
-    PostWrite,
-    PrepareWrite,
-    ReceiveAsked,
-    Received,
-    ReleasePrepared,
-    ReleaseStaging,
-    Reply,
-    ReserveStaging,
-    Scattered,
-    ScatterStaged,
-    Send,
-    SendAbandoned,
-    Sent,
-    StagedReceive,
-    StagingReserved,
-    Tick,
-    Wake,
-    WriteEnded,
-    WriteOrder,
-)
 from trtdisagg.transfer.protocol.fragments import Fragments
 from trtdisagg.transfer.protocol.gen import StagingInfo
 from trtdisagg.transfer.protocol.liveness import PeerLiveness
@@ -90,7 +54,8 @@ from trtdisagg.transfer.runtime.agents.base import (
     write_preparer,
 )
 from trtdisagg.transfer.runtime.collector import TransceiverStatistics, WriteTally
-from trtdisagg.transfer.runtime.messenger import MessengerStatistics, open_dealer
+from trtdisagg.transfer.runtime.control import ControlPlane, ControlRouter, DealerOpener
+from trtdisagg.transfer.runtime.messenger import open_dealer
 from trtdisagg.transfer.runtime.pump import PUMP_INTERVAL_S, AgentCalls, NotificationPump
 from trtdisagg.transfer.runtime.staging_area import StagingArea
 
@@ -102,28 +67,9 @@ STAGES: Final = ("request", "received", "posted", "done", "result", "notice", "o
 TICK_S: Final = 0.01  # deadlines are looked at this often while a transfer is under way
 
 
-class ControlRouter(Protocol):
-    endpoint: str
-
-    async def receive_message(self) -> tuple[bytes, Message]: ...
-    async def send_message(self, identity: bytes, message: Message) -> None: ...
-    def send_message_nowait(self, identity: bytes, message: Message) -> None: ...
-    def statistics(self) -> MessengerStatistics: ...
-
-
-class ControlDealer(Protocol):
-    async def receive_message(self) -> Message: ...
-    async def send_message(self, message: Message) -> None: ...
-    def send_message_nowait(self, message: Message) -> None: ...
-    def statistics(self) -> MessengerStatistics: ...
-
-
-DealerOpener = Callable[..., AbstractAsyncContextManager[ControlDealer]]
-
-
 @attrs.define(eq=False, kw_only=True)
 class _Flight:
-    order: WriteOrder
+    order: ev.WriteOrder
     handle: XferHandle
     remote: str
     posted: float
@@ -145,20 +91,17 @@ class KvTransceiver:
     early_failures: bool = True
     staging: StagingArea | None = None  # the bounce path (kv_cache_bounce_size_mb > 0)
     liveness: PeerLiveness = attrs.Factory(PeerLiveness)
-    connect: DealerOpener = open_dealer  # how a DEALER to a peer is opened
+    connect: DealerOpener = open_dealer
     on_write: Callable[[int, int, float], None] | None = None  # bytes, descriptors, seconds
     tracer: Callable[[int, str, float], None] | None = None
     pump_interval_s: float = PUMP_INTERVAL_S
     protocol: TransferProtocol = attrs.field(init=False)
     tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
     prepared_posts: int = 0  # writes posted from a preparation (since start)
+    _control: ControlPlane = attrs.field(init=False)
     _calls: AgentCalls = attrs.field(init=False)
     _pump: NotificationPump = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
-    _dealers: dict[str, ControlDealer] = attrs.Factory(dict)
-    _dealer_scopes: dict[str, trio.CancelScope] = attrs.Factory(dict)
-    _queued: dict[str, list[Message]] = attrs.Factory(dict)  # for dealers being opened
-    _closed_bad_frames: int = 0
     _remotes: dict[tuple[str, int], str] = attrs.Factory(dict)  # gen ranks' loaded agents
     _prepared: dict[int, XferHandle] = attrs.Factory(dict)  # by write id
     _flights: dict[int, _Flight] = attrs.Factory(dict)  # posted writes, by write id
@@ -181,6 +124,9 @@ class KvTransceiver:
             early_failures=self.early_failures,
             staging=staging,
         )
+        self._control = ControlPlane(
+            router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
+        )
         self._calls = AgentCalls(self.agent)
         self._pump = NotificationPump(self._calls, self._delivered, self.pump_interval_s)
 
@@ -191,9 +137,9 @@ class KvTransceiver:
     # ---- the executor's calls ----
 
     def prepare_send(self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
-        """ctx: `key`'s KV will be in `block_ids` once the step now starting ends. A gen rank
+        """ctx: `key`'s KV will be in `block_ids` once the step now starting ends; a gen rank
         that already asked (generation_first) gets its write prepared during that step."""
-        self._feed(KvExpected(key=key, source=_source(block_ids, num_tokens)))
+        self._feed(ev.KvExpected(key=key, source=_source(block_ids, num_tokens)))
 
     def respond_and_send_async(
         self,
@@ -202,15 +148,15 @@ class KvTransceiver:
         num_tokens: int,
         first_tokens: Sequence[int] = (),
     ) -> None:
-        """ctx: `key`'s KV is ready in `block_ids`; write it to whoever asks (or asked), with
-        the first tokens that prefill sampled."""
-        source = _source(block_ids, num_tokens)
-        self._feed(KvReady(key=key, source=source, first_tokens=tuple(first_tokens)))
+        """ctx: `key`'s KV is ready in `block_ids`: write it, and the first tokens that
+        prefill sampled, to whoever asks (or asked)."""
+        source, tokens = _source(block_ids, num_tokens), tuple(first_tokens)
+        self._feed(ev.KvReady(key=key, source=source, first_tokens=tokens))
 
     def abandon_send(self, key: int, reason: str) -> None:
         """ctx: `key`'s request ended before its KV was ready: a gen rank that already asked is
         refused at once with `reason`. A no-op once the request has responded."""
-        self._feed(SendAbandoned(key=key, reason=reason))
+        self._feed(ev.SendAbandoned(key=key, reason=reason))
 
     def request_and_receive_async(
         self,
@@ -225,14 +171,8 @@ class KvTransceiver:
         cached other one there is met again) for `key`'s KV, to land in `block_ids`."""
         self._trace(key, "request")
         blocks = tuple(tuple(ids) for ids in block_ids)
-        ask = ReceiveAsked(
-            key=key,
-            endpoint=ctx_info_endpoint,
-            block_ids=blocks,
-            num_tokens=num_tokens,
-            ctx_instance=ctx_instance,
-        )
-        self._feed(ask)
+        self._feed(ev.ReceiveAsked(key=key, endpoint=ctx_info_endpoint, block_ids=blocks,
+                                   num_tokens=num_tokens, ctx_instance=ctx_instance))  # fmt: skip
 
     def check_context_transfer_status(self) -> list[TransferOutcome]:
         done, self._sent = self._sent, []
@@ -253,29 +193,20 @@ class KvTransceiver:
         self.tally.count(num_bytes, num_descriptors, seconds)
 
     def statistics(self) -> TransceiverStatistics:
-        protocol, ctx, gen = self.protocol, self.protocol.ctx, self.protocol.gen
-        now = self.clock()
-        bad = self.router.statistics().bad_frames + self._closed_bad_frames
-        bad += sum(dealer.statistics().bad_frames for dealer in self._dealers.values())
-        quarantined = sum(s.is_terminal and not s.is_quiescent for s in ctx.senders)
-        quarantined += sum(s.is_terminal and not gen.released(s, now) for s in gen.receivers)
-        return TransceiverStatistics(
-            rendezvous=gen.rendezvous,
-            senders=len(ctx.senders),
-            receivers=len(gen.receivers),
-            bad_frames=bad,
-            quarantined=quarantined,
-            quarantine_expired=gen.quarantine_expired,
-            early=len(ctx.early),
-            bounced=ctx.bounced + gen.bounced,
-            connections=len(self._dealers),
-            prepared=len(self._prepared),
-            prepared_posts=self.prepared_posts,
-            peers_watched=len(protocol.liveness),
-            peers_forgotten=protocol.forgotten,
-            peers_dead=protocol.dead,
-            peer_probes=protocol.probes,
+        protocol, ctx, gen, now = self.protocol, self.protocol.ctx, self.protocol.gen, self.clock()
+        quarantined = sum(s.is_terminal and not s.is_quiescent for s in ctx.senders.values())
+        quarantined += sum(
+            s.is_terminal and not gen.released(s, now) for s in gen.receivers.values()
         )
+        return TransceiverStatistics(
+            rendezvous=gen.rendezvous, senders=len(ctx.senders), receivers=len(gen.receivers),
+            bad_frames=self._control.bad_frames, quarantined=quarantined,
+            quarantine_expired=gen.quarantine_expired, early=len(ctx.early),
+            bounced=ctx.bounced + gen.bounced, connections=self._control.connections,
+            prepared=len(self._prepared), prepared_posts=self.prepared_posts,
+            peers_watched=len(protocol.liveness), peers_forgotten=protocol.forgotten,
+            peers_dead=protocol.dead, peer_probes=protocol.probes,
+        )  # fmt: skip
 
     # ---- the service ----
 
@@ -284,19 +215,12 @@ class KvTransceiver:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self._listen)
+                await nursery.start(self._control.run)
                 nursery.start_soon(self._tick)
                 task_status.started()
         finally:
             self._nursery = None
             self._pump.stop()  # (waits for its poll of a few microseconds at most)
-
-    async def _listen(self) -> None:
-        while True:
-            identity, message = await self.router.receive_message()
-            if self.tracer is not None:
-                self._trace_message(message)
-            self._feed(MessageIn(message=message, reply_to=identity))
 
     async def _tick(self) -> None:
         while True:
@@ -304,45 +228,49 @@ class KvTransceiver:
             with trio.move_on_after(TICK_S if self._ticking else self.protocol.tick_period):
                 await self._busy.wait()
             self._busy = trio.Event()
-            self._feed(Tick())
+            self._feed(ev.Tick())
 
-    def _feed(self, event: Event) -> None:
+    def _message(self, message: Message, reply_to: bytes | None, source: str) -> None:
+        if self.tracer is not None and isinstance(message, RequestData | TransferResult):
+            self._trace(message.key, "received" if isinstance(message, RequestData) else "result")
+        self._feed(ev.MessageIn(message=message, reply_to=reply_to, source=source))
+
+    def _link(self, endpoint: str, up: bool) -> None:
+        self._feed(ev.LinkChanged(endpoint=endpoint, up=up))
+
+    def _feed(self, event: ev.Event) -> None:
         self._apply(self.protocol.handle(event, self.clock()))
 
-    def _apply(self, effects: list[Effect]) -> None:
+    def _apply(self, effects: list[ev.Effect]) -> None:
         woken = False
         for effect in effects:
             match effect:
-                case Send(endpoint=endpoint, message=message):
-                    self._send(endpoint, message)
-                case Reply(reply_to=identity, message=message):
-                    self._reply(identity, message)
-                case PostWrite(order=order):
+                case ev.Send(endpoint=endpoint, message=message):
+                    self._control.send(endpoint, message)
+                case ev.Reply(reply_to=identity, message=message):
+                    self._control.reply(identity, message)
+                case ev.PostWrite(order=order):
                     self._post(order)
-                case PrepareWrite(order=order):
+                case ev.PrepareWrite(order=order):
                     self._prepare(order)
-                case ReleasePrepared(write_id=write_id):
-                    handle = self._prepared.pop(write_id, None)
-                    if handle is not None:
+                case ev.ReleasePrepared(write_id=write_id):
+                    if (handle := self._prepared.pop(write_id, None)) is not None:
                         self._release(handle)
-                case Sent(outcome=outcome):
+                case ev.Sent(outcome=outcome) | ev.Received(outcome=outcome):
                     self._trace(outcome.key, "outcome")
-                    self._sent.append(outcome)
-                case Received(outcome=outcome):
-                    self._trace(outcome.key, "outcome")
-                    self._received.append(outcome)
-                case Wake():
+                    (self._sent if isinstance(effect, ev.Sent) else self._received).append(outcome)
+                case ev.Wake():
                     woken = True
-                case LoadAgent(info=info, reply_to=identity):
+                case ev.LoadAgent(info=info, reply_to=identity):
                     self._spawn(self._load_agent, info, identity)
-                case ForgetPeer(instance=instance, endpoints=endpoints):
+                case ev.ForgetPeer(instance=instance, endpoints=endpoints):
                     self._forget(instance, endpoints)
-                case ReserveStaging(key=key, num_bytes=num_bytes, deadline=deadline):
+                case ev.ReserveStaging(key=key, num_bytes=num_bytes, deadline=deadline):
                     self._spawn(self._reserve, key, num_bytes, deadline)
-                case ReleaseStaging(offset=offset):
+                case ev.ReleaseStaging(offset=offset):
                     assert self.staging is not None
                     self.staging.release(offset)
-                case ScatterStaged(key=key, staged=staged):
+                case ev.ScatterStaged(key=key, staged=staged):
                     self._spawn(self._scatter, key, staged)
         self._pump.want_notices(self.protocol.gen.awaits_notice())
         if not self._ticking and self.protocol.busy():
@@ -355,46 +283,34 @@ class KvTransceiver:
         if self.tracer is not None:
             self.tracer(key, stage, self.clock())
 
-    def _trace_message(self, message: Message) -> None:
-        if isinstance(message, RequestData):
-            self._trace(message.key, "received")
-        elif isinstance(message, TransferResult):
-            self._trace(message.key, "result")
-
-    def _spawn(self, fn: Callable[..., Any], *args: object) -> None:
+    def _spawn(self, fn: Callable[..., object], *args: object) -> None:
         assert self._nursery is not None, "the transceiver is not running"
-        self._nursery.start_soon(fn, *args)
+        self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
 
-    # ---- writes ----
+    # ---- writes: quick agent calls inline, blocking ones in a worker thread (pump.py) ----
 
-    def _prepare(self, order: WriteOrder) -> None:
-        """Prepare `order` with the agent, if it can prepare and the post will be quick (a
-        slow post goes through a thread anyway, where preparing first saves nothing)."""
-        preparer = write_preparer(self.agent)
-        remote = self._remotes.get(order.peer)
+    def _prepare(self, order: ev.WriteOrder) -> None:
+        """Prepare `order` with the agent when it can and the post will be quick (a slow post
+        goes through a thread anyway, where preparing first saves nothing)."""
+        preparer, remote = write_preparer(self.agent), self._remotes.get(order.peer)
         if preparer is None or remote is None or not self._calls.idle:
             return
-        if not posts_quickly(self.agent, order.fragments, remote):
-            return
-        prepare = functools.partial(
-            preparer.prepare_write,
-            order.fragments,
-            remote,
-            order.notice,
-            dst_memory_type=order.dst_memory_type,
-            dst_device_id=order.dst_device_id,
-        )
-        try:
-            self._prepared[order.write_id] = self._calls.now(prepare)
-        except TransferLayerError as exc:
-            log.debug("KV write %d not prepared: %s", order.key, exc)
+        if posts_quickly(self.agent, order.fragments, remote):
+            prepare = functools.partial(
+                preparer.prepare_write, order.fragments, remote, order.notice,
+                dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
+            )  # fmt: skip
+            try:
+                self._prepared[order.write_id] = self._calls.now(prepare)
+            except TransferLayerError as exc:
+                log.debug("KV write %d not prepared: %s", order.key, exc)
 
-    def _post(self, order: WriteOrder) -> None:
+    def _post(self, order: ev.WriteOrder) -> None:
         remote = self._remotes.get(order.peer)
         prepared = self._prepared.pop(order.write_id, None)
         if remote is None:
             error = f"gen rank {order.peer[0]}#{order.peer[1]} is gone"
-            self._feed(WriteEnded(write_id=order.write_id, error=error))
+            self._feed(ev.WriteEnded(write_id=order.write_id, error=error))
             return
         self.prepared_posts += prepared is not None
         submit = functools.partial(self._submit, order, remote, prepared)
@@ -402,42 +318,36 @@ class KvTransceiver:
             self._spawn(self._post_staged, order, remote)
         elif self._calls.idle and (prepared or posts_quickly(self.agent, order.fragments, remote)):
             try:
-                handle = self._calls.now(submit)
+                self._posted(order, self._calls.now(submit), remote)
             except TransferLayerError as exc:
-                self._feed(WriteEnded(write_id=order.write_id, error=str(exc)))
-                return
-            self._posted(order, handle, remote)
+                self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
         else:
             self._spawn(self._post_in_thread, order, remote, submit)
 
     async def _post_in_thread(
-        self, order: WriteOrder, remote: str, submit: Callable[[], XferHandle]
+        self, order: ev.WriteOrder, remote: str, submit: Callable[[], XferHandle]
     ) -> None:
         try:
             handle = await self._calls.in_thread(submit)
         except TransferLayerError as exc:
-            self._feed(WriteEnded(write_id=order.write_id, error=str(exc)))
+            self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
             return
         self._posted(order, handle, remote)
 
-    async def _post_staged(self, order: WriteOrder, remote: str) -> None:
+    async def _post_staged(self, order: ev.WriteOrder, remote: str) -> None:
         """Bounce: pack this rank's share into staging room, then write it in one go."""
         assert self.staging is not None and order.staged is not None
         staging, staged = self.staging, order.staged
         try:
             offset = await staging.reserve(staged.num_bytes, order.deadline)
         except TransferLayerError as exc:
-            self._feed(WriteEnded(write_id=order.write_id, error=str(exc)))
+            self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
             return
         try:
             pack = functools.partial(
-                staging.stager.pack,
-                offset,
-                staged.runs,
-                staged.block_ids,
-                first_token=staged.first_token,
-                num_tokens=staged.num_tokens,
-            )
+                staging.stager.pack, offset, staged.runs, staged.block_ids,
+                first_token=staged.first_token, num_tokens=staged.num_tokens,
+            )  # fmt: skip
             await self._calls.in_thread(pack)
             rows = order.fragments.rows.copy()
             rows[:, 0] += staging.stager.address + offset
@@ -445,12 +355,12 @@ class KvTransceiver:
             handle = await self._calls.in_thread(functools.partial(self._submit, order, remote))
         except TransferLayerError as exc:
             staging.release(offset)
-            self._feed(WriteEnded(write_id=order.write_id, error=str(exc)))
+            self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
             return
         self._posted(order, handle, remote, staging_offset=offset)
 
     def _submit(
-        self, order: WriteOrder, remote: str, prepared: XferHandle | None = None
+        self, order: ev.WriteOrder, remote: str, prepared: XferHandle | None = None
     ) -> XferHandle:
         """The agent call that posts `order`, from its preparation if one was made."""
         preparer = write_preparer(self.agent)
@@ -458,21 +368,21 @@ class KvTransceiver:
             preparer.post_prepared(prepared, order.notice)
             return prepared
         return self.agent.submit_write(
-            order.fragments,
-            remote,
-            order.notice,
-            dst_memory_type=order.dst_memory_type,
-            dst_device_id=order.dst_device_id,
-        )
+            order.fragments, remote, order.notice,
+            dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
+        )  # fmt: skip
 
     def _posted(
-        self, order: WriteOrder, handle: XferHandle, remote: str, staging_offset: int | None = None
+        self,
+        order: ev.WriteOrder,
+        handle: XferHandle,
+        remote: str,
+        staging_offset: int | None = None,
     ) -> None:
-        posted = self.clock()
         self._trace(order.key, "posted")
-        self._flights[order.write_id] = _Flight(
-            order=order, handle=handle, remote=remote, posted=posted, staging_offset=staging_offset
-        )
+        flight = _Flight(order=order, handle=handle, remote=remote, posted=self.clock(),
+                         staging_offset=staging_offset)  # fmt: skip
+        self._flights[order.write_id] = flight
         self._pump.watch_write(order.write_id, handle)
 
     def _delivered(
@@ -495,7 +405,7 @@ class KvTransceiver:
                 self.tally.count(fragments.num_bytes, len(fragments), seconds)
                 if self.on_write is not None:
                     self.on_write(fragments.num_bytes, len(fragments), seconds)
-            self._feed(WriteEnded(write_id=write_id, error=error))
+            self._feed(ev.WriteEnded(write_id=write_id, error=error))
         for _remote, payload in notifications:
             try:
                 notice = decode(payload)
@@ -503,7 +413,7 @@ class KvTransceiver:
                 continue  # only peers we loaded can notify us; nothing else is ours
             if isinstance(notice, WriteNotice):
                 self._trace(notice.key, "notice")
-                self._feed(NoticeIn(notice=notice))
+                self._feed(ev.NoticeIn(notice=notice))
 
     def _release(self, handle: XferHandle) -> None:
         release = functools.partial(self.agent.release, handle)
@@ -522,21 +432,18 @@ class KvTransceiver:
                 self._remotes[info.key] = await self._calls.in_thread(add)
             except TransferLayerError as exc:
                 error = str(exc)
-        self._feed(AgentLoaded(info=info, reply_to=identity, error=error))
+        self._feed(ev.AgentLoaded(info=info, reply_to=identity, error=error))
 
     def _forget(self, instance: str | None, endpoints: Sequence[str]) -> None:
         for endpoint in endpoints:
-            scope = self._dealer_scopes.get(endpoint)
-            if scope is not None:
-                scope.cancel()
-        if instance is not None:
-            names = [self._remotes.pop(k) for k in list(self._remotes) if k[0] == instance]
-            if names:
-                self._spawn(self._unload, names)
+            self._control.drop(endpoint)
+        names = [self._remotes.pop(k) for k in list(self._remotes) if k[0] == instance]
+        if names:
+            self._spawn(self._unload, names)
 
     async def _unload(self, names: Sequence[str]) -> None:
-        """Unload a gone peer's agents once no write to them is in flight (a peer's loaded
-        agent may map its whole KV pool on the GPU)."""
+        """Unload a gone peer's agents once no write to them is in flight: a loaded agent of a
+        peer on this node maps that peer's whole KV pool on its GPU."""
         with trio.move_on_after(2 * self.timeout_s):
             while any(f.remote in names for f in self._flights.values()):
                 await self._landed.wait()
@@ -554,23 +461,20 @@ class KvTransceiver:
         try:
             offset = await self.staging.reserve(num_bytes, deadline)
         except TransferLayerError as exc:
-            self._feed(StagingReserved(key=key, offset=None, error=str(exc)))
+            self._feed(ev.StagingReserved(key=key, offset=None, error=str(exc)))
             return
-        self._feed(StagingReserved(key=key, offset=offset))
+        self._feed(ev.StagingReserved(key=key, offset=offset))
 
-    async def _scatter(self, key: int, staged: StagedReceive) -> None:
+    async def _scatter(self, key: int, staged: ev.StagedReceive) -> None:
         """Copy a bounced receive into its blocks: on the GPU it is queued on the device's
-        stream, ahead of any step that reads the blocks; from host memory it is real work, in
-        a worker thread (the request's blocks stay held until it is reported)."""
+        stream, ahead of any step that reads them; from host memory it is real work, done in a
+        worker thread (the request's blocks stay held until it is reported)."""
         assert self.staging is not None
         stager, error = self.staging.stager, None
         unpack = functools.partial(
-            stager.unpack,
-            staged.offset,
-            staged.block_ids,
-            first_token=staged.first_token,
-            num_tokens=staged.num_tokens,
-        )
+            stager.unpack, staged.offset, staged.block_ids,
+            first_token=staged.first_token, num_tokens=staged.num_tokens,
+        )  # fmt: skip
         try:
             if stager.memory_type == "VRAM":
                 unpack()
@@ -580,72 +484,7 @@ class KvTransceiver:
             error = f"{type(exc).__name__}: {exc}"
         finally:
             self.staging.release(staged.offset)
-        self._feed(Scattered(key=key, error=error))
-
-    # ---- control messages ----
-
-    def _reply(self, identity: bytes, message: Message) -> None:
-        try:
-            self.router.send_message_nowait(identity, message)
-        except trio.WouldBlock:
-            self._spawn(self.router.send_message, identity, message)
-
-    def _send(self, endpoint: str, message: Message) -> None:
-        """Send on the DEALER to `endpoint` now, or queue it (in order) for one being opened."""
-        dealer = self._dealers.get(endpoint)
-        if dealer is not None and endpoint not in self._queued:
-            try:
-                dealer.send_message_nowait(message)
-                return
-            except trio.WouldBlock:
-                pass
-        queue = self._queued.setdefault(endpoint, [])
-        queue.append(message)
-        if len(queue) == 1:
-            self._spawn(self._flush, endpoint)
-
-    async def _flush(self, endpoint: str) -> None:
-        queue = self._queued[endpoint]
-        try:
-            dealer = self._dealers.get(endpoint)
-            if dealer is None:
-                assert self._nursery is not None
-                dealer = await self._nursery.start(self._hold_dealer, endpoint)
-            while queue:
-                await dealer.send_message(queue[0])
-                queue.pop(0)
-        except Exception as exc:  # a peer we cannot reach must not take the service down
-            log.warning("messages to %s dropped: %s", endpoint, exc)
-        finally:
-            del self._queued[endpoint]
-
-    async def _hold_dealer(
-        self,
-        endpoint: str,
-        *,
-        task_status: trio.TaskStatus[ControlDealer] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Own one DEALER until the service ends or the peer is forgotten."""
-        on_link = functools.partial(self._on_link, endpoint)
-        with trio.CancelScope() as scope:
-            self._dealer_scopes[endpoint] = scope
-            try:
-                async with self.connect(endpoint, on_link=on_link) as dealer:
-                    self._dealers[endpoint] = dealer
-                    task_status.started(dealer)
-                    while True:
-                        message = await dealer.receive_message()
-                        if self.tracer is not None:
-                            self._trace_message(message)
-                        self._feed(MessageIn(message=message, source=endpoint))
-            finally:
-                gone = self._dealers.pop(endpoint, None)
-                if gone is not None:
-                    self._closed_bad_frames += gone.statistics().bad_frames
-                self._dealer_scopes.pop(endpoint, None)
-
-    def _on_link(self, endpoint: str, up: bool) -> None:
-        self._feed(LinkChanged(endpoint=endpoint, up=up))
+        self._feed(ev.Scattered(key=key, error=error))
 
 
 def _source(block_ids: Sequence[Sequence[int]], num_tokens: int) -> SourceBlocks:

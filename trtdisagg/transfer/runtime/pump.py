@@ -1,18 +1,17 @@
 """The agent's one lock, and the one thread that polls the agent while a transfer waits.
 
 Agent calls never overlap (agents/base.py): each holds `AgentCalls.lock`. A blocking call
-(loading a peer's agent, a post that copies host memory, packing staging) goes to a worker thread
-(`in_thread`). A quick one (a post of a few descriptors, a release) runs on the Trio thread
-(`now`), but only while no blocking call runs (`idle`): the lock is then held by nobody or by the
-pump for a few microseconds, so the loop never waits on a blocking call.
+(loading a peer's agent, a post that copies host memory, packing staging) runs in a worker
+thread (`in_thread`); a quick one (a post of a few descriptors, a release) on the Trio thread
+(`now`), but only while no blocking call runs (`idle`): then the lock is held by nobody or by the
+pump for microseconds, and the loop never waits on a blocking call.
 
 The pump: an agent says that a write ended only when polled (NIXL's UCX backend even sends a GPU
 write's notification from the poll that finds it done), and that a notification came only when
-asked. Trio cannot poll often enough: its sleeps go through epoll, whose timeout is whole
-milliseconds. So one thread polls every `interval_s`, and only while a write is in flight or a
-receive awaits its notification; otherwise it parks on a `threading.Event` and costs nothing.
-What it finds reaches the Trio thread through `TrioToken.run_sync_soon`, which wakes the loop at
-once.
+asked. A Trio task cannot poll often enough: Trio sleeps in epoll, whose timeout is whole
+milliseconds. So one thread polls every `interval_s`, only while a write is in flight or a
+receive awaits its notification (else it parks on a `threading.Event`), and hands what it finds
+to the Trio thread with `TrioToken.run_sync_soon`, which wakes the loop at once.
 """
 
 from __future__ import annotations
@@ -37,9 +36,8 @@ T = TypeVar("T")
 Notifications = list[tuple[str, bytes]]
 Ended = list[tuple[int, XferStatus]]
 
-# The pump's period while a transfer waits: a raw NIXL reader that spins notices a write within
-# microseconds, and a GPU write of 256 MiB takes about 0.2 ms, so polling less often than this
-# shows in the transfer's time (docs/BENCHMARKS.md, KV transfer).
+# The pump's period while a transfer waits: a GPU write of hundreds of MiB takes a fraction of
+# a millisecond, and a raw NIXL reader that spins notices it within microseconds.
 PUMP_INTERVAL_S = 50e-6
 _PR_SET_TIMERSLACK = 29
 
@@ -71,10 +69,6 @@ class AgentCalls:
         finally:
             self._slow -= 1
 
-    async def soon(self, call: Callable[[], T]) -> T:
-        """`now` if idle, else `in_thread`."""
-        return self.now(call) if self.idle else await self.in_thread(call)
-
     def _locked(self, call: Callable[[], T]) -> T:
         with self.lock:
             return call()
@@ -89,14 +83,11 @@ class NotificationPump:
         deliver: Callable[[Notifications, Ended], None],
         interval_s: float = PUMP_INTERVAL_S,
     ) -> None:
-        self._calls = calls
-        self._deliver = deliver
-        self._interval_s = interval_s
+        self._calls, self._deliver, self._interval_s = calls, deliver, interval_s
         self._state = threading.Lock()  # guards what is watched, and the wake-up
         self._wakeup = threading.Event()
         self._writes: dict[int, XferHandle] = {}
-        self._notices = False
-        self._stopping = False
+        self._notices = self._stopping = False
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
 
@@ -108,12 +99,11 @@ class NotificationPump:
 
     def want_notices(self, wanted: bool) -> None:
         """Drain the agent's notifications (while a receive awaits one) or not."""
-        if wanted == self._notices:
-            return
-        with self._state:
-            self._notices = wanted
-            if wanted:
-                self._wakeup.set()
+        if wanted != self._notices:
+            with self._state:
+                self._notices = wanted
+                if wanted:
+                    self._wakeup.set()
 
     def start(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
@@ -144,14 +134,15 @@ class NotificationPump:
                     for write_id, _ in ended:
                         del self._writes[write_id]
             if got or ended:
-                self._hand_over(got, ended)
+                assert self._token is not None
+                with contextlib.suppress(trio.RunFinishedError):  # (stopped first, normally)
+                    self._token.run_sync_soon(self._delivered, got, ended)
             time.sleep(self._interval_s)
 
     def _poll(
         self, writes: list[tuple[int, XferHandle]], notices: bool
     ) -> tuple[Notifications, Ended]:
-        agent = self._calls.agent
-        ended: Ended = []
+        agent, ended = self._calls.agent, Ended()
         with self._calls.lock:
             got = agent.get_notifications() if notices else []
             for write_id, handle in writes:
@@ -164,26 +155,16 @@ class NotificationPump:
                     ended.append((write_id, state))
         return got, ended
 
-    def _hand_over(self, got: Notifications, ended: Ended) -> None:
-        assert self._token is not None
-        try:
-            self._token.run_sync_soon(self._delivered, got, ended)
-        except trio.RunFinishedError:
-            with self._state:
-                self._stopping = True
-
     def _delivered(self, got: Notifications, ended: Ended) -> None:
-        # On the Trio thread, outside any task: nothing may escape.
-        try:
+        try:  # on the Trio thread, outside any task: nothing may escape
             self._deliver(got, ended)
         except Exception:
             log.exception("handing the agent's news over failed")
 
 
 def _cut_timer_slack() -> None:
-    """Let this thread's short sleeps end on time: Linux adds 50 us of timer slack to a sleep
-    by default, as long as the whole interval we sleep."""
-    if sys.platform != "linux":
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
+    """Let this thread's short sleeps end on time: Linux adds 50 us of timer slack to each one
+    by default, as long as the whole period we sleep."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)

@@ -29,7 +29,7 @@ the KV is ready. `release` drops a prepared handle that is never posted.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NewType, Protocol
 
 import attrs
@@ -186,42 +186,24 @@ def posts_quickly(agent: TransferAgent, fragments: Fragments, remote: str) -> bo
     return quick is not None and bool(quick(fragments, remote))
 
 
-def _nixl(
-    name: str, *, num_threads: int, fabric: LoopbackFabric | None, progress_thread: bool
-) -> TransferAgent:
-    from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
-
-    return NixlAgent(name, num_threads=num_threads, progress_thread=progress_thread)
-
-
-def _loopback(
-    name: str, *, num_threads: int, fabric: LoopbackFabric | None, progress_thread: bool
-) -> TransferAgent:
-    from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent
-
-    if fabric is None:
-        raise AgentError("the LOOPBACK agent needs a LoopbackFabric shared by its peers")
-    return LoopbackAgent(name, fabric=fabric)
-
-
-_BACKENDS: dict[str, Callable[..., TransferAgent]] = {"NIXL": _nixl, "LOOPBACK": _loopback}
-
-
 def make_agent(
-    backend: str,
-    name: str,
-    *,
-    num_threads: int = 0,
-    fabric: LoopbackFabric | None = None,
-    progress_thread: bool = True,
+    backend: str, name: str, *, fabric: LoopbackFabric | None = None, progress_thread: bool = True
 ) -> TransferAgent:
-    """Create the agent named by config (`"NIXL"` | `"LOOPBACK"`); the backend module is imported
-    only here. Blocking (NIXL creates its UCX context): call through `trio.to_thread.run_sync`.
+    """Create the agent named by config (`"NIXL"` | `"LOOPBACK"`, whose agents reach one another
+    through `fabric`); the backend module is imported only here. Blocking (NIXL creates its UCX
+    context): call it from a worker thread.
 
     Raises:
         AgentError: an unknown backend name, or LOOPBACK without a fabric.
     """
-    factory = _BACKENDS.get(backend)
-    if factory is None:
-        raise AgentError(f"unknown transfer backend {backend!r}; known: {sorted(_BACKENDS)}")
-    return factory(name, num_threads=num_threads, fabric=fabric, progress_thread=progress_thread)
+    if backend == "NIXL":
+        from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
+
+        return NixlAgent(name, progress_thread=progress_thread)
+    if backend != "LOOPBACK":
+        raise AgentError(f"unknown transfer backend {backend!r}; known: ['LOOPBACK', 'NIXL']")
+    if fabric is None:
+        raise AgentError("the LOOPBACK agent needs a LoopbackFabric shared by its peers")
+    from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent
+
+    return LoopbackAgent(name, fabric=fabric)

@@ -34,39 +34,27 @@ if TYPE_CHECKING:
 
 _STATES = {"PROC": XferStatus.PENDING, "DONE": XferStatus.DONE, "ERR": XferStatus.ERROR}
 _DONE = XferHandle(0)  # the handle of an empty write: nothing was submitted
-# Posting a write to a connected peer measured (2-core CPU host, UCX, no progress thread) about
-# 0.09 ms for 1 descriptor and 0.13 ms for 16, then ~2.6 us per further descriptor (0.77 ms for
-# 256): up to here a post costs less than the ~0.2 ms thread hop it would otherwise pay.
+# Preparing descriptors is linear in their number: up to this many, posting to a connected peer
+# costs less than the thread hop it would otherwise pay (docs/BENCHMARKS.md).
 QUICK_SUBMIT_MAX_DESCRIPTORS = 16
-# But a post from host memory may copy the bytes itself (UCX's shared-memory transports without
-# a progress thread: 64 MiB took 21 ms inside `transfer`), so from DRAM only a small write is
-# quick. From VRAM the post only queues the copy (0.2 ms for 128 MiB to 1 GiB on an H200).
+# A post from host memory may copy the bytes itself (UCX's shared-memory transports without a
+# progress thread), so from DRAM only a small write is quick; from VRAM a post only queues it.
 QUICK_SUBMIT_MAX_DRAM_BYTES = 1 << 20
 # UCX's cuda_ipc transport maps a same-node peer's GPU memory when its agent is loaded, and by
 # default caches that mapping until the process exits, even once the agent is removed: a peer
-# that exited then keeps its whole KV pool allocated on its GPU (40 GiB measured on an H200;
-# openucx/ucx#11753). Without the cache, removing the agent drops the mapping. It cost no more
-# than the noise per write here (0.02-0.04 ms at 128 MiB, none at 1 GiB). A value the user set
-# in the environment wins.
+# that exited then keeps its whole KV pool allocated on its GPU (openucx/ucx#11753). Without the
+# cache, removing the agent drops the mapping. A value the user set in the environment wins.
 CUDA_IPC_CACHE_ENV = ("UCX_CUDA_IPC_CACHE", "n")
 
 
 class NixlAgent:
-    def __init__(
-        self,
-        name: str,
-        *,
-        backends: Sequence[str] = ("UCX",),
-        num_threads: int = 0,
-        progress_thread: bool = True,
-    ) -> None:
+    def __init__(self, name: str, *, progress_thread: bool = True) -> None:
         os.environ.setdefault(*CUDA_IPC_CACHE_ENV)  # read when UCX starts, in nixl_agent below
         # NIXL's progress thread spins a core while idle; without it, our own polling of
         # transfers and notifications drives progress (enough for CPU/shared-memory paths).
         config = nixl_agent_config(
             enable_prog_thread=progress_thread,
-            backends=list(backends),
-            num_threads=num_threads,
+            backends=["UCX"],
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         self._agent = nixl_agent(name, config)
@@ -188,8 +176,8 @@ class NixlAgent:
         return xfer
 
     def post_prepared(self, handle: XferHandle, notif: bytes | None = None) -> None:
-        """Start a prepared write (once). Quick (about 0.03-0.1 ms on an H200 host). NIXL takes
-        a notification per post, which replaces the one given at preparation."""
+        """Start a prepared write (once). Quick. NIXL takes a notification per post, which
+        replaces the one given at preparation."""
         if handle == _DONE:
             return
         nixl_handle = self._handles.get(handle)
