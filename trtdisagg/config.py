@@ -118,7 +118,7 @@ class WorkerConfig:
     # Test-only introspection and fault hooks (KV digests at /debug/kv_digests). Set through the
     # TRTDISAGG_TEST_HOOKS=1 environment variable; never on in production.
     enable_test_hooks: bool = False
-    # Test-only fault injection (transfer/faults.py), set through TRTDISAGG_FAULTS. None: off,
+    # Test-only fault injection (trtdisagg/faults/spec.py), set through TRTDISAGG_FAULTS. None: off,
     # and no hook is installed at all.
     fault_injection: str | None = attrs.field(default=None, validator=_fault_spec)
     max_request_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)

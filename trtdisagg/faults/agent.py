@@ -1,6 +1,6 @@
 """FaultyAgent: a transfer agent that injects a test's data-plane faults. Tests only.
 
-It wraps the real agent (NIXL or loopback) and asks a `FaultInjector` (`transfer/faults.py`) at
+It wraps the real agent (NIXL or loopback) and asks a `FaultInjector` (spec.py) at
 two points: before each `submit_write` (`fail_submit` raises AgentError instead;
 `stall_transfer` holds the write back: it is submitted at the first poll after the stall, so its
 bytes and notification land only then, and until then the write reads PENDING), and for

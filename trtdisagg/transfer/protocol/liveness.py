@@ -1,27 +1,22 @@
 """Which peer instances are gone. Pure.
 
-A ctx keeps the NIXL agent of every gen rank that registered with it, and a gen the agents of
-the ctx ranks it sends REQUEST_DATA to as notifications. A loaded agent of a peer on the same
-node maps the peer's whole KV pool (UCX cuda_ipc), and that memory cannot be freed until the
-mapping is dropped: a peer that exits, crashes or restarts under a new instance name stays
-pinned in GPU memory for as long as we keep its agent (a restarted gen on the same GPU then
-finds its old pool still allocated). So each side watches the peer instances it knows:
+A loaded agent of a peer on the same node maps the peer's whole KV pool (UCX cuda_ipc), and that
+memory is not freed while the mapping stays: a peer that exits, crashes or restarts under a new
+name stays pinned in GPU memory for as long as its agent is loaded. So each side watches the
+peer instances it knows:
 
 - anything heard from an instance (a message naming it, an answer to a probe) counts as alive;
-- an instance silent for `idle_s` is probed: REQUEST_INSTANCE_INFO to its rank 0, whose
-  answer (INSTANCE_INFO, from any live rank 0) names the instance now at that endpoint;
-- an answer that names another instance means it was replaced: gone at once;
+- an instance silent for `idle_s` is probed: REQUEST_INSTANCE_INFO to its rank 0, whose answer
+  (from any live rank 0) names the instance now at that endpoint; another name there means the
+  old instance was replaced: gone at once;
 - `misses` probes in a row without an answer within `answer_s` each: gone;
-- the control connection to one of its ranks dropped, or could not be made (the peer ended
-  before we first connected), and did not come up within `relink_s`: gone. A live process
-  keeps its sockets open, a stalled one too (the kernel holds them), so this is a process
-  that ended, seen within about a second instead of half a minute.
+- the control connection to one of its ranks dropped, or could not be made, and did not come
+  back within `relink_s`: gone. A live process keeps its sockets open, a stalled one too (the
+  kernel holds them), so this is a process that ended, seen in about a second.
 
-What is gone is forgotten by the shell: its registration, its agents (unloaded once no write
-to them is in flight), its dealers. A peer that is `dead` (replaced, or its connection gone)
-can write nothing any more, so the shell also fails at once what waits on it, and gen frees
-the blocks that peer was to fill. A peer that only went silent may be stalled and write
-later: what waits on it keeps its deadline, and its blocks their quarantine.
+A peer that is `dead` (replaced, or its connection gone) can write nothing any more, so what
+waits on it fails at once, and gen frees the blocks it was to fill. One that only went silent
+may be stalled and write later: what waits on it keeps its deadline and its quarantine.
 """
 
 from __future__ import annotations

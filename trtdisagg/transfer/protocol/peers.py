@@ -291,10 +291,6 @@ class PeerRegistrar:
         self._plans[peer.key] = plan
         return plan
 
-    def refusal(self, instance_name: str) -> PeerIncompatible | None:
-        """The cached refusal of an instance, to fail later requests fast."""
-        return self._refused.get(instance_name)
-
     def get(self, key: tuple[str, int]) -> RankInfo | None:
         return self._peers.get(key)
 
@@ -311,11 +307,6 @@ class PeerRegistrar:
                 self.local, peer, peer_dp_rank=peer_dp_rank
             )
         return found
-
-    def expected_results(self, peer: RankInfo, *, peer_dp_rank: int) -> int:
-        """How many TRANSFER_RESULTs (receiver) or REQUEST_DATAs (sender) one transfer brings:
-        one per overlapping peer rank, whether or not it moves bytes."""
-        return len(self.overlap(peer, peer_dp_rank=peer_dp_rank))
 
     def ranks_of(self, instance_name: str) -> list[RankInfo]:
         """The registered ranks of one peer instance."""

@@ -8,23 +8,17 @@
         await dealer.send_message(request)
         reply = await dealer.receive_message()
 
-Each socket has ONE pump task (started by `open_*`, cancelled on exit), the only task that waits
-on its FD. pyzmq's FD is edge-triggered, so the pump follows notes/verified.md: try with NOBLOCK;
-on `zmq.Again` read `EVENTS` (which re-arms the edge) and go again at once if it already shows the
-event; only otherwise `wait_readable(fd)`. Received messages go to a bounded inbox that `receive`
-reads; when it is full they stay queued in zmq (backpressure) until `receive` makes room.
-`send` makes one NOBLOCK attempt itself when nothing is queued (zmq calls are synchronous, so on
-one Trio thread they never interleave with the pump's); otherwise, or if zmq would block, it
-appends to a bounded outbox that the pump flushes in order. `Dealer.send_message_nowait` does the
-same from synchronous code on that thread (trio.WouldBlock when the outbox is full). A send may
-consume the FD's edge for a message that arrived meanwhile, so `send` re-reads EVENTS and wakes a
-waiting pump on POLLIN.
+Each socket has ONE pump task, the only task that waits on its FD. pyzmq's FD is edge-triggered:
+the pump tries with NOBLOCK; on `zmq.Again` it reads `EVENTS` (which re-arms the edge) and goes
+again at once if that already shows the event, else waits for the FD. Received messages go to a
+bounded inbox; when it is full they stay queued in zmq (backpressure). A send is tried at once
+when nothing is queued (`*_nowait` from synchronous code; trio.WouldBlock when the outbox is
+full), else queued in a bounded outbox that the pump flushes in order; since a send may consume
+the FD's edge, it re-reads EVENTS and wakes a waiting pump.
 
-Error handling: a message with the wrong frame count (ROUTER: identity + 1 payload frame; DEALER:
-1 frame), or whose payload does not decode (`*_message` methods), is counted in
-`statistics().bad_frames` and dropped; the pump never dies of peer input. A reply to a peer that
-is gone (ROUTER_MANDATORY reports it) is counted as `unroutable` and dropped. Messages larger than
-`max_message_bytes` make zmq drop the connection. Any other zmq error crashes the pump's nursery.
+A message with the wrong frame count or a payload that does not decode is counted
+(`statistics().bad_frames`) and dropped: the pump never dies of peer input. A reply to a peer
+that is gone is counted as `unroutable`. Any other zmq error crashes the pump's nursery.
 """
 
 from __future__ import annotations
@@ -51,16 +45,11 @@ _RETRY_WHILE_BLOCKED_S = 0.005  # re-try a blocked send this often (ROUTER repor
 
 @attrs.frozen(kw_only=True)
 class MessengerStatistics:
-    sent: int
-    """Messages handed to zmq."""
-    received: int
-    """Well-formed messages delivered to `receive`."""
-    bad_frames: int
-    """Messages dropped for a wrong frame count or an undecodable payload."""
-    unroutable: int
-    """ROUTER replies dropped because the identity is not connected."""
-    overflowed: int = 0
-    """ROUTER replies dropped because that peer's queue was full (it does not read them)."""
+    sent: int  # messages handed to zmq
+    received: int  # well-formed messages delivered
+    bad_frames: int  # dropped for a wrong frame count or an undecodable payload
+    unroutable: int  # ROUTER replies to an identity that is not connected
+    overflowed: int = 0  # ROUTER replies dropped: that peer's queue was full (it does not read)
 
 
 class _Pump:
