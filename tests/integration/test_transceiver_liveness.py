@@ -27,7 +27,7 @@ from trtdisagg.transfer.runtime.messenger import open_router
 BLOCK_BYTES = 2 * 2 * 2 * 4 * 8 * 4  # LAYERS x K/V x HEADS x TPB x HEAD_DIM x float32
 NUM_TOKENS = 4 * 3 - 1
 SRC, DST = [4, 5, 6], [1, 2, 3]
-CHURN = 20
+CHURN = 10
 
 
 def _liveness() -> PeerLiveness:
