@@ -94,7 +94,7 @@ class KvTransceiver:
     connect: DealerOpener = open_dealer
     on_write: Callable[[int, int, float], None] | None = None  # bytes, descriptors, seconds
     tracer: Callable[[int, str, float], None] | None = None
-    pump_interval_s: float = PUMP_INTERVAL_S
+    pump_interval_s: float | None = None  # None: PUMP_INTERVAL_S for where our KV lives
     protocol: TransferProtocol = attrs.field(init=False)
     tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
     prepared_posts: int = 0  # writes posted from a preparation (since start)
@@ -128,7 +128,10 @@ class KvTransceiver:
             router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
         )
         self._calls = AgentCalls(self.agent)
-        self._pump = NotificationPump(self._calls, self._delivered, self.pump_interval_s)
+        interval = self.pump_interval_s
+        if interval is None:
+            interval = PUMP_INTERVAL_S[self.local.page_table.layer_groups[0].pool.memory_type]
+        self._pump = NotificationPump(self._calls, self._delivered, interval)
 
     @property
     def info_endpoint(self) -> str:

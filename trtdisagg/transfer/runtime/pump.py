@@ -36,9 +36,11 @@ T = TypeVar("T")
 Notifications = list[tuple[str, bytes]]
 Ended = list[tuple[int, XferStatus]]
 
-# The pump's period while a transfer waits: a GPU write of hundreds of MiB takes a fraction of
-# a millisecond, and a raw NIXL reader that spins notices it within microseconds.
-PUMP_INTERVAL_S = 50e-6
+# The pump's period while a transfer waits, by where the KV lives: a small part of the shortest
+# write that matters, since each poll costs CPU (docs/BENCHMARKS.md). A GPU write of hundreds of
+# MiB takes a fraction of a millisecond, and a raw NIXL reader that spins sees it end within
+# microseconds; a host-memory write of that size takes milliseconds.
+PUMP_INTERVAL_S = {"VRAM": 50e-6, "DRAM": 500e-6}
 _PR_SET_TIMERSLACK = 29
 
 
@@ -81,7 +83,7 @@ class NotificationPump:
         self,
         calls: AgentCalls,
         deliver: Callable[[Notifications, Ended], None],
-        interval_s: float = PUMP_INTERVAL_S,
+        interval_s: float,
     ) -> None:
         self._calls, self._deliver, self._interval_s = calls, deliver, interval_s
         self._state = threading.Lock()  # guards what is watched, and the wake-up
