@@ -399,3 +399,15 @@ def test_a_request_overtaken_by_its_cancel_is_dropped(request_first: bool) -> No
         net.feed("ctx", event)
     net.feed("ctx", KvReady(key=5, source=_source()))
     assert not net.writes and net.sent[0].cancelled
+
+
+def test_a_write_prepared_for_a_kv_that_never_comes_is_released_at_the_deadline() -> None:
+    net = Net.of()
+    net.ask(9)
+    net.deliver()
+    net.feed("ctx", KvExpected(key=9, source=_source()))
+    (prepared,) = net.prepared
+    net.tick(TIMEOUT - 0.1)
+    assert not net.released
+    net.tick(TIMEOUT)  # the prefill that was to produce the KV never ended
+    assert net.released == [prepared] and not net.ctx.ctx.prepared
