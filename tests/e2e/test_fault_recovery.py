@@ -33,7 +33,7 @@ from tests.fault_checks import (
     wait_metrics,
 )
 from tests.procs import Server, free_port, metric, wait_healthy
-from trtdisagg.transfer.liveness import RELINK_S
+from trtdisagg.transfer.protocol.liveness import RELINK_S
 
 pytestmark = pytest.mark.timeout(300)
 

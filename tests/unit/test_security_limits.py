@@ -24,8 +24,8 @@ from trtdisagg.security.limits import (
     MessageTooLarge,
     check_fits,
 )
-from trtdisagg.transfer.rank_info import BounceConfig, RankInfo
-from trtdisagg.transfer.wire import (
+from trtdisagg.transfer.protocol.rank_info import BounceConfig, RankInfo
+from trtdisagg.transfer.protocol.wire import (
     MAX_KEY,
     PROTOCOL_VERSION,
     InstanceInfo,

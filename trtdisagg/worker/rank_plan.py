@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from trtdisagg.transfer.sessions import TransferOutcome
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
 
 
 @attrs.frozen(kw_only=True)

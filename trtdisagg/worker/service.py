@@ -13,7 +13,7 @@ import math
 import secrets
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -31,15 +31,17 @@ from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.endpoints import is_tcp_endpoint
-from trtdisagg.transfer.faults import FaultInjector
-from trtdisagg.transfer.rank_info import compat_fields
+from trtdisagg.transfer.protocol.endpoints import is_tcp_endpoint
+from trtdisagg.transfer.protocol.rank_info import compat_fields
 from trtdisagg.worker import responses
 from trtdisagg.worker.engine.executor import Executor, GenerationSource
 from trtdisagg.worker.handoff import ctx_instance_of
 from trtdisagg.worker.jobs import ChoiceRun, CtxEndpoint, Job
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
 from trtdisagg.worker.sampling import MIN_TEMPERATURE, TokenLogprobs
+
+if TYPE_CHECKING:
+    from trtdisagg.faults.spec import FaultInjector
 from trtdisagg.worker.tokenization import Tokenizer
 
 AnyRequest = CompletionRequest | ChatCompletionRequest

@@ -15,12 +15,11 @@ import trio
 
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.transceiver import KvTransceiver
+from trtdisagg.transfer.runtime.driver import KvTransceiver
 from trtdisagg.worker.engine.live import GenerationSource, Inbox, Live, RequestHandle
 from trtdisagg.worker.engine.loop import StepLoop
 from trtdisagg.worker.engine.outputs import OutputState, RequestOutput
 from trtdisagg.worker.engine.tracker import TransferTracker
-from trtdisagg.worker.engine.transfer_gauges import TransferGauges
 from trtdisagg.worker.request import Request
 from trtdisagg.worker.sampling import SampleSpec, make_generator, skip_sample
 from trtdisagg.worker.scheduler import Scheduler
@@ -47,7 +46,6 @@ class Executor:
     # work goes through its driver.
     transceiver: KvTransceiver | None = None
     test_hooks: TestHooks | None = None  # read and armed by the /debug routes (test_hooks.py)
-    transfer_gauges: TransferGauges | None = None
 
     # ---- commands from handlers (sync, never block) ----
 
@@ -137,8 +135,6 @@ class Executor:
 
     def refresh_gauges(self) -> None:
         """Bring the gauges up to date (before `/metrics` renders them)."""
-        if self.transfer_gauges is not None:
-            self.transfer_gauges.refresh()
         stats = self.scheduler.statistics()
         self.metrics.requests_running.set(stats.num_running)
         self.metrics.requests_waiting.set(stats.num_waiting)
