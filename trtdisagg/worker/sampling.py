@@ -188,9 +188,7 @@ def launch(
     samples (default: row i for spec i, N == len(specs)). `generator`: the unseeded rows' shared
     generator on the logits' device (default: torch's default generator for that device).
     """
-    packed, top_logprobs = sampling_batch.sample_rows(
-        logits, specs, rows=rows, generator=generator
-    )
+    packed, top_logprobs = sampling_batch.sample_rows(logits, specs, rows=rows, generator=generator)
     if packed.device.type != "cuda":
         return PendingSample(host=packed, ready=None, top_logprobs=top_logprobs)
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)

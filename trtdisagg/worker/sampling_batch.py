@@ -154,8 +154,11 @@ class DeviceRows:
 def upload(host: HostRows, rows: Sequence[int] | None, device: torch.device) -> DeviceRows:
     """Two host-to-device copies (pinned, asynchronous on CUDA): one of ints, one of floats."""
     s = host.num_rows
-    words = max((mask.size for _, mask in host.allowed), default=0)
-    allowed = np.full((s, words), -1, np.int64) if host.allowed else np.zeros(0, np.int64)
+    # Rows without a mask allow every token: all bits of enough words to cover the vocabulary.
+    words = max([-(-host.width // BITS), *(mask.size for _, mask in host.allowed)])
+    if not host.allowed:
+        words = 0
+    allowed = np.full((s, words), -1, np.int64)
     for row, mask in host.allowed:
         allowed[row, : mask.size] = mask
         allowed[row, mask.size :] = 0
@@ -181,8 +184,8 @@ def upload(host: HostRows, rows: Sequence[int] | None, device: torch.device) -> 
         )
     ]
     floats.append(_cat(host.bias_value, np.float32))
-    (row_ids, greedy, top_k, suppress, bias_index, output_index, prompt_index, words_flat) = (
-        _send(ints, device)
+    (row_ids, greedy, top_k, suppress, bias_index, output_index, prompt_index, words_flat) = _send(
+        ints, device
     )
     temperature, top_p, min_p, repetition, frequency, presence, bias_value = _send(floats, device)
     return DeviceRows(
@@ -227,14 +230,13 @@ def sample_rows(
         x = logits.index_select(0, dev.rows).float()
     else:
         x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=host.writes)
-    flat = x.view(-1)  # a contiguous copy whenever a stage writes into it
     if host.allowed:
         x.masked_fill_(~allowed_mask(dev.allowed, width), NEG_INF)
     logprobs = torch.log_softmax(x, dim=-1) if host.max_logprobs >= 0 else None
-    if host.suppress:
-        flat.index_fill_(0, dev.suppress, NEG_INF)
+    if host.suppress:  # x is a contiguous copy whenever a stage writes into it
+        x.view(-1).index_fill_(0, dev.suppress, NEG_INF)
     if host.bias_index:
-        flat.index_add_(0, dev.bias_index, dev.bias_value)  # one entry per (row, token)
+        x.view(-1).index_add_(0, dev.bias_index, dev.bias_value)  # one entry per (row, token)
     if host.any_penalty:
         x = penalize(x, dev, with_prompt=bool(host.prompt_index))
     tokens = choose(x, host, dev, generator)
@@ -297,19 +299,17 @@ def truncate_top_k(scaled: torch.Tensor, top_k: torch.Tensor, largest: int) -> N
 
 
 def truncate_top_p(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> None:
-    """Keep each row's smallest prefix of most likely tokens whose mass reaches top_p, within
-    its top_k when it has one (the mass is that of the top-k distribution; ties with the last
-    kept logit stay). The first token always stays: a top_p too small for float32 would
-    otherwise drop every token."""
+    """Keep each row's smallest prefix of most likely tokens whose mass reaches top_p, after its
+    top_k when it has one (the mass is the top-k distribution's). Ties with the last kept logit
+    stay. The first token always stays: a top_p too small for float32 would otherwise drop
+    every token."""
     ordered = scaled.sort(dim=-1, descending=True).values
-    positions = torch.arange(ordered.shape[1], device=ordered.device)
-    within = torch.ones_like(ordered, dtype=torch.bool)
     if top_k is not None:
-        within = positions < torch.where(top_k > 0, top_k, ordered.shape[1]).unsqueeze(1)
-        ordered.masked_fill_(~within, NEG_INF)
+        limit = torch.where(top_k > 0, top_k, ordered.shape[1]).unsqueeze(1)
+        ordered.masked_fill_(ordered < ordered.gather(1, limit - 1), NEG_INF)
     probs = ordered.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # the mass of the tokens more likely than this one
-    keep = (before < top_p.unsqueeze(1)) & within
+    keep = (before < top_p.unsqueeze(1)) & (ordered > NEG_INF)
     keep[:, 0] = True
     last = keep.sum(dim=-1, keepdim=True) - 1  # keep is a prefix: its length - 1
     scaled.masked_fill_(scaled < ordered.gather(1, last), NEG_INF)
