@@ -61,7 +61,7 @@ class HostRows:
     prompt_index: list[IntArray] = attrs.Factory(list)  # distinct prompt tokens
     allowed: list[tuple[int, npt.NDArray[np.int32]]] = attrs.Factory(list)
     seeded: list[tuple[int, torch.Generator]] = attrs.Factory(list)  # random rows only
-    any_unseeded: bool = False  # a random row without a generator
+    unseeded: list[int] = attrs.Factory(list)  # random rows drawing from the shared generator
     any_penalty: bool = False
 
     @classmethod
@@ -103,7 +103,7 @@ class HostRows:
             self.allowed.append((row, spec.allowed.numpy()))
         if random:
             if spec.generator is None:
-                self.any_unseeded = True
+                self.unseeded.append(row)
             else:
                 self.seeded.append((row, spec.generator))
 
@@ -135,6 +135,7 @@ class DeviceRows:
     """`HostRows` on the device: per-row parameters [S] and flat index lists."""
 
     rows: torch.Tensor | None  # the logits rows to sample, when not all of them in order
+    unseeded: torch.Tensor  # the unseeded random rows, when some random rows are seeded
     greedy: torch.Tensor  # bool
     top_k: torch.Tensor
     temperature: torch.Tensor
@@ -155,15 +156,16 @@ def upload(host: HostRows, rows: Sequence[int] | None, device: torch.device) -> 
     """Two host-to-device copies (pinned, asynchronous on CUDA): one of ints, one of floats."""
     s = host.num_rows
     # Rows without a mask allow every token: all bits of enough words to cover the vocabulary.
-    words = max([-(-host.width // BITS), *(mask.size for _, mask in host.allowed)])
+    num_words = max([-(-host.width // BITS), *(mask.size for _, mask in host.allowed)])
     if not host.allowed:
-        words = 0
-    allowed = np.full((s, words), -1, np.int64)
+        num_words = 0
+    allowed = np.full((s, num_words), -1, np.int64)
     for row, mask in host.allowed:
         allowed[row, : mask.size] = mask
         allowed[row, mask.size :] = 0
     ints = [
         np.asarray(rows if rows is not None else [], np.int64),
+        np.asarray(host.unseeded if host.seeded else [], np.int64),
         np.asarray(host.greedy, np.int64),
         np.asarray(host.top_k, np.int64),
         _cat(host.suppress),
@@ -184,12 +186,13 @@ def upload(host: HostRows, rows: Sequence[int] | None, device: torch.device) -> 
         )
     ]
     floats.append(_cat(host.bias_value, np.float32))
-    (row_ids, greedy, top_k, suppress, bias_index, output_index, prompt_index, words_flat) = _send(
-        ints, device
+    row_ids, unseeded, greedy, top_k, suppress, bias_index, output_index, prompt_index, words = (
+        _send(ints, device)
     )
     temperature, top_p, min_p, repetition, frequency, presence, bias_value = _send(floats, device)
     return DeviceRows(
         rows=row_ids if rows is not None else None,
+        unseeded=unseeded,
         greedy=greedy.bool(),
         top_k=top_k,
         temperature=temperature,
@@ -203,7 +206,7 @@ def upload(host: HostRows, rows: Sequence[int] | None, device: torch.device) -> 
         bias_value=bias_value,
         output_index=output_index,
         prompt_index=prompt_index,
-        allowed=words_flat.view(s, words),
+        allowed=words.view(s, num_words),
     )
 
 
@@ -280,12 +283,11 @@ def choose(
     if any(p > 0.0 for p in host.min_p):
         threshold = scaled.amax(dim=-1, keepdim=True) + torch.log(dev.min_p).unsqueeze(1)
         scaled.masked_fill_(scaled < threshold, NEG_INF)
-    any_top_k = any(host.top_k)
-    if any(p != TOP_P_OFF for p in host.top_p):
-        truncate_top_p(scaled, dev.top_k if any_top_k else None, dev.top_p)
-    elif any_top_k:
+    if any(host.top_k):  # before top_p, whose mass is then the top-k distribution's
         truncate_top_k(scaled, dev.top_k, max(host.top_k))
-    scores = scaled - noise(scaled.shape, host, generator, scaled.device).log()
+    if any(p != TOP_P_OFF for p in host.top_p):
+        truncate_top_p(scaled, dev.top_p)
+    scores = scaled - noise(scaled.shape, host, dev, generator).log()
     drawn = scores.argmax(dim=-1)
     return drawn if greedy is None else torch.where(dev.greedy, greedy, drawn)
 
@@ -298,17 +300,14 @@ def truncate_top_k(scaled: torch.Tensor, top_k: torch.Tensor, largest: int) -> N
     scaled.masked_fill_(scaled < kth, NEG_INF)
 
 
-def truncate_top_p(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> None:
-    """Keep each row's smallest prefix of most likely tokens whose mass reaches top_p, after its
-    top_k when it has one (the mass is the top-k distribution's). Ties with the last kept logit
-    stay. The first token always stays: a top_p too small for float32 would otherwise drop
-    every token."""
+def truncate_top_p(scaled: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Keep each row's smallest prefix of most likely tokens whose mass reaches top_p (ties
+    with the last kept logit stay). The first token always stays: a top_p too small for float32
+    would otherwise drop every token."""
     ordered = scaled.sort(dim=-1, descending=True).values
-    if top_k is not None:
-        limit = torch.where(top_k > 0, top_k, ordered.shape[1]).unsqueeze(1)
-        ordered.masked_fill_(ordered < ordered.gather(1, limit - 1), NEG_INF)
     probs = ordered.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # the mass of the tokens more likely than this one
+    # Tokens already dropped (-inf) are never kept: a row without top_p keeps its finite ones.
     keep = (before < top_p.unsqueeze(1)) & (ordered > NEG_INF)
     keep[:, 0] = True
     last = keep.sum(dim=-1, keepdim=True) - 1  # keep is a prefix: its length - 1
@@ -316,14 +315,19 @@ def truncate_top_p(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torc
 
 
 def noise(
-    shape: torch.Size, host: HostRows, generator: torch.Generator | None, device: torch.device
+    shape: torch.Size, host: HostRows, dev: DeviceRows, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """E ~ Exp(1) per token: one batched draw for the unseeded rows, one per seeded row from its
-    own generator (exactly `V` values: what `sampling.skip_sample` mirrors)."""
-    if host.any_unseeded:
+    """E ~ Exp(1) per token: one batched draw from the shared generator for the unseeded rows,
+    one per seeded row from its own generator (exactly `V` values: what `sampling.skip_sample`
+    mirrors). Greedy rows' values are never used."""
+    device = dev.greedy.device
+    if not host.seeded:
         drawn = torch.empty(shape, device=device).exponential_(generator=generator)
-    else:
-        drawn = torch.ones(shape, device=device)
+        return drawn.clamp_(min=TINY)
+    drawn = torch.ones(shape, device=device)
+    if host.unseeded:
+        shared = torch.empty((len(host.unseeded), shape[1]), device=device)
+        drawn.index_copy_(0, dev.unseeded, shared.exponential_(generator=generator))
     for row, own in host.seeded:
         drawn[row].exponential_(generator=own)
     return drawn.clamp_(min=TINY)
