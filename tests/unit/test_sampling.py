@@ -291,6 +291,15 @@ def test_rows_pick_which_logits_each_spec_samples() -> None:
     assert batched(logits, rows, rows=[3, 1]) == batched(logits[[3, 1]], rows)
 
 
+def test_an_empty_step_and_mismatched_rows() -> None:
+    logits = torch.randn(3, 10)
+    assert sample(logits, [], rows=[]) == ([], [])
+    with pytest.raises(ValueError, match="rows"):
+        batched(logits, [Row(params=_greedy())])
+    with pytest.raises(ValueError, match="rows"):
+        batched(logits, [Row(params=_greedy())], rows=[0, 1])
+
+
 @pytest.mark.parametrize("top_p", [5e-324, 1e-50, 1e-46])
 def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token(top_p: float) -> None:
     # In float32 these top_p compare as 0 (or a denormal), which once dropped every token.

@@ -220,11 +220,13 @@ def sample_rows(
     """Every stage for every row, on the logits' device. Returns the packed result (see
     `sampling.PendingSample.host`) and each row's number of top logprobs (-1: none)."""
     width = logits.shape[-1]
-    host = HostRows.gather(specs, width)
     if rows is not None and len(rows) != len(specs):
         raise ValueError(f"{len(rows)} rows for {len(specs)} specs")
     if rows is None and logits.shape[0] != len(specs):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(specs)} specs")
+    if not specs:
+        return torch.zeros(0, dtype=torch.int64, device=logits.device), []
+    host = HostRows.gather(specs, width)
     plain = not (host.writes or host.any_penalty or host.any_random)
     if plain and rows is None and host.max_logprobs < 0:
         return logits.argmax(dim=-1), host.top_logprobs  # plain greedy: nothing to send
