@@ -401,15 +401,6 @@ def test_extreme_but_valid_values_are_served(
         r = client.post(url, json={**completion([5, 6, 7], 4), "temperature": temperature})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == greedy
-    for controls in (  # extreme controls: the logits may overflow, the answer must not fail
-        {"repetition_penalty": 1e-300, "top_p": 0.5, "min_p": 1.0},
-        {"repetition_penalty": 1e300, "presence_penalty": -2, "frequency_penalty": 2},
-        {"logit_bias": {str(t): (-1) ** t * 100 for t in range(40)}, "min_p": 0.0},
-    ):
-        body = {**completion([5, 6, 7], 4), "temperature": 1.0, "logprobs": 2, **controls}
-        r = client.post(url, json=body)
-        assert r.status_code == 200, (controls, r.text)
-        assert len(r.json()["choices"][0]["token_ids"]) == 4, (controls, r.text)
     prompt = list(range(10, 10 + MAX_SEQ_LEN - 3))
     r = client.post(url, json=completion(prompt, 3, top_k=2**40, seed=2**63 - 1,
                                          temperature=0.7))  # fmt: skip

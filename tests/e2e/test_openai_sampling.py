@@ -110,6 +110,31 @@ def test_min_p_removes_the_low_probability_tokens(cluster: Cluster) -> None:
         assert _complete(client, temperature=1.0, seed=3, extra_body={"min_p": 1.0}) == greedy
 
 
+@pytest.mark.parametrize(
+    "controls",
+    [
+        {"extra_body": {"repetition_penalty": 1e-300, "min_p": 1.0}, "top_p": 0.5},
+        {"extra_body": {"repetition_penalty": 1e300}, "presence_penalty": -2,
+         "frequency_penalty": 2},
+        {"logit_bias": {str(t): (-1) ** t * 100 for t in range(40)}},
+    ],
+)  # fmt: skip
+def test_extreme_but_valid_controls_are_served(cluster: Cluster, controls: dict[str, Any]) -> None:
+    """Penalties that overflow float32 (the logits reach ±inf) and many extreme biases: the
+    answer is still whole, with finite logprobs (the model's, before the controls)."""
+    ask = dict(controls)
+    extra = {**IDS, "ignore_eos": True, **ask.pop("extra_body", {})}
+    for client in both(cluster):
+        answer = client.completions.create(
+            model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=1.0, seed=1, logprobs=2,
+            extra_body=extra, **ask,
+        )  # fmt: skip
+        choice = answer.choices[0]
+        assert len(choice.token_ids) == 4  # type: ignore[attr-defined]
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        assert all(math.isfinite(lp) for lp in choice.logprobs.token_logprobs)
+
+
 # ---- the worker and the split agree ----
 
 
