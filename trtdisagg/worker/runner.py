@@ -8,7 +8,8 @@ On CUDA the model runs its fused path (`CausalLM.use_ops`, Triton kernels in bf1
 decode-only step (every item computes one token) goes through batched attention: replayed from a
 CUDA graph when `cuda_graphs` is on and one fits (`decode_graphs.py`), else eagerly. Every other
 step, and every step on CPU, builds a flat-token batch and attends per sequence. Each step sends
-its integer inputs to the device in one copy, and greedy sampling costs one host sync per step.
+its integer inputs to the device in one copy, and sampling (`sampling.py`, every row batched on
+the device) costs one host sync per step.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from trtdisagg.worker.decode_graphs import (
     graph_batch_sizes,
 )
 from trtdisagg.worker.rank_plan import ItemInputs, step_items
-from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, sample
+from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, make_generator, sample
 from trtdisagg.worker.scheduler import StepPlan
 
 if TYPE_CHECKING:
@@ -73,6 +74,10 @@ class ModelRunner:
     batched_decode: bool = False
     # Captured decode graphs (CUDA, cuda_graphs on), tried first for decode-only steps.
     graphs: DecodeGraphs | None = None
+    # The unseeded rows' random draws (seeded requests draw from their own generators).
+    noise: torch.Generator = attrs.field(
+        default=attrs.Factory(lambda self: make_generator(None, self.device), takes_self=True)
+    )
 
     def execute(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
         """Run one forward step. `specs` holds a sampling spec for every item that samples."""
@@ -136,18 +141,19 @@ class ModelRunner:
         specs: dict[int, SampleSpec],
     ) -> tuple[Sampled, ...]:
         """Sample the rows whose (request_id, samples) says so; `logits` has one row each."""
-        wanted = [(i, request_id) for i, (request_id, samples) in enumerate(rows) if samples]
+        wanted = [i for i, (_, samples) in enumerate(rows) if samples]
         if not wanted:
             return ()
-        if len(wanted) == len(rows):
-            picked = logits
-        else:
-            picked = logits[torch.tensor([i for i, _ in wanted], device=logits.device)]
-        chosen = [specs[request_id] for _, request_id in wanted]
-        tokens, logprobs = _sample(picked.float(), chosen)
+        request_ids = [rows[i][0] for i in wanted]
+        tokens, logprobs = sample(
+            logits,
+            [specs[request_id] for request_id in request_ids],
+            rows=None if len(wanted) == len(rows) else wanted,
+            generator=self.noise,
+        )
         return tuple(
             Sampled(request_id=request_id, token_id=t, logprobs=lp)
-            for (_, request_id), t, lp in zip(wanted, tokens, logprobs, strict=True)
+            for request_id, t, lp in zip(request_ids, tokens, logprobs, strict=True)
         )
 
     def kv_ready(self) -> None:
@@ -158,7 +164,7 @@ class ModelRunner:
         host: an event recorded on the current stream, then synchronized. Steps run on the
         current (default) stream of this device from a worker thread; the default stream is the
         same object in every thread, so recording here orders after them. Usually the step's
-        greedy sampling already synchronized and this returns at once. No-op on CPU, where
+        sampling already synchronized and this returns at once. No-op on CPU, where
         writes are complete when the step returns.
         """
         if self.device.type != "cuda":
@@ -316,21 +322,6 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
         host = torch.tensor(values, dtype=torch.long, pin_memory=True)
         return host.to(device, non_blocking=True)
     return torch.tensor(values, dtype=torch.long, device=device)
-
-
-def _is_plain_greedy(spec: SampleSpec) -> bool:
-    params = spec.params
-    greedy = params.temperature == 0.0 or params.top_k == 1
-    return greedy and not spec.suppress and params.logprobs is None
-
-
-def _sample(
-    logits: torch.Tensor, specs: Sequence[SampleSpec]
-) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """`sample`, with the all-greedy case as one argmax and one host sync."""
-    if all(_is_plain_greedy(spec) for spec in specs):
-        return [int(t) for t in logits.argmax(dim=-1).tolist()], [None] * len(specs)
-    return sample(logits, specs)
 
 
 def kv_pool_blocks(config: WorkerConfig, block_bytes: int) -> int:

@@ -26,7 +26,7 @@ from trtdisagg.api.protocol import (
     DisaggregatedParams,
     KvRelease,
 )
-from trtdisagg.api.validation import is_batched
+from trtdisagg.api.validation import is_batched, logit_bias_of
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.kv.hashing import HASH_ALGORITHM
@@ -321,6 +321,15 @@ class WorkerService:
                 f"stop_token_ids: token id {bad_stop} outside the vocabulary [0, {vocab})",
                 param="stop_token_ids",
             )
+        # The logits' width too: a bias is added to a logit, which must exist.
+        logits_width = min(vocab, self.executor.vocab_size)
+        bias = logit_bias_of(req)
+        bad_bias = next((t for t in sorted(bias) if t >= logits_width), None)
+        if bad_bias is not None:
+            raise bad_request(
+                f"logit_bias: token id {bad_bias} outside the vocabulary [0, {logits_width})",
+                param="logit_bias",
+            )
         stop = req.stop
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
@@ -336,6 +345,11 @@ class WorkerService:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 min_tokens=req.min_tokens,
+                min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                logit_bias=bias,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None

@@ -21,7 +21,7 @@ from trtdisagg.worker.engine.loop import StepLoop
 from trtdisagg.worker.engine.outputs import OutputState, RequestOutput
 from trtdisagg.worker.engine.tracker import TransferTracker
 from trtdisagg.worker.request import Request
-from trtdisagg.worker.sampling import SampleSpec, make_generator, skip_sample
+from trtdisagg.worker.sampling import new_spec
 from trtdisagg.worker.scheduler import Scheduler
 from trtdisagg.worker.stopping import StopStrings
 from trtdisagg.worker.tokenization import Tokenizer
@@ -66,16 +66,14 @@ class Executor:
         self._check_fits(request)
         send, receive = trio.open_memory_channel[RequestOutput](math.inf)
         params = request.sampling
-        eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
-        generator = make_generator(params.seed, self.device)
-        if source is not None and params.seed is not None:
-            # ctx drew the first token from this seed's stream: gen continues that stream, so a
-            # seeded request samples the same tokens split or not.
-            skip_sample(generator, params, self.vocab_size)
-        spec = SampleSpec(
-            params=params,
-            generator=generator,
-            suppress=eos if params.min_tokens > 0 else frozenset(),
+        # A generation_only request's first token was ctx's: a seeded one continues the random
+        # stream ctx drew it from, so it samples the same tokens split or not.
+        spec = new_spec(
+            request,
+            device=self.device,
+            width=self.vocab_size,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            after_first_token=source is not None,
         )
         state = OutputState(
             detokenizer=self.tokenizer.incremental_detokenizer(),
