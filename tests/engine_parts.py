@@ -14,7 +14,7 @@ import attrs
 import trio
 
 from trtdisagg.kv.block_pool import BlockPool
-from trtdisagg.transfer.sessions import TransferOutcome
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.worker.engine.live import GenerationSource, Live
 from trtdisagg.worker.engine.outputs import OutputState, RequestOutput
 from trtdisagg.worker.request import Request, RequestType, SamplingParams

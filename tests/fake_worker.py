@@ -10,9 +10,10 @@ are equal exactly when the coordinator splits and merges correctly.
 Knobs for failure tests live on the `FakeWorker` object: ``token_delay`` (seconds per token),
 ``fail_status``/``fail_count`` (answer the next N requests with that status), ``hang``
 (accept requests and never answer), ``gate`` (requests wait for this event), ``stall_after``
-(a stream stops after N tokens and stays open) and ``health_hang`` (``/health`` alone never
-answers). A fake ctx records each ``/disagg/release`` it gets (``releases``) and which of its
-answers still hold "KV" (``held``).
+(a stream stops after N tokens and stays open), ``error_after`` (a stream ends with an error
+event after N tokens, as a worker whose step failed does) and ``health_hang`` (``/health``
+alone never answers). A fake ctx records each ``/disagg/release`` it gets (``releases``) and
+which of its answers still hold "KV" (``held``).
 
 ``kv_compat`` is published in ``/server_info`` as a worker's is. A fake ctx's info endpoint
 carries it, so a fake gen with a ``kv_compat`` of its own answers 500 naming both to a
@@ -81,6 +82,7 @@ class FakeWorker:
     hang: bool = False
     gate: trio.Event | None = None  # requests wait for it to be set before anything else
     stall_after: int | None = None  # a stream sends this many tokens, then nothing, for ever
+    error_after: int | None = None  # a stream sends this many tokens, then an error event
     health_hang: bool = False  # /health never answers (everything else still does)
     health_checks: int = 0  # /health requests received
     unhealthy: str | None = None  # /health answers 503 with this reason, as a stopped worker does
@@ -345,6 +347,11 @@ async def _stream(
         for i, token in enumerate(tokens):
             if i == worker.stall_after:
                 await trio.sleep_forever()
+            if i == worker.error_after:
+                error = {"error": {"message": "fake gen failure", "type": "internal_server_error",
+                                   "code": 500}}  # fmt: skip
+                yield b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+                return
             await trio.sleep(worker.token_delay)
             finish = "length" if i == len(tokens) - 1 else None
             choice: Json = {"index": 0, "finish_reason": finish, "token_ids": [token]}
@@ -355,6 +362,8 @@ async def _stream(
             yield b"data: " + json.dumps({**head, "choices": [choice]}).encode() + b"\n\n"
         if (body.get("stream_options") or {}).get("include_usage"):
             chunk: Json = {**head, "choices": [], "usage": usage}
+            if body.get("return_perf_metrics"):
+                chunk["perf_metrics"] = {"first_token_s": 0.001, "decode_s": 0.002}
             yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:

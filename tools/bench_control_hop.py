@@ -1,9 +1,10 @@
 """One control message between two processes: a ZMQ DEALER -> ROUTER frame against a NIXL
 notification (`send_notif`), the receiver spinning on both.
 
-Why: REQUEST_DATA can go either way (RankInfo.request_notices). The sender is this process, the
-receiver a `spawn`ed child that polls its ROUTER (non-blocking) and its agent's notifications in
-one tight loop, so neither path waits on a sleeping receiver. The two kinds alternate, one
+Why: what a control message would gain over a NIXL notification (REQUEST_DATA goes over ZMQ
+only). The sender is this process, the receiver a `spawn`ed child that polls its ROUTER
+(non-blocking) and its agent's notifications in one tight loop, so neither path waits on a
+sleeping receiver. The two kinds alternate, one
 message at a time after `--idle-ms` of quiet (as between a ctx's response and gen's request:
 ZMQ's I/O threads have gone to sleep by then, and waking them is most of a ZMQ hop), each
 carrying its send time (CLOCK_MONOTONIC, one host); the child records when it read it.

@@ -17,7 +17,7 @@ import time
 import trio
 import zmq
 
-from trtdisagg.transfer.messenger import open_dealer, open_router
+from trtdisagg.transfer.runtime.messenger import open_dealer, open_router
 
 PAYLOAD = b"x" * 100
 

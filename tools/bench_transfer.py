@@ -14,16 +14,14 @@ Per measured iteration, in the same run, one transfer of each selected transceiv
                     and `check_gen_transfer_status()` on every `wake` until the outcome. Timed
                     in gen, from the request call to the outcome (REQUEST_DATA, the write,
                     TRANSFER_RESULT and the WRITE_NOTICE notification all inside): what a
-                    request pays when gen asks for KV that is already there. (ctx watches for
-                    the request from its response on, as it does for the few ms a coordinator
-                    takes to pass the request on to gen.)
+                    request pays when gen asks for KV that is already there.
   generation-first  what `schedule_style: generation_first` does. gen calls
                     `request_and_receive_async` FIRST and starts waiting for the outcome (a task
                     of the gen child, like the executor's wait); ctx waits until that
                     REQUEST_DATA sits in its transceiver's early buffer
                     (`statistics().early >= 1`, polled, no fixed sleep); then ctx calls
                     `prepare_send` as the executor does when the prompt's last prefill step
-                    starts (the write is prepared then, and gen told of it), and lets that
+                    starts (the write is prepared then), and lets that
                     step's time pass (`--prefill-step-ms`, 10 ms; untimed, the loop running as
                     beside a real forward); only then does ctx's KV become ready:
                     `respond_and_send_async`, upon which ctx posts the prepared write. gen is
@@ -57,14 +55,17 @@ transceiver schedule at the end.
 Why the raw writes use the transceivers' own agents: they share the connection and the UCX
 progress thread, so the difference between the paths is the control plane alone (a second pair
 of agents would add two more busy progress threads on a small machine). The raw path touches an
-agent only while its transceiver has no session, so the two never use an agent at once.
+agent only while its transceiver has no transfer under way, when the transceiver does not call
+it (its notification pump polls only while a transfer waits), so the two never use an agent at
+once and no notification of raw's is drained by the transceiver.
 
 Printed: bytes, descriptors (from the transfer outcome), median time and GB/s (1e9 B/s) of each
 path, per schedule the handover overhead (p50 of transceiver time minus raw time, per iteration:
 what the control plane adds) and the stage stamps (context-first: after gen's request;
 generation-first: after ctx's respond, so REQUEST_DATA's stages are negative), children's RSS
 (after warm-up, at iteration 100, at the end; the growth from 100 to the end with
-`--iterations >= 1000`), the CPU each child burns while measuring and while idle, and last a line
+`--iterations >= 1000`), the CPU each child burns while measuring and while idle (the pump
+polls only while a transfer waits, so idle children burn next to nothing), and last a line
 `ratio_vs_raw_nixl=<transceiver GB/s / raw GB/s>` of the first selected schedule (with
 `--schedule both`: context-first, preceded by `ratio_vs_raw_nixl_generation_first=<x>`).
 
@@ -118,8 +119,9 @@ if TYPE_CHECKING:
     import torch
 
     from trtdisagg.kv.cache import KVCache
-    from trtdisagg.transfer.agents.nixl import NixlAgent
-    from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
+    from trtdisagg.transfer.protocol.sessions import TransferOutcome
+    from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
+    from trtdisagg.transfer.runtime.driver import KvTransceiver
 
 SCHEMA: Final = "trtdisagg.bench_transfer/1"
 MIB: Final = 2**20
@@ -308,12 +310,6 @@ class BenchConfig:
     timeout_s: float = 60.0
     seed: int = 0
     progress_thread: bool = True  # NIXL's UCX progress thread (production: on)
-    # ctx takes REQUEST_DATA as a NIXL notification too (RankInfo.request_notices); None: as
-    # a single-rank worker does, on CUDA only
-    request_notices: bool | None = None
-    # the transceivers spin while they watch for a peer's next move (pacing.py); None: as a
-    # single-rank worker does, on CUDA only (worker/serve.py)
-    watch: bool | None = None
     # generation-first: the last prefill step, between `prepare_send` and the KV being ready
     prefill_step_s: float = 0.01
     # ctx's next step, run in a worker thread from when its KV is ready (0: ctx idles)
@@ -324,14 +320,6 @@ class BenchConfig:
     result_json: Path | None = None
     # transceiver schedules measured, each against raw; the first one's ratio is the last line
     schedules: tuple[str, ...] = attrs.field(default=(CONTEXT_FIRST,), validator=_check_schedules)
-
-    @property
-    def takes_request_notices(self) -> bool:
-        return self.device == "cuda" if self.request_notices is None else self.request_notices
-
-    @property
-    def watches(self) -> bool:
-        return self.device == "cuda" if self.watch is None else self.watch
 
     @property
     def primary_schedule(self) -> str:
@@ -349,8 +337,6 @@ class BenchConfig:
         out = attrs.asdict(self, recurse=True)
         out["result_json"] = None if self.result_json is None else str(self.result_json)
         out["schedules"] = list(self.schedules)
-        out["takes_request_notices"] = self.takes_request_notices  # the setting, resolved
-        out["watches"] = self.watches
         return out
 
 
@@ -417,24 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="the raw path: microseconds its ctx and gen threads sleep between polls; default "
         "0 on CUDA (they spin: the best a raw caller gets there) and 20 on the CPU, where "
-        "spinning starves the copy. Until the thirteenth session raw slept 20 us on CUDA too, "
-        "which lasts 55-110 us and slowed it down",
-    )
-    parser.add_argument(
-        "--request-notices",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="whether ctx takes REQUEST_DATA as a NIXL notification too, besides ZMQ (auto: as "
-        "a single-rank worker does, on CUDA only); off also runs against a transceiver older "
-        "than that",
-    )
-    parser.add_argument(
-        "--watch",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="whether the transceivers spin while they watch for the peer's next move (auto: as "
-        "a single-rank worker does, on CUDA only: on the CPU a spinning loop takes a core from "
-        "the other processes). Until the fifteenth session they spun on the CPU too",
+        "spinning starves the copy",
     )
     parser.add_argument("--result-json", type=Path)
     pairing = parser.add_argument_group("pairing (heterogeneous: not yet, issue 5)")
@@ -499,8 +468,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         timeout_s=args.timeout,
         seed=args.seed,
         progress_thread=args.nixl_progress_thread == "on",
-        request_notices={"auto": None, "on": True, "off": False}[args.request_notices],
-        watch={"auto": None, "on": True, "off": False}[args.watch],
         prefill_step_s=args.prefill_step_ms / 1000,
         ctx_busy_s=args.ctx_busy_ms / 1000,
         raw_poll_s=(
@@ -579,14 +546,16 @@ def stage_offsets(
     Both children stamp with CLOCK_MONOTONIC (`time.monotonic`), one clock on one host. A stage
     stamped twice for a key (e.g. two notifications) counts at its first stamp.
     """
-    from trtdisagg.transfer.transceiver import STAGES
+    from trtdisagg.transfer.runtime.driver import STAGES
+
+    stages = (*STAGES, "woke", "checked")  # the last two, the bench's own: see _await_outcome
 
     at: dict[tuple[int, str], float] = {}
     for role, rows in stamps.items():
         for key, stage, when in rows:
             at.setdefault((int(key), f"{role}.{stage}"), float(when))
     names = [origin] + [
-        name for stage in STAGES for role in ("gen", "ctx") if (name := f"{role}.{stage}") != origin
+        name for stage in stages for role in ("gen", "ctx") if (name := f"{role}.{stage}") != origin
     ]
     out: dict[str, dict[str, float]] = {}
     for name in names:
@@ -765,9 +734,7 @@ def format_report(doc: dict[str, Any]) -> str:
         "  CPU (cores busy): measured phase ctx "
         f"{cores('ctx', 'measured')} gen {cores('gen', 'measured')}; idle ctx "
         f"{cores('ctx', 'idle')} gen {cores('gen', 'idle')} (NIXL progress threads: "
-        f"{'on' if cfg['progress_thread'] else 'off'}; REQUEST_DATA by notification too: "
-        f"{'on' if cfg.get('takes_request_notices') else 'off'}; watching spins: "
-        f"{'on' if cfg.get('watches', True) else 'off'}; raw polls "
+        f"{'on' if cfg['progress_thread'] else 'off'}; raw polls "
         f"{_raw_polls(cfg.get('raw_poll_s', 20e-6))})"
     )
     stats = doc["transceiver_statistics"]
@@ -859,6 +826,7 @@ class _Side:
         self.agent = agent
         self.transceiver = transceiver
         self.waker = waker
+        self.stamps: list[tuple[int, str, float]] = []  # the tracer's, and the bench's own
         self.plan = cfg.blocks
         self.outcomes: dict[int, TransferOutcome] = {}
         self.writes: list[tuple[int, int, float]] = []  # on_write: (bytes, descriptors, seconds)
@@ -926,14 +894,12 @@ class _Side:
                 for outcome in check():
                     self.outcomes[outcome.key] = outcome
                 found = self.outcomes.pop(key, None)
-                if found is not None:
-                    stages = self.transceiver.stages
-                    if stages is not None:  # the check's end, and the wake-up before it
-                        stages.append((key, "checked", time.monotonic()))
-                        if woke is not None:
-                            stages.append((key, "woke", woke))
+                if found is not None:  # the check's end, and the wake-up before it
+                    self.stamps.append((key, "checked", time.monotonic()))
+                    if woke is not None:
+                        self.stamps.append((key, "woke", woke))
                     return found
-                await self.transceiver.wait_for(event)  # as the executor waits
+                await event.wait()  # as the executor waits: `wake` sets it
                 woke = time.monotonic()
 
     # ctx
@@ -993,8 +959,8 @@ class _Side:
     async def raw_write(self, args: dict[str, Any]) -> dict[str, Any]:
         import numpy as np
 
-        from trtdisagg.transfer.agents.base import XferStatus
-        from trtdisagg.transfer.fragments import Fragments
+        from trtdisagg.transfer.protocol.fragments import Fragments
+        from trtdisagg.transfer.runtime.agents.base import XferStatus
 
         src = self.cache.pool.data_ptr()  # ctx blocks start at 0
         rows = np.array([[src, args["dst_address"], args["num_bytes"]]], dtype=np.int64)
@@ -1026,8 +992,7 @@ class _Side:
             return start, done
 
         self._start_busy()
-        async with self.transceiver.lend_agent():
-            start, done = await trio.to_thread.run_sync(write)
+        start, done = await trio.to_thread.run_sync(write)
         await self._busy_over()
         return {"start": start, "done": done}
 
@@ -1099,10 +1064,7 @@ class _Side:
                 if poll_s:
                     time.sleep(poll_s)
 
-        # The transceiver's pollers would drain (and drop) raw's notification: they skip the
-        # agent while it is lent.
-        async with self.transceiver.lend_agent():
-            return {"seen": await trio.to_thread.run_sync(spin)}
+        return {"seen": await trio.to_thread.run_sync(spin)}
 
     # both
     async def clear(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -1122,9 +1084,8 @@ class _Side:
         return attrs.asdict(self.transceiver.statistics())
 
     async def stages(self, args: dict[str, Any]) -> dict[str, Any]:
-        """The transceiver's stage stamps since the last call (then forgotten)."""
-        stamps = self.transceiver.stages or []
-        self.transceiver.stages = []
+        """The stage stamps since the last call (then forgotten)."""
+        stamps, self.stamps = self.stamps, []
         return {"stamps": stamps}
 
 
@@ -1155,12 +1116,12 @@ def _device_digest(data: torch.Tensor) -> str:
 async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
     from trtdisagg.kv.cache import KVCache
     from trtdisagg.kv.page_table import Layout
-    from trtdisagg.transfer.agents.base import pool_regions
-    from trtdisagg.transfer.agents.nixl import NixlAgent
-    from trtdisagg.transfer.messenger import open_router
-    from trtdisagg.transfer.rank_info import RankInfo, make_instance_name
-    from trtdisagg.transfer.transceiver import KvTransceiver
-    from trtdisagg.transfer.wire import PROTOCOL_VERSION
+    from trtdisagg.transfer.protocol.rank_info import RankInfo, make_instance_name
+    from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION
+    from trtdisagg.transfer.runtime.agents.base import pool_regions
+    from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
+    from trtdisagg.transfer.runtime.driver import KvTransceiver
+    from trtdisagg.transfer.runtime.messenger import open_router
 
     geo, plan = cfg.geometry, cfg.blocks
     device = _device(cfg, role)
@@ -1185,7 +1146,6 @@ async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
         page_table = cache.page_table(range(geo.layers))
         await trio.to_thread.run_sync(agent.register_memory, pool_regions(page_table))
         async with open_router("tcp://127.0.0.1:0") as router:
-            notices: dict[str, Any] = {"request_notices": True} if cfg.takes_request_notices else {}
             info = RankInfo(
                 instance_name=instance_name,
                 instance_rank=0,
@@ -1207,8 +1167,6 @@ async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
                 agent_name=agent_name,
                 agent_metadata=agent.local_metadata(),
                 page_table=page_table,
-                # (left out when off, so that the bench also runs an older transceiver)
-                **notices,
             )
             waker = _Waker()
             side: _Side
@@ -1220,10 +1178,8 @@ async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
                 timeout_s=cfg.timeout_s,
                 wake=waker.set,
                 on_write=lambda b, d, s: side.writes.append((b, d, s)),
-                stages=[],
+                tracer=lambda key, stage, at: side.stamps.append((key, stage, at)),
             )
-            if not cfg.watches:
-                transceiver.may_spin = lambda: False  # as worker/serve.py sets it off CUDA
             side = _Side(
                 role=role,
                 cfg=cfg,

@@ -1,18 +1,16 @@
 #!/bin/bash
 # One device call: tools/bench_transfer.py on CUDA for this tree and for variants of it, in turn,
-# so that each comparison is made within one call on one host (BENCHMARKS.md, fifteenth session).
+# so that each comparison is made within one call on one host.
 #
 # Run from the repository root on the device, with the wheels of docs/bench_gpu_headline.md
-# ("Reproduce: the wheels") in .whl/. Results go to $OUT (bench.txt, cold_path.txt, results.tgz).
+# ("Reproduce: the wheels") in .whl/. Results go to $OUT (bench.txt, results.tgz).
 #
-#   VARIANTS="base norehearse" ROUNDS="1 2 3" SIZES="2048 8192" ONCE="1024 32768" BUSY=2048 \
+#   VARIANTS="base" ROUNDS="1 2 3" SIZES="2048 8192" ONCE="1024 32768" BUSY=2048 \
 #       SUITE=1 bash tools/device_ab_transfer.sh
 # GEN_GPU=1 puts gen on the second GPU (GPU to GPU, on a two-GPU machine); default 0 (the same GPU).
 #
-# Variants (copies of the tree under /tmp/v with one thing changed):
-#   base        the tree as it is
-#   norehearse  gen does not rehearse its hand-over (REHEARSE_EVERY_S = inf: one rehearsal per
-#               process, at its first spin)
+# Variants are copies of the tree under /tmp/v; `base` is the tree as it is. Another variant is a
+# copy that a step added here changes (a sed on its files), so that both run in the same call.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/res /tmp/v
@@ -21,13 +19,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1
 for v in ${VARIANTS:-base}; do
     rm -rf "/tmp/v/$v" && mkdir -p "/tmp/v/$v" && cp -r trtdisagg tools "/tmp/v/$v/"
-done
-if [ -d /tmp/v/norehearse ]; then
-    sed -i 's/^REHEARSE_EVERY_S = .*/REHEARSE_EVERY_S = float("inf")/' \
-        /tmp/v/norehearse/trtdisagg/transfer/rehearsal.py
-fi
-for _ in 1 2; do
-    PYTHONPATH=/tmp/site:$PWD python3 tools/cold_path.py --rounds 200 | tee -a "$OUT/cold_path.txt"
 done
 
 bench() { # variant tokens round [extra bench_transfer arguments]

@@ -22,7 +22,6 @@ from trtdisagg.security.secret import (
     check_cluster_secret,
     resolve_cluster_secret,
 )
-from trtdisagg.transfer.faults import FaultSpecError, parse_faults
 
 
 class ConfigError(ValueError):
@@ -52,6 +51,8 @@ def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> No
 def _fault_spec(_inst: object, attr: attrs.Attribute[Any], value: str | None) -> None:
     if value is None:
         return
+    from trtdisagg.faults.spec import FaultSpecError, parse_faults  # tests only: lazily
+
     try:
         parse_faults(value)
     except FaultSpecError as exc:
@@ -162,7 +163,7 @@ class WorkerConfig:
     # Test-only introspection and fault hooks (KV digests at /debug/kv_digests). Set through the
     # TRTDISAGG_TEST_HOOKS=1 environment variable; never on in production.
     enable_test_hooks: bool = False
-    # Test-only fault injection (transfer/faults.py), set through TRTDISAGG_FAULTS. None: off,
+    # Test-only fault injection (trtdisagg/faults/spec.py), set through TRTDISAGG_FAULTS. None: off,
     # and no hook is installed at all.
     fault_injection: str | None = attrs.field(default=None, validator=_fault_spec)
     max_request_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)

@@ -33,7 +33,7 @@ from tests.fault_checks import (
     wait_metrics,
 )
 from tests.procs import Server, free_port, metric, wait_healthy
-from trtdisagg.transfer.liveness import RELINK_S
+from trtdisagg.transfer.protocol.liveness import RELINK_S
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,6 +80,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster.start_workers("ctx", "gen")
         config = {
             "hostname": "127.0.0.1", "port": ports["coordinator"], "max_retries": 0,
+            "max_migrations": 0,  # the workers' own failure paths, as the client sees them
             "context_servers": {"urls": [cluster.url("ctx")]},
             "generation_servers": {"urls": [cluster.url("gen")]},
             "health_check_interval": 0.2, "request_timeout": REQUEST_TIMEOUT_S,

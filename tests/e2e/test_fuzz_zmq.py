@@ -40,8 +40,8 @@ from tests.edges import (
 )
 from tests.procs import metric
 from trtdisagg.transfer.errors import ProtocolError
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.wire import (
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.wire import (
     MESSAGE_TAGS,
     PROTOCOL_VERSION,
     Cancel,

@@ -44,12 +44,14 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"stop_token_ids": [512]}, "stop_token_ids"),  # tiny has 512 ids
     ("/v1/completions", {"seed": 2**63}, "seed"),
-    ("/v1/completions", {"logit_bias": {"5": 1}}, "logit_bias"),
-    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"frequency_penalty": -1}, "frequency_penalty"),
-    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
-    ("/v1/completions", {"min_p": 0.1}, "min_p"),
-    ("/v1/completions", {"best_of": 3, "stream": True}, "best_of"),
+    ("/v1/completions", {"logit_bias": {"512": 1}}, "logit_bias"),  # tiny has 512 ids
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"05": 1}}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": -2.01}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"best_of": 129}, "best_of"),
     ("/v1/completions", {"n": 129}, "n"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
@@ -60,7 +62,8 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
         "type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"store": True}, "store"),
-    ("/v1/chat/completions", {"logit_bias": {"5": -100}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"5": -100.5}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
     ("/v1/responses", {"input": "x", "store": True}, "store"),
 ]  # fmt: skip
 NEUTRAL = [

@@ -54,29 +54,22 @@ class Case:
     quarantine_expires: bool = False  # gen frees its blocks only after the second timeout
 
 
-# Both of ctx's reports of a write lost: WRITE_POSTED (sent with the post) and TRANSFER_RESULT.
-LOST = "drop:WRITE_POSTED:1;drop:TRANSFER_RESULT:1"
-# ... and at gen, the write's notification, which says what WRITE_POSTED says.
+# ctx's report of a write lost (TRANSFER_RESULT) ...
+LOST = "drop:TRANSFER_RESULT:1"
+# ... and at gen, the write's notification, which says what the write moved.
 NOTICE_LOST = "drop:WRITE_NOTICE:1"
 
 CASES = {
-    # TRANSFER_RESULT (ctx -> gen): gen needs it only when WRITE_POSTED did not come
-    "result dropped: the announcement and the notice suffice": Case(ctx="drop:TRANSFER_RESULT:1"),
+    # TRANSFER_RESULT (ctx -> gen): gen needs it only when the notice did not come
+    "result dropped: the notice suffices": Case(ctx=LOST),
     "result duplicated": Case(ctx="dup:TRANSFER_RESULT:1"),
     "result delayed": Case(ctx="delay:TRANSFER_RESULT:300ms:1"),
-    "announcement and result dropped: the notice suffices": Case(ctx=LOST),
-    "announcement, result and notice dropped": Case(
-        ctx=LOST, gen=NOTICE_LOST, fails_with="timed out"
-    ),
-    "announcement and notice dropped, result later than the deadline": Case(
-        ctx=f"drop:WRITE_POSTED:1;delay:TRANSFER_RESULT:{TIMEOUT_S + 1}s:1",
+    "result and notice dropped": Case(ctx=LOST, gen=NOTICE_LOST, fails_with="timed out"),
+    "notice dropped, result later than the deadline": Case(
+        ctx=f"delay:TRANSFER_RESULT:{TIMEOUT_S + 1}s:1",
         gen=NOTICE_LOST,
         fails_with="timed out",
     ),
-    # WRITE_POSTED (ctx -> gen)
-    "announcement dropped: the result suffices": Case(ctx="drop:WRITE_POSTED:1"),
-    "announcement duplicated": Case(ctx="dup:WRITE_POSTED:1"),
-    "announcement delayed past the result": Case(ctx="delay:WRITE_POSTED:300ms:1"),
     # REQUEST_DATA (gen -> ctx)
     "request dropped": Case(gen="drop:REQUEST_DATA:1", fails_with="timed out"),
     "request duplicated": Case(gen="dup:REQUEST_DATA:1"),

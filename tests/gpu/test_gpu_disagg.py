@@ -235,25 +235,3 @@ async def test_gen_vram_holds_exactly_the_ctx_bytes(cluster: tuple[str, dict[str
             assert len(keys) == len(batch)
             for key in keys:
                 assert gen_digests[key] == ctx_digests[key], f"{gen_name}: transfer {key} differs"
-
-
-async def test_ctx_takes_gen_s_requests_from_nixl_notifications(
-    cluster: tuple[str, dict[str, Server]],
-) -> None:
-    # A single-rank CUDA ctx takes REQUEST_DATA as a NIXL notification too (protocol 4): it
-    # reaches ctx 0.2-0.5 ms before the ZMQ copy. One request in a row at a time, so that ctx
-    # watches for each (its executor is idle), and the notification has its usual head start.
-    _, servers = cluster
-    metric = "trtdisagg_kv_request_notices_total"
-    async with httpx.AsyncClient(timeout=120) as client:
-
-        async def taken() -> float:
-            text = (await client.get(servers["ctx"].url + "/metrics")).text
-            (line,) = [line for line in text.splitlines() if line.startswith(metric + " ")]
-            return float(line.split()[1])
-
-        batch = prompts(await vocab_of(client, servers["ctx"]))
-        before = await taken()
-        for prompt in batch:
-            await through_coordinator(client, coordinators(servers)[0], prompt, stream=False)
-        assert await taken() - before >= len(batch) // 2  # the ZMQ copy may win a race or two

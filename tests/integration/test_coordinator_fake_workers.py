@@ -154,7 +154,8 @@ async def _start_coordinator(
 
 
 def _body(prompt: str | list[int] = "hello world, this is a prompt", **kw: Any) -> dict[str, Any]:
-    return {"model": "fake", "prompt": prompt, "max_tokens": 6, "temperature": 0, **kw}
+    return {"model": "fake", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True, **kw}  # fmt: skip
 
 
 def _expected(prompt: str | list[int], max_tokens: int = 6) -> list[int]:
@@ -189,7 +190,8 @@ async def test_split_answer_equals_aggregated_and_usage_merges(
     assert r.status_code == 200, r.text
     data = r.json()
     assert data["choices"][0]["token_ids"] == _expected(_body()["prompt"])
-    assert "disaggregated_params" not in data["choices"][0] and "prompt_token_ids" not in data
+    assert "disaggregated_params" not in data["choices"][0]
+    assert data["prompt_token_ids"] == fake_tokenize(_body()["prompt"])
     n_prompt = len(fake_tokenize(_body()["prompt"]))
     assert data["usage"] == {
         "prompt_tokens": n_prompt, "completion_tokens": 6, "total_tokens": n_prompt + 6,
@@ -208,6 +210,11 @@ async def test_split_answer_equals_aggregated_and_usage_merges(
     # The second identical prompt is a prefix hit on ctx: cached tokens come from ctx.
     r = await client.post(c.url + "/v1/completions", json=_body())
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # The coordinator asks gen for token ids itself; a client that did not gets none.
+    plain = await client.post(c.url + "/v1/completions", json=_body(return_token_ids=False))
+    assert plain.status_code == 200, plain.text
+    assert "token_ids" not in plain.json()["choices"][0] and "prompt_token_ids" not in plain.json()
+    assert plain.json()["choices"][0]["text"] == data["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -1,12 +1,14 @@
-"""The messenger applies a fault plan to typed sends: drop, duplicate, delay (real ZMQ)."""
+"""The faulty control plane (trtdisagg/faults/messenger.py) applies a fault plan to typed sends:
+drop, duplicate, delay (real ZMQ)."""
 
 from __future__ import annotations
 
 import trio
 
-from trtdisagg.transfer import wire
-from trtdisagg.transfer.faults import FaultInjector, parse_faults
-from trtdisagg.transfer.messenger import open_dealer, open_router
+from trtdisagg.faults.messenger import faulty_dealers, faulty_router
+from trtdisagg.faults.spec import FaultInjector, parse_faults
+from trtdisagg.transfer.protocol import wire
+from trtdisagg.transfer.runtime.messenger import open_dealer, open_router
 
 
 def _cancel(key: int) -> wire.Cancel:
@@ -23,7 +25,8 @@ async def test_dealer_drops_duplicates_and_delays_by_message_type() -> None:
     faults = FaultInjector(
         plan=parse_faults("drop:CANCEL:1;dup:CANCEL:1;delay:TRANSFER_RESULT:300ms:1")
     )
-    async with open_router() as router, open_dealer(router.endpoint, faults=faults) as dealer:
+    open_faulty = faulty_dealers(faults)
+    async with open_router() as router, open_faulty(router.endpoint) as dealer:
         started = trio.current_time()
         for message in (_cancel(1), _cancel(2), _result(3), _cancel(4)):
             await dealer.send_message(message)
@@ -40,10 +43,16 @@ async def test_dealer_drops_duplicates_and_delays_by_message_type() -> None:
 
 async def test_router_replies_are_faulted_too() -> None:
     faults = FaultInjector(plan=parse_faults("drop:CANCEL:1"))
-    async with open_router(faults=faults) as router, open_dealer(router.endpoint) as dealer:
+    async with (
+        open_router() as plain,
+        faulty_router(plain, faults) as router,
+        open_dealer(plain.endpoint) as dealer,
+    ):
         await dealer.send_message(_result(7))
         with trio.fail_after(10):
             identity, _ = await router.receive_message()
             await router.send_message(identity, _cancel(8))  # dropped
             await router.send_message(identity, _cancel(9))
             assert await dealer.receive_message() == _cancel(9)
+            router.send_message_nowait(identity, _cancel(10))
+            assert await dealer.receive_message() == _cancel(10)

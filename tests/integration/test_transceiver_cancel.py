@@ -10,21 +10,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 import trio
 
-from tests.transceivers import HEAD_DIM, HEADS, LAYERS, NUM_SLOTS, TPB, rank_info
-from trtdisagg.transfer.agents.base import (
-    MemoryRegion,
-    TransferAgent,
-    XferHandle,
-    XferStatus,
-)
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.fragments import Fragments
-from trtdisagg.transfer.messenger import open_router
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
+from tests.transceivers import NUM_TOKENS, open_pair, outcome_of, until
+from trtdisagg.transfer.protocol.fragments import Fragments
+from trtdisagg.transfer.runtime.agents.base import MemoryRegion, XferHandle, XferStatus
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent
 
 
 @attrs.define(eq=False)
@@ -88,45 +79,20 @@ class StallingAgent:
         self.inner.close()
 
 
-async def _wait(predicate: Any, what: str) -> None:
-    """Poll an observable condition (state inside another task), bounded in time."""
-    with trio.fail_after(5):
-        while not predicate():  # noqa: ASYNC110
-            await trio.sleep(0.001)
-
-
 async def test_cancel_returns_false_until_the_write_in_flight_completes() -> None:
-    fabric = LoopbackFabric()
-    ctx_agent = StallingAgent(LoopbackAgent("ctx-agent", fabric=fabric))
-    gen_agent = LoopbackAgent("gen-agent", fabric=fabric)
-    block_bytes = LAYERS * 2 * HEADS * TPB * HEAD_DIM * 4
-    ctx_memory = np.random.default_rng(0).integers(0, 255, NUM_SLOTS * block_bytes, np.uint8)
-    gen_memory = np.zeros(NUM_SLOTS * block_bytes, np.uint8)
-    wakes: list[str] = []
-    async with (
-        open_router() as ctx_router,
-        open_router() as gen_router,
-        trio.open_nursery() as nursery,
-    ):
-        ctx_info = rank_info("ctx", ctx_memory, ctx_agent, ctx_router.endpoint)
-        gen_info = rank_info("gen", gen_memory, gen_agent, gen_router.endpoint)
+    stalling: list[StallingAgent] = []
 
-        def service(info: RankInfo, agent: TransferAgent, router: Any, side: str) -> KvTransceiver:
-            return KvTransceiver(
-                local=info, instance=(info,), agent=agent, router=router, timeout_s=30,
-                wake=lambda: wakes.append(side),
-            )  # fmt: skip
+    def stall(agent: LoopbackAgent, _faults: object) -> StallingAgent:
+        stalling.append(StallingAgent(agent))
+        return stalling[0]
 
-        ctx = service(ctx_info, ctx_agent, ctx_router, "ctx")
-        gen = service(gen_info, gen_agent, gen_router, "gen")
-        await nursery.start(ctx.run)
-        await nursery.start(gen.run)
-
-        key, num_tokens = 2**41 + 7, 3 * TPB - 1
-        ctx.respond_and_send_async(key, [[1, 2, 3]], num_tokens)
-        gen.request_and_receive_async(key, ctx.info_endpoint, [[4, 5, 6]], num_tokens)
+    async with open_pair(ctx_agent=stall) as pair:
+        (ctx_agent,), ctx, gen = stalling, pair.ctx, pair.gen
+        key = 2**41 + 7
+        ctx.respond_and_send_async(key, [[1, 2, 3]], NUM_TOKENS)
+        gen.request_and_receive_async(key, ctx.info_endpoint, [[4, 5, 6]], NUM_TOKENS)
         # Wait until the agent has the write (a write not yet submitted is simply not issued).
-        await _wait(lambda: ctx_agent.submitted == 1, "the write in flight")
+        await until(lambda: ctx_agent.submitted == 1, "the write in flight")
 
         # Both sides refuse to call the transfer over while ctx's write is in flight.
         assert gen.cancel_request(key) is False
@@ -137,15 +103,9 @@ async def test_cancel_returns_false_until_the_write_in_flight_completes() -> Non
             assert gen.check_gen_transfer_status() == []
 
         ctx_agent.finish()  # the write completes; ctx reports it, gen learns every rank is done
-        outcomes: list[TransferOutcome] = []
-        await _wait(lambda: outcomes.extend(ctx.check_context_transfer_status()) or outcomes, "")
-        assert [o.key for o in outcomes] == [key] and not outcomes[0].ok
-        gen_outcomes: list[TransferOutcome] = []
-        await _wait(
-            lambda: gen_outcomes.extend(gen.check_gen_transfer_status()) or gen_outcomes, ""
-        )
-        assert [o.key for o in gen_outcomes] == [key]
-        assert gen_outcomes[0].cancelled
+        sent = await outcome_of(ctx.check_context_transfer_status)
+        assert sent.key == key and not sent.ok
+        received = await outcome_of(gen.check_gen_transfer_status)
+        assert received.key == key and received.cancelled
         assert gen.cancel_request(key) is True  # nothing left that could write
-        assert len(ctx.senders) == 0 and len(gen.receivers) == 0
-        nursery.cancel_scope.cancel()
+        assert ctx.statistics().senders == 0 and gen.statistics().receivers == 0

@@ -18,25 +18,23 @@ either gets exactly its own KV (and first tokens) in its own blocks or fails.
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
-import attrs
-import numpy as np
 import pytest
 import trio
 
-from tests.integration.test_transceiver_prepared import BLOCK_BYTES, NUM_TOKENS, _outcome, blocks_of
-from tests.integration.test_transceiver_quarantine import _until
-from tests.transceivers import NUM_SLOTS, TPB, rank_info
-from trtdisagg.transfer.agents.faulty import FaultyAgent
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.faults import FaultInjector, parse_faults
-from trtdisagg.transfer.messenger import open_router
-from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
-from trtdisagg.transfer.wire import unpack_block_ids
+from tests.transceivers import (
+    NUM_TOKENS,
+    TPB,
+    AheadClock,
+    Pair,
+    open_pair,
+    outcome_of,
+    until,
+)
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
+from trtdisagg.transfer.protocol.wire import unpack_block_ids
 
 TIMEOUT_S = 1.0  # both sides; also how long ctx holds a REQUEST_DATA that found no session
 HELD_BACK_S = 0.3  # a message held back by a `delay` fault; far below TIMEOUT_S
@@ -46,88 +44,16 @@ GEN_A, GEN_B = [1, 2, 3], [4, 5, 6]
 SRC_1, SRC_2, SRC_OTHER = [1, 2, 3], [4, 5, 6], [5, 6, 7]
 
 
-@attrs.define
-class AheadClock:
-    """ctx's clock: the monotonic clock `ahead` seconds ahead, so that what ctx holds ages
-    at once (its sweep still runs every second of real time)."""
-
-    ahead: float = 0.0
-
-    def __call__(self) -> float:
-        return time.monotonic() + self.ahead
-
-
-@attrs.define(eq=False)
-class Pair:
-    ctx: KvTransceiver
-    gen: KvTransceiver
-    ctx_clock: AheadClock
-    ctx_faults: FaultInjector  # ctx's control messages and its agent's writes
-    gen_faults: FaultInjector  # gen's control messages
-    ctx_memory: np.ndarray
-    gen_memory: np.ndarray
-
-    def gen_blocks(self, blocks: list[int]) -> bytes:
-        return blocks_of(self.gen_memory, blocks)
-
-    def ctx_blocks(self, blocks: list[int]) -> bytes:
-        return blocks_of(self.ctx_memory, blocks)
-
-    def fill_gen_blocks(self, blocks: list[int], value: int) -> bytes:
-        """What another request of gen's would do to blocks it was given: write them."""
-        for b in blocks:
-            self.gen_memory[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES] = value
-        return self.gen_blocks(blocks)
-
-    def arm(self, *, ctx: str = "none", gen: str = "none") -> None:
-        self.ctx_faults.replace(parse_faults(ctx))
-        self.gen_faults.replace(parse_faults(gen))
-
-    def held_at_ctx(self, blocks: list[int]) -> bool:
-        """ctx holds a REQUEST_DATA of KEY into gen's `blocks` (no session took it yet)."""
-        return any(
-            unpack_block_ids(request.block_ids[0]) == tuple(blocks)
-            for request in self.ctx.early.peek(KEY)
-        )
-
-
 @asynccontextmanager
-async def _open_pair(timeout_s: float = TIMEOUT_S) -> AsyncIterator[Pair]:
-    """ctx and gen transceivers in this trio run, each with a fault injector armed with no
-    rule (`Pair.arm` gives them some); ctx's agent is a FaultyAgent over the loopback one."""
-    ctx_clock = AheadClock()
-    ctx_faults = FaultInjector(plan=parse_faults("none"))
-    gen_faults = FaultInjector(plan=parse_faults("none"))
-    fabric = LoopbackFabric()
-    ctx_agent = FaultyAgent(LoopbackAgent("ctx-agent", fabric=fabric), ctx_faults)
-    gen_agent = LoopbackAgent("gen-agent", fabric=fabric)
-    ctx_memory = np.random.default_rng(7).integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
-    gen_memory = np.zeros(NUM_SLOTS * BLOCK_BYTES, np.uint8)
-    async with (
-        open_router() as ctx_router,
-        open_router() as gen_router,
-        trio.open_nursery() as nursery,
-    ):
-
-        def service(
-            info: Any, agent: Any, router: Any, faults: FaultInjector, clock: Callable[[], float]
-        ) -> KvTransceiver:
-            return KvTransceiver(
-                local=info, instance=(info,), agent=agent, router=router, timeout_s=timeout_s,
-                wake=lambda: None, faults=faults, clock=clock,
-            )  # fmt: skip
-
-        ctx_info = rank_info("ctx", ctx_memory, ctx_agent, ctx_router.endpoint)
-        gen_info = rank_info("gen", gen_memory, gen_agent, gen_router.endpoint)
-        ctx = service(ctx_info, ctx_agent, ctx_router, ctx_faults, ctx_clock)
-        gen = service(gen_info, gen_agent, gen_router, gen_faults, time.monotonic)
-        await nursery.start(ctx.run)
-        await nursery.start(gen.run)
-        ctx.stages, gen.stages = [], []  # what each side dispatched, and when
-        pair = Pair(ctx, gen, ctx_clock, ctx_faults, gen_faults, ctx_memory, gen_memory)
-        await _transfer(pair, 1, [0], [0], num_tokens=TPB)  # met, dealers open
-        yield pair
-        nursery.cancel_scope.cancel()
+async def _open_pair(timeout_s: float = TIMEOUT_S) -> AsyncIterator[tuple[Pair, AheadClock]]:
+    """ctx and gen, each with a fault injector armed with no rule (`Pair.arm` gives them
+    some); ctx's clock can be set ahead. They have met, and their dealers are open."""
+    clock = AheadClock()
+    async with open_pair(
+        ctx_faults="none", gen_faults="none", timeout_s=timeout_s, ctx_clock=clock
+    ) as pair:
+        await _transfer(pair, 1, [0], [0], num_tokens=TPB)
+        yield pair, clock
 
 
 async def _transfer(
@@ -135,25 +61,32 @@ async def _transfer(
 ) -> None:
     """One clean transfer (context_first), exact, both sides done, and every message of it
     in: gen may finish on the write's notification, before ctx's TRANSFER_RESULT comes."""
-    pair.ctx.respond_and_send_async(key, [src], num_tokens, first_tokens=(11,))
-    pair.gen.request_and_receive_async(key, pair.ctx.info_endpoint, [dst], num_tokens)
-    outcome = await _outcome(pair.gen.check_gen_transfer_status)
+    outcome = await pair.transfer(key, src, dst, num_tokens)
     assert outcome.ok and outcome.first_tokens == (11,)
-    assert (await _outcome(pair.ctx.check_context_transfer_status)).ok
     assert pair.gen_blocks(dst) == pair.ctx_blocks(src)
-    await _until(lambda: _results(pair, key) == 1, "ctx's TRANSFER_RESULT")
+    await until(lambda: _results(pair, key) == 1, "ctx's TRANSFER_RESULT")
 
 
 def _results(pair: Pair, key: int) -> int:
-    """TRANSFER_RESULTs of `key` that gen has dispatched (since the pair opened)."""
-    assert pair.gen.stages is not None
-    return sum(stage == "result" for k, stage, _ in pair.gen.stages if k == key)
+    """TRANSFER_RESULTs of `key` that gen has received (since the pair opened)."""
+    return pair.count(key, "gen", "result")
 
 
 def _requests(pair: Pair, key: int) -> int:
-    """REQUEST_DATAs of `key` that ctx has dispatched, whatever it made of them."""
-    assert pair.ctx.stages is not None
-    return sum(stage == "received" for k, stage, _ in pair.ctx.stages if k == key)
+    """REQUEST_DATAs of `key` that ctx has received, whatever it made of them."""
+    return pair.count(key, "ctx", "received")
+
+
+def _held_at_ctx(pair: Pair, blocks: list[int]) -> bool:
+    """ctx holds a REQUEST_DATA of KEY into gen's `blocks` (no session took it yet)."""
+    return any(
+        unpack_block_ids(request.block_ids[0]) == tuple(blocks)
+        for request in pair.ctx.protocol.ctx.early.peek(KEY)
+    )
+
+
+def _cancel_held(pair: Pair) -> bool:
+    return pair.ctx.protocol.ctx.early.cancelled(KEY)
 
 
 def _ask(pair: Pair, blocks: list[int]) -> None:
@@ -164,7 +97,7 @@ def _settled(pair: Pair) -> bool:
     """Neither side has a session left (every write ended and was reported)."""
     pair.ctx.check_context_transfer_status()
     pair.gen.check_gen_transfer_status()
-    return not len(pair.ctx.senders) and not len(pair.gen.receivers)
+    return not pair.ctx.statistics().senders and not pair.gen.statistics().receivers
 
 
 def _safe(pair: Pair, outcome: TransferOutcome, freed: bytes) -> list[str]:
@@ -183,7 +116,7 @@ def _safe(pair: Pair, outcome: TransferOutcome, freed: bytes) -> list[str]:
 
 @pytest.mark.parametrize("order", ["context_first", "generation_first"])
 async def test_a_key_used_again_after_a_clean_transfer_gets_its_own_kv(order: str) -> None:
-    async with _open_pair() as pair:
+    async with _open_pair() as (pair, _):
         await _transfer(pair, KEY, SRC_1, GEN_A)
         other = pair.fill_gen_blocks(GEN_A, 0x5A)  # freed, and another request's now
 
@@ -192,12 +125,12 @@ async def test_a_key_used_again_after_a_clean_transfer_gets_its_own_kv(order: st
             _ask(pair, GEN_B)
         else:
             _ask(pair, GEN_B)
-            await _until(lambda: pair.held_at_ctx(GEN_B), "ctx holding the request")
+            await until(lambda: _held_at_ctx(pair, GEN_B), "ctx holding the request")
             pair.ctx.respond_and_send_async(KEY, [SRC_2], NUM_TOKENS, first_tokens=(22,))
-        outcome = await _outcome(pair.gen.check_gen_transfer_status)
+        outcome = await outcome_of(pair.gen.check_gen_transfer_status)
         assert outcome.ok and outcome.first_tokens == (22,)
         assert pair.gen_blocks(GEN_B) == pair.ctx_blocks(SRC_2)
-        assert (await _outcome(pair.ctx.check_context_transfer_status)).ok
+        assert (await outcome_of(pair.ctx.check_context_transfer_status)).ok
         assert pair.gen_blocks(GEN_A) == other
         assert pair.ctx.statistics().early == 0
 
@@ -211,27 +144,27 @@ async def test_a_key_used_again_after_a_cancelled_generation_first_request(
     # then finishes its prefill (its session starts cancelled). "ended_before": that request
     # had ended before gen asked (`abandon_send` found nothing to refuse), so what ctx holds
     # waits for the next session of KEY, which is the second use's.
-    async with _open_pair() as pair:
+    async with _open_pair() as (pair, _):
         if first_use_on_ctx == "ended_before":
             pair.ctx.abandon_send(KEY, "aborted")
         _ask(pair, GEN_A)
-        await _until(lambda: pair.held_at_ctx(GEN_A), "ctx holding the request")
+        await until(lambda: _held_at_ctx(pair, GEN_A), "ctx holding the request")
         pair.gen.cancel_request(KEY)
-        await _until(lambda: pair.ctx.early.cancelled(KEY), "ctx holding the cancel")
-        first = await _outcome(pair.gen.check_gen_transfer_status)
+        await until(lambda: _cancel_held(pair), "ctx holding the cancel")
+        first = await outcome_of(pair.gen.check_gen_transfer_status)
         assert first.cancelled
         assert pair.gen.cancel_request(KEY)  # gen frees GEN_A
         if first_use_on_ctx == "responds":
             pair.ctx.respond_and_send_async(KEY, [SRC_1], NUM_TOKENS)
-            assert (await _outcome(pair.ctx.check_context_transfer_status)).cancelled
+            assert (await outcome_of(pair.ctx.check_context_transfer_status)).cancelled
         freed = pair.fill_gen_blocks(GEN_A, 0x5A)
 
         _ask(pair, GEN_B)
-        await _until(lambda: pair.held_at_ctx(GEN_B), "ctx holding the second request")
+        await until(lambda: _held_at_ctx(pair, GEN_B), "ctx holding the second request")
         pair.ctx.respond_and_send_async(KEY, [SRC_2], NUM_TOKENS)
         with trio.fail_after(3 * TIMEOUT_S):  # a failure may take gen's timeout
-            outcome = await _outcome(pair.gen.check_gen_transfer_status)
-            await _until(lambda: _settled(pair), "both sides settled")
+            outcome = await outcome_of(pair.gen.check_gen_transfer_status)
+            await until(lambda: _settled(pair), "both sides settled")
         problems = _safe(pair, outcome, freed)
         assert not problems, "; ".join(problems)
         if first_use_on_ctx == "responds":  # nothing of the first use is left to get in the way
@@ -246,31 +179,31 @@ async def test_a_late_refusal_of_the_first_use_does_not_end_the_second_that_ctx_
     # end the second use (and free its blocks) while ctx still holds the second use's request
     # and writes it when the prefill ends.
     timeout_s = 2.0  # ctx holds what finds no session this long, and sweeps every second
-    async with _open_pair(timeout_s) as pair:
+    async with _open_pair(timeout_s) as (pair, ctx_clock):
         pair.ctx.abandon_send(KEY, "aborted")
         _ask(pair, GEN_A)
-        await _until(lambda: pair.held_at_ctx(GEN_A), "ctx holding the request")
+        await until(lambda: _held_at_ctx(pair, GEN_A), "ctx holding the request")
         pair.gen.cancel_request(KEY)
-        await _until(lambda: pair.ctx.early.cancelled(KEY), "ctx holding the cancel")
-        assert (await _outcome(pair.gen.check_gen_transfer_status)).cancelled
+        await until(lambda: _cancel_held(pair), "ctx holding the cancel")
+        assert (await outcome_of(pair.gen.check_gen_transfer_status)).cancelled
         assert pair.gen.cancel_request(KEY)
         freed_a = pair.fill_gen_blocks(GEN_A, 0x5A)
 
-        pair.ctx_clock.ahead = timeout_s - 0.05  # the first use's messages are about to expire
+        ctx_clock.ahead = timeout_s - 0.05  # the first use's messages are about to expire
         _ask(pair, GEN_B)
-        await _until(lambda: pair.held_at_ctx(GEN_B), "ctx holding the second request")
+        await until(lambda: _held_at_ctx(pair, GEN_B), "ctx holding the second request")
         with trio.fail_after(2 * timeout_s):  # ended by a refusal, or by gen's timeout
-            second = await _outcome(pair.gen.check_gen_transfer_status)
-            await _until(lambda: pair.gen.cancel_request(KEY), "gen freeing the blocks")
+            second = await outcome_of(pair.gen.check_gen_transfer_status)
+            await until(lambda: pair.gen.cancel_request(KEY), "gen freeing the blocks")
         assert not second.ok and (second.error or second.cancelled)
         freed_b = pair.fill_gen_blocks(GEN_B, 0xA5)
         # What ctx held of the first use expires within a sweep of its request's expiry.
-        await _until(
-            lambda: not pair.ctx.early.cancelled(KEY) or not pair.held_at_ctx(GEN_B),
+        await until(
+            lambda: not _cancel_held(pair) or not _held_at_ctx(pair, GEN_B),
             "ctx dropping the first use's cancel",
         )
         pair.ctx.respond_and_send_async(KEY, [SRC_2], NUM_TOKENS)  # the second prefill ends
-        await _until(lambda: _settled(pair), "both sides settled", 2 * timeout_s)
+        await until(lambda: _settled(pair), "both sides settled", 2 * timeout_s)
         assert pair.gen_blocks(GEN_A) == freed_a
         assert pair.gen_blocks(GEN_B) == freed_b, "ctx wrote the second use's freed blocks"
 
@@ -282,26 +215,26 @@ async def test_a_request_overtaken_by_its_cancel_is_not_served_by_the_next_use()
     # gen's blocks GEN_A are free and go to another request. The request then arrives and
     # finds no session: ctx holds it. The second use of KEY asks for GEN_B and ctx's new
     # session takes what it holds, the stale request first.
-    async with _open_pair() as pair:
+    async with _open_pair() as (pair, _):
         pair.arm(gen=f"delay:REQUEST_DATA:{HELD_BACK_S * 1000:g}ms:1")
         pair.ctx.respond_and_send_async(KEY, [SRC_1], NUM_TOKENS)
         _ask(pair, GEN_A)
         pair.gen.cancel_request(KEY)
-        assert (await _outcome(pair.gen.check_gen_transfer_status)).cancelled
+        assert (await outcome_of(pair.gen.check_gen_transfer_status)).cancelled
         assert pair.gen.cancel_request(KEY)  # ctx answered the CANCEL: nothing can land
-        assert (await _outcome(pair.ctx.check_context_transfer_status)).cancelled
+        assert (await outcome_of(pair.ctx.check_context_transfer_status)).cancelled
         assert pair.gen_faults.statistics().rules[0].fired == 1
         assert _requests(pair, KEY) == 0, "the request was not overtaken: no test"
         await _transfer(pair, KEY + 1, SRC_OTHER, GEN_A)  # GEN_A: another request's KV
         freed = pair.gen_blocks(GEN_A)
-        await _until(lambda: _requests(pair, KEY) == 1, "the stale request", 2 * HELD_BACK_S)
+        await until(lambda: _requests(pair, KEY) == 1, "the stale request", 2 * HELD_BACK_S)
 
         _ask(pair, GEN_B)
-        await _until(lambda: pair.held_at_ctx(GEN_B), "ctx holding the second request")
+        await until(lambda: _held_at_ctx(pair, GEN_B), "ctx holding the second request")
         pair.ctx.respond_and_send_async(KEY, [SRC_2], NUM_TOKENS)
         with trio.fail_after(3 * TIMEOUT_S):
-            outcome = await _outcome(pair.gen.check_gen_transfer_status)
-            await _until(lambda: _settled(pair), "both sides settled")
+            outcome = await outcome_of(pair.gen.check_gen_transfer_status)
+            await until(lambda: _settled(pair), "both sides settled")
         problems = _safe(pair, outcome, freed)
         assert not problems, "; ".join(problems)
 
@@ -310,34 +243,34 @@ async def test_a_request_overtaken_by_its_cancel_is_not_served_by_the_next_use()
 async def test_a_late_result_of_the_previous_use_is_not_taken_for_the_next_one(
     gen_gives_up: bool,
 ) -> None:
-    # First use: gen finishes on the write's notification (it says what WRITE_POSTED says), and
+    # First use: gen finishes on the write's notification (it says what the write moved), and
     # ctx's TRANSFER_RESULT, held back, comes later, while the second use's write is in flight
     # (stalled). If gen gives up on the second use, its blocks must stay quarantined until
     # that write has ended, not be freed on the first use's result; if not, the second use
     # ends with its own first tokens, not the first use's.
-    async with _open_pair() as pair:
+    async with _open_pair() as (pair, _):
         pair.arm(ctx=f"delay:TRANSFER_RESULT:{HELD_BACK_S * 1000:g}ms:1")
         pair.ctx.respond_and_send_async(KEY, [SRC_1], NUM_TOKENS, first_tokens=(11,))
         _ask(pair, GEN_A)
-        first = await _outcome(pair.gen.check_gen_transfer_status)
+        first = await outcome_of(pair.gen.check_gen_transfer_status)
         assert first.ok and first.first_tokens == (11,)
-        assert (await _outcome(pair.ctx.check_context_transfer_status)).ok
+        assert (await outcome_of(pair.ctx.check_context_transfer_status)).ok
         assert _results(pair, KEY) == 0, "the result was not held back: no test"
 
         pair.arm(ctx=f"stall_transfer:{TIMEOUT_S / 2:g}s:1")
         pair.ctx.respond_and_send_async(KEY, [SRC_2], NUM_TOKENS, first_tokens=(22,))
         _ask(pair, GEN_B)
-        await _until(lambda: _results(pair, KEY) == 1, "the first use's result", 2 * HELD_BACK_S)
-        assert len(pair.ctx.senders) == 1 and not pair.ctx.check_context_transfer_status()
+        await until(lambda: _results(pair, KEY) == 1, "the first use's result", 2 * HELD_BACK_S)
+        assert pair.ctx.statistics().senders == 1 and not pair.ctx.check_context_transfer_status()
         if not gen_gives_up:
-            second = await _outcome(pair.gen.check_gen_transfer_status)
+            second = await outcome_of(pair.gen.check_gen_transfer_status)
             assert second.ok and pair.gen_blocks(GEN_B) == pair.ctx_blocks(SRC_2)
             assert second.first_tokens == (22,), "the first use's result was taken for this one"
             return
 
         released_at_once = pair.gen.cancel_request(KEY)  # the second use's write is in flight
-        await _until(lambda: pair.gen.cancel_request(KEY), "the blocks released", 2 * TIMEOUT_S)
+        await until(lambda: pair.gen.cancel_request(KEY), "the blocks released", 2 * TIMEOUT_S)
         freed = pair.fill_gen_blocks(GEN_B, 0xA5)  # and another request's
-        await _until(lambda: _settled(pair), "both sides settled", 2 * TIMEOUT_S)
+        await until(lambda: _settled(pair), "both sides settled", 2 * TIMEOUT_S)
         assert pair.gen_blocks(GEN_B) == freed, "the second use's write landed in freed blocks"
         assert not released_at_once

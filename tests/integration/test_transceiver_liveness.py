@@ -16,18 +16,18 @@ import attrs
 import numpy as np
 import trio
 
-from tests.integration.test_transceiver_prepared import _outcome, _until
-from tests.transceivers import NUM_SLOTS, rank_info
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.liveness import Gone, PeerLiveness
-from trtdisagg.transfer.messenger import open_router
-from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
-from trtdisagg.transfer.wire import NOT_REGISTERED
+from tests.transceivers import NUM_SLOTS, outcome_of, rank_info, until
+from trtdisagg.transfer.protocol.liveness import Gone, PeerLiveness
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
+from trtdisagg.transfer.protocol.wire import NOT_REGISTERED
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.runtime.driver import KvTransceiver
+from trtdisagg.transfer.runtime.messenger import open_router
 
 BLOCK_BYTES = 2 * 2 * 2 * 4 * 8 * 4  # LAYERS x K/V x HEADS x TPB x HEAD_DIM x float32
 NUM_TOKENS = 4 * 3 - 1
 SRC, DST = [4, 5, 6], [1, 2, 3]
-CHURN = 20
+CHURN = 10
 
 
 def _liveness() -> PeerLiveness:
@@ -68,7 +68,6 @@ async def _run_side(
     fabric: LoopbackFabric,
     memory: np.ndarray,
     *,
-    request_notices: bool,
     liveness: Callable[[], PeerLiveness],
     task_status: trio.TaskStatus[Side],
 ) -> None:
@@ -78,7 +77,6 @@ async def _run_side(
         with trio.CancelScope() as scope:
             async with open_router() as router, trio.open_nursery() as nursery:
                 info = rank_info(name, memory, agent, router.endpoint)
-                info = attrs.evolve(info, request_notices=request_notices)
                 transceiver = KvTransceiver(
                     local=info, instance=(info,), agent=agent, router=router, timeout_s=5,
                     wake=lambda: None, liveness=liveness(),
@@ -93,16 +91,14 @@ async def _run_side(
 
 @asynccontextmanager
 async def _pair(
-    *, request_notices: bool = False, liveness: Callable[[], PeerLiveness] = _liveness
+    *, liveness: Callable[[], PeerLiveness] = _liveness
 ) -> AsyncIterator[tuple[Side, Side]]:
     fabric = LoopbackFabric()
     ctx_memory = np.random.default_rng(3).integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
     gen_memory = np.zeros(NUM_SLOTS * BLOCK_BYTES, np.uint8)
     async with trio.open_nursery() as nursery:
-        ctx: Side = await nursery.start(
-            _run_side_kw, "ctx", fabric, ctx_memory, request_notices, liveness
-        )
-        gen: Side = await nursery.start(_run_side_kw, "gen", fabric, gen_memory, False, liveness)
+        ctx: Side = await nursery.start(_run_side_kw, "ctx", fabric, ctx_memory, liveness)
+        gen: Side = await nursery.start(_run_side_kw, "gen", fabric, gen_memory, liveness)
         yield ctx, gen
         nursery.cancel_scope.cancel()
 
@@ -111,28 +107,24 @@ async def _run_side_kw(
     name: str,
     fabric: LoopbackFabric,
     memory: np.ndarray,
-    request_notices: bool,
     liveness: Callable[[], PeerLiveness],
     *,
     task_status: trio.TaskStatus[Side] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    await _run_side(
-        name, fabric, memory, request_notices=request_notices, liveness=liveness,
-        task_status=task_status,
-    )  # fmt: skip
+    await _run_side(name, fabric, memory, liveness=liveness, task_status=task_status)
 
 
 async def _transfer(ctx: Side, gen: Side, key: int) -> TransferOutcome:
     ctx.transceiver.respond_and_send_async(key, [SRC], NUM_TOKENS)
     gen.transceiver.request_and_receive_async(key, ctx.transceiver.info_endpoint, [DST], NUM_TOKENS)
-    outcome = await _outcome(gen.transceiver.check_gen_transfer_status)
-    await _outcome(ctx.transceiver.check_context_transfer_status)
+    outcome = await outcome_of(gen.transceiver.check_gen_transfer_status)
+    await outcome_of(ctx.transceiver.check_context_transfer_status)
     return outcome
 
 
 def _known_gen(ctx: Side, gen: Side) -> bool:
     key = (gen.transceiver.local.instance_name, 0)
-    return ctx.transceiver.registrar.get(key) is not None
+    return ctx.transceiver.protocol.ctx.registrar.get(key) is not None
 
 
 async def test_ctx_forgets_a_gen_that_is_gone_and_unloads_its_agent() -> None:
@@ -141,29 +133,28 @@ async def test_ctx_forgets_a_gen_that_is_gone_and_unloads_its_agent() -> None:
         assert gen.blocks(DST) == ctx.blocks(SRC)
         assert _known_gen(ctx, gen) and gen.agent.name in ctx.agent.remotes
         await gen.stop()
-        await _until(lambda: ctx.transceiver.statistics().peers_forgotten == 1, "forgotten")
+        await until(lambda: ctx.transceiver.statistics().peers_forgotten == 1, "forgotten")
         assert not _known_gen(ctx, gen)
-        await _until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
+        await until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
         assert ctx.transceiver.statistics().peers_watched == 0
 
 
-async def test_gen_forgets_a_ctx_that_is_gone_and_unloads_its_notice_agent() -> None:
-    async with _pair(request_notices=True) as (ctx, gen):
+async def test_gen_forgets_a_ctx_that_is_gone() -> None:
+    async with _pair() as (ctx, gen):
         assert (await _transfer(ctx, gen, 1)).ok
-        assert ctx.agent.name in gen.agent.remotes  # REQUEST_DATA goes as a notification too
         rendezvous = gen.transceiver.statistics().rendezvous
         await ctx.stop()
-        await _until(lambda: gen.transceiver.statistics().peers_forgotten == 1, "forgotten")
-        await _until(lambda: ctx.agent.name not in gen.agent.remotes, "the agent unloaded")
+        await until(lambda: gen.transceiver.statistics().peers_forgotten == 1, "forgotten")
         assert gen.transceiver.statistics().peers_watched == 0
         assert gen.transceiver.statistics().rendezvous == rendezvous
+        assert not gen.agent.remotes  # gen loads no ctx agent: it only receives
 
 
 async def test_live_idle_peers_answer_their_probes_and_are_kept() -> None:
-    async with _pair(request_notices=True) as (ctx, gen):
+    async with _pair() as (ctx, gen):
         assert (await _transfer(ctx, gen, 1)).ok
         both = (ctx.transceiver, gen.transceiver)
-        await _until(lambda: all(t.statistics().peer_probes >= 4 for t in both), "probes")
+        await until(lambda: all(t.statistics().peer_probes >= 4 for t in both), "probes")
         assert [t.statistics().peers_forgotten for t in both] == [0, 0]
         assert [t.statistics().peers_watched for t in both] == [1, 1]
         rendezvous = gen.transceiver.statistics().rendezvous
@@ -174,16 +165,17 @@ async def test_live_idle_peers_answer_their_probes_and_are_kept() -> None:
 async def test_a_gen_forgotten_while_alive_is_refused_once_and_meets_ctx_again() -> None:
     async with _pair() as (ctx, gen):
         assert (await _transfer(ctx, gen, 1)).ok
-        ctx.transceiver._forget_peer(Gone(gen.transceiver.local.instance_name, False, "a test"))
-        await _until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
+        gone = Gone(gen.transceiver.local.instance_name, False, "a test")
+        ctx.transceiver._apply(ctx.transceiver.protocol.forget(gone, ctx.transceiver.clock()))
+        await until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
         ctx.transceiver.respond_and_send_async(2, [SRC], NUM_TOKENS)
         gen.transceiver.request_and_receive_async(
             2, ctx.transceiver.info_endpoint, [DST], NUM_TOKENS
         )
-        failed = await _outcome(gen.transceiver.check_gen_transfer_status)
+        failed = await outcome_of(gen.transceiver.check_gen_transfer_status)
         assert not failed.ok and failed.error is not None and NOT_REGISTERED in failed.error
         assert ctx.transceiver.cancel_request(2)  # its request never came: nothing in flight
-        assert (await _outcome(ctx.transceiver.check_context_transfer_status)).cancelled
+        assert (await outcome_of(ctx.transceiver.check_context_transfer_status)).cancelled
         rendezvous = gen.transceiver.statistics().rendezvous
         gen.memory[:] = 0
         assert (await _transfer(ctx, gen, 3)).ok  # registered again
@@ -200,10 +192,10 @@ async def test_a_ctx_that_ends_fails_the_request_waiting_on_it_and_frees_its_blo
         gen.transceiver.request_and_receive_async(
             2, ctx.transceiver.info_endpoint, [DST], NUM_TOKENS
         )
-        await _until(lambda: ctx.transceiver.statistics().early == 1, "ctx holding the request")
+        await until(lambda: ctx.transceiver.statistics().early == 1, "ctx holding the request")
         stopped = trio.current_time()
         await ctx.stop()
-        outcome = await _outcome(gen.transceiver.check_gen_transfer_status)
+        outcome = await outcome_of(gen.transceiver.check_gen_transfer_status)
         assert trio.current_time() - stopped < 2
         assert not outcome.ok and not outcome.blocks_held, outcome
         assert outcome.error is not None and "is gone" in outcome.error, outcome.error
@@ -222,13 +214,13 @@ async def test_a_gen_that_ends_before_ctx_ever_connected_to_it_is_found_dead() -
         gen.transceiver.request_and_receive_async(
             1, ctx.transceiver.info_endpoint, [DST], NUM_TOKENS
         )
-        await _until(lambda: ctx.transceiver.statistics().early == 1, "ctx holding the request")
+        await until(lambda: ctx.transceiver.statistics().early == 1, "ctx holding the request")
         assert ctx.transceiver.statistics().connections == 0  # ctx never connected to gen
         await gen.stop()
         stats = ctx.transceiver.statistics
-        await _until(lambda: stats().peers_dead == 1, "ctx finding the gen dead")
+        await until(lambda: stats().peers_dead == 1, "ctx finding the gen dead")
         assert stats().peer_probes >= 1 and stats().peers_forgotten == 1
-        await _until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
+        await until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
 
 
 def _open_files() -> int:
@@ -243,20 +235,18 @@ async def test_gen_instances_that_come_and_go_leave_ctx_no_sockets_behind() -> N
     fabric = LoopbackFabric()
     ctx_memory = np.random.default_rng(5).integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
     async with trio.open_nursery() as nursery:
-        ctx: Side = await nursery.start(_run_side_kw, "ctx", fabric, ctx_memory, False, _links_only)
+        ctx: Side = await nursery.start(_run_side_kw, "ctx", fabric, ctx_memory, _links_only)
         before = _open_files()
         stats = ctx.transceiver.statistics
         for i in range(CHURN):
             memory = np.zeros(NUM_SLOTS * BLOCK_BYTES, np.uint8)
-            gen: Side = await nursery.start(
-                _run_side_kw, f"gen{i}", fabric, memory, False, _links_only
-            )
+            gen: Side = await nursery.start(_run_side_kw, f"gen{i}", fabric, memory, _links_only)
             assert (await _transfer(ctx, gen, i + 1)).ok
             assert gen.blocks(DST) == ctx.blocks(SRC)
             assert _open_files() > before  # what ctx opened for gen, and gen's own
             await gen.stop()
-            await _until(lambda i=i: stats().peers_dead == i + 1, "ctx forgetting a gen as dead")
-            await _until(lambda: _open_files() <= before, f"files closed after gen {i}")
-            await _until(lambda: not ctx.agent.remotes, f"gen {i}'s agent unloaded")
+            await until(lambda i=i: stats().peers_dead == i + 1, "ctx forgetting a gen as dead")
+            await until(lambda: _open_files() <= before, f"files closed after gen {i}")
+            await until(lambda: not ctx.agent.remotes, f"gen {i}'s agent unloaded")
             assert stats().peers_watched == 0
         nursery.cancel_scope.cancel()

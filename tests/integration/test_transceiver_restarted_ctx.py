@@ -12,17 +12,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-import attrs
 import numpy as np
 import trio
 import zmq
 
-from tests.transceivers import HEAD_DIM, HEADS, LAYERS, NUM_SLOTS, TPB, rank_info
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.messenger import Router, open_router
-from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
+from tests.transceivers import BLOCK_BYTES, NUM_SLOTS, TPB, rank_info
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.runtime.driver import KvTransceiver
+from trtdisagg.transfer.runtime.messenger import Router, open_router
 
-BLOCK_BYTES = LAYERS * 2 * HEADS * TPB * HEAD_DIM * 4
 NUM_TOKENS = 2 * TPB
 
 
@@ -30,8 +29,7 @@ def _transceiver(
     name: str, memory: np.ndarray, fabric: LoopbackFabric, router: Router
 ) -> KvTransceiver:
     agent = LoopbackAgent(f"{name}-agent", fabric=fabric)
-    # (a ctx takes REQUEST_DATA as a notification too: gen loads its agent when they meet)
-    info = attrs.evolve(rank_info(name, memory, agent, router.endpoint), request_notices=True)
+    info = rank_info(name, memory, agent, router.endpoint)
     return KvTransceiver(
         local=info, instance=(info,), agent=agent, router=router, timeout_s=10, wake=lambda: None
     )
@@ -94,13 +92,12 @@ async def test_a_new_ctx_instance_on_the_old_endpoint_is_met_again() -> None:
             return router.endpoint
 
         endpoint = await serve_once("ctx-first", "tcp://127.0.0.1:0", key=11, dst=[3, 4])
-        assert gen.rendezvous_count == 1
+        assert gen.statistics().rendezvous == 1
         # Same endpoint, new instance: without the name check gen would send REQUEST_DATA on the
         # dead registration, the new ctx would drop it, and the transfer would time out.
         assert await serve_once("ctx-second", endpoint, key=12, dst=[5, 6]) == endpoint
-        assert gen.rendezvous_count == 2
-        # gen unloaded the first instance's agent when it met the second
-        assert gen.agent.remotes == {"ctx-second-agent"}  # type: ignore[attr-defined]
+        assert gen.statistics().rendezvous == 2
+        assert not gen.agent.remotes  # type: ignore[attr-defined]  # gen loads no ctx agent
         nursery.cancel_scope.cancel()
 
 
@@ -134,5 +131,5 @@ async def test_a_burst_of_first_requests_to_a_new_ctx_shares_one_rendezvous() ->
         for i in range(burst):
             assert outcomes[100 + i].ok, outcomes[100 + i].error
             assert np.array_equal(_block(gen_memory, burst + i), _block(memory, i))
-        assert gen.rendezvous_count == 1
+        assert gen.statistics().rendezvous == 1
         nursery.cancel_scope.cancel()

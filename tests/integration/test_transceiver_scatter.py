@@ -14,15 +14,15 @@ from collections.abc import Sequence
 import numpy as np
 import trio
 
-from tests.transceivers import rank_info
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.bounce import StagedRun
-from trtdisagg.transfer.messenger import open_router
-from trtdisagg.transfer.receive_side import _Staged
-from trtdisagg.transfer.sessions import ReceiverSession
-from trtdisagg.transfer.staging_area import StagingArea
-from trtdisagg.transfer.transceiver import KvTransceiver, TransferOutcome
-from trtdisagg.transfer.wire import ResultStatus
+from tests.transceivers import outcome_of, rank_info
+from trtdisagg.transfer.protocol.bounce import StagedRun
+from trtdisagg.transfer.protocol.events import NoticeIn, StagedReceive
+from trtdisagg.transfer.protocol.sessions import RankResult, ReceiverSession
+from trtdisagg.transfer.protocol.wire import ResultStatus, WriteNotice
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
+from trtdisagg.transfer.runtime.driver import KvTransceiver
+from trtdisagg.transfer.runtime.messenger import open_router
+from trtdisagg.transfer.runtime.staging_area import StagingArea
 
 KEY = 2**41 + 11
 
@@ -60,12 +60,6 @@ class GatedStager:
             raise TimeoutError("the test never released the scatter")
 
 
-async def _until(predicate: object, what: str) -> None:
-    with trio.fail_after(5):
-        while not predicate():  # type: ignore[operator]  # noqa: ASYNC110
-            await trio.sleep(0.001)
-
-
 async def test_host_scatter_runs_off_the_loop_and_holds_the_outcome_and_the_blocks() -> None:
     stager = GatedStager()
     memory = np.zeros(1 << 16, np.uint8)
@@ -85,12 +79,13 @@ async def test_host_scatter_runs_off_the_loop_and_holds_the_outcome_and_the_bloc
             key=KEY, peer_instance="ctx", expected=frozenset({0}), deadline=1e12
         )
         session.mark_requested()
-        session.on_result(0, ResultStatus.OK, num_bytes=4096, num_descriptors=1, error="")
-        session.on_notice(0)
-        gen.receivers.add(session)
-        gen._gen_side._staged[KEY] = _Staged(
+        session.on_result(0, RankResult(status=ResultStatus.OK, num_bytes=4096, num_descriptors=1))
+        gen.protocol.gen.receivers[KEY] = session
+        gen.protocol.gen._staged[KEY] = StagedReceive(
             offset=offset, num_bytes=4096, block_ids=(1, 2), first_token=0, num_tokens=5
         )
+        # ctx's write lands: its notice ends the session, whose KV is then scattered
+        gen._feed(NoticeIn(notice=WriteNotice(key=KEY, instance_name="ctx", instance_rank=0)))
 
         assert gen.check_gen_transfer_status() == []  # not before the KV is in the blocks
         await trio.to_thread.run_sync(stager.entered.wait, 5)
@@ -100,9 +95,8 @@ async def test_host_scatter_runs_off_the_loop_and_holds_the_outcome_and_the_bloc
         assert gen.staging.allocator.free_bytes < gen.staging.capacity  # room still held
 
         stager.release.set()
-        outcomes: list[TransferOutcome] = []
-        await _until(lambda: outcomes.extend(gen.check_gen_transfer_status()) or outcomes, "")
-        assert [(o.key, o.ok, o.num_bytes) for o in outcomes] == [(KEY, True, 4096)]
+        outcome = await outcome_of(gen.check_gen_transfer_status)
+        assert (outcome.key, outcome.ok, outcome.num_bytes) == (KEY, True, 4096)
         assert wakes  # the executor was woken to collect it
         assert gen.cancel_request(KEY) is True
         assert gen.staging.allocator.free_bytes == gen.staging.capacity

@@ -7,8 +7,8 @@ import contextlib
 import trio
 import zmq
 
-from trtdisagg.transfer import wire
-from trtdisagg.transfer.messenger import Router, open_dealer, open_router
+from trtdisagg.transfer.protocol import wire
+from trtdisagg.transfer.runtime.messenger import Router, open_dealer, open_router
 
 
 async def _echo(router: Router, *, task_status: trio.TaskStatus[None]) -> None:

@@ -19,15 +19,20 @@ import pytest
 import torch
 import trio
 
+from tests.rank_infos import make_instance
 from trtdisagg.kv.page_table import Layout
-from trtdisagg.transfer.agents.base import TransferAgent, XferHandle, XferStatus, pool_regions
-from trtdisagg.transfer.agents.nixl import NixlAgent
 from trtdisagg.transfer.errors import AgentError
-from trtdisagg.transfer.fragments import Fragments
-from trtdisagg.transfer.peers import PeerRegistrar
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.testing import make_instance
-from trtdisagg.transfer.wire import WriteNotice, decode, encode
+from trtdisagg.transfer.protocol.fragments import Fragments
+from trtdisagg.transfer.protocol.peers import PeerRegistrar
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.wire import WriteNotice, decode, encode
+from trtdisagg.transfer.runtime.agents.base import (
+    TransferAgent,
+    XferHandle,
+    XferStatus,
+    pool_regions,
+)
+from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
 
 BLOCKS, LAYERS, HEADS, TOKENS, DIM = 8, 3, 2, 4, 8
 SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [1, 2, 3, 6], [4, 5, 6, 0], 15
@@ -138,19 +143,6 @@ def test_a_prepared_write_moves_nothing_until_posted() -> None:
         assert torch.equal(pair.dst, _expected(pair.src, pair.before))
         with pytest.raises(AgentError, match="no prepared write"):
             ctx.post_prepared(handle)  # released by _wait: nothing left to post
-
-
-def test_a_notification_of_our_own_reaches_a_connected_peer() -> None:
-    # gen's REQUEST_DATA by notification: gen loads ctx's agent, connects, sends.
-    with _agent_pair("nixl-notif", seed=7) as pair:
-        ctx_name = pair.gen.add_remote(pair.ctx.local_metadata())
-        pair.gen.connect(ctx_name)
-        pair.gen.send_notification(ctx_name, b"request")
-        assert _notifications(pair.ctx) == [("nixl-notif-gen", b"request")]
-        with pytest.raises(AgentError, match="unknown remote agent 'nobody'"):
-            pair.gen.send_notification("nobody", b"")
-        with pytest.raises(AgentError, match="unknown remote agent 'nobody'"):
-            pair.gen.connect("nobody")
 
 
 async def test_write_driven_from_trio() -> None:

@@ -109,7 +109,17 @@ def test_supported_fields_with_refusal_examples_are_limits() -> None:
         ("completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
         ("completions", {"stream": False, "stream_options": {}}, "stream_options"),
         ("completions", {"logit_bias": {"1": "x"}}, "logit_bias"),
+        ("completions", {"logit_bias": {"05": 1}}, "logit_bias"),  # no two keys name one token
+        ("completions", {"logit_bias": {"-1": 1}}, "logit_bias"),
+        ("completions", {"logit_bias": {"+1": 1}}, "logit_bias"),
+        ("completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+        ("completions", {"logit_bias": {"1": -100.5}}, "logit_bias"),
         ("completions", {"presence_penalty": False}, "presence_penalty"),
+        ("completions", {"presence_penalty": 2.01}, "presence_penalty"),
+        ("completions", {"frequency_penalty": -2.5}, "frequency_penalty"),
+        ("completions", {"repetition_penalty": -1}, "repetition_penalty"),
+        ("completions", {"min_p": -0.1}, "min_p"),
+        ("chat", {"min_p": 1.01}, "min_p"),
         ("completions", {"prompt": ["a", "b"],
                          "disaggregated_params": {"request_type": "context_only"}},
          "disaggregated_params"),
@@ -157,6 +167,10 @@ def test_accepted_edges() -> None:
     parse_request({"prompt": "a", "max_tokens": 2**31 - 1, **streamed}, CompletionRequest)
     chat = {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 0}
     parse_request({**chat, "tool_choice": "none", "tools": []}, ChatCompletionRequest)
+    controls = {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 1e-3,
+                "min_p": 1, "logit_bias": {"0": -100, "17": 100, "5": 0.5}}  # fmt: skip
+    parse_request({"prompt": "a", **controls}, CompletionRequest)
+    parse_request({**chat, **controls}, ChatCompletionRequest)
 
 
 @pytest.mark.parametrize(

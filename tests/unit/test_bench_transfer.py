@@ -200,17 +200,6 @@ def test_raw_spins_on_cuda_and_sleeps_on_the_cpu_unless_told() -> None:
     assert "raw polls every 20 us (sleeping)" in bt.format_report(_doc([], {"context-first": 0.8}))
 
 
-def test_the_transceivers_watch_as_a_worker_s_do_unless_told() -> None:
-    """A single-rank worker spins while it watches on CUDA only (worker/serve.py)."""
-    assert bt.parse_config(["--device", "cuda"]).watches
-    assert not bt.parse_config([]).watches
-    assert bt.parse_config(["--watch", "on"]).watches
-    assert not bt.parse_config(["--device", "cuda", "--watch", "off"]).watches
-    assert "watching spins: off" in bt.format_report(_doc([], {"context-first": 0.8}))
-    on = _doc(["--watch", "on"], {"context-first": 0.8})
-    assert "watching spins: on" in bt.format_report(on)
-
-
 def test_tokens_and_kv_mib_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
     assert "not allowed with argument" in _rejected(["--tokens", "8", "--kv-mib", "1"], capsys)
 
@@ -304,11 +293,11 @@ def test_stage_offsets_are_per_key_and_relative_to_gens_request() -> None:
 def test_generation_first_stages_count_from_ctxs_respond() -> None:
     # gen asked at 10.0; its REQUEST_DATA waited at ctx from 10.001 until the KV was ready
     gen = [[1, "request", 10.0], [1, "notice", 10.0205], [1, "outcome", 10.021]]
-    ctx = [[1, "received", 10.001], [1, "respond", 10.005], [1, "write", 10.0052]]
+    ctx = [[1, "received", 10.001], [1, "respond", 10.005], [1, "posted", 10.0052]]
     ctx += [[9, "respond", 90.0]]  # another key, not measured
     stages = bt.stage_offsets({"gen": gen, "ctx": ctx}, [1], origin="ctx.respond")
     assert list(stages) == [
-        "ctx.respond", "gen.request", "ctx.received", "ctx.write", "gen.notice", "gen.outcome"
+        "ctx.respond", "gen.request", "ctx.received", "ctx.posted", "gen.notice", "gen.outcome"
     ]  # fmt: skip
     assert stages["ctx.respond"]["p50_s"] == 0.0
     assert stages["gen.request"]["p50_s"] == pytest.approx(-0.005)

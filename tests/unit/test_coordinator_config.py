@@ -50,6 +50,11 @@ def test_defaults_and_types() -> None:
     assert config.generation_servers.router.type is RouterType.KV_CACHE_AWARE
     assert config.max_retries == 1 and config.request_timeout == 180.0
     assert build(request_timeout=5).request_timeout == 5.0  # an integer is a number
+    assert config.max_migrations == 1
+    assert (config.ctx_first_token_timeout, config.gen_first_token_timeout) == (60.0, 60.0)
+    assert config.inter_token_timeout == 10.0
+    assert build(inter_token_timeout=None).inter_token_timeout is None  # no deadline
+    assert build(max_migrations=0, gen_first_token_timeout=2).gen_first_token_timeout == 2.0
 
 
 @pytest.mark.parametrize(
@@ -80,6 +85,12 @@ def test_defaults_and_types() -> None:
         ({"node_id": 300}, r"\$\.node_id: must be in \[0, 256\)"),
         ({"max_retries": -1}, r"\$\.max_retries"),
         ({"request_timeout": 0}, r"\$\.request_timeout: must be positive"),
+        ({"max_migrations": -1}, r"\$\.max_migrations: must be in \[0, 8\], got -1"),
+        ({"max_migrations": 9}, r"\$\.max_migrations: must be in \[0, 8\]"),
+        ({"max_migrations": 1.5}, r"\$\.max_migrations: expected an integer, got a number"),
+        ({"inter_token_timeout": 0}, r"\$\.inter_token_timeout: must be positive"),
+        ({"ctx_first_token_timeout": -1}, r"\$\.ctx_first_token_timeout: must be positive"),
+        ({"gen_first_token_timeout": "5"}, r"\$\.gen_first_token_timeout: expected a number"),
         ({"num_workers": 0}, r"\$\.num_workers"),
         ({"disagg_coordinator_url": "localhost:9"}, r"\$\.disagg_coordinator_url"),
         (

@@ -10,7 +10,6 @@ import pytest
 from trtdisagg.coordinator.perf import PhaseClock
 from trtdisagg.coordinator.split import (
     ClientAsk,
-    SseRewriter,
     UpstreamProtocolError,
     answer_as_sse,
     client_disagg_request_id,
@@ -184,74 +183,6 @@ def test_answer_as_sse_for_chat() -> None:
     assert out[0]["choices"][0]["delta"] == {"role": "assistant", "content": "hey"}
     assert out[1]["usage"] == usage(3, 1) and out[1]["choices"] == []
     assert out[2] == "[DONE]"
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-
-def token_chunk(text: str) -> dict[str, Any]:
-    return {"id": "g", "object": "text_completion", "created": 2, "model": "tiny",
-            "choices": [{"index": 0, "text": text, "finish_reason": None}]}  # fmt: skip
-
-
-def test_sse_rewriter_passes_plain_chunks_through_byte_for_byte() -> None:
-    rewriter = SseRewriter(ask=ask(stream=True), ctx_usage=usage(10, 1))
-    first = sse(token_chunk(" the"))
-    assert rewriter.feed(first) == first  # the first event is parsed (header) but unchanged
-    chunk = b'data: {"choices":[{"index":0,"text":" x"}],  "odd spacing": 1}\n\n'
-    assert rewriter.feed(chunk) == chunk
-
-
-def test_sse_rewriter_handles_split_events_and_rewrites_usage() -> None:
-    rewriter = SseRewriter(ask=ask(stream=True, include_usage=True), ctx_usage=usage(10, 1, 4))
-    stream = (
-        sse(token_chunk(" a"))
-        + sse({**token_chunk(" b"), "choices": [{"index": 0, "text": " b", "finish_reason": None,
-                                                  "disaggregated_params": {"x": 1}}]})
-        + sse({"id": "g", "object": "text_completion", "choices": [], "usage": usage(10, 8)})
-        + b"data: [DONE]\n\n"
-    )  # fmt: skip
-    out = b""
-    for i in range(0, len(stream), 7):  # arbitrary chunk boundaries
-        out += rewriter.feed(stream[i : i + 7])
-    out += rewriter.flush()
-    parsed = events(out)
-    assert [p if p == "[DONE]" else p["choices"] for p in parsed[:2]] == [
-        [{"index": 0, "text": " a", "finish_reason": None}],
-        [{"index": 0, "text": " b", "finish_reason": None}],
-    ]
-    assert parsed[2]["usage"] == usage(10, 8, cached=4)
-    assert parsed[3] == "[DONE]"
-
-
-def test_sse_rewriter_adds_perf_metrics() -> None:
-    seen: list[Any] = []
-
-    def perf(gen: dict[str, Any] | None) -> dict[str, Any]:
-        seen.append(gen)
-        return {"merged": True}
-
-    rewriter = SseRewriter(
-        ask=ask(stream=True, return_perf_metrics=True), ctx_usage=None, perf=perf
-    )
-    out = events(rewriter.feed(sse(token_chunk(" a")) + b"data: [DONE]\n\n"))
-    assert out[1] == {"id": "g", "object": "text_completion", "created": 2, "model": "tiny",
-                      "choices": [], "perf_metrics": {"merged": True}}  # fmt: skip
-    assert out[2] == "[DONE]" and seen == [None]
-    # With usage, the merged metrics ride in the usage chunk, given gen's own.
-    rewriter = SseRewriter(ask=ask(stream=True, include_usage=True, return_perf_metrics=True),
-                           ctx_usage=None, perf=perf)  # fmt: skip
-    usage_chunk = {"id": "g", "choices": [], "usage": usage(1, 1), "perf_metrics": {"decode_s": 2}}
-    out = events(rewriter.feed(sse(usage_chunk) + b"data: [DONE]\n\n"))
-    assert out[0]["perf_metrics"] == {"merged": True} and out[1] == "[DONE]"
-    assert seen[-1] == {"decode_s": 2}
-
-
-def test_sse_rewriter_leaves_error_events_alone() -> None:
-    rewriter = SseRewriter(ask=ask(stream=True), ctx_usage=usage(1, 1))
-    error = sse({"error": {"message": "boom", "code": 500}, "usage": None})
-    assert rewriter.feed(error) == error
 
 
 def test_phase_clock() -> None:

@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from tests.engine_parts import outcome
-from trtdisagg.transfer.sessions import TransferOutcome
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.worker.engine.multi_rank import RANK_POLL_S, MultiRankDriver
 from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.rank_group import HEARTBEAT_S

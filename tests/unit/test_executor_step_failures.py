@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import attrs
 import pytest
@@ -24,7 +23,6 @@ from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.parallel import Parallel
 from trtdisagg.worker.engine.build import assemble_executor
 from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
-from trtdisagg.worker.engine.local import LocalDriver
 from trtdisagg.worker.engine.loop import MAX_CONSECUTIVE_STEP_FAILURES
 from trtdisagg.worker.engine.test_hooks import TestHooks
 from trtdisagg.worker.engine.wakeup import Wakeup
@@ -194,29 +192,3 @@ async def test_a_successful_step_resets_the_count(model: Model, nursery: trio.Nu
     assert executor.stopped is None
     assert failed_steps(executor) == 2 * count
     assert_idle(executor)
-
-
-async def test_the_executor_is_idle_only_between_steps(model: Model, nursery: trio.Nursery) -> None:
-    # The transceiver spins its loop to watch for a peer only while no step runs (pacing.py).
-    wakeup = Wakeup()
-    executor = make_executor(model, max_batch_size=1, wakeup=wakeup)
-    driver = executor.loop.driver
-    assert isinstance(driver, LocalDriver)
-    seen_in_steps: list[bool] = []
-
-    class Spy:
-        """The runner, noting at every step whether the wake-up said the loop was idle."""
-
-        def kv_ready(self) -> None:
-            model.runner.kv_ready()
-
-        def execute(self, *args: Any) -> Any:
-            seen_in_steps.append(wakeup.idle())
-            return model.runner.execute(*args)
-
-    driver.runner = Spy()
-    await nursery.start(executor.run)
-    assert wakeup.idle()
-    tokens(await outputs(submit(executor, 7)))
-    assert seen_in_steps and not any(seen_in_steps)  # busy in every step
-    assert wakeup.idle()

@@ -26,9 +26,16 @@ from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
 from trtdisagg.api.tool_calls import HERMES, parse_tool_calls
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.worker.engine.outputs import OutputProcessor, Token
-from trtdisagg.worker.grammar import GrammarCompiler, GrammarError, Matcher, allowed_tokens
+from trtdisagg.worker.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    Matcher,
+    allowed_tokens,
+    allows_other_than,
+)
 from trtdisagg.worker.request import FinishReason
-from trtdisagg.worker.sampling import SampleSpec, mask_disallowed, sample
+from trtdisagg.worker.sampling import SampleSpec, sample
+from trtdisagg.worker.sampling_batch import allowed_mask
 from trtdisagg.worker.tokenization import Tokenizer
 
 CHAT = [{"role": "user", "content": "x"}]
@@ -71,7 +78,7 @@ def schema_grammar(schema: dict[str, Any]) -> OutputGrammar:
 
 def allowed(matcher: Matcher) -> list[int]:
     (mask,) = allowed_tokens([matcher])
-    keep = torch.isfinite(mask_disallowed(torch.zeros(matcher.vocab_size), mask))
+    keep = allowed_mask(mask.unsqueeze(0), matcher.vocab_size)[0]
     return torch.nonzero(keep).flatten().tolist()
 
 
@@ -109,6 +116,9 @@ def test_eos_only_once_the_grammar_accepts(compiler: GrammarCompiler, tokenizer:
     for token in tokenizer.encode("[]", add_special_tokens=False):
         assert matcher.advance(token)
     assert set(allowed(matcher)) == eos and matcher.is_stopped
+    (mask,) = allowed_tokens([matcher])
+    assert not allows_other_than(mask, eos)  # min_tokens' suppression then yields
+    assert allows_other_than(mask, {0})
 
 
 def test_json_object_is_any_object(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trtdisagg.kv.block_pool import BlockCopy
-from trtdisagg.transfer.sessions import TransferOutcome
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.worker.rank_group import decode_command, decode_report, encode_command, encode_report
 from trtdisagg.worker.rank_plan import (
     HeadDigest,

@@ -24,8 +24,8 @@ from trtdisagg.security.limits import (
     MessageTooLarge,
     check_fits,
 )
-from trtdisagg.transfer.rank_info import BounceConfig, RankInfo
-from trtdisagg.transfer.wire import (
+from trtdisagg.transfer.protocol.rank_info import BounceConfig, RankInfo
+from trtdisagg.transfer.protocol.wire import (
     MAX_KEY,
     PROTOCOL_VERSION,
     InstanceInfo,
@@ -70,7 +70,7 @@ def _widest_rank(rank: int) -> RankInfo:
         model_fingerprint="f" * 64, protocol_version=PROTOCOL_VERSION,
         control_endpoint=f"tcp://{_LONGEST_HOST}:65535", agent_name=f"{name}#{rank}",
         agent_metadata=b"\xff" * MAX_AGENT_METADATA_BYTES, page_table=table,
-        bounce=BounceConfig(size_mb=_WIDE, threshold_bytes=_WIDE), request_notices=True,
+        bounce=BounceConfig(size_mb=_WIDE, threshold_bytes=_WIDE),
     )  # fmt: skip
 
 

@@ -8,33 +8,37 @@ import sys
 import numpy as np
 import pytest
 
-from trtdisagg.transfer.agents.base import (
+from tests.rank_infos import make_instance
+from trtdisagg.faults.agent import FaultyAgent
+from trtdisagg.faults.spec import FaultInjector, parse_faults
+from trtdisagg.transfer.errors import AgentError
+from trtdisagg.transfer.protocol.fragments import Fragment, Fragments
+from trtdisagg.transfer.protocol.peers import PeerRegistrar
+from trtdisagg.transfer.protocol.wire import WriteNotice, decode, encode
+from trtdisagg.transfer.runtime.agents.base import (
     MemoryRegion,
     XferStatus,
     make_agent,
     pool_regions,
     posts_quickly,
 )
-from trtdisagg.transfer.agents.faulty import FaultyAgent
-from trtdisagg.transfer.agents.loopback import QUICK_COPY_BYTES, LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.errors import AgentError
-from trtdisagg.transfer.faults import FaultInjector, parse_faults
-from trtdisagg.transfer.fragments import Fragment, Fragments
-from trtdisagg.transfer.peers import PeerRegistrar
-from trtdisagg.transfer.testing import make_instance
-from trtdisagg.transfer.wire import WriteNotice, decode, encode
+from trtdisagg.transfer.runtime.agents.loopback import (
+    QUICK_COPY_BYTES,
+    LoopbackAgent,
+    LoopbackFabric,
+)
 
 PURE = (
     "trtdisagg.transfer.errors",
-    "trtdisagg.transfer.rank_info",
-    "trtdisagg.transfer.wire",
-    "trtdisagg.transfer.peers",
-    "trtdisagg.transfer.fragments",
-    "trtdisagg.transfer.mappers",
-    "trtdisagg.transfer.sessions",
-    "trtdisagg.transfer.testing",
-    "trtdisagg.transfer.agents.base",
-    "trtdisagg.transfer.agents.loopback",
+    "trtdisagg.transfer.protocol.rank_info",
+    "trtdisagg.transfer.protocol.wire",
+    "trtdisagg.transfer.protocol.peers",
+    "trtdisagg.transfer.protocol.fragments",
+    "trtdisagg.transfer.protocol.mappers",
+    "trtdisagg.transfer.protocol.sessions",
+    "tests.rank_infos",
+    "trtdisagg.transfer.runtime.agents.base",
+    "trtdisagg.transfer.runtime.agents.loopback",
 )
 
 
@@ -219,7 +223,7 @@ class _Silent:
 
 def test_a_nixl_post_is_quick_only_to_a_connected_peer_with_few_small_descriptors() -> None:
     pytest.importorskip("nixl")
-    from trtdisagg.transfer.agents.nixl import (
+    from trtdisagg.transfer.runtime.agents.nixl import (
         QUICK_SUBMIT_MAX_DESCRIPTORS,
         QUICK_SUBMIT_MAX_DRAM_BYTES,
         NixlAgent,

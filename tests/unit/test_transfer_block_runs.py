@@ -7,9 +7,9 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trtdisagg.transfer.block_runs import BlockRun, packed_run, run_of
-from trtdisagg.transfer.sessions import SourceBlocks
-from trtdisagg.transfer.wire import pack_block_ids
+from trtdisagg.transfer.protocol.block_runs import BlockRun, packed_run, run_of
+from trtdisagg.transfer.protocol.sessions import SourceBlocks
+from trtdisagg.transfer.protocol.wire import pack_block_ids
 
 
 def _reference(ids: list[int]) -> BlockRun | None:

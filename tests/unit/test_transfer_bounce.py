@@ -15,19 +15,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.rank_infos import make_instance
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.kv.page_table import Layout
 from trtdisagg.kv.staging import StagingBuffer
 from trtdisagg.model.parallel import pp_layer_range
-from trtdisagg.transfer.bounce import (
+from trtdisagg.transfer.protocol.bounce import (
     StagingAllocator,
     canonical_bytes,
     staged_fragments,
     staged_runs,
 )
-from trtdisagg.transfer.peers import is_elected, peer_overlap
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.testing import make_instance
+from trtdisagg.transfer.protocol.peers import is_elected, peer_overlap
+from trtdisagg.transfer.protocol.rank_info import RankInfo
 
 HEAD_DIM = 3
 LAYERS = 4

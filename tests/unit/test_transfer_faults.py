@@ -7,11 +7,8 @@ import pytest
 
 from trtdisagg import cli
 from trtdisagg.config import ConfigError, load_worker_config
-from trtdisagg.transfer.agents.base import MemoryRegion, XferStatus
-from trtdisagg.transfer.agents.faulty import FaultyAgent
-from trtdisagg.transfer.agents.loopback import LoopbackAgent, LoopbackFabric
-from trtdisagg.transfer.errors import AgentError
-from trtdisagg.transfer.faults import (
+from trtdisagg.faults.agent import FaultyAgent
+from trtdisagg.faults.spec import (
     Fault,
     FaultAction,
     FaultInjector,
@@ -20,7 +17,10 @@ from trtdisagg.transfer.faults import (
     FaultSpecError,
     parse_faults,
 )
-from trtdisagg.transfer.fragments import Fragments
+from trtdisagg.transfer.errors import AgentError
+from trtdisagg.transfer.protocol.fragments import Fragments
+from trtdisagg.transfer.runtime.agents.base import MemoryRegion, XferStatus
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
 
 
 def test_the_example_spec_parses_rule_by_rule() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trtdisagg.transfer.liveness import Gone, PeerLiveness
+from trtdisagg.transfer.protocol.liveness import Gone, PeerLiveness
 
 
 def _watch() -> PeerLiveness:

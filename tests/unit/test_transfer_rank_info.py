@@ -7,16 +7,16 @@ from typing import Any
 import attrs
 import pytest
 
+from tests.rank_infos import make_instance
 from trtdisagg.transfer.errors import PeerIncompatible
-from trtdisagg.transfer.peers import PeerRegistrar, duplicate_head_factor, peer_overlap
-from trtdisagg.transfer.rank_info import (
+from trtdisagg.transfer.protocol.peers import PeerRegistrar, duplicate_head_factor, peer_overlap
+from trtdisagg.transfer.protocol.rank_info import (
     BounceConfig,
     RankInfo,
     check_compatible,
     head_range,
     make_instance_name,
 )
-from trtdisagg.transfer.testing import make_instance
 
 
 def _rank(**changes: Any) -> RankInfo:

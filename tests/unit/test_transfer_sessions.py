@@ -6,15 +6,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trtdisagg.transfer.sessions import (
+from trtdisagg.transfer.protocol.sessions import (
     EarlyMessages,
+    RankResult,
     ReceiverSession,
     ReceiverStatus,
     SenderSession,
     SenderStatus,
-    SessionRegistry,
+    Sessions,
+    SourceBlocks,
 )
-from trtdisagg.transfer.wire import RequestData, ResultStatus, pack_block_ids
+from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, pack_block_ids
 
 OK, ERROR = ResultStatus.OK, ResultStatus.ERROR
 
@@ -35,6 +37,10 @@ def _sender(expected: tuple[int, ...] = (0, 1)) -> SenderSession:
     return session
 
 
+def _src(block_ids: list[list[int]], num_tokens: int) -> SourceBlocks:
+    return SourceBlocks(block_ids=tuple(map(tuple, block_ids)), num_tokens=num_tokens)
+
+
 def _receiver(expected: tuple[int, ...] = (0, 1)) -> ReceiverSession:
     return ReceiverSession(key=1, peer_instance="ctx", expected=frozenset(expected), deadline=10.0)
 
@@ -45,7 +51,7 @@ def test_sender_happy_path() -> None:
     assert s.add_request(_request(0))
     assert s.status is SenderStatus.INIT
     assert s.take_writes() == []
-    s.set_source([[3, 4]], 5)
+    s.set_source(_src([[3, 4]], 5))
     assert s.status is SenderStatus.READY
     assert [r.instance_rank for r in s.take_writes()] == [0]
     assert s.status is SenderStatus.TRANSFERRING
@@ -64,7 +70,7 @@ def test_sender_happy_path() -> None:
 
 def test_sender_ignores_duplicates_unexpected_and_late() -> None:
     s = _sender(expected=(0,))
-    s.set_source([[1]], 1)
+    s.set_source(_src([[1]], 1))
     assert s.add_request(_request(0))
     assert not s.add_request(_request(0))  # duplicate
     assert not s.add_request(_request(5))  # not an overlapping gen rank
@@ -78,7 +84,7 @@ def test_sender_ignores_duplicates_unexpected_and_late() -> None:
 
 def test_sender_failed_write_is_error() -> None:
     s = _sender(expected=(0,))
-    s.set_source([[1]], 1)
+    s.set_source(_src([[1]], 1))
     s.add_request(_request(0))
     s.take_writes()
     s.write_finished(0, ERROR, "nixl said no")
@@ -88,7 +94,7 @@ def test_sender_failed_write_is_error() -> None:
 
 def test_sender_cancelled_write_cancels_the_session() -> None:
     s = _sender(expected=(0,))
-    s.set_source([[1]], 1)
+    s.set_source(_src([[1]], 1))
     s.add_request(_request(0))
     s.take_writes()
     s.write_finished(0, ResultStatus.CANCELLED)
@@ -97,7 +103,7 @@ def test_sender_cancelled_write_cancels_the_session() -> None:
 
 def test_sender_cancel_is_not_quiescence() -> None:
     s = _sender()
-    s.set_source([[1]], 1)
+    s.set_source(_src([[1]], 1))
     s.add_request(_request(0))
     s.add_request(_request(1))
     s.take_writes()
@@ -113,7 +119,7 @@ def test_sender_cancel_is_not_quiescence() -> None:
 
 def test_sender_terminal_states_are_sticky() -> None:
     s = _sender(expected=(0,))
-    s.set_source([[1]], 1)
+    s.set_source(_src([[1]], 1))
     s.add_request(_request(0))
     s.take_writes()
     s.write_finished(0, OK)
@@ -121,7 +127,7 @@ def test_sender_terminal_states_are_sticky() -> None:
     s.fail("late failure")
     assert s.status is SenderStatus.TRANSFERRED
     with pytest.raises(ValueError, match="source set twice"):
-        s.set_source([[1]], 1)
+        s.set_source(_src([[1]], 1))
 
 
 def test_sender_deadline() -> None:
@@ -138,8 +144,10 @@ def test_receiver_happy_path_needs_results_and_notices() -> None:
     assert r.status is ReceiverStatus.INIT
     r.mark_requested()
     assert r.status is ReceiverStatus.TRANSFERRING
-    assert r.on_result(0, OK, num_bytes=0, num_descriptors=0, error="")  # non-elected duplicate
-    assert r.on_result(1, OK, num_bytes=100, num_descriptors=2, error="")
+    assert r.on_result(
+        0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="")
+    )  # non-elected duplicate
+    assert r.on_result(1, RankResult(status=OK, num_bytes=100, num_descriptors=2, error=""))
     assert r.status is ReceiverStatus.TRANSFERRING  # rank 1's bytes not confirmed landed
     assert r.on_notice(1)
     assert r.status is ReceiverStatus.TRANSFERRED
@@ -151,28 +159,28 @@ def test_receiver_notice_may_come_first() -> None:
     r.mark_requested()
     assert r.on_notice(3)
     assert not r.on_notice(3)
-    r.on_result(3, OK, num_bytes=8, num_descriptors=1, error="")
+    r.on_result(3, RankResult(status=OK, num_bytes=8, num_descriptors=1, error=""))
     assert r.status is ReceiverStatus.TRANSFERRED
 
 
 def test_receiver_ignores_unexpected_duplicate_and_late() -> None:
     r = _receiver(expected=(0,))
     r.mark_requested()
-    assert not r.on_result(9, OK, num_bytes=0, num_descriptors=0, error="")
+    assert not r.on_result(9, RankResult(status=OK, num_bytes=0, num_descriptors=0, error=""))
     assert not r.on_notice(9)
-    assert r.on_result(0, OK, num_bytes=0, num_descriptors=0, error="")
-    assert not r.on_result(0, ERROR, num_bytes=0, num_descriptors=0, error="dup")
+    assert r.on_result(0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error=""))
+    assert not r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="dup"))
     assert r.status is ReceiverStatus.TRANSFERRED
 
 
 def test_receiver_error_result_and_quiescence() -> None:
     r = _receiver()
     r.mark_requested()
-    r.on_result(0, ERROR, num_bytes=0, num_descriptors=0, error="boom")
+    r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="boom"))
     assert r.status is ReceiverStatus.ERROR
     assert r.error == "ctx rank 0: error: boom"
     assert not r.is_quiescent  # rank 1 may still be writing into our blocks
-    r.on_result(1, OK, num_bytes=4, num_descriptors=1, error="")
+    r.on_result(1, RankResult(status=OK, num_bytes=4, num_descriptors=1, error=""))
     assert r.status is ReceiverStatus.ERROR
     assert r.is_quiescent
 
@@ -182,7 +190,7 @@ def test_receiver_cancel() -> None:
     r.mark_requested()
     r.cancel()
     assert r.status is ReceiverStatus.CANCELLED
-    r.on_result(0, ERROR, num_bytes=0, num_descriptors=0, error="cancelled")
+    r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="cancelled"))
     assert r.status is ReceiverStatus.CANCELLED  # an error never overrides CANCELLED
     assert not r.expired(100.0)
 
@@ -202,11 +210,8 @@ def test_a_receiver_whose_ctx_died_fails_and_is_quiescent_at_once() -> None:
 
 
 def test_registry_routes_only_to_the_owning_peer() -> None:
-    senders: SessionRegistry[SenderSession] = SessionRegistry()
-    unbound = SenderSession(key=1, deadline=5.0)
-    senders.add(unbound)
-    with pytest.raises(ValueError, match="already exists"):
-        senders.add(SenderSession(key=1, deadline=5.0))
+    senders: Sessions[SenderSession] = Sessions()
+    unbound = senders[1] = SenderSession(key=1, deadline=5.0)
     assert senders.lookup("gen-a", 1) is unbound  # not bound yet: the first requester binds it
     unbound.bind("gen-a", frozenset({0}))
     assert senders.lookup("gen-a", 1) is unbound
@@ -215,13 +220,10 @@ def test_registry_routes_only_to_the_owning_peer() -> None:
         unbound.bind("gen-b", frozenset({0}))
     assert senders.lookup("gen-a", 2) is None
 
-    receivers: SessionRegistry[ReceiverSession] = SessionRegistry()
-    receivers.add(_receiver())
+    receivers: Sessions[ReceiverSession] = Sessions()
+    receivers[1] = _receiver()
     assert receivers.lookup("ctx", 1) is not None
     assert receivers.lookup("evil", 1) is None
-    assert [s.key for s in receivers.expired(10.0)] == [1]
-    assert receivers.pop(1) is not None
-    assert len(receivers) == 0
 
 
 def test_early_messages() -> None:
@@ -243,8 +245,10 @@ def test_a_last_result_that_is_not_ok_fails_the_receiver(status: ResultStatus) -
     # still fail the session, not read as TRANSFERRED (gen would decode KV that never came).
     r = _receiver(expected=(0, 1))
     r.mark_requested()
-    assert r.on_result(0, OK, num_bytes=0, num_descriptors=0, error="")
-    assert r.on_result(1, status, num_bytes=0, num_descriptors=0, error="no submit")
+    assert r.on_result(0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error=""))
+    assert r.on_result(
+        1, RankResult(status=status, num_bytes=0, num_descriptors=0, error="no submit")
+    )
     assert r.status is ReceiverStatus.ERROR
     assert r.error == f"ctx rank 1: {status.value}: no submit"
     assert r.is_quiescent
@@ -253,7 +257,7 @@ def test_a_last_result_that_is_not_ok_fails_the_receiver(status: ResultStatus) -
 def test_sender_reports_which_ranks_it_writes_to() -> None:
     s = _sender()
     s.add_request(_request(0))
-    s.set_source([[1, 2]], 20)
+    s.set_source(_src([[1, 2]], 20))
     s.take_writes()
     assert s.is_writing(0) and not s.is_writing(1)
     s.write_finished(0, OK)
@@ -264,17 +268,25 @@ def test_receiver_takes_the_first_tokens_of_the_lowest_ctx_rank_that_sent_them()
     r = _receiver(expected=(0, 1, 2))
     r.mark_requested()
     assert r.first_tokens == ()
-    r.on_result(2, OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(7,))
+    r.on_result(
+        2, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(7,))
+    )
     assert r.first_tokens == (7,)
-    r.on_result(1, OK, num_bytes=0, num_descriptors=0, error="")  # a follower without them
-    r.on_result(0, OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(5,))
+    r.on_result(
+        1, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="")
+    )  # a follower without them
+    r.on_result(
+        0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(5,))
+    )
     assert r.first_tokens == (5,)
-    assert not r.on_result(0, OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(9,))
+    assert not r.on_result(
+        0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(9,))
+    )
     assert r.first_tokens == (5,)  # a duplicate result changes nothing
 
 
 def test_merged_outcome_keeps_the_first_tokens_of_any_rank() -> None:
-    from trtdisagg.transfer.sessions import TransferOutcome
+    from trtdisagg.transfer.protocol.sessions import TransferOutcome
     from trtdisagg.worker.rank_plan import merge_outcomes
 
     parts = [
@@ -286,37 +298,41 @@ def test_merged_outcome_keeps_the_first_tokens_of_any_rank() -> None:
     assert merge_outcomes(parts[:1]).first_tokens == ()
 
 
-def test_receiver_ends_on_an_announced_write_s_notice_before_its_result() -> None:
+def test_receiver_ends_on_a_write_s_notice_before_its_result() -> None:
     r = _receiver(expected=(0, 1))
     r.mark_requested()
-    assert r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=(5,))
-    assert not r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=(5,))  # duplicate
-    assert not r.on_posted(7, num_bytes=1, num_descriptors=1, first_tokens=())  # unexpected
-    assert r.waits_for_notice() and not r.is_quiescent
-    assert r.on_notice(0)
+    assert not r.is_quiescent
+    assert r.on_notice(0, RankResult(status=OK, num_bytes=64, num_descriptors=1, first_tokens=(5,)))
+    assert not r.on_notice(
+        0, RankResult(status=OK, num_bytes=64, num_descriptors=1, first_tokens=(5,))
+    )  # duplicate
+    assert not r.on_notice(7, RankResult(status=OK, num_bytes=1, num_descriptors=1))  # unexpected
     assert r.status is ReceiverStatus.TRANSFERRING  # rank 1 has not written yet
     assert r.is_quiescent is False
-    r.on_result(1, OK, num_bytes=0, num_descriptors=0, error="")  # rank 1: nothing to move
+    r.on_result(
+        1, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="")
+    )  # rank 1: nothing to move
     assert r.status is ReceiverStatus.TRANSFERRED and r.is_quiescent
     assert (r.num_bytes, r.num_descriptors, r.first_tokens) == (64, 1, (5,))
     # rank 0's result comes last: it changes nothing, even an error (the bytes had landed).
-    r.on_result(0, ERROR, num_bytes=64, num_descriptors=1, error="late")
+    r.on_result(0, RankResult(status=ERROR, num_bytes=64, num_descriptors=1, error="late"))
     assert r.status is ReceiverStatus.TRANSFERRED and r.num_bytes == 64
 
 
-def test_an_announced_write_that_fails_before_its_notice_fails_the_receiver() -> None:
+def test_a_write_that_fails_before_its_notice_fails_the_receiver() -> None:
     r = _receiver(expected=(0,))
     r.mark_requested()
-    r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=())
     assert not r.is_quiescent  # the write may still land
-    r.on_result(0, ERROR, num_bytes=0, num_descriptors=0, error="write failed")
+    r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="write failed"))
     assert r.status is ReceiverStatus.ERROR and r.is_quiescent
-    assert not r.on_posted(0, num_bytes=64, num_descriptors=1, first_tokens=())  # after result
+    # a notice after the error result says nothing more
+    assert r.on_notice(0, RankResult(status=OK, num_bytes=64, num_descriptors=1))
+    assert r.status is ReceiverStatus.ERROR and r.num_bytes == 0
 
 
 _receiver_events = st.lists(
     st.tuples(
-        st.sampled_from(["result", "posted", "notice", "fail", "cancel", "died"]),
+        st.sampled_from(["result", "summary", "notice", "fail", "cancel", "died"]),
         st.integers(0, 3),  # the ctx rank (3 is never expected)
         st.sampled_from(ResultStatus),
         st.integers(0, 2),  # bytes moved
@@ -348,9 +364,14 @@ def test_a_receiver_s_kept_status_is_always_its_derived_one(
     session.mark_requested()
     for kind, rank, status, num_bytes in events:
         if kind == "result":
-            session.on_result(rank, status, num_bytes=num_bytes, num_descriptors=1, error="e")
-        elif kind == "posted":
-            session.on_posted(rank, num_bytes=num_bytes, num_descriptors=1, first_tokens=(7,))
+            session.on_result(
+                rank, RankResult(status=status, num_bytes=num_bytes, num_descriptors=1, error="e")
+            )
+        elif kind == "summary":
+            session.on_notice(
+                rank,
+                RankResult(status=OK, num_bytes=num_bytes, num_descriptors=1, first_tokens=(7,)),
+            )
         elif kind == "notice":
             session.on_notice(rank)
         elif kind == "fail":

@@ -40,9 +40,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from trtdisagg.transfer.bounce import StagedRun, StagingAllocator
 from trtdisagg.transfer.errors import TransferLayerError
-from trtdisagg.transfer.staging_area import StagingArea
+from trtdisagg.transfer.protocol.bounce import StagedRun, StagingAllocator
+from trtdisagg.transfer.runtime.staging_area import StagingArea
 
 ALIGN = 256  # StagingArea's allocator keeps StagingAllocator's default alignment
 

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.rank_infos import make_instance
 from trtdisagg.kv.page_table import Layout, MapperKind
-from trtdisagg.transfer import wire
 from trtdisagg.transfer.errors import ProtocolError
-from trtdisagg.transfer.rank_info import BounceConfig, RankInfo
-from trtdisagg.transfer.testing import make_instance
+from trtdisagg.transfer.protocol import wire
+from trtdisagg.transfer.protocol.rank_info import BounceConfig, RankInfo
 
 keys = st.integers(0, wire.MAX_KEY)
 ranks = st.integers(0, 2**31)
@@ -99,15 +99,10 @@ notices = st.builds(
 )
 
 
-@given(notices, token_ids)
-def test_a_notice_template_encodes_what_the_whole_notice_encodes(
-    notice: wire.WriteNotice, first_tokens: tuple[int, ...]
-) -> None:
-    """ctx fills in the first tokens of a notice unstructured ahead (a prepared write): the
-    bytes gen decodes must be those of the notice with those tokens."""
-    encoded = wire.NoticeTemplate.of(notice).encode(first_tokens)
-    assert encoded == wire.encode(attrs.evolve(notice, first_tokens=first_tokens))
-    assert wire.decode(encoded) == attrs.evolve(notice, first_tokens=first_tokens)
+@given(notices)
+def test_a_notice_round_trips_with_what_its_write_moved(notice: wire.WriteNotice) -> None:
+    """gen finishes a rank's part on its write's notice alone: every field must come back."""
+    assert wire.decode(wire.encode(notice)) == notice
 
 
 @settings(max_examples=500, deadline=None)
@@ -187,7 +182,7 @@ def test_a_notice_s_layout_is_checked_field_by_field() -> None:
     with pytest.raises(ProtocolError, match="invalid WRITE_NOTICE"):
         wire.decode(encoded[:-7] + b"\xff\xfe\xfd" + encoded[-4:])
     with pytest.raises(ValueError, match="token id outside"):
-        wire.NoticeTemplate.of(notice).encode([-1])
+        attrs.evolve(notice, first_tokens=(-1,))
 
 
 def _fields(message: wire.Message) -> dict[str, object]:

@@ -8,8 +8,8 @@ naming it. `partial` fields, whose limits depend on other fields (`best_of` agai
 checked in `validation.py`. docs/API.md's tables are `render_table()`'s output, and a test holds
 them equal, so the document cannot drift from the code.
 
-When the engine implements a field (penalties, `logit_bias`, `min_p`), its rule here becomes
-`supported` and the request types already carry the value.
+Every field of the request types acts today; a new field the engine implements becomes
+`supported` here once it acts.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ SUPPORTED, PARTIAL, NEUTRAL, IGNORED, REFUSED = (
     Support.REFUSED,
 )
 
-UNTIL_ENGINE: Final = "until the engine implements it"
 UNTIL_GRAMMAR: Final = "needs the grammar engine"
 TOOL: Final = {"type": "function", "function": {"name": "get_weather"}}
 
@@ -74,15 +73,32 @@ def _rule(
 def _sampling_rules() -> list[FieldRule]:
     """Fields both completions and chat share (OpenAI's and this server's extensions)."""
     return [
-        _rule("frequency_penalty", NEUTRAL, f"0 only, {UNTIL_ENGINE}", neutral=(0,), bad=0.5),
-        _rule("logit_bias", NEUTRAL, f"empty only, {UNTIL_ENGINE}", neutral=({},), bad={"5": 10}),
+        _rule(
+            "frequency_penalty",
+            SUPPORTED,
+            "-2 to 2: each output token's logit loses this × its count in the output so far "
+            "(see Sampling controls)",
+            bad=2.5,
+        ),
+        _rule(
+            "logit_bias",
+            SUPPORTED,
+            "token id (a decimal string, in the vocabulary) → bias in [-100, 100], added to "
+            "that token's logit",
+            bad={"5": 101},
+        ),
         _rule(
             "n",
             SUPPORTED,
             "1 to 128 choices per prompt (n × prompts ≤ 128); a prompt is prefilled once (and, "
             "through the coordinator, sent from ctx to gen once) and forked n ways (see Choices)",
         ),
-        _rule("presence_penalty", NEUTRAL, f"0 only, {UNTIL_ENGINE}", neutral=(0,), bad=-0.5),
+        _rule(
+            "presence_penalty",
+            SUPPORTED,
+            "-2 to 2: a token already in the output loses this from its logit",
+            bad=-2.5,
+        ),
         _rule(
             "seed",
             SUPPORTED,
@@ -106,13 +122,18 @@ def _sampling_rules() -> list[FieldRule]:
         _rule("user", IGNORED, "an end-user identifier; nothing here uses it"),
         # ---- extensions (vLLM's and TensorRT-LLM's names) ----
         _rule("top_k", SUPPORTED, "extension: -1 or 0 off, else the k most likely tokens"),
-        _rule("min_p", NEUTRAL, f"extension: 0 only, {UNTIL_ENGINE}", neutral=(0,), bad=0.1),
+        _rule(
+            "min_p",
+            SUPPORTED,
+            "extension: 0 to 1; drops tokens less likely than min_p × the most likely one",
+            bad=1.5,
+        ),
         _rule(
             "repetition_penalty",
-            NEUTRAL,
-            f"extension: 1 only, {UNTIL_ENGINE}",
-            neutral=(1,),
-            bad=1.3,
+            SUPPORTED,
+            "extension: above 0 (1: off); a token of the prompt or output has a positive logit "
+            "divided by it, a negative one multiplied",
+            bad=0,
         ),
         _rule("min_tokens", SUPPORTED, "extension: end-of-sequence is suppressed before this many"),
         _rule("ignore_eos", SUPPORTED, "extension: generate past end-of-sequence"),
@@ -176,8 +197,8 @@ COMPLETIONS: Final = {
             SUPPORTED,
             "`n` to 128 (best_of × prompts ≤ 128): each prompt generates best_of candidates "
             "(one prefill, forked) and answers the `n` of highest cumulative logprob, best first; "
-            "not with `stream` (a 400)",
-            refusal={"best_of": 3, "stream": True},
+            "a stream sends them at the end, each whole in one chunk",
+            refusal={"best_of": 129},
         ),
         _rule(
             "echo",

@@ -4,8 +4,7 @@ Requests are structured from JSON through one strict converter: a wrong type is 
 the field (`max_tokens: expected an integer, got str`). Keys that are not OpenAI fields are ignored
 (clients send extensions of other servers); every OpenAI field is listed in `api/fields.py`, which
 says whether it acts, is accepted only at its neutral value, or is refused with a 400 naming it.
-Fields typed here but not acted on yet (`logit_bias`, the penalties, `min_p`) are typed so that
-the engine change that implements them only has to pass them on.
+Every field typed here acts (`api/fields.py` says how).
 """
 
 from __future__ import annotations

@@ -2,12 +2,14 @@
 
 `parse_request` is what the routes call: strict structuring (`codec`), the per-field rules
 (`fields.check_fields`), then the checks below, which relate fields to each other (`best_of`
-against `n`, `echo` with `logprobs`, `stream_options` without `stream`) or bound them. Checks that
-need the model (the context length, the vocabulary) are the worker's (`WorkerService`).
+against `n`, `echo` with `logprobs`, `stream_options` without `stream`) or bound them (the
+sampling controls' ranges, OpenAI's where it has them). Checks that need the model (the context
+length, the vocabulary) are the worker's (`WorkerService`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Final
 
 from trtdisagg.api.errors import bad_request
@@ -24,6 +26,8 @@ bytes must not queue thousands of them."""
 MAX_TOKENS_LIMIT: Final = 2**31
 """max_tokens at or above this is refused outright (no context is that long)."""
 INT64: Final = (-(2**63), 2**63)
+MAX_PENALTY: Final = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
+MAX_LOGIT_BIAS: Final = 100.0  # OpenAI's bound on a logit_bias value
 
 
 def validate_request(req: AnyRequest) -> None:
@@ -89,24 +93,53 @@ def _validate_sampling(req: AnyRequest) -> None:
         raise bad_request(
             f"stop_token_ids: token ids are non-negative, got {bad_stop}", param="stop_token_ids"
         )
+    _validate_controls(req)
+    logit_bias_of(req)
+
+
+def _validate_controls(req: AnyRequest) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN too
+            raise bad_request(f"{name}: must be in [-2, 2], got {value}", param=name)
+    repetition = req.repetition_penalty
+    if repetition is not None and not 0.0 < repetition < math.inf:
+        raise bad_request(
+            f"repetition_penalty: must be above 0 (1: off), got {repetition}",
+            param="repetition_penalty",
+        )
+    if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
+        raise bad_request(f"min_p: must be in [0, 1], got {req.min_p}", param="min_p")
+
+
+def logit_bias_of(req: AnyRequest) -> dict[int, float]:
+    """`logit_bias` by token id. Keys are token ids written in decimal without sign or leading
+    zeros (so that no two keys name one token); values in [-100, 100]. The vocabulary is the
+    worker's to check."""
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not (key.isascii() and key.isdecimal() and str(int(key)) == key):
+            raise bad_request(
+                f"logit_bias: keys are token ids in decimal, got {key!r}", param="logit_bias"
+            )
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN too
+            raise bad_request(
+                f"logit_bias: the bias of token {key} must be in [-100, 100], got {value}",
+                param="logit_bias",
+            )
+        bias[int(key)] = value
+    return bias
 
 
 def _validate_completion(req: CompletionRequest) -> None:
     _validate_prompt(req)
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise bad_request(f"logprobs: must be in [0, 20], got {req.logprobs}", param="logprobs")
-    if req.best_of is not None:
-        if not req.n <= req.best_of <= MAX_CHOICES:
-            raise bad_request(
-                f"best_of: must be in [n = {req.n}, {MAX_CHOICES}], got {req.best_of}",
-                param="best_of",
-            )
-        if req.best_of > req.n and req.stream:
-            raise bad_request(
-                "best_of: the best of several candidates is known only at the end; it cannot "
-                "be streamed (as OpenAI answers)",
-                param="best_of",
-            )
+    if req.best_of is not None and not req.n <= req.best_of <= MAX_CHOICES:
+        raise bad_request(
+            f"best_of: must be in [n = {req.n}, {MAX_CHOICES}], got {req.best_of}",
+            param="best_of",
+        )
 
 
 def _validate_chat(req: ChatCompletionRequest) -> None:

@@ -6,13 +6,17 @@ service). Layout, pure modules marked ◆:
 
   config ◆       disagg.yaml → CoordinatorConfig, key-path errors
   routers/ ◆     round_robin, load_balancing, kv_cache_aware, conversation
-  split ◆        ctx/gen request bodies, answer merging, SSE rewriting
+  split ◆        ctx/gen request bodies, answer merging
+  ledger ◆       what a choice's answer told the client; gen's events rewritten for it
+  continuation ◆ the request that resumes an answer on another gen; the text state carried
   perf ◆         per-request phase timings
   cluster ◆      server health and server_info
   placement      Placement interface and Lease (one reservation)
   local          LocalPlacement: health checks, routers, KV event polling in this process,
                  servers from the url lists or from the etcd membership watch
   service        DisaggService: one request through its legs, retries, deadlines
+  gen_legs       a choice's gen legs: the first opened, continuations (migration)
+  resume         GenRelay: gen legs read within their deadlines, resumed when one fails
   relay          streaming bodies (gen's SSE relayed as it arrives)
   upstream       the httpx client and typed upstream errors
   prompts        prompt token ids at the coordinator (the workers' tokenizer)

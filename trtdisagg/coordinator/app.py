@@ -8,6 +8,7 @@ UpstreamRejected (a worker's 4xx)      the worker's status and body, unchanged
 NotReady / NoServerAvailable /
 CoordinatorUnavailable                 503
 UpstreamError (unreachable, 5xx, bad)  502
+DeadlineMissed (a phase deadline)      504
 RequestTimeout                         504
 anything else                          500
 =====================================  ======
@@ -47,6 +48,7 @@ from trtdisagg.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
 from trtdisagg.coordinator.placement import CoordinatorUnavailable, Placement
 from trtdisagg.coordinator.relay import ReplyBody
 from trtdisagg.coordinator.replies import CHAT_COMPLETIONS, COMPLETIONS, Endpoint, JsonReply
+from trtdisagg.coordinator.resume import DeadlineMissed
 from trtdisagg.coordinator.routers import NoServerAvailable
 from trtdisagg.coordinator.service import DisaggService, RequestTimeout
 from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected
@@ -103,6 +105,10 @@ def create_app(
     @app.errorhandler(UpstreamError)
     async def upstream(exc: UpstreamError) -> Response:
         return error_response(ApiError(502, f"upstream failure: {exc}"))
+
+    @app.errorhandler(DeadlineMissed)
+    async def deadline_missed(exc: DeadlineMissed) -> Response:
+        return error_response(ApiError(504, f"upstream deadline missed: {exc}"))
 
     @app.errorhandler(NoServerAvailable)
     async def no_server(exc: NoServerAvailable) -> Response:

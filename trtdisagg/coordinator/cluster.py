@@ -31,7 +31,7 @@ import attrs
 
 from trtdisagg.coordinator.config import CoordinatorConfig, normalize_url
 from trtdisagg.coordinator.routers import Pairing, ServerView
-from trtdisagg.transfer.rank_info import compat_mismatches
+from trtdisagg.transfer.protocol.rank_info import compat_mismatches
 
 Json = dict[str, Any]
 

@@ -21,6 +21,10 @@ Keys follow TensorRT-LLM's `disagg_config.yaml` (DESIGN.md §4)::
                                   # with it, context_servers may be empty (aggregated mode)
     max_retries: 1
     request_timeout: 180          # seconds, whole request
+    ctx_first_token_timeout: 60   # seconds: ctx leg posted → ctx's answer (its first token)
+    gen_first_token_timeout: 60   # seconds: gen leg posted → its first token (KV transfer in it)
+    inter_token_timeout: 10       # seconds: the longest gap between two tokens of a gen stream
+    max_migrations: 1             # times one choice's stream may resume on another gen
     server_start_timeout: 180     # seconds
     health_check_interval: 1.0    # seconds between /health polls of each worker
     api_key: null                 # clients must send "Authorization: Bearer <key>" when set
@@ -42,6 +46,13 @@ from cattrs.gen import make_dict_structure_fn
 
 from trtdisagg.config import ConfigError, read_yaml
 from trtdisagg.membership.records import check_cluster_name, check_etcd_url
+
+PHASE_TIMEOUTS: Final = (
+    "ctx_first_token_timeout",
+    "gen_first_token_timeout",
+    "inter_token_timeout",
+)
+MAX_MIGRATIONS: Final = 8
 
 
 class RouterType(enum.Enum):
@@ -110,6 +121,13 @@ class CoordinatorConfig:
     conditional_disagg_config: ConditionalDisaggConfig | None = None
     max_retries: int = 1
     request_timeout: float = 180.0
+    # Deadlines per phase (seconds; null: only request_timeout bounds the phase). A worker that
+    # misses one leaves rotation until its next good health check (`service.py`, `resume.py`).
+    ctx_first_token_timeout: float | None = 60.0
+    gen_first_token_timeout: float | None = 60.0
+    inter_token_timeout: float | None = 10.0
+    max_migrations: int = 1
+    """Continuations of one choice's gen stream on another gen after its leg died or stalled."""
     server_start_timeout: float = 180.0
     health_check_interval: float = 1.0
     api_key: str | None = attrs.field(default=None, repr=False)  # a secret: never in a repr
@@ -339,6 +357,14 @@ def validate(config: CoordinatorConfig) -> list[str]:
         errors.append(f"$.node_id: must be in [0, 256), got {config.node_id}")
     if config.max_retries < 0:
         errors.append(f"$.max_retries: must not be negative, got {config.max_retries}")
+    if not 0 <= config.max_migrations <= MAX_MIGRATIONS:
+        errors.append(
+            f"$.max_migrations: must be in [0, {MAX_MIGRATIONS}], got {config.max_migrations}"
+        )
+    for name in PHASE_TIMEOUTS:
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            errors.append(f"$.{name}: must be positive (or null: no deadline), got {value}")
     for name in ("request_timeout", "server_start_timeout", "health_check_interval"):
         if getattr(config, name) <= 0:
             errors.append(f"$.{name}: must be positive, got {getattr(config, name)}")

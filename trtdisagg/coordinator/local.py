@@ -66,6 +66,7 @@ class LocalPlacement:
     _changed: trio.Event = attrs.field(factory=trio.Event)
     _misses: Counter[str] = attrs.field(factory=Counter)
     _answered: dict[str, float] = attrs.field(factory=dict)  # url -> last request answered OK
+    _reported: dict[str, float] = attrs.field(factory=dict)  # url -> last report_unreachable
     _event_locks: dict[str, trio.Lock] = attrs.field(factory=dict)
     _last_event_id: dict[str, int] = attrs.field(factory=dict)
     _logged_pairs: set[tuple[str, str, str]] = attrs.field(factory=set)
@@ -153,7 +154,12 @@ class LocalPlacement:
             await self.poll_kv_events(role, server)
 
     def report_unreachable(self, role: ServerRole, url: str, reason: str) -> None:
-        if url in self.cluster.servers and self.cluster.mark_unhealthy(url, reason):
+        """A request could not reach `url`, or it missed a deadline: out of rotation at once,
+        back after a health check started after this report passes."""
+        if url not in self.cluster.servers:
+            return
+        self._reported[url] = trio.current_time()
+        if self.cluster.mark_unhealthy(url, reason):
             log.warning("%s server %s taken out of rotation: %s", role.value, url, reason)
             self._servers_changed(role)
 
@@ -314,6 +320,8 @@ class LocalPlacement:
                 ok, why = False, str(exc)
         if self.cluster.servers.get(url) is not server:
             return  # it left the cluster while we checked it
+        if ok and self._reported.get(url, -math.inf) >= started:
+            return  # answered a probe sent before it failed a request: that says nothing
         if ok and info is not None:
             self._misses.pop(url, None)
             was_known = server.ever_healthy

@@ -42,6 +42,12 @@ class CoordinatorMetrics:
     upstream_errors: Counter
     ctx_releases: Counter
     """``{outcome}``: ctx KV released because no gen took it; released | not_held | failed."""
+    deadline_misses: Counter
+    """``{phase, server}``: a worker missed a phase deadline (ctx_first_token, gen_first_token,
+    inter_token) and left rotation until its next good health check."""
+    migrations: Counter
+    """``{reason}``: answers resumed on another gen after a leg failed: unreachable (the
+    connection broke), failed (an error mid-stream), deadline (it stalled)."""
     event_loop_lag: Histogram
 
     @classmethod
@@ -93,6 +99,14 @@ class CoordinatorMetrics:
                 p + "coordinator_ctx_releases",
                 "ctx KV holds ended early because no gen leg took the KV", ["outcome"],
                 registry=r,
+            ),
+            deadline_misses=Counter(
+                p + "coordinator_deadline_misses",
+                "Phase deadlines missed by a worker", ["phase", "server"], registry=r,
+            ),
+            migrations=Counter(
+                p + "coordinator_migrations",
+                "Answers resumed on another generation server", ["reason"], registry=r,
             ),
             event_loop_lag=event_loop_lag_histogram(r),
         )  # fmt: skip

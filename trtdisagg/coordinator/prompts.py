@@ -10,6 +10,8 @@ with the messages and tools of `api/chat.py`.
 When the tokenizer cannot be loaded (the model directory is not on this machine, or the worker
 package is not installed here) text prompts get no token ids: `kv_cache_aware` then routes by load
 alone (round robin among equals) and conditional disaggregation sends the request through ctx.
+A stream resumed on another gen (`continuation.py`) uses the tokenizer too, to carry the dead
+leg's text and stop-string state across.
 Prompts given as token ids always work. The coordinator never rewrites the request body with
 its own token ids: the worker's tokenization stays the source of truth.
 """
@@ -71,6 +73,10 @@ class PromptTokenizer:
         if len(text) < INLINE_CHARS:
             return _encode(tokenizer, req)
         return await trio.to_thread.run_sync(_encode, tokenizer, req)
+
+    async def tokenizer(self, model_path: str | None) -> Any:
+        """The workers' tokenizer (loaded once, in a thread), or None when it cannot be."""
+        return await self._load(model_path)
 
     async def _load(self, model_path: str | None) -> Any:
         if self._tokenizer is not None or model_path is None or model_path in self._tried:

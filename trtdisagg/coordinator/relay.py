@@ -5,9 +5,10 @@ in-flight count. `aclose()` releases all of it, exactly once, shielded from canc
 when the stream ends, when the client disconnects (Trio cancels the sending task), or when the
 HTTP layer drops a body it never started (see `app._ClosingConnection`).
 
-The request deadline is enforced per read (`CancelScope(deadline=...)` around each upstream
-read, never across a ``yield``), and a timeout or an upstream failure mid-stream ends the stream
-with an OpenAI error event and ``[DONE]``: the status line was sent long ago.
+Deadlines are enforced per read (`resume.GenRelay`: a cancel scope around each upstream read,
+never across a ``yield``). An answer that cannot be completed (no continuation left, the request
+deadline) ends the stream with an OpenAI error event and ``[DONE]``: the status line was sent
+long ago.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final, Protocol
 
 import attrs
-import httpx
 import trio
 
-from trtdisagg.api.codec import SSE_DONE
-from trtdisagg.api.errors import ApiError
-from trtdisagg.coordinator.split import SseRewriter, error_event
+from trtdisagg.api.codec import SSE_DONE, sse_event
+from trtdisagg.coordinator.resume import AnswerFailed, GenRelay
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +70,13 @@ class StaticBody:
 
 @attrs.define(eq=False, kw_only=True)
 class RelayBody:
-    """gen's SSE, rewritten event by event (`SseRewriter`) and passed on chunk by chunk."""
+    """A choice's gen stream as the client's events (`GenRelay`: its legs, deadlines and
+    continuations), passed on as they come."""
 
-    response: httpx.Response
-    rewriter: SseRewriter
-    deadline: float
+    relay: GenRelay
     finish: Finish
-    on_first_chunk: Callable[[], None]
-    _iter: AsyncIterator[bytes] | None = None
-    _first: bool = True
     _ended: str | None = None
-    """Outcome once the upstream stream is over (ok | error); None while it runs."""
+    """Outcome once the answer is over (ok | error); None while it runs."""
     _tail: list[bytes] = attrs.Factory(list)
     _closed: bool = False
 
@@ -95,46 +90,25 @@ class RelayBody:
             if self._ended is not None:
                 await self.aclose()
                 raise StopAsyncIteration
-            out = await self._read()
-            if out:
-                return out
-
-    async def _read(self) -> bytes:
-        if self._iter is None:
-            self._iter = self.response.aiter_raw()
-        try:
-            with trio.CancelScope(deadline=self.deadline) as scope:
-                chunk = await self._iter.__anext__()
-        except StopAsyncIteration:
-            self._ended = "ok"
-            return self.rewriter.flush()
-        except httpx.HTTPError as exc:
-            log.warning("gen stream from %s broke: %s", self.response.url, exc)
-            self._end_with_error(ApiError(502, f"generation server stream failed: {exc}"))
-            return b""
-        if scope.cancelled_caught:
-            self._end_with_error(ApiError(504, "request timed out while streaming"))
-            return b""
-        if self._first:
-            self._first = False
-            self.on_first_chunk()
-        return self.rewriter.feed(chunk)
-
-    def _end_with_error(self, error: ApiError) -> None:
-        self._ended = "error"
-        pending = self.rewriter.flush()
-        if pending:
-            self._tail.append(pending)
-        self._tail += [error_event(error.to_json()), SSE_DONE]
+            try:
+                events = await self.relay.next_events()
+            except AnswerFailed as failed:
+                log.warning("gen stream ended short: %s", failed)
+                self._ended = "error"
+                self._tail += [sse_event(failed.event), SSE_DONE]
+                continue
+            if events is None:
+                self._ended = "ok"
+                self._tail.append(SSE_DONE)
+                continue
+            if events:
+                return b"".join(sse_event(event) for event in events)
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
         outcome = self._ended or "aborted"
-        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
-            if self._iter is not None:
-                await self._iter.aclose()  # type: ignore[attr-defined]
-            await self.response.aclose()
+        await self.relay.aclose()
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
             await self.finish(outcome)

@@ -13,27 +13,32 @@ forks them):
    (503 naming the first server and why when none is left):
    * conditional disaggregation: reserve gen first; if the prompt's uncached part is at most
      ``max_local_prefill_length`` tokens, gen serves it alone (plain aggregated request);
-   * ``context_first``: ctx leg (non-streaming, ``context_only``); if ctx finished the request,
-     answer with it; else gen leg (``generation_only``) with ctx's params and prompt token ids;
+   * ``context_first``: ctx leg (non-streaming, ``context_only``, within
+     ``ctx_first_token_timeout``); if ctx finished the request, answer with it; else gen leg
+     (``generation_only``) with ctx's params and prompt token ids;
    * ``generation_first``: both legs posted concurrently (gen waits for the KV); a request that
      asks for logprobs is served context-first (the KV does not carry the first token's);
-4. non-streaming: merge and answer; streaming: hand a `RelayBody` to the HTTP layer.
+4. the gen leg is read as a stream whatever the client asked (`gen_legs.py`): streaming, a
+   `RelayBody` goes to the HTTP layer; non-streaming, the whole answer is assembled here.
 
 Worker 4xx answers go back to the client unchanged and are never retried. Unreachable servers,
-5xx answers and unusable bodies are retried on another server; the last failure becomes a 502.
-No retry happens once a stream has started. Every reservation is a `Lease`, released in a
-``finally``; a streaming body takes over the gen lease and releases it when the stream ends.
+5xx answers, unusable bodies and legs silent past their first-token deadline are retried on
+another server (a worker that missed a deadline also leaves rotation at once); the last failure
+becomes a 502 (504 for a deadline). Once the gen leg's stream is open, a failure is no longer
+retried from scratch: the answer is resumed on another gen from what was relayed
+(``max_migrations``, `resume.py`). Every reservation is a `Lease`, released in a ``finally``;
+the gen leg's relay takes over the gen lease and releases it when the answer ends.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, Final
 
 import attrs
-import httpx
 import trio
 
 from trtdisagg.api.codec import parse_request
@@ -42,28 +47,34 @@ from trtdisagg.api.validation import num_prompts
 from trtdisagg.coordinator.choices import serve_prompts
 from trtdisagg.coordinator.cluster import ServerRole
 from trtdisagg.coordinator.config import CoordinatorConfig, ScheduleStyle
+from trtdisagg.coordinator.gen_legs import GenLegs
 from trtdisagg.coordinator.metrics import CoordinatorMetrics
 from trtdisagg.coordinator.perf import PhaseClock
 from trtdisagg.coordinator.placement import CoordinatorUnavailable, Lease, Placement
 from trtdisagg.coordinator.prompts import PromptTokenizer, prompt_text
-from trtdisagg.coordinator.relay import RelayBody, StaticBody
+from trtdisagg.coordinator.relay import StaticBody
 from trtdisagg.coordinator.replies import (
     Endpoint,
     JsonReply,
     Reply,
     StreamReply,
 )
+from trtdisagg.coordinator.resume import (
+    CTX_FIRST_TOKEN,
+    DeadlineMissed,
+    FailureKind,
+    LegFailure,
+    RequestTimeout,
+)
 from trtdisagg.coordinator.routers import NoServerAvailable, RouteRequest
 from trtdisagg.coordinator.split import (
     ClientAsk,
     CtxResult,
-    SseRewriter,
     UpstreamProtocolError,
     answer_as_sse,
     client_disagg_request_id,
     ctx_answer,
     ctx_request,
-    final_answer,
     gen_first_request,
     gen_request,
     local_request,
@@ -77,7 +88,6 @@ from trtdisagg.coordinator.upstream import (
     UpstreamUnreachable,
     WorkerClient,
 )
-from trtdisagg.errors import TrtDisaggError
 from trtdisagg.ids import SnowflakeGenerator
 
 log = logging.getLogger(__name__)
@@ -85,12 +95,8 @@ log = logging.getLogger(__name__)
 Json = dict[str, Any]
 
 CTX: Final = ServerRole.CONTEXT
-RELEASE_TIMEOUT_S: Final = 2.0  # `_release_ctx`, which runs even while the request is cancelled
+RELEASE_TIMEOUT_S: Final = 2.0  # `release_ctx`, which runs even while the request is cancelled
 GEN: Final = ServerRole.GENERATION
-
-
-class RequestTimeout(TrtDisaggError):
-    """The request did not finish within ``request_timeout`` (HTTP 504)."""
 
 
 class NotReady(CoordinatorUnavailable):
@@ -103,6 +109,7 @@ class _Call:
 
     endpoint: Endpoint
     raw: Json
+    req: CompletionRequest | ChatCompletionRequest
     ask: ClientAsk
     route: RouteRequest
     clock: PhaseClock
@@ -176,6 +183,7 @@ class DisaggService:
         call = _Call(
             endpoint=endpoint,
             raw=raw,
+            req=req,
             ask=ClientAsk.of(raw, chat=endpoint.chat),
             route=await self._route_request(req),
             clock=PhaseClock(arrival=arrival),
@@ -218,7 +226,7 @@ class DisaggService:
                 call.exclude[ServerRole(exc.role)] = exc.server
         raise AssertionError("unreachable")
 
-    async def _lease(
+    async def lease(
         self, call: _Call, role: ServerRole, key: int, *, pair_with: str | None = None
     ) -> Lease:
         """Reserve a server of `role` that can exchange KV with `pair_with` (the server of the
@@ -247,7 +255,7 @@ class DisaggService:
         try:
             conditional = self.config.conditional_disagg_config
             if conditional is not None:
-                gen = await self._lease(call, GEN, disagg_id)
+                gen = await self.lease(call, GEN, disagg_id)
                 tokens = call.route.prompt_token_ids
                 if tokens is not None and (
                     len(tokens) - gen.selection.matched_tokens
@@ -261,23 +269,25 @@ class DisaggService:
                 self.config.schedule_style is ScheduleStyle.GENERATION_FIRST
                 and not call.ask.logprobs
             ):
-                gen = gen or await self._lease(call, GEN, disagg_id)
+                gen = gen or await self.lease(call, GEN, disagg_id)
                 return await self._generation_first(call, disagg_id, gen)
             pair_with = gen.server if gen is not None else None
-            ctx_lease = await self._lease(call, CTX, disagg_id, pair_with=pair_with)
+            ctx_lease = await self.lease(call, CTX, disagg_id, pair_with=pair_with)
             ctx = await self._ctx_leg(call, disagg_id, ctx_lease)
             if ctx.finished:
                 return self._ctx_reply(call, ctx)
             taken = False
             try:
                 # No gen that can pair with ctx left (NoServerAvailable) also releases ctx's KV.
-                gen = gen or await self._lease(call, GEN, disagg_id, pair_with=ctx.server)
-                reply = await self._gen_leg(call, gen_request(call.raw, ctx), gen, ctx=ctx)
+                gen = gen or await self.lease(call, GEN, disagg_id, pair_with=ctx.server)
+                reply = await self._gen_leg(
+                    call, gen_request(call.raw, ctx), gen, ctx=ctx, disagg_id=disagg_id
+                )
                 taken = True
                 return reply
             finally:
                 if not taken:
-                    await self._release_ctx(call, ctx.server, disagg_id)
+                    await self.release_ctx(call, ctx.server, disagg_id)
         finally:
             if gen is not None:
                 await gen.release_unless_handed_off(success=False)
@@ -291,13 +301,28 @@ class DisaggService:
         # would otherwise strand the prompt's blocks for ctx's whole `kv_transfer_timeout_ms`.
         may_hold = True
         try:
-            data = await self.client.post_json(
-                lease.server,
-                call.endpoint.path,
-                ctx_request(call.raw, disagg_id),
-                role=CTX.value,
-                headers=call.headers,
-            )
+            limit = self.config.ctx_first_token_timeout
+            due = call.clock.ctx_start + limit if limit is not None else math.inf
+            with trio.move_on_at(min(due, call.deadline)) as scope:
+                data = await self.client.post_json(
+                    lease.server,
+                    call.endpoint.path,
+                    ctx_request(call.raw, disagg_id),
+                    role=CTX.value,
+                    headers=call.headers,
+                )
+            if scope.cancelled_caught:
+                if trio.current_time() >= call.deadline:
+                    raise RequestTimeout("request did not finish within request_timeout")
+                missed = DeadlineMissed(
+                    f"context server {lease.server} did not answer within "
+                    f"ctx_first_token_timeout={limit:g}s",
+                    server=lease.server,
+                    phase=CTX_FIRST_TOKEN,
+                    role=CTX.value,
+                )
+                self.missed(missed)
+                raise missed
             try:
                 ctx = parse_ctx_response(data, server=lease.server)
             except UpstreamProtocolError as exc:
@@ -313,10 +338,10 @@ class DisaggService:
         finally:
             call.clock.ctx_end = trio.current_time()
             if not success and may_hold:
-                await self._release_ctx(call, lease.server, disagg_id)
+                await self.release_ctx(call, lease.server, disagg_id)
             await lease.release(success=success)
 
-    async def _release_ctx(self, call: _Call, server: str, key: int) -> None:
+    async def release_ctx(self, call: _Call, server: str, key: int) -> None:
         """No gen leg took ctx's KV (no gen, refused, unreachable, or the client left): ask ctx
         to stop holding it now rather than for its whole `kv_transfer_timeout_ms` (peers.md,
         pain point 16). Best effort, bounded, and done even when the request is cancelled; a
@@ -333,7 +358,7 @@ class DisaggService:
                 log.warning("could not release ctx's KV of request %d: %s", key, exc)
         self.metrics.ctx_releases.labels(outcome=outcome).inc()
 
-    def _perf(self, call: _Call, ctx: CtxResult | None) -> Callable[[Json | None], Json] | None:
+    def perf_of(self, call: _Call, ctx: CtxResult | None) -> Callable[[Json | None], Json] | None:
         if not call.ask.return_perf_metrics:
             return None
         ctx_metrics = ctx.perf_metrics if ctx is not None else None
@@ -345,7 +370,7 @@ class DisaggService:
         return merged
 
     def _ctx_reply(self, call: _Call, ctx: CtxResult) -> Reply:
-        perf = self._perf(call, ctx)
+        perf = self.perf_of(call, ctx)
         answer = ctx_answer(ctx, ask=call.ask, perf_metrics=perf(None) if perf else None)
         if not call.ask.stream:
             return JsonReply(body=answer)
@@ -357,67 +382,40 @@ class DisaggService:
         return StreamReply(body=StaticBody(events=answer_as_sse(answer, call.ask), finish=finish))
 
     async def _gen_leg(
-        self, call: _Call, body: Json, lease: Lease, *, ctx: CtxResult | None
-    ) -> Reply:
-        call.clock.gen_start = trio.current_time()
-        ctx_usage = ctx.usage if ctx is not None else None
-        perf = self._perf(call, ctx)
-        if not call.ask.stream:
-            success = False
-            try:
-                data = await self.client.post_json(
-                    lease.server, call.endpoint.path, body, role=GEN.value, headers=call.headers
-                )
-                success = True
-            finally:
-                await lease.release(success=success)
-            call.clock.gen_end = trio.current_time()
-            gen_perf = data.get("perf_metrics")
-            metrics = perf(gen_perf if isinstance(gen_perf, dict) else None) if perf else None
-            return JsonReply(
-                body=final_answer(data, ctx_usage=ctx_usage, ask=call.ask, perf_metrics=metrics)
-            )
-        response = await self.client.open_stream(
-            lease.server, call.endpoint.path, body, role=GEN.value, headers=call.headers
-        )
-        return self._relay(call, response, lease, ctx_usage=ctx_usage, perf=perf)
-
-    def _relay(
         self,
         call: _Call,
-        response: httpx.Response,
+        body: Json,
         lease: Lease,
         *,
-        ctx_usage: Json | None,
-        perf: Callable[[Json | None], Json] | None,
-    ) -> StreamReply:
-        def first_chunk() -> None:
-            now = trio.current_time()
-            call.clock.gen_first_token = now
-            self.metrics.time_to_first_token.observe(now - call.clock.arrival)
+        ctx: CtxResult | None,
+        disagg_id: int | None = None,
+        legs: GenLegs | None = None,
+    ) -> Reply:
+        legs = legs or GenLegs(service=self, call=call, ctx=ctx, disagg_id=disagg_id)
+        timeout = self.config.gen_first_token_timeout
+        if self.config.schedule_style is ScheduleStyle.GENERATION_FIRST and ctx is None:
+            # Posted with the ctx leg (or alone, conditional): its first token may wait for a
+            # whole prefill, on ctx or on gen itself.
+            ctx_limit = self.config.ctx_first_token_timeout
+            timeout = None if timeout is None or ctx_limit is None else timeout + ctx_limit
+        return await legs.first(body, lease, first_token_timeout=timeout)
 
-        async def finish(status: str) -> None:
-            call.clock.gen_end = trio.current_time()
-            await lease.release(success=status == "ok")
-            call.outcome(status)
-
-        lease.handed_off = True
-        return StreamReply(
-            body=RelayBody(
-                response=response,
-                rewriter=SseRewriter(ask=call.ask, ctx_usage=ctx_usage, perf=perf),
-                deadline=call.deadline,
-                finish=finish,
-                on_first_chunk=first_chunk,
-            )
-        )
+    def missed(self, failure: LegFailure) -> None:
+        """A leg failed: count a missed deadline; a worker that did not answer (a broken
+        connection, a missed deadline) leaves rotation at once, until its next good health
+        check. One that answered with an error stays: its own /health says how it is."""
+        if isinstance(failure, DeadlineMissed):
+            self.metrics.deadline_misses.labels(phase=failure.phase, server=failure.server).inc()
+        if failure.kind is not FailureKind.FAILED:
+            role = ServerRole(failure.role)
+            self.placement.report_unreachable(role, failure.server, str(failure))
 
     async def _generation_first(self, call: _Call, disagg_id: int, gen: Lease) -> Reply:
         """Post gen before ctx answers, so gen allocates while ctx prefills and the KV moves as
         soon as both sides are ready. gen learns where the KV comes from (ctx's
         ``ctx_info_endpoint`` from its /server_info) and under which id, but not ctx's first
         token: ctx sends that with the KV (TRANSFER_RESULT.first_tokens)."""
-        ctx_lease = await self._lease(call, CTX, disagg_id, pair_with=gen.server)
+        ctx_lease = await self.lease(call, CTX, disagg_id, pair_with=gen.server)
         info = self.placement.server_info(ctx_lease.server)
         tokens = call.route.prompt_token_ids
         body = gen_first_request(
@@ -430,10 +428,11 @@ class DisaggService:
         gen_error: list[Exception] = []
         ctx_result: list[CtxResult] = []
         ctx_error: list[Exception] = []
+        legs = GenLegs(service=self, call=call)
 
         async def run_gen() -> None:
             try:
-                gen_result.append(await self._gen_leg(call, body, gen, ctx=None))
+                gen_result.append(await self._gen_leg(call, body, gen, ctx=None, legs=legs))
             except Exception as exc:
                 gen_error.append(exc)
 
@@ -453,15 +452,16 @@ class DisaggService:
                 raise ctx_error[0]
             return self._ctx_reply(call, ctx_result[0])
         if gen_error:
-            await self._release_ctx(call, ctx_result[0].server, disagg_id)
+            await self.release_ctx(call, ctx_result[0].server, disagg_id)
             raise gen_error[0]
         reply, ctx = gen_result[0], ctx_result[0]
+        legs.joined(ctx, disagg_id)
         if isinstance(reply, StreamReply):
-            if isinstance(reply.body, RelayBody):
-                reply.body.rewriter.ctx_usage = ctx.usage
             return reply
         body_out = dict(reply.body)
         body_out["usage"] = merge_usage(ctx.usage, body_out.get("usage"))
+        if call.ask.return_token_ids and "prompt_token_ids" not in body_out:
+            body_out["prompt_token_ids"] = ctx.prompt_token_ids
         return JsonReply(body=body_out)
 
 

@@ -6,7 +6,8 @@ not interpret included) and changes only what the split needs (DESIGN.md §2):
 * ctx leg: ``stream: false``, no ``stream_options``, ``disaggregated_params = {request_type:
   context_only, disagg_request_id}``;
 * gen leg: the client's body with ``prompt_token_ids`` from ctx and ``disaggregated_params = {...ctx
-  choice's params, request_type: generation_only}``; the client's ``stream`` is kept;
+  choice's params, request_type: generation_only}``, read as a stream with token ids and usage
+  (`gen_stream_request`) whatever the client asked: `ledger.py` rebuilds the client's answer;
 * answer: usage is prompt and cached tokens from ctx, completion tokens from gen; the internal
   ``disaggregated_params`` and ``prompt_token_ids`` are removed unless the client asked for them.
 """
@@ -14,8 +15,6 @@ not interpret included) and changes only what the split needs (DESIGN.md §2):
 from __future__ import annotations
 
 import copy
-import json
-from collections.abc import Callable
 from typing import Any, Final
 
 import attrs
@@ -159,6 +158,19 @@ def gen_request(body: Json, ctx: CtxResult) -> Json:
     return out
 
 
+def gen_stream_request(body: Json) -> Json:
+    """A gen leg's body as the coordinator sends it: always a stream, with token ids and a usage
+    chunk, so that it knows what it relayed (`ledger.py`); the client's answer, streamed or
+    whole, is rebuilt from it without them unless it asked."""
+    out = copy.copy(body)
+    options = dict(out.get("stream_options") or {}) if out.get("stream") else {}
+    options["include_usage"] = True
+    out["stream"] = True
+    out["stream_options"] = options
+    out["return_token_ids"] = True
+    return out
+
+
 def gen_first_request(
     body: Json,
     disagg_request_id: int,
@@ -270,78 +282,3 @@ def answer_as_sse(answer: Json, ask: ClientAsk) -> list[bytes]:
         events.append(sse_event({**head, "choices": [], **extra}))
     events.append(SSE_DONE)
     return events
-
-
-@attrs.define(eq=False, kw_only=True)
-class SseRewriter:
-    """Rewrites gen's SSE stream event by event as chunks arrive; never holds a whole event back
-    longer than it takes its last byte to arrive.
-
-    Events that need no change (the common case: token chunks without usage) pass through as the
-    original bytes without being parsed. Usage is merged with ctx's, internal fields are stripped,
-    and the merged perf metrics go into the usage chunk, or into a chunk of their own before
-    ``[DONE]`` when the client did not ask for usage.
-    """
-
-    ask: ClientAsk
-    ctx_usage: Json | None
-    perf: Callable[[Json | None], Json] | None = None
-    """Called with gen's own perf_metrics (or None) when the stream ends."""
-    _buffer: bytes = b""
-    _perf_sent: bool = False
-    _head: Json | None = None
-
-    def feed(self, chunk: bytes) -> bytes:
-        self._buffer += chunk
-        out: list[bytes] = []
-        while True:
-            end = self._buffer.find(b"\n\n")
-            if end < 0:
-                break
-            event, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
-            out.append(self._event(event))
-        return b"".join(out)
-
-    def flush(self) -> bytes:
-        rest, self._buffer = self._buffer, b""
-        return rest
-
-    def _needs_rewrite(self, event: bytes) -> bool:
-        if b'"usage"' in event or b"disaggregated_params" in event:
-            return True
-        if b"prompt_token_ids" in event and not self.ask.return_token_ids:
-            return True
-        return self._head is None or b"perf_metrics" in event
-
-    def _event(self, event: bytes) -> bytes:
-        if event.startswith(SSE_DONE[:-2]) and event.strip() == SSE_DONE.strip():
-            if self.perf is not None and not self._perf_sent:
-                self._perf_sent = True
-                head = {**(self._head or {}), "choices": []}
-                return sse_event({**head, "perf_metrics": self.perf(None)}) + event
-            return event
-        if not event.startswith(b"data: ") or not self._needs_rewrite(event):
-            return event
-        try:
-            data = json.loads(event[6:])
-        except ValueError:
-            return event
-        if not isinstance(data, dict) or "error" in data:
-            return event
-        if self._head is None:
-            self._head = {k: data[k] for k in ("id", "object", "created", "model") if k in data}
-        changed = False
-        if data.get("usage") is not None and self.ctx_usage is not None:
-            data["usage"] = merge_usage(self.ctx_usage, data["usage"])
-            changed = True
-        gen_perf = data.pop("perf_metrics", None)
-        changed = _strip(data, self.ask) or changed or gen_perf is not None
-        if self.perf is not None and (gen_perf is not None or data.get("usage") is not None):
-            data["perf_metrics"] = self.perf(gen_perf if isinstance(gen_perf, dict) else None)
-            self._perf_sent = True
-            changed = True
-        return sse_event(data) if changed else event
-
-
-def error_event(error: Json) -> bytes:
-    return sse_event(error)

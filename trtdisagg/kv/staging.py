@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from trtdisagg.kv.cache import KVCache
-from trtdisagg.transfer.bounce import StagedRun
+from trtdisagg.transfer.protocol.bounce import StagedRun
 
 
 class StagingBuffer:

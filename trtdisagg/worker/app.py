@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from quart import Response, request
 from quart.wrappers.response import ResponseBody
@@ -28,8 +29,10 @@ from trtdisagg.api.responses_api import ResponsesRequest, as_responses_error, ch
 from trtdisagg.api.responses_events import ResponseHead, ResponsesStream, response_body
 from trtdisagg.api.streaming import ResponsesBody
 from trtdisagg.metrics import CONTENT_TYPE
-from trtdisagg.transfer.faults import FaultInjector, FaultSpecError, parse_faults
 from trtdisagg.worker.service import WorkerService
+
+if TYPE_CHECKING:
+    from trtdisagg.faults.spec import FaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,8 @@ def create_app(service: WorkerService) -> QuartTrio:
     @app.post("/debug/faults")
     async def faults_replace() -> Response:
         """Replace the armed fault plan: body `{"spec": "drop:TRANSFER_RESULT:1"}`."""
+        from trtdisagg.faults.spec import FaultSpecError, parse_faults  # armed: tests only
+
         faults = _armed_faults(service)
         body = parse_json(await request.get_data(cache=False, as_text=False))
         spec = body.get("spec") if isinstance(body, dict) else None

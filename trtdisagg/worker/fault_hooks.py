@@ -1,4 +1,4 @@
-"""Arming test-only fault injection in a worker (TRTDISAGG_FAULTS; rules in transfer/faults.py).
+"""Arming test-only fault injection in a worker (TRTDISAGG_FAULTS; rules in trtdisagg/faults/).
 
 Armed only when the config carries a spec. The one injector of the process then reaches the
 control-plane ROUTER and every DEALER (message faults), the transfer agent (`FaultyAgent`:
@@ -10,10 +10,13 @@ read the counts and replace the rules at run time. Each injected fault is counte
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from trtdisagg.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from trtdisagg.faults.spec import FaultInjector, FaultRule
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.faults import FaultInjector, FaultRule, parse_faults
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +25,8 @@ def arm_faults(config: WorkerConfig, metrics: WorkerMetrics) -> FaultInjector | 
     """The process's fault injector, or None (the normal case: no hook anywhere)."""
     if config.fault_injection is None:
         return None
+    from trtdisagg.faults.spec import FaultInjector, parse_faults  # armed: tests only
+
     plan = parse_faults(config.fault_injection)  # validated with the config already
     log.warning(
         "FAULT INJECTION IS ARMED (TRTDISAGG_FAULTS=%r): this worker drops, delays and fails KV "

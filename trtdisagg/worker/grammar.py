@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Final
 
 import attrs
@@ -80,6 +80,15 @@ def allowed_tokens(matchers: Sequence[Matcher]) -> list[torch.Tensor]:
     for row, matcher in enumerate(matchers):
         llguidance.numpy.fill_next_token_bitmask(matcher.state, masks, row)
     return list(torch.from_numpy(masks).unbind(0))
+
+
+def allows_other_than(mask: torch.Tensor, tokens: Collection[int]) -> bool:
+    """Whether bitmask `mask` allows some token outside `tokens`."""
+    words = mask.numpy().view(np.uint32).copy()
+    for token in tokens:
+        if token // 32 < words.size:
+            words[token // 32] &= ~np.uint32(1 << (token % 32))
+    return bool(words.any())
 
 
 class GrammarCompiler:

@@ -261,8 +261,11 @@ class Job:
 
     # ---- streams ----
 
-    def stream_body(self) -> MergedBody[RequestOutput]:
+    def stream_body(self) -> MergedBody[Any]:
         options = self.req.stream_options
+        if self.keep is not None:  # best_of: the best are known at the end, then sent whole
+            include_usage = options is not None and options.include_usage
+            return MergedBody([WholeAnswer(job=self)], WholeAsChunks(job=self, usage=include_usage))
         assembler = responses.StreamAssembler(
             meta=self.meta,
             choices=[
@@ -293,6 +296,50 @@ class Job:
             with_perf=self.req.return_perf_metrics,
         )
         return MergedBody(list(self.runs), merger)
+
+
+@attrs.define(eq=False, kw_only=True)
+class WholeAnswer:
+    """A job's whole answer as a stream's one source (`stream_body` of best_of)."""
+
+    job: Job
+    _given: bool = False
+
+    def __aiter__(self) -> WholeAnswer:
+        return self
+
+    async def __anext__(self) -> Json:
+        if self._given:
+            raise StopAsyncIteration
+        self._given = True
+        return await self.job.collect()
+
+    async def aclose(self) -> None:
+        self.job.drop()
+
+
+@attrs.define(eq=False, kw_only=True)
+class WholeAsChunks:
+    """A whole answer → a stream's chunks: each choice in one, then the usage chunk."""
+
+    job: Job
+    usage: bool
+    stopped: bool = False
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def item(self, index: int, body: Json) -> list[bytes]:
+        chunks = responses.whole_as_chunks(self.job.meta, body, include_usage=self.usage)
+        return [sse_event(chunk) for chunk in chunks]
+
+    def failed(self, index: int, error: Exception) -> list[bytes]:
+        self.stopped = True
+        failure = error if isinstance(error, ApiError) else ApiError(500, str(error))
+        return [sse_event(failure.to_json())]
+
+    def closing(self) -> list[bytes]:
+        return [SSE_DONE]
 
 
 @attrs.define(eq=False, kw_only=True)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from trtdisagg.kv.block_pool import BlockCopy
-from trtdisagg.transfer.sessions import TransferOutcome
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
 
 
 @attrs.frozen(kw_only=True)

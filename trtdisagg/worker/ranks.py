@@ -29,8 +29,8 @@ import trio
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import TrtDisaggError
 from trtdisagg.membership.records import advertised_endpoint
-from trtdisagg.transfer.rank_info import RankInfo
-from trtdisagg.transfer.wire import PROTOCOL_VERSION, InstanceInfo, decode, encode
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION, InstanceInfo, decode, encode
 from trtdisagg.worker.engine.ports import Transceiver
 from trtdisagg.worker.engine.test_hooks import DigestBuffer, DigestingTransceiver
 from trtdisagg.worker.rank_group import RankGroup
@@ -143,8 +143,7 @@ def run_follower(
 async def _follow(
     config: WorkerConfig, model_dir: Path, rank: int, port: int, instance_name: str
 ) -> None:
-    from trtdisagg.worker.engine.build import hold_router  # build imports this module
-    from trtdisagg.worker.transfer_setup import build_transceiver
+    from trtdisagg.worker.transfer_setup import build_transceiver, hold_router
 
     group = await trio.to_thread.run_sync(
         lambda: RankGroup.join(
@@ -180,7 +179,6 @@ async def _follow(
                     WriteRecord(num_bytes=num_bytes, num_descriptors=descriptors, seconds=seconds)
                 ),
                 early_failures=False,  # see KvTransceiver.early_failures
-                may_spin=lambda: False,  # its outcomes wait for rank 0's next tick
             )
             await nursery.start(built.run)
             transceiver = built

@@ -31,7 +31,8 @@ Pure: no I/O. The scheduler moves requests; the executor reads them.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 from typing import Final
 
 import attrs
@@ -85,6 +86,18 @@ def _int_frozenset(values: Iterable[int]) -> frozenset[int]:
     return frozenset(values)
 
 
+def _bias_pairs(
+    values: Mapping[int, float] | Iterable[tuple[int, float]],
+) -> tuple[tuple[int, float], ...]:
+    """A token → bias mapping (or its pairs) as pairs sorted by token: hashable, one order."""
+    pairs = values.items() if isinstance(values, Mapping) else values
+    return tuple(sorted((int(token), float(bias)) for token, bias in pairs))
+
+
+MAX_PENALTY: Final = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
+MAX_LOGIT_BIAS: Final = 100.0  # OpenAI's bound on a logit_bias value
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
@@ -99,6 +112,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per output token; None: none
     min_tokens: int = 0
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one; 0: off
+    presence_penalty: float = 0.0  # minus this from a logit whose token is in the output
+    frequency_penalty: float = 0.0  # minus this × the token's count in the output
+    repetition_penalty: float = 1.0  # on tokens of prompt or output: divide > 0, multiply < 0
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias_pairs)
     # top-N logprobs of each prompt token (given the tokens before it), computed by prefill;
     # None: none (completions' `echo` with `logprobs`)
     prompt_logprobs: int | None = None
@@ -125,6 +143,35 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             bad = sorted(t for t in self.stop_token_ids if t < 0)
             raise ValueError(f"stop_token_ids must be non-negative, got {bad}")
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        if not 0.0 <= self.min_p <= 1.0:  # also rejects NaN
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        tokens = [token for token, _ in self.logit_bias]
+        if len(set(tokens)) != len(tokens):
+            raise ValueError("logit_bias names a token twice")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias: token {token} with bias {bias}: tokens are non-negative, "
+                    "biases in [-100, 100]"
+                )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty acts, so sampling needs the request's tokens so far."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 @attrs.define(eq=False, kw_only=True)

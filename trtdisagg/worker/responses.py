@@ -229,6 +229,31 @@ def chunk_body(
     return body
 
 
+def whole_as_chunks(meta: ResponseMeta, body: Json, *, include_usage: bool) -> list[Json]:
+    """A whole answer (`whole_body`) as a stream's chunks: each choice whole in one, then the
+    usage chunk when asked for (best_of, whose best choices are known only at the end)."""
+    head = _head(meta)
+    chunks: list[Json] = []
+    for whole in body["choices"]:
+        choice = {
+            k: whole[k] for k in ("index", "logprobs", "finish_reason", "token_ids") if k in whole
+        }
+        if meta.chat:
+            choice["delta"] = {"role": "assistant", **whole["message"]}
+        else:
+            choice["text"] = whole["text"]
+        chunk: Json = {**head, "choices": [choice]}
+        if not chunks and "prompt_token_ids" in body:
+            chunk["prompt_token_ids"] = body["prompt_token_ids"]
+        chunks.append(chunk)
+    if include_usage:
+        tail: Json = {**head, "choices": [], "usage": body["usage"]}
+        if "perf_metrics" in body:
+            tail["perf_metrics"] = body["perf_metrics"]
+        chunks.append(tail)
+    return chunks
+
+
 def usage_chunk(meta: ResponseMeta, usage: Usage, perf: PerfMetrics | None) -> Json:
     body: Json = {**_head(meta), "choices": [], "usage": usage_json(usage)}
     if perf is not None:

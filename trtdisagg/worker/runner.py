@@ -8,7 +8,8 @@ On CUDA the model runs its fused path (`CausalLM.use_ops`, Triton kernels in bf1
 decode-only step (every item computes one token) goes through batched attention: replayed from a
 CUDA graph when `cuda_graphs` is on and one fits (`decode_graphs.py`), else eagerly. Every other
 step, and every step on CPU, builds a flat-token batch and attends per sequence. Each step sends
-its integer inputs to the device in one copy, and greedy sampling costs one host sync per step.
+its integer inputs to the device in one copy, and sampling (`sampling.py`, every row batched on
+the device) costs one host sync per step.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from trtdisagg.worker.prompt_logprobs import (
     with_prompt_targets,
 )
 from trtdisagg.worker.rank_plan import ItemInputs, logit_rows, step_items
-from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, sample
+from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, make_generator, sample
 from trtdisagg.worker.scheduler import StepPlan
 
 if TYPE_CHECKING:
@@ -82,6 +83,10 @@ class ModelRunner:
     batched_decode: bool = False
     # Captured decode graphs (CUDA, cuda_graphs on), tried first for decode-only steps.
     graphs: DecodeGraphs | None = None
+    # The unseeded rows' random draws (seeded requests draw from their own generators).
+    noise: torch.Generator = attrs.field(
+        default=attrs.Factory(lambda self: make_generator(None, self.device), takes_self=True)
+    )
 
     def execute(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
         """Run one forward step. `specs` holds a sampling spec for every item that samples."""
@@ -166,11 +171,12 @@ class ModelRunner:
         if not wanted:
             return ()
         index = [i for i, _, _ in wanted]
-        if index == list(range(len(rows))):
-            picked = logits
-        else:
-            picked = logits[torch.tensor(index, device=logits.device)]
-        tokens, logprobs = _sample(picked.float(), chosen)
+        tokens, logprobs = sample(
+            logits,
+            chosen,
+            rows=None if index == list(range(len(rows))) else index,
+            generator=self.noise,
+        )
         return tuple(
             Sampled(request_id=request_id, token_id=t, logprobs=lp, choice=choice)
             for (_, request_id, choice), t, lp in zip(wanted, tokens, logprobs, strict=True)
@@ -192,7 +198,7 @@ class ModelRunner:
         host: an event recorded on the current stream, then synchronized. Steps run on the
         current (default) stream of this device from a worker thread; the default stream is the
         same object in every thread, so recording here orders after them. Usually the step's
-        greedy sampling already synchronized and this returns at once. No-op on CPU, where
+        sampling already synchronized and this returns at once. No-op on CPU, where
         writes are complete when the step returns.
         """
         if self.device.type != "cuda":
@@ -359,21 +365,6 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
         host = torch.tensor(values, dtype=torch.long, pin_memory=True)
         return host.to(device, non_blocking=True)
     return torch.tensor(values, dtype=torch.long, device=device)
-
-
-def _is_plain_greedy(spec: SampleSpec) -> bool:
-    params = spec.params
-    greedy = params.temperature == 0.0 or params.top_k == 1
-    return greedy and not spec.suppress and params.logprobs is None and spec.allowed is None
-
-
-def _sample(
-    logits: torch.Tensor, specs: Sequence[SampleSpec]
-) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """`sample`, with the all-greedy case as one argmax and one host sync."""
-    if all(_is_plain_greedy(spec) for spec in specs):
-        return [int(t) for t in logits.argmax(dim=-1).tolist()], [None] * len(specs)
-    return sample(logits, specs)
 
 
 def kv_pool_blocks(config: WorkerConfig, block_bytes: int) -> int:

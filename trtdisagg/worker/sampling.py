@@ -1,8 +1,39 @@
-"""Token sampling from one step's logits: greedy, temperature, top-k, top-p, seeded.
+"""Token sampling for one step: every row on the device in a few batched ops, one host sync.
 
-Each request owns a `torch.Generator`. A request draws only when a step produces its next token,
-so its random stream does not depend on batch composition or on preemption, and a seeded
-request repeats exactly.
+`sample(logits, specs)` picks one token per row; `launch` queues the same work and returns a
+`PendingSample` whose `result()` is the step's only host sync (one copy of the chosen tokens, with
+the logprobs in the same transfer when a row asks for them). The tensor work is
+`sampling_batch.py`'s; this module is the interface the engine uses.
+
+What a row's token is drawn from, in this order (vLLM's, whose semantics OpenAI clients expect):
+
+1. the model's logits, in float32;
+2. the allowed-token bitmask (structured output), when the row has one: other tokens get -inf;
+3. *logprobs are read here*: log_softmax of these logits, the model's own distribution before
+   any sampling control (vLLM's default `raw_logprobs`; vLLM too masks a grammar's disallowed
+   tokens before its sampler, so they have no probability);
+4. suppression (end-of-sequence before `min_tokens`): -inf;
+5. `logit_bias`: each listed token's bias is added to its logit;
+6. `repetition_penalty` r, over the tokens of the prompt and the output so far: a positive logit
+   is divided by r, a negative one multiplied by r (r > 1 discourages repeats);
+7. `frequency_penalty` f and `presence_penalty` p, over the output tokens so far: a token seen
+   c > 0 times loses f·c + p from its logit (positive values discourage repeats);
+8. greedy rows (temperature below `MIN_TEMPERATURE`, or `top_k` 1) take the argmax; the others:
+9. the logits divided by the temperature; `min_p`: tokens whose probability is below min_p × the
+   most likely token's are dropped; `top_k`: all but the k largest logits (and their ties) are
+   dropped; `top_p`: all but the smallest set of most likely tokens whose mass reaches top_p;
+10. the exponential race: token = argmax(logit - log E) over the tokens left, E ~ Exp(1) drawn
+    independently per token. This is argmax(p / E), which picks token i with probability p_i.
+
+Seeds. A seeded request owns a `torch.Generator` (`SampleSpec.generator`) that nothing else draws
+from; each token sampled at a temperature draws exactly `V` exponentials from it (V: the logits'
+width), in one call on that request's own row, and a greedy token draws none. Its noise thus
+depends only on its seed and how many tokens it sampled, never on the batch it lands in, its
+position there, or which other rows are seeded; everything else done to its row is per row
+(elementwise ops and reductions along the vocabulary), so its token depends on its own logits
+alone. Unseeded rows share one generator (the runner's), drawn once for the whole batch. Across
+the split, ctx samples the first token, and gen's generator for the same seed skips one draw
+(`new_spec(..., after_first_token=True)`), so gen continues the very stream ctx started.
 """
 
 from __future__ import annotations
@@ -11,9 +42,17 @@ from collections.abc import Sequence
 from typing import Final
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 import torch
 
-from trtdisagg.worker.request import SamplingParams
+from trtdisagg.worker import sampling_batch
+from trtdisagg.worker.request import Request, SamplingParams
+from trtdisagg.worker.sampling_batch import is_greedy
+
+MIN_TEMPERATURE: Final = sampling_batch.MIN_TEMPERATURE
+"""Below this a temperature samples greedily: logits / temperature overflows float32 and the
+softmax turns to NaN (greedy is the limit as the temperature goes to 0)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -22,25 +61,55 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(eq=False, kw_only=True)
+class TokenHistory:
+    """A request's token ids for the penalties: its own lists, by reference, so that each step
+    reads the tokens appended so far (the engine only ever appends to them)."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+    _unique_prompt: npt.NDArray[np.int64] | None = attrs.field(default=None, init=False)
+
+    def unique_prompt(self) -> npt.NDArray[np.int64]:
+        """The prompt's distinct token ids, computed once: the prompt never changes."""
+        if self._unique_prompt is None:
+            self._unique_prompt = np.unique(np.asarray(self.prompt, dtype=np.int64))
+        return self._unique_prompt
+
+
+@attrs.frozen(kw_only=True, eq=False)
 class SampleSpec:
+    """How one request picks its next token.
+
+    `allowed` is the structured-output mask for this step, computed on the host: int32 words on
+    the CPU, bit i of word i // 32 set when token i is allowed (llguidance's layout); tokens past
+    its last word are not allowed. `history` is required when a penalty acts.
+    """
+
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # a seeded request's own; None: the step's shared one
     suppress: frozenset[int] = frozenset()  # e.g. EOS before min_tokens is reached
-    # A prompt's other choices, at its first token: each draws its own token from the same
-    # logits row with its own spec (the runner samples the row once per spec).
-    forks: tuple[SampleSpec, ...] = ()
-    # The tokens its grammar allows next (`worker/grammar.py`): llguidance's bitmask, int32
-    # [ceil(V / 32)] on the host, bit i % 32 of word i // 32 set when token i is allowed.
+    history: TokenHistory | None = None
     allowed: torch.Tensor | None = None
+    # A prompt's other choices, at its first token: each draws its own token from the same
+    # logits row with its own spec (the runner samples the row once per spec: `rows`).
+    forks: tuple[SampleSpec, ...] = ()
 
-
-MIN_TEMPERATURE: Final = 1e-5
-"""Below this a temperature samples greedily: logits / temperature overflows float32, the softmax
-turns to NaN and `torch.multinomial` raises (greedy is the limit as the temperature goes to 0)."""
+    def __attrs_post_init__(self) -> None:
+        if self.params.penalized and self.history is None:
+            raise ValueError("a penalty needs the request's token history")
+        mask = self.allowed
+        if mask is not None and (
+            mask.dtype != torch.int32 or mask.dim() != 1 or mask.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"allowed must be a 1-D int32 CPU tensor, got {mask.dtype} {tuple(mask.shape)} "
+                f"on {mask.device}"
+            )
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A generator on `device`: seeded, or from fresh entropy when `seed` is None."""
     generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
@@ -49,87 +118,98 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return generator
 
 
-def sample(
-    logits: torch.Tensor, specs: Sequence[SampleSpec]
-) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: float32 [S, V], one row per spec. Returns token ids and optional logprobs."""
-    tokens: list[int] = []
-    logprobs: list[TokenLogprobs | None] = []
-    for row, spec in zip(logits, specs, strict=True):
-        shown = row
-        if spec.suppress:
-            row = shown = row.clone()
-            row[list(spec.suppress)] = float("-inf")
-        if spec.allowed is not None:
-            masked = mask_disallowed(row, spec.allowed)
-            # EOS suppressed before min_tokens where the grammar allows nothing else: the
-            # grammar wins (the output must end).
-            row = (
-                masked
-                if bool(torch.isfinite(masked).any())
-                else mask_disallowed(shown, spec.allowed)
-            )
-        token = _sample_row(row, spec)
-        tokens.append(token)
-        # A grammar changes which token is drawn, not its logprob (an allowed token's logprob
-        # under the model; a masked one would be -inf).
-        logprobs.append(
-            _logprobs(shown if spec.allowed is not None else row, token, spec.params.logprobs)
-        )
-    return tokens, logprobs
-
-
-def mask_disallowed(row: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """`row` (logits [V]) with every token its bitmask does not allow at -inf: one masked_fill.
-    (The batched sampler applies the same bitmasks on the device, for every row at once.)"""
-    shifts = torch.arange(32, dtype=torch.int32, device=row.device)
-    bits = (allowed.to(row.device).unsqueeze(-1) >> shifts) & 1  # [W, 32]
-    keep = bits.flatten()[: row.shape[-1]].bool()
-    return row.masked_fill(~keep, float("-inf"))
-
-
-def _sample_row(row: torch.Tensor, spec: SampleSpec) -> int:
-    params = spec.params
-    if params.temperature < MIN_TEMPERATURE or params.top_k == 1:
-        return int(torch.argmax(row).item())
-    scaled = row / params.temperature
-    if params.top_k > 0 and params.top_k < scaled.numel():
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p; the first token always stays (a
-        # top_p below float32's smallest value compares as 0, which would drop every token).
-        drop = cumulative - sorted_probs >= params.top_p
-        drop[0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    choice = torch.multinomial(probs, 1, generator=spec.generator)
-    return int(choice.item())
+def new_spec(
+    request: Request,
+    *,
+    device: torch.device,
+    width: int,
+    eos_token_ids: frozenset[int],
+    after_first_token: bool = False,
+) -> SampleSpec:
+    """A request's spec for its whole life. `after_first_token`: a generation_only request,
+    whose first token ctx sampled: a seeded one continues the stream ctx drew it from."""
+    params = request.sampling
+    generator = None
+    if params.seed is not None:
+        generator = make_generator(params.seed, device)
+        if after_first_token:
+            skip_sample(generator, params, width)
+    history = None
+    if params.penalized:
+        history = TokenHistory(prompt=request.prompt_token_ids, output=request.output_token_ids)
+    suppress = frozenset() if params.ignore_eos or params.min_tokens == 0 else eos_token_ids
+    return SampleSpec(params=params, generator=generator, suppress=suppress, history=history)
 
 
 def skip_sample(generator: torch.Generator, params: SamplingParams, width: int) -> None:
-    """Advance `generator` as `sample` drawing one token over `width` logits does, without the
-    token: a seeded generation_only request continues the random stream its first token (ctx's)
-    was drawn from. Mirrors `_sample_row`: greedy draws nothing, and `multinomial` with one
-    sample takes `width` exponentials whatever the probabilities."""
-    if params.temperature < MIN_TEMPERATURE or params.top_k == 1:
+    """Advance `generator` as sampling one token over `width` logits does, without the token:
+    one draw of `width` exponentials, or none for a greedy token (`sampling_batch.noise`)."""
+    if is_greedy(params):
         return
-    uniform = torch.ones(width, device=generator.device)
-    torch.multinomial(uniform, 1, generator=generator)
+    torch.empty(width, device=generator.device).exponential_(generator=generator)
 
 
-def _logprobs(row: torch.Tensor, token: int, top_n: int | None) -> TokenLogprobs | None:
-    if top_n is None:
-        return None
-    logp = torch.log_softmax(row.float(), dim=-1)
-    top: tuple[tuple[int, float], ...] = ()
-    if top_n > 0:
-        values, ids = torch.topk(logp, top_n)
-        top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()))
-    return TokenLogprobs(logprob=float(logp[token].item()), top=top)
+@attrs.define(eq=False, kw_only=True)
+class PendingSample:
+    """A step's tokens on their way to the host; `result()` waits for them (the one sync)."""
+
+    host: torch.Tensor  # [S] token ids, or [S, 2 + 2K]: token, logprob, K top ids, K top logprobs
+    ready: torch.cuda.Event | None  # recorded after the copy; None when `host` is computed
+    top_logprobs: Sequence[int]  # per row: how many top logprobs, -1 for no logprobs
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        values = self.host.tolist()
+        if self.host.dim() == 1:
+            return [int(v) for v in values], [None] * len(values)
+        width = (self.host.shape[1] - 2) // 2
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        for row, n in zip(values, self.top_logprobs, strict=True):
+            tokens.append(int(row[0]))
+            if n < 0:
+                logprobs.append(None)
+                continue
+            ids, lps = row[2 : 2 + n], row[2 + width : 2 + width + n]
+            # A grammar's disallowed tokens have logprob -inf: they are no alternative.
+            top = tuple((int(i), lp) for i, lp in zip(ids, lps, strict=True) if lp != -np.inf)
+            logprobs.append(TokenLogprobs(logprob=row[1], top=top))
+        return tokens, logprobs
+
+
+def launch(
+    logits: torch.Tensor,
+    specs: Sequence[SampleSpec],
+    *,
+    rows: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> PendingSample:
+    """Queue the sampling of one token per spec; nothing here waits for the device.
+
+    logits: [N, V], any float dtype, left unchanged. `rows`: which row of `logits` each spec
+    samples (default: row i for spec i, N == len(specs)). `generator`: the unseeded rows' shared
+    generator on the logits' device (default: torch's default generator for that device).
+    """
+    packed, top_logprobs = sampling_batch.sample_rows(logits, specs, rows=rows, generator=generator)
+    if packed.device.type != "cuda":
+        return PendingSample(host=packed, ready=None, top_logprobs=top_logprobs)
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(packed.device))
+    return PendingSample(host=host, ready=ready, top_logprobs=top_logprobs)
+
+
+def sample(
+    logits: torch.Tensor,
+    specs: Sequence[SampleSpec],
+    *,
+    rows: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """`launch`, then its result: token ids and optional logprobs, one per spec."""
+    return launch(logits, specs, rows=rows, generator=generator).result()
 
 
 def prompt_token_logprobs(

@@ -22,7 +22,7 @@ from trtdisagg.loop_lag import watch_loop_lag
 from trtdisagg.membership.records import WorkerRecord, advertised_url
 from trtdisagg.membership.registration import Drain, serve_registration
 from trtdisagg.model.loader import resolve_model
-from trtdisagg.transfer.rank_info import make_instance_name
+from trtdisagg.transfer.protocol.rank_info import make_instance_name
 from trtdisagg.worker.app import create_app
 from trtdisagg.worker.engine.build import build_worker
 from trtdisagg.worker.rank_group import RankGroup

@@ -12,7 +12,7 @@ import itertools
 import secrets
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -27,13 +27,12 @@ from trtdisagg.api.protocol import (
     KvRelease,
 )
 from trtdisagg.api.tool_calls import ToolCallFormat, parses_tool_calls, tool_call_format
-from trtdisagg.api.validation import is_batched, num_candidates
+from trtdisagg.api.validation import is_batched, logit_bias_of, num_candidates
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.faults import FaultInjector
-from trtdisagg.transfer.rank_info import compat_fields
+from trtdisagg.transfer.protocol.rank_info import compat_fields
 from trtdisagg.worker import responses
 from trtdisagg.worker.engine.executor import Executor, GenerationSource
 from trtdisagg.worker.gen_source import generation_source
@@ -42,6 +41,9 @@ from trtdisagg.worker.jobs import ChoiceRun, CtxEndpoint, Job
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
 from trtdisagg.worker.sampling import MIN_TEMPERATURE
 from trtdisagg.worker.tokenization import Tokenizer
+
+if TYPE_CHECKING:
+    from trtdisagg.faults.spec import FaultInjector
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
 
@@ -379,6 +381,15 @@ class WorkerService:
                 f"stop_token_ids: token id {bad_stop} outside the vocabulary [0, {vocab})",
                 param="stop_token_ids",
             )
+        # The logits' width too: a bias is added to a logit, which must exist.
+        logits_width = min(vocab, self.executor.vocab_size)
+        bias = logit_bias_of(req)
+        bad_bias = next((t for t in sorted(bias) if t >= logits_width), None)
+        if bad_bias is not None:
+            raise bad_request(
+                f"logit_bias: token id {bad_bias} outside the vocabulary [0, {logits_width})",
+                param="logit_bias",
+            )
         stop = req.stop
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
@@ -394,6 +405,11 @@ class WorkerService:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 min_tokens=req.min_tokens,
+                min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                logit_bias=bias,
                 prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:

@@ -1,8 +1,9 @@
-"""Building one rank's KV transceiver: agent, registered pool, RankInfo.
+"""Building one rank's KV transceiver: its ROUTER, agent, registered pool, RankInfo, metrics.
 
 Registration happens once, here, at start: nothing is registered or allocated per request on the
 transfer path. The agent's metadata is read after registration, because NIXL's metadata names the
-registered memory.
+registered memory. With fault injection armed (TRTDISAGG_FAULTS, tests only), and only then, the
+router, the dealers and the agent are wrapped in their faulty versions (trtdisagg/faults/).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -20,25 +22,52 @@ from trtdisagg.membership.interfaces import confine_ucx_to_interface
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.args import model_fingerprint
 from trtdisagg.model.parallel import pp_layer_range
-from trtdisagg.transfer.agents.base import (
+from trtdisagg.transfer.protocol.liveness import PeerLiveness
+from trtdisagg.transfer.protocol.rank_info import (
+    BounceConfig,
+    RankInfo,
+    flat_rank,
+    make_instance_name,
+)
+from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION
+from trtdisagg.transfer.runtime.agents.base import (
     MemoryRegion,
     TransferAgent,
     make_agent,
-    notifier,
     pool_regions,
 )
-from trtdisagg.transfer.agents.faulty import FaultyAgent
-from trtdisagg.transfer.agents.loopback import LoopbackFabric
-from trtdisagg.transfer.faults import FaultInjector
-from trtdisagg.transfer.liveness import PeerLiveness
-from trtdisagg.transfer.messenger import Router
-from trtdisagg.transfer.rank_info import BounceConfig, RankInfo, flat_rank, make_instance_name
-from trtdisagg.transfer.staging_area import StagingArea
-from trtdisagg.transfer.transceiver import KvTransceiver
-from trtdisagg.transfer.wire import PROTOCOL_VERSION
+from trtdisagg.transfer.runtime.agents.loopback import LoopbackFabric
+from trtdisagg.transfer.runtime.collector import TransferCollector
+from trtdisagg.transfer.runtime.control import ControlRouter, DealerOpener
+from trtdisagg.transfer.runtime.driver import KvTransceiver
+from trtdisagg.transfer.runtime.messenger import open_dealer, open_router
+from trtdisagg.transfer.runtime.staging_area import StagingArea
 from trtdisagg.worker.runner import ModelRunner
 
+if TYPE_CHECKING:
+    from trtdisagg.faults.spec import FaultInjector
+
 log = logging.getLogger(__name__)
+
+
+async def hold_router(
+    host: str,
+    faults: FaultInjector | None = None,
+    *,
+    task_status: trio.TaskStatus[ControlRouter] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Own this rank's control-plane ROUTER for the life of the worker (bound to `host` only);
+    with `faults` (tests only), its replies follow the fault plan."""
+    address = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+    async with open_router(bind=address) as router:
+        if faults is None:
+            task_status.started(router)
+            await trio.sleep_forever()
+        from trtdisagg.faults.messenger import faulty_router  # armed: tests only
+
+        async with faulty_router(router, faults) as faulty:
+            task_status.started(faulty)
+            await trio.sleep_forever()
 
 
 def _make_agent(backend: TransceiverBackend, name: str, progress_thread: bool) -> TransferAgent:
@@ -52,7 +81,7 @@ async def build_transceiver(
     config: WorkerConfig,
     runner: ModelRunner,
     model_dir: Path,
-    router: Router,
+    router: ControlRouter,
     wake: Callable[[], None],
     metrics: WorkerMetrics | None,
     *,
@@ -60,17 +89,14 @@ async def build_transceiver(
     share_infos: Callable[[RankInfo], Awaitable[tuple[RankInfo, ...]]] | None = None,
     faults: FaultInjector | None = None,
     on_write: Callable[[int, int, float], None] | None = None,
-    watches: bool = False,
     early_failures: bool = True,
-    may_spin: Callable[[], bool] = lambda: False,
 ) -> KvTransceiver:
-    """This rank's transceiver. A multi-rank instance passes its shared `instance_name` and
-    `share_infos`, which swaps RankInfos with the other ranks (every rank must call it).
-    `on_write(bytes, descriptors, seconds)` learns of each KV write; by default it feeds
-    `metrics` (a follower rank passes its own, to report its writes to rank 0). `watches`: the
-    worker lets it watch for a peer's next move (transfer/pacing.py), so a ctx rank also takes
-    REQUEST_DATA as an agent notification, drained while it watches (not with faults armed:
-    they apply to ZMQ messages). `early_failures` and `may_spin` are `KvTransceiver`'s."""
+    """This rank's transceiver, its transfer metrics registered on `metrics`' registry. A
+    multi-rank instance passes its shared `instance_name` and `share_infos`, which swaps
+    RankInfos with the other ranks (every rank must call it), and `early_failures` off (see
+    KvTransceiver). `on_write(bytes, descriptors, seconds)` learns of each KV write (a follower
+    rank reports its writes to rank 0 so). `faults` (tests only) wraps the agent and the
+    dealers; `router` comes wrapped from `hold_router`."""
     transfer = config.cache_transceiver_config
     assert transfer.backend is not None
     model = runner.model
@@ -85,8 +111,13 @@ async def build_transceiver(
     agent = await trio.to_thread.run_sync(
         _make_agent, transfer.backend, agent_name, transfer.nixl_progress_thread
     )
+    connect: DealerOpener = open_dealer
     if faults is not None:  # tests only (TRTDISAGG_FAULTS)
+        from trtdisagg.faults.agent import FaultyAgent
+        from trtdisagg.faults.messenger import faulty_dealers
+
         agent = FaultyAgent(agent, faults)
+        connect = faulty_dealers(faults)
     page_table = cache.page_table(model.local_layer_ids)
     regions = pool_regions(page_table)
     stager = None
@@ -134,30 +165,23 @@ async def build_transceiver(
             size_mb=transfer.kv_cache_bounce_size_mb,
             threshold_bytes=transfer.kv_cache_bounce_threshold_bytes,
         ),
-        request_notices=watches and faults is None and notifier(agent) is not None,
     )
-
     instance = (info,) if share_infos is None else await share_infos(info)
-
-    def count_write(num_bytes: int, descriptors: int, seconds: float) -> None:
-        if metrics is not None:
-            metrics.kv_transfer_bytes.inc(num_bytes)
-            metrics.kv_transfer_descriptors.inc(descriptors)
-            metrics.kv_transfer_seconds.observe(seconds)
-
-    return KvTransceiver(
+    transceiver = KvTransceiver(
         local=info,
         instance=instance,
         agent=agent,
         router=router,
         timeout_s=transfer.kv_transfer_timeout_ms / 1000,
         wake=wake,
-        on_write=on_write or count_write,
-        faults=faults,
+        early_failures=early_failures,
+        on_write=on_write,
+        connect=connect,
         staging=StagingArea(stager=stager, clock=time.monotonic) if stager is not None else None,
         liveness=PeerLiveness(
             idle_s=transfer.peer_probe_ms / 1000, answer_s=transfer.peer_probe_ms / 1000
         ),
-        early_failures=early_failures,
-        may_spin=may_spin,
     )
+    if metrics is not None:
+        metrics.registry.register(TransferCollector(transceiver.statistics, transceiver.tally))
+    return transceiver

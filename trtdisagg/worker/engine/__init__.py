@@ -12,7 +12,6 @@
   wakeup         Wakeup: the loop's wake-up, made before whatever wakes it
   build          build_worker: every part constructed once, in order
   test_hooks     test-only wrappers (KV digests, failed steps), built only when enabled
-  transfer_gauges  the transceiver's totals copied into Prometheus at each scrape
 
 ◆: pure (no torch, trio or sockets). The scheduler, request, runner and sampling modules the
 engine drives are in `trtdisagg.worker`.

@@ -25,9 +25,7 @@ from trtdisagg.membership.records import advertised_endpoint
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.parallel import Parallel
 from trtdisagg.model.synthetic import is_synthetic
-from trtdisagg.transfer.faults import FaultInjector
-from trtdisagg.transfer.messenger import Router, open_router
-from trtdisagg.transfer.transceiver import KvTransceiver
+from trtdisagg.transfer.runtime.driver import KvTransceiver
 from trtdisagg.worker.engine.executor import Executor
 from trtdisagg.worker.engine.live import Inbox
 from trtdisagg.worker.engine.local import LocalDriver
@@ -37,7 +35,6 @@ from trtdisagg.worker.engine.outputs import OutputProcessor
 from trtdisagg.worker.engine.ports import StepDriver, Transceiver
 from trtdisagg.worker.engine.test_hooks import DigestingTransceiver, FaultyRunner, TestHooks
 from trtdisagg.worker.engine.tracker import TransferTracker
-from trtdisagg.worker.engine.transfer_gauges import TransferGauges
 from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.fault_hooks import arm_faults
 from trtdisagg.worker.rank_group import RankGroup
@@ -47,7 +44,7 @@ from trtdisagg.worker.runner import ModelRunner, build_runner
 from trtdisagg.worker.scheduler import Scheduler
 from trtdisagg.worker.service import WorkerService
 from trtdisagg.worker.tokenization import Tokenizer
-from trtdisagg.worker.transfer_setup import build_transceiver
+from trtdisagg.worker.transfer_setup import build_transceiver, hold_router
 
 log = logging.getLogger("trtdisagg.worker")
 
@@ -62,19 +59,6 @@ class Worker:
     executor: Executor
     transceiver: KvTransceiver | None
     metrics: WorkerMetrics
-
-
-async def hold_router(
-    host: str,
-    faults: FaultInjector | None = None,
-    *,
-    task_status: trio.TaskStatus[Router] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Own this rank's control-plane ROUTER for the life of the worker (bound to `host` only)."""
-    address = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
-    async with open_router(bind=address, faults=faults) as router:
-        task_status.started(router)
-        await trio.sleep_forever()
 
 
 async def build_worker(
@@ -113,12 +97,6 @@ async def build_worker(
     else:
         router = await nursery.start(hold_router, config.host, faults)
         router.endpoint = advertised_endpoint(router.endpoint, config.advertise_host)
-        # Watching for a peer's move (transfer/pacing.py) saves a fraction of a millisecond.
-        # A multi-rank instance gathers its ranks' outcomes at its next tick, so it gains
-        # nothing there (nor on its followers, worker/ranks.py); nor where the KV is in host
-        # memory, whose writes take milliseconds, and a spinning loop would take a core from
-        # the other processes of a small machine.
-        watches = group is None and config.device == "cuda"
         transceiver = await build_transceiver(
             config,
             runner,
@@ -129,10 +107,8 @@ async def build_worker(
             instance_name=instance_name,
             share_infos=share_infos_with(group) if group is not None else None,
             faults=faults,
-            watches=watches,
             # A multi-rank instance merges its ranks' outcomes: see KvTransceiver.early_failures.
             early_failures=group is None,
-            may_spin=wakeup.idle if watches else lambda: False,
         )
         log.info(
             "Using KvCacheTransceiver backend=%s endpoint=%s instance=%s",
@@ -214,7 +190,7 @@ def assemble_executor(
             runner=runner,
             wakeup=wakeup,
             transceiver=moves,
-            on_reports=_on_reports(metrics, test_hooks),
+            on_reports=_on_reports(transceiver, test_hooks),
         )
     tracker = TransferTracker(scheduler=scheduler, port=driver, vocab_size=tokenizer.vocab_size)
     outputs = OutputProcessor(
@@ -244,29 +220,24 @@ def assemble_executor(
         metrics=metrics,
         transceiver=transceiver,
         test_hooks=test_hooks,
-        transfer_gauges=(
-            TransferGauges(metrics=metrics, transceiver=transceiver)
-            if transceiver is not None
-            else None
-        ),
     )
 
 
-def _on_reports(metrics: WorkerMetrics, hooks: TestHooks | None) -> ReportSink:
+def _on_reports(transceiver: KvTransceiver | None, hooks: TestHooks | None) -> ReportSink:
     """What rank 0 keeps of every tick's reports besides the transfer outcomes."""
-    count = functools.partial(count_follower_writes, metrics)
+    count = functools.partial(count_follower_writes, transceiver)
     if hooks is None:
         return count
     return functools.partial(_to_both, count, hooks.take_reports)
 
 
-def count_follower_writes(metrics: WorkerMetrics, reports: Sequence[RankReport]) -> None:
-    """The followers' KV writes (rank 0 counts its own as it writes)."""
+def count_follower_writes(transceiver: KvTransceiver | None, reports: Sequence[RankReport]) -> None:
+    """The followers' KV writes, in rank 0's transfer metrics (it counts its own as it writes)."""
+    if transceiver is None:
+        return
     for report in reports:
         for write in report.writes:
-            metrics.kv_transfer_bytes.inc(write.num_bytes)
-            metrics.kv_transfer_descriptors.inc(write.num_descriptors)
-            metrics.kv_transfer_seconds.observe(write.seconds)
+            transceiver.count_write(write.num_bytes, write.num_descriptors, write.seconds)
 
 
 def _to_both(first: ReportSink, second: ReportSink, reports: Sequence[RankReport]) -> None:

@@ -16,14 +16,13 @@ import trio
 
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.transceiver import KvTransceiver
+from trtdisagg.transfer.runtime.driver import KvTransceiver
 from trtdisagg.worker.engine.live import GenerationSource, Inbox, Live, RequestHandle
 from trtdisagg.worker.engine.loop import StepLoop
 from trtdisagg.worker.engine.outputs import OutputState, RequestOutput
 from trtdisagg.worker.engine.tracker import TransferTracker
-from trtdisagg.worker.engine.transfer_gauges import TransferGauges
 from trtdisagg.worker.request import Request
-from trtdisagg.worker.sampling import SampleSpec, make_generator, skip_sample
+from trtdisagg.worker.sampling import new_spec
 from trtdisagg.worker.scheduler import Scheduler
 from trtdisagg.worker.stopping import StopStrings
 from trtdisagg.worker.tokenization import Tokenizer
@@ -49,7 +48,6 @@ class Executor:
     # work goes through its driver.
     transceiver: KvTransceiver | None = None
     test_hooks: TestHooks | None = None  # read and armed by the /debug routes (test_hooks.py)
-    transfer_gauges: TransferGauges | None = None
 
     # ---- commands from handlers (sync, never block) ----
 
@@ -115,16 +113,14 @@ class Executor:
         transfer_key: int | None,
     ) -> Live:
         params = request.sampling
-        eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
-        generator = make_generator(params.seed, self.device)
-        if source is not None and params.seed is not None:
-            # ctx drew the first token from this seed's stream: gen continues that stream, so a
-            # seeded request samples the same tokens split or not.
-            skip_sample(generator, params, self.vocab_size)
-        spec = SampleSpec(
-            params=params,
-            generator=generator,
-            suppress=eos if params.min_tokens > 0 else frozenset(),
+        # A generation_only request's first token was ctx's: a seeded one continues the random
+        # stream ctx drew it from, so it samples the same tokens split or not.
+        spec = new_spec(
+            request,
+            device=self.device,
+            width=self.vocab_size,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            after_first_token=source is not None,
         )
         state = OutputState(
             detokenizer=self.tokenizer.incremental_detokenizer(),
@@ -183,8 +179,6 @@ class Executor:
 
     def refresh_gauges(self) -> None:
         """Bring the gauges up to date (before `/metrics` renders them)."""
-        if self.transfer_gauges is not None:
-            self.transfer_gauges.refresh()
         stats = self.scheduler.statistics()
         self.metrics.requests_running.set(stats.num_running)
         self.metrics.requests_waiting.set(stats.num_waiting)

@@ -9,7 +9,7 @@ from typing import Protocol
 import attrs
 import trio
 
-from trtdisagg.transfer.sessions import TransferOutcome
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.worker.engine.ports import StepFailed, Transceiver
 from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.runner import StepOutput
@@ -37,8 +37,7 @@ class LocalDriver:
 
     async def step(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
         try:
-            with self.wakeup.stepping():
-                return await trio.to_thread.run_sync(self.runner.execute, plan, specs)
+            return await trio.to_thread.run_sync(self.runner.execute, plan, specs)
         except Exception as exc:
             # One rank ran it and nothing else changed meanwhile: only this step is lost.
             raise StepFailed(exc) from exc

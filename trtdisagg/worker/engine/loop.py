@@ -41,7 +41,7 @@ from trtdisagg.worker.engine.live import Inbox, Live
 from trtdisagg.worker.engine.outputs import OutputProcessor, Processed, RequestOutput, Token
 from trtdisagg.worker.engine.ports import StepDriver, StepFailed
 from trtdisagg.worker.engine.tracker import TransferTracker
-from trtdisagg.worker.grammar import allowed_tokens
+from trtdisagg.worker.grammar import allowed_tokens, allows_other_than
 from trtdisagg.worker.request import FinishReason, Request
 from trtdisagg.worker.runner import StepOutput
 from trtdisagg.worker.sampling import SampleSpec
@@ -285,7 +285,12 @@ def _current_spec(live: Live, num_outputs: int, allowed: torch.Tensor | None) ->
     spec = live.spec
     if spec.suppress and num_outputs >= live.request.sampling.min_tokens:
         live.spec = spec = attrs.evolve(spec, suppress=frozenset())
-    return spec if allowed is None else attrs.evolve(spec, allowed=allowed)
+    if allowed is None:
+        return spec
+    if spec.suppress and not allows_other_than(allowed, spec.suppress):
+        # The grammar allows only the end, which min_tokens holds back: the grammar wins.
+        return attrs.evolve(spec, allowed=allowed, suppress=frozenset())
+    return attrs.evolve(spec, allowed=allowed)
 
 
 def grammar_masks(choices: Sequence[Live]) -> dict[int, torch.Tensor]:

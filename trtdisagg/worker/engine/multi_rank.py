@@ -24,7 +24,7 @@ import attrs
 import trio
 
 from trtdisagg.kv.block_pool import BlockCopy
-from trtdisagg.transfer.sessions import TransferOutcome
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.worker.engine.local import BLOCKED_WAIT_S
 from trtdisagg.worker.engine.ports import Transceiver
 from trtdisagg.worker.engine.wakeup import Wakeup
@@ -138,8 +138,7 @@ class MultiRankDriver:
                 out = runner.execute_items(command.items, specs, group)
             return out, group.gather_reports(local)
 
-        with self.wakeup.stepping():
-            out, reports = await trio.to_thread.run_sync(tick, abandon_on_cancel=True)
+        out, reports = await trio.to_thread.run_sync(tick, abandon_on_cancel=True)
         self._last_tick = self.clock()
         self._gate_outcomes(reports)
         self.on_reports(reports)

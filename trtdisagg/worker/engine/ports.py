@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from trtdisagg.transfer.sessions import TransferOutcome
+    from trtdisagg.transfer.protocol.sessions import TransferOutcome
     from trtdisagg.worker.runner import StepOutput
     from trtdisagg.worker.sampling import SampleSpec
     from trtdisagg.worker.scheduler import StepPlan

@@ -29,7 +29,7 @@ import attrs
 import torch
 
 from trtdisagg.kv.cache import KVCache
-from trtdisagg.transfer.sessions import TransferOutcome
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.worker.engine.ports import Transceiver
 from trtdisagg.worker.rank_plan import HeadDigest, RankDigest, RankReport, compose_digest
 

@@ -29,7 +29,7 @@ from trtdisagg.worker.request import FinishReason, Request
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
 
 if TYPE_CHECKING:
-    from trtdisagg.transfer.sessions import TransferOutcome
+    from trtdisagg.transfer.protocol.sessions import TransferOutcome
     from trtdisagg.worker.engine.live import GenerationSource, Live
     from trtdisagg.worker.engine.ports import TransferPort
 

@@ -1,4 +1,4 @@
-"""The engine loop's wake-up, and whether a step runs now.
+"""The engine loop's wake-up.
 
 Made first, before anything that wakes the loop (the transceiver, the handlers' inbox), so that
 none of them needs the loop itself.
@@ -6,9 +6,7 @@ none of them needs the loop itself.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import attrs
 import trio
@@ -17,7 +15,6 @@ import trio
 @attrs.define(eq=False, kw_only=True)
 class Wakeup:
     _event: trio.Event = attrs.field(factory=trio.Event, alias="event")
-    _stepping: bool = attrs.field(default=False, alias="stepping")
 
     def set(self) -> None:
         """Something changed for the loop (a request, an abort, a transfer's end): wake it.
@@ -29,16 +26,3 @@ class Wakeup:
         with trio.move_on_after(timeout):
             await self._event.wait()
         self._event = trio.Event()
-
-    @contextlib.contextmanager
-    def stepping(self) -> Iterator[None]:
-        """Marks a step (a forward, or a multi-rank tick) running in a worker thread."""
-        self._stepping = True
-        try:
-            yield
-        finally:
-            self._stepping = False
-
-    def idle(self) -> bool:
-        """Whether no step runs now (the transceiver may then spin its loop, pacing.py)."""
-        return not self._stepping

@@ -1,0 +1,167 @@
+"""The sampling controls (`logit_bias`, presence, frequency and repetition penalties, `min_p`)
+through the official `openai` client, against the worker alone and through the coordinator
+(`tests/openai_cluster.py`, started once for the module): each changes the output the way it
+should, and the worker and the ctx → gen split give the same tokens, greedy and seeded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.edges import Cluster
+from tests.openai_cluster import CHAT, IDS, PROMPTS, both, openai_cluster, tokens_of
+
+pytestmark = pytest.mark.timeout(300)
+
+TOKEN = 100  # an ordinary token of `tiny` (not a special one)
+# A bias that makes the greedy output repeat TOKEN often, without forcing it every time: what
+# the penalties act on.
+NUDGE = {str(TOKEN): 6}
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, httpx.Client]]:
+    with openai_cluster(tmp_path_factory.mktemp("openai_sampling")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def cluster(running: tuple[Cluster, httpx.Client]) -> Cluster:
+    return running[0]
+
+
+def _complete(client: openai.OpenAI, **ask: Any) -> list[int]:
+    extra = {**IDS, "ignore_eos": True, **ask.pop("extra_body", {})}
+    ask = {"max_tokens": 40, **ask}
+    answer = client.completions.create(model="tiny", prompt=PROMPTS[1], extra_body=extra, **ask)
+    return tokens_of(answer)[0]
+
+
+def _chat(client: openai.OpenAI, **ask: Any) -> list[int]:
+    extra = {**IDS, "ignore_eos": True, **ask.pop("extra_body", {})}
+    answer = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=12, extra_body=extra, **ask
+    )
+    return list(answer.choices[0].token_ids)  # type: ignore[attr-defined]
+
+
+# ---- each control acts ----
+
+
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (1.0, 7)])
+def test_a_logit_bias_of_100_makes_the_token_the_output(
+    cluster: Cluster, temperature: float, seed: int | None
+) -> None:
+    for client in both(cluster):
+        ask = {"temperature": temperature, "seed": seed, "logit_bias": {str(TOKEN): 100}}
+        assert _complete(client, **ask) == [TOKEN] * 40
+        assert _chat(client, **ask) == [TOKEN] * 12
+        first = _complete(client, temperature=0.0, max_tokens=1)[0]
+        banned = _complete(client, temperature=0.0, max_tokens=1, logit_bias={str(first): -100})
+        assert banned[0] != first
+
+
+def test_penalties_change_the_repeats_the_way_they_should(cluster: Cluster) -> None:
+    """Greedy, with TOKEN nudged into repeating: a positive penalty repeats it less than no
+    penalty does, a negative frequency or presence penalty more."""
+
+    def repeats(client: openai.OpenAI, **penalties: float) -> int:
+        tokens = _complete(client, temperature=0.0, logit_bias=NUDGE, extra_body=penalties)
+        return tokens.count(TOKEN)
+
+    for client in both(cluster):
+        free = repeats(client)
+        assert free >= 5, "the nudge makes TOKEN repeat"
+        assert repeats(client, repetition_penalty=2.0) < free
+        assert repeats(client, frequency_penalty=2.0) < free
+        assert repeats(client, presence_penalty=2.0) < free
+        assert repeats(client, frequency_penalty=-0.5) > free
+        assert repeats(client, presence_penalty=-1.0) > free
+
+
+def test_min_p_removes_the_low_probability_tokens(cluster: Cluster) -> None:
+    """At temperature 1 the reported logprobs are the sampled distribution's, so every token
+    min_p keeps has logprob >= log(min_p) + the most likely token's; without it, some have
+    less."""
+    min_p = 0.3
+
+    def below(client: openai.OpenAI, seed: int, **ask: Any) -> int:
+        answer = client.completions.create(
+            model="tiny", prompt=PROMPTS[1], max_tokens=30, temperature=1.0, seed=seed,
+            logprobs=1, extra_body={"ignore_eos": True, **ask},
+        )  # fmt: skip
+        logprobs = answer.choices[0].logprobs
+        assert logprobs is not None and logprobs.top_logprobs and logprobs.token_logprobs
+        best = [max(top.values()) for top in logprobs.top_logprobs]
+        chosen = logprobs.token_logprobs
+        assert len(chosen) == 30
+        return sum(lp < math.log(min_p) + b - 1e-5 for lp, b in zip(chosen, best, strict=True))
+
+    for client in both(cluster):
+        assert sum(below(client, seed) for seed in (0, 1)) > 0
+        assert below(client, 0, min_p=min_p) == below(client, 1, min_p=min_p) == 0
+        greedy = _complete(client, temperature=0.0)
+        assert _complete(client, temperature=1.0, seed=3, extra_body={"min_p": 1.0}) == greedy
+
+
+@pytest.mark.parametrize(
+    "controls",
+    [
+        {"extra_body": {"repetition_penalty": 1e-300, "min_p": 1.0}, "top_p": 0.5},
+        {"extra_body": {"repetition_penalty": 1e300}, "presence_penalty": -2,
+         "frequency_penalty": 2},
+        {"logit_bias": {str(t): (-1) ** t * 100 for t in range(40)}},
+    ],
+)  # fmt: skip
+def test_extreme_but_valid_controls_are_served(cluster: Cluster, controls: dict[str, Any]) -> None:
+    """Penalties that overflow float32 (the logits reach ±inf) and many extreme biases: the
+    answer is still whole, with finite logprobs (the model's, before the controls)."""
+    ask = dict(controls)
+    extra = {**IDS, "ignore_eos": True, **ask.pop("extra_body", {})}
+    for client in both(cluster):
+        answer = client.completions.create(
+            model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=1.0, seed=1, logprobs=2,
+            extra_body=extra, **ask,
+        )  # fmt: skip
+        choice = answer.choices[0]
+        assert len(choice.token_ids) == 4  # type: ignore[attr-defined]
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        assert all(math.isfinite(lp) for lp in choice.logprobs.token_logprobs)
+
+
+# ---- the worker and the split agree ----
+
+
+CONTROLS: dict[str, dict[str, Any]] = {
+    "logit_bias": {"logit_bias": {**NUDGE, "7": -50, "300": 2.5}},
+    "presence_penalty": {"presence_penalty": 1.5, "logit_bias": NUDGE},
+    "frequency_penalty": {"frequency_penalty": -0.8},
+    "repetition_penalty": {"extra_body": {"repetition_penalty": 1.7}, "logit_bias": NUDGE},
+    "min_p": {"extra_body": {"min_p": 0.2}},
+    "together": {
+        "presence_penalty": -0.5, "frequency_penalty": 0.7, "logit_bias": NUDGE, "top_p": 0.9,
+        "extra_body": {"repetition_penalty": 1.2, "min_p": 0.05, "top_k": 40},
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("controls", list(CONTROLS.values()), ids=list(CONTROLS))
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (1.0, 31)])
+def test_each_control_gives_the_same_tokens_split_or_not(
+    cluster: Cluster, controls: dict[str, Any], temperature: float, seed: int | None
+) -> None:
+    worker, coordinator = both(cluster)
+    for route in (_complete, _chat):
+        ask = {"temperature": temperature, "seed": seed, **controls}
+        alone = route(worker, **ask)
+        assert route(coordinator, **ask) == alone
+        assert route(worker, **ask) == alone  # and a seeded request repeats
+    if temperature > 0 or "min_p" not in controls.get("extra_body", {}):  # min_p: greedy's own
+        plain = _complete(worker, temperature=temperature, seed=seed)
+        assert _complete(worker, temperature=temperature, seed=seed, **controls) != plain

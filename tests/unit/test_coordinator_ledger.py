@@ -1,0 +1,167 @@
+"""The relay's accounting (`Ledger`): what the client gets from gen's events, leg after leg."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trtdisagg.coordinator.ledger import Ledger, StreamError
+from trtdisagg.coordinator.split import ClientAsk
+
+HEAD = {"id": "cmpl-a", "object": "text_completion", "created": 1, "model": "tiny"}
+OTHER_HEAD = {"id": "cmpl-b", "object": "text_completion", "created": 9, "model": "tiny"}
+CHAT_HEAD = {"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
+
+
+def ask(**kw: Any) -> ClientAsk:
+    base = dict(chat=False, stream=True, include_usage=False, return_token_ids=False,
+                return_perf_metrics=False, sent_disaggregated_params=False)  # fmt: skip
+    return ClientAsk(**{**base, **kw})
+
+
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached},
+    }  # fmt: skip
+
+
+def chunk(
+    text: str,
+    ids: list[int],
+    *,
+    finish: str | None = None,
+    head: dict[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    choice = {"index": 0, "logprobs": None, "finish_reason": finish, "text": text,
+              "token_ids": ids}  # fmt: skip
+    return {**(head or HEAD), "choices": [choice], **extra}
+
+
+def tail(completion: int, prompt: int = 5, head: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {**(head or HEAD), "choices": [], "usage": usage(prompt, completion)}
+
+
+def choices(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c for e in events for c in e["choices"]]
+
+
+def test_first_leg_strips_ids_drops_silent_chunks_and_merges_ctx_usage() -> None:
+    ledger = Ledger(ask=ask(include_usage=True), ctx_usage=usage(5, 1, cached=3))
+    out = ledger.gen_event(chunk(" a", [10], prompt_token_ids=[1, 2, 3, 4, 5]))
+    assert out == [{**HEAD, "choices": [{"index": 0, "logprobs": None, "finish_reason": None,
+                                         "text": " a"}]}]  # fmt: skip
+    assert ledger.prompt_token_ids == [1, 2, 3, 4, 5]
+    assert ledger.gen_event(chunk("", [11])) == []  # its text is held back: nothing to show
+    out = ledger.gen_event(chunk(" bc", [12], finish="length"))
+    assert choices(out)[0]["finish_reason"] == "length" and choices(out)[0]["text"] == " bc"
+    (closing,) = ledger.gen_event(tail(3))
+    assert closing == {**HEAD, "choices": [], "usage": usage(5, 3, cached=3)}
+    assert ledger.token_ids == [10, 11, 12] and ledger.text == " a bc"
+    assert ledger.closing() == []  # once
+
+
+def test_ids_and_logprobs_show_what_a_client_asked_for() -> None:
+    ledger = Ledger(ask=ask(return_token_ids=True))
+    (first,) = ledger.gen_event(chunk(" a", [10], prompt_token_ids=[1, 2]))
+    assert first["prompt_token_ids"] == [1, 2] and first["choices"][0]["token_ids"] == [10]
+    (held,) = ledger.gen_event(chunk("", [11]))  # ids asked for: the chunk shows them
+    assert held["choices"][0]["token_ids"] == [11] and "prompt_token_ids" not in held
+
+
+def test_a_continuation_continues_the_stream_without_duplicates_or_gaps() -> None:
+    lp = {"tokens": [" a"], "token_logprobs": [-0.1], "top_logprobs": [{" a": -0.1}],
+          "text_offset": [0]}  # fmt: skip
+    ledger = Ledger(ask=ask(return_token_ids=True, include_usage=True, logprobs=True),
+                    ctx_usage=usage(5, 1, cached=2), prompt_token_ids=[1, 2, 3, 4, 5])  # fmt: skip
+    ledger.gen_event({**HEAD, "choices": [{"index": 0, "logprobs": lp, "finish_reason": None,
+                                           "text": " a", "token_ids": [10]}]})  # fmt: skip
+    ledger.start_continuation(None)
+    lp2 = {"tokens": [" bb"], "token_logprobs": [-0.2], "top_logprobs": [{" bb": -0.2}],
+           "text_offset": [0]}  # fmt: skip
+    (out,) = ledger.gen_event({**OTHER_HEAD, "prompt_token_ids": [1, 2, 3, 4, 5, 10],
+                               "choices": [{"index": 0, "logprobs": lp2, "finish_reason": None,
+                                            "text": " bb", "token_ids": [11]}]})  # fmt: skip
+    assert {k: out[k] for k in HEAD} == HEAD  # the first leg's id, created, model
+    assert out["prompt_token_ids"] == [1, 2, 3, 4, 5]  # the original prompt, shown once
+    assert out["choices"][0]["logprobs"]["text_offset"] == [2]  # after " a"
+    ledger.gen_event({**OTHER_HEAD, "choices": [{"index": 0, "logprobs": None,
+                      "finish_reason": "length", "text": "", "token_ids": [12]}]})  # fmt: skip
+    (closing,) = ledger.gen_event(tail(2, prompt=6, head=OTHER_HEAD))
+    assert closing["usage"] == usage(5, 3, cached=2)  # the prompt once, every token relayed
+    assert closing["id"] == "cmpl-a"
+    assert ledger.token_ids == [10, 11, 12]
+    whole = ledger.whole()
+    assert whole["choices"][0]["token_ids"] == [10, 11, 12]
+    assert whole["choices"][0]["logprobs"]["text_offset"] == [0, 2]
+    assert whole["choices"][0]["text"] == " a bb" and whole["usage"] == usage(5, 3, cached=2)
+
+
+def test_a_chat_continuation_drops_its_role_chunk_and_counts_usage() -> None:
+    def delta(
+        content: str, ids: list[int], *, role: bool = False, finish: str | None = None
+    ) -> dict[str, Any]:
+        d = {"role": "assistant", "content": content} if role else {"content": content}
+        return {**CHAT_HEAD, "choices": [{"index": 0, "logprobs": None, "delta": d,
+                                          "finish_reason": finish, "token_ids": ids}]}  # fmt: skip
+
+    ledger = Ledger(ask=ask(chat=True, include_usage=True), prompt_token_ids=[1, 2, 3])
+    (opening,) = ledger.gen_event(delta("", [], role=True))
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    ledger.gen_event({**delta("Hi", [7]), "usage": usage(3, 1)})
+    ledger.start_continuation(None)
+    assert ledger.gen_event(delta("", [], role=True)) == []  # the client has its role chunk
+    (more,) = ledger.gen_event(delta(" there", [8], finish="stop"))
+    assert more["choices"][0]["delta"] == {"content": " there"}
+    assert "token_ids" not in more["choices"][0]
+    (closing,) = ledger.gen_event({**tail(1, prompt=4), "object": "chat.completion.chunk"})
+    assert closing["usage"] == usage(3, 2)
+    whole = ledger.whole()
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Hi there"}
+    assert whole["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stop_string_found_by_the_coordinator_ends_the_answer() -> None:
+    class StopAtSecond:
+        def step(self, ids: Any, finish: str | None) -> tuple[str, str | None, int]:
+            return "x", "stop", 1
+
+    ledger = Ledger(ask=ask(return_token_ids=True, include_usage=True), prompt_token_ids=[1])
+    ledger.gen_event(chunk(" a", [10]))
+    ledger.start_continuation(StopAtSecond())
+    (out,) = ledger.gen_event(chunk("ignored", [11, 12]))
+    assert out["choices"][0]["text"] == "x" and out["choices"][0]["token_ids"] == [11]
+    assert ledger.finished_here and ledger.finish_reason == "stop"
+    assert ledger.gen_event(chunk(" late", [13])) == []  # nothing after the end
+    (closing,) = ledger.closing()
+    assert closing["usage"] == usage(1, 2)
+
+
+def test_perf_metrics_ride_in_the_usage_chunk_or_their_own() -> None:
+    seen: list[Any] = []
+
+    def perf(gen: dict[str, Any] | None) -> dict[str, Any]:
+        seen.append(gen)
+        return {"merged": True}
+
+    ledger = Ledger(ask=ask(return_perf_metrics=True), perf=perf)
+    ledger.gen_event(chunk(" a", [10], finish="length"))
+    (own,) = ledger.gen_event({**tail(1), "perf_metrics": {"decode_s": 2}})
+    assert own == {**HEAD, "choices": [], "perf_metrics": {"merged": True}}
+    assert seen == [{"decode_s": 2}]
+    ledger = Ledger(ask=ask(return_perf_metrics=True, include_usage=True), perf=perf)
+    ledger.gen_event(chunk(" a", [10], finish="length"))
+    (both,) = ledger.gen_event(tail(1))
+    assert both["perf_metrics"] == {"merged": True} and both["usage"] == usage(5, 1)
+
+
+def test_an_error_event_raises_with_gen_s_body() -> None:
+    ledger = Ledger(ask=ask())
+    body = {"error": {"message": "KV transfer failed", "type": "upstream_error", "code": 502}}
+    with pytest.raises(StreamError, match="KV transfer failed") as info:
+        ledger.gen_event(body)
+    assert info.value.body == body and info.value.status == 502
+    assert ledger.gen_event("not json") == [] and ledger.gen_event({"choices": []}) == []

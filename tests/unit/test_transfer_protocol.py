@@ -1,0 +1,413 @@
+"""The transfer protocol core (transfer/protocol/core.py), driven by events alone.
+
+A ctx and a gen `TransferProtocol` talk through `Net`, a test double of the driver: it carries
+each Send and Reply to the other side as the messenger would (FIFO; a test may hold messages
+back or drop them), answers LoadAgent at once, and makes a posted write land when told
+(`land`): ctx gets WriteEnded, gen the write's notification. No sockets, no threads, no clock:
+`now` is whatever the test says.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import attrs
+import pytest
+
+from tests.rank_infos import make_instance
+from trtdisagg.transfer.protocol.core import TransferProtocol
+from trtdisagg.transfer.protocol.events import (
+    AgentLoaded,
+    Effect,
+    Event,
+    ForgetPeer,
+    KvExpected,
+    KvReady,
+    LoadAgent,
+    MessageIn,
+    NoticeIn,
+    PostWrite,
+    PrepareWrite,
+    ReceiveAsked,
+    Received,
+    ReleasePrepared,
+    Reply,
+    Send,
+    SendAbandoned,
+    Sent,
+    Tick,
+    Wake,
+    WriteEnded,
+    WriteOrder,
+)
+from trtdisagg.transfer.protocol.liveness import Gone
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.sessions import SourceBlocks, TransferOutcome
+from trtdisagg.transfer.protocol.wire import (
+    NOT_REGISTERED,
+    Cancel,
+    Message,
+    RequestData,
+    ResultStatus,
+    TransferResult,
+    WriteNotice,
+    decode,
+)
+
+TIMEOUT = 10.0
+TOKENS = 7  # two blocks of 4
+
+
+def _info(name: str, **changes: object) -> RankInfo:
+    (info,) = make_instance(
+        instance_name=name, tp_size=1, pp_size=1, layer_num_per_pp=(2,), num_kv_heads=2,
+        head_dim=8, tokens_per_block=4, num_slots=16,
+    )  # fmt: skip
+    endpoint = "tcp://127.0.0.1:2001" if name.startswith("ctx") else "tcp://127.0.0.1:2002"
+    return attrs.evolve(info, control_endpoint=endpoint, **changes)
+
+
+def _source(blocks: tuple[int, ...] = (1, 2)) -> SourceBlocks:
+    return SourceBlocks(block_ids=(blocks,), num_tokens=TOKENS)
+
+
+@attrs.define(eq=False)
+class Net:
+    ctx: TransferProtocol
+    gen: TransferProtocol
+    now: float = 0.0
+    held: collections.deque[tuple[str, MessageIn]] = attrs.Factory(collections.deque)
+    drop: Callable[[str, Message], bool] = lambda to, message: False
+    writes: dict[int, WriteOrder] = attrs.Factory(dict)  # posted, not landed
+    prepared: set[int] = attrs.Factory(set)
+    released: list[int] = attrs.Factory(list)
+    sent: list[TransferOutcome] = attrs.Factory(list)
+    received: list[TransferOutcome] = attrs.Factory(list)
+    forgotten: list[ForgetPeer] = attrs.Factory(list)
+    wakes: int = 0
+
+    @classmethod
+    def of(cls, **gen_changes: object) -> Net:
+        ctx_info, gen_info = _info("ctx"), _info("gen", **gen_changes)
+        ctx = TransferProtocol(local=ctx_info, instance=(ctx_info,), timeout_s=TIMEOUT)
+        gen = TransferProtocol(local=gen_info, instance=(gen_info,), timeout_s=TIMEOUT)
+        return cls(ctx, gen)
+
+    def side(self, name: str) -> TransferProtocol:
+        return self.ctx if name == "ctx" else self.gen
+
+    def feed(self, name: str, event: Event) -> None:
+        self.apply(name, self.side(name).handle(event, self.now))
+
+    def apply(self, name: str, effects: list[Effect]) -> None:
+        other = "gen" if name == "ctx" else "ctx"
+        endpoint = self.side(name).local.control_endpoint
+        for effect in effects:
+            match effect:
+                case Send(message=message):  # on our dealer to the other's router
+                    self._queue(other, MessageIn(message=message, reply_to=name.encode()))
+                case Reply(message=message):  # back on the other's dealer to us
+                    self._queue(other, MessageIn(message=message, source=endpoint))
+                case LoadAgent(info=info, reply_to=reply_to):
+                    self.feed(name, AgentLoaded(info=info, reply_to=reply_to))
+                case PrepareWrite(order=order):
+                    self.prepared.add(order.write_id)
+                case ReleasePrepared(write_id=write_id):
+                    self.released.append(write_id)
+                case PostWrite(order=order):
+                    self.writes[order.write_id] = order
+                case Sent(outcome=outcome):
+                    self.sent.append(outcome)
+                case Received(outcome=outcome):
+                    self.received.append(outcome)
+                case ForgetPeer():
+                    self.forgotten.append(effect)
+                case Wake():
+                    self.wakes += 1
+
+    def _queue(self, to: str, event: MessageIn) -> None:
+        if not self.drop(to, event.message):
+            self.held.append((to, event))
+
+    def deliver(self, count: int | None = None) -> None:
+        """Carry held messages (all, or the first `count`), and whatever they cause."""
+        while self.held and count != 0:
+            to, event = self.held.popleft()
+            self.feed(to, event)
+            count = None if count is None else count - 1
+
+    def land(self, write_id: int | None = None, *, notice: bool = True) -> WriteOrder:
+        """The (only, or given) posted write lands: gen gets its notice, ctx sees it DONE."""
+        if write_id is None:
+            (write_id,) = self.writes
+        order = self.writes.pop(write_id)
+        if notice:
+            message = decode(order.notice)
+            assert isinstance(message, WriteNotice)
+            self.feed("gen", NoticeIn(notice=message))
+        self.feed("ctx", WriteEnded(write_id=write_id))
+        return order
+
+    def ask(self, key: int, blocks: tuple[int, ...] = (5, 6)) -> None:
+        endpoint = self.ctx.local.control_endpoint
+        ask = ReceiveAsked(key=key, endpoint=endpoint, block_ids=(blocks,), num_tokens=TOKENS)
+        self.feed("gen", ask)
+
+    def tick(self, now: float) -> None:
+        self.now = now
+        self.feed("ctx", Tick())
+        self.feed("gen", Tick())
+
+
+def test_context_first_ends_on_the_notice_which_says_what_moved() -> None:
+    net = Net.of()
+    net.feed("ctx", KvReady(key=7, source=_source(), first_tokens=(42,)))
+    net.ask(7)
+    net.deliver()  # rendezvous, REQUEST_DATA
+    assert net.gen.gen.rendezvous == 1 and len(net.writes) == 1
+    # the result is held back: gen finishes on the notice alone
+    net.drop = lambda to, message: isinstance(message, TransferResult)
+    order = net.land()
+    assert order.peer == ("gen", 0) and len(order.fragments) == 1
+    (outcome,) = net.received
+    assert outcome.ok and outcome.first_tokens == (42,)
+    assert outcome.num_bytes == order.fragments.num_bytes and outcome.num_descriptors == 1
+    (sent,) = net.sent
+    assert sent.ok and sent.key == 7 and net.wakes >= 2
+    assert not len(net.ctx.ctx.senders) and not len(net.gen.gen.receivers)
+
+
+def test_generation_first_posts_the_write_prepared_during_the_prefill() -> None:
+    net = Net.of()
+    net.ask(9)
+    net.deliver()
+    assert len(net.ctx.ctx.early) == 1 and not net.writes  # held until the KV is ready
+    net.feed("ctx", KvExpected(key=9, source=_source()))
+    (prepared,) = net.prepared
+    net.feed("ctx", KvReady(key=9, source=_source(), first_tokens=(3,)))
+    (posted,) = net.writes.values()
+    assert posted.write_id == prepared and not net.released  # the very same write
+    assert decode(posted.notice) == WriteNotice(
+        key=9, instance_name="ctx", instance_rank=0, num_bytes=posted.fragments.num_bytes,
+        num_descriptors=1, first_tokens=(3,),
+    )  # fmt: skip
+    net.land()
+    assert net.received[0].ok and net.received[0].first_tokens == (3,)
+
+
+def test_a_write_prepared_for_another_source_is_released_not_posted() -> None:
+    net = Net.of()
+    net.ask(9)
+    net.deliver()
+    net.feed("ctx", KvExpected(key=9, source=_source((1, 2))))
+    net.feed("ctx", KvExpected(key=9, source=_source((3, 4))))  # preempted, prefilled elsewhere
+    first, second = sorted(net.prepared)
+    assert net.released == [first]
+    net.feed("ctx", KvReady(key=9, source=_source((5, 6))))  # and elsewhere again
+    (posted,) = net.writes.values()
+    assert net.released == [first, second] and posted.write_id not in (first, second)
+
+
+def test_a_refused_registration_fails_every_request_there_naming_both_values() -> None:
+    net = Net.of(dtype="bfloat16", element_bytes=2)
+    net.ask(1)
+    net.deliver()
+    net.ask(2)
+    net.deliver()
+    assert [o.key for o in net.received] == [1, 2]
+    for outcome in net.received:
+        assert not outcome.ok and outcome.error is not None
+        assert "dtype: local 'bfloat16' vs peer 'float32'" in outcome.error
+    assert net.gen.gen.rendezvous == 1  # the refusal is kept per endpoint
+
+
+def test_a_rendezvous_without_an_answer_fails_its_requests_and_drops_the_dealer() -> None:
+    net = Net.of()
+    net.ask(1)
+    net.held.clear()  # ctx never answers
+    net.tick(4.0)
+    assert not net.received
+    net.tick(5.0)
+    (outcome,) = net.received
+    assert "cannot reach ctx at tcp://127.0.0.1:2001" in (outcome.error or "")
+    assert net.forgotten == [ForgetPeer(instance=None, endpoints=("tcp://127.0.0.1:2001",))]
+    net.ask(2)  # the next request tries again
+    assert net.gen.gen.rendezvous == 2
+
+
+def test_cancel_is_false_on_both_sides_while_the_write_is_in_flight() -> None:
+    net = Net.of()
+    net.feed("ctx", KvReady(key=3, source=_source()))
+    net.ask(3)
+    net.deliver()
+    assert net.writes
+    gen_free, out = net.gen.cancel(3, net.now)
+    net.apply("gen", out)
+    ctx_free, out = net.ctx.cancel(3, net.now)
+    net.apply("ctx", out)
+    assert (gen_free, ctx_free) == (False, False)
+    net.deliver()
+    assert not net.sent and not net.received  # nothing is over while the write may land
+    net.land(notice=False)
+    net.deliver()
+    assert net.sent[0].cancelled and net.received[0].cancelled
+    assert net.gen.cancel(3, net.now)[0] is True
+
+
+def test_a_timed_out_receive_is_reported_at_once_and_freed_when_ctx_answers() -> None:
+    net = Net.of()
+    net.feed("ctx", KvReady(key=4, source=_source()))
+    net.ask(4)
+    net.deliver()
+    net.tick(TIMEOUT + 0.1)  # both deadlines: gen fails, sends CANCEL; ctx's write in flight
+    (failed,) = net.received
+    assert failed.blocks_held and "timed out" in (failed.error or "")
+    assert net.gen.cancel(4, net.now)[0] is False
+    net.deliver()  # the CANCEL: ctx answers it with the write's result, when it ends
+    assert net.gen.cancel(4, net.now)[0] is False
+    net.land(notice=False)
+    net.deliver()
+    assert net.gen.cancel(4, net.now)[0] is True and net.gen.gen.quarantine_expired == 0
+    assert len(net.received) == 1  # told once
+
+
+def test_a_silent_ctx_is_given_up_on_a_second_timeout_past_the_deadline() -> None:
+    net = Net.of()
+    net.ask(4)
+    net.deliver()
+    net.drop = lambda to, message: to == "gen"  # ctx answers nothing any more
+    net.tick(TIMEOUT + 0.1)
+    assert net.received[0].blocks_held
+    net.tick(2 * TIMEOUT - 0.1)
+    assert net.gen.cancel(4, net.now)[0] is False
+    net.tick(2 * TIMEOUT + 0.1)
+    assert net.gen.cancel(4, net.now)[0] is True and net.gen.gen.quarantine_expired == 1
+
+
+def test_a_cancel_before_the_session_is_answered_and_starts_it_cancelled() -> None:
+    net = Net.of()
+    net.ask(5)
+    net.deliver()
+    _, out = net.gen.cancel(5, net.now)
+    net.apply("gen", out)
+    net.deliver()
+    assert net.ctx.ctx.early.cancelled(5) and net.received[0].cancelled
+    net.feed("ctx", KvReady(key=5, source=_source()))
+    assert net.sent[0].cancelled and not net.writes
+
+
+def test_an_unregistered_gen_is_refused_at_once_and_meets_ctx_again() -> None:
+    net = Net.of()
+    net.feed("ctx", KvReady(key=1, source=_source()))
+    net.ask(1)
+    net.deliver()
+    net.land()
+    net.deliver()
+    net.apply("ctx", net.ctx.forget(Gone("gen", False, "a test"), net.now))
+    net.feed("ctx", KvReady(key=2, source=_source()))
+    net.ask(2)
+    net.deliver()
+    refused = net.received[-1]
+    assert not refused.ok and NOT_REGISTERED in (refused.error or "")
+    net.feed("ctx", KvReady(key=3, source=_source()))
+    net.ask(3)
+    net.deliver()
+    net.land()
+    assert net.received[-1].ok and net.gen.gen.rendezvous == 2
+
+
+def test_a_ctx_that_ended_fails_what_waits_on_it_without_quarantine() -> None:
+    net = Net.of()
+    net.ask(6)
+    net.deliver()
+    net.apply("gen", net.gen.forget(Gone("ctx", True, "its connection dropped"), net.now))
+    (outcome,) = net.received
+    assert not outcome.ok and not outcome.blocks_held
+    assert "peer instance ctx is gone: its connection dropped" in (outcome.error or "")
+    assert net.gen.cancel(6, net.now)[0] is True
+
+
+def test_requests_that_wait_for_an_abandoned_ctx_request_are_refused_at_once() -> None:
+    net = Net.of()
+    net.ask(8)
+    net.deliver()
+    net.feed("ctx", SendAbandoned(key=8, reason="it was aborted"))
+    net.deliver()
+    (outcome,) = net.received
+    assert "the ctx request ended before its KV was ready: it was aborted" in (outcome.error or "")
+
+
+def test_a_request_no_session_ever_takes_is_refused_after_the_timeout() -> None:
+    net = Net.of()
+    net.ask(8)
+    net.deliver()
+    net.feed("ctx", Tick())
+    assert len(net.ctx.ctx.early) == 1
+    net.now = TIMEOUT + 0.1
+    net.feed("ctx", Tick())  # gen's own deadline has not been looked at: ctx's answer first
+    net.deliver()
+    (outcome,) = net.received
+    assert "timed out" in (outcome.error or "")  # gen's deadline passed as well
+    assert net.ctx.ctx.early.peek(8) == []  # (gen's CANCEL is held: a session may come)
+
+
+def test_a_late_result_of_an_ended_use_of_the_key_is_not_taken_by_the_next() -> None:
+    net = Net.of()
+    net.feed("ctx", KvReady(key=2, source=_source(), first_tokens=(11,)))
+    net.ask(2)
+    net.deliver()
+    net.land()  # gen ends on the notice; ctx's result is held in the net
+    first_result = net.held.pop()
+    assert isinstance(first_result[1].message, TransferResult)
+    net.feed("ctx", KvReady(key=2, source=_source((3, 4)), first_tokens=(22,)))
+    net.ask(2, blocks=(7, 8))
+    net.deliver()
+    net.feed(*first_result)  # the first use's result comes late
+    assert len(net.received) == 1 and net.gen.gen.receivers.get(2) is not None
+    net.land()
+    assert net.received[-1].first_tokens == (22,)
+
+
+def test_an_error_result_fails_the_receive_and_a_duplicate_changes_nothing() -> None:
+    net = Net.of()
+    net.feed("ctx", KvReady(key=2, source=_source()))
+    net.ask(2)
+    net.deliver()
+    (write_id,) = net.writes
+    net.feed("ctx", WriteEnded(write_id=write_id, error="the agent reported an error"))
+    net.deliver()
+    (outcome,) = net.received
+    assert not outcome.ok and "ctx rank 0: error" in (outcome.error or "")
+    assert not net.sent[0].ok
+    result = TransferResult(key=2, instance_name="ctx", instance_rank=0, status=ResultStatus.OK)
+    net.feed("gen", MessageIn(message=result, reply_to=b"ctx"))
+    assert len(net.received) == 1
+
+
+@pytest.mark.parametrize("request_first", [True, False])
+def test_a_request_overtaken_by_its_cancel_is_dropped(request_first: bool) -> None:
+    net = Net.of()
+    net.ask(5)
+    net.deliver(2)  # INFO and its answer
+    net.deliver(2)  # REGISTER_PEER and its ack: REQUEST_DATA is now held in the net
+    (request,) = [e for to, e in net.held if isinstance(e.message, RequestData)]
+    net.held.clear()
+    cancel = Cancel(key=5, instance_name="gen", instance_rank=0)
+    events = [MessageIn(message=cancel, reply_to=b"gen"), request]
+    for event in events if request_first else events[::-1]:
+        net.feed("ctx", event)
+    net.feed("ctx", KvReady(key=5, source=_source()))
+    assert not net.writes and net.sent[0].cancelled
+
+
+def test_a_write_prepared_for_a_kv_that_never_comes_is_released_at_the_deadline() -> None:
+    net = Net.of()
+    net.ask(9)
+    net.deliver()
+    net.feed("ctx", KvExpected(key=9, source=_source()))
+    (prepared,) = net.prepared
+    net.tick(TIMEOUT - 0.1)
+    assert not net.released
+    net.tick(TIMEOUT)  # the prefill that was to produce the KV never ended
+    assert net.released == [prepared] and not net.ctx.ctx.prepared

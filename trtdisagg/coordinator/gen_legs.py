@@ -1,0 +1,241 @@
+"""The gen side of one prompt's answer (its `n` choices): its first leg opened within its
+deadline and read through a `GenRelay` (relayed as a stream, or assembled into a whole answer),
+and the continuations that resume it on another gen when a leg dies or stalls (`GenLegs` is the
+relay's `Resumer`; only an answer of one choice is resumed).
+
+Failures before the first leg's stream is open (gen refused, unreachable, or silent past its
+first-token deadline) go back to the service's retries, as any failed attempt. Once it is open,
+failures are the relay's: the answer is resumed from what was relayed (``max_migrations``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+import trio
+
+from trtdisagg.coordinator.cluster import ServerRole
+from trtdisagg.coordinator.continuation import TextReplay, continuation_request, stop_strings
+from trtdisagg.coordinator.ledger import Ledger
+from trtdisagg.coordinator.relay import RelayBody
+from trtdisagg.coordinator.replies import JsonReply, Reply, StreamReply
+from trtdisagg.coordinator.resume import (
+    GEN_FIRST_TOKEN,
+    AnswerFailed,
+    CannotResume,
+    DeadlineMissed,
+    FailureKind,
+    GenRelay,
+    Leg,
+    LegFailure,
+    RequestTimeout,
+)
+from trtdisagg.coordinator.split import CtxResult, gen_stream_request
+from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected, UpstreamUnreachable
+
+if TYPE_CHECKING:
+    from trtdisagg.coordinator.placement import Lease
+    from trtdisagg.coordinator.service import DisaggService, _Call
+
+log = logging.getLogger(__name__)
+
+Json = dict[str, Any]
+
+GEN: Final = ServerRole.GENERATION
+INLINE_REPLAY_TOKENS: Final = 256
+"""Rebuilding the text state of more tokens than this runs in a worker thread."""
+
+
+@attrs.define(eq=False, kw_only=True)
+class GenLegs:
+    """One answer's gen legs: the first, and the continuations (`resume.Resumer`; an answer of
+    one choice only)."""
+
+    service: DisaggService
+    call: _Call
+    ctx: CtxResult | None = None
+    disagg_id: int | None = None
+    """The key ctx holds the KV under, released when the first leg fails before any token."""
+    relay: GenRelay | None = None
+
+    async def first(self, body: Json, lease: Lease, *, first_token_timeout: float | None) -> Reply:
+        """Open the first leg and hand it to a relay: a stream reply, or the whole answer.
+
+        Raises:
+            what opening raises (UpstreamError, DeadlineMissed: the service retries);
+            for a whole answer, what ended it (`AnswerFailed.cause`).
+        """
+        call, service = self.call, self.service
+        call.clock.gen_start = trio.current_time()
+        try:
+            leg = await self._open(lease, gen_stream_request(body), first_token_timeout)
+        except DeadlineMissed as exc:
+            self.missed(exc)
+            raise
+        lease.handed_off = True  # the relay owns it now, and releases it when the answer ends
+        ctx = self.ctx
+        prompt_ids = call.route.prompt_token_ids
+        if ctx is not None and ctx.prompt_token_ids:
+            prompt_ids = tuple(ctx.prompt_token_ids)  # the worker's own tokenization
+        ledger = Ledger(
+            ask=call.ask,
+            ctx_usage=ctx.usage if ctx is not None else None,
+            perf=service.perf_of(call, ctx),
+            prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None,
+            num_choices=call.req.n,
+        )
+        self.relay = GenRelay(
+            ledger=ledger,
+            leg=leg,
+            deadline=call.deadline,
+            inter_token_timeout=service.config.inter_token_timeout,
+            max_migrations=service.config.max_migrations,
+            resumer=self,
+            on_first_token=self._first_token,
+        )
+        if call.ask.stream:
+            return StreamReply(body=RelayBody(relay=self.relay, finish=self._finish))
+        return JsonReply(body=await self._collect(self.relay))
+
+    def joined(self, ctx: CtxResult, disagg_id: int) -> None:
+        """generation_first: ctx answered after the first leg was posted."""
+        self.ctx, self.disagg_id = ctx, disagg_id
+        if self.relay is not None:
+            ledger = self.relay.ledger
+            ledger.ctx_usage = ctx.usage
+            if ledger.prompt_token_ids is None and ctx.prompt_token_ids:
+                ledger.prompt_token_ids = list(ctx.prompt_token_ids)
+
+    def _first_token(self) -> None:
+        """The answer's first token was relayed (on whichever leg)."""
+        call = self.call
+        call.clock.gen_first_token = now = trio.current_time()
+        if call.ask.stream:  # a whole answer's is observed when it is complete
+            self.service.metrics.time_to_first_token.observe(now - call.clock.arrival)
+
+    async def _finish(self, status: str) -> None:
+        await trio.lowlevel.checkpoint()
+        self.call.clock.gen_end = trio.current_time()
+        self.call.outcome(status)
+
+    async def _collect(self, relay: GenRelay) -> Json:
+        try:
+            while await relay.next_events() is not None:
+                pass
+        except AnswerFailed as failed:
+            raise failed.cause from None
+        finally:
+            await relay.aclose()
+        self.call.clock.gen_end = trio.current_time()
+        return relay.ledger.whole()
+
+    async def _open(self, lease: Lease, body: Json, timeout: float | None) -> Leg:
+        """POST `body` to the leased gen and wait for its stream to open, at most `timeout`."""
+        call = self.call
+        posted = trio.current_time()
+        due = math.inf if timeout is None else posted + timeout
+        with trio.move_on_at(min(due, call.deadline)) as scope:
+            response = await self.service.client.open_stream(
+                lease.server, call.endpoint.path, body, role=GEN.value, headers=call.headers
+            )
+        if scope.cancelled_caught:
+            if trio.current_time() >= call.deadline:
+                raise RequestTimeout("request did not finish within request_timeout")
+            raise DeadlineMissed(
+                f"generation server {lease.server} did not answer within "
+                f"gen_first_token_timeout={timeout:g}s",
+                server=lease.server,
+                phase=GEN_FIRST_TOKEN,
+            )
+        return Leg(response=response, lease=lease, posted=posted, first_token_timeout=timeout)
+
+    # ---- the relay's Resumer ----
+
+    def missed(self, failure: LegFailure) -> None:
+        self.service.missed(failure)
+
+    async def abandoned(self, relay: GenRelay) -> None:
+        if self.ctx is not None and self.disagg_id is not None:
+            await self.service.release_ctx(self.call, self.ctx.server, self.disagg_id)
+
+    async def resume(self, relay: GenRelay, failure: LegFailure) -> Leg:
+        """A continuation on another gen: an aggregated request for prompt + tokens sent."""
+        call, service, ledger = self.call, self.service, relay.ledger
+        if ledger.num_choices > 1:
+            # Each choice would continue from its own tokens: n requests of their own, no
+            # longer one prefill; the answer fails instead.
+            raise CannotResume(f"an answer of {ledger.num_choices} choices is not resumed")
+        service.metrics.migrations.labels(reason=failure.kind.value).inc()
+        call.exclude[GEN] = failure.server
+        prompt = ledger.prompt_token_ids or await self._prompt_ids()
+        replay = ledger.replay or await self._replay(ledger)
+        lease = await service.lease(call, GEN, service.ids.next_id())
+        info = service.placement.server_info(lease.server)
+        body = continuation_request(
+            call.raw,
+            chat=call.endpoint.chat,
+            prompt_token_ids=prompt,
+            sent=ledger.token_ids,
+            stops_here=replay is not None,
+            max_seq_len=info.max_seq_len if info is not None else None,
+        )
+        try:
+            leg = await self._open(lease, body, service.config.gen_first_token_timeout)
+        except UpstreamRejected:
+            await lease.release(success=False)
+            raise
+        except UpstreamError as exc:
+            await lease.release(success=False)
+            if isinstance(exc, LegFailure):
+                raise
+            unreachable = isinstance(exc, UpstreamUnreachable)
+            kind = FailureKind.UNREACHABLE if unreachable else FailureKind.FAILED
+            raise LegFailure(str(exc), server=exc.server, kind=kind) from None
+        except BaseException:
+            await lease.release(success=False)
+            raise
+        ledger.start_continuation(replay)
+        log.warning(
+            "%s; resuming the answer on %s after %d tokens (migration %d of %d)",
+            failure,
+            lease.server,
+            len(ledger.token_ids),
+            relay.migrations,
+            relay.max_migrations,
+        )
+        return leg
+
+    async def _prompt_ids(self) -> list[int]:
+        call, service = self.call, self.service
+        if call.route.prompt_token_ids is not None:
+            return list(call.route.prompt_token_ids)
+        info = service.placement.model_info()
+        ids = await service.prompts.token_ids(call.req, info.model_path if info else None)
+        if ids is None:
+            raise CannotResume(
+                "the prompt's token ids are not known here (no tokenizer at the coordinator)"
+            )
+        return ids
+
+    async def _replay(self, ledger: Ledger) -> TextReplay | None:
+        """The dead leg's text state, when the coordinator has the tokenizer."""
+        info = self.service.placement.model_info()
+        tokenizer = await self.service.prompts.tokenizer(info.model_path if info else None)
+        if tokenizer is None:
+            return None
+        stops = stop_strings(self.call.raw)
+        sent, text = list(ledger.token_ids), ledger.text
+
+        def rebuild() -> TextReplay | None:
+            return TextReplay.rebuild(tokenizer.incremental_detokenizer(), stops, sent, text)
+
+        if len(sent) > INLINE_REPLAY_TOKENS:
+            replay = await trio.to_thread.run_sync(rebuild)
+        else:
+            replay = rebuild()
+        if replay is None:
+            log.warning("the text relayed is not what this tokenizer gives: gen's text is used")
+        return replay

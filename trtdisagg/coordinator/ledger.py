@@ -1,0 +1,374 @@
+"""What one answer has told the client so far, choice by choice, and gen's SSE events rewritten
+for it. Pure.
+
+The coordinator reads every gen leg as a stream (a whole answer too: it assembles the body itself,
+`Ledger.whole`) with ``return_token_ids`` and ``include_usage`` asked for internally, so that it
+knows at every moment the token ids, the text and the finish state it relayed. That is what a
+continuation on another gen starts from when a leg dies or stalls (`continuation.py`,
+`resume.py`), and what keeps the client's stream free of duplicates and gaps across legs.
+
+Per event of gen's stream, `Ledger.gen_event` returns what the client gets:
+
+* every chunk carries the first leg's ``id``, ``object``, ``created`` and ``model``;
+* ``token_ids`` and ``prompt_token_ids`` are removed unless the client asked for them, and a chunk
+  that then shows nothing (a token whose text is held back, and no ids or logprobs asked for) is
+  dropped, as the worker itself would not have sent it;
+* a continuation's role chunk is dropped (the client had it), its text is the one the dead leg's
+  worker would have produced (`TextReplay`, when the coordinator has the tokenizer), its
+  completion logprobs' ``text_offset`` continues the dead leg's, and its usage counts the
+  original prompt once and every token relayed;
+* the first leg's usage merges ctx's (prompt and cached tokens) with gen's (completion tokens),
+  and the client gets a usage chunk only if it asked (a perf chunk of its own otherwise, when it
+  asked for perf metrics).
+
+A gen leg answers every choice of its prompt (`n`, forked from one prefill): each has its own
+`ChoiceLedger`, and the answer is complete once each choice is. Only an answer of one choice is
+resumed on another gen (its tokens so far are one sequence to continue from).
+
+An error event raises `StreamError`: the caller decides between a continuation and the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Protocol
+
+import attrs
+
+from trtdisagg.coordinator.split import ClientAsk, merge_usage
+from trtdisagg.errors import TrtDisaggError
+
+Json = dict[str, Any]
+
+HEAD_FIELDS: Final = ("id", "object", "created", "model")
+COMPLETION_LOGPROB_LISTS: Final = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+class StreamError(TrtDisaggError):
+    """gen sent an OpenAI error event mid-stream; `body` is that event's JSON, unchanged."""
+
+    def __init__(self, body: Json) -> None:
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else None
+        super().__init__(str(message) if message is not None else str(body))
+        self.body = body
+        code = error.get("code") if isinstance(error, dict) else None
+        self.status = code if isinstance(code, int) and 400 <= code < 600 else 502
+
+
+class TextSource(Protocol):
+    """Text, finish reason and tokens kept for the tokens of one chunk (`TextReplay.step`)."""
+
+    def step(self, ids: Sequence[int], finish: str | None) -> tuple[str, str | None, int]: ...
+
+
+@attrs.define(eq=False, kw_only=True)
+class ChoiceLedger:
+    """What one choice told the client so far."""
+
+    index: int
+    token_ids: list[int] = attrs.Factory(list)
+    """Every token relayed, in order (shown to the client or not)."""
+    opening_text: str = ""  # completions with `echo`: the prompt, before any token
+    finish_reason: str | None = None
+    finished_here: bool = False
+    """The coordinator found the stop string (a continuation): gen's leg is to be cut."""
+    replay: TextSource | None = None
+    texts: list[str] = attrs.Factory(list)  # the generated text relayed, in pieces
+    logprobs: list[Json] = attrs.Factory(list)
+    tool_calls: list[Json] = attrs.Factory(list)  # chat: the calls its deltas carried
+    logprob_chars: int = 0  # completions: text_offset of the next logprobs entry
+    leg_chars: int = 0  # logprob_chars when the current leg started
+    opened: bool = False  # a chunk went out (chat: the role)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+@attrs.define(eq=False, kw_only=True)
+class Ledger:
+    ask: ClientAsk
+    ctx_usage: Json | None = None
+    """ctx's usage (prompt and cached tokens) when the request was split."""
+    perf: Callable[[Json | None], Json] | None = None
+    """Merges gen's perf_metrics with the coordinator's phases (`return_perf_metrics`)."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt as the workers tokenized it: ctx's, or the first chunk's, or the coordinator's."""
+    num_choices: int = 1  # the choices of the answer (the prompt's `n`)
+    head: Json | None = None
+    leg: int = 0  # 0: the first leg; k: the k-th continuation
+    gen_perf: Json | None = None
+    usage: Json | None = None  # the client's usage, once gen's usage chunk came
+    choices: list[ChoiceLedger] = attrs.field(
+        default=attrs.Factory(
+            lambda self: [ChoiceLedger(index=i) for i in range(self.num_choices)], takes_self=True
+        )
+    )
+    _first_usage: Json | None = None  # the first leg's first usage, for migrated counts
+    _prompt_ids_sent: bool = False
+    _tail_sent: bool = False
+
+    # ---- the answer, and (an answer of one choice) its choice ----
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token relayed: the choice's, or all choices' one after another."""
+        if self.num_choices == 1:
+            return self.choices[0].token_ids
+        return [t for choice in self.choices for t in choice.token_ids]
+
+    @property
+    def finish_reason(self) -> str | None:
+        """None until every choice finished."""
+        if any(choice.finish_reason is None for choice in self.choices):
+            return None
+        return self.choices[-1].finish_reason
+
+    @property
+    def finished_here(self) -> bool:
+        return any(choice.finished_here for choice in self.choices)
+
+    @property
+    def text(self) -> str:
+        """The generated text relayed so far (without `opening_text`), of choice 0."""
+        return self.choices[0].text
+
+    @property
+    def opening_text(self) -> str:
+        return self.choices[0].opening_text
+
+    @property
+    def replay(self) -> TextSource | None:
+        return self.choices[0].replay
+
+    # ---- legs ----
+
+    def start_continuation(self, replay: TextSource | None) -> None:
+        """The next events come from a continuation leg (`continuation.continuation_request`);
+        only an answer of one choice has them."""
+        self.leg += 1
+        choice = self.choices[0]
+        choice.leg_chars = choice.logprob_chars
+        choice.replay = replay
+
+    # ---- events ----
+
+    def gen_event(self, data: object) -> list[Json]:
+        """The client's events for one event of gen's stream.
+
+        Raises:
+            StreamError: the event is an error.
+        """
+        if not isinstance(data, dict):
+            return []
+        if "error" in data:
+            raise StreamError(data)
+        choices = data.get("choices")
+        if not choices:
+            return self._tail_event(data)
+        choice = choices[0]
+        if not isinstance(choice, dict):
+            return []
+        index = choice.get("index", 0)
+        if not isinstance(index, int) or not 0 <= index < self.num_choices:
+            return []
+        state = self.choices[index]
+        if state.finish_reason is not None:
+            return []
+        return self._choice_event(data, choice, state)
+
+    def _head_of(self, data: Json) -> Json:
+        if self.head is None:
+            self.head = {k: data[k] for k in HEAD_FIELDS if k in data}
+        return self.head
+
+    def _choice_event(self, data: Json, choice: Json, state: ChoiceLedger) -> list[Json]:
+        out = {**data, **self._head_of(data)}
+        out.pop("perf_metrics", None)
+        choice = dict(choice)
+        if not self.ask.sent_disaggregated_params:
+            out.pop("disaggregated_params", None)
+            choice.pop("disaggregated_params", None)
+        self._prompt_ids(out)
+        raw_ids = choice.pop("token_ids", None) or []
+        ids = [t for t in raw_ids if isinstance(t, int)]
+        worker_finish = choice.get("finish_reason")
+        delta = dict(choice.get("delta") or {}) if self.ask.chat else None
+        worker_text = (delta or {}).get("content") if self.ask.chat else choice.get("text")
+        if state.replay is None:
+            text, finish, kept = worker_text or "", worker_finish, len(ids)
+        else:
+            text, finish, kept = state.replay.step(ids, worker_finish)
+            state.finished_here = kept < len(ids) or (finish is not None and worker_finish is None)
+        ids = ids[:kept]
+        if not state.token_ids and not ids:
+            state.opening_text += text
+        elif text:
+            state.texts.append(text)
+        state.token_ids += ids
+        logprobs = self._logprobs_of(choice.get("logprobs"), kept, state)
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = finish
+        if self.ask.return_token_ids:
+            choice["token_ids"] = ids
+        calls = (delta or {}).get("tool_calls")
+        if delta is not None:
+            if state.opened:
+                delta.pop("role", None)  # a continuation's role chunk: the client has it
+            if text or not calls:
+                delta["content"] = text
+            choice["delta"] = delta
+            if isinstance(calls, list):
+                state.tool_calls += [c for c in calls if isinstance(c, dict)]
+        else:
+            choice["text"] = text
+        if finish is not None:
+            state.finish_reason = finish
+        if isinstance(out.get("usage"), dict):
+            out["usage"] = self._running_usage(out["usage"])
+        out["choices"] = [choice]
+        shows = (
+            bool(text)
+            or bool(calls)
+            or (bool(ids) and (self.ask.return_token_ids or self.ask.logprobs))
+            or finish is not None
+            or (delta is not None and "role" in delta)
+            or "prompt_token_ids" in out
+        )
+        if not shows:
+            return []
+        state.opened = True
+        return [out]
+
+    def _prompt_ids(self, out: Json) -> None:
+        """Keep the first leg's prompt ids; show them once, where the client asked for them."""
+        given = out.pop("prompt_token_ids", None)
+        if given is None:
+            return
+        if self.prompt_token_ids is None and self.leg == 0 and isinstance(given, list):
+            self.prompt_token_ids = list(given)
+        if self.ask.return_token_ids and not self._prompt_ids_sent:
+            self._prompt_ids_sent = True
+            out["prompt_token_ids"] = self.prompt_token_ids if self.leg else given
+
+    def _logprobs_of(self, logprobs: object, kept: int, state: ChoiceLedger) -> Json | None:
+        """A chunk's logprobs; cut to its first `kept` tokens when the coordinator ended the
+        text inside the chunk (a continuation's stop string). Uncut, they may lead with an
+        echoed prompt's entries."""
+        if not isinstance(logprobs, dict):
+            return None
+        cut = kept if state.replay is not None else None
+        if self.ask.chat:
+            content = logprobs.get("content")
+            out = {**logprobs, "content": list(content)[:cut] if isinstance(content, list) else []}
+        else:
+            out = {k: list(v)[:cut] if isinstance(v, list) else v for k, v in logprobs.items()}
+            offsets = out.get("text_offset")
+            if isinstance(offsets, list):
+                out["text_offset"] = [o + state.leg_chars for o in offsets if isinstance(o, int)]
+            tokens = out.get("tokens")
+            if isinstance(tokens, list):
+                state.logprob_chars += sum(len(t) for t in tokens if isinstance(t, str))
+        state.logprobs.append(out)
+        return out
+
+    def _running_usage(self, usage: Json) -> Json:
+        """A chunk's usage so far (`continuous_usage_stats`)."""
+        if self.leg == 0:
+            if self._first_usage is None:
+                self._first_usage = usage
+            merged = merge_usage(self.ctx_usage, usage)
+            return merged if merged is not None else usage
+        return self.counted_usage()
+
+    def _tail_event(self, data: Json) -> list[Json]:
+        """gen's usage (and perf) chunk: its leg's last before [DONE]."""
+        self._head_of(data)
+        perf = data.get("perf_metrics")
+        if isinstance(perf, dict):
+            self.gen_perf = perf
+        usage = data.get("usage")
+        if isinstance(usage, dict) and self.finish_reason is not None:
+            if self.leg == 0:
+                self.usage = merge_usage(self.ctx_usage, usage)
+            else:
+                self.usage = self.counted_usage()
+            return self.closing()
+        return []
+
+    def counted_usage(self) -> Json:
+        """Usage from what was relayed: the prompt once (ctx's count, or the first leg's), every
+        token relayed as completion, ctx's cached tokens."""
+        base = self.ctx_usage or self._first_usage or {}
+        prompt = base.get("prompt_tokens")
+        if not isinstance(prompt, int):
+            prompt = len(self.prompt_token_ids or ())
+        details = base.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        completion = len(self.token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached if isinstance(cached, int) else 0},
+        }
+
+    def closing(self) -> list[Json]:
+        """The usage chunk the client asked for, or a perf chunk of its own; once."""
+        if self._tail_sent:
+            return []
+        self._tail_sent = True
+        head = {**(self.head or {}), "choices": []}
+        extra = {"perf_metrics": self.perf(self.gen_perf)} if self.perf is not None else {}
+        if self.ask.include_usage:
+            return [{**head, "usage": self.usage or self.counted_usage(), **extra}]
+        return [{**head, **extra}] if extra else []
+
+    # ---- whole answers ----
+
+    def whole(self) -> Json:
+        """The client's non-streaming answer, in the shape of a worker's whole answer."""
+        head = dict(self.head or {})
+        head["object"] = "chat.completion" if self.ask.chat else "text_completion"
+        body: Json = {
+            **head,
+            "choices": [self._whole_choice(state) for state in self.choices],
+            "usage": self.usage or self.counted_usage(),
+        }
+        if self.ask.return_token_ids and self.prompt_token_ids is not None:
+            body["prompt_token_ids"] = list(self.prompt_token_ids)
+        if self.perf is not None:
+            body["perf_metrics"] = self.perf(self.gen_perf)
+        return body
+
+    def _whole_choice(self, state: ChoiceLedger) -> Json:
+        choice: Json = {
+            "index": state.index,
+            "logprobs": self._merged_logprobs(state),
+            "finish_reason": state.finish_reason,
+        }
+        text = state.opening_text + state.text
+        if self.ask.chat:
+            message: Json = {"role": "assistant", "content": text}
+            if state.tool_calls:
+                message["content"] = text or None
+                message["tool_calls"] = [
+                    {k: v for k, v in call.items() if k != "index"} for call in state.tool_calls
+                ]
+            choice["message"] = message
+        else:
+            choice["text"] = text
+        if self.ask.return_token_ids:
+            choice["token_ids"] = list(state.token_ids)
+        return choice
+
+    def _merged_logprobs(self, state: ChoiceLedger) -> Json | None:
+        if not state.logprobs:
+            return None
+        if self.ask.chat:
+            return {"content": [e for lp in state.logprobs for e in lp.get("content") or ()]}
+        return {
+            key: [v for lp in state.logprobs for v in lp.get(key) or ()]
+            for key in COMPLETION_LOGPROB_LISTS
+        }

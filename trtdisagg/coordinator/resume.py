@@ -1,0 +1,336 @@
+"""GenRelay: one choice's gen stream read to the end of its answer, resumed on another gen when a
+leg dies or stalls (stream migration; Dynamo calls it request migration).
+
+A *leg* is one gen stream: the first is the request's gen leg, the next ones continuations
+(`continuation.py`). Each read of a leg waits at most until its next deadline:
+
+* before its first token: ``first_token_timeout`` after it was posted (`gen_first_token_timeout`;
+  under generation_first the first leg's also covers ctx's prefill);
+* after a token: ``inter_token_timeout`` after that token;
+* never past the request's deadline (``request_timeout``): the answer then ends with a 504 and
+  nothing is resumed.
+
+A leg fails when its connection breaks or its stream ends early (`UNREACHABLE`), when gen sends
+an error event (`FAILED`), or when one of its deadlines passes (`DEADLINE`). The failed leg is cut
+at once: its response is closed, so its worker aborts the request and frees its blocks (a stalled
+worker does so when it wakes up), and its reservation is released. The `Resumer` (the service)
+counts and reports the failure (a worker that did not answer leaves rotation until its next good
+health check) and opens a continuation, up to ``max_migrations`` per answer; when none is left the
+answer ends with `AnswerFailed`. A leg that breaks after the answer's last token completes it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Final, Protocol
+
+import attrs
+import httpx
+import trio
+
+from trtdisagg.api.errors import ApiError
+from trtdisagg.api.sse import DONE, SseSplitter, parse_event
+from trtdisagg.coordinator.ledger import Ledger, StreamError
+from trtdisagg.coordinator.placement import CoordinatorUnavailable, Lease
+from trtdisagg.coordinator.routers import NoServerAvailable
+from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected
+from trtdisagg.errors import TrtDisaggError
+
+Json = dict[str, Any]
+
+CLOSE_TIMEOUT: Final = 2.0
+GEN_FIRST_TOKEN: Final = "gen_first_token"
+INTER_TOKEN: Final = "inter_token"
+CTX_FIRST_TOKEN: Final = "ctx_first_token"
+GENERATION: Final = "generation"
+
+
+class RequestTimeout(TrtDisaggError):
+    """The request did not finish within ``request_timeout`` (HTTP 504)."""
+
+
+class FailureKind(enum.Enum):
+    UNREACHABLE = "unreachable"  # the connection broke, or the stream ended before the answer
+    FAILED = "failed"  # gen answered an error (5xx, or an error event mid-stream)
+    DEADLINE = "deadline"  # a phase deadline passed
+
+
+class LegFailure(UpstreamError):
+    """A leg failed; another server may do better (retryable)."""
+
+    status = 502
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        server: str,
+        kind: FailureKind,
+        role: str = GENERATION,
+        event: Json | None = None,
+    ) -> None:
+        super().__init__(message, server=server, role=role)
+        self.kind = kind
+        self.event = event  # gen's own error event, passed on as it was
+
+    def client_event(self) -> Json:
+        """What a streaming client gets when the answer ends on this failure."""
+        if self.event is not None:
+            return self.event
+        return ApiError(self.status, str(self)).to_json()
+
+
+class DeadlineMissed(LegFailure):
+    """A leg (or ctx's) missed a phase deadline; the worker left rotation (HTTP 504)."""
+
+    status = 504
+
+    def __init__(self, message: str, *, server: str, phase: str, role: str = GENERATION) -> None:
+        super().__init__(message, server=server, kind=FailureKind.DEADLINE, role=role)
+        self.phase = phase
+
+
+class AnswerFailed(TrtDisaggError):
+    """The answer cannot be completed: `cause` is the typed error (what a whole answer raises),
+    `event` the OpenAI error event a stream ends with."""
+
+    def __init__(self, cause: Exception, event: Json) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.event = event
+
+
+class CannotResume(CoordinatorUnavailable):
+    """What a continuation needs is missing (the prompt's token ids): HTTP 503."""
+
+
+def _describe(exc: httpx.HTTPError) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+@attrs.define(eq=False, kw_only=True)
+class Leg:
+    """One gen stream: its open response and its reservation, both closed by `close`."""
+
+    response: httpx.Response
+    lease: Lease
+    posted: float
+    first_token_timeout: float | None
+    splitter: SseSplitter = attrs.Factory(SseSplitter)
+    last_token: float | None = None
+    done: bool = False  # its [DONE] came
+    _chunks: AsyncIterator[bytes] | None = None
+    _closed: bool = False
+
+    @property
+    def server(self) -> str:
+        return self.lease.server
+
+    def due(self, inter_token_timeout: float | None) -> tuple[float, str]:
+        """When the next token is due, and the phase that deadline belongs to."""
+        if self.last_token is None:
+            limit, start, phase = self.first_token_timeout, self.posted, GEN_FIRST_TOKEN
+        else:
+            limit, start, phase = inter_token_timeout, self.last_token, INTER_TOKEN
+        return (math.inf if limit is None else start + limit), phase
+
+    async def read(self) -> bytes:
+        """The next bytes. Raises StopAsyncIteration at the end, httpx.HTTPError on a break."""
+        if self._chunks is None:
+            self._chunks = self.response.aiter_raw()
+        return await self._chunks.__anext__()
+
+    async def close(self, *, success: bool) -> None:
+        """Close the response (an unfinished request is aborted by its worker) and release the
+        reservation; once, shielded and bounded."""
+        if self._closed:
+            return
+        self._closed = True
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+            if self._chunks is not None:
+                await self._chunks.aclose()  # type: ignore[attr-defined]
+            await self.response.aclose()
+        await self.lease.release(success=success)
+
+
+class Resumer(Protocol):
+    def missed(self, failure: LegFailure) -> None:
+        """Count `failure`; take its worker out of rotation when it did not answer."""
+        ...
+
+    async def abandoned(self, relay: GenRelay) -> None:
+        """The first leg failed before any token: ctx's KV will not be taken by it."""
+        ...
+
+    async def resume(self, relay: GenRelay, failure: LegFailure) -> Leg:
+        """Open the continuation of `relay`'s answer on another gen.
+
+        Raises:
+            LegFailure (try again, if the budget allows), or any other error: the answer fails.
+        """
+        ...
+
+
+@attrs.define(eq=False, kw_only=True)
+class GenRelay:
+    ledger: Ledger
+    leg: Leg
+    deadline: float
+    """The request's (``request_timeout``)."""
+    inter_token_timeout: float | None
+    max_migrations: int
+    resumer: Resumer
+    on_first_token: Callable[[], None]
+    migrations: int = 0
+    _pending: list[Json] = attrs.Factory(list)
+    _complete: bool = False
+    _failed: AnswerFailed | None = None
+    _seen_token: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self._complete
+
+    async def next_events(self) -> list[Json] | None:
+        """The client's next events ([] when what came shows nothing yet), or None once the
+        answer is complete.
+
+        Raises:
+            AnswerFailed: the answer cannot be completed (the leg is already cut).
+        """
+        if not self._complete and self._failed is None:
+            try:
+                try:
+                    await self._step()
+                except LegFailure as failure:
+                    await self._recover(failure)
+            except AnswerFailed as failed:
+                self._failed = failed  # raised once the events that came before it are out
+        out, self._pending = self._pending, []
+        if out:
+            return out
+        if self._failed is not None:
+            raise self._failed
+        return None if self._complete else []
+
+    async def aclose(self) -> None:
+        await self.leg.close(success=self._complete)
+
+    async def _step(self) -> None:
+        leg = self.leg
+        chunk = await self._read()
+        if chunk is None:
+            if self.ledger.finish_reason is None:
+                raise LegFailure(
+                    f"generation server {leg.server} stream failed: it ended before the answer",
+                    server=leg.server,
+                    kind=FailureKind.UNREACHABLE,
+                )
+            await self._finish()
+            return
+        self._accept(chunk)
+        if self.ledger.finished_here:
+            await self._finish()
+
+    async def _read(self) -> bytes | None:
+        leg = self.leg
+        due, phase = leg.due(self.inter_token_timeout)
+        try:
+            with trio.CancelScope(deadline=min(due, self.deadline)) as scope:
+                chunk = await leg.read()
+        except StopAsyncIteration:
+            return None
+        except httpx.HTTPError as exc:
+            raise LegFailure(
+                f"generation server {leg.server} stream failed: {_describe(exc)}",
+                server=leg.server,
+                kind=FailureKind.UNREACHABLE,
+            ) from None
+        if scope.cancelled_caught:
+            if trio.current_time() >= self.deadline:
+                await leg.close(success=False)
+                raise AnswerFailed(
+                    RequestTimeout("request did not finish within request_timeout"),
+                    ApiError(504, "request timed out while streaming").to_json(),
+                )
+            first = phase == GEN_FIRST_TOKEN
+            limit = leg.first_token_timeout if first else self.inter_token_timeout
+            raise DeadlineMissed(
+                f"generation server {leg.server} sent no token within {phase}_timeout={limit:g}s",
+                server=leg.server,
+                phase=phase,
+            )
+        return chunk
+
+    def _accept(self, chunk: bytes) -> None:
+        leg = self.leg
+        for event in leg.splitter.feed(chunk):
+            data = parse_event(event)
+            if data is DONE:
+                leg.done = True
+                if self.ledger.finish_reason is None:
+                    raise LegFailure(
+                        f"generation server {leg.server} stream failed: [DONE] before the answer",
+                        server=leg.server,
+                        kind=FailureKind.FAILED,
+                    )
+                return
+            before = len(self.ledger.token_ids)
+            try:
+                self._pending += self.ledger.gen_event(data)
+            except StreamError as exc:
+                raise LegFailure(
+                    f"generation server {leg.server} failed mid-stream: {exc}",
+                    server=leg.server,
+                    kind=FailureKind.FAILED,
+                    event=exc.body,
+                ) from None
+            if len(self.ledger.token_ids) > before:
+                leg.last_token = trio.current_time()
+                if not self._seen_token:
+                    self._seen_token = True
+                    self.on_first_token()
+            if self.ledger.finished_here:
+                return
+
+    async def _finish(self) -> None:
+        self._pending += self.ledger.closing()
+        self._complete = True
+        await self.leg.close(success=True)
+
+    async def _recover(self, failure: LegFailure) -> None:
+        """Cut the failed leg; complete the answer, or resume it, or raise AnswerFailed."""
+        self.resumer.missed(failure)
+        idle_first_leg = self.ledger.leg == 0 and not self.ledger.token_ids
+        await self.leg.close(success=False)
+        if idle_first_leg:
+            await self.resumer.abandoned(self)
+        if self.ledger.finish_reason is not None:  # the answer was whole when the leg broke
+            self._pending += self.ledger.closing()
+            self._complete = True
+            return
+        while True:
+            if self.migrations >= self.max_migrations:
+                raise AnswerFailed(failure, failure.client_event())
+            if trio.current_time() >= self.deadline:
+                raise AnswerFailed(
+                    RequestTimeout("request did not finish within request_timeout"),
+                    ApiError(504, "request timed out while streaming").to_json(),
+                )
+            self.migrations += 1
+            try:
+                self.leg = await self.resumer.resume(self, failure)
+                return
+            except LegFailure as again:
+                self.resumer.missed(again)
+                failure = again
+            except UpstreamRejected as exc:  # the worker's own 4xx, as it gave it
+                raise AnswerFailed(exc, exc.json_body()) from None
+            except RequestTimeout as exc:
+                event = ApiError(504, "request timed out while streaming").to_json()
+                raise AnswerFailed(exc, event) from None
+            except (NoServerAvailable, CoordinatorUnavailable, CannotResume) as exc:
+                event = ApiError(503, f"the answer could not be resumed: {exc}").to_json()
+                raise AnswerFailed(exc, event) from None

@@ -1,0 +1,177 @@
+"""The bounce (staging) path: one contiguous write instead of many small ones. Pure.
+
+Some pairings cut the KV so finely that a direct transfer is thousands of tiny fragments (HND
+against NHD: one head of one token each; NHD head mismatches: one head range per token). With
+`kv_cache_bounce_size_mb` > 0 on both sides, such a transfer goes through staging buffers:
+
+1. gen reserves room in its staging buffer for its share of the request in the *canonical*
+   layout `[its layers, K/V, its kv heads, tokens, head_dim]` (dense, in its local order) and
+   names that room in REQUEST_DATA;
+2. each ctx rank gathers the part it owns (`staged_runs`: one run of heads x tokens per layer
+   and K/V) into its own staging buffer, in order, and writes it with one descriptor per run
+   (runs that continue each other on both sides merge, usually into one);
+3. once every ctx rank has reported, gen scatters the canonical region into its blocks.
+
+The address arithmetic stays on the ctx side: gen only reserves `canonical_bytes` and later
+reads its own dense region back. Whether a pairing bounces is decided identically on both sides
+from the mapper both build at registration (`bounces`): the smallest piece it would write per
+block, against the agreed `threshold_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+import numpy as np
+
+from trtdisagg.transfer.protocol.fragments import Fragments, merge_runs
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+
+
+@attrs.frozen(kw_only=True)
+class StagedRun:
+    """One piece of a ctx rank's share: local layer `src_layer`, K (0) or V (1), local heads
+    [src_head, src_head + num_heads), every token of the range; `dst_offset` in gen's region."""
+
+    src_layer: int
+    kv: int
+    src_head: int
+    num_heads: int
+    dst_offset: int
+    num_bytes: int
+
+
+def row_bytes(info: RankInfo) -> int:
+    return info.head_dim * info.element_bytes
+
+
+def canonical_bytes(receiver: RankInfo, num_tokens: int) -> int:
+    """Bytes of the receiver's staged region for `num_tokens` tokens of one request."""
+    return len(receiver.layers) * 2 * len(receiver.heads) * num_tokens * row_bytes(receiver)
+
+
+def staged_runs(sender: RankInfo, receiver: RankInfo, *, num_tokens: int) -> tuple[StagedRun, ...]:
+    """The runs `sender` contributes to `receiver`'s canonical region, in the order it packs
+    them (receiver layer order, then K/V). Empty when the two share no layer or no head."""
+    heads = range(
+        max(sender.heads.start, receiver.heads.start), min(sender.heads.stop, receiver.heads.stop)
+    )
+    if not heads or num_tokens <= 0:
+        return ()
+    src_layers = {layer: i for i, layer in enumerate(sender.layers)}
+    num_heads = len(receiver.heads)
+    row = row_bytes(receiver)
+    runs = []
+    for dst_layer, layer in enumerate(receiver.layers):
+        if layer not in src_layers:
+            continue
+        for kv in (0, 1):
+            first_head = (dst_layer * 2 + kv) * num_heads + heads.start - receiver.heads.start
+            runs.append(
+                StagedRun(
+                    src_layer=src_layers[layer],
+                    kv=kv,
+                    src_head=heads.start - sender.heads.start,
+                    num_heads=len(heads),
+                    dst_offset=first_head * num_tokens * row,
+                    num_bytes=len(heads) * num_tokens * row,
+                )
+            )
+    return tuple(runs)
+
+
+def staged_fragments(runs: Sequence[StagedRun], *, src_address: int, dst_address: int) -> Fragments:
+    """The writes of packed `runs` (back to back from `src_address`) into the region at
+    `dst_address`, merged where they continue each other on both sides."""
+    rows = np.zeros((len(runs), 3), dtype=np.int64)
+    offset = 0
+    for i, run in enumerate(runs):
+        rows[i] = (src_address + offset, dst_address + run.dst_offset, run.num_bytes)
+        offset += run.num_bytes
+    return Fragments(merge_runs(rows))
+
+
+def bounces(piece_bytes: int, *, threshold_bytes: int, enabled: bool) -> bool:
+    """Whether a pairing whose smallest direct piece is `piece_bytes` goes through staging."""
+    return enabled and piece_bytes < threshold_bytes
+
+
+@attrs.define(kw_only=True)
+class StagingAllocator:
+    """First-fit ranges of one staging buffer. FIFO fairness is the caller's (one queue)."""
+
+    capacity: int
+    alignment: int = 256
+    _free: list[tuple[int, int]] = attrs.field(init=False)  # (offset, size), sorted by offset
+    _used: dict[int, int] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        # Sizes are rounded up to the alignment, so in a buffer with a ragged end a request of
+        # the whole capacity would round past it and wait forever (found by
+        # tests/unit/test_transfer_staging_fuzz.py). Real buffers are whole MiB.
+        if self.alignment <= 0 or self.capacity < 0 or self.capacity % self.alignment:
+            raise ValueError(
+                f"staging capacity {self.capacity} is not a multiple of the alignment "
+                f"{self.alignment}"
+            )
+        self._free = [(0, self.capacity)] if self.capacity > 0 else []
+
+    def allocate(self, num_bytes: int) -> int | None:
+        """An offset of `num_bytes` free bytes, or None while nothing that large is free."""
+        if num_bytes <= 0 or num_bytes > self.capacity:
+            raise ValueError(f"cannot stage {num_bytes} bytes in a buffer of {self.capacity}")
+        size = -(-num_bytes // self.alignment) * self.alignment
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free - size)
+                self._used[offset] = size
+                return offset
+        return None
+
+    def release(self, offset: int) -> None:
+        size = self._used.pop(offset)
+        self._free.append((offset, size))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._free = merged
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(size for _, size in self._free)
+
+
+class Stager(Protocol):
+    """A rank's staging buffer and its copies (`kv.staging.StagingBuffer`); blocking calls."""
+
+    @property
+    def address(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def memory_type(self) -> str: ...  # "VRAM" or "DRAM"
+
+    def pack(
+        self,
+        offset: int,
+        runs: Sequence[StagedRun],
+        block_ids: Sequence[int],
+        *,
+        first_token: int,
+        num_tokens: int,
+    ) -> None: ...
+
+    def unpack(
+        self, offset: int, block_ids: Sequence[int], *, first_token: int, num_tokens: int
+    ) -> None: ...

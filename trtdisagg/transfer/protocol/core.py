@@ -1,0 +1,181 @@
+"""TransferProtocol: one rank's whole transfer protocol as a pure state machine.
+
+    effects = protocol.handle(event, now)
+
+The driver (runtime/driver.py) feeds every event in (events.py) and carries out the effects it
+gets back, in order; nothing here does I/O or reads a clock. The protocol routes each event to
+the ctx side (ctx.py: sessions of KV we send), the gen side (gen.py: sessions of KV we receive)
+and the peers' liveness (liveness.py), and answers for the instance as a whole (rank 0 answers
+REQUEST_INSTANCE_INFO with every rank's RankInfo).
+
+Peers that are gone: any message from a peer instance is a sign of life; one that goes silent
+is probed (REQUEST_INSTANCE_INFO to its rank 0), and one that is gone (probes unanswered, another
+instance at its endpoint, or a control connection that dropped and stayed down) is forgotten by
+both sides (ForgetPeer: its dealers closed, its agents unloaded). One whose process ended also
+fails at once what waits on it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+
+from trtdisagg.transfer.errors import TransferLayerError
+from trtdisagg.transfer.protocol import events as ev
+from trtdisagg.transfer.protocol.ctx import CtxProtocol
+from trtdisagg.transfer.protocol.gen import GenProtocol, StagingInfo
+from trtdisagg.transfer.protocol.liveness import Gone, PeerLiveness
+from trtdisagg.transfer.protocol.peers import PeerRegistrar
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.wire import (
+    PROTOCOL_VERSION,
+    Cancel,
+    InstanceInfo,
+    Message,
+    RegisterAck,
+    RegisterPeer,
+    RequestData,
+    RequestInstanceInfo,
+    TransferResult,
+)
+
+log = logging.getLogger(__name__)
+
+Out = list[ev.Effect]
+
+
+@attrs.define(eq=False, kw_only=True)
+class TransferProtocol:
+    local: RankInfo
+    instance: tuple[RankInfo, ...]  # every rank of this instance; rank 0 answers INSTANCE_INFO
+    timeout_s: float
+    liveness: PeerLiveness = attrs.Factory(PeerLiveness)
+    early_failures: bool = True
+    staging: StagingInfo | None = None
+    ctx: CtxProtocol = attrs.field(init=False)
+    gen: GenProtocol = attrs.field(init=False)
+    forgotten: int = 0  # peer instances forgotten as gone (since start)
+    dead: int = 0  # ... of which had ended
+    probes: int = 0  # probes sent (since start)
+
+    def __attrs_post_init__(self) -> None:
+        local, timeout_s = self.local, self.timeout_s
+        self.ctx = CtxProtocol(local=local, timeout_s=timeout_s, registrar=PeerRegistrar(local))
+        self.gen = GenProtocol(
+            local=local, timeout_s=timeout_s, registrar=PeerRegistrar(local),
+            early_failures=self.early_failures, staging=self.staging,
+        )  # fmt: skip
+
+    @property
+    def tick_period(self) -> float:
+        """How often the peers' liveness wants a look (Tick)."""
+        return min(self.liveness.idle_s, self.liveness.answer_s, self.liveness.relink_s) / 4
+
+    def busy(self) -> bool:
+        """Whether a transfer, or something held for one, has a deadline to watch."""
+        return bool(self.ctx.senders or self.ctx.early or self.ctx.prepared or self.gen.busy())
+
+    def cancel(self, key: int, now: float) -> tuple[bool, Out]:
+        """`cancel_request`: whether no write may still land in (or read from) `key`'s blocks."""
+        out: Out = []
+        quiescent = self.ctx.cancel(key, now, out)
+        return self.gen.cancel(key, now, out) if quiescent is None else quiescent, out
+
+    def handle(self, event: ev.Event, now: float) -> Out:
+        out: Out = []
+        ctx, gen = self.ctx, self.gen
+        match event:
+            case ev.MessageIn(message=message, reply_to=reply_to, source=source):
+                try:
+                    self._message(message, reply_to, source, now, out)
+                except TransferLayerError as exc:  # peer input never takes the protocol down
+                    log.warning("dropped %s: %s", type(message).__name__, exc)
+            case ev.NoticeIn(notice=notice):
+                self.liveness.heard(notice.instance_name, now)
+                gen.on_notice(notice, now, out)
+            case ev.WriteEnded(write_id=write_id, error=error):
+                ctx.on_write_ended(write_id, error, now, out)
+            case ev.KvReady(key=key, source=source, first_tokens=tokens):
+                ctx.ready(key, source, tokens, now, out)
+            case ev.KvExpected(key=key, source=source):
+                ctx.expect(key, source, now, out)
+            case ev.SendAbandoned(key=key, reason=reason):
+                ctx.abandon(key, reason, out)
+            case ev.ReceiveAsked():
+                gen.ask(event, now, out)
+            case ev.TransferCancelled(key=key):
+                out = self.cancel(key, now)[1]
+            case ev.AgentLoaded(info=info, reply_to=reply_to, error=error):
+                if ctx.on_agent_loaded(info, reply_to, error, out):
+                    self._track(info, now)
+            case ev.StagingReserved(key=key, offset=offset, error=error):
+                gen.on_staging(key, offset, error, now, out)
+            case ev.Scattered(key=key, error=error):
+                gen.on_scattered(key, error, out)
+            case ev.LinkChanged(endpoint=endpoint, up=up):
+                self.liveness.link(endpoint, up, now)
+            case ev.Tick():
+                ctx.tick(now, out)
+                gen.tick(now, out)
+                for gone in self.liveness.gone(now):
+                    out += self.forget(gone, now)
+                for _, endpoint in self.liveness.to_probe(now):
+                    self.probes += 1
+                    probe = RequestInstanceInfo(protocol_version=PROTOCOL_VERSION)
+                    out.append(ev.Send(endpoint=endpoint, message=probe))
+        return out
+
+    def forget(self, gone: Gone, now: float) -> Out:
+        """Forget a peer instance that is gone, on both sides, and unload its agents."""
+        out: Out = []
+        self.liveness.forget(gone.instance)
+        self.forgotten += 1
+        self.dead += gone.dead
+        log.warning("peer instance %s is gone (%s)", gone.instance, gone.reason)
+        dead = gone.reason if gone.dead else None
+        ranks = self.ctx.forget(gone.instance, dead, now, out)
+        ranks += self.gen.forget(gone.instance, dead, now, out)
+        # (not an endpoint that a rendezvous with a new instance there now uses)
+        endpoints = sorted({info.control_endpoint for info in ranks} - self.gen.meeting())
+        return [*out, ev.ForgetPeer(instance=gone.instance, endpoints=tuple(endpoints)), ev.WAKE]
+
+    def _message(
+        self, message: Message, reply_to: bytes | None, source: str, now: float, out: Out
+    ) -> None:
+        if isinstance(sender := getattr(message, "instance_name", None), str):
+            self.liveness.heard(sender, now)
+        match message:
+            case RequestInstanceInfo():
+                if reply_to is not None and self.local.instance_rank == 0:
+                    info = InstanceInfo(protocol_version=PROTOCOL_VERSION, ranks=self.instance)
+                    out.append(ev.Reply(reply_to=reply_to, message=info))
+            case RegisterPeer(info=info):
+                if reply_to is not None:
+                    self.ctx.on_register(info, reply_to, out)
+            case InstanceInfo(ranks=ranks):
+                if ranks and source:  # also a probe's answer: who is at that endpoint now
+                    self.liveness.answered(source, ranks[0].instance_name, now)
+                self.gen.on_instance_info(message, source, now, out)
+            case RegisterAck():
+                if (met := self.gen.on_ack(message, source, now, out)) is not None:
+                    for rank in met.ranks:
+                        self._track(rank, now)
+            case RequestData():
+                self.ctx.on_request(message, reply_to, now, out)
+            case TransferResult():
+                self.gen.on_result(message, source, now, out)
+            case Cancel():  # ours to send, or to receive, or held for a session to come
+                ours = self.ctx.on_cancel(message, now, out) or self.gen.on_cancel(
+                    message, now, out
+                )
+                if not ours:
+                    self.ctx.on_stray_cancel(message, now, out)
+            case _:
+                pass  # WRITE_NOTICE is only valid as an agent notification
+
+    def _track(self, peer: RankInfo, now: float) -> None:
+        """Watch a peer rank's instance: probes go to its rank 0; any rank's link counts."""
+        if peer.instance_rank == 0:
+            self.liveness.track(peer.instance_name, peer.control_endpoint, now)
+        self.liveness.track_link(peer.instance_name, peer.control_endpoint)

@@ -1,0 +1,435 @@
+"""The ctx (sender) side of the transfer protocol: push KV to the gen ranks that ask. Pure.
+
+Per transfer key, in the order things usually happen:
+
+1. gen ranks register (REGISTER_PEER): the registrar's compatibility gate, then the driver loads
+   the rank's agent (LoadAgent), then REGISTER_ACK. An unregistered rank's REQUEST_DATA is
+   refused at once (NOT_REGISTERED), and gen meets this instance again.
+2. REQUEST_DATA that comes before the KV is ready (generation-first) waits in EarlyMessages;
+   when the executor says where the KV will be (`prepare_send`: KvExpected), each waiting
+   request's write is mapped and prepared (PrepareWrite) while the prefill runs.
+3. The KV is ready (KvReady): the SenderSession takes the waiting requests, and each requesting
+   gen rank gets one write (PostWrite), the one prepared for that very request and source, or
+   one mapped now. Its notification says what it moves and carries ctx's first tokens, so gen
+   may finish on it alone.
+4. The write ends (WriteEnded): TRANSFER_RESULT to that rank, also when it moved 0 bytes (a
+   non-elected duplicate never writes) or failed.
+5. The session is over once terminal and quiescent (no write in flight): Sent(outcome), and the
+   executor frees its blocks. Past its deadline a session fails, but keeps its blocks while a
+   write may still read them.
+
+Every CANCEL is answered: at once when no write to its sender is in flight, else by that
+write's result. A CANCEL or REQUEST_DATA that comes before its session is held: the session
+starts cancelled, and a request that its own CANCEL overtook is dropped when it comes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+
+from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
+from trtdisagg.transfer.protocol import events as ev
+from trtdisagg.transfer.protocol.bounce import staged_fragments, staged_runs
+from trtdisagg.transfer.protocol.peers import PeerRegistrar, SendPlan, direct_fragments
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.sessions import (
+    EarlyMessages,
+    SenderSession,
+    Sessions,
+    SourceBlocks,
+    Status,
+    TransferOutcome,
+)
+from trtdisagg.transfer.protocol.wire import (
+    NOT_REGISTERED,
+    Cancel,
+    RegisterAck,
+    RequestData,
+    ResultStatus,
+    TransferResult,
+    WriteNotice,
+    encode,
+    unpack_block_ids,
+)
+
+log = logging.getLogger(__name__)
+
+Out = list[ev.Effect]
+
+
+@attrs.frozen(kw_only=True)
+class _Prepared:
+    """A write prepared for `request` from `source` before the KV was ready."""
+
+    order: ev.WriteOrder
+    request: RequestData
+    source: SourceBlocks
+
+
+@attrs.frozen(kw_only=True)
+class _Write:
+    session: SenderSession
+    order: ev.WriteOrder
+
+
+@attrs.define(eq=False, kw_only=True)
+class CtxProtocol:
+    local: RankInfo
+    timeout_s: float
+    registrar: PeerRegistrar  # the gen ranks registered with us
+    senders: Sessions[SenderSession] = attrs.Factory(Sessions)
+    early: EarlyMessages = attrs.field(init=False)
+    bounced: int = 0  # writes that went through staging (since start)
+    _expected: dict[int, tuple[SourceBlocks, float]] = attrs.Factory(dict)  # key -> (where, until)
+    _prepared: dict[tuple[int, int], _Prepared] = attrs.Factory(dict)  # (key, gen rank) ->
+    _writes: dict[int, _Write] = attrs.Factory(dict)  # in flight, by write id
+    _next_write: int = 1
+    _started: dict[int, float] = attrs.Factory(dict)
+
+    def __attrs_post_init__(self) -> None:
+        # A REQUEST_DATA whose session never appears is refused after the transfer timeout.
+        self.early = EarlyMessages(ttl=self.timeout_s)
+
+    @property
+    def prepared(self) -> int:
+        return len(self._prepared)
+
+    # ---- the executor's calls ----
+
+    def expect(self, key: int, source: SourceBlocks, now: float, out: Out) -> None:
+        if key in self.senders:
+            return
+        if (old := self._expected.get(key)) is not None and old[0] != source:
+            self._drop_prepared(key, out)
+        self._expected[key] = (source, now + self.timeout_s)
+        for request in self.early.peek(key):
+            self._prepare(key, request, out)
+
+    def ready(
+        self, key: int, source: SourceBlocks, first_tokens: tuple[int, ...], now: float, out: Out
+    ) -> None:
+        if key in self.senders:
+            raise ValueError(f"a session for key {key} already exists")
+        session = SenderSession(key=key, deadline=now + self.timeout_s, first_tokens=first_tokens)
+        session.set_source(source)
+        self.senders[key], self._started[key] = session, now
+        self._expected.pop(key, None)
+        requests, cancelled = self.early.take(key)
+        if cancelled:
+            session.cancel()
+        for request in requests:
+            self._accept(session, request)
+        self._start_writes(session, out)
+        self._drop_prepared(key, out)  # made for requests this session did not take
+        self._settle(session, now, out)
+
+    def abandon(self, key: int, reason: str, out: Out) -> None:
+        """The request ended before its KV was ready: refuse what waits for it now. One that
+        asks later waits as before (the key may come back with a retried request)."""
+        if key in self.senders:
+            return  # responded: the session's own cancel and deadline apply
+        self._forget_key(key, out)
+        for request in self.early.take(key)[0]:
+            error = f"the ctx request ended before its KV was ready: {reason}"
+            self._result(request, request.key, ResultStatus.ERROR, out, error=error)
+
+    def cancel(self, key: int, now: float, out: Out) -> bool | None:
+        """Stop `key`'s send; whether no write may still read its blocks (None: no session)."""
+        if (sender := self.senders.get(key)) is None:
+            self._forget_key(key, out)  # the request ended before its KV was ready
+            return None
+        quiescent = sender.cancel()
+        cancel = Cancel(key=key, instance_name=self.local.instance_name,
+                        instance_rank=self.local.instance_rank)  # fmt: skip
+        for rank in sender.requesters:
+            if (peer := self.registrar.get((sender.peer_instance or "", rank))) is not None:
+                out.append(ev.Send(endpoint=peer.control_endpoint, message=cancel))
+        self._settle(sender, now, out)
+        return quiescent
+
+    # ---- peers' messages ----
+
+    def on_register(self, info: RankInfo, reply_to: bytes, out: Out) -> None:
+        try:
+            self.registrar.register(info)
+        except PeerIncompatible as exc:
+            self.on_agent_loaded(info, reply_to, str(exc), out)
+            return
+        out.append(ev.LoadAgent(info=info, reply_to=reply_to))
+
+    def on_agent_loaded(self, info: RankInfo, reply_to: bytes, error: str | None, out: Out) -> bool:
+        if error is not None:
+            log.warning("refused gen rank %s: %s", info.label, error)
+        ack = RegisterAck(instance_name=self.local.instance_name,
+                          instance_rank=self.local.instance_rank, accepted=error is None,
+                          reason=error or "")  # fmt: skip
+        out.append(ev.Reply(reply_to=reply_to, message=ack))
+        return error is None
+
+    def on_request(
+        self, request: RequestData, reply_to: bytes | None, now: float, out: Out
+    ) -> None:
+        name, rank = request.instance_name, request.instance_rank
+        if self.registrar.get((name, rank)) is None:
+            # Never registered, or forgotten as gone while alive: gen meets us again.
+            log.warning("REQUEST_DATA %d from unregistered gen rank %s#%d", request.key, name, rank)
+            if reply_to is not None:
+                error = (
+                    f"{NOT_REGISTERED}: gen rank {name}#{rank} registers again at its next request"
+                )
+                result = self._message(request.key, ResultStatus.ERROR, error=error)
+                out.append(ev.Reply(reply_to=reply_to, message=result))
+        elif self.early.take_overtaken(request):
+            log.info("REQUEST_DATA %d came after its CANCEL: dropped", request.key)
+        elif (session := self.senders.lookup(name, request.key)) is not None:
+            self._accept(session, request)
+            self._start_writes(session, out)
+        elif request.key not in self.senders:
+            self.early.add_request(now, request)
+            self._prepare(request.key, request, out)
+
+    def on_cancel(self, cancel: Cancel, now: float, out: Out) -> bool:
+        """A gen rank's CANCEL for a session of ours; False: we have none for it."""
+        if (sender := self.senders.lookup(cancel.instance_name, cancel.key)) is None:
+            return False
+        rank = cancel.instance_rank
+        if rank not in sender.heard:  # it overtook that rank's request, dropped when it comes
+            self.early.add_overtaken(now, cancel.instance_name, rank, cancel.key)
+        sender.cancel()
+        if not sender.is_writing(rank):  # else the write's result answers it
+            self._ack_cancel(cancel, out)
+        self._settle(sender, now, out)
+        out.append(ev.WAKE)
+        return True
+
+    def on_stray_cancel(self, cancel: Cancel, now: float, out: Out) -> None:
+        """A CANCEL that found no session, ours or gen's: answer it, and hold it for a session
+        made later, which starts cancelled."""
+        name, rank, key = cancel.instance_name, cancel.instance_rank, cancel.key
+        if key in self.senders:
+            return  # another instance's session
+        # The answer is that rank's one answer to its request: drop what we hold of it (else a
+        # sweep answers it again, maybe to a later use of the key); if we hold nothing, the
+        # CANCEL overtook the request, which is dropped when it comes.
+        if not self.early.drop_requests_of(name, rank, key):
+            self.early.add_overtaken(now, name, rank, key)
+        self.early.add_cancel(now, key)
+        self._forget_key(key, out)
+        self._ack_cancel(cancel, out)
+
+    def on_write_ended(self, write_id: int, error: str | None, now: float, out: Out) -> None:
+        if (write := self._writes.pop(write_id, None)) is None:
+            return
+        if error is not None:
+            log.warning("KV write %d to %s failed: %s", write.session.key, write.order.peer, error)
+        self.bounced += write.order.staged is not None and error is None
+        self._write_done(write.session, write.order.peer[1], error, out, write.order)
+        self._settle(write.session, now, out)
+
+    # ---- time, and peers that are gone ----
+
+    def tick(self, now: float, out: Out) -> None:
+        for session in list(self.senders.values()):
+            if session.expired(now):
+                session.fail(f"KV transfer {session.key} timed out after {self.timeout_s:g}s")
+            self._settle(session, now, out)
+        for key in [k for k, (_, until) in self._expected.items() if now >= until]:
+            self._forget_key(key, out)  # the KV never came
+        for stale in self.early.sweep(now):
+            self._forget_key(stale.key, out)
+            error = (f"ctx has no request with disagg_request_id {stale.key} (never prefilled "
+                     "here, or already released)")  # fmt: skip
+            self._result(stale, stale.key, ResultStatus.ERROR, out, error=error)
+
+    def forget(self, instance: str, dead: str | None, now: float, out: Out) -> list[RankInfo]:
+        """Forget the gen instance `instance` (gone; `dead`: why, when its process ended: what
+        is bound to it fails now). Its ranks, as registered."""
+        for session in list(self.senders.values()):
+            if dead is not None and session.peer_instance == instance:
+                session.fail(f"peer instance {instance} is gone: {dead}")
+                self._settle(session, now, out)
+        for at in [at for at, p in self._prepared.items() if p.request.instance_name == instance]:
+            out.append(ev.ReleasePrepared(write_id=self._prepared.pop(at).order.write_id))
+        ranks = self.registrar.ranks_of(instance)
+        self.registrar.forget(instance)
+        return ranks
+
+    # ---- writes ----
+
+    def _accept(self, session: SenderSession, request: RequestData) -> None:
+        if (peer := self.registrar.get((request.instance_name, request.instance_rank))) is None:
+            return
+        if session.expected is None:
+            overlap = self.registrar.overlap(peer, peer_dp_rank=peer.dp_rank)
+            session.bind(request.instance_name, frozenset(overlap.ranks))
+        session.add_request(request)
+
+    def _start_writes(self, session: SenderSession, out: Out) -> None:
+        assert session.source is not None
+        for request in session.take_writes():
+            rank = request.instance_rank
+            order: ev.WriteOrder | None
+            prepared = self._prepared.pop((session.key, rank), None)
+            if prepared is not None and (prepared.request, prepared.source) == (
+                request,
+                session.source,
+            ):
+                order = prepared.order  # posted from its preparation, under the same id
+            else:
+                if prepared is not None:
+                    out.append(ev.ReleasePrepared(write_id=prepared.order.write_id))
+                try:
+                    order = self._order(session.key, request, session.source, session.deadline)
+                except (TransferLayerError, ValueError) as exc:
+                    self._write_done(session, rank, f"{type(exc).__name__}: {exc}", out)
+                    continue
+            if order is None:  # nothing of this rank's share to write
+                self._write_done(session, rank, None, out)
+                continue
+            # The notice carries ctx's first tokens, known only now that the KV is ready.
+            order = attrs.evolve(order, notice=self._notice(order, session.first_tokens))
+            self._writes[order.write_id] = _Write(session=session, order=order)
+            out.append(ev.PostWrite(order=order))
+
+    def _prepare(self, key: int, request: RequestData, out: Out) -> None:
+        """Map and prepare the direct write of `key`'s expected KV into `request`'s blocks."""
+        at, expected = (key, request.instance_rank), self._expected.get(key)
+        held = self._prepared.get(at)
+        if expected is None or request.staging_bytes or (held and held.request == request):
+            return
+        if held is not None:
+            out.append(ev.ReleasePrepared(write_id=self._prepared.pop(at).order.write_id))
+        try:
+            order = self._order(key, request, *expected)
+        except (TransferLayerError, ValueError) as exc:
+            log.debug("KV write %d to %s not prepared: %s", key, at, exc)
+            return  # the write maps it again when the KV is ready, and reports what is wrong
+        if order is not None:
+            self._prepared[at] = _Prepared(order=order, request=request, source=expected[0])
+            out.append(ev.PrepareWrite(order=order))
+
+    def _order(
+        self, key: int, request: RequestData, source: SourceBlocks, deadline: float
+    ) -> ev.WriteOrder | None:
+        """The write of `source` into `request`'s blocks (None: this rank has nothing to write
+        there). TransferLayerError or ValueError: the request does not fit."""
+        peer = (request.instance_name, request.instance_rank)
+        try:
+            plan = self.registrar.send_plan(peer)
+        except KeyError:
+            raise TransferLayerError(f"gen rank {peer[0]}#{peer[1]} is gone") from None
+        staged = self._staged(request, plan, source) if request.staging_bytes else None
+        if request.staging_bytes and staged is None:
+            return None
+        if staged is not None:  # sources as offsets into the staging room, reserved later
+            fragments = staged_fragments(staged.runs, src_address=0,
+                                         dst_address=request.staging_address)  # fmt: skip
+        else:
+            fragments = direct_fragments(plan, source, request)
+        if not len(fragments):
+            return None
+        pool = plan.peer.page_table.layer_groups[0].pool
+        write_id, self._next_write = self._next_write, self._next_write + 1
+        order = ev.WriteOrder(
+            write_id=write_id, key=key, peer=peer, fragments=fragments, notice=b"",
+            dst_memory_type=pool.memory_type, dst_device_id=pool.device_id, deadline=deadline,
+            staged=staged,
+        )  # fmt: skip
+        return attrs.evolve(order, notice=self._notice(order))
+
+    def _staged(
+        self, request: RequestData, plan: SendPlan, source: SourceBlocks
+    ) -> ev.StagedSend | None:
+        """Bounce: the runs this rank owns of gen's canonical region (bounce.py)."""
+        if not plan.elected:
+            return None
+        if len(request.block_ids) != 1 or len(source.block_ids) != 1:
+            raise TransferLayerError("the bounce path moves one layer group")
+        num_tokens, tpb = min(request.num_tokens, source.num_tokens), self.local.tokens_per_block
+        first = (-(-num_tokens // tpb) - len(unpack_block_ids(request.block_ids[0]))) * tpb
+        if not (runs := staged_runs(self.local, plan.peer, num_tokens=num_tokens - first)):
+            return None
+        if (needed := max(run.dst_offset + run.num_bytes for run in runs)) > request.staging_bytes:
+            raise TransferLayerError(
+                f"gen's staging region of {request.staging_bytes} bytes cannot hold {needed}"
+            )
+        num_bytes = sum(run.num_bytes for run in runs)
+        return ev.StagedSend(runs=runs, block_ids=source.block_ids[0], first_token=first,
+                             num_tokens=num_tokens, num_bytes=num_bytes)  # fmt: skip
+
+    def _notice(self, order: ev.WriteOrder, first_tokens: tuple[int, ...] = ()) -> bytes:
+        fragments = order.fragments
+        return encode(WriteNotice(key=order.key, instance_name=self.local.instance_name,
+                                  instance_rank=self.local.instance_rank,
+                                  num_bytes=fragments.num_bytes, num_descriptors=len(fragments),
+                                  first_tokens=first_tokens))  # fmt: skip
+
+    def _write_done(
+        self,
+        session: SenderSession,
+        rank: int,
+        error: str | None,
+        out: Out,
+        order: ev.WriteOrder | None = None,
+    ) -> None:
+        moved = (order.fragments.num_bytes, len(order.fragments)) if order else (0, 0)
+        status = ResultStatus.OK if error is None else ResultStatus.ERROR
+        if session.cancelled and status is ResultStatus.OK and not moved[0]:
+            status = ResultStatus.CANCELLED
+        session.write_finished(rank, status, error or "")
+        tokens = session.first_tokens if status is ResultStatus.OK else ()
+        self._result((session.peer_instance or "", rank), session.key, status, out,
+                     error=error or "", num_bytes=moved[0], num_descriptors=moved[1],
+                     first_tokens=tokens)  # fmt: skip
+        out.append(ev.WAKE)
+
+    def _settle(self, session: SenderSession, now: float, out: Out) -> None:
+        """A session over (terminal and quiescent) leaves; its outcome goes to the executor."""
+        if not (session.is_terminal and session.is_quiescent):
+            return
+        if self.senders.get(session.key) is not session:
+            return
+        del self.senders[session.key]
+        status = session.status
+        outcome = TransferOutcome(key=session.key, ok=status is Status.TRANSFERRED,
+                                  cancelled=status is Status.CANCELLED, error=session.error,
+                                  seconds=now - self._started.pop(session.key, now))  # fmt: skip
+        out += [ev.Sent(outcome=outcome), ev.WAKE]
+
+    def _forget_key(self, key: int, out: Out) -> None:
+        """No write of `key` will be made from what was expected or prepared for it."""
+        self._expected.pop(key, None)
+        self._drop_prepared(key, out)
+
+    def _drop_prepared(self, key: int, out: Out) -> None:
+        for at in [at for at in self._prepared if at[0] == key]:
+            out.append(ev.ReleasePrepared(write_id=self._prepared.pop(at).order.write_id))
+
+    # ---- messages ----
+
+    def _message(self, key: int, status: ResultStatus, **fields: Any) -> TransferResult:
+        result = TransferResult(key=key, instance_name=self.local.instance_name,
+                                instance_rank=self.local.instance_rank, status=status)  # fmt: skip
+        return attrs.evolve(result, **fields)
+
+    def _result(
+        self,
+        to: RequestData | tuple[str, int],
+        key: int,
+        status: ResultStatus,
+        out: Out,
+        **fields: Any,
+    ) -> None:
+        """TRANSFER_RESULT to the gen rank `to` (or the one that sent it), if still known."""
+        peer_key = (to.instance_name, to.instance_rank) if isinstance(to, RequestData) else to
+        if (peer := self.registrar.get(peer_key)) is not None:
+            message = self._message(key, status, **fields)
+            out.append(ev.Send(endpoint=peer.control_endpoint, message=message))
+
+    def _ack_cancel(self, cancel: Cancel, out: Out) -> None:
+        peer = (cancel.instance_name, cancel.instance_rank)
+        error = "cancelled; no write in flight"
+        self._result(peer, cancel.key, ResultStatus.CANCELLED, out, error=error)

@@ -1,0 +1,234 @@
+"""What the transfer protocol core takes in (events) and gives out (effects). Pure.
+
+The driver (runtime/driver.py) turns whatever happens to one rank into an event: an executor
+call, a control message, a write's notification, a write that ended, a link that dropped, the
+clock's tick. `TransferProtocol.handle(event, now)` (core.py) answers with the effects to carry
+out, in order. Every type here is a small frozen value.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from trtdisagg.transfer.protocol.bounce import StagedRun
+from trtdisagg.transfer.protocol.fragments import Fragments
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.sessions import SourceBlocks, TransferOutcome
+from trtdisagg.transfer.protocol.wire import Message, WriteNotice
+
+# ---- events: the executor's calls (runtime/driver.py names each one) ----
+
+
+@attrs.frozen(kw_only=True)
+class KvExpected:  # prepare_send: the KV will be in `source` once the step now starting ends
+    key: int
+    source: SourceBlocks
+
+
+@attrs.frozen(kw_only=True)
+class KvReady:  # respond_and_send_async: the KV is in `source`
+    key: int
+    source: SourceBlocks
+    first_tokens: tuple[int, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class SendAbandoned:  # abandon_send: the request ended before its KV was ready
+    key: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class ReceiveAsked:  # request_and_receive_async: ask the ctx at `endpoint` for the KV
+    key: int
+    endpoint: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    ctx_instance: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class TransferCancelled:  # cancel_request
+    key: int
+
+
+# ---- events: the network, the agent, the driver's own work ----
+
+
+@attrs.frozen(kw_only=True)
+class MessageIn:
+    """A control message: on the ROUTER (`reply_to`: the sender's identity) or on the DEALER to
+    `source` (an endpoint)."""
+
+    message: Message
+    reply_to: bytes | None = None
+    source: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class NoticeIn:  # a write's notification: its bytes have landed here
+    notice: WriteNotice
+
+
+@attrs.frozen(kw_only=True)
+class LinkChanged:  # the control connection to `endpoint` came up, or dropped (or was refused)
+    endpoint: str
+    up: bool
+
+
+@attrs.frozen(kw_only=True)
+class WriteEnded:  # a posted write is over (`error` None: DONE), or could not be posted
+    write_id: int
+    error: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class AgentLoaded:  # ctx: a registering gen rank's agent is loaded, or could not be
+    info: RankInfo
+    reply_to: bytes
+    error: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class StagingReserved:  # gen: staging room for `key` at `offset`, or why there is none
+    key: int
+    offset: int | None
+    error: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Scattered:  # gen: a bounced receive is copied into its blocks (or the copy failed)
+    key: int
+    error: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Tick:  # time passed: deadlines, probes and stale held messages are looked at
+    pass
+
+
+Event = (
+    KvExpected | KvReady | SendAbandoned | ReceiveAsked | TransferCancelled | MessageIn | NoticeIn
+    | LinkChanged | WriteEnded | AgentLoaded | StagingReserved | Scattered | Tick
+)  # fmt: skip
+
+# ---- effects ----
+
+
+@attrs.frozen(kw_only=True)
+class Send:  # a control message on the DEALER to a peer rank's endpoint
+    endpoint: str
+    message: Message
+
+
+@attrs.frozen(kw_only=True)
+class Reply:  # a control message back to whoever sent one on our ROUTER
+    reply_to: bytes
+    message: Message
+
+
+@attrs.frozen(kw_only=True)
+class StagedSend:
+    """ctx, bounce path: pack `runs` of `block_ids` into staging room first; the write's
+    fragments read from that room (their sources are offsets into it)."""
+
+    runs: tuple[StagedRun, ...]
+    block_ids: tuple[int, ...]
+    first_token: int
+    num_tokens: int
+    num_bytes: int
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class WriteOrder:
+    """One write of ctx's KV to the gen rank `peer`, whose notification is `notice`."""
+
+    write_id: int
+    key: int
+    peer: tuple[str, int]
+    fragments: Fragments
+    notice: bytes
+    dst_memory_type: str
+    dst_device_id: int
+    deadline: float
+    staged: StagedSend | None = None
+
+
+@attrs.frozen(kw_only=True)
+class PrepareWrite:  # ctx: have the agent prepare `order`; it is posted (or released) later
+    order: WriteOrder
+
+
+@attrs.frozen(kw_only=True)
+class PostWrite:  # ctx: start `order` (from its preparation, if one was made under its id)
+    order: WriteOrder
+
+
+@attrs.frozen(kw_only=True)
+class ReleasePrepared:  # ctx: the write prepared under `write_id` will never be posted
+    write_id: int
+
+
+@attrs.frozen(kw_only=True)
+class LoadAgent:  # ctx: load a registering gen rank's agent, then say so (AgentLoaded)
+    info: RankInfo
+    reply_to: bytes
+
+
+@attrs.frozen(kw_only=True)
+class ForgetPeer:
+    """Close the dealers to `endpoints`; `instance` (None: none was met there) is gone, so
+    unload its agents once no write to them is in flight."""
+
+    instance: str | None
+    endpoints: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ReserveStaging:  # gen: reserve staging room for `key` by `deadline`, then say so
+    key: int
+    num_bytes: int
+    deadline: float
+
+
+@attrs.frozen(kw_only=True)
+class ReleaseStaging:
+    offset: int
+
+
+@attrs.frozen(kw_only=True)
+class StagedReceive:  # gen: where a bouncing receive lands in staging, and where it goes then
+    offset: int
+    num_bytes: int
+    block_ids: tuple[int, ...]
+    first_token: int
+    num_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class ScatterStaged:  # gen: copy `staged` into its blocks, free its room, then say so
+    key: int
+    staged: StagedReceive
+
+
+@attrs.frozen(kw_only=True)
+class Sent:  # ctx: a send is over, its blocks may be freed (check_context_transfer_status)
+    outcome: TransferOutcome
+
+
+@attrs.frozen(kw_only=True)
+class Received:  # gen: a receive is over or failed (check_gen_transfer_status)
+    outcome: TransferOutcome
+
+
+@attrs.frozen(kw_only=True)
+class Wake:  # the executor has something to look at
+    pass
+
+
+WAKE = Wake()
+
+Effect = (
+    Send | Reply | PrepareWrite | PostWrite | ReleasePrepared | LoadAgent | ForgetPeer
+    | ReserveStaging | ReleaseStaging | ScatterStaged | Sent | Received | Wake
+)  # fmt: skip

@@ -1,0 +1,470 @@
+"""The gen (receiver) side of the transfer protocol: ask ctx for KV, see it land. Pure.
+
+1. First contact with a ctx info endpoint meets the instance there (the rendezvous):
+   REQUEST_INSTANCE_INFO to it, the compatibility gate on every rank it names, REGISTER_PEER to
+   each of them, their REGISTER_ACKs. The result, or the refusal, is kept per endpoint; a
+   rendezvous that gets no answer is forgotten, and the next request tries again. ctx's answer
+   names its instance, and a request that names another one there (a ctx restarted on a reused
+   port) meets the endpoint again.
+2. A ReceiverSession expects one part from each overlapping ctx rank, and REQUEST_DATA goes to
+   each of them. A receive that bounces (bounce.py) reserves room in the staging buffer first.
+3. The session completes when every expected rank's part landed: the write's notification (NIXL
+   delivers it only after the write's bytes), which says what it moved and carries ctx's first
+   token; or, for a rank with nothing to write, its OK result. Received(outcome), and the
+   executor decodes. A session that ended before some rank's TRANSFER_RESULT came remembers
+   that it is due, and drops it when it comes, so that a later use of the key never takes it.
+4. Quarantine: a session that fails while a ctx write may still land sends CANCEL once, reports
+   its failure at once with `blocks_held` (unless `early_failures` is off: a multi-rank
+   instance then hears of it once the blocks are free), and keeps its blocks until every
+   expected rank has answered, or a second timeout past the deadline (counted in
+   `quarantine_expired`: ctx is taken for dead).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+
+from trtdisagg.transfer.errors import PeerIncompatible
+from trtdisagg.transfer.protocol import events as ev
+from trtdisagg.transfer.protocol.bounce import bounces, canonical_bytes
+from trtdisagg.transfer.protocol.peers import PeerRegistrar
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.sessions import (
+    RankResult,
+    ReceiverSession,
+    Sessions,
+    Status,
+    TransferOutcome,
+)
+from trtdisagg.transfer.protocol.wire import (
+    NOT_REGISTERED,
+    PROTOCOL_VERSION,
+    Cancel,
+    InstanceInfo,
+    RegisterAck,
+    RegisterPeer,
+    RequestData,
+    RequestInstanceInfo,
+    ResultStatus,
+    TransferResult,
+    WriteNotice,
+    pack_block_ids,
+)
+
+log = logging.getLogger(__name__)
+
+Out = list[ev.Effect]
+RENDEZVOUS_TIMEOUT_S = 5.0
+
+
+@attrs.frozen(kw_only=True)
+class StagingInfo:
+    """This rank's staging buffer, as gen names its room in REQUEST_DATA."""
+
+    address: int
+    capacity: int
+
+
+@attrs.define(eq=False, kw_only=True)
+class _CtxInstance:
+    """What gen knows of the ctx instance at one info endpoint."""
+
+    endpoint: str
+    deadline: float  # of the rendezvous under way
+    instance_name: str | None = None  # the instance that answered, refused or not
+    ranks: tuple[RankInfo, ...] = ()
+    unacked: set[int] = attrs.Factory(set)  # ranks whose REGISTER_ACK is still to come
+    met: bool = False
+    refusal: str | None = None
+    waiting: list[int] = attrs.Factory(list)  # keys asked for meanwhile
+
+
+@attrs.define(eq=False, kw_only=True)
+class _Starting:
+    """A receive with no session yet: its rendezvous or its staging room is under way."""
+
+    ask: ev.ReceiveAsked
+    deadline: float
+    cancelled: bool = False
+    ranks: tuple[RankInfo, ...] = ()
+    expected: tuple[int, ...] = ()
+    staged: ev.StagedReceive | None = None
+
+
+@attrs.define(eq=False, kw_only=True)
+class GenProtocol:
+    local: RankInfo
+    timeout_s: float
+    registrar: PeerRegistrar  # the ctx ranks met
+    early_failures: bool = True
+    staging: StagingInfo | None = None
+    receivers: Sessions[ReceiverSession] = attrs.Factory(Sessions)
+    rendezvous: int = 0  # rendezvous started (since start)
+    quarantine_expired: int = 0  # quarantines ended by the second timeout, not by ctx
+    bounced: int = 0  # receives that went through staging
+    _instances: dict[str, _CtxInstance] = attrs.Factory(dict)  # by info endpoint
+    _starting: dict[int, _Starting] = attrs.Factory(dict)
+    _staged: dict[int, ev.StagedReceive] = attrs.Factory(dict)
+    _scattering: dict[int, TransferOutcome] = attrs.Factory(dict)  # reported once copied
+    # (ctx instance, ctx rank, key) -> when: a session of `key` ended before that rank's
+    # TRANSFER_RESULT came. That result, when it comes, is the ended session's.
+    _results_due: dict[tuple[str, int, int], float] = attrs.Factory(dict)
+    _started: dict[int, float] = attrs.Factory(dict)
+
+    def awaits_notice(self) -> bool:
+        """Whether a ctx write may land here now, and its notification come: for any session
+        held, a quarantined one too. (Without NIXL's progress thread, draining is also what
+        progresses a write on the receiving side.)"""
+        return bool(self.receivers)
+
+    def meeting(self) -> set[str]:
+        """The endpoints of the rendezvous under way."""
+        return {e for e, i in self._instances.items() if not i.met and i.refusal is None}
+
+    def busy(self) -> bool:
+        return bool(self.receivers or self._starting or self._scattering or self.meeting())
+
+    # ---- the executor's calls ----
+
+    def ask(self, ask: ev.ReceiveAsked, now: float, out: Out) -> None:
+        key, endpoint = ask.key, ask.endpoint
+        self._started[key] = now
+        if key in self.receivers or key in self._starting:
+            self._fail(key, f"transfer key {key} is already being received", now, out)
+            return
+        instance = self._instances.get(endpoint)
+        if instance is not None and _replaced(instance, ask.ctx_instance):
+            log.info("ctx at %s is now instance %s: meeting it again", endpoint, ask.ctx_instance)
+            instance = None
+        if instance is None:
+            self.rendezvous += 1
+            instance = _CtxInstance(endpoint=endpoint, deadline=now + RENDEZVOUS_TIMEOUT_S)
+            self._instances[endpoint] = instance
+            info = RequestInstanceInfo(protocol_version=PROTOCOL_VERSION)
+            out.append(ev.Send(endpoint=endpoint, message=info))
+        if instance.refusal is not None:
+            self._fail(key, instance.refusal, now, out)
+            return
+        self._starting[key] = _Starting(ask=ask, deadline=now + self.timeout_s)
+        if instance.met:
+            self._proceed(key, instance, now, out)
+        else:
+            instance.waiting.append(key)
+
+    def cancel(self, key: int, now: float, out: Out) -> bool:
+        """Stop receiving `key`; whether nothing can land in its blocks any more."""
+        if (session := self.receivers.get(key)) is not None:
+            session.cancel()
+            if session.status is not Status.TRANSFERRED:
+                self._stop(session, out)
+            self._settle(session, now, out)
+            return key not in self.receivers and key not in self._scattering
+        if (starting := self._starting.get(key)) is not None:
+            starting.cancelled = True  # no REQUEST_DATA will go out: nothing can land
+            instance = self._instances.get(starting.ask.endpoint)
+            if instance is not None and key in instance.waiting:
+                instance.waiting.remove(key)
+                del self._starting[key]
+                self._cancelled_early(key, now, out)
+        return key not in self._scattering  # a copy into the blocks may still run
+
+    # ---- ctx's messages and notifications ----
+
+    def on_instance_info(self, info: InstanceInfo, source: str, now: float, out: Out) -> None:
+        instance = self._instances.get(source)
+        if instance is None or instance.ranks or instance.refusal or not info.ranks:
+            return  # not a rendezvous's answer (a probe's), or none we can use
+        instance.instance_name = info.ranks[0].instance_name
+        try:
+            for rank in info.ranks:
+                self.registrar.register(rank)  # the compatibility gate on our side
+        except PeerIncompatible as exc:
+            self._refused(instance, str(exc), now, out)
+            return
+        instance.ranks, instance.unacked = info.ranks, {r.instance_rank for r in info.ranks}
+        for rank in info.ranks:
+            out.append(
+                ev.Send(endpoint=rank.control_endpoint, message=RegisterPeer(info=self.local))
+            )
+
+    def on_ack(self, ack: RegisterAck, source: str, now: float, out: Out) -> _CtxInstance | None:
+        """A REGISTER_ACK on the dealer to `source`; the instance now met, if this did it."""
+        for instance in self._instances.values():
+            rank = next((r for r in instance.ranks if r.control_endpoint == source), None)
+            if rank is None or (ack.instance_name, ack.instance_rank) != rank.key:
+                continue
+            if ack.instance_rank not in instance.unacked:
+                return None
+            if not ack.accepted:
+                self._refused(instance, str(PeerIncompatible(rank.label, ack.reason)), now, out)
+                return None
+            instance.unacked.discard(ack.instance_rank)
+            if instance.unacked:
+                return None
+            instance.met = True
+            log.info("registered with ctx instance %s at %s", rank.instance_name, source)
+            waiting, instance.waiting = instance.waiting, []
+            for key in waiting:
+                self._proceed(key, instance, now, out)
+            return instance
+        return None
+
+    def on_result(self, result: TransferResult, source: str, now: float, out: Out) -> None:
+        if result.status is ResultStatus.ERROR and result.error.startswith(NOT_REGISTERED):
+            # ctx forgot us: meet it again (a new instance may answer where we met another)
+            self.forget_instance(result.instance_name, rank_endpoint=source)
+        due = (result.instance_name, result.instance_rank, result.key)
+        if self._results_due.pop(due, None) is not None:
+            return  # an ended session's, come late
+        if (session := self.receivers.lookup(result.instance_name, result.key)) is not None:
+            self._expire(session, now, out)  # a result past the deadline comes too late
+            part = RankResult(status=result.status, num_bytes=result.num_bytes,
+                              num_descriptors=result.num_descriptors, error=result.error,
+                              first_tokens=result.first_tokens)  # fmt: skip
+            session.on_result(result.instance_rank, part)
+            self._settle(session, now, out)
+
+    def on_notice(self, notice: WriteNotice, now: float, out: Out) -> None:
+        if (session := self.receivers.lookup(notice.instance_name, notice.key)) is not None:
+            self._expire(session, now, out)
+            said = None
+            if notice.num_descriptors:
+                said = RankResult(status=ResultStatus.OK, num_bytes=notice.num_bytes,
+                                  num_descriptors=notice.num_descriptors,
+                                  first_tokens=notice.first_tokens)  # fmt: skip
+            session.on_notice(notice.instance_rank, said)
+            self._settle(session, now, out)
+
+    def on_cancel(self, cancel: Cancel, now: float, out: Out) -> bool:
+        """ctx cancelled a session of ours; False: we have none for it."""
+        if (session := self.receivers.lookup(cancel.instance_name, cancel.key)) is None:
+            return False
+        session.cancel()
+        if session.status is Status.CANCELLED:
+            self._stop(session, out)  # ctx ranks' answers end the quarantine
+        self._settle(session, now, out)
+        out.append(ev.WAKE)
+        return True
+
+    # ---- the driver's work ----
+
+    def on_staging(self, key: int, offset: int | None, error: str, now: float, out: Out) -> None:
+        starting = self._starting.get(key)
+        if starting is None or starting.staged is None:
+            if offset is not None:
+                out.append(ev.ReleaseStaging(offset=offset))
+        elif offset is None:
+            del self._starting[key]
+            self._fail(key, error, now, out)
+        else:
+            starting.staged = attrs.evolve(starting.staged, offset=offset)
+            self._open(key, now, out)
+
+    def on_scattered(self, key: int, error: str | None, out: Out) -> None:
+        if (outcome := self._scattering.pop(key, None)) is None:
+            return
+        if error is None:
+            self.bounced += 1
+        else:
+            log.warning("KV transfer %d: scattering the staged KV failed: %s", key, error)
+            outcome = attrs.evolve(outcome, ok=False, error=f"scattering the staged KV: {error}")
+        out += [ev.Received(outcome=outcome), ev.WAKE]
+
+    # ---- time, and peers that are gone ----
+
+    def tick(self, now: float, out: Out) -> None:
+        self._results_due = {
+            d: at for d, at in self._results_due.items() if now - at <= 2 * self.timeout_s
+        }
+        for session in list(self.receivers.values()):
+            self._expire(session, now, out)
+            self._settle(session, now, out)  # a quarantine may end by time
+        for endpoint, instance in list(self._instances.items()):
+            if not instance.met and instance.refusal is None and now >= instance.deadline:
+                del self._instances[endpoint]  # transient: the next request tries again
+                # a dead or forged endpoint must not keep a reconnecting socket
+                out.append(ev.ForgetPeer(instance=None, endpoints=(endpoint,)))
+                error = f"cannot reach ctx at {endpoint}: no answer in {RENDEZVOUS_TIMEOUT_S:g}s"
+                for key in instance.waiting:
+                    del self._starting[key]
+                    self._fail(key, error, now, out)
+
+    def forget(self, instance: str, dead: str | None, now: float, out: Out) -> list[RankInfo]:
+        """Forget the ctx instance `instance` (gone; `dead`: why, when its process ended: what
+        waits on it fails now, and its blocks are free, since it writes no more)."""
+        for session in list(self.receivers.values()):
+            if dead is not None and session.peer_instance == instance:
+                session.peer_died(f"peer instance {instance} is gone: {dead}")
+                self._settle(session, now, out)
+        ranks = [*self.registrar.ranks_of(instance), *self.forget_instance(instance)]
+        self.registrar.forget(instance)
+        return ranks
+
+    def forget_instance(self, instance: str, *, rank_endpoint: str = "") -> list[RankInfo]:
+        """Drop the rendezvous with `instance`, and with whichever instance has a rank at
+        `rank_endpoint`; the next request to such an endpoint meets whatever answers there."""
+        dropped: list[RankInfo] = []
+        for endpoint, met in list(self._instances.items()):
+            there = any(rank.control_endpoint == rank_endpoint for rank in met.ranks)
+            if (met.met or met.refusal) and (met.instance_name == instance or there):
+                del self._instances[endpoint]
+                dropped += met.ranks
+        return dropped
+
+    # ---- sessions ----
+
+    def _proceed(self, key: int, instance: _CtxInstance, now: float, out: Out) -> None:
+        """`key`'s ctx instance is met: reserve staging room if the transfer bounces, then
+        ask for the KV."""
+        starting, first = self._starting[key], instance.ranks[0]
+        starting.ranks = instance.ranks
+        starting.expected = self.registrar.overlap(first, peer_dp_rank=first.dp_rank).ranks
+        blocks, num_tokens = starting.ask.block_ids, starting.ask.num_tokens
+        if self.staging is not None and len(blocks) == 1 and self._bounces(starting):
+            tpb = self.local.tokens_per_block
+            skipped = (-(-num_tokens // tpb) - len(blocks[0])) * tpb  # blocks gen holds
+            num_bytes = canonical_bytes(self.local, num_tokens - skipped)
+            if num_bytes <= self.staging.capacity:
+                starting.staged = ev.StagedReceive(offset=-1, num_bytes=num_bytes,
+                                                   block_ids=blocks[0], first_token=skipped,
+                                                   num_tokens=num_tokens)  # fmt: skip
+                deadline = starting.deadline
+                out.append(ev.ReserveStaging(key=key, num_bytes=num_bytes, deadline=deadline))
+                return
+            log.info("KV of %d tokens exceeds the staging buffer: direct writes", num_tokens)
+        self._open(key, now, out)
+
+    def _bounces(self, starting: _Starting) -> bool:
+        """Whether this receive goes through staging; ctx decides the same from the same
+        mapper, and both ends agreed on the settings."""
+        bounce, by_rank = self.local.bounce, {r.instance_rank: r for r in starting.ranks}
+        return any(
+            bounces(self.registrar.send_plan(by_rank[rank].key).piece_bytes,
+                    threshold_bytes=bounce.threshold_bytes, enabled=bounce.enabled)
+            for rank in starting.expected
+        )  # fmt: skip
+
+    def _open(self, key: int, now: float, out: Out) -> None:
+        starting = self._starting.pop(key)
+        staged = starting.staged
+        if starting.cancelled:
+            if staged is not None:
+                out.append(ev.ReleaseStaging(offset=staged.offset))
+            self._cancelled_early(key, now, out)
+            return
+        address = staged.offset + self.staging.address if staged and self.staging else 0
+        request = RequestData(
+            key=key, instance_name=self.local.instance_name,
+            instance_rank=self.local.instance_rank,
+            block_ids=tuple(pack_block_ids(ids) for ids in starting.ask.block_ids),
+            num_tokens=starting.ask.num_tokens, staging_address=address,
+            staging_bytes=staged.num_bytes if staged is not None else 0,
+        )  # fmt: skip
+        session = ReceiverSession(key=key, peer_instance=starting.ranks[0].instance_name,
+                                  expected=frozenset(starting.expected),
+                                  deadline=starting.deadline)  # fmt: skip
+        session.mark_requested()
+        self.receivers[key] = session
+        if staged is not None:
+            self._staged[key] = staged
+        by_rank = {rank.instance_rank: rank for rank in starting.ranks}
+        for rank in sorted(starting.expected):
+            out.append(ev.Send(endpoint=by_rank[rank].control_endpoint, message=request))
+
+    def _settle(self, session: ReceiverSession, now: float, out: Out) -> None:
+        """A terminal session ends once no ctx write can land in its blocks; until then a
+        failure is reported at once (`early_failures`), the blocks held."""
+        key = session.key
+        if not session.is_terminal or self.receivers.get(key) is not session:
+            return
+        if not self.released(session, now):
+            if (
+                self.early_failures
+                and session.status is Status.ERROR
+                and not session.failure_reported
+            ):
+                session.failure_reported = True
+                failed = self._outcome(key, now, ok=False, error=session.error, blocks_held=True)
+                out += [ev.Received(outcome=failed), ev.WAKE]
+            return
+        del self.receivers[key]
+        if not session.peer_dead:
+            self._results_due.update(
+                {(session.peer_instance, r, key): now for r in session.unreported}
+            )
+        status = session.status
+        if not session.is_quiescent and status is not Status.TRANSFERRED:
+            self.quarantine_expired += 1
+            log.warning("KV transfer %d: no answer from ctx %s %gs past the deadline; blocks freed",
+                        key, session.peer_instance, self.timeout_s)  # fmt: skip
+        outcome = None
+        if not session.failure_reported:  # else it was told, and the executor frees
+            outcome = self._outcome(
+                key, now, ok=status is Status.TRANSFERRED, cancelled=status is Status.CANCELLED,
+                error=session.error, num_bytes=session.num_bytes,
+                num_descriptors=session.num_descriptors, first_tokens=session.first_tokens,
+            )  # fmt: skip
+        if (staged := self._staged.pop(key, None)) is not None:
+            if outcome is not None and outcome.ok:
+                self._scattering[key] = outcome  # reported once it is in the blocks
+                out.append(ev.ScatterStaged(key=key, staged=staged))
+                return
+            out.append(ev.ReleaseStaging(offset=staged.offset))
+        if outcome is not None:
+            out.append(ev.Received(outcome=outcome))
+        out.append(ev.WAKE)  # (a quarantine that ends frees blocks: `cancel_request` says so now)
+
+    def released(self, session: ReceiverSession, now: float) -> bool:
+        """Whether no ctx write can land in `session`'s blocks any more: its KV landed, or
+        every expected rank reported (a ctx rank answers a CANCEL at once when no write to us
+        is in flight, else with that write's result), or ctx stayed silent a second timeout
+        past the deadline (taken for dead)."""
+        settled = session.status is Status.TRANSFERRED or session.is_quiescent
+        return settled or now >= session.deadline + self.timeout_s
+
+    def _expire(self, session: ReceiverSession, now: float, out: Out) -> None:
+        if session.expired(now):
+            session.fail(f"KV transfer {session.key} timed out after {self.timeout_s:g}s")
+            self._stop(session, out)
+
+    def _stop(self, session: ReceiverSession, out: Out) -> None:
+        """Tell every expected ctx rank, once, that we gave up on `session`."""
+        if session.cancel_sent:
+            return
+        session.cancel_sent = True
+        local = self.local
+        cancel = Cancel(key=session.key, instance_name=local.instance_name,
+                        instance_rank=local.instance_rank)  # fmt: skip
+        for rank in sorted(session.expected):
+            if (peer := self.registrar.get((session.peer_instance, rank))) is not None:
+                out.append(ev.Send(endpoint=peer.control_endpoint, message=cancel))
+
+    def _refused(self, instance: _CtxInstance, refusal: str, now: float, out: Out) -> None:
+        """The ctx instance refused us, or we it: every request to it fails with `refusal`,
+        now and later (kept per endpoint)."""
+        log.warning("refused ctx instance at %s: %s", instance.endpoint, refusal)
+        instance.refusal, instance.unacked = refusal, set()
+        waiting, instance.waiting = instance.waiting, []
+        for key in waiting:
+            del self._starting[key]
+            self._fail(key, refusal, now, out)
+
+    def _fail(self, key: int, reason: str, now: float, out: Out) -> None:
+        out += [ev.Received(outcome=self._outcome(key, now, ok=False, error=reason)), ev.WAKE]
+
+    def _cancelled_early(self, key: int, now: float, out: Out) -> None:
+        out += [ev.Received(outcome=self._outcome(key, now, ok=False, cancelled=True)), ev.WAKE]
+
+    def _outcome(self, key: int, now: float, **fields: Any) -> TransferOutcome:
+        outcome = TransferOutcome(key=key, ok=False, seconds=now - self._started.pop(key, now))
+        return attrs.evolve(outcome, **fields)
+
+
+def _replaced(instance: _CtxInstance, named: str | None) -> bool:
+    """Whether the ctx met (or refused) at an endpoint is not the instance `named` there now;
+    receives under way keep their sessions, keyed by instance."""
+    met = instance.met or instance.refusal is not None
+    return met and named is not None and instance.instance_name not in (None, named)

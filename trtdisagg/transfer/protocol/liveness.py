@@ -1,0 +1,169 @@
+"""Which peer instances are gone. Pure.
+
+A loaded agent of a peer on the same node maps the peer's whole KV pool (UCX cuda_ipc), and that
+memory is not freed while the mapping stays: a peer that exits, crashes or restarts under a new
+name stays pinned in GPU memory for as long as its agent is loaded. So each side watches the
+peer instances it knows:
+
+- anything heard from an instance (a message naming it, an answer to a probe) counts as alive;
+- an instance silent for `idle_s` is probed: REQUEST_INSTANCE_INFO to its rank 0, whose answer
+  (from any live rank 0) names the instance now at that endpoint; another name there means the
+  old instance was replaced: gone at once;
+- `misses` probes in a row without an answer within `answer_s` each: gone;
+- the control connection to one of its ranks dropped, or could not be made, and did not come
+  back within `relink_s`: gone. A live process keeps its sockets open, a stalled one too (the
+  kernel holds them), so this is a process that ended, seen in about a second.
+
+A peer that is `dead` (replaced, or its connection gone) can write nothing any more, so what
+waits on it fails at once, and gen frees the blocks it was to fill. One that only went silent
+may be stalled and write later: what waits on it keeps its deadline and its quarantine.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+# A live peer answers a probe within milliseconds; these leave room for a peer whose loop is
+# busy (a long prefill step's thread competes for the interpreter) and still release a dead
+# peer's GPU memory within half a minute, before a restarted worker on that GPU sizes its pool.
+PROBE_IDLE_S = 5.0
+PROBE_ANSWER_S = 5.0
+PROBE_MISSES = 3
+# A dropped connection that a live peer re-makes (zmq reconnects within ~0.1 s) against a
+# process that ended: its port refuses connections until a new process binds it.
+RELINK_S = 1.0
+
+
+@attrs.frozen
+class Gone:
+    """A peer instance to forget, and why. `dead`: it can write nothing any more."""
+
+    instance: str
+    dead: bool
+    reason: str
+
+
+@attrs.define
+class _Peer:
+    endpoint: str  # rank 0's control endpoint: where probes go
+    heard: float
+    probed: float | None = None  # the probe awaiting an answer
+    misses: int = 0
+    down: dict[str, float] = attrs.field(factory=dict)  # rank endpoint -> when its link dropped
+    recheck: bool = False  # probe at once (a link came back: maybe to a new process)
+
+
+@attrs.define
+class PeerLiveness:
+    """The peer instances one rank knows, by name, and when each was last heard from."""
+
+    idle_s: float = PROBE_IDLE_S
+    answer_s: float = PROBE_ANSWER_S
+    misses: int = PROBE_MISSES
+    relink_s: float = RELINK_S
+    _peers: dict[str, _Peer] = attrs.field(factory=dict)
+    _replaced: set[str] = attrs.field(factory=set)
+    _links: dict[str, str] = attrs.field(factory=dict)  # rank control endpoint -> instance
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __contains__(self, instance: str) -> bool:
+        return instance in self._peers
+
+    def track(self, instance: str, endpoint: str, now: float) -> None:
+        """Watch `instance`, whose rank 0 listens at `endpoint` (again: heard now)."""
+        peer = self._peers.get(instance)
+        if peer is None:
+            self._peers[instance] = _Peer(endpoint=endpoint, heard=now)
+        else:
+            peer.endpoint = endpoint
+            self.heard(instance, now)
+        self._links[endpoint] = instance
+
+    def track_link(self, instance: str, endpoint: str) -> None:
+        """The control connection to `endpoint`, one of `instance`'s ranks, counts for it
+        (`link`); rank 0's, given to `track`, always does."""
+        self._links[endpoint] = instance
+
+    def forget(self, instance: str) -> None:
+        self._peers.pop(instance, None)
+        self._replaced.discard(instance)
+        for endpoint in [e for e, name in self._links.items() if name == instance]:
+            del self._links[endpoint]
+
+    def link(self, endpoint: str, up: bool, now: float) -> None:
+        """Our control connection to `endpoint` came up, or dropped or failed to connect
+        (endpoints of no tracked instance are ignored)."""
+        peer = self._peers.get(self._links.get(endpoint, ""))
+        if peer is None:
+            return
+        if not up:
+            peer.down.setdefault(endpoint, now)
+        elif peer.down.pop(endpoint, None) is not None:
+            peer.recheck = True
+
+    def heard(self, instance: str, now: float) -> None:
+        """A message from `instance`: alive (untracked names are ignored)."""
+        peer = self._peers.get(instance)
+        if peer is not None:
+            peer.heard = max(peer.heard, now)
+            peer.probed = None
+            peer.misses = 0
+
+    def answered(self, endpoint: str, instance: str, now: float) -> None:
+        """rank 0 at `endpoint` says it is `instance`: that one is alive, and any other tracked
+        instance whose rank 0 was there is gone (a restart on the same port)."""
+        for name, peer in self._peers.items():
+            if peer.endpoint != endpoint:
+                continue
+            if name == instance:
+                self.heard(name, now)
+            else:
+                self._replaced.add(name)
+
+    def to_probe(self, now: float) -> list[tuple[str, str]]:
+        """(instance, endpoint) to probe now: silent for `idle_s`, or whose last probe went
+        unanswered for `answer_s` (a miss). Each call marks them probed at `now`."""
+        due = []
+        for name, peer in self._peers.items():
+            if name in self._replaced:
+                continue
+            if peer.recheck:
+                peer.recheck = False
+            elif peer.probed is not None:
+                if now - peer.probed < self.answer_s:
+                    continue
+                peer.misses += 1
+                if peer.misses >= self.misses:
+                    continue  # gone: `gone` says so
+            elif now - peer.heard < self.idle_s:
+                continue
+            peer.probed = now
+            due.append((name, peer.endpoint))
+        return due
+
+    def gone(self, now: float) -> list[Gone]:
+        """Instances replaced at their endpoint, whose connection to a rank dropped `relink_s`
+        ago and has not come back (both dead), or that missed `misses` probes in a row (the
+        last one unanswered for `answer_s`); the caller forgets them."""
+        out = [
+            Gone(name, True, "a new instance answers at its endpoint")
+            for name in sorted(self._replaced)
+        ]
+        for name, peer in self._peers.items():
+            if name in self._replaced:
+                continue
+            lost = [e for e, at in sorted(peer.down.items()) if now - at >= self.relink_s]
+            if lost:
+                back = f"was not back within {self.relink_s:g}s"
+                # (a connection that never came up was refused: nothing listened there)
+                dropped = f"its connection to {lost[0]} dropped (or was refused)"
+                out.append(Gone(name, True, f"{dropped} and {back}"))
+                continue
+            if peer.probed is None:
+                continue
+            missed = peer.misses + (now - peer.probed >= self.answer_s)
+            if missed >= self.misses:
+                out.append(Gone(name, False, f"{missed} probes in a row went unanswered"))
+        return out

@@ -1,0 +1,379 @@
+"""Mappers: (source blocks, destination blocks) -> merged byte fragments for one rank pair. Pure.
+
+A mapper is built once per (ctx rank view, gen rank view) pair at peer registration, from both
+page tables' registered sizes, the overlapping layers and the overlapping heads; building it is
+where an unsupported pairing is refused (`UnsupportedPairing`, naming both values). At request
+time `map_blocks` turns aligned block pairs (`aligned_blocks`) into `Fragments` (each
+`(src_addr, dst_addr, size)`), sorted and merged: two pieces that continue each other on BOTH
+sides become one fragment, so a homogeneous transfer between runs of consecutive blocks is one
+fragment per run. Per-block runs are computed once per token count and placed with numpy.
+
+    IntactMapper            same local heads and layout: whole K/V entries; per block, every run
+                            of layers contiguous on both sides merges (1 fragment per block when
+                            all layers overlap, 1 per run of consecutive blocks after merging)
+    ReplicatedMapper        REPLICATED views: whole entries; who sends is decided by election
+    HndHeadMismatchMapper   heads differ, HND `[H, T, D]`: one contiguous head range per layer
+                            and K/V per block
+    NhdHeadMismatchMapper   heads differ, NHD `[T, H, D]`: one head range per layer, K/V and token
+    TransposeMapper         HND on one side, NHD on the other: one head of one token per piece,
+                            merged only where both sides continue (many small fragments)
+
+Byte geometry comes from the registered sizes only: the entry size divided by heads x tokens must
+be a whole number of bytes and equal `head_dim * element_bytes` on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from trtdisagg.kv.page_table import LayerGroup, MapperKind, PoolView
+from trtdisagg.transfer.errors import MappingError, UnsupportedPairing
+from trtdisagg.transfer.protocol.block_runs import BlockRun
+from trtdisagg.transfer.protocol.fragments import Fragments, Runs, empty_runs, merge_runs
+
+IdArray = npt.NDArray[np.int64]  # block ids (or token counts), one per block
+
+
+@attrs.frozen(kw_only=True)
+class HeadOverlap:
+    """The heads both ranks hold, as local head indices on each side."""
+
+    src_start: int
+    dst_start: int
+    count: int
+
+
+@attrs.frozen(kw_only=True)
+class ViewGeometry:
+    """Byte geometry of one pool view, derived from a page table and checked (`of`)."""
+
+    kind: MapperKind
+    base_address: int
+    num_slots: int
+    slot_stride: int
+    layer_stride: int
+    entry_offsets: tuple[int, ...]  # K, V offsets inside a layer; the same for every layer
+    entry_size: int
+    num_heads: int  # local heads
+    tokens_per_block: int
+    row_bytes: int  # one head of one token: head_dim * element_bytes
+
+    @classmethod
+    def of(cls, group: LayerGroup, view: PoolView) -> ViewGeometry:
+        """Check `view` of `group` and derive its geometry; UnsupportedPairing if inconsistent."""
+        name = f"view {sorted(view.pool_role)} of layer group {group.group_id}"
+        num_layers = len(group.global_layer_ids)
+        per_layer: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
+        for entry in view.buffer_entries:
+            if not 0 <= entry.local_layer_id < num_layers:
+                raise UnsupportedPairing(f"{name}: entry for local layer {entry.local_layer_id}")
+            per_layer[entry.local_layer_id].append((entry.offset, entry.size))
+        if not per_layer[0] or any(layer != per_layer[0] for layer in per_layer):
+            raise UnsupportedPairing(f"{name}: layers have different buffer entries")
+        sizes = {size for _, size in per_layer[0]}
+        if len(sizes) != 1:
+            raise UnsupportedPairing(f"{name}: entries of different sizes {sorted(sizes)}")
+        entry_size = sizes.pop()
+        cells = view.num_kv_heads * view.tokens_per_block
+        if entry_size % cells:
+            raise UnsupportedPairing(
+                f"{name}: entry size {entry_size} not divisible by heads x tokens_per_block "
+                f"{view.num_kv_heads} x {view.tokens_per_block}"
+            )
+        row_bytes = entry_size // cells
+        if row_bytes != view.head_dim * view.element_bytes:
+            raise UnsupportedPairing(
+                f"{name}: {row_bytes} bytes per head per token, but head_dim x element_bytes "
+                f"is {view.head_dim} x {view.element_bytes}"
+            )
+        pool = group.pool
+        layer_extent = max(offset + size for offset, size in per_layer[0])
+        slot_extent = (num_layers - 1) * pool.layer_stride_bytes + layer_extent
+        if (num_layers > 1 and layer_extent > pool.layer_stride_bytes) or (
+            slot_extent > pool.slot_bytes
+        ):
+            raise UnsupportedPairing(f"{name}: entries overrun layer stride or slot")
+        return cls(
+            kind=view.mapper_kind,
+            base_address=pool.base_address,
+            num_slots=pool.num_slots,
+            slot_stride=pool.slot_stride_bytes,
+            layer_stride=pool.layer_stride_bytes,
+            entry_offsets=tuple(offset for offset, _ in per_layer[0]),
+            entry_size=entry_size,
+            num_heads=view.num_kv_heads,
+            tokens_per_block=view.tokens_per_block,
+            row_bytes=row_bytes,
+        )
+
+    @property
+    def head_bytes(self) -> int:
+        """Distance between consecutive heads inside one entry."""
+        return self.row_bytes * (self.tokens_per_block if self.kind is MapperKind.HND else 1)
+
+    @property
+    def token_bytes(self) -> int:
+        """Distance between consecutive tokens inside one entry."""
+        return self.row_bytes * (self.num_heads if self.kind is MapperKind.NHD else 1)
+
+    def slot_addresses(self, blocks: Sequence[int] | IdArray) -> IdArray:
+        """Start address of each block's slot; MappingError for a block outside the pool."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        bad = ids[(ids < 0) | (ids >= self.num_slots)]
+        if bad.size:
+            raise MappingError(f"block {bad[0]} outside pool of {self.num_slots} slots")
+        return self.base_address + ids * self.slot_stride
+
+
+@attrs.define(eq=False, kw_only=True)
+class Mapper:
+    """Base: per-block runs from `_units`, cached per token count; `map` places and merges them."""
+
+    name: ClassVar[str] = "base"
+    token_dependent: ClassVar[bool] = False  # whether a partial block has fewer units
+
+    src: ViewGeometry
+    dst: ViewGeometry
+    layers: tuple[tuple[int, int], ...]  # (source local layer, destination local layer)
+    heads: HeadOverlap
+    _runs: dict[int, Runs] = attrs.field(factory=dict, init=False, repr=False)
+    # (source offset, destination offset, size) when a block's runs merge into one run exactly
+    # one slot stride long on both sides, so that consecutive slots' runs abut; else None.
+    _span: tuple[int, int, int] | None = attrs.field(init=False, repr=False)
+
+    @_span.default
+    def _slot_span(self) -> tuple[int, int, int] | None:
+        runs = self._block_runs(self.src.tokens_per_block)
+        whole = (
+            not self.token_dependent
+            and len(runs) == 1
+            and int(runs[0, 2]) == self.src.slot_stride == self.dst.slot_stride
+        )
+        return (int(runs[0, 0]), int(runs[0, 1]), int(runs[0, 2])) if whole else None
+
+    def map_blocks(
+        self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64], tokens: IdArray
+    ) -> Fragments:
+        """Merged fragments that copy each source block (at least its first `tokens`) into its
+        destination block (arrays from `aligned_blocks`), sorted by source address."""
+        if not self.token_dependent:
+            placed = self._place(self.src.tokens_per_block, src_ids, dst_ids)
+        else:
+            placed = np.concatenate(
+                [empty_runs()]
+                + [
+                    self._place(int(t), src_ids[tokens == t], dst_ids[tokens == t])
+                    for t in np.unique(tokens)
+                ]
+            )
+        return Fragments(merge_runs(placed))
+
+    def map_runs(self, src: BlockRun, dst: BlockRun, *, num_tokens: int) -> Fragments | None:
+        """`map_blocks` for the usual case, in constant time: both block lists are runs
+        (block_runs.py: fresh blocks on both sides) and whole slots are copied, which merge into
+        one fragment. None: not that case (or lists that do not fit: `aligned_blocks` says why)."""
+        skip = src.count - dst.count
+        if skip < 0:
+            return None
+        return self._one_fragment(src.first + skip, dst.first, dst.count, src.count, num_tokens)
+
+    def _one_fragment(
+        self, src_first: int, dst_first: int, count: int, src_count: int, num_tokens: int
+    ) -> Fragments | None:
+        """The one fragment copying `count` whole consecutive slots from `src_first` to
+        `dst_first`, for a request of `num_tokens` whose source list holds `src_count` blocks;
+        None where that does not hold (`aligned_blocks` then says what is wrong, if anything)."""
+        span = self._span
+        total = -(-num_tokens // self.src.tokens_per_block)
+        if span is None or count <= 0 or src_count > total:
+            return None
+        inside_src = 0 <= src_first <= self.src.num_slots - count
+        if not (inside_src and 0 <= dst_first <= self.dst.num_slots - count):
+            return None
+        return Fragments.one(
+            self.src.base_address + src_first * self.src.slot_stride + span[0],
+            self.dst.base_address + dst_first * self.dst.slot_stride + span[1],
+            count * span[2],
+        )
+
+    def _place(self, num_tokens: int, src_ids: IdArray, dst_ids: IdArray) -> Runs:
+        """The per-block runs of `num_tokens` tokens, placed at each pair's slots."""
+        runs = self._block_runs(num_tokens)  # [k, 3], offsets inside one block
+        placed = np.empty((len(src_ids), len(runs), 3), dtype=np.int64)
+        placed[:, :, 0] = self.src.slot_addresses(src_ids)[:, None] + runs[None, :, 0]
+        placed[:, :, 1] = self.dst.slot_addresses(dst_ids)[:, None] + runs[None, :, 1]
+        placed[:, :, 2] = runs[None, :, 2]
+        return placed.reshape(-1, 3)
+
+    def piece_bytes(self) -> int:
+        """The smallest contiguous piece this mapper writes of a full block (after merging)."""
+        runs = self._block_runs(self.src.tokens_per_block)
+        return int(runs[:, 2].min()) if len(runs) else 0
+
+    def _block_runs(self, num_tokens: int) -> Runs:
+        runs = self._runs.get(num_tokens)
+        if runs is None:
+            units = np.array(list(self._units(num_tokens)), dtype=np.int64).reshape(-1, 3)
+            runs = self._runs[num_tokens] = merge_runs(units)
+        return runs
+
+    def _entry_offsets(self) -> Iterable[tuple[int, int]]:
+        """(source, destination) offsets of each overlapping layer's K and V entries."""
+        for src_layer, dst_layer in self.layers:
+            for src_entry, dst_entry in zip(self.src.entry_offsets, self.dst.entry_offsets):
+                yield (
+                    src_layer * self.src.layer_stride + src_entry,
+                    dst_layer * self.dst.layer_stride + dst_entry,
+                )
+
+    def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
+        raise NotImplementedError
+
+
+class IntactMapper(Mapper):
+    name: ClassVar[str] = "intact"
+
+    def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
+        for src_off, dst_off in self._entry_offsets():
+            yield (src_off, dst_off, self.src.entry_size)
+
+
+class ReplicatedMapper(IntactMapper):
+    name: ClassVar[str] = "replicated"
+
+
+class HndHeadMismatchMapper(Mapper):
+    name: ClassVar[str] = "hnd-head-mismatch"
+
+    def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
+        src_head = self.heads.src_start * self.src.head_bytes
+        dst_head = self.heads.dst_start * self.dst.head_bytes
+        size = self.heads.count * self.src.head_bytes
+        for src_off, dst_off in self._entry_offsets():
+            yield (src_off + src_head, dst_off + dst_head, size)
+
+
+class NhdHeadMismatchMapper(Mapper):
+    name: ClassVar[str] = "nhd-head-mismatch"
+    token_dependent: ClassVar[bool] = True
+
+    def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
+        src_head = self.heads.src_start * self.src.row_bytes
+        dst_head = self.heads.dst_start * self.dst.row_bytes
+        size = self.heads.count * self.src.row_bytes
+        for src_off, dst_off in self._entry_offsets():
+            for token in range(num_tokens):
+                yield (
+                    src_off + token * self.src.token_bytes + src_head,
+                    dst_off + token * self.dst.token_bytes + dst_head,
+                    size,
+                )
+
+
+class TransposeMapper(Mapper):
+    name: ClassVar[str] = "transpose"
+    token_dependent: ClassVar[bool] = True
+
+    def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
+        # head_bytes / token_bytes follow each side's own layout, so one formula serves both
+        # directions (HND -> NHD and NHD -> HND).
+        for src_off, dst_off in self._entry_offsets():
+            for i in range(self.heads.count):
+                src_head = src_off + (self.heads.src_start + i) * self.src.head_bytes
+                dst_head = dst_off + (self.heads.dst_start + i) * self.dst.head_bytes
+                for token in range(num_tokens):
+                    yield (
+                        src_head + token * self.src.token_bytes,
+                        dst_head + token * self.dst.token_bytes,
+                        self.src.row_bytes,
+                    )
+
+
+def select_mapper(
+    *,
+    src: ViewGeometry,
+    dst: ViewGeometry,
+    layers: Sequence[tuple[int, int]],
+    heads: HeadOverlap,
+) -> Mapper:
+    """The mapper for this pairing, or UnsupportedPairing naming what differs (both values)."""
+
+    def refuse(what: str, a: object, b: object) -> UnsupportedPairing:
+        return UnsupportedPairing(f"{what}: source {a} vs destination {b}")
+
+    transposed = {src.kind, dst.kind} == {MapperKind.HND, MapperKind.NHD}
+    if src.kind is not dst.kind and not transposed:
+        raise refuse("mapper kind", src.kind.value, dst.kind.value)
+    if src.tokens_per_block != dst.tokens_per_block:
+        raise refuse(
+            f"tokens_per_block ({src.kind.value} needs equal)",
+            src.tokens_per_block,
+            dst.tokens_per_block,
+        )
+    if src.row_bytes != dst.row_bytes:
+        raise refuse("head_dim x element_bytes", src.row_bytes, dst.row_bytes)
+    if len(src.entry_offsets) != len(dst.entry_offsets):
+        raise refuse("entries per layer", len(src.entry_offsets), len(dst.entry_offsets))
+    if not (
+        heads.count > 0
+        and 0 <= heads.src_start <= src.num_heads - heads.count
+        and 0 <= heads.dst_start <= dst.num_heads - heads.count
+    ):
+        raise refuse(f"head overlap {heads}: local heads", src.num_heads, dst.num_heads)
+    cls: type[Mapper]
+    if transposed:
+        cls = TransposeMapper
+    elif src.kind is MapperKind.REPLICATED:
+        if src.entry_size != dst.entry_size:
+            raise refuse("replicated entry size", src.entry_size, dst.entry_size)
+        cls = ReplicatedMapper
+    elif heads.count == src.num_heads == dst.num_heads:
+        cls = IntactMapper
+    elif src.kind is MapperKind.HND:
+        cls = HndHeadMismatchMapper
+    else:
+        cls = NhdHeadMismatchMapper
+    return cls(src=src, dst=dst, layers=tuple(layers), heads=heads)
+
+
+def aligned_blocks(
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    *,
+    num_tokens: int,
+    tokens_per_block: int,
+) -> tuple[IdArray, IdArray, IdArray]:
+    """Pair source and destination blocks of one request: (source ids, destination ids, the
+    request's tokens in each pair's block), one array entry per pair.
+
+    Both lists are suffixes of the request's blocks `[0, ceil(num_tokens / tokens_per_block))`:
+    a shorter destination list skips blocks gen already holds. The source must hold every block
+    the destination asks for.
+
+    Raises:
+        MappingError: a list longer than the request, or a source that starts after the
+            destination.
+    """
+    total = -(-num_tokens // tokens_per_block)
+    if len(src_blocks) > total or len(dst_blocks) > total:
+        raise MappingError(
+            f"{len(src_blocks)} source / {len(dst_blocks)} destination blocks for "
+            f"{num_tokens} tokens ({total} blocks of {tokens_per_block})"
+        )
+    src_start = total - len(src_blocks)
+    dst_start = total - len(dst_blocks)
+    if src_start > dst_start:
+        raise MappingError(
+            f"destination asks for blocks from {dst_start}, source holds only from {src_start}"
+        )
+    skip = dst_start - src_start
+    src = np.asarray(src_blocks, dtype=np.int64)[skip:]
+    dst = np.asarray(dst_blocks, dtype=np.int64)
+    first = np.arange(dst_start, total, dtype=np.int64) * tokens_per_block
+    tokens = np.minimum(tokens_per_block, num_tokens - first)
+    return src, dst, tokens

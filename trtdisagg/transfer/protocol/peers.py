@@ -1,0 +1,320 @@
+"""PeerRegistrar: who a rank exchanges KV with, and how. Pure.
+
+Lifecycle, per local rank:
+
+1. `PeerRegistrar(local_info)` at start-up.
+2. `register(peer_info)` once per peer rank: on ctx for each REGISTER_PEER, on gen for each rank
+   of an INSTANCE_INFO. It runs the compatibility gate (`check_compatible`), maps pools (equal
+   `pool_role`, overlapping global layers) and builds the mappers, so an unsupported pairing is a
+   `PeerIncompatible` here, never at request time. A refused instance stays refused (same
+   message) until `forget`.
+3. Per request: `overlap(peer, peer_dp_rank=...)` says which peer ranks share layers and heads
+   with this rank (gen sends REQUEST_DATA to exactly those ctx ranks and expects one result from
+   each; ctx expects REQUEST_DATA from exactly those gen ranks), and `send_plan(peer_key)` turns
+   block lists into fragments on the sending side.
+4. `forget(instance_name)` when the peer instance goes away.
+
+Owner election: when the sender's KV heads are duplicated over `d = tp_per_dp / num_kv_heads > 1`
+of its ranks, the copy of a head that receiver rank `r` needs is written only by the duplicate with
+`tp_in_dp % d == r.tp_rank % d`; the other duplicates still answer with a 0-byte result, because
+the receiver counts one result per overlapping rank. Every destination byte thus has exactly one
+writer. A REPLICATED view is the `num_kv_heads == 1` case of the same rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from trtdisagg.transfer.errors import MappingError, PeerIncompatible, UnsupportedPairing
+from trtdisagg.transfer.protocol.block_runs import BlockRun, packed_run
+from trtdisagg.transfer.protocol.fragments import Fragments, Runs, empty_runs, merge_runs
+from trtdisagg.transfer.protocol.mappers import (
+    HeadOverlap,
+    Mapper,
+    ViewGeometry,
+    aligned_blocks,
+    select_mapper,
+)
+from trtdisagg.transfer.protocol.rank_info import (
+    RankInfo,
+    check_compatible,
+    flat_rank,
+    head_range,
+    layer_range,
+)
+from trtdisagg.transfer.protocol.sessions import SourceBlocks
+from trtdisagg.transfer.protocol.wire import RequestData, unpack_block_ids
+
+
+def _intersect(a: range, b: range) -> range:
+    return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
+@attrs.frozen(kw_only=True)
+class PeerOverlap:
+    """The ranks of a peer instance (within one of its DP groups) that share data with us."""
+
+    pp_ranks: tuple[int, ...]
+    tp_ranks: tuple[int, ...]
+    ranks: tuple[int, ...]  # flat instance ranks, pp-major, sorted
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+
+def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> PeerOverlap:
+    """Peer ranks of DP group `peer_dp_rank` holding any layer AND any KV head that `local` holds.
+
+    `peer` may be any rank of the peer instance: only its sizes are read.
+    """
+    if not 0 <= peer_dp_rank < peer.dp_size:
+        raise MappingError(f"peer dp rank {peer_dp_rank} outside dp_size {peer.dp_size}")
+    pp_ranks = tuple(
+        p
+        for p in range(peer.pp_size)
+        if _intersect(layer_range(peer.layer_num_per_pp, p), local.layers)
+    )
+    first = peer_dp_rank * peer.tp_per_dp
+    tp_ranks = tuple(
+        first + i
+        for i in range(peer.tp_per_dp)
+        if _intersect(head_range(peer.num_kv_heads, peer.tp_per_dp, i), local.heads)
+    )
+    ranks = tuple(
+        flat_rank(tp_rank=t, pp_rank=p, tp_size=peer.tp_size) for p in pp_ranks for t in tp_ranks
+    )
+    return PeerOverlap(pp_ranks=pp_ranks, tp_ranks=tp_ranks, ranks=ranks)
+
+
+def duplicate_head_factor(info: RankInfo) -> int:
+    """How many ranks of one DP group hold a copy of each KV head."""
+    return max(1, info.tp_per_dp // info.num_kv_heads)
+
+
+def is_elected(*, sender: RankInfo, receiver: RankInfo) -> bool:
+    """Whether `sender` writes the heads it shares with `receiver` (one writer per head copy)."""
+    dup = duplicate_head_factor(sender)
+    return dup == 1 or sender.tp_in_dp % dup == receiver.tp_rank % dup
+
+
+@attrs.frozen(kw_only=True)
+class ViewPair:
+    """One matched pool view: sender layer group `src_group` -> receiver group `dst_group`."""
+
+    src_group: int  # index into the sender's page_table.layer_groups
+    dst_group: int
+    mapper: Mapper
+
+
+def map_pools(src: RankInfo, dst: RankInfo) -> tuple[ViewPair, ...]:
+    """Match the sender's pool views to the receiver's and build one mapper per match.
+
+    A group maps to the receiver group sharing any of its global layers (more than one such
+    group is an error); inside it, a view maps to the view with an equal `pool_role`. Unmatched
+    views, and rank pairs sharing no layer or head, map to nothing.
+
+    Raises:
+        UnsupportedPairing: ambiguous group match, different mapper kinds, or a mapper refusal.
+    """
+    heads = _intersect(src.heads, dst.heads)
+    if not heads:
+        return ()
+    head_overlap = HeadOverlap(
+        src_start=heads.start - src.heads.start,
+        dst_start=heads.start - dst.heads.start,
+        count=len(heads),
+    )
+    pairs: list[ViewPair] = []
+    dst_groups = dst.page_table.layer_groups
+    for gi, group in enumerate(src.page_table.layer_groups):
+        mine = set(group.global_layer_ids)
+        matches = [hi for hi, g in enumerate(dst_groups) if mine & set(g.global_layer_ids)]
+        if not matches:
+            continue
+        if len(matches) > 1:
+            ids = [dst_groups[hi].group_id for hi in matches]
+            raise UnsupportedPairing(
+                f"layer group {group.group_id} overlaps {len(matches)} peer layer groups {ids}"
+            )
+        peer_group = dst_groups[matches[0]]
+        peer_layers = {layer: i for i, layer in enumerate(peer_group.global_layer_ids)}
+        layers = [
+            (i, peer_layers[layer])
+            for i, layer in enumerate(group.global_layer_ids)
+            if layer in peer_layers
+        ]
+        for view in group.views:
+            peer_view = next((v for v in peer_group.views if v.pool_role == view.pool_role), None)
+            if peer_view is None:
+                continue
+            mapper = select_mapper(
+                src=ViewGeometry.of(group, view),
+                dst=ViewGeometry.of(peer_group, peer_view),
+                layers=layers,
+                heads=head_overlap,
+            )
+            pairs.append(ViewPair(src_group=gi, dst_group=matches[0], mapper=mapper))
+    return tuple(pairs)
+
+
+@attrs.frozen(kw_only=True)
+class SendPlan:
+    """How the local (sending) rank serves one receiver rank."""
+
+    peer: RankInfo
+    elected: bool  # False: a non-elected duplicate, which moves 0 bytes but still reports
+    views: tuple[ViewPair, ...]
+
+    @property
+    def piece_bytes(self) -> int:
+        """The smallest piece a direct transfer of this pairing writes (0: nothing to write)."""
+        return min((view.mapper.piece_bytes() for view in self.views), default=0)
+
+    def fragments(
+        self,
+        *,
+        src_blocks: Sequence[Sequence[int]],
+        dst_blocks: Sequence[Sequence[int]],
+        num_tokens: int,
+    ) -> Fragments:
+        """Merged fragments for one request; `*_blocks[g]` = block ids of layer group `g`.
+
+        Raises:
+            MappingError: missing layer groups, or block lists that do not fit (`aligned_blocks`).
+        """
+        if not self.elected:
+            return Fragments(empty_runs())
+        runs: list[Runs] = []
+        for view in self.views:
+            if view.src_group >= len(src_blocks) or view.dst_group >= len(dst_blocks):
+                raise MappingError(
+                    f"block lists for {len(src_blocks)} source / {len(dst_blocks)} destination "
+                    f"layer groups, but the mapping uses groups {view.src_group}/{view.dst_group}"
+                )
+            src, dst, tokens = aligned_blocks(
+                src_blocks[view.src_group],
+                dst_blocks[view.dst_group],
+                num_tokens=num_tokens,
+                tokens_per_block=view.mapper.src.tokens_per_block,
+            )
+            runs.append(view.mapper.map_blocks(src, dst, tokens).rows)
+        return _combined(runs)
+
+    def run_fragments(
+        self,
+        *,
+        src_runs: Sequence[BlockRun | None],
+        dst_runs: Sequence[BlockRun | None],
+        num_tokens: int,
+    ) -> Fragments | None:
+        """`fragments` when every layer group's blocks form a run on both sides (block_runs.py)
+        and each view copies whole slots: the usual homogeneous transfer, mapped in constant
+        time. None: not that case (`fragments` maps it, or says what is wrong)."""
+        if not self.elected:
+            return None
+        runs: list[Runs] = []
+        for view in self.views:
+            if view.src_group >= len(src_runs) or view.dst_group >= len(dst_runs):
+                return None
+            src, dst = src_runs[view.src_group], dst_runs[view.dst_group]
+            if src is None or dst is None:
+                return None
+            fast = view.mapper.map_runs(src, dst, num_tokens=num_tokens)
+            if fast is None:
+                return None
+            runs.append(fast.rows)
+        return _combined(runs)
+
+
+def _combined(runs: Sequence[Runs]) -> Fragments:
+    """The fragments of several views' runs, merged where they continue each other."""
+    if len(runs) == 1:
+        return Fragments(runs[0])
+    return Fragments(merge_runs(np.concatenate([empty_runs(), *runs])))
+
+
+def direct_fragments(plan: SendPlan, source: SourceBlocks, request: RequestData) -> Fragments:
+    """The merged fragments of a direct write of the KV in `source` into `request`'s blocks."""
+    num_tokens = min(request.num_tokens, source.num_tokens)
+    dst_runs = [packed_run(ids) for ids in request.block_ids]
+    fast = plan.run_fragments(src_runs=source.runs, dst_runs=dst_runs, num_tokens=num_tokens)
+    if fast is not None:
+        return fast
+    return plan.fragments(
+        src_blocks=source.block_ids,
+        dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
+        num_tokens=num_tokens,
+    )
+
+
+class PeerRegistrar:
+    """Registered peer ranks of one local rank, with cached overlaps and send plans."""
+
+    def __init__(self, local: RankInfo) -> None:
+        self.local = local
+        self._peers: dict[tuple[str, int], RankInfo] = {}
+        self._plans: dict[tuple[str, int], SendPlan] = {}
+        self._refused: dict[str, PeerIncompatible] = {}
+        self._overlaps: dict[tuple[str, int], PeerOverlap] = {}
+
+    def register(self, peer: RankInfo) -> SendPlan:
+        """Admit one peer rank (idempotent for the same info) and return its send plan.
+
+        Raises:
+            PeerIncompatible: the peer (or another rank of its instance) failed the gate; the
+                same error is raised again for every later registration of that instance.
+        """
+        refused = self._refused.get(peer.instance_name)
+        if refused is not None:
+            raise refused
+        known = self._peers.get(peer.key)
+        if known is not None:
+            if known != peer:
+                raise PeerIncompatible(peer.label, "registered again with a different RankInfo")
+            return self._plans[peer.key]
+        try:
+            check_compatible(self.local, peer)
+            views = map_pools(self.local, peer)
+        except PeerIncompatible as exc:
+            self._refused[peer.instance_name] = exc
+            raise
+        except UnsupportedPairing as exc:
+            error = PeerIncompatible(peer.label, str(exc))
+            self._refused[peer.instance_name] = error
+            raise error from None
+        elected = is_elected(sender=self.local, receiver=peer)
+        plan = SendPlan(peer=peer, elected=elected, views=views)
+        self._peers[peer.key] = peer
+        self._plans[peer.key] = plan
+        return plan
+
+    def get(self, key: tuple[str, int]) -> RankInfo | None:
+        return self._peers.get(key)
+
+    def send_plan(self, key: tuple[str, int]) -> SendPlan:
+        """The plan for a registered peer rank; KeyError if it never registered."""
+        return self._plans[key]
+
+    def overlap(self, peer: RankInfo, *, peer_dp_rank: int) -> PeerOverlap:
+        """`peer_overlap(local, peer)`, cached per (peer instance, DP group)."""
+        cache_key = (peer.instance_name, peer_dp_rank)
+        found = self._overlaps.get(cache_key)
+        if found is None:
+            found = self._overlaps[cache_key] = peer_overlap(
+                self.local, peer, peer_dp_rank=peer_dp_rank
+            )
+        return found
+
+    def ranks_of(self, instance_name: str) -> list[RankInfo]:
+        """The registered ranks of one peer instance."""
+        return [info for key, info in self._peers.items() if key[0] == instance_name]
+
+    def forget(self, instance_name: str) -> None:
+        """Drop every rank, plan, overlap and refusal of one peer instance."""
+        for table in (self._peers, self._plans, self._overlaps):
+            for key in [k for k in table if k[0] == instance_name]:
+                del table[key]
+        self._refused.pop(instance_name, None)

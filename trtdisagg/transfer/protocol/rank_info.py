@@ -1,0 +1,219 @@
+"""RankInfo: what one rank tells its peers about itself, and the compatibility gate. Pure.
+
+Each rank of an instance builds one `RankInfo` at start-up (after its KV pool and transfer agent
+exist) and never changes it. ctx rank 0 serves the list of all its ranks' infos (INSTANCE_INFO);
+a gen rank sends its own with REGISTER_PEER to every ctx rank. Both sides then call
+`check_compatible` before anything else: a mismatch is a `PeerIncompatible` naming each field and
+both values, raised at registration and never deep inside a request.
+
+Topology conventions (shared with `peers.py`):
+
+* flat rank `instance_rank = pp_rank * tp_size + tp_rank`;
+* attention data parallelism splits the TP ranks into `dp_size` groups of `tp_per_dp = tp_size //
+  dp_size` consecutive ranks; each group holds every KV head, split over its ranks;
+* with `K` KV heads and `P = tp_per_dp` ranks, rank `i` of a group holds heads
+  `[i*K/P, (i+1)*K/P)` when `K >= P` (`K % P == 0`), else the single head `i // (P/K)`
+  (`P % K == 0`; `P/K` ranks hold a copy of it);
+* PP stage `s` holds the global layers `[sum(layer_num_per_pp[:s]), ... + layer_num_per_pp[s])`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+
+import attrs
+
+from trtdisagg.kv.page_table import Layout, PageTable
+from trtdisagg.transfer.errors import PeerIncompatible
+from trtdisagg.transfer.protocol.endpoints import is_tcp_endpoint
+
+
+def flat_rank(*, tp_rank: int, pp_rank: int, tp_size: int) -> int:
+    """The instance rank of (tp_rank, pp_rank): PP-major, like torch.distributed's world rank."""
+    return pp_rank * tp_size + tp_rank
+
+
+def layer_range(layer_num_per_pp: tuple[int, ...], pp_rank: int) -> range:
+    """Global layer ids held by PP stage `pp_rank`."""
+    start = sum(layer_num_per_pp[:pp_rank])
+    return range(start, start + layer_num_per_pp[pp_rank])
+
+
+def head_range(num_kv_heads: int, tp_per_dp: int, tp_in_dp: int) -> range:
+    """Global KV heads held by rank `tp_in_dp` of a DP group of `tp_per_dp` ranks."""
+    if num_kv_heads >= tp_per_dp:
+        per_rank = num_kv_heads // tp_per_dp
+        return range(tp_in_dp * per_rank, (tp_in_dp + 1) * per_rank)
+    head = tp_in_dp // (tp_per_dp // num_kv_heads)
+    return range(head, head + 1)
+
+
+def check_head_split(num_kv_heads: int, tp_per_dp: int) -> None:
+    """Raise ValueError unless `num_kv_heads` heads split evenly over `tp_per_dp` ranks."""
+    if num_kv_heads <= 0 or tp_per_dp <= 0:
+        raise ValueError(f"num_kv_heads {num_kv_heads} and tp_per_dp {tp_per_dp} must be positive")
+    if num_kv_heads % tp_per_dp and tp_per_dp % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads {num_kv_heads} and tensor parallel size {tp_per_dp} do not divide"
+        )
+
+
+def make_instance_name(role: str) -> str:
+    """A fresh instance name: rank 0 makes one per start and broadcasts it to its ranks."""
+    return f"{role}-{uuid.uuid4().hex[:16]}"
+
+
+@attrs.frozen(kw_only=True)
+class BounceConfig:
+    """Bounce-buffer settings (`cache_transceiver_config.kv_cache_bounce_size_mb`); 0 = off."""
+
+    size_mb: int = 0
+    # A pairing whose smallest direct piece is below this many bytes goes through the staging
+    # buffers (`cache_transceiver_config.kv_cache_bounce_threshold_bytes`).
+    threshold_bytes: int = 16384
+
+    @property
+    def enabled(self) -> bool:
+        return self.size_mb > 0
+
+
+@attrs.frozen(kw_only=True)
+class RankInfo:
+    """One rank's self-description; immutable for the life of the process."""
+
+    instance_name: str  # shared by every rank of one instance start (make_instance_name)
+    instance_rank: int  # flat rank, pp_rank * tp_size + tp_rank
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int = 1  # attention-DP groups; tp_size % dp_size == 0
+    dp_rank: int = 0
+    layer_num_per_pp: tuple[int, ...]  # layers held by each PP stage
+    num_kv_heads: int  # the model's KV heads (all ranks together)
+    kv_heads_per_rank: int  # heads in this rank's pool (after the TP split / duplication)
+    head_dim: int
+    tokens_per_block: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    element_bytes: int
+    layout: Layout
+    model_fingerprint: str  # hash of the model config + weights identity
+    protocol_version: int  # wire.PROTOCOL_VERSION of the sender
+    control_endpoint: str  # this rank's ROUTER, "tcp://host:port"
+    agent_name: str  # this rank's transfer-agent name (unique per rank and start)
+    agent_metadata: bytes = attrs.field(repr=False)  # TransferAgent.local_metadata()
+    page_table: PageTable = attrs.field(repr=False)
+    bounce: BounceConfig = BounceConfig()
+
+    def __attrs_post_init__(self) -> None:
+        if not is_tcp_endpoint(self.control_endpoint):  # peers connect to it: checked first
+            raise ValueError(f"control_endpoint {self.control_endpoint!r} is not tcp://host:port")
+        if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
+            raise ValueError(
+                f"rank (tp {self.tp_rank}, pp {self.pp_rank}) outside sizes "
+                f"(tp {self.tp_size}, pp {self.pp_size})"
+            )
+        if self.dp_size <= 0 or self.tp_size % self.dp_size:
+            raise ValueError(f"dp_size {self.dp_size} does not divide tp_size {self.tp_size}")
+        if self.dp_rank != self.tp_rank // self.tp_per_dp:
+            raise ValueError(
+                f"dp_rank {self.dp_rank} != tp_rank {self.tp_rank} // {self.tp_per_dp}"
+            )
+        expected_rank = flat_rank(tp_rank=self.tp_rank, pp_rank=self.pp_rank, tp_size=self.tp_size)
+        if self.instance_rank != expected_rank:
+            raise ValueError(f"instance_rank {self.instance_rank} != pp*tp+tp = {expected_rank}")
+        if len(self.layer_num_per_pp) != self.pp_size or min(self.layer_num_per_pp) <= 0:
+            raise ValueError(
+                f"layer_num_per_pp {self.layer_num_per_pp} must hold pp_size "
+                f"{self.pp_size} positive counts"
+            )
+        check_head_split(self.num_kv_heads, self.tp_per_dp)
+        if self.kv_heads_per_rank != len(self.heads):
+            raise ValueError(
+                f"kv_heads_per_rank {self.kv_heads_per_rank} != {len(self.heads)} "
+                f"({self.num_kv_heads} heads over {self.tp_per_dp} ranks)"
+            )
+        stage = set(self.layers)
+        for group in self.page_table.layer_groups:
+            if not set(group.global_layer_ids) <= stage:
+                raise ValueError(
+                    f"page table layer group {group.group_id} holds layers "
+                    f"{group.global_layer_ids} outside PP stage {self.pp_rank} {self.layers}"
+                )
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(instance_name, instance_rank): how peers, agents and caches name this rank."""
+        return (self.instance_name, self.instance_rank)
+
+    @property
+    def label(self) -> str:
+        return f"{self.instance_name}#{self.instance_rank}"
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.layer_num_per_pp)
+
+    @property
+    def tp_per_dp(self) -> int:
+        return self.tp_size // self.dp_size
+
+    @property
+    def tp_in_dp(self) -> int:
+        return self.tp_rank % self.tp_per_dp
+
+    @property
+    def layers(self) -> range:
+        """Global layer ids this rank holds."""
+        return layer_range(self.layer_num_per_pp, self.pp_rank)
+
+    @property
+    def heads(self) -> range:
+        """Global KV head ids this rank holds."""
+        return head_range(self.num_kv_heads, self.tp_per_dp, self.tp_in_dp)
+
+
+def compat_fields(info: RankInfo) -> dict[str, str | int]:
+    """What two instances must agree on to exchange KV, by name: checked at registration
+    (`check_compatible`), and published in a worker's `/server_info` (`kv_compat`) so that a
+    coordinator can refuse a pairing before any request does. TP/PP/DP and layout (HND/NHD) may
+    differ: `peers.py` maps them (or refuses a pairing)."""
+    return {
+        "protocol_version": info.protocol_version,
+        "model_fingerprint": info.model_fingerprint,
+        "dtype": info.dtype,
+        "element_bytes": info.element_bytes,
+        "num_kv_heads": info.num_kv_heads,
+        "head_dim": info.head_dim,
+        "tokens_per_block": info.tokens_per_block,
+        "num_layers": info.num_layers,
+        # The bounce size shapes how KV is staged on both sides; any difference is refused.
+        "kv_cache_bounce_size_mb": info.bounce.size_mb,
+        "kv_cache_bounce_threshold_bytes": info.bounce.threshold_bytes,
+    }
+
+
+def compat_mismatches(
+    a: Mapping[str, object], b: Mapping[str, object], *, names: tuple[str, str]
+) -> list[str]:
+    """Each field on which `a` and `b` (`compat_fields`) differ, with both values:
+    `dtype: local 'float32' vs peer 'bfloat16'` for names ("local", "peer")."""
+    return [
+        f"{key}: {names[0]} {a.get(key)!r} vs {names[1]} {b.get(key)!r}"
+        for key in dict.fromkeys([*a, *b])
+        if a.get(key) != b.get(key)
+    ]
+
+
+def check_compatible(local: RankInfo, peer: RankInfo) -> None:
+    """Raise PeerIncompatible unless `peer` can exchange KV with `local` (`compat_fields`).
+
+    The message lists every mismatching field with both values (`dtype: local 'float32' vs
+    peer 'bfloat16'`).
+    """
+    mismatches = compat_mismatches(
+        compat_fields(local), compat_fields(peer), names=("local", "peer")
+    )
+    if mismatches:
+        raise PeerIncompatible(peer.label, "; ".join(mismatches))

@@ -1,0 +1,381 @@
+"""Transfer session state machines, and the messages held for sessions to come. Pure.
+
+One session per (transfer key = disagg_request_id, local rank), owned by the ctx or gen side of
+the protocol (ctx.py, gen.py). Status, derived from a session's facts, first match wins:
+
+    sender (ctx)   CANCELLED | ERROR   terminal flags (cancel, fail, a failed write)
+                   TRANSFERRED         every expected gen rank's write finished OK
+                   TRANSFERRING        a write is in flight
+                   READY               the KV is ready (`set_source`) and a request waits
+                   INIT                otherwise
+    receiver (gen) CANCELLED | ERROR   terminal flags (cancel, fail, an error result)
+                   TRANSFERRED         every expected ctx rank's part landed: its write's
+                                       notice (which says what it moved), or its OK result
+                                       with, if it moved bytes, the notice
+                   TRANSFERRING        after `mark_requested`; INIT before
+
+Late or duplicate events (a second result from one rank, anything after a terminal state, a
+rank outside the expected set) are no-ops that return False. Cancellation is not quiescence: a
+sender's blocks may be freed only when no write is in flight (`is_quiescent`), a receiver's only
+when every expected rank has reported (or gen gives up on a silent ctx, gen.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import TypeVar
+
+import attrs
+
+from trtdisagg.transfer.protocol.block_runs import BlockRun, run_of
+from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus
+
+Status = enum.Enum("Status", "INIT READY TRANSFERRING TRANSFERRED ERROR CANCELLED")
+SenderStatus = ReceiverStatus = Status
+
+
+@attrs.frozen(kw_only=True)
+class TransferOutcome:
+    """The final state of one transfer on one rank, as the transceiver reports it."""
+
+    key: int
+    ok: bool
+    cancelled: bool = False
+    error: str | None = None
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    seconds: float = 0.0
+    first_tokens: tuple[int, ...] = ()
+    """gen: ctx's first generated token(s), which come with its write (a generation_first
+    request has no other source)."""
+    blocks_held: bool = False
+    """gen: the transfer failed, but a ctx write may still land in its blocks. The request
+    ends now; its blocks are freed once `cancel_request(key)` returns True."""
+
+
+@attrs.frozen(kw_only=True)
+class SourceBlocks:
+    """What ctx holds for the request: block ids per layer group and the prompt length."""
+
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+    @functools.cached_property
+    def runs(self) -> tuple[BlockRun | None, ...]:
+        """Each layer group's blocks as a run, where they form one (block_runs.py)."""
+        return tuple(run_of(ids) for ids in self.block_ids)
+
+
+@attrs.define(eq=False, kw_only=True)
+class SenderSession:
+    """ctx side of one transfer key: which gen ranks asked, what is in flight, what is done."""
+
+    key: int
+    deadline: float
+    peer_instance: str | None = None  # bound (`bind`) by the first REQUEST_DATA
+    expected: frozenset[int] | None = None  # gen ranks that will ask (registrar overlap)
+    source: SourceBlocks | None = None
+    error: str | None = None
+    cancelled: bool = False
+    first_tokens: tuple[int, ...] = ()  # what ctx sampled, sent along with every OK write
+    _requests: dict[int, RequestData] = attrs.Factory(dict)
+    _in_flight: set[int] = attrs.Factory(set)
+    _finished: dict[int, ResultStatus] = attrs.Factory(dict)
+    # gen ranks whose REQUEST_DATA reached this session, taken or not (a CANCEL from a rank not
+    # among them overtook its request, which is then dropped when it comes)
+    heard: set[int] = attrs.Factory(set)
+
+    @property
+    def status(self) -> Status:
+        if self.cancelled or self.error is not None:
+            return Status.CANCELLED if self.cancelled else Status.ERROR
+        if self.expected is not None and self.expected <= self._finished.keys():
+            return Status.TRANSFERRED  # every finished write was OK (else the flags above)
+        if self._in_flight:
+            return Status.TRANSFERRING
+        ready = self.source is not None and self._requests.keys() - self._finished.keys()
+        return Status.READY if ready else Status.INIT
+
+    @property
+    def is_terminal(self) -> bool:
+        done = self.expected is not None and self.expected <= self._finished.keys()
+        return self.cancelled or self.error is not None or done
+
+    @property
+    def is_quiescent(self) -> bool:
+        """No write is in flight: the blocks may be freed once the session is terminal."""
+        return not self._in_flight
+
+    @property
+    def requesters(self) -> tuple[int, ...]:
+        """Gen ranks that sent REQUEST_DATA (whom to tell of a cancel)."""
+        return tuple(sorted(self._requests))
+
+    def is_writing(self, rank: int) -> bool:
+        return rank in self._in_flight
+
+    def bind(self, peer_instance: str, expected: frozenset[int]) -> None:
+        """Attach the session to the gen instance that requested it first."""
+        if self.peer_instance not in (None, peer_instance):
+            raise ValueError(f"session {self.key} already bound to {self.peer_instance}")
+        self.peer_instance, self.expected = peer_instance, expected
+
+    def set_source(self, source: SourceBlocks) -> None:
+        """Prefill finished: the KV is in these blocks (once)."""
+        if self.source is not None:
+            raise ValueError(f"session {self.key}: source set twice")
+        self.source = source
+        source.runs  # noqa: B018 -- found now, while gen has yet to ask (context_first)
+
+    def add_request(self, request: RequestData) -> bool:
+        """Record a gen rank's REQUEST_DATA; False if terminal, unexpected or a duplicate."""
+        rank = request.instance_rank
+        self.heard.add(rank)
+        unexpected = self.expected is not None and rank not in self.expected
+        if self.is_terminal or rank in self._requests or unexpected:
+            return False
+        self._requests[rank] = request
+        return True
+
+    def take_writes(self) -> list[RequestData]:
+        """Requests that can be written now (KV ready, not yet started); marks them in flight."""
+        if self.source is None or self.cancelled or self.error is not None:
+            return []
+        started = self._in_flight | self._finished.keys()
+        ready = [r for rank, r in sorted(self._requests.items()) if rank not in started]
+        self._in_flight.update(request.instance_rank for request in ready)
+        return ready
+
+    def write_finished(self, rank: int, status: ResultStatus, error: str = "") -> bool:
+        """A write to `rank` ended (or was never needed); False if it was not in flight."""
+        if rank not in self._in_flight:
+            return False
+        self._in_flight.discard(rank)
+        self._finished[rank] = status
+        if not (self.cancelled or self.error is not None):
+            if status is ResultStatus.ERROR:
+                self.error = error or f"write to gen rank {rank} failed"
+            self.cancelled = status is ResultStatus.CANCELLED
+        return True
+
+    def fail(self, reason: str) -> None:
+        if not self.is_terminal:
+            self.error = reason
+
+    def cancel(self) -> bool:
+        """Stop issuing writes; returns `is_quiescent` (False: a write is still in flight)."""
+        if self.status not in (Status.TRANSFERRED, Status.ERROR):
+            self.cancelled = True
+        return self.is_quiescent
+
+    def expired(self, now: float) -> bool:
+        return now >= self.deadline and not self.is_terminal
+
+
+@attrs.frozen(kw_only=True)
+class RankResult:
+    status: ResultStatus
+    num_bytes: int
+    num_descriptors: int
+    error: str = ""
+    first_tokens: tuple[int, ...] = ()
+
+
+@attrs.define(eq=False, kw_only=True)
+class ReceiverSession:
+    """gen side of one transfer key: one part expected from each overlapping ctx rank."""
+
+    key: int
+    peer_instance: str  # the ctx instance
+    expected: frozenset[int]  # ctx ranks sent REQUEST_DATA (registrar overlap)
+    deadline: float
+    requested: bool = False
+    error: str | None = None
+    cancelled: bool = False
+    # gen's bookkeeping for a session that ended while a ctx write may still land:
+    cancel_sent: bool = False  # CANCEL went to the expected ctx ranks (once)
+    failure_reported: bool = False  # the failure went to the executor; the blocks stay pinned
+    peer_dead: bool = False  # the ctx instance ended (`peer_died`): none of its writes can land
+    _results: dict[int, RankResult] = attrs.Factory(dict)
+    # ctx ranks whose write's notice came, with what it says the write moved (None: a notice
+    # that says nothing, which counts only with the rank's OK result)
+    _noticed: dict[int, RankResult | None] = attrs.Factory(dict)
+    # Expected ranks whose part has not landed, kept as events come: every session's status
+    # is read after every event.
+    _unlanded: set[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._unlanded = set(self.expected)
+
+    @property
+    def status(self) -> Status:
+        if self.cancelled or self.error is not None:
+            return Status.CANCELLED if self.cancelled else Status.ERROR
+        if not self._unlanded:
+            return Status.TRANSFERRED
+        return Status.TRANSFERRING if self.requested else Status.INIT
+
+    def _landed(self, rank: int) -> bool:
+        if self._noticed.get(rank) is not None:
+            return True  # whatever its result says later, the bytes are here
+        result = self._results.get(rank)
+        if result is None or result.status is not ResultStatus.OK:
+            return False
+        return result.num_bytes == 0 or rank in self._noticed
+
+    def _part(self, rank: int) -> RankResult | None:
+        return self._results.get(rank) or self._noticed.get(rank)
+
+    @property
+    def unreported(self) -> frozenset[int]:
+        """Expected ctx ranks whose TRANSFER_RESULT has not come (it may still)."""
+        return self.expected - self._results.keys()
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.cancelled or self.error is not None or not self._unlanded
+
+    @property
+    def is_quiescent(self) -> bool:
+        """Every expected ctx rank reported, or had its write land, or the ctx instance ended:
+        nobody writes into our blocks any more."""
+        landed = (r in self._results or self._noticed.get(r) is not None for r in self.expected)
+        return self.peer_dead or all(landed)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(part.num_bytes for part in map(self._part, self.expected) if part)
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(part.num_descriptors for part in map(self._part, self.expected) if part)
+
+    @property
+    def first_tokens(self) -> tuple[int, ...]:
+        """The first generated tokens, from the lowest ctx rank that sent them (rank 0)."""
+        parts = (self._part(rank) for rank in sorted(self.expected))
+        return next((part.first_tokens for part in parts if part and part.first_tokens), ())
+
+    def mark_requested(self) -> None:
+        self.requested = True
+
+    def on_result(self, rank: int, result: RankResult) -> bool:
+        """A TRANSFER_RESULT from ctx rank `rank`; False if unexpected, duplicate or late."""
+        if rank not in self.expected or rank in self._results:
+            return False
+        # Judged before filing: with this result every rank may have reported, which must not
+        # read as TRANSFERRED when it is an error.
+        if result.status is not ResultStatus.OK and not self.is_terminal:
+            self.error = f"ctx rank {rank}: {result.status.value}: {result.error}"
+        self._results[rank] = result
+        self._settle(rank)
+        return True
+
+    def on_notice(self, rank: int, said: RankResult | None = None) -> bool:
+        """The notification of ctx rank `rank`'s write (its bytes have landed), with what the
+        write moved (`said`); False if unexpected or a duplicate. After the rank's result, it
+        says nothing more."""
+        if rank not in self.expected or rank in self._noticed:
+            return False
+        self._noticed[rank] = None if rank in self._results else said
+        self._settle(rank)
+        return True
+
+    def _settle(self, rank: int) -> None:
+        if self._landed(rank):
+            self._unlanded.discard(rank)
+
+    def fail(self, reason: str) -> None:
+        if not self.is_terminal:
+            self.error = reason
+
+    def peer_died(self, reason: str) -> None:
+        """The ctx instance's process ended (liveness.py): nothing of it can land any more."""
+        self.fail(reason)
+        self.peer_dead = True
+
+    def cancel(self) -> None:
+        if not self.is_terminal:
+            self.cancelled = True
+
+    def expired(self, now: float) -> bool:
+        return now >= self.deadline and not self.is_terminal
+
+
+S = TypeVar("S", SenderSession, ReceiverSession)
+
+
+class Sessions(dict[int, S]):
+    """One side's sessions by transfer key; a peer's message reaches only its own sessions."""
+
+    def lookup(self, peer_instance: str, key: int) -> S | None:
+        """Session `key` if `peer_instance` owns it (or it is bound to no instance yet)."""
+        session = self.get(key)
+        owned = session is not None and session.peer_instance in (None, peer_instance)
+        return session if owned else None
+
+
+@attrs.define(eq=False, kw_only=True)
+class EarlyMessages:
+    """REQUEST_DATA and CANCEL that came before their sender session exists (generation-first,
+    races): `take(key)` hands them to the new session; `sweep(now)` drops those older than
+    `ttl`."""
+
+    ttl: float = 120.0
+    _requests: dict[int, list[tuple[float, RequestData]]] = attrs.Factory(dict)
+    _cancelled: dict[int, float] = attrs.Factory(dict)
+    # (gen instance, gen rank, key) -> when: that rank's CANCEL came before its REQUEST_DATA
+    # (overtaken), which is dropped when it comes rather than held for a later session of the
+    # key, whose gen blocks it does not name.
+    _overtaken: dict[tuple[str, int, int], float] = attrs.Factory(dict)
+
+    def __len__(self) -> int:
+        """Transfer keys with something held (requests or a cancel)."""
+        return len(self._requests.keys() | self._cancelled.keys())
+
+    def add_request(self, now: float, request: RequestData) -> None:
+        self._requests.setdefault(request.key, []).append((now, request))
+
+    def add_cancel(self, now: float, key: int) -> None:
+        self._cancelled[key] = now
+
+    def add_overtaken(self, now: float, instance: str, rank: int, key: int) -> None:
+        self._overtaken[(instance, rank, key)] = now
+
+    def take_overtaken(self, request: RequestData) -> bool:
+        """Whether `request` is one its own CANCEL overtook (forgotten now)."""
+        entry = (request.instance_name, request.instance_rank, request.key)
+        return self._overtaken.pop(entry, None) is not None
+
+    def drop_requests_of(self, instance: str, rank: int, key: int) -> int:
+        """Drop the requests held for `key` from that gen rank; how many there were."""
+        held = self._requests.pop(key, [])
+        kept = [e for e in held if (e[1].instance_name, e[1].instance_rank) != (instance, rank)]
+        if kept:
+            self._requests[key] = kept
+        return len(held) - len(kept)
+
+    def cancelled(self, key: int) -> bool:
+        return key in self._cancelled
+
+    def peek(self, key: int) -> list[RequestData]:
+        return [request for _, request in self._requests.get(key, [])]
+
+    def take(self, key: int) -> tuple[list[RequestData], bool]:
+        """(the requests held for `key`, whether it was cancelled early); forgotten now."""
+        requests = [request for _, request in self._requests.pop(key, [])]
+        return requests, self._cancelled.pop(key, None) is not None
+
+    def sweep(self, now: float) -> list[RequestData]:
+        """Drop and return the requests older than `ttl` (ctx refuses them)."""
+        stale: list[RequestData] = []
+        for key, held in list(self._requests.items()):
+            stale += [request for at, request in held if now - at >= self.ttl]
+            if fresh := [(at, request) for at, request in held if now - at < self.ttl]:
+                self._requests[key] = fresh
+            else:
+                del self._requests[key]
+        self._cancelled = {k: at for k, at in self._cancelled.items() if now - at < self.ttl}
+        self._overtaken = {e: at for e, at in self._overtaken.items() if now - at < self.ttl}
+        return stale

@@ -1,0 +1,341 @@
+"""Control-plane messages and their one msgpack codec. Pure.
+
+Every message is a frozen attrs class; `Message` is their tagged union (tag key `"type"`, tag
+values are the protocol's message names such as `"REQUEST_DATA"`). `encode` and `decode` are the
+only path between bytes and messages. `decode` never raises anything but `ProtocolError`, whatever
+the bytes: peers and the network are untrusted input.
+
+Conversation (one ZMQ frame carries one encoded message):
+
+    gen rank -> ctx rank 0    REQUEST_INSTANCE_INFO   -> INSTANCE_INFO (every ctx rank's RankInfo)
+    gen rank -> each ctx rank REGISTER_PEER (own)     -> REGISTER_ACK (accepted, or refused+reason)
+    gen rank -> ctx rank      REQUEST_DATA (key, destination block ids, token count)
+    ctx rank -> gen rank      TRANSFER_RESULT (one per REQUEST_DATA, also when 0 bytes moved)
+    either   -> either        CANCEL (key)
+    ctx rank -> gen rank      TRANSFER_RESULT (CANCELLED): the answer to a CANCEL from gen when
+                              no write to it is in flight (else that write's result answers it)
+    ctx agent -> gen agent    WRITE_NOTICE: not a ZMQ message but the NIXL notification payload of
+                              a write, which gen receives once the write's bytes have landed. It
+                              says what the write moved and carries ctx's first tokens, so gen
+                              may finish on it before TRANSFER_RESULT comes.
+
+Block id lists travel as packed little-endian int64 (`pack_block_ids`), one `bytes` per layer
+group of the receiver, not as msgpack lists.
+
+WRITE_NOTICE, the one message on the path of every transfer between its bytes landing and gen
+decoding, is not msgpack but a fixed little-endian layout (`_NOTICE`, then the ctx rank's name
+and the first tokens): gen decodes it with one `struct` call, many times cheaper than the
+tagged-union converter. Its first byte, 0xc1, is one msgpack never
+uses, so no msgpack message can be read as a notice, nor a notice as msgpack.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Any, Final
+
+import attrs
+import cattrs
+from cattrs.preconf.msgpack import MsgpackConverter, make_converter
+from cattrs.strategies import configure_tagged_union
+from cattrs.v import format_exception
+
+from trtdisagg.transfer.errors import ProtocolError
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+
+# 5: WRITE_NOTICE in its own binary layout; 6: every write's notice says what it moved,
+# WRITE_POSTED, WRITE_PREPARED and REQUEST_DATA as a notification are gone
+PROTOCOL_VERSION: Final = 6
+MAX_KEY: Final = 2**63 - 1
+
+
+def pack_block_ids(block_ids: Sequence[int]) -> bytes:
+    """Block ids as little-endian int64 bytes."""
+    packed = array("q", block_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_block_ids(data: bytes) -> tuple[int, ...]:
+    """Inverse of `pack_block_ids`; ProtocolError on a length that is not a multiple of 8."""
+    if len(data) % 8:
+        raise ProtocolError(f"packed block ids of {len(data)} bytes, not a multiple of 8")
+    unpacked = array("q")
+    unpacked.frombytes(data)
+    if sys.byteorder != "little":
+        unpacked.byteswap()
+    return tuple(unpacked)
+
+
+def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{attr.name} must not be negative, got {value}")
+
+
+def _positive(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"{attr.name} must be positive, got {value}")
+
+
+def _key(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
+    if not 0 <= value <= MAX_KEY:
+        raise ValueError(f"{attr.name} {value} outside [0, 2**63)")
+
+
+def _token_ids(_inst: object, attr: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
+    if any(not 0 <= token < 2**31 for token in value):
+        raise ValueError(f"{attr.name} holds a token id outside [0, 2**31): {value}")
+
+
+def _packed_ids(_inst: object, attr: attrs.Attribute[Any], value: tuple[bytes, ...]) -> None:
+    if any(len(ids) % 8 for ids in value):
+        raise ValueError(f"{attr.name}: packed block ids must be multiples of 8 bytes")
+
+
+# TRANSFER_RESULT's error, ERROR status, for a REQUEST_DATA from a gen rank that this ctx does
+# not know (never registered, or forgotten as gone: transfer/liveness.py): gen meets the ctx
+# instance again at its next request.
+NOT_REGISTERED = "not registered with this ctx instance"
+
+
+class ResultStatus(enum.Enum):
+    OK = "ok"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+@attrs.frozen(kw_only=True)
+class RequestInstanceInfo:
+    """gen -> ctx rank 0: send me every rank's RankInfo."""
+
+    protocol_version: int
+
+
+@attrs.frozen(kw_only=True)
+class InstanceInfo:
+    """ctx rank 0 -> gen: every rank of the instance, ordered by instance_rank."""
+
+    protocol_version: int
+    ranks: tuple[RankInfo, ...]
+
+
+@attrs.frozen(kw_only=True)
+class RegisterPeer:
+    """gen rank -> each ctx rank, once per ctx instance: here is who I am."""
+
+    info: RankInfo
+
+
+@attrs.frozen(kw_only=True)
+class RegisterAck:
+    """ctx rank -> gen rank: registration accepted, or refused with the incompatibility reason."""
+
+    instance_name: str  # the acknowledging (ctx) rank
+    instance_rank: int = attrs.field(validator=_non_negative)
+    accepted: bool
+    reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class RequestData:
+    """gen rank -> ctx rank: write transfer `key`'s KV into these blocks of mine.
+
+    `block_ids[g]` holds the packed destination block ids of my layer group `g`; each list is a
+    suffix of the request's blocks `[0, ceil(num_tokens / tokens_per_block))` (a shorter list
+    skips blocks gen already has, e.g. from its prefix cache).
+    """
+
+    key: int = attrs.field(validator=_key)  # disagg_request_id
+    instance_name: str  # the requesting (gen) rank
+    instance_rank: int = attrs.field(validator=_non_negative)
+    block_ids: tuple[bytes, ...] = attrs.field(validator=_packed_ids, repr=False)
+    num_tokens: int = attrs.field(validator=_positive)
+    # The bounce path (transfer/bounce.py): where in my staging buffer my canonical region is.
+    # 0 bytes: write straight into the blocks.
+    staging_address: int = attrs.field(default=0, validator=_non_negative)
+    staging_bytes: int = attrs.field(default=0, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class TransferResult:
+    """ctx rank -> gen rank: the outcome of one REQUEST_DATA (also 0 bytes, also on failure)."""
+
+    key: int = attrs.field(validator=_key)
+    instance_name: str  # the reporting (ctx) rank
+    instance_rank: int = attrs.field(validator=_non_negative)
+    status: ResultStatus
+    num_bytes: int = attrs.field(default=0, validator=_non_negative)
+    num_descriptors: int = attrs.field(default=0, validator=_non_negative)
+    error: str = ""
+    # The request's first generated token(s), from the ctx rank that sampled them (rank 0): a
+    # generation_first gen request was posted before ctx had them, and learns them here.
+    first_tokens: tuple[int, ...] = attrs.field(default=(), validator=_token_ids)
+
+
+@attrs.frozen(kw_only=True)
+class Cancel:
+    """Either direction: stop transfer `key`; the sender names itself so only its peer's session
+    is touched."""
+
+    key: int = attrs.field(validator=_key)
+    instance_name: str
+    instance_rank: int = attrs.field(validator=_non_negative)
+    reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class WriteNotice:
+    """Payload of the transfer agent's notification for one write of `key` by a ctx rank.
+
+    The notification arrives only once the write's bytes have landed. It says what the write
+    moved (`num_descriptors` > 0) and carries ctx's first tokens: gen finishes that rank on it
+    alone, before the TRANSFER_RESULT that confirms it."""
+
+    key: int = attrs.field(validator=_key)
+    instance_name: str  # the writing (ctx) rank
+    instance_rank: int = attrs.field(validator=_non_negative)
+    num_bytes: int = attrs.field(default=0, validator=_non_negative)
+    num_descriptors: int = attrs.field(default=0, validator=_non_negative)  # 0: no summary
+    first_tokens: tuple[int, ...] = attrs.field(default=(), validator=_token_ids)
+
+
+Message = (
+    RequestInstanceInfo
+    | InstanceInfo
+    | RegisterPeer
+    | RegisterAck
+    | RequestData
+    | TransferResult
+    | Cancel
+    | WriteNotice
+)
+
+MESSAGE_TAGS: Final[dict[type, str]] = {
+    RequestInstanceInfo: "REQUEST_INSTANCE_INFO",
+    InstanceInfo: "INSTANCE_INFO",
+    RegisterPeer: "REGISTER_PEER",
+    RegisterAck: "REGISTER_ACK",
+    RequestData: "REQUEST_DATA",
+    TransferResult: "TRANSFER_RESULT",
+    Cancel: "CANCEL",
+    WriteNotice: "WRITE_NOTICE",
+}
+
+
+def _strict(kind: type) -> Any:
+    """A structure hook that accepts exactly `kind` (no int("5"), no bytes(5), no bool as int)."""
+
+    def hook(value: object, _type: object) -> object:
+        if type(value) is not kind:
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return hook
+
+
+def _make_converter() -> MsgpackConverter:
+    converter = make_converter(forbid_extra_keys=True)
+    for kind in (int, str, bytes, bool):
+        converter.register_structure_hook(kind, _strict(kind))
+    configure_tagged_union(
+        Message, converter, tag_generator=MESSAGE_TAGS.__getitem__, tag_name="type"
+    )
+    return converter
+
+
+_converter: Final = _make_converter()
+
+
+def encode(message: Message) -> bytes:
+    """One message as bytes: a msgpack map with a `"type"` tag, or a WRITE_NOTICE's layout."""
+    if isinstance(message, WriteNotice):
+        return _encode_notice(message)
+    data: bytes = _converter.dumps(message, unstructure_as=Message)
+    return data
+
+
+# WRITE_NOTICE: magic, then instance_rank, key, num_bytes, num_descriptors, the byte length of
+# instance_name (UTF-8) and the number of first tokens; then the name, then the tokens (uint32).
+_NOTICE_MAGIC: Final = b"\xc1WN"
+_NOTICE: Final = struct.Struct("<3sxQQQQHH")
+_TOKEN_BYTES: Final = 4
+
+
+def _encode_notice(notice: WriteNotice) -> bytes:
+    name = notice.instance_name.encode()
+    tokens = notice.first_tokens
+    return b"".join(
+        (
+            _NOTICE.pack(
+                _NOTICE_MAGIC,
+                notice.instance_rank,
+                notice.key,
+                notice.num_bytes,
+                notice.num_descriptors,
+                len(name),
+                len(tokens),
+            ),
+            name,
+            struct.pack(f"<{len(tokens)}I", *tokens),
+        )
+    )
+
+
+def _decode_notice(data: bytes) -> WriteNotice:
+    if len(data) < _NOTICE.size:
+        raise ProtocolError(f"WRITE_NOTICE of {len(data)} bytes, shorter than its header")
+    _, rank, key, num_bytes, descriptors, name_len, count = _NOTICE.unpack_from(data)
+    if len(data) != _NOTICE.size + name_len + count * _TOKEN_BYTES:
+        raise ProtocolError(
+            f"WRITE_NOTICE of {len(data)} bytes; its header says {name_len} bytes of name and"
+            f" {count} tokens"
+        )
+    end = _NOTICE.size + name_len
+    try:
+        name = data[_NOTICE.size : end].decode()
+        return WriteNotice(
+            key=key,
+            instance_name=name,
+            instance_rank=rank,
+            num_bytes=num_bytes,
+            num_descriptors=descriptors,
+            first_tokens=struct.unpack_from(f"<{count}I", data, end),
+        )
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"invalid WRITE_NOTICE: {exc}") from exc
+
+
+def decode(data: bytes) -> Message:
+    """Bytes from a peer as a message.
+
+    Raises:
+        ProtocolError: for anything that is not a well-formed message of this protocol: bad
+            msgpack, trailing bytes, unknown tag, missing/extra/mistyped fields, failed validation.
+            Nothing else escapes, whatever the input.
+    """
+    if data[:3] == _NOTICE_MAGIC:
+        return _decode_notice(data)
+    try:
+        # A union is not a `type[T]` to mypy; the tagged-union hook returns one of its members.
+        message: Message = _converter.loads(data, Message)  # type: ignore[arg-type]
+    except Exception as exc:  # untrusted input: every failure mode of msgpack/cattrs is one error
+        raise ProtocolError(f"undecodable message ({len(data)} bytes): {_describe(exc)}") from exc
+    return message
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, cattrs.BaseValidationError):
+        return "; ".join(cattrs.transform_error(exc, format_exception=_format_leaf))
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _format_leaf(exc: BaseException, kind: type | None) -> str:
+    # A validator's ValueError says what is wrong ("key -1 outside [0, 2**63)"); keep it.
+    if type(exc) is ValueError and kind is None:
+        return f"invalid value ({exc})"
+    return format_exception(exc, kind)

@@ -1,0 +1,209 @@
+"""TransferAgent: the data-plane seam (one-sided WRITE plus a notification). Pure.
+
+Lifecycle of one agent (one per rank):
+
+1. `make_agent(backend, name, ...)`: the backend comes from `cache_transceiver_config.backend`.
+2. `register_memory(pool_regions(page_table))` once, before `local_metadata()` is published in
+   the rank's RankInfo (NIXL metadata names the registered memory).
+3. `add_remote(peer.agent_metadata)` once per peer rank we write to; `remove_remote` when it goes.
+4. Per write: `submit_write(fragments, remote, notif)` -> `poll(handle)` until DONE or ERROR ->
+   `release(handle)`. The target sees `notif` in `get_notifications()` after the bytes landed.
+5. `close()`: releases handles, forgets remotes, deregisters memory.
+
+Threading contract (both backends): methods are synchronous. `register_memory`,
+`deregister_memory`, `add_remote` and `submit_write` may block (pinning memory, connecting to a
+peer, preparing descriptors): call them from a worker thread. `poll`, `release`,
+`get_notifications` and `local_metadata` return quickly. Never call one agent from two threads at
+once (runtime/pump.py: `AgentCalls` holds one lock around every call).
+
+A thread hop costs more than posting a small write to a connected peer, so an agent that knows
+when its `submit_write` is that quick says so with an optional `submit_is_quick(fragments,
+remote)` method (`posts_quickly`); the caller may then post on its own thread.
+
+An agent may also split a write in two (`WritePreparer`, optional): `prepare_write` does all of
+`submit_write` but the post, and `post_prepared` starts it. ctx prepares a write while the
+prefill that produces its KV still runs (gen asked first), so that only the post is left when
+the KV is ready. `release` drops a prepared handle that is never posted.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NewType, Protocol
+
+import attrs
+
+from trtdisagg.transfer.errors import AgentError
+
+if TYPE_CHECKING:
+    from trtdisagg.kv.page_table import PageTable
+    from trtdisagg.transfer.protocol.fragments import Fragments
+    from trtdisagg.transfer.runtime.agents.loopback import LoopbackFabric
+
+XferHandle = NewType("XferHandle", int)
+
+
+class XferStatus(enum.Enum):
+    PENDING = "PENDING"
+    DONE = "DONE"
+    ERROR = "ERROR"
+
+
+@attrs.frozen(kw_only=True)
+class MemoryRegion:
+    """A contiguous range of registered memory."""
+
+    address: int
+    size: int
+    memory_type: str = "DRAM"  # "DRAM" | "VRAM", as NIXL names them
+    device_id: int = 0
+
+    def contains(self, address: int, size: int) -> bool:
+        return self.address <= address and address + size <= self.address + self.size
+
+
+def pool_regions(page_table: PageTable) -> list[MemoryRegion]:
+    """The memory to register for a page table: one region per physical pool."""
+    return [
+        MemoryRegion(
+            address=group.pool.base_address,
+            size=group.pool.total_bytes,
+            memory_type=group.pool.memory_type,
+            device_id=group.pool.device_id,
+        )
+        for group in page_table.layer_groups
+    ]
+
+
+def find_region(
+    regions: Sequence[MemoryRegion], fragments: Fragments, *, column: int = 0
+) -> MemoryRegion:
+    """The one region holding every fragment's source (`column=0`) or destination (`1`).
+
+    Raises:
+        AgentError: the fragments are not all inside one of `regions`.
+    """
+    rows = fragments.rows
+    start = int(rows[:, column].min())
+    end = int((rows[:, column] + rows[:, 2]).max())
+    for region in regions:
+        if region.contains(start, end - start):
+            return region
+    side = "source" if column == 0 else "destination"
+    raise AgentError(
+        f"{len(fragments)} fragments' {side}s [{start:#x}, {end:#x}) are not inside one "
+        "registered region"
+    )
+
+
+class TransferAgent(Protocol):
+    """One rank's data-plane endpoint. See the module docstring for lifecycle and threading."""
+
+    @property
+    def name(self) -> str: ...
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None: ...
+
+    def deregister_memory(self) -> None: ...
+
+    def local_metadata(self) -> bytes: ...
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer agent from its metadata; returns its name (the `remote` of writes)."""
+        ...
+
+    def remove_remote(self, name: str) -> None: ...
+
+    def submit_write(
+        self,
+        fragments: Fragments,
+        remote: str,
+        notif: bytes,
+        *,
+        dst_memory_type: str = "DRAM",
+        dst_device_id: int = 0,
+    ) -> XferHandle:
+        """Start writing every fragment (local src -> remote dst); `notif` reaches the remote
+        once all bytes landed. An empty list is DONE at once and sends no notification.
+
+        Raises:
+            AgentError: a source outside registered memory, an unknown remote, a backend refusal.
+        """
+        ...
+
+    def poll(self, handle: XferHandle) -> XferStatus: ...
+
+    def release(self, handle: XferHandle) -> None: ...
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call, as (remote agent name, payload)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class WritePreparer(Protocol):
+    """The optional split of `TransferAgent.submit_write` (see the module docstring)."""
+
+    def prepare_write(
+        self,
+        fragments: Fragments,
+        remote: str,
+        notif: bytes,
+        *,
+        dst_memory_type: str = "DRAM",
+        dst_device_id: int = 0,
+    ) -> XferHandle:
+        """Everything `submit_write` does but starting the write; as quick as it is when
+        `submit_is_quick` says so. Raises AgentError as `submit_write` does."""
+        ...
+
+    def post_prepared(self, handle: XferHandle, notif: bytes | None = None) -> None:
+        """Start a prepared write (once); then `poll` and `release` it as any other. Quick.
+        `notif`, when given, replaces the notification given to `prepare_write`.
+
+        Raises:
+            AgentError: an unknown handle, or the backend refused the post (the handle is then
+                released).
+        """
+        ...
+
+
+def write_preparer(agent: TransferAgent) -> WritePreparer | None:
+    """`agent` itself when it can prepare writes ahead of their post, else None (wrappers and
+    test doubles without the two methods always write in one go)."""
+    if hasattr(agent, "prepare_write") and hasattr(agent, "post_prepared"):
+        return agent  # type: ignore[return-value]
+    return None
+
+
+def posts_quickly(agent: TransferAgent, fragments: Fragments, remote: str) -> bool:
+    """Whether `agent` says that `submit_write(fragments, remote, ...)` returns within about
+    0.1 ms, so it may run on the event loop. Optional for agents (not in `TransferAgent`): test
+    doubles and wrappers without `submit_is_quick` are posted from a worker thread."""
+    quick = getattr(agent, "submit_is_quick", None)
+    return quick is not None and bool(quick(fragments, remote))
+
+
+def make_agent(
+    backend: str, name: str, *, fabric: LoopbackFabric | None = None, progress_thread: bool = True
+) -> TransferAgent:
+    """Create the agent named by config (`"NIXL"` | `"LOOPBACK"`, whose agents reach one another
+    through `fabric`); the backend module is imported only here. Blocking (NIXL creates its UCX
+    context): call it from a worker thread.
+
+    Raises:
+        AgentError: an unknown backend name, or LOOPBACK without a fabric.
+    """
+    if backend == "NIXL":
+        from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
+
+        return NixlAgent(name, progress_thread=progress_thread)
+    if backend != "LOOPBACK":
+        raise AgentError(f"unknown transfer backend {backend!r}; known: ['LOOPBACK', 'NIXL']")
+    if fabric is None:
+        raise AgentError("the LOOPBACK agent needs a LoopbackFabric shared by its peers")
+    from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent
+
+    return LoopbackAgent(name, fabric=fabric)

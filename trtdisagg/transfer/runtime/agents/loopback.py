@@ -1,0 +1,189 @@
+"""LoopbackAgent: in-process writes between agents of one process, for single-process tests.
+
+Agents find each other through a `LoopbackFabric` that the test (or a single-process cluster)
+creates and passes to every agent: no module-level registry. A write checks that every source
+lies in the writer's registered memory and every destination in the target's, copies with
+`ctypes.memmove`, and queues the notification on the target; it is DONE when `submit_write`
+(or `post_prepared`) returns. DRAM only (host addresses). Same contract as
+`base.TransferAgent`; nothing here blocks.
+
+`notify_on_poll=True` sends a write's notification only from the first `poll` that finds it
+done, as NIXL's UCX backend does for a write still in flight when posted (a GPU write): then
+gen hears of a write no sooner than ctx polls it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from trtdisagg.transfer.errors import AgentError
+from trtdisagg.transfer.runtime.agents.base import MemoryRegion, XferHandle, XferStatus, find_region
+
+if TYPE_CHECKING:
+    from trtdisagg.transfer.protocol.fragments import Fragments
+
+
+QUICK_COPY_BYTES = 1 << 20
+
+
+class LoopbackFabric:
+    """The agents of one process that can write to each other, by name."""
+
+    def __init__(self) -> None:
+        self._agents: dict[str, LoopbackAgent] = {}
+
+    def attach(self, agent: LoopbackAgent) -> None:
+        if agent.name in self._agents:
+            raise AgentError(f"loopback agent {agent.name!r} already exists")
+        self._agents[agent.name] = agent
+
+    def detach(self, name: str) -> None:
+        self._agents.pop(name, None)
+
+    def get(self, name: str) -> LoopbackAgent:
+        agent = self._agents.get(name)
+        if agent is None:
+            raise AgentError(f"no loopback agent {name!r}")
+        return agent
+
+
+class LoopbackAgent:
+    def __init__(self, name: str, *, fabric: LoopbackFabric, notify_on_poll: bool = False) -> None:
+        self._name = name
+        self._fabric = fabric
+        self._notify_on_poll = notify_on_poll
+        self._unsent: dict[XferHandle, tuple[str, bytes]] = {}  # notify_on_poll: not polled yet
+        self._regions: list[MemoryRegion] = []
+        self._remotes: set[str] = set()
+        self._notifications: list[tuple[str, bytes]] = []
+        self._handles: dict[XferHandle, XferStatus] = {}
+        self._prepared: dict[XferHandle, tuple[Fragments, str, bytes]] = {}
+        self._ids = itertools.count(1)
+        fabric.attach(self)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def regions(self) -> tuple[MemoryRegion, ...]:
+        return tuple(self._regions)
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        for region in regions:
+            if region.memory_type != "DRAM":
+                raise AgentError(f"loopback agent copies host memory only, not {region}")
+        self._regions.extend(regions)
+
+    def deregister_memory(self) -> None:
+        self._regions.clear()
+
+    def local_metadata(self) -> bytes:
+        return self._name.encode()
+
+    def add_remote(self, metadata: bytes) -> str:
+        name = metadata.decode(errors="replace")
+        self._fabric.get(name)
+        self._remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        self._remotes.discard(name)
+
+    def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
+        # The copy happens in `submit_write`: quick only while it is small (~0.1 ms).
+        return fragments.num_bytes <= QUICK_COPY_BYTES
+
+    def submit_write(
+        self,
+        fragments: Fragments,
+        remote: str,
+        notif: bytes,
+        *,
+        dst_memory_type: str = "DRAM",
+        dst_device_id: int = 0,
+    ) -> XferHandle:
+        handle = self.prepare_write(fragments, remote, notif)
+        self.post_prepared(handle)
+        return handle
+
+    def prepare_write(
+        self,
+        fragments: Fragments,
+        remote: str,
+        notif: bytes,
+        *,
+        dst_memory_type: str = "DRAM",
+        dst_device_id: int = 0,
+    ) -> XferHandle:
+        """Check the write now; `post_prepared` copies. A handle never posted is `release`d."""
+        if remote not in self._remotes:
+            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
+        target = self._fabric.get(remote)
+        if len(fragments):
+            find_region(self._regions, fragments)
+            try:
+                find_region(target.regions, fragments, column=1)
+            except AgentError as exc:
+                raise AgentError(f"{self._name} -> {remote}: {exc}") from None
+        handle = XferHandle(next(self._ids))
+        self._handles[handle] = XferStatus.PENDING
+        self._prepared[handle] = (fragments, remote, notif)
+        return handle
+
+    def post_prepared(self, handle: XferHandle, notif: bytes | None = None) -> None:
+        prepared = self._prepared.pop(handle, None)
+        if prepared is None:
+            raise AgentError(f"{self._name}: no prepared write {handle}")
+        fragments, remote, prepared_notif = prepared
+        notif = prepared_notif if notif is None else notif
+        if len(fragments):
+            for src, dst, size in fragments.rows.tolist():
+                ctypes.memmove(dst, src, size)
+            if self._notify_on_poll:
+                self._unsent[handle] = (remote, notif)
+            else:
+                self._fabric.get(remote)._notifications.append((self._name, notif))
+        self._handles[handle] = XferStatus.DONE
+
+    @property
+    def num_handles(self) -> int:
+        """Handles not yet released (tests check that none leak)."""
+        return len(self._handles)
+
+    @property
+    def remotes(self) -> frozenset[str]:
+        """The peers loaded with `add_remote` (tests check that none are left behind)."""
+        return frozenset(self._remotes)
+
+    @property
+    def num_notifications(self) -> int:
+        """Notifications received and not yet taken (tests wait for them to be drained)."""
+        return len(self._notifications)
+
+    def poll(self, handle: XferHandle) -> XferStatus:
+        unsent = self._unsent.pop(handle, None)
+        if unsent is not None:
+            remote, notif = unsent
+            self._fabric.get(remote)._notifications.append((self._name, notif))
+        return self._handles[handle]
+
+    def release(self, handle: XferHandle) -> None:
+        self._handles.pop(handle, None)
+        self._prepared.pop(handle, None)
+        self._unsent.pop(handle, None)  # never polled: never sent (as NIXL's)
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        notifications, self._notifications = self._notifications, []
+        return notifications
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._prepared.clear()
+        self._unsent.clear()
+        self._remotes.clear()
+        self._regions.clear()
+        self._fabric.detach(self._name)

@@ -1,0 +1,219 @@
+"""NixlAgent: the NIXL (UCX) transfer agent. The only module that imports nixl.
+
+One `nixl_agent` per rank with the UCX backend and `NIXL_THREAD_SYNC_STRICT` (the agent locks
+itself, so a call on a worker thread and a `poll` on the event loop cannot corrupt it; callers
+should still serialise, see `base`). Memory is registered once: DRAM for CPU pools, VRAM for CUDA
+pools. A write builds one local and one remote descriptor list from the fragments
+(`get_xfer_descs` with `(addr, size, device)` rows), `initialize_xfer("WRITE", ...)` with the
+notification, and posts it with `transfer`; `poll` reads `check_xfer_state`.
+
+May block (call through `trio.to_thread.run_sync`): `NixlAgent(...)`, `register_memory`,
+`deregister_memory`, `add_remote`, `submit_write` (descriptor preparation is linear
+in the number of fragments, and the first write to a peer sets up its connection), `close`.
+Quick: `poll`, `release` (of a finished handle), `get_notifications`, `local_metadata`,
+`post_prepared`, and `submit_write` /
+`prepare_write` where `submit_is_quick` says so (a few descriptors to a peer already written
+to).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+from trtdisagg.transfer.errors import AgentError
+from trtdisagg.transfer.runtime.agents.base import MemoryRegion, XferHandle, XferStatus, find_region
+
+if TYPE_CHECKING:
+    from trtdisagg.transfer.protocol.fragments import Fragments
+
+_STATES = {"PROC": XferStatus.PENDING, "DONE": XferStatus.DONE, "ERR": XferStatus.ERROR}
+_DONE = XferHandle(0)  # the handle of an empty write: nothing was submitted
+# Preparing descriptors is linear in their number: up to this many, posting to a connected peer
+# costs less than the thread hop it would otherwise pay (docs/BENCHMARKS.md).
+QUICK_SUBMIT_MAX_DESCRIPTORS = 16
+# A post from host memory may copy the bytes itself (UCX's shared-memory transports without a
+# progress thread), so from DRAM only a small write is quick; from VRAM a post only queues it.
+QUICK_SUBMIT_MAX_DRAM_BYTES = 1 << 20
+# UCX's cuda_ipc transport maps a same-node peer's GPU memory when its agent is loaded, and by
+# default caches that mapping until the process exits, even once the agent is removed: a peer
+# that exited then keeps its whole KV pool allocated on its GPU (openucx/ucx#11753). Without the
+# cache, removing the agent drops the mapping. A value the user set in the environment wins.
+CUDA_IPC_CACHE_ENV = ("UCX_CUDA_IPC_CACHE", "n")
+
+
+class NixlAgent:
+    def __init__(self, name: str, *, progress_thread: bool = True) -> None:
+        os.environ.setdefault(*CUDA_IPC_CACHE_ENV)  # read when UCX starts, in nixl_agent below
+        # NIXL's progress thread spins a core while idle; without it, our own polling of
+        # transfers and notifications drives progress (enough for CPU/shared-memory paths).
+        config = nixl_agent_config(
+            enable_prog_thread=progress_thread,
+            backends=["UCX"],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self._agent = nixl_agent(name, config)
+        self._name = name
+        self._regions: list[MemoryRegion] = []
+        self._registrations: list[Any] = []  # nixlRegDList per registered region
+        self._remotes: set[str] = set()
+        # Remotes a write was posted to: their UCX connection is up, so posting is quick.
+        self._connected: set[str] = set()
+        self._handles: dict[XferHandle, Any] = {}  # our id -> nixl_xfer_handle
+        self._targets: dict[XferHandle, str] = {}  # our id -> the remote it writes to
+        self._ids = itertools.count(1)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        for region in regions:
+            row = [(region.address, region.size, region.device_id, "")]
+            try:
+                descs = self._agent.register_memory(row, region.memory_type)
+            except Exception as exc:
+                raise AgentError(f"{self._name}: cannot register {region}: {exc}") from exc
+            self._registrations.append(descs)
+            self._regions.append(region)
+
+    def deregister_memory(self) -> None:
+        registrations, self._registrations = self._registrations, []
+        self._regions.clear()
+        for descs in registrations:
+            self._agent.deregister_memory(descs)
+
+    def local_metadata(self) -> bytes:
+        metadata: bytes = self._agent.get_agent_metadata()
+        return metadata
+
+    def add_remote(self, metadata: bytes) -> str:
+        try:
+            raw: str | bytes = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise AgentError(f"{self._name}: cannot load remote agent: {exc}") from exc
+        name = raw.decode() if isinstance(raw, bytes) else raw  # nixl 1.5 returns bytes
+        self._remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        if name in self._remotes:
+            self._remotes.discard(name)
+            self._connected.discard(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:
+                raise AgentError(f"{self._name}: cannot unload remote agent {name}: {exc}") from exc
+
+    def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
+        """A few descriptors to a peer written to before (no connection set-up; descriptor
+        preparation is linear in their number), from VRAM or few bytes of DRAM. See
+        `QUICK_SUBMIT_MAX_DESCRIPTORS` and `QUICK_SUBMIT_MAX_DRAM_BYTES`."""
+        if remote not in self._connected or len(fragments) > QUICK_SUBMIT_MAX_DESCRIPTORS:
+            return False
+        if fragments.num_bytes <= QUICK_SUBMIT_MAX_DRAM_BYTES:
+            return True
+        try:
+            return find_region(self._regions, fragments).memory_type == "VRAM"
+        except AgentError:
+            return False  # submit_write reports it
+
+    def submit_write(
+        self,
+        fragments: Fragments,
+        remote: str,
+        notif: bytes,
+        *,
+        dst_memory_type: str = "DRAM",
+        dst_device_id: int = 0,
+    ) -> XferHandle:
+        handle = self.prepare_write(
+            fragments, remote, notif, dst_memory_type=dst_memory_type, dst_device_id=dst_device_id
+        )
+        self.post_prepared(handle)
+        return handle
+
+    def prepare_write(
+        self,
+        fragments: Fragments,
+        remote: str,
+        notif: bytes,
+        *,
+        dst_memory_type: str = "DRAM",
+        dst_device_id: int = 0,
+    ) -> XferHandle:
+        """`submit_write` but the post: both descriptor lists and the NIXL request (with its
+        notification), for `post_prepared` to start. A handle never posted is `release`d."""
+        if remote not in self._remotes:
+            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
+        if not len(fragments):
+            return _DONE
+        source = find_region(self._regions, fragments)
+        # [n, 3] rows of (address, size, device id): the array form get_xfer_descs takes
+        rows = fragments.rows
+        local = np.empty((len(rows), 3), dtype=np.uint64)
+        local[:, 0], local[:, 1], local[:, 2] = rows[:, 0], rows[:, 2], source.device_id
+        target = np.empty((len(rows), 3), dtype=np.uint64)
+        target[:, 0], target[:, 1], target[:, 2] = rows[:, 1], rows[:, 2], dst_device_id
+        try:
+            handle = self._agent.initialize_xfer(
+                "WRITE",
+                self._agent.get_xfer_descs(local, source.memory_type),
+                self._agent.get_xfer_descs(target, dst_memory_type),
+                remote,
+                notif,
+            )
+        except Exception as exc:
+            raise AgentError(f"{self._name}: write to {remote} not prepared: {exc}") from exc
+        xfer = XferHandle(next(self._ids))
+        self._handles[xfer] = handle
+        self._targets[xfer] = remote
+        return xfer
+
+    def post_prepared(self, handle: XferHandle, notif: bytes | None = None) -> None:
+        """Start a prepared write (once). Quick. NIXL takes a notification per post, which
+        replaces the one given at preparation."""
+        if handle == _DONE:
+            return
+        nixl_handle = self._handles.get(handle)
+        if nixl_handle is None:
+            raise AgentError(f"{self._name}: no prepared write {handle}")
+        remote = self._targets[handle]
+        try:
+            # b"" (NIXL's default) keeps the notification given at preparation
+            state = self._agent.transfer(nixl_handle, b"" if notif is None else notif)
+        except Exception as exc:
+            self.release(handle)
+            raise AgentError(f"{self._name}: write to {remote} not submitted: {exc}") from exc
+        if state == "ERR":
+            self.release(handle)
+            raise AgentError(f"{self._name}: write to {remote} failed when posted")
+        self._connected.add(remote)
+
+    def poll(self, handle: XferHandle) -> XferStatus:
+        if handle == _DONE:
+            return XferStatus.DONE
+        return _STATES[self._agent.check_xfer_state(self._handles[handle])]
+
+    def release(self, handle: XferHandle) -> None:
+        self._targets.pop(handle, None)
+        nixl_handle = self._handles.pop(handle, None)
+        if nixl_handle is not None:
+            self._agent.release_xfer_handle(nixl_handle)
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        return [(name, payload) for name, payloads in notifs.items() for payload in payloads]
+
+    def close(self) -> None:
+        """Release every handle (aborting unfinished writes), forget remotes, deregister."""
+        for handle in list(self._handles):
+            self.release(handle)
+        for name in list(self._remotes):
+            self.remove_remote(name)
+        self.deregister_memory()

@@ -1,0 +1,140 @@
+"""ControlPlane: one rank's ROUTER and its DEALERs to peers, owned in one place.
+
+Every message received, on the ROUTER or on a DEALER, goes to `deliver` (the driver); `send`
+puts a message on the DEALER to an endpoint, opened on first use and kept until `drop`. A
+message to an endpoint whose DEALER is being opened waits in a queue, so that messages to one
+peer leave in the order they were sent. A DEALER reports its link going up or down (`on_link`:
+liveness.py tells a peer that ended from one that stalled).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
+
+import attrs
+import trio
+
+from trtdisagg.transfer.protocol.wire import Message
+from trtdisagg.transfer.runtime.messenger import MessengerStatistics, open_dealer
+
+log = logging.getLogger(__name__)
+
+
+class ControlRouter(Protocol):
+    endpoint: str
+
+    async def receive_message(self) -> tuple[bytes, Message]: ...
+    async def send_message(self, identity: bytes, message: Message) -> None: ...
+    def send_message_nowait(self, identity: bytes, message: Message) -> None: ...
+    def statistics(self) -> MessengerStatistics: ...
+
+
+class ControlDealer(Protocol):
+    async def receive_message(self) -> Message: ...
+    async def send_message(self, message: Message) -> None: ...
+    def send_message_nowait(self, message: Message) -> None: ...
+    def statistics(self) -> MessengerStatistics: ...
+
+
+DealerOpener = Callable[..., AbstractAsyncContextManager[ControlDealer]]
+Deliver = Callable[[Message, bytes | None, str], None]  # message, ROUTER identity, DEALER's peer
+
+
+@attrs.define(eq=False, kw_only=True)
+class ControlPlane:
+    router: ControlRouter
+    deliver: Deliver
+    on_link: Callable[[str, bool], None]
+    connect: DealerOpener = open_dealer  # (trtdisagg/faults/ wraps it when armed)
+    _nursery: trio.Nursery | None = None
+    _dealers: dict[str, ControlDealer] = attrs.Factory(dict)
+    _scopes: dict[str, trio.CancelScope] = attrs.Factory(dict)
+    _queued: dict[str, list[Message]] = attrs.Factory(dict)  # for dealers being opened
+    _closed_bad_frames: int = 0
+
+    @property
+    def connections(self) -> int:
+        return len(self._dealers)
+
+    @property
+    def bad_frames(self) -> int:
+        """Frames dropped as malformed (since start), on every socket."""
+        dealers = sum(dealer.statistics().bad_frames for dealer in self._dealers.values())
+        return self.router.statistics().bad_frames + self._closed_bad_frames + dealers
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                identity, message = await self.router.receive_message()
+                self.deliver(message, identity, "")
+
+    def reply(self, identity: bytes, message: Message) -> None:
+        try:
+            self.router.send_message_nowait(identity, message)
+        except trio.WouldBlock:
+            assert self._nursery is not None
+            self._nursery.start_soon(self.router.send_message, identity, message)
+
+    def send(self, endpoint: str, message: Message) -> None:
+        """Send on the DEALER to `endpoint` now, or queue it (in order) for one being opened."""
+        dealer = self._dealers.get(endpoint)
+        if dealer is not None and endpoint not in self._queued:
+            try:
+                dealer.send_message_nowait(message)
+                return
+            except trio.WouldBlock:
+                pass
+        queue = self._queued.setdefault(endpoint, [])
+        queue.append(message)
+        if len(queue) == 1:
+            assert self._nursery is not None, "the transceiver is not running"
+            self._nursery.start_soon(self._flush, endpoint)
+
+    def drop(self, endpoint: str) -> None:
+        """Close the DEALER to `endpoint` (a peer that is gone, or never answered)."""
+        scope = self._scopes.get(endpoint)
+        if scope is not None:
+            scope.cancel()
+
+    async def _flush(self, endpoint: str) -> None:
+        queue = self._queued[endpoint]
+        try:
+            dealer = self._dealers.get(endpoint)
+            if dealer is None:
+                assert self._nursery is not None
+                dealer = await self._nursery.start(self._hold, endpoint)
+            while queue:
+                await dealer.send_message(queue[0])
+                queue.pop(0)
+        except Exception as exc:  # a peer we cannot reach must not take the service down
+            log.warning("messages to %s dropped: %s", endpoint, exc)
+        finally:
+            del self._queued[endpoint]
+
+    async def _hold(
+        self,
+        endpoint: str,
+        *,
+        task_status: trio.TaskStatus[ControlDealer] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Own the DEALER to `endpoint` until the service ends or it is dropped."""
+        with trio.CancelScope() as scope:
+            self._scopes[endpoint] = scope
+            try:
+                on_link = functools.partial(self.on_link, endpoint)
+                async with self.connect(endpoint, on_link=on_link) as dealer:
+                    self._dealers[endpoint] = dealer
+                    task_status.started(dealer)
+                    while True:
+                        self.deliver(await dealer.receive_message(), None, endpoint)
+            finally:
+                gone = self._dealers.pop(endpoint, None)
+                if gone is not None:
+                    self._closed_bad_frames += gone.statistics().bad_frames
+                self._scopes.pop(endpoint, None)

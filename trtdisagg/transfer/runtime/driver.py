@@ -1,0 +1,494 @@
+"""KvTransceiver: one rank's KV transfer service, the Trio driver of the protocol core.
+
+The executor calls these between steps; none of them waits on the network:
+
+    ctx  prepare_send(key, blocks, num_tokens)             the last prefill chunk runs
+         respond_and_send_async(key, blocks, num_tokens, first_tokens)   the KV is ready
+         abandon_send(key, reason)                         the request ended without its KV
+         check_context_transfer_status() -> outcomes       sends over: free their blocks
+    gen  request_and_receive_async(key, endpoint, blocks, num_tokens)    ask ctx for the KV
+         check_gen_transfer_status() -> outcomes           KV landed (or failed): decode or fail
+    both cancel_request(key) -> bool                       False while a write may still land
+
+Each call, control message, agent notification and write's end is an event for the pure
+protocol core (protocol/core.py, ctx.py and gen.py describe the protocol and lifecycle); this
+driver carries out the effects it answers with, and owns every I/O resource, each in one place:
+the sockets (control.py), the agent and its lock (pump.py), the loaded peer agents, the
+prepared and posted writes, the staging buffer, and the one thread that polls the agent while a
+transfer waits (pump.py). The check methods only hand over outcomes made already; `wake` tells
+the executor when there are some. `tracer`, when given, is called with (key, stage, time) at
+each of `STAGES`; unset, it costs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import attrs
+import trio
+
+from trtdisagg.transfer.errors import ProtocolError, TransferLayerError
+from trtdisagg.transfer.protocol import events as ev
+from trtdisagg.transfer.protocol.core import TransferProtocol
+from trtdisagg.transfer.protocol.fragments import Fragments
+from trtdisagg.transfer.protocol.gen import StagingInfo
+from trtdisagg.transfer.protocol.liveness import PeerLiveness
+from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.sessions import SourceBlocks, TransferOutcome
+from trtdisagg.transfer.protocol.wire import (
+    Message,
+    RequestData,
+    TransferResult,
+    WriteNotice,
+    decode,
+)
+from trtdisagg.transfer.runtime.agents.base import (
+    TransferAgent,
+    XferHandle,
+    XferStatus,
+    posts_quickly,
+    write_preparer,
+)
+from trtdisagg.transfer.runtime.collector import TransceiverStatistics, WriteTally
+from trtdisagg.transfer.runtime.control import ControlPlane, ControlRouter, DealerOpener
+from trtdisagg.transfer.runtime.messenger import open_dealer
+from trtdisagg.transfer.runtime.pump import PUMP_INTERVAL_S, AgentCalls, NotificationPump
+from trtdisagg.transfer.runtime.staging_area import StagingArea
+
+log = logging.getLogger(__name__)
+
+# What `tracer` is told, in the order a transfer usually goes: gen's call, ctx's REQUEST_DATA,
+# the write's post and end (ctx), gen's TRANSFER_RESULT and notification, the outcome (both).
+STAGES: Final = ("request", "received", "posted", "done", "result", "notice", "outcome")
+TICK_S: Final = 0.01  # deadlines are looked at this often while a transfer is under way
+
+
+@attrs.define(eq=False, kw_only=True)
+class _Flight:
+    order: ev.WriteOrder
+    handle: XferHandle
+    remote: str
+    posted: float
+    staging_offset: int | None = None
+
+
+@attrs.define(eq=False, kw_only=True)
+class KvTransceiver:
+    local: RankInfo
+    instance: tuple[RankInfo, ...]  # every rank of this instance
+    agent: TransferAgent
+    router: ControlRouter
+    timeout_s: float
+    wake: Callable[[], None]
+    clock: Callable[[], float] = time.monotonic
+    # Report a failed receive at once while its blocks stay quarantined (`blocks_held`). A
+    # multi-rank instance turns it off: its ranks' outcomes are merged, and a rank reports a
+    # failure only once its blocks are free, so the merged outcome can free them.
+    early_failures: bool = True
+    staging: StagingArea | None = None  # the bounce path (kv_cache_bounce_size_mb > 0)
+    liveness: PeerLiveness = attrs.Factory(PeerLiveness)
+    connect: DealerOpener = open_dealer
+    on_write: Callable[[int, int, float], None] | None = None  # bytes, descriptors, seconds
+    tracer: Callable[[int, str, float], None] | None = None
+    pump_interval_s: float | None = None  # None: PUMP_INTERVAL_S for where our KV lives
+    protocol: TransferProtocol = attrs.field(init=False)
+    tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
+    prepared_posts: int = 0  # writes posted from a preparation (since start)
+    _control: ControlPlane = attrs.field(init=False)
+    _calls: AgentCalls = attrs.field(init=False)
+    _pump: NotificationPump = attrs.field(init=False)
+    _nursery: trio.Nursery | None = None
+    _remotes: dict[tuple[str, int], str] = attrs.Factory(dict)  # gen ranks' loaded agents
+    _prepared: dict[int, XferHandle] = attrs.Factory(dict)  # by write id
+    _flights: dict[int, _Flight] = attrs.Factory(dict)  # posted writes, by write id
+    _landed: trio.Event = attrs.Factory(trio.Event)  # set (and replaced) as each write ends
+    _sent: list[TransferOutcome] = attrs.Factory(list)
+    _received: list[TransferOutcome] = attrs.Factory(list)
+    _busy: trio.Event = attrs.Factory(trio.Event)  # wakes the ticker when work starts
+    _ticking: bool = False  # the ticker looks at deadlines every TICK_S
+
+    def __attrs_post_init__(self) -> None:
+        staging = None
+        if self.staging is not None:
+            stager = self.staging.stager
+            staging = StagingInfo(address=stager.address, capacity=stager.capacity)
+        self.protocol = TransferProtocol(
+            local=self.local,
+            instance=self.instance,
+            timeout_s=self.timeout_s,
+            liveness=self.liveness,
+            early_failures=self.early_failures,
+            staging=staging,
+        )
+        self._control = ControlPlane(
+            router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
+        )
+        self._calls = AgentCalls(self.agent)
+        interval = self.pump_interval_s
+        if interval is None:
+            interval = PUMP_INTERVAL_S[self.local.page_table.layer_groups[0].pool.memory_type]
+        self._pump = NotificationPump(self._calls, self._delivered, interval)
+
+    @property
+    def info_endpoint(self) -> str:
+        return self.instance[0].control_endpoint
+
+    # ---- the executor's calls ----
+
+    def prepare_send(self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
+        """ctx: `key`'s KV will be in `block_ids` once the step now starting ends; a gen rank
+        that already asked (generation_first) gets its write prepared during that step."""
+        self._feed(ev.KvExpected(key=key, source=_source(block_ids, num_tokens)))
+
+    def respond_and_send_async(
+        self,
+        key: int,
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        first_tokens: Sequence[int] = (),
+    ) -> None:
+        """ctx: `key`'s KV is ready in `block_ids`: write it, and the first tokens that
+        prefill sampled, to whoever asks (or asked)."""
+        source, tokens = _source(block_ids, num_tokens), tuple(first_tokens)
+        self._feed(ev.KvReady(key=key, source=source, first_tokens=tokens))
+
+    def abandon_send(self, key: int, reason: str) -> None:
+        """ctx: `key`'s request ended before its KV was ready: a gen rank that already asked is
+        refused at once with `reason`. A no-op once the request has responded."""
+        self._feed(ev.SendAbandoned(key=key, reason=reason))
+
+    def request_and_receive_async(
+        self,
+        key: int,
+        ctx_info_endpoint: str,
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        *,
+        ctx_instance: str | None = None,
+    ) -> None:
+        """gen: ask the ctx instance at `ctx_info_endpoint` (`ctx_instance`, when known: a
+        cached other one there is met again) for `key`'s KV, to land in `block_ids`."""
+        self._trace(key, "request")
+        blocks = tuple(tuple(ids) for ids in block_ids)
+        self._feed(ev.ReceiveAsked(key=key, endpoint=ctx_info_endpoint, block_ids=blocks,
+                                   num_tokens=num_tokens, ctx_instance=ctx_instance))  # fmt: skip
+
+    def check_context_transfer_status(self) -> list[TransferOutcome]:
+        done, self._sent = self._sent, []
+        return done
+
+    def check_gen_transfer_status(self) -> list[TransferOutcome]:
+        done, self._received = self._received, []
+        return done
+
+    def cancel_request(self, key: int) -> bool:
+        """Stop transfer `key`. True when no write can still land in (or read from) its blocks."""
+        quiescent, effects = self.protocol.cancel(key, self.clock())
+        self._apply(effects)
+        return quiescent
+
+    def count_write(self, num_bytes: int, num_descriptors: int, seconds: float) -> None:
+        """Count a KV write made by another rank of this instance (rank 0's metrics)."""
+        self.tally.count(num_bytes, num_descriptors, seconds)
+
+    def statistics(self) -> TransceiverStatistics:
+        protocol, ctx, gen, now = self.protocol, self.protocol.ctx, self.protocol.gen, self.clock()
+        quarantined = sum(s.is_terminal and not s.is_quiescent for s in ctx.senders.values())
+        quarantined += sum(
+            s.is_terminal and not gen.released(s, now) for s in gen.receivers.values()
+        )
+        return TransceiverStatistics(
+            rendezvous=gen.rendezvous, senders=len(ctx.senders), receivers=len(gen.receivers),
+            bad_frames=self._control.bad_frames, quarantined=quarantined,
+            quarantine_expired=gen.quarantine_expired, early=len(ctx.early),
+            bounced=ctx.bounced + gen.bounced, connections=self._control.connections,
+            prepared=len(self._prepared), prepared_posts=self.prepared_posts,
+            peers_watched=len(protocol.liveness), peers_forgotten=protocol.forgotten,
+            peers_dead=protocol.dead, peer_probes=protocol.probes,
+        )  # fmt: skip
+
+    # ---- the service ----
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._pump.start()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self._control.run)
+                nursery.start_soon(self._tick)
+                task_status.started()
+        finally:
+            self._nursery = None
+            self._pump.stop()  # (waits for its poll of a few microseconds at most)
+
+    async def _tick(self) -> None:
+        while True:
+            self._ticking = self.protocol.busy()
+            with trio.move_on_after(TICK_S if self._ticking else self.protocol.tick_period):
+                await self._busy.wait()
+            self._busy = trio.Event()
+            self._feed(ev.Tick())
+
+    def _message(self, message: Message, reply_to: bytes | None, source: str) -> None:
+        if self.tracer is not None and isinstance(message, RequestData | TransferResult):
+            self._trace(message.key, "received" if isinstance(message, RequestData) else "result")
+        self._feed(ev.MessageIn(message=message, reply_to=reply_to, source=source))
+
+    def _link(self, endpoint: str, up: bool) -> None:
+        self._feed(ev.LinkChanged(endpoint=endpoint, up=up))
+
+    def _feed(self, event: ev.Event) -> None:
+        self._apply(self.protocol.handle(event, self.clock()))
+
+    def _apply(self, effects: list[ev.Effect]) -> None:
+        woken = False
+        for effect in effects:
+            match effect:
+                case ev.Send(endpoint=endpoint, message=message):
+                    self._control.send(endpoint, message)
+                case ev.Reply(reply_to=identity, message=message):
+                    self._control.reply(identity, message)
+                case ev.PostWrite(order=order):
+                    self._post(order)
+                case ev.PrepareWrite(order=order):
+                    self._prepare(order)
+                case ev.ReleasePrepared(write_id=write_id):
+                    if (handle := self._prepared.pop(write_id, None)) is not None:
+                        self._release(handle)
+                case ev.Sent(outcome=outcome) | ev.Received(outcome=outcome):
+                    self._trace(outcome.key, "outcome")
+                    (self._sent if isinstance(effect, ev.Sent) else self._received).append(outcome)
+                case ev.Wake():
+                    woken = True
+                case ev.LoadAgent(info=info, reply_to=identity):
+                    self._spawn(self._load_agent, info, identity)
+                case ev.ForgetPeer(instance=instance, endpoints=endpoints):
+                    self._forget(instance, endpoints)
+                case ev.ReserveStaging(key=key, num_bytes=num_bytes, deadline=deadline):
+                    self._spawn(self._reserve, key, num_bytes, deadline)
+                case ev.ReleaseStaging(offset=offset):
+                    assert self.staging is not None
+                    self.staging.release(offset)
+                case ev.ScatterStaged(key=key, staged=staged):
+                    self._spawn(self._scatter, key, staged)
+        self._pump.want_notices(self.protocol.gen.awaits_notice())
+        if not self._ticking and self.protocol.busy():
+            self._ticking = True
+            self._busy.set()
+        if woken:
+            self.wake()
+
+    def _trace(self, key: int, stage: str) -> None:
+        if self.tracer is not None:
+            self.tracer(key, stage, self.clock())
+
+    def _spawn(self, fn: Callable[..., object], *args: object) -> None:
+        assert self._nursery is not None, "the transceiver is not running"
+        self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
+
+    # ---- writes: quick agent calls inline, blocking ones in a worker thread (pump.py) ----
+
+    def _prepare(self, order: ev.WriteOrder) -> None:
+        """Prepare `order` with the agent when it can and the post will be quick (a slow post
+        goes through a thread anyway, where preparing first saves nothing)."""
+        preparer, remote = write_preparer(self.agent), self._remotes.get(order.peer)
+        if preparer is None or remote is None or not self._calls.idle:
+            return
+        if posts_quickly(self.agent, order.fragments, remote):
+            prepare = functools.partial(
+                preparer.prepare_write, order.fragments, remote, order.notice,
+                dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
+            )  # fmt: skip
+            try:
+                self._prepared[order.write_id] = self._calls.now(prepare)
+            except TransferLayerError as exc:
+                log.debug("KV write %d not prepared: %s", order.key, exc)
+
+    def _post(self, order: ev.WriteOrder) -> None:
+        remote = self._remotes.get(order.peer)
+        prepared = self._prepared.pop(order.write_id, None)
+        if remote is None:
+            error = f"gen rank {order.peer[0]}#{order.peer[1]} is gone"
+            self._feed(ev.WriteEnded(write_id=order.write_id, error=error))
+            return
+        self.prepared_posts += prepared is not None
+        submit = functools.partial(self._submit, order, remote, prepared)
+        if order.staged is not None:
+            self._spawn(self._post_staged, order, remote)
+        elif self._calls.idle and (prepared or posts_quickly(self.agent, order.fragments, remote)):
+            try:
+                self._posted(order, self._calls.now(submit), remote)
+            except TransferLayerError as exc:
+                self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
+        else:
+            self._spawn(self._post_in_thread, order, remote, submit)
+
+    async def _post_in_thread(
+        self, order: ev.WriteOrder, remote: str, submit: Callable[[], XferHandle]
+    ) -> None:
+        try:
+            handle = await self._calls.in_thread(submit)
+        except TransferLayerError as exc:
+            self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
+            return
+        self._posted(order, handle, remote)
+
+    async def _post_staged(self, order: ev.WriteOrder, remote: str) -> None:
+        """Bounce: pack this rank's share into staging room, then write it in one go."""
+        assert self.staging is not None and order.staged is not None
+        staging, staged = self.staging, order.staged
+        try:
+            offset = await staging.reserve(staged.num_bytes, order.deadline)
+        except TransferLayerError as exc:
+            self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
+            return
+        try:
+            pack = functools.partial(
+                staging.stager.pack, offset, staged.runs, staged.block_ids,
+                first_token=staged.first_token, num_tokens=staged.num_tokens,
+            )  # fmt: skip
+            await self._calls.in_thread(pack)
+            rows = order.fragments.rows.copy()
+            rows[:, 0] += staging.stager.address + offset
+            order = attrs.evolve(order, fragments=Fragments(rows))
+            handle = await self._calls.in_thread(functools.partial(self._submit, order, remote))
+        except TransferLayerError as exc:
+            staging.release(offset)
+            self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
+            return
+        self._posted(order, handle, remote, staging_offset=offset)
+
+    def _submit(
+        self, order: ev.WriteOrder, remote: str, prepared: XferHandle | None = None
+    ) -> XferHandle:
+        """The agent call that posts `order`, from its preparation if one was made."""
+        preparer = write_preparer(self.agent)
+        if prepared is not None and preparer is not None:
+            preparer.post_prepared(prepared, order.notice)
+            return prepared
+        return self.agent.submit_write(
+            order.fragments, remote, order.notice,
+            dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
+        )  # fmt: skip
+
+    def _posted(
+        self,
+        order: ev.WriteOrder,
+        handle: XferHandle,
+        remote: str,
+        staging_offset: int | None = None,
+    ) -> None:
+        self._trace(order.key, "posted")
+        flight = _Flight(order=order, handle=handle, remote=remote, posted=self.clock(),
+                         staging_offset=staging_offset)  # fmt: skip
+        self._flights[order.write_id] = flight
+        self._pump.watch_write(order.write_id, handle)
+
+    def _delivered(
+        self, notifications: list[tuple[str, bytes]], ended: list[tuple[int, XferStatus]]
+    ) -> None:
+        """What the pump found: writes that ended, notifications (on the Trio thread)."""
+        if self._nursery is None:
+            return  # the service has ended
+        for write_id, state in ended:
+            flight = self._flights.pop(write_id)
+            self._release(flight.handle)
+            if flight.staging_offset is not None and self.staging is not None:
+                self.staging.release(flight.staging_offset)
+            self._landed.set()
+            self._landed = trio.Event()
+            error = None if state is XferStatus.DONE else "the agent reported an error writing it"
+            if error is None:
+                self._trace(flight.order.key, "done")
+                fragments, seconds = flight.order.fragments, self.clock() - flight.posted
+                self.tally.count(fragments.num_bytes, len(fragments), seconds)
+                if self.on_write is not None:
+                    self.on_write(fragments.num_bytes, len(fragments), seconds)
+            self._feed(ev.WriteEnded(write_id=write_id, error=error))
+        for _remote, payload in notifications:
+            try:
+                notice = decode(payload)
+            except ProtocolError:
+                continue  # only peers we loaded can notify us; nothing else is ours
+            if isinstance(notice, WriteNotice):
+                self._trace(notice.key, "notice")
+                self._feed(ev.NoticeIn(notice=notice))
+
+    def _release(self, handle: XferHandle) -> None:
+        release = functools.partial(self.agent.release, handle)
+        if self._calls.idle:
+            self._calls.now(release)
+        else:
+            self._spawn(self._calls.in_thread, release)
+
+    # ---- peers' agents, staging ----
+
+    async def _load_agent(self, info: RankInfo, identity: bytes) -> None:
+        error = None
+        if info.key not in self._remotes:
+            try:
+                add = functools.partial(self.agent.add_remote, info.agent_metadata)
+                self._remotes[info.key] = await self._calls.in_thread(add)
+            except TransferLayerError as exc:
+                error = str(exc)
+        self._feed(ev.AgentLoaded(info=info, reply_to=identity, error=error))
+
+    def _forget(self, instance: str | None, endpoints: Sequence[str]) -> None:
+        for endpoint in endpoints:
+            self._control.drop(endpoint)
+        names = [self._remotes.pop(k) for k in list(self._remotes) if k[0] == instance]
+        if names:
+            self._spawn(self._unload, names)
+
+    async def _unload(self, names: Sequence[str]) -> None:
+        """Unload a gone peer's agents once no write to them is in flight: a loaded agent of a
+        peer on this node maps that peer's whole KV pool on its GPU."""
+        with trio.move_on_after(2 * self.timeout_s):
+            while any(f.remote in names for f in self._flights.values()):
+                await self._landed.wait()
+        for name in names:
+            if any(f.remote == name for f in self._flights.values()):
+                log.warning("agent %s stays loaded: a write to it never ended", name)
+                continue
+            try:
+                await self._calls.in_thread(functools.partial(self.agent.remove_remote, name))
+            except TransferLayerError as exc:
+                log.warning("could not unload agent %s: %s", name, exc)
+
+    async def _reserve(self, key: int, num_bytes: int, deadline: float) -> None:
+        assert self.staging is not None
+        try:
+            offset = await self.staging.reserve(num_bytes, deadline)
+        except TransferLayerError as exc:
+            self._feed(ev.StagingReserved(key=key, offset=None, error=str(exc)))
+            return
+        self._feed(ev.StagingReserved(key=key, offset=offset))
+
+    async def _scatter(self, key: int, staged: ev.StagedReceive) -> None:
+        """Copy a bounced receive into its blocks: on the GPU it is queued on the device's
+        stream, ahead of any step that reads them; from host memory it is real work, done in a
+        worker thread (the request's blocks stay held until it is reported)."""
+        assert self.staging is not None
+        stager, error = self.staging.stager, None
+        unpack = functools.partial(
+            stager.unpack, staged.offset, staged.block_ids,
+            first_token=staged.first_token, num_tokens=staged.num_tokens,
+        )  # fmt: skip
+        try:
+            if stager.memory_type == "VRAM":
+                unpack()
+            else:
+                await trio.to_thread.run_sync(unpack)
+        except Exception as exc:  # a failed copy fails the request, never the service
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.staging.release(staged.offset)
+        self._feed(ev.Scattered(key=key, error=error))
+
+
+def _source(block_ids: Sequence[Sequence[int]], num_tokens: int) -> SourceBlocks:
+    return SourceBlocks(block_ids=tuple(tuple(ids) for ids in block_ids), num_tokens=num_tokens)

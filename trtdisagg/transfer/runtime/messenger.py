@@ -1,0 +1,433 @@
+"""Messenger: Trio-native ZeroMQ ROUTER (bind) and DEALER (connect). The only module importing zmq.
+
+    async with open_router(bind="tcp://127.0.0.1:0") as router:    # router.endpoint: bound address
+        identity, message = await router.receive_message()
+        await router.send_message(identity, reply)
+
+    async with open_dealer(router.endpoint) as dealer:
+        await dealer.send_message(request)
+        reply = await dealer.receive_message()
+
+Each socket has ONE pump task, the only task that waits on its FD. pyzmq's FD is edge-triggered:
+the pump tries with NOBLOCK; on `zmq.Again` it reads `EVENTS` (which re-arms the edge) and goes
+again at once if that already shows the event, else waits for the FD. Received messages go to a
+bounded inbox; when it is full they stay queued in zmq (backpressure). A send is tried at once
+when nothing is queued (`*_nowait` from synchronous code; trio.WouldBlock when the outbox is
+full), else queued in a bounded outbox that the pump flushes in order; since a send may consume
+the FD's edge, it re-reads EVENTS and wakes a waiting pump.
+
+A message with the wrong frame count or a payload that does not decode is counted
+(`statistics().bad_frames`) and dropped: the pump never dies of peer input. A reply to a peer
+that is gone is counted as `unroutable`. Any other zmq error crashes the pump's nursery.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import struct
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from trtdisagg.transfer.errors import ProtocolError
+from trtdisagg.transfer.protocol.wire import Message, decode, encode
+
+log = logging.getLogger(__name__)
+
+_RETRY_WHILE_BLOCKED_S = 0.005  # re-try a blocked send this often (ROUTER reports no edge for it)
+
+
+@attrs.frozen(kw_only=True)
+class MessengerStatistics:
+    sent: int  # messages handed to zmq
+    received: int  # well-formed messages delivered
+    bad_frames: int  # dropped for a wrong frame count or an undecodable payload
+    unroutable: int  # ROUTER replies to an identity that is not connected
+    overflowed: int = 0  # ROUTER replies dropped: that peer's queue was full (it does not read)
+
+
+class _Pump:
+    """The one task that touches a zmq socket; see the module docstring."""
+
+    def __init__(
+        self,
+        socket: zmq.Socket[bytes],
+        *,
+        frames: int,
+        queue_size: int,
+        drop_when_full: bool = False,
+    ) -> None:
+        self.socket = socket
+        self.frames = frames
+        # ROUTER: a peer that stops reading fills only its own zmq queue; waiting for it would
+        # hold every other peer's replies behind it, so its replies are dropped (and counted).
+        self.drop_when_full = drop_when_full
+        self.overflowed = 0
+        self.outbox: collections.deque[list[bytes]] = collections.deque()
+        self.queue_size = queue_size
+        self.inbox_send, self.inbox = trio.open_memory_channel[list[bytes]](queue_size)
+        self.space = trio.lowlevel.ParkingLot()
+        self.wait_scope: trio.CancelScope | None = None
+        self.inbox_full = False
+        self.sent = self.received = self.bad_frames = self.unroutable = 0
+
+    def wake(self) -> None:
+        if self.wait_scope is not None:
+            self.wait_scope.cancel()
+
+    async def send(self, frames: list[bytes]) -> None:
+        """Send now if nothing is queued (the fast path), else queue for the pump (in order)."""
+        # Cancellation is checked before sending, but the scheduling round every async call owes
+        # comes after it (as in trio's own Lock.acquire): the message leaves a round earlier.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self.send_nowait(frames)
+        except trio.WouldBlock:
+            while len(self.outbox) >= self.queue_size:
+                await self.space.park()
+            self.outbox.append(frames)
+            self.wake()
+            return
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def send_nowait(self, frames: list[bytes]) -> None:
+        """`send` without waiting: sent now, or queued for the pump; trio.WouldBlock (nothing
+        sent or queued) when the outbox is full."""
+        if not self.outbox and self._try_send(frames):
+            if self.wait_scope is not None and self._events() & zmq.POLLIN:
+                self.wake()
+            return
+        if len(self.outbox) >= self.queue_size:
+            raise trio.WouldBlock
+        self.outbox.append(frames)
+        self.wake()
+
+    def _try_send(self, frames: list[bytes]) -> bool:
+        """One NOBLOCK send; False if zmq would block (nothing sent)."""
+        try:
+            self.socket.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if not self.drop_when_full:
+                return False
+            if not self.overflowed:
+                log.warning("a control-plane peer does not read its replies; dropping them")
+            self.overflowed += 1
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.unroutable += 1
+        else:
+            self.sent += 1
+        return True
+
+    def _events(self) -> int:
+        return int(self.socket.getsockopt(zmq.EVENTS))
+
+    async def receive(self) -> list[bytes]:
+        frames = await self.inbox.receive()
+        if self.inbox_full:
+            self.wake()
+        return frames
+
+    def _flush(self) -> bool:
+        """Send queued messages until zmq blocks; True if blocked with messages left."""
+        while self.outbox:
+            if not self._try_send(self.outbox[0]):
+                return True
+            self.outbox.popleft()
+            self.space.unpark()
+        return False
+
+    def _has_room(self) -> bool:
+        stats = self.inbox_send.statistics()
+        return stats.current_buffer_used < stats.max_buffer_size
+
+    def _drain(self) -> None:
+        """Receive until zmq is empty or the inbox is full (then `inbox_full`; zmq keeps the rest
+        queued and `receive` wakes us when there is room)."""
+        self.inbox_full = False
+        while self._has_room():
+            try:
+                frames = self.socket.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != self.frames:
+                self.bad_frames += 1
+                log.warning("dropped a %d-frame message (expected %d)", len(frames), self.frames)
+                continue
+            self.inbox_send.send_nowait(frames)
+            self.received += 1
+        self.inbox_full = True
+
+    async def run(self) -> None:
+        fd = int(self.socket.getsockopt(zmq.FD))
+        while True:
+            blocked = self._flush()
+            self._drain()
+            events = self._events()  # also re-arms the FD's edge
+            readable = events & zmq.POLLIN and not self.inbox_full
+            if readable or (self.outbox and not blocked and events & zmq.POLLOUT):
+                await trio.lowlevel.checkpoint()
+                continue
+            # Nothing to do until the FD signals, `send`/`receive` wake us, or (blocked) a retry.
+            with trio.CancelScope() as self.wait_scope:
+                if blocked:
+                    self.wait_scope.deadline = trio.current_time() + _RETRY_WHILE_BLOCKED_S
+                await trio.lowlevel.wait_readable(fd)
+            self.wait_scope = None
+
+    def statistics(self) -> MessengerStatistics:
+        return MessengerStatistics(
+            sent=self.sent,
+            received=self.received,
+            bad_frames=self.bad_frames,
+            unroutable=self.unroutable,
+            overflowed=self.overflowed,
+        )
+
+
+class Router:
+    """A bound ROUTER: receive (identity, payload) from DEALERs, send back by identity."""
+
+    def __init__(self, pump: _Pump, endpoint: str) -> None:
+        self._pump = pump
+        self.endpoint = endpoint
+
+    async def receive(self) -> tuple[bytes, bytes]:
+        identity, payload = await self._pump.receive()
+        return identity, payload
+
+    async def send(self, identity: bytes, payload: bytes) -> None:
+        await self._pump.send([identity, payload])
+
+    async def receive_message(self) -> tuple[bytes, Message]:
+        """The next decodable message; undecodable ones are counted as bad frames and skipped."""
+        while True:
+            identity, payload = await self.receive()
+            try:
+                return identity, decode(payload)
+            except ProtocolError as exc:
+                self._pump.bad_frames += 1
+                log.warning("dropped a message from %r: %s", identity, exc)
+
+    async def send_message(self, identity: bytes, message: Message) -> None:
+        await self.send(identity, encode(message))
+
+    def send_message_nowait(self, identity: bytes, message: Message) -> None:
+        """`send_message` from synchronous code, as `Dealer.send_message_nowait`."""
+        self._pump.send_nowait([identity, encode(message)])
+
+    def has_room(self, count: int) -> bool:
+        """Whether `count` messages would be taken now without waiting."""
+        return len(self._pump.outbox) + count <= self._pump.queue_size
+
+    def statistics(self) -> MessengerStatistics:
+        return self._pump.statistics()
+
+
+class Dealer:
+    """A connected DEALER: send payloads to its ROUTER, receive what the ROUTER sends back."""
+
+    def __init__(self, pump: _Pump, endpoint: str) -> None:
+        self._pump = pump
+        self.endpoint = endpoint
+
+    async def receive(self) -> bytes:
+        (payload,) = await self._pump.receive()
+        return payload
+
+    async def send(self, payload: bytes) -> None:
+        await self._pump.send([payload])
+
+    async def receive_message(self) -> Message:
+        """The next decodable message; undecodable ones are counted as bad frames and skipped."""
+        while True:
+            payload = await self.receive()
+            try:
+                return decode(payload)
+            except ProtocolError as exc:
+                self._pump.bad_frames += 1
+                log.warning("dropped a message from %s: %s", self.endpoint, exc)
+
+    async def send_message(self, message: Message) -> None:
+        await self.send(encode(message))
+
+    def send_message_nowait(self, message: Message) -> None:
+        """`send_message` from synchronous code (on the Trio thread that owns the socket): sent
+        now, or queued in order behind earlier messages. trio.WouldBlock when the outbox is full
+        (nothing sent); the caller then falls back to `send_message`."""
+        self._pump.send_nowait([encode(message)])
+
+    def has_room(self, count: int) -> bool:
+        """Whether `count` messages would be taken now without waiting."""
+        return len(self._pump.outbox) + count <= self._pump.queue_size
+
+    def statistics(self) -> MessengerStatistics:
+        return self._pump.statistics()
+
+
+@asynccontextmanager
+async def _running(socket: zmq.Socket[bytes], pump: _Pump) -> AsyncIterator[trio.Nursery]:
+    """Run `pump` while the body runs; the socket is closed on exit. Yields the nursery that
+    owns the socket's tasks.
+
+    The body's own exception leaves unwrapped (not inside the nursery's ExceptionGroup).
+    """
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump.run)
+            try:
+                yield nursery
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    finally:
+        socket.close(linger=0)
+
+
+_Context = zmq.Context[zmq.Socket[bytes]]
+
+
+def _socket(
+    kind: int, context: _Context | None, max_bytes: int, high_water_mark: int
+) -> zmq.Socket[bytes]:
+    socket = (context or zmq.Context.instance()).socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    socket.setsockopt(zmq.SNDHWM, high_water_mark)
+    socket.setsockopt(zmq.RCVHWM, high_water_mark)
+    return socket
+
+
+@asynccontextmanager
+async def open_router(
+    bind: str = "tcp://127.0.0.1:0",
+    *,
+    context: _Context | None = None,
+    queue_size: int = 1024,
+    max_message_bytes: int = 64 * 2**20,
+    high_water_mark: int = 1000,
+) -> AsyncIterator[Router]:
+    """Bind a ROUTER to `bind` (port 0 or `*` = any free port; the host is used as given).
+
+    `router.endpoint` is the bound address (`tcp://127.0.0.1:43121`). `queue_size` bounds both
+    the inbox and the outbox (messages); `high_water_mark` is zmq's own per-peer queue limit.
+    """
+    socket = _socket(zmq.ROUTER, context, max_message_bytes, high_water_mark)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    address = bind[: -len(":0")] + ":*" if bind.endswith(":0") else bind
+    try:
+        socket.bind(address)
+    except zmq.ZMQError:
+        socket.close(linger=0)
+        raise
+    endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    pump = _Pump(socket, frames=2, queue_size=queue_size, drop_when_full=True)
+    async with _running(socket, pump):
+        yield Router(pump, endpoint)
+
+
+@asynccontextmanager
+async def open_dealer(
+    endpoint: str,
+    *,
+    identity: bytes | None = None,
+    context: _Context | None = None,
+    queue_size: int = 1024,
+    max_message_bytes: int = 64 * 2**20,
+    high_water_mark: int = 1000,
+    on_link: Callable[[bool], None] | None = None,
+) -> AsyncIterator[Dealer]:
+    """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background).
+    `on_link(True)` is called each time the connection comes up, and
+    `on_link(False)` each time it goes down: it drops (the peer closed it, or its process
+    ended), or it cannot be made (nothing listens there: a peer that ended before we first
+    connected)."""
+    socket = _socket(zmq.DEALER, context, max_message_bytes, high_water_mark)
+    if identity is not None:
+        socket.setsockopt(zmq.ROUTING_ID, identity)
+    monitor = None
+    if on_link is not None:  # before connecting: the first CONNECTED is not missed
+        monitor = _monitor(socket, endpoint)
+    socket.connect(endpoint)
+    pump = _Pump(socket, frames=1, queue_size=queue_size)
+    try:
+        async with _running(socket, pump) as nursery:
+            if monitor is not None and on_link is not None:
+                nursery.start_soon(_watch_link, monitor, on_link)
+            try:
+                yield Dealer(pump, endpoint)
+            finally:
+                if monitor is not None:
+                    _stop_monitor(socket)
+    finally:
+        if monitor is not None:
+            monitor.close(linger=0)
+
+
+_monitor_ids = itertools.count()
+
+
+def _monitor(socket: zmq.Socket[bytes], endpoint: str) -> zmq.Socket[bytes] | None:
+    """A PAIR socket receiving `socket`'s link events, or None (logged) if zmq refuses one.
+
+    Each monitor gets an inproc name of its own. pyzmq's default names it after the socket's
+    descriptor, which a socket opened right after another one closed reuses while zmq's reaper
+    thread still holds the old name: "Address already in use", which took the whole
+    transceiver down with it when dealers to peers came and went."""
+    events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+    address = f"inproc://trtdisagg.link-monitor.{next(_monitor_ids)}"
+    try:
+        return socket.get_monitor_socket(events, addr=address)
+    except zmq.ZMQError as exc:
+        log.warning("no link events for %s (liveness falls back to probes): %s", endpoint, exc)
+        return None
+
+
+def _stop_monitor(socket: zmq.Socket[bytes]) -> None:
+    """Stop `socket`'s events before either socket closes. zmq sends a monitor's events from its
+    I/O thread and blocks until they can go: an event of a closing dealer (a refused reconnect,
+    its disconnection) sent to a monitor whose reader was closed first blocked that thread for
+    good, and with it every socket of the process (a dealer churned out, then every transfer
+    after it timed out; its descriptors never closed)."""
+    try:
+        socket.disable_monitor()
+    except zmq.ZMQError as exc:
+        log.warning("could not stop a link monitor: %s", exc)
+
+
+async def _watch_link(monitor: zmq.Socket[bytes], on_link: Callable[[bool], None]) -> None:
+    """Report a DEALER's link changing state, from its monitor's events (a PAIR socket,
+    edge-triggered like any zmq FD). zmq retries a refused connect every 0.1 s or so; only the
+    first failure is a change."""
+    fd = int(monitor.getsockopt(zmq.FD))
+    up: bool | None = None
+    while True:
+        try:
+            frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if not int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # re-arms the edge
+                await trio.lowlevel.wait_readable(fd)
+            continue
+        try:
+            event = parse_monitor_message(frames)["event"]
+        except (ValueError, IndexError, struct.error):
+            continue  # not an event zmq would send
+        if event == zmq.EVENT_CONNECTED and up is not True:
+            up = True
+            on_link(True)
+        elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED) and up is not False:
+            # A retried connect was refused: no process listens at the peer's endpoint. A
+            # connection that never came up says so only this way.
+            up = False
+            on_link(False)
+        await trio.lowlevel.checkpoint()

@@ -1,0 +1,172 @@
+"""The agent's one lock, and the one thread that polls the agent while a transfer waits.
+
+Agent calls never overlap (agents/base.py): each holds `AgentCalls.lock`. A blocking call
+(loading a peer's agent, a post that copies host memory, packing staging) runs in a worker
+thread (`in_thread`); a quick one (a post of a few descriptors, a release) on the Trio thread
+(`now`), but only while no blocking call runs (`idle`): then the lock is held by nobody or by the
+pump for microseconds, and the loop never waits on a blocking call.
+
+The pump: an agent says that a write ended only when polled (NIXL's UCX backend even sends a GPU
+write's notification from the poll that finds it done), and that a notification came only when
+asked. A Trio task cannot poll often enough: Trio sleeps in epoll, whose timeout is whole
+milliseconds. So one thread polls every `interval_s`, only while a write is in flight or a
+receive awaits its notification (else it parks on a `threading.Event`), and hands what it finds
+to the Trio thread with `TrioToken.run_sync_soon`, which wakes the loop at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import trio
+
+from trtdisagg.transfer.errors import TransferLayerError
+from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferHandle, XferStatus
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Notifications = list[tuple[str, bytes]]
+Ended = list[tuple[int, XferStatus]]
+
+# The pump's period while a transfer waits, by where the KV lives: a small part of the shortest
+# write that matters, since each poll costs CPU (docs/BENCHMARKS.md). A GPU write of hundreds of
+# MiB takes a fraction of a millisecond, and a raw NIXL reader that spins sees it end within
+# microseconds; a host-memory write of that size takes milliseconds.
+PUMP_INTERVAL_S = {"VRAM": 50e-6, "DRAM": 500e-6}
+_PR_SET_TIMERSLACK = 29
+
+
+class AgentCalls:
+    """The agent, and the lock that keeps its calls from overlapping."""
+
+    def __init__(self, agent: TransferAgent) -> None:
+        self.agent = agent
+        self.lock = threading.Lock()
+        self._slow = 0  # blocking calls under way (each in a worker thread)
+
+    @property
+    def idle(self) -> bool:
+        """No blocking call runs: `now` waits for the pump at most."""
+        return not self._slow
+
+    def now(self, call: Callable[[], T]) -> T:
+        """A quick call, here on the Trio thread (only while `idle`)."""
+        assert not self._slow, "a blocking agent call runs: use in_thread"
+        with self.lock:
+            return call()
+
+    async def in_thread(self, call: Callable[[], T]) -> T:
+        """A blocking call, in a worker thread."""
+        self._slow += 1
+        try:
+            return await trio.to_thread.run_sync(self._locked, call)
+        finally:
+            self._slow -= 1
+
+    def _locked(self, call: Callable[[], T]) -> T:
+        with self.lock:
+            return call()
+
+
+class NotificationPump:
+    """Polls the agent's writes and notifications from a thread while any is awaited."""
+
+    def __init__(
+        self,
+        calls: AgentCalls,
+        deliver: Callable[[Notifications, Ended], None],
+        interval_s: float,
+    ) -> None:
+        self._calls, self._deliver, self._interval_s = calls, deliver, interval_s
+        self._state = threading.Lock()  # guards what is watched, and the wake-up
+        self._wakeup = threading.Event()
+        self._writes: dict[int, XferHandle] = {}
+        self._notices = self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+
+    def watch_write(self, write_id: int, handle: XferHandle) -> None:
+        """Poll this write until it ends; its end is delivered once."""
+        with self._state:
+            self._writes[write_id] = handle
+            self._wakeup.set()
+
+    def want_notices(self, wanted: bool) -> None:
+        """Drain the agent's notifications (while a receive awaits one) or not."""
+        if wanted != self._notices:
+            with self._state:
+                self._notices = wanted
+                if wanted:
+                    self._wakeup.set()
+
+    def start(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._run, name="kv-notification-pump", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._state:
+            self._stopping = True
+            self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        _cut_timer_slack()
+        while True:
+            self._wakeup.wait()
+            with self._state:
+                if self._stopping:
+                    return
+                writes, notices = list(self._writes.items()), self._notices
+                if not writes and not notices:
+                    self._wakeup.clear()  # under the lock: a watch made now sets it again
+                    continue
+            got, ended = self._poll(writes, notices)
+            if ended:
+                with self._state:
+                    for write_id, _ in ended:
+                        del self._writes[write_id]
+            if got or ended:
+                assert self._token is not None
+                with contextlib.suppress(trio.RunFinishedError):  # (stopped first, normally)
+                    self._token.run_sync_soon(self._delivered, got, ended)
+            time.sleep(self._interval_s)
+
+    def _poll(
+        self, writes: list[tuple[int, XferHandle]], notices: bool
+    ) -> tuple[Notifications, Ended]:
+        agent, ended = self._calls.agent, Ended()
+        with self._calls.lock:
+            got = agent.get_notifications() if notices else []
+            for write_id, handle in writes:
+                try:
+                    state = agent.poll(handle)
+                except TransferLayerError as exc:
+                    log.warning("polling write %d: %s", write_id, exc)
+                    state = XferStatus.ERROR
+                if state is not XferStatus.PENDING:
+                    ended.append((write_id, state))
+        return got, ended
+
+    def _delivered(self, got: Notifications, ended: Ended) -> None:
+        try:  # on the Trio thread, outside any task: nothing may escape
+            self._deliver(got, ended)
+        except Exception:
+            log.exception("handing the agent's news over failed")
+
+
+def _cut_timer_slack() -> None:
+    """Let this thread's short sleeps end on time: Linux adds 50 us of timer slack to each one
+    by default, as long as the whole period we sleep."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
