@@ -236,6 +236,22 @@ def test_best_of_answers_the_best_candidates(cluster: Cluster) -> None:
             assert [c.text for c in best.choices[2 * p : 2 * p + 2]] == ranked[:2]
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_best_of_streams_its_best_choices_whole_at_the_end(
+    cluster: Cluster, http: httpx.Client, target: str
+) -> None:
+    body = {"prompt": PROMPTS[0], "n": 2, "best_of": 3, "max_tokens": 4, "temperature": 1.0,
+            "seed": 12, "ignore_eos": True}  # fmt: skip
+    url = url_of(cluster, target) + "/v1/completions"
+    whole = http.post(url, json=body).json()
+    events = sse(http, url, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    usage = assert_stream_shape(events, 2)
+    streamed = [cs for _, cs in sorted(by_choice(events).items())]
+    assert all(len(chunks) == 1 for chunks in streamed)  # each chosen choice in one chunk
+    assert [cs[0]["text"] for cs in streamed] == [c["text"] for c in whole["choices"]]
+    assert usage == whole["usage"]
+
+
 def _close(a: list[float | None], b: list[float | None]) -> bool:
     return len(a) == len(b) and all(
         (x is None and y is None)

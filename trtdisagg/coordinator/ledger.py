@@ -218,6 +218,8 @@ class Ledger:
                 delta.pop("role", None)  # a continuation's role chunk: the client has it
             if text or not calls:
                 delta["content"] = text
+            else:
+                delta.pop("content", None)  # a chunk of calls alone, as the worker sends it
             choice["delta"] = delta
             if isinstance(calls, list):
                 state.tool_calls += [c for c in calls if isinstance(c, dict)]

@@ -103,7 +103,9 @@ def _first_tokens(params: DisaggregatedParams, vocab_size: int, n: int) -> tuple
         firsts = tuple(by_choice)
     bad = next((t for t in firsts if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise bad_request(f"{field}.first_gen_tokens: token {bad} outside the vocabulary")
+        raise bad_request(
+            f"{field}.first_gen_tokens: token {bad} outside the vocabulary", param=field
+        )
     return firsts
 
 
