@@ -177,3 +177,17 @@ def test_auto_parses_the_calls_the_output_makes(cluster: Cluster, http: httpx.Cl
         ).json()["choices"][0]  # without tools the same text stays text
         assert plain["message"]["content"] == "Let me check. " + call
         assert plain["finish_reason"] == "stop" and "tool_calls" not in plain["message"]
+
+
+def test_a_responses_text_format_is_enforced_split_or_not(cluster: Cluster) -> None:
+    schema = SCHEMAS[0]
+    texts = []
+    for client in both(cluster):
+        answer = client.responses.create(
+            model="tiny", input="Who?", max_output_tokens=200, temperature=0,
+            text={"format": {"type": "json_schema", "name": "person", "schema": schema,
+                             "strict": True}},
+        )  # fmt: skip
+        jsonschema.validate(json.loads(answer.output_text), schema)
+        texts.append(answer.output_text)
+    assert texts[0] == texts[1]

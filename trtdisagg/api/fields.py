@@ -52,7 +52,6 @@ SUPPORTED, PARTIAL, NEUTRAL, IGNORED, REFUSED = (
     Support.REFUSED,
 )
 
-UNTIL_GRAMMAR: Final = "needs the grammar engine"
 TOOL: Final = {"type": "function", "function": {"name": "get_weather"}}
 
 
@@ -170,8 +169,8 @@ def _sampling_rules() -> list[FieldRule]:
         _rule(
             "disaggregated_params",
             SUPPORTED,
-            "extension: the ctx ↔ gen hand-over (DESIGN.md §2); a context_only or "
-            "generation_only request has one choice",
+            "extension: the ctx ↔ gen hand-over (DESIGN.md §2; see Disaggregated parameters); "
+            "a context_only or generation_only request has one prompt (its n choices share it)",
         ),
         _rule("conversation_id", SUPPORTED, "extension: routing affinity (`conversation` router)"),
         _rule(
@@ -377,11 +376,10 @@ RESPONSES: Final = {
         ),
         _rule(
             "text",
-            NEUTRAL,
-            f'plain text only (`{{"format": {{"type": "text"}}}}`); structured output '
-            f"{UNTIL_GRAMMAR}",
-            neutral=({}, {"format": {"type": "text"}}),
-            bad={"format": {"type": "json_object"}},
+            SUPPORTED,
+            "`format`: `text`, `json_object` or `json_schema` (`name`, `schema`, `strict`), "
+            "enforced as chat's `response_format` (see Structured output)",
+            refusal={"input": "x", "text": {"format": {"type": "yaml"}}},
         ),
         _rule(
             "tool_choice",
