@@ -124,18 +124,22 @@ class Run:
         tmp.rename(self.out / "goodput_points.tar.gz")
 
 
-def sweep(
-    run: Run,
-    mode: str,
-    workload: Workload,
-    url: str,
-    watch_urls: dict[str, str],
-    gpus: int,
-    vocab: int,
-    run_dir: Path,
-    entry: dict[str, Any],
-) -> None:
-    args = run.args
+@attrs.frozen(kw_only=True)
+class Serving:
+    """A running cluster of one mode, as a sweep sees it."""
+
+    mode: str
+    url: str  # the coordinator
+    processes: dict[str, str]  # every process's base url, for /metrics: ctx-0, ..., coordinator
+    gpus: int
+    vocab: int
+    run_dir: Path  # its point files go here
+    entry: dict[str, Any]  # its part of the run's record
+
+
+def sweep(run: Run, serving: Serving, workload: Workload) -> None:
+    """Warm up, then measure the rates `next_rate` picks until it stops or the budget does."""
+    args, mode, url, vocab = run.args, serving.mode, serving.url, serving.vocab
     base_seed = args.seed + 1_000_000 * list(WORKLOADS).index(workload.name)
     warm = bench_config(
         url,
@@ -149,7 +153,7 @@ def sweep(
     t0 = time.monotonic()
     warm_result = trio.run(bs.run_benchmark, warm)
     failed = sum(not r.ok for r in warm_result.records)
-    entry.setdefault("warmup_s", {})[workload.name] = round(time.monotonic() - t0, 2)
+    serving.entry.setdefault("warmup_s", {})[workload.name] = round(time.monotonic() - t0, 2)
     print(
         f"[{mode}/{workload.name}] warm-up: {len(warm_result.records)} requests, "
         f"{failed} failed, {time.monotonic() - t0:.1f} s",
@@ -170,7 +174,8 @@ def sweep(
                 f"a point needs up to {need:.0f}",
                 flush=True,
             )
-            entry.setdefault("skipped", []).append({"workload": workload.name, "rate": rate})
+            skipped = {"workload": workload.name, "rate": rate}
+            serving.entry.setdefault("skipped", []).append(skipped)
             return
         seed = base_seed + round(rate * 1000)
         config = bench_config(
@@ -183,9 +188,11 @@ def sweep(
             num_requests=None,
             duration_s=args.point_s,
         )
-        watch = Watch(urls=watch_urls, interval_s=args.sample_interval)
+        watch = Watch(urls=serving.processes, interval_s=args.sample_interval)
         measured = trio.run(measure, config, watch, args.idle_timeout)
-        point, summary = point_of(workload, mode, rate, gpus, seed, run.meta["run"], measured)
+        point, summary = point_of(
+            workload, mode, rate, serving.gpus, seed, run.meta["run"], measured
+        )
         doc = bc.result_document(
             tool="bench_goodput",
             label=mode,
@@ -195,7 +202,7 @@ def sweep(
             records=[attrs.evolve(r, itl_s=()) for r in measured.result.records],
         )
         doc["goodput_point"] = report.unstructure_point(point)
-        bc.write_result(run_dir / f"{workload.name}_rate{rate:g}.json", doc)
+        bc.write_result(serving.run_dir / f"{workload.name}_rate{rate:g}.json", doc)
         run.points.append(point)
         curve.append((rate, point.attainment))
         run.save()
@@ -210,13 +217,9 @@ def sweep(
 
 def run_mode(run: Run, mode: str) -> None:
     args = run.args
-    stem = CONF_SETS[args.conf_set].get(mode)
+    stem = CONF_SETS[args.conf_set][mode]
     entry: dict[str, Any] = {"conf": stem}
     run.meta["modes"][mode] = entry
-    if stem is None:
-        entry["error"] = f"conf set {args.conf_set} has no cluster file for mode {mode}"
-        print(f"[{mode}] {entry['error']}", flush=True)
-        return
     first = min(w.request_timeout_s for w in run.workloads.values())
     need = args.start_reserve + args.point_s + first + STOP_RESERVE_S
     if run.left_s() < need:
@@ -237,12 +240,18 @@ def run_mode(run: Run, mode: str) -> None:
         entry["start_s"] = round(time.monotonic() - t0, 2)
         entry["pids"] = pids
         entry["workers"] = server_infos(urls)
-        vocab = min(w["vocab_size"] for w in entry["workers"].values())
         print(f"[{mode}] up in {entry['start_s']:.1f} s ({stem}, {gpus} GPUs)", flush=True)
+        serving = Serving(
+            mode=mode,
+            url=url,
+            processes={**urls, "coordinator": url},
+            gpus=gpus,
+            vocab=min(w["vocab_size"] for w in entry["workers"].values()),
+            run_dir=run_dir,
+            entry=entry,
+        )
         for workload in run.workloads.values():
-            sweep(
-                run, mode, workload, url, {**urls, "coordinator": url}, gpus, vocab, run_dir, entry
-            )
+            sweep(run, serving, workload)
     entry["total_s"] = round(time.monotonic() - t0, 2)
 
 
@@ -256,8 +265,11 @@ def parse_rates(
     out = {name: w.rates for name, w in workloads.items()}
     for value in values:
         name, _, listed = value.rpartition("=")
-        rates = tuple(sorted(float(r) for r in listed.split(",") if r))
-        if not rates or any(r <= 0 for r in rates):
+        try:
+            rates = tuple(sorted(float(r) for r in listed.split(",") if r))
+        except ValueError:
+            rates = ()
+        if not rates or any(not 0 < r < float("inf") for r in rates):
             raise ValueError(f"--rates {value!r}: give positive rates, e.g. 1,2,4")
         for target in [name] if name else list(out):
             if target not in out:
@@ -288,11 +300,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     known = smoke_workloads() if args.cpu_smoke else dict(WORKLOADS)
     names = [w for w in args.workloads.split(",") if w]
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [w for w in names if w not in known] + [
-        m for m in modes if m not in CONF_SETS["two_h200"]
-    ]
+    files = CONF_SETS[args.conf_set]
+    unknown = [w for w in names if w not in known] + [m for m in modes if m not in files]
     if unknown or not names or not modes:
-        print(f"bench_goodput: unknown workload or mode {unknown}", file=sys.stderr)
+        print(
+            f"bench_goodput: no workload or mode {unknown} (modes of {args.conf_set}: "
+            f"{', '.join(files)}; workloads: {', '.join(known)})",
+            file=sys.stderr,
+        )
         return 2
     workloads = {w: known[w] for w in names}
     try:

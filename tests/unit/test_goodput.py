@@ -324,7 +324,7 @@ def test_rates_apply_to_every_workload_or_to_one() -> None:
     rates = bench_goodput.parse_rates(["1,2", "long=0.5,0.25"], workloads)
     assert rates == {"chat": (1.0, 2.0), "long": (0.25, 0.5)}
     assert bench_goodput.parse_rates([], workloads)["chat"] == core.WORKLOADS["chat"].rates
-    for bad in ("chat=", "0,1", "other=1"):
+    for bad in ("chat=", "0,1", "other=1", "chat=fast", "inf"):
         with pytest.raises(ValueError, match="--rates"):
             bench_goodput.parse_rates([bad], workloads)
 
