@@ -6,6 +6,7 @@ saturates first, and the summary's round trip through JSON for `report`."""
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import attrs
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))  # scripts, not a package
 
 import _goodput_core as core
 import _goodput_metrics as gm
@@ -26,7 +27,8 @@ from trtdisagg.coordinator.metrics import CoordinatorMetrics
 from trtdisagg.launcher import plan_cluster
 from trtdisagg.metrics import WorkerMetrics
 
-GPU_CONF = Path(__file__).resolve().parents[2] / "conf" / "gpu"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+GPU_CONF = TOOLS.parent / "conf" / "gpu"
 CHAT_SLO = core.WORKLOADS["chat"].slo
 
 
@@ -349,3 +351,16 @@ def test_gpus_of_counts_every_rank() -> None:
                "gen": [{"cuda_device": 2, "pipeline_parallel_size": 2}]}  # fmt: skip
     assert core.gpus_of(workers) == 4
     assert core.gpus_of({"ctx": [], "gen": [{}]}) == 1
+
+
+@pytest.mark.parametrize("module", ["_goodput_core", "_goodput_metrics", "_goodput_report"])
+def test_the_pure_parts_import_no_io_machinery(module: str) -> None:
+    # A fresh interpreter: in this one, the tests above imported trio and httpx already.
+    code = (
+        f"import sys; sys.path.insert(0, {str(TOOLS)!r}); import {module}; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'trio', 'httpx', 'torch', "
+        "'matplotlib'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
