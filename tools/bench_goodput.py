@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tarfile
 import tempfile
@@ -349,6 +350,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         run.save()
     run.meta["wall_s"] = round(time.monotonic() - start, 1)
     run.save()
+    if args.work is None:  # a scratch dir of our own: the tarball in --out holds all of it
+        shutil.rmtree(work, ignore_errors=True)
     slos = report.workload_json(workloads)
     for path in report.plot(run.points, slos, args.out):
         print(f"wrote {path}", file=sys.stderr)
@@ -387,7 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("run", help="measure (see above)")
     r.set_defaults(func=cmd_run)
     r.add_argument("--out", type=Path, default=default_out)
-    r.add_argument("--work", type=Path, help="scratch for points and logs (default: a temp dir)")
+    r.add_argument(
+        "--work", type=Path, help="scratch for points and logs (default: a temp dir, removed)"
+    )
     r.add_argument("--conf-set", choices=sorted(CONF_SETS), default="two_h200")
     r.add_argument("--modes", default="aggregated,disagg,generation_first,conditional")
     r.add_argument("--workloads", default="chat,long")
