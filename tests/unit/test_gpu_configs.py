@@ -59,6 +59,7 @@ def test_one_h200_shares_gpu_0() -> None:
     [
         ("two_h200_disagg.yaml", "context_first"),
         ("two_h200_disagg_generation_first.yaml", "generation_first"),
+        ("two_h200_disagg_conditional.yaml", "context_first"),
     ],
 )
 def test_two_h200_disagg_puts_ctx_and_gen_on_their_gpus(name: str, style: str) -> None:
@@ -80,6 +81,33 @@ def test_two_h200_aggregated_has_no_ctx() -> None:
     assert config.conditional_disagg_config is not None
     assert config.conditional_disagg_config.max_local_prefill_length >= 1_000_000
     assert config.generation_servers.router.type.value == "load_balancing"
+
+
+def test_two_h200_conditional_serves_short_prompts_on_gen_alone() -> None:
+    _, coordinator = plan("two_h200_disagg_conditional.yaml")
+    config = coordinator_config_from_dict(coordinator, source="conditional")
+    assert config.conditional_disagg_config is not None
+    assert config.conditional_disagg_config.max_local_prefill_length == 1024
+    assert config.context_servers.urls == ["127.0.0.1:8001"]
+
+
+def test_one_h200_aggregated_shares_gpu_0_with_the_pool_of_one_h200() -> None:
+    workers, coordinator = plan("one_h200_aggregated.yaml")
+    assert set(workers) == {"gen-0", "gen-1"}
+    assert {w.cuda_device for w in workers.values()} == {0}
+    assert all(w.cache_transceiver_config.backend is None for w in workers.values())
+    disagg, _ = plan("one_h200.yaml")
+
+    def pool_tokens(ws: dict[str, WorkerConfig]) -> int:
+        caps = [w.kv_cache_config.max_tokens for w in ws.values()]
+        assert all(cap is not None for cap in caps)
+        return sum(cap for cap in caps if cap is not None)
+
+    # The same KV capacity on the GPU in both modes, so neither wins on pool size alone.
+    assert pool_tokens(workers) == pool_tokens(disagg)
+    config = coordinator_config_from_dict(coordinator, source="one_h200_aggregated")
+    assert config.context_servers.urls == []
+    assert config.conditional_disagg_config is not None
 
 
 def test_empty_ctx_needs_conditional_disaggregation() -> None:
