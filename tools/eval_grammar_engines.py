@@ -6,8 +6,8 @@ token is drawn uniformly among those its mask allows (up to 300 tokens), until e
 the grammar ends. The decoded text must parse with strict `json.loads` and validate against its
 schema. An engine that is not installed is reported as such.
 
-    python tools/eval_grammar_engines.py \
-        "$(python -c 'from trtdisagg.model.loader import resolve_model; print(resolve_model("tiny"))')"
+    TINY=$(python -c 'from trtdisagg.model.loader import resolve_model as r; print(r("tiny"))')
+    python tools/eval_grammar_engines.py "$TINY"
 
 Needs `transformers` (both engines read the tokenizer through it) and `jsonschema`; `llguidance`
 (a dependency of trtdisagg) and, for the comparison, `xgrammar`.
