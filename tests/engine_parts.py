@@ -87,13 +87,21 @@ def make_live(
     return live, receive
 
 
-def gen_live(key: int, *, first_token: int | None = 7, prompt_len: int = 10) -> Live:
-    source = GenerationSource(key=key, ctx_info_endpoint="tcp://ctx:1", first_token=first_token)
-    live, _ = make_live(
-        list(range(100, 100 + prompt_len)),
-        request_type=RequestType.GENERATION_ONLY,
-        source=source,
+def gen_live(
+    key: int, *, first_token: int | None = 7, prompt_len: int = 10, forks: tuple[int, ...] = ()
+) -> Live:
+    """A generation_only request whose KV comes under `key`; with `forks`, a request of
+    1 + len(forks) choices, whose other choices' first tokens ctx sent too."""
+    firsts = () if first_token is None else (first_token, *forks)
+    source = GenerationSource(
+        key=key, ctx_info_endpoint="tcp://ctx:1", first_tokens=firsts, num_choices=1 + len(forks)
     )
+    prompt = list(range(100, 100 + prompt_len))
+    live, _ = make_live(prompt, request_type=RequestType.GENERATION_ONLY, source=source)
+    for choice in range(1, 1 + len(forks)):
+        fork, _ = make_live(prompt, request_type=RequestType.GENERATION_ONLY)
+        fork.choice, fork.leader = choice, live
+        live.forks.append(fork)
     return live
 
 

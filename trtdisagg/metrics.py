@@ -40,6 +40,8 @@ class WorkerMetrics:
     time_to_first_token: Histogram
     inter_token_latency: Histogram
     e2e_latency: Histogram
+    prompt_tokens: Counter
+    prefill_tokens: Counter
     kv_total_blocks: Gauge
     kv_free_blocks: Gauge
     kv_reusable_blocks: Gauge
@@ -77,6 +79,16 @@ class WorkerMetrics:
                 p + "e2e_request_latency_seconds",
                 "Arrival to last token",
                 buckets=_LATENCY_BUCKETS,
+                registry=r,
+            ),
+            prompt_tokens=Counter(
+                p + "prompt_tokens",
+                "Prompt tokens of the requests taken in (a prompt with n choices counts once)",
+                registry=r,
+            ),
+            prefill_tokens=Counter(
+                p + "prefill_tokens",
+                "Prompt tokens computed by prefill (neither prefix-cached nor received as KV)",
                 registry=r,
             ),
             kv_total_blocks=Gauge(p + "kv_cache_total_blocks", "KV blocks in the pool", registry=r),

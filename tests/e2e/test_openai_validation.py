@@ -51,14 +51,15 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"frequency_penalty": -2.01}, "frequency_penalty"),
     ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"min_p": 1.5}, "min_p"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
-    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"best_of": 129}, "best_of"),
     ("/v1/completions", {"n": 129}, "n"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}}, "response_format"),  # llguidance refuses it
+    ("/v1/completions", {"guided_regex": "(unclosed"}, "guided_regex"),
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {
-        "type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        "type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"store": True}, "store"),
     ("/v1/chat/completions", {"logit_bias": {"5": -100.5}}, "logit_bias"),

@@ -10,7 +10,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from trtdisagg.api.codec import SSE_DONE, parse_request, sse_event
-from trtdisagg.api.fanout import choice_body, choice_seed, plan_choices
+from trtdisagg.api.fanout import choice_seed, plan_choices, prompt_body
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
 from trtdisagg.api.responses_api import ResponsesRequest, chat_body, responses_rejection
 from trtdisagg.api.responses_events import ResponseHead, ResponsesStream, response_body
@@ -68,16 +68,14 @@ def test_choice_seeds_are_fixed_int64s() -> None:
     assert all(-(2**63) <= s < 2**63 for s in seeds)
 
 
-def test_choice_body_is_one_prompt_n_1_with_its_seed() -> None:
+def test_prompt_body_is_one_prompt_with_the_client_s_n_and_seed() -> None:
     raw = {"prompt": ["a", "b"], "n": 2, "best_of": 2, "seed": 3, "echo": True, "foo": 1}
     req = parse_request(raw, CompletionRequest)
-    plan = plan_choices(req)[3]
-    assert choice_body(raw, plan, req) == {
-        "prompt": "b", "n": 1, "seed": choice_seed(3, 1), "echo": True, "foo": 1,
-    }  # fmt: skip
+    assert prompt_body(raw, "b", req) == {**raw, "prompt": "b"}
+    assert raw["prompt"] == ["a", "b"]  # the client's body is untouched
     chat = {"messages": [{"role": "user", "content": "x"}], "n": 2}
     chat_req = parse_request(chat, ChatCompletionRequest)
-    assert choice_body(chat, plan_choices(chat_req)[1], chat_req) == {**chat, "n": 1}
+    assert prompt_body(chat, [1], chat_req) == chat
 
 
 # ---- the worker's answers ----
@@ -182,6 +180,24 @@ def test_continuous_usage_and_echo_in_a_completion_stream() -> None:
     assert assembler.closing(None) == []  # no include_usage: no usage chunk
 
 
+def test_an_echo_with_logprobs_goes_out_with_the_first_output() -> None:
+    assembler = _assembler(META, echo="Hello", echo_logprobs=True, logprobs=True)
+    assert assembler.opening() == []  # the prompt's logprobs come with the first output
+    prompt = (TokenLogprobs(logprob=-1.0, top=((7, -0.5),)), TokenLogprobs(logprob=-2.0, top=()))
+    first = assembler.output(1, text="x", token_ids=[9], finish_reason=None, tokens=tokens(0, 3, 1),
+                             logprobs=[TokenLogprobs(logprob=-3.0, top=())],
+                             prompt_logprobs=prompt)  # fmt: skip
+    choice = first["choices"][0]
+    assert choice["text"] == "Hellox"
+    assert choice["logprobs"]["tokens"] == ["<1>", "<2>", "<3>", "<9>"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -2.0, -3.0]
+    assert choice["logprobs"]["top_logprobs"][:2] == [None, {"<7>": -0.5, "<2>": -1.0}]
+    assert choice["logprobs"]["text_offset"] == [0, 3, 6, 9]
+    later = assembler.output(1, text="y", token_ids=[8], finish_reason="stop",
+                             tokens=tokens(0, 3, 2), logprobs=[None])  # fmt: skip
+    assert later["choices"][0]["text"] == "y"  # the echo went out once
+
+
 # ---- the coordinator's merge ----
 
 
@@ -199,12 +215,16 @@ def _answer(text: str, usage: tuple[int, int, int], ids: list[int] | None = None
     return answer
 
 
+def _two_choices(answer: dict[str, Any], text: str) -> dict[str, Any]:
+    """A prompt's answer with n = 2: a second choice after the first."""
+    second = {**answer["choices"][0], "index": 1, "text": text}
+    return {**answer, "choices": [*answer["choices"], second]}
+
+
 def test_merge_answers() -> None:
-    req = parse_request({"prompt": ["a", "b"], "n": 2}, CompletionRequest)
-    plans = plan_choices(req)
-    answers = [_answer("p0", (4, 2, 1), [1]), _answer("p0b", (4, 3, 4), [1]),
-               _answer("p1", (6, 1, 0), [2]), _answer("p1b", (6, 5, 0), [2])]  # fmt: skip
-    merged = merge_answers(answers, plans, single_prompt=False)
+    answers = [_two_choices(_answer("p0", (4, 5, 1), [1]), "p0b"),
+               _two_choices(_answer("p1", (6, 6, 0), [2]), "p1b")]  # fmt: skip
+    merged = merge_answers(answers, n=2)
     assert merged["id"] == "cmpl-p0" and "prompt_token_ids" not in merged
     assert [(c["index"], c["text"], c["prompt_token_ids"]) for c in merged["choices"]] == [
         (0, "p0", [1]), (1, "p0b", [1]), (2, "p1", [2]), (3, "p1b", [2]),
@@ -215,48 +235,45 @@ def test_merge_answers() -> None:
         "total_tokens": 21,
         "prompt_tokens_details": {"cached_tokens": 1},
     }
-    one = merge_answers(answers[:2], plans[:2], single_prompt=True)
-    assert one["prompt_token_ids"] == [1] and "prompt_token_ids" not in one["choices"][0]
+    plain = merge_answers([_answer("p0", (4, 5, 1), None), _answer("p1", (6, 6, 0), None)], n=1)
+    assert [c["index"] for c in plain["choices"]] == [0, 1]
+    assert all("prompt_token_ids" not in c for c in plain["choices"])
 
 
-def _sse_chunk(id_: str, text: str, finish: str | None = None) -> bytes:
+def _sse_chunk(id_: str, text: str, finish: str | None = None, index: int = 0) -> bytes:
     return sse_event(
         {
             "id": id_,
             "object": "text_completion",
             "created": 5,
             "model": "tiny",
-            "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+            "choices": [{"index": index, "text": text, "finish_reason": finish}],
         }
     )
 
 
-def test_sse_merger_renumbers_choices_and_sums_usage_once() -> None:
-    req = parse_request({"prompt": "a", "n": 2, "stream": True,
-                         "stream_options": {"include_usage": True}}, CompletionRequest)  # fmt: skip
+def test_sse_merger_renumbers_choices_and_sums_usage() -> None:
     ask = ClientAsk.of({"stream": True, "stream_options": {"include_usage": True}}, chat=False)
-    merger = ChoiceSseMerger(plans=plan_choices(req), ask=ask, single_prompt=True)
+    merger = ChoiceSseMerger(n=2, ask=ask)
     usage = {"id": "cmpl-B", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2,
              "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}}  # fmt: skip
-    stream_b = _sse_chunk("cmpl-B", "x") + _sse_chunk("cmpl-B", "y", "length")
+    stream_b = _sse_chunk("cmpl-B", "x", index=1) + _sse_chunk("cmpl-B", "y", "length")
     out = merger.item(1, stream_b[:30]) + merger.item(1, stream_b[30:])
     out += merger.item(0, _sse_chunk("cmpl-A", "z", "stop") + sse_event(usage) + SSE_DONE)
     out += merger.item(1, sse_event(usage) + SSE_DONE)
     events = [json.loads(e[6:]) for e in out]
     assert [(e["id"], e["choices"][0]["index"], e["choices"][0]["text"]) for e in events] == [
-        ("cmpl-B", 1, "x"), ("cmpl-B", 1, "y"), ("cmpl-B", 0, "z"),
+        ("cmpl-B", 3, "x"), ("cmpl-B", 2, "y"), ("cmpl-B", 0, "z"),
     ]  # fmt: skip
     *usage_chunks, done = merger.closing()
     assert done == SSE_DONE
     [summed] = [json.loads(e[6:]) for e in usage_chunks]
-    assert summed["choices"] == [] and summed["usage"]["prompt_tokens"] == 3
+    assert summed["choices"] == [] and summed["usage"]["prompt_tokens"] == 6
     assert summed["usage"]["completion_tokens"] == 4
 
 
 def test_sse_merger_stops_at_an_error() -> None:
-    req = parse_request({"prompt": "a", "n": 2}, CompletionRequest)
-    merger = ChoiceSseMerger(plans=plan_choices(req), ask=ClientAsk.of({}, chat=False),
-                             single_prompt=True)  # fmt: skip
+    merger = ChoiceSseMerger(n=2, ask=ClientAsk.of({}, chat=False))
     error = {"error": {"message": "boom", "type": "upstream_error", "code": 502}}
     assert merger.item(0, sse_event(error)) == [sse_event(error)]
     assert merger.stopped and merger.closing() == [SSE_DONE]

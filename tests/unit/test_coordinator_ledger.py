@@ -100,8 +100,9 @@ def test_a_continuation_continues_the_stream_without_duplicates_or_gaps() -> Non
 
 
 def test_a_chat_continuation_drops_its_role_chunk_and_counts_usage() -> None:
-    def delta(content: str, ids: list[int], *, role: bool = False,
-              finish: str | None = None) -> dict[str, Any]:
+    def delta(
+        content: str, ids: list[int], *, role: bool = False, finish: str | None = None
+    ) -> dict[str, Any]:
         d = {"role": "assistant", "content": content} if role else {"content": content}
         return {**CHAT_HEAD, "choices": [{"index": 0, "logprobs": None, "delta": d,
                                           "finish_reason": finish, "token_ids": ids}]}  # fmt: skip
@@ -164,3 +165,33 @@ def test_an_error_event_raises_with_gen_s_body() -> None:
         ledger.gen_event(body)
     assert info.value.body == body and info.value.status == 502
     assert ledger.gen_event("not json") == [] and ledger.gen_event({"choices": []}) == []
+
+
+def test_an_answer_of_several_choices_keeps_each_apart() -> None:
+    """A gen leg answers every choice of its prompt (n), interleaved: each is accounted on its
+    own, the answer is whole once each is, and a chat choice's calls come back whole."""
+
+    def delta(index: int, ids: list[int], finish: str | None = None, **d: Any) -> dict[str, Any]:
+        return {**CHAT_HEAD, "choices": [{"index": index, "logprobs": None, "delta": d,
+                                          "finish_reason": finish, "token_ids": ids}]}  # fmt: skip
+
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}  # fmt: skip
+    ledger = Ledger(ask=ask(chat=True, include_usage=True), num_choices=2)
+    ledger.gen_event(delta(1, [], role="assistant", content=""))
+    ledger.gen_event(delta(0, [], role="assistant", content=""))
+    (shown,) = ledger.gen_event(delta(1, [7, 8], content="", tool_calls=[call]))
+    assert shown["choices"][0]["delta"] == {"tool_calls": [call]}
+    ledger.gen_event(delta(0, [5], content="Hi"))
+    assert ledger.gen_event(delta(9, [1], content="x")) == []  # no such choice
+    ledger.gen_event(delta(1, [], "tool_calls", content=""))
+    assert ledger.finish_reason is None and ledger.token_ids == [5, 7, 8]
+    ledger.gen_event(delta(0, [6], "stop", content="!"))
+    assert ledger.finish_reason is not None
+    (closing,) = ledger.gen_event({**tail(3, prompt=4), "object": "chat.completion.chunk"})
+    assert closing["usage"] == usage(4, 3)
+    first, second = ledger.whole()["choices"]
+    assert first["message"] == {"role": "assistant", "content": "Hi!"}
+    assert first["finish_reason"] == "stop" and second["finish_reason"] == "tool_calls"
+    made = {k: v for k, v in call.items() if k != "index"}
+    assert second["message"] == {"role": "assistant", "content": None, "tool_calls": [made]}

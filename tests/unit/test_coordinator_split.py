@@ -105,8 +105,16 @@ def test_parse_ctx_response_checks() -> None:
     del bad["prompt_token_ids"]
     with pytest.raises(UpstreamProtocolError, match="no prompt_token_ids"):
         parse_ctx_response(bad, server="c")
-    with pytest.raises(UpstreamProtocolError, match="exactly one choice"):
+    with pytest.raises(UpstreamProtocolError, match="one choice per n"):
         parse_ctx_response({**ctx_body(), "choices": []}, server="c")
+    with pytest.raises(UpstreamProtocolError, match="not a JSON object"):
+        parse_ctx_response({**ctx_body(), "choices": [ctx_body()["choices"][0], 3]}, server="c")
+    # n choices: finished only when every choice is; the params come from choice 0.
+    two = ctx_body("stop")
+    two["choices"].append({**two["choices"][0], "index": 1, "finish_reason": None})
+    assert not parse_ctx_response(two, server="c").finished
+    two["choices"][1]["finish_reason"] = "length"
+    assert parse_ctx_response(two, server="c").finished
     # A finished ctx answer needs neither params nor prompt ids.
     done = ctx_body("length")
     del done["prompt_token_ids"]

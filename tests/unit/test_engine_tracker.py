@@ -259,3 +259,54 @@ def test_a_request_ended_elsewhere_is_left_as_it_is() -> None:
     tracker.scheduler.schedule()
     tracker.settle(live, Ending.dropped(FinishReason.LENGTH))  # the scheduler's own doing
     assert port.calls == [] and live.request.state is RequestState.RUNNING
+
+
+def test_landed_kv_starts_every_choice_from_one_set_of_blocks() -> None:
+    tracker, port = make()
+    live = gen_live(5, first_token=42, forks=(43, 44))  # n = 3, the prompt's KV received once
+    tracker.wait_for_blocks(live)
+    tracker.start_receives()
+    assert len(port.named("receive")) == 1
+    forks = list(live.forks)
+    polled = tracker.poll([outcome(5)], [])
+    assert [(t.live, t.token_id) for t in polled.arrived] == [
+        (live, 42),
+        (forks[0], 43),
+        (forks[1], 44),
+    ]
+    choices = [t.live.request for t in polled.arrived]
+    assert [r.output_token_ids for r in choices] == [[42], [43], [44]]
+    assert all(r.state is RequestState.RUNNING for r in choices)
+    tables = [r.block_table.block_ids for r in choices if r.block_table is not None]
+    assert tables[0] == tables[1] == tables[2]  # shared until one writes
+    assert live.forks == [] and all(t.live.leader is None for t in polled.arrived)
+    assert held(tracker.scheduler) == len(tables[0])
+
+
+def test_first_tokens_for_another_number_of_choices_fail_the_request() -> None:
+    tracker, _ = make()
+    live = gen_live(5, first_token=None, forks=(0, 0))  # generation_first: they come with the KV
+    tracker.wait_for_blocks(live)
+    tracker.start_receives()
+    polled = tracker.poll([outcome(5, first_tokens=(7, 8))], [])
+    ((failed, ending),) = polled.failed
+    assert failed is live and "2 first tokens for a request of 3 choices" in (ending.error or "")
+    assert held(tracker.scheduler) == 0
+
+
+def test_ctx_sends_every_choice_s_first_token_with_the_kv() -> None:
+    tracker, port = make()
+    live, _ = make_live(request_type=RequestType.CONTEXT_ONLY, transfer_key=7)
+    rider, _ = make_live(request_type=RequestType.CONTEXT_ONLY)
+    rider.leader, rider.choice = live, 1
+    live.forks = [rider]
+    scheduler = tracker.scheduler
+    scheduler.add(live.request)
+    plan = scheduler.schedule()
+    scheduler.step_done(plan)
+    live.request.output_token_ids.append(11)
+    rider.request.output_token_ids.append(12)
+    tracker.settle(live, Ending.handed_over())
+    (send,) = port.named("send")
+    assert send[1] == 7 and send[4] == (11, 12)
+    assert live.request.state is RequestState.CTX_SENDING

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from trtdisagg.kv.block_pool import BlockCopy
 from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.worker.rank_group import decode_command, decode_report, encode_command, encode_report
 from trtdisagg.worker.rank_plan import (
@@ -80,6 +81,7 @@ def test_digest_is_independent_of_the_cut_and_catches_disagreeing_copies() -> No
 def test_commands_and_reports_round_trip_the_wire() -> None:
     command = StepCommand(
         items=(ItemInputs(request_id=1, token_ids=(3,), start=4, block_ids=(2,), samples=True),),
+        copies=(BlockCopy(src=1, dst=2),),
         receives=(
             ReceiveCommand(key=5, endpoint="tcp://127.0.0.1:9", block_ids=(1, 2), num_tokens=7),
         ),

@@ -1,10 +1,12 @@
 """One request → its choices: which prompt and which seed each choice gets. Pure functions.
 
 A completion request with P prompts and `n` asks for P × n choices; choice `p × n + i` is the
-i-th sample of prompt p (OpenAI's order). A chat request has one prompt. Today each choice is a
-request of its own: the worker submits one executor request per choice and the coordinator runs
-one ctx → gen pair per choice. Sharing one prefill (and one KV transfer) among the `n` choices of
-a prompt replaces exactly this fan-out: `plan_choices` then groups by `prompt_index`.
+i-th sample of prompt p (OpenAI's order). A chat request has one prompt. A prompt's `n` choices
+share it: the worker prefills it once and forks it `n` ways (`worker/engine/forks.py`), and the
+coordinator runs one ctx → gen pair per prompt, its body carrying `n` (`prompt_body`).
+
+`best_of` > `n` (completions): each prompt generates `best_of` candidates, and the `n` with the
+highest cumulative logprob (the sum of their tokens' logprobs) are its choices, best first.
 
 Seeds: with a `seed`, choice i of every prompt samples with `choice_seed(seed, i)`. Choice 0 keeps
 the seed itself, so `n = 1` answers equal the first choice of `n > 1`; choice i ≥ 1 takes the first
@@ -22,7 +24,7 @@ from typing import Any
 import attrs
 
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
-from trtdisagg.api.validation import Prompt, prompts_of
+from trtdisagg.api.validation import Prompt, num_candidates, prompts_of
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
 
@@ -47,34 +49,30 @@ def choice_seed(seed: int, sample_index: int) -> int:
 
 
 def plan_choices(req: AnyRequest) -> list[ChoicePlan]:
+    """Every choice generated, in order: with `best_of` > `n`, each prompt's `best_of`
+    candidates (index p × best_of + i until the best `n` are picked: `pick_best`)."""
     prompts: list[Prompt | None] = (
         list(prompts_of(req)) if isinstance(req, CompletionRequest) else [None]
     )
+    per_prompt = num_candidates(req)
     return [
         ChoicePlan(
-            index=p * req.n + i,
+            index=p * per_prompt + i,
             prompt_index=p,
             sample_index=i,
             prompt=prompt,
             seed=None if req.seed is None else choice_seed(req.seed, i),
         )
         for p, prompt in enumerate(prompts)
-        for i in range(req.n)
+        for i in range(per_prompt)
     ]
 
 
-def is_multi_choice(req: AnyRequest) -> bool:
-    return req.n > 1 or (isinstance(req, CompletionRequest) and len(prompts_of(req)) > 1)
-
-
-def choice_body(body: dict[str, Any], plan: ChoicePlan, req: AnyRequest) -> dict[str, Any]:
-    """The JSON body of one choice as a request of its own (the coordinator's legs): one prompt,
-    `n` 1, the choice's seed. Fields the coordinator does not interpret are kept."""
+def prompt_body(body: dict[str, Any], prompt: Prompt, req: AnyRequest) -> dict[str, Any]:
+    """The JSON body of one prompt of a batch as a request of its own (the coordinator's legs):
+    that prompt, with the client's `n` and `seed` (choice i's seed is derived from it, on the
+    worker, as for a request sent alone). Fields the coordinator does not interpret are kept."""
     out = copy.copy(body)
-    out["n"] = 1
-    out.pop("best_of", None)
-    if plan.seed is not None:
-        out["seed"] = plan.seed
     if isinstance(req, CompletionRequest) and req.prompt is not None:
-        out["prompt"] = plan.prompt
+        out["prompt"] = prompt
     return out

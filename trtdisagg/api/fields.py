@@ -8,8 +8,8 @@ naming it. `partial` fields, whose limits depend on other fields (`best_of` agai
 checked in `validation.py`. docs/API.md's tables are `render_table()`'s output, and a test holds
 them equal, so the document cannot drift from the code.
 
-When the engine implements a field (grammar-backed `response_format` and `tool_choice`), its
-rule here becomes `supported` and the request types already carry the value.
+Every field of the request types acts today; a new field the engine implements becomes
+`supported` here once it acts.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ SUPPORTED, PARTIAL, NEUTRAL, IGNORED, REFUSED = (
     Support.REFUSED,
 )
 
-UNTIL_GRAMMAR: Final = "needs the grammar engine"
 TOOL: Final = {"type": "function", "function": {"name": "get_weather"}}
 
 
@@ -90,8 +89,8 @@ def _sampling_rules() -> list[FieldRule]:
         _rule(
             "n",
             SUPPORTED,
-            "1 to 128 choices per prompt (n × prompts ≤ 128); each choice is its own request "
-            "(and, through the coordinator, its own ctx → gen pair)",
+            "1 to 128 choices per prompt (n × prompts ≤ 128); a prompt is prefilled once (and, "
+            "through the coordinator, sent from ctx to gen once) and forked n ways (see Choices)",
         ),
         _rule(
             "presence_penalty",
@@ -144,11 +143,23 @@ def _sampling_rules() -> list[FieldRule]:
         ),
         _rule(
             "response_format",
-            NEUTRAL,
-            f'`{{"type": "text"}}` only; `json_object` and `json_schema` {UNTIL_GRAMMAR}',
-            neutral=({"type": "text"},),
-            bad={"type": "json_object"},
+            SUPPORTED,
+            "`text`, `json_object` (any JSON object) or `json_schema` (`{name, schema, "
+            "strict}`), enforced token by token (see Structured output); a schema llguidance "
+            "cannot compile is a 400 naming it",
+            refusal={"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
         ),
+        _rule(
+            "structured_outputs",
+            SUPPORTED,
+            "extension (vLLM's): one of `json` (a schema), `regex`, `choice` (strings), "
+            "`grammar` (Lark or GBNF)",
+            refusal={"structured_outputs": {"regex": "a", "choice": ["b"]}},
+        ),
+        _rule("guided_json", SUPPORTED, "extension (vLLM's): as `structured_outputs.json`"),
+        _rule("guided_regex", SUPPORTED, "extension (vLLM's): as `structured_outputs.regex`"),
+        _rule("guided_choice", SUPPORTED, "extension (vLLM's): as `structured_outputs.choice`"),
+        _rule("guided_grammar", SUPPORTED, "extension (vLLM's): as `structured_outputs.grammar`"),
         _rule(
             "return_token_ids",
             SUPPORTED,
@@ -158,8 +169,8 @@ def _sampling_rules() -> list[FieldRule]:
         _rule(
             "disaggregated_params",
             SUPPORTED,
-            "extension: the ctx ↔ gen hand-over (DESIGN.md §2); a context_only or "
-            "generation_only request has one choice",
+            "extension: the ctx ↔ gen hand-over (DESIGN.md §2; see Disaggregated parameters); "
+            "a context_only or generation_only request has one prompt (its n choices share it)",
         ),
         _rule("conversation_id", SUPPORTED, "extension: routing affinity (`conversation` router)"),
         _rule(
@@ -182,16 +193,18 @@ COMPLETIONS: Final = {
         ),
         _rule(
             "best_of",
-            PARTIAL,
-            "accepted when equal to `n` (or null): any other value is a 400",
-            refusal={"best_of": 3},
+            SUPPORTED,
+            "`n` to 128 (best_of × prompts ≤ 128): each prompt generates best_of candidates "
+            "(one prefill, forked) and answers the `n` of highest cumulative logprob, best first; "
+            "a stream sends them at the end, each whole in one chunk",
+            refusal={"best_of": 129},
         ),
         _rule(
             "echo",
-            PARTIAL,
-            "each choice's text starts with its prompt (streamed first); with `logprobs` a 400 "
-            "(prompt logprobs need the engine)",
-            refusal={"echo": True, "logprobs": 1},
+            SUPPORTED,
+            "each choice's text starts with its prompt (streamed first); with `logprobs`, the "
+            "prompt's tokens lead `logprobs` (the first with a null logprob), computed by the "
+            "prefill that runs anyway (see Echo)",
         ),
         _rule(
             "logprobs",
@@ -240,10 +253,8 @@ CHAT: Final = {
         _rule("moderation", REFUSED, "moderation is not supported", bad={"model": "m"}),
         _rule(
             "parallel_tool_calls",
-            NEUTRAL,
-            "true only: tool calls are not parsed from the output yet",
-            neutral=(True,),
-            bad=False,
+            SUPPORTED,
+            "with `tool_choice: required`, false forces exactly one call (true: one or more)",
         ),
         _rule(
             "prediction", REFUSED, "predicted outputs are not supported", bad={"type": "content"}
@@ -267,16 +278,19 @@ CHAT: Final = {
         ),
         _rule(
             "tool_choice",
-            PARTIAL,
-            f"`none` (the template gets no tools) or `auto` (it gets them); `required` or a "
-            f"named function is a 400 ({UNTIL_GRAMMAR})",
-            refusal={"tools": [TOOL], "tool_choice": "required"},
+            SUPPORTED,
+            "`none` (the template gets no tools), `auto` (calls the output makes are parsed), "
+            "`required` or a named function (calls forced by a grammar); see Tools",
+            refusal={
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "other"}},
+            },
         ),
         _rule(
             "tools",
-            PARTIAL,
-            "function tools reach the chat template as `tools`; the output is not parsed into "
-            "`tool_calls` yet; another tool type is a 400",
+            SUPPORTED,
+            "function tools reach the chat template as `tools`; calls in the answer are "
+            "`tool_calls` (`finish_reason: tool_calls`); another tool type is a 400",
             refusal={"tools": [{"type": "custom", "function": {"name": "x"}}]},
         ),
         _rule(
@@ -362,11 +376,10 @@ RESPONSES: Final = {
         ),
         _rule(
             "text",
-            NEUTRAL,
-            f'plain text only (`{{"format": {{"type": "text"}}}}`); structured output '
-            f"{UNTIL_GRAMMAR}",
-            neutral=({}, {"format": {"type": "text"}}),
-            bad={"format": {"type": "json_object"}},
+            SUPPORTED,
+            "`format`: `text`, `json_object` or `json_schema` (`name`, `schema`, `strict`), "
+            "enforced as chat's `response_format` (see Structured output)",
+            refusal={"input": "x", "text": {"format": {"type": "yaml"}}},
         ),
         _rule(
             "tool_choice",

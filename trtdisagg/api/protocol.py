@@ -4,8 +4,7 @@ Requests are structured from JSON through one strict converter: a wrong type is 
 the field (`max_tokens: expected an integer, got str`). Keys that are not OpenAI fields are ignored
 (clients send extensions of other servers); every OpenAI field is listed in `api/fields.py`, which
 says whether it acts, is accepted only at its neutral value, or is refused with a 400 naming it.
-A field typed here but not acted on yet (`response_format`) is typed so that the engine change
-that implements it only has to pass it on.
+Every field typed here acts (`api/fields.py` says how).
 """
 
 from __future__ import annotations
@@ -55,9 +54,15 @@ class DisaggregatedParams:
     # generation_first: this generation_only request was posted before ctx answered, so it has
     # no first_gen_tokens; they come with the KV (the transfer result).
     schedule_style: ScheduleStyleName | None = None
-    # One entry per first_gen_tokens when the request asks for logprobs: gen emits them with
-    # ctx's token, so the answer has one logprobs entry per token.
+    # A request with n > 1 choices: ctx's first token of each, in choice order (one prefill
+    # and one KV transfer serve them all); `first_gen_tokens` then holds choice 0's.
+    first_gen_tokens_by_choice: list[int] | None = None
+    # One entry per choice's first token when the request asks for logprobs: gen emits them
+    # with ctx's tokens, so the answer has one logprobs entry per token.
     first_gen_logprobs: list[FirstTokenLogprobs] | None = None
+    # Completions' echo with logprobs: ctx's logprobs of prompt tokens 1, 2, ... (token 0 has
+    # none), computed by its prefill; gen puts them before its own.
+    prompt_logprobs: list[FirstTokenLogprobs] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -138,6 +143,12 @@ class _SamplingFields:
     repetition_penalty: float | None = None
     min_p: float | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's structured outputs (api/grammars.py): one of json, regex, choice, grammar
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -165,6 +176,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 AnyRequest = CompletionRequest | ChatCompletionRequest

@@ -31,6 +31,7 @@ class ResponsesRequest:
     top_p: float | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None  # {"format": ...}: chat's response_format, flattened
 
 
 def responses_input(
@@ -72,7 +73,22 @@ def chat_body(req: ResponsesRequest) -> dict[str, Any]:
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}  # response.completed carries usage
+    response_format = _response_format((req.text or {}).get("format"))
+    if response_format is not None:
+        body["response_format"] = response_format
     return body
+
+
+def _response_format(value: object) -> dict[str, Any] | None:
+    """`text.format` as chat's `response_format` (Responses flattens `json_schema`'s fields)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("text.format: expected an object", param="text")
+    if value.get("type") != "json_schema":
+        return {"type": value.get("type")}
+    spec = {k: value[k] for k in ("name", "schema", "strict", "description") if k in value}
+    return {"type": "json_schema", "json_schema": spec}
 
 
 def _message(item: dict[str, Any], i: int) -> dict[str, str]:
@@ -112,7 +128,11 @@ def _text(content: object, where: str) -> str:
     return "".join(texts)
 
 
-RENAMED: Final = {"max_tokens": "max_output_tokens", "messages": "input"}
+RENAMED: Final = {
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text",
+}
 """Chat fields an error may name, as the Responses request called them."""
 
 

@@ -13,14 +13,16 @@ import math
 from typing import Any, Final
 
 from trtdisagg.api.errors import bad_request
+from trtdisagg.api.grammars import output_grammar
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
+from trtdisagg.api.tool_calls import HERMES
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
 Prompt = str | list[int]
 
 MAX_CHOICES: Final = 128
-"""n × prompts per request: each choice is a request of its own, so a body of a few bytes must
-not queue thousands of them."""
+"""n × prompts per request: each choice decodes as a sequence of its own, so a body of a few
+bytes must not queue thousands of them."""
 MAX_TOKENS_LIMIT: Final = 2**31
 """max_tokens at or above this is refused outright (no context is that long)."""
 INT64: Final = (-(2**63), 2**63)
@@ -42,14 +44,20 @@ def validate_request(req: AnyRequest) -> None:
         _validate_completion(req)
     else:
         _validate_chat(req)
-    choices = num_prompts(req) * req.n
+    # The shape of an output constraint (the model's tool-call format and llguidance's compile
+    # are the worker's to check): a malformed one is a 400 before any worker is asked.
+    output_grammar(req, HERMES)
+    choices = num_prompts(req) * num_candidates(req)
     if choices > MAX_CHOICES:
-        raise bad_request(f"n: n × prompts must be at most {MAX_CHOICES}, got {choices}", param="n")
-    kind = params.request_type if params is not None else "context_and_generation"
-    if choices > 1 and kind != "context_and_generation":
+        field = "best_of" if num_candidates(req) > req.n else "n"
         raise bad_request(
-            f"disaggregated_params.request_type: a {kind} request has one choice (one prompt, "
-            f"n = 1), this one has {choices}",
+            f"{field}: {field} × prompts must be at most {MAX_CHOICES}, got {choices}", param=field
+        )
+    kind = params.request_type if params is not None else "context_and_generation"
+    if num_prompts(req) > 1 and kind != "context_and_generation":
+        raise bad_request(
+            f"disaggregated_params.request_type: a {kind} request has one prompt (its n "
+            f"choices share its KV), this one has {num_prompts(req)}",
             param="disaggregated_params",
         )
 
@@ -127,15 +135,10 @@ def _validate_completion(req: CompletionRequest) -> None:
     _validate_prompt(req)
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise bad_request(f"logprobs: must be in [0, 20], got {req.logprobs}", param="logprobs")
-    if req.best_of is not None and req.best_of != req.n:
+    if req.best_of is not None and not req.n <= req.best_of <= MAX_CHOICES:
         raise bad_request(
-            f"best_of: only best_of equal to n ({req.n}) is supported, got {req.best_of}",
+            f"best_of: must be in [n = {req.n}, {MAX_CHOICES}], got {req.best_of}",
             param="best_of",
-        )
-    if req.echo and req.logprobs is not None:
-        raise bad_request(
-            "echo: echo with logprobs needs the prompt's logprobs, which are not supported yet",
-            param="echo",
         )
 
 
@@ -157,23 +160,21 @@ def _validate_chat(req: ChatCompletionRequest) -> None:
                 f"tools[{i}].type: only function tools are supported, got {tool.type!r}",
                 param="tools",
             )
-    _validate_tool_choice(req.tool_choice)
+    _validate_tool_choice(req.tool_choice, bool(req.tools))
 
 
-def _validate_tool_choice(choice: str | dict[str, Any] | None) -> None:
+def _validate_tool_choice(choice: str | dict[str, Any] | None, has_tools: bool) -> None:
     if choice is None or choice in ("none", "auto"):
         return
-    what = f"{choice!r}" if isinstance(choice, str) else "a named function"
-    if choice == "required" or isinstance(choice, dict):
+    if choice != "required" and not isinstance(choice, dict):
         raise bad_request(
-            f"tool_choice: {what} needs output constrained by a grammar, which is not "
-            "supported yet; use 'auto' or 'none'",
+            f"tool_choice: expected 'none', 'auto', 'required' or a function, got {choice!r}",
             param="tool_choice",
         )
-    raise bad_request(
-        f"tool_choice: expected 'none', 'auto', 'required' or a function, got {what}",
-        param="tool_choice",
-    )
+    if not has_tools:
+        raise bad_request(
+            "tool_choice: a call is asked for, but no tools are given", param="tool_choice"
+        )
 
 
 def _validate_prompt(req: CompletionRequest) -> None:
@@ -214,3 +215,11 @@ def num_prompts(req: AnyRequest) -> int:
 def single_prompt(req: CompletionRequest) -> Prompt:
     """The first prompt of a validated completion request (the only one unless batched)."""
     return prompts_of(req)[0]
+
+
+def num_candidates(req: AnyRequest) -> int:
+    """Choices generated per prompt: `best_of` of them (completions), of which `n` are returned,
+    else `n`."""
+    if isinstance(req, CompletionRequest) and req.best_of is not None:
+        return max(req.best_of, req.n)
+    return req.n

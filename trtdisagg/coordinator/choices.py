@@ -1,14 +1,13 @@
-"""A request with several choices (`n`, a batch of prompts): one ctx → gen pair per choice.
+"""A batch of prompts: one ctx → gen pair per prompt, each carrying the client's `n`.
 
-Each choice is served as a request of its own (`DisaggService.serve_one`, with its retries),
-concurrently, from the body `fanout.choice_body` makes (one prompt, `n` 1, the choice's seed).
-Whole answers are merged into one body; streams are interleaved as their chunks arrive
-(`MergedBody` with `ChoiceSseMerger`), each chunk's choice index set to the choice's own, the
-choices' usage chunks summed into one at the end. The answer starts once every choice's ctx leg
-has answered, so a worker's 4xx is still the client's HTTP status.
-
-When a prompt's choices share one prefill and one KV transfer, this module's fan-out is what
-changes: one ctx leg per prompt, its gen leg forking `n` ways.
+Each prompt is served as a request of its own (`DisaggService.serve_one`, with its retries),
+concurrently, from the body `fanout.prompt_body` makes (that prompt, the client's `n` and `seed`):
+its ctx leg prefills once and samples each choice's first token, its gen leg receives the KV once
+and forks `n` ways. Whole answers are merged into one body, choice i of prompt p at index
+`p × n + i`; streams are interleaved as their chunks arrive (`MergedBody` with `ChoiceSseMerger`),
+each chunk's choice index renumbered so, the prompts' usage chunks summed into one at the end. The
+answer starts once every prompt's ctx leg has answered, so a worker's 4xx is still the client's
+HTTP status. A single prompt with `n` choices needs none of this: its body goes as it is.
 """
 
 from __future__ import annotations
@@ -21,10 +20,11 @@ import attrs
 import trio
 
 from trtdisagg.api.codec import SSE_DONE, sse_event, structure_body
-from trtdisagg.api.fanout import ChoicePlan, choice_body, plan_choices
+from trtdisagg.api.fanout import prompt_body
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
 from trtdisagg.api.sse import DONE, SseSplitter, parse_event
 from trtdisagg.api.streaming import MergedBody
+from trtdisagg.api.validation import prompts_of
 from trtdisagg.coordinator.replies import Endpoint, JsonReply, Reply, StreamReply
 from trtdisagg.coordinator.split import ClientAsk
 
@@ -37,7 +37,7 @@ Json = dict[str, Any]
 HEAD_FIELDS = ("id", "object", "created", "model")
 
 
-async def serve_choices(
+async def serve_prompts(
     service: DisaggService,
     endpoint: Endpoint,
     raw: Json,
@@ -45,33 +45,32 @@ async def serve_choices(
     headers: dict[str, str],
     outcome: Callable[[str], None],
 ) -> Reply:
-    plans = plan_choices(req)
+    prompts = prompts_of(req)
     ask = ClientAsk.of(raw, chat=endpoint.chat)
-    replies: list[Reply | None] = [None] * len(plans)
+    replies: list[Reply | None] = [None] * len(prompts)
 
     def counted_once(_status: str) -> None:
-        """A choice's own outcome: the request's is counted once, for all its choices."""
+        """A prompt's own outcome: the request's is counted once, for all its prompts."""
 
-    async def serve(i: int, plan: ChoicePlan) -> None:
-        body = choice_body(raw, plan, req)
+    async def serve(p: int) -> None:
+        body = prompt_body(raw, prompts[p], req)
         one = structure_body(body, endpoint.request_class)
-        replies[i] = await service.serve_one(endpoint, body, one, headers, counted_once)
+        replies[p] = await service.serve_one(endpoint, body, one, headers, counted_once)
 
     try:
         async with trio.open_nursery() as nursery:
-            for i, plan in enumerate(plans):
-                nursery.start_soon(serve, i, plan)
+            for p in range(len(prompts)):
+                nursery.start_soon(serve, p)
     except BaseException as exc:
         for reply in replies:
             if isinstance(reply, StreamReply):
                 await reply.body.aclose()
         raise _one_error(exc) from None
     done = [r for r in replies if r is not None]
-    single_prompt = len({plan.prompt_index for plan in plans}) == 1
     if all(isinstance(r, JsonReply) for r in done):
         answers = [r.body for r in done if isinstance(r, JsonReply)]
-        return JsonReply(body=merge_answers(answers, plans, single_prompt=single_prompt))
-    merger = ChoiceSseMerger(plans=plans, ask=ask, single_prompt=single_prompt)
+        return JsonReply(body=merge_answers(answers, n=req.n))
+    merger = ChoiceSseMerger(n=req.n, ask=ask)
     bodies = [r.body for r in done if isinstance(r, StreamReply)]
     return StreamReply(body=MergedBody(bodies, merger, finish=outcome))
 
@@ -95,17 +94,12 @@ def _one_error(exc: BaseException) -> BaseException:
     return real[0] if real else exc
 
 
-def _usage(usages: Sequence[tuple[int, Json]]) -> Json:
-    """Each prompt's tokens once (its first choice's), every choice's completion tokens."""
-    prompts: dict[int, Json] = {}
-    completion = 0
-    for prompt_index, usage in usages:
-        prompts.setdefault(prompt_index, usage)
-        completion += int(usage.get("completion_tokens") or 0)
-    prompt = sum(int(u.get("prompt_tokens") or 0) for u in prompts.values())
+def _usage(usages: Sequence[Json]) -> Json:
+    """The prompts' usages summed (each counts its prompt once, and its choices' completions)."""
+    prompt = sum(int(u.get("prompt_tokens") or 0) for u in usages)
+    completion = sum(int(u.get("completion_tokens") or 0) for u in usages)
     cached = sum(
-        int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        for u in prompts.values()
+        int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0) for u in usages
     )
     return {
         "prompt_tokens": prompt,
@@ -115,26 +109,23 @@ def _usage(usages: Sequence[tuple[int, Json]]) -> Json:
     }
 
 
-def merge_answers(
-    answers: Sequence[Json], plans: Sequence[ChoicePlan], *, single_prompt: bool
-) -> Json:
-    """The client's whole answer from its choices' answers (each one choice, index 0)."""
+def merge_answers(answers: Sequence[Json], *, n: int) -> Json:
+    """The client's whole answer from its prompts' answers (prompt p's: its n choices, indices
+    0..n-1, its `prompt_token_ids` at the top when asked for)."""
     first = answers[0]
     out: Json = {k: first[k] for k in HEAD_FIELDS if k in first}
     choices: list[Json] = []
-    usages: list[tuple[int, Json]] = []
-    for plan, answer in zip(plans, answers, strict=True):
-        choice = dict(answer["choices"][0])
-        choice["index"] = plan.index
-        if not single_prompt and "prompt_token_ids" in answer:
-            choice["prompt_token_ids"] = answer["prompt_token_ids"]
-        choices.append(choice)
+    usages: list[Json] = []
+    for p, answer in enumerate(answers):
+        for choice in answer["choices"]:
+            renumbered = {**choice, "index": p * n + int(choice["index"])}
+            if "prompt_token_ids" in answer:
+                renumbered["prompt_token_ids"] = answer["prompt_token_ids"]
+            choices.append(renumbered)
         if isinstance(answer.get("usage"), dict):
-            usages.append((plan.prompt_index, answer["usage"]))
-    out["choices"] = choices
+            usages.append(answer["usage"])
+    out["choices"] = sorted(choices, key=lambda c: int(c["index"]))
     out["usage"] = _usage(usages)
-    if single_prompt and "prompt_token_ids" in first:
-        out["prompt_token_ids"] = first["prompt_token_ids"]
     if "perf_metrics" in first:
         out["perf_metrics"] = first["perf_metrics"]
     return out
@@ -142,11 +133,10 @@ def merge_answers(
 
 @attrs.define(eq=False, kw_only=True)
 class ChoiceSseMerger:
-    """The choices' SSE streams (each a whole answer's stream, index 0) → one stream."""
+    """The prompts' SSE streams (each a whole answer's stream, choices 0..n-1) → one stream."""
 
-    plans: Sequence[ChoicePlan]
+    n: int
     ask: ClientAsk
-    single_prompt: bool
     stopped: bool = False
     _splitters: dict[int, SseSplitter] = attrs.Factory(dict)
     _usage: dict[int, Json] = attrs.Factory(dict)
@@ -172,28 +162,28 @@ class ChoiceSseMerger:
                 out.append(sse_event(rewritten))
         return out
 
-    def _rewrite(self, index: int, data: Json) -> Json | None:
-        """A choice's chunk as the merged stream's, or None for what is summed at the end."""
+    def _rewrite(self, prompt: int, data: Json) -> Json | None:
+        """A prompt's chunk as the merged stream's, or None for what is summed at the end."""
         if self._head is None:
             self._head = {k: data[k] for k in HEAD_FIELDS if k in data}
         perf = data.pop("perf_metrics", None)
         if isinstance(perf, dict) and self._perf is None:
             self._perf = perf
         choices = data.get("choices")
-        if not choices:  # the choice's usage (or perf) chunk
+        if not choices:  # the prompt's usage (or perf) chunk
             if isinstance(data.get("usage"), dict):
-                self._usage[index] = data["usage"]
+                self._usage[prompt] = data["usage"]
             return None
-        plan = self.plans[index]
-        out = {**data, **self._head, "choices": [{**c, "index": plan.index} for c in choices]}
-        if not self.single_prompt and "prompt_token_ids" in out:
+        renumbered = [{**c, "index": prompt * self.n + int(c.get("index", 0))} for c in choices]
+        out = {**data, **self._head, "choices": renumbered}
+        if "prompt_token_ids" in out:  # each choice carries its prompt's in a batch
             ids = out.pop("prompt_token_ids")
             out["choices"] = [{**c, "prompt_token_ids": ids} for c in out["choices"]]
         return out
 
     def failed(self, index: int, error: Exception) -> list[bytes]:
         self.stopped = True
-        message = f"choice {self.plans[index].index} failed: {error}"
+        message = f"prompt {index} failed: {error}"
         body = {"error": {"message": message, "type": "upstream_error", "code": 502}}
         return [sse_event(body)]
 
@@ -202,7 +192,7 @@ class ChoiceSseMerger:
             return [SSE_DONE]
         head = {**(self._head or {}), "choices": []}
         extra = {"perf_metrics": self._perf} if self._perf is not None else {}
-        usages = [(self.plans[i].prompt_index, u) for i, u in sorted(self._usage.items())]
+        usages = [u for _, u in sorted(self._usage.items())]
         events: list[bytes] = []
         if self.ask.include_usage:
             events.append(sse_event({**head, "usage": _usage(usages), **extra}))

@@ -13,7 +13,7 @@ What carries over, and how (`continuation_request`):
   (completions without ``max_tokens`` get the worker's default of 16, less what was sent), so
   the answer ends where an undisturbed run would (``length`` included: prompt + tokens is the
   same total against the model's context);
-* ``echo`` and the ``n``/``best_of`` fan-out are gone (done on the first leg), ``stream`` and
+* ``echo``, ``n`` and ``best_of`` are gone (an answer of one choice is resumed), ``stream`` and
   ``return_token_ids`` are on, ``stream_options`` asks for the usage chunk only (the ledger
   counts usage itself);
 * stop strings: text already relayed may end in the first part of a stop string, which the dead

@@ -1,6 +1,7 @@
-"""The gen side of one choice: its first leg opened within its deadline and read through a
-`GenRelay` (relayed as a stream, or assembled into a whole answer), and the continuations that
-resume it on another gen when a leg dies or stalls (`GenLegs` is the relay's `Resumer`).
+"""The gen side of one prompt's answer (its `n` choices): its first leg opened within its
+deadline and read through a `GenRelay` (relayed as a stream, or assembled into a whole answer),
+and the continuations that resume it on another gen when a leg dies or stalls (`GenLegs` is the
+relay's `Resumer`; only an answer of one choice is resumed).
 
 Failures before the first leg's stream is open (gen refused, unreachable, or silent past its
 first-token deadline) go back to the service's retries, as any failed attempt. Once it is open,
@@ -50,7 +51,8 @@ INLINE_REPLAY_TOKENS: Final = 256
 
 @attrs.define(eq=False, kw_only=True)
 class GenLegs:
-    """One choice's gen legs: the first, and the continuations (`resume.Resumer`)."""
+    """One answer's gen legs: the first, and the continuations (`resume.Resumer`; an answer of
+    one choice only)."""
 
     service: DisaggService
     call: _Call
@@ -83,6 +85,7 @@ class GenLegs:
             ctx_usage=ctx.usage if ctx is not None else None,
             perf=service.perf_of(call, ctx),
             prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None,
+            num_choices=call.req.n,
         )
         self.relay = GenRelay(
             ledger=ledger,
@@ -161,6 +164,10 @@ class GenLegs:
     async def resume(self, relay: GenRelay, failure: LegFailure) -> Leg:
         """A continuation on another gen: an aggregated request for prompt + tokens sent."""
         call, service, ledger = self.call, self.service, relay.ledger
+        if ledger.num_choices > 1:
+            # Each choice would continue from its own tokens: n requests of their own, no
+            # longer one prefill; the answer fails instead.
+            raise CannotResume(f"an answer of {ledger.num_choices} choices is not resumed")
         service.metrics.migrations.labels(reason=failure.kind.value).inc()
         call.exclude[GEN] = failure.server
         prompt = ledger.prompt_token_ids or await self._prompt_ids()

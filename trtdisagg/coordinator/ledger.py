@@ -1,4 +1,5 @@
-"""What one choice's answer has told the client so far, and gen's SSE events rewritten for it. Pure.
+"""What one answer has told the client so far, choice by choice, and gen's SSE events rewritten
+for it. Pure.
 
 The coordinator reads every gen leg as a stream (a whole answer too: it assembles the body itself,
 `Ledger.whole`) with ``return_token_ids`` and ``include_usage`` asked for internally, so that it
@@ -19,6 +20,10 @@ Per event of gen's stream, `Ledger.gen_event` returns what the client gets:
 * the first leg's usage merges ctx's (prompt and cached tokens) with gen's (completion tokens),
   and the client gets a usage chunk only if it asked (a perf chunk of its own otherwise, when it
   asked for perf metrics).
+
+A gen leg answers every choice of its prompt (`n`, forked from one prefill): each has its own
+`ChoiceLedger`, and the answer is complete once each choice is. Only an answer of one choice is
+resumed on another gen (its tokens so far are one sequence to continue from).
 
 An error event raises `StreamError`: the caller decides between a continuation and the end.
 """
@@ -58,6 +63,30 @@ class TextSource(Protocol):
 
 
 @attrs.define(eq=False, kw_only=True)
+class ChoiceLedger:
+    """What one choice told the client so far."""
+
+    index: int
+    token_ids: list[int] = attrs.Factory(list)
+    """Every token relayed, in order (shown to the client or not)."""
+    opening_text: str = ""  # completions with `echo`: the prompt, before any token
+    finish_reason: str | None = None
+    finished_here: bool = False
+    """The coordinator found the stop string (a continuation): gen's leg is to be cut."""
+    replay: TextSource | None = None
+    texts: list[str] = attrs.Factory(list)  # the generated text relayed, in pieces
+    logprobs: list[Json] = attrs.Factory(list)
+    tool_calls: list[Json] = attrs.Factory(list)  # chat: the calls its deltas carried
+    logprob_chars: int = 0  # completions: text_offset of the next logprobs entry
+    leg_chars: int = 0  # logprob_chars when the current leg started
+    opened: bool = False  # a chunk went out (chat: the role)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+@attrs.define(eq=False, kw_only=True)
 class Ledger:
     ask: ClientAsk
     ctx_usage: Json | None = None
@@ -66,38 +95,62 @@ class Ledger:
     """Merges gen's perf_metrics with the coordinator's phases (`return_perf_metrics`)."""
     prompt_token_ids: list[int] | None = None
     """The prompt as the workers tokenized it: ctx's, or the first chunk's, or the coordinator's."""
+    num_choices: int = 1  # the choices of the answer (the prompt's `n`)
     head: Json | None = None
-    token_ids: list[int] = attrs.Factory(list)
-    """Every token relayed, in order (shown to the client or not)."""
-    opening_text: str = ""  # completions with `echo`: the prompt, before any token
-    finish_reason: str | None = None
-    finished_here: bool = False
-    """The coordinator found the stop string (a continuation): gen's leg is to be cut."""
     leg: int = 0  # 0: the first leg; k: the k-th continuation
-    replay: TextSource | None = None
     gen_perf: Json | None = None
     usage: Json | None = None  # the client's usage, once gen's usage chunk came
-    _texts: list[str] = attrs.Factory(list)  # the generated text relayed, in pieces
-    _logprobs: list[Json] = attrs.Factory(list)
-    _logprob_chars: int = 0  # completions: text_offset of the next logprobs entry
-    _leg_chars: int = 0  # _logprob_chars when the current leg started
+    choices: list[ChoiceLedger] = attrs.field(
+        default=attrs.Factory(
+            lambda self: [ChoiceLedger(index=i) for i in range(self.num_choices)], takes_self=True
+        )
+    )
     _first_usage: Json | None = None  # the first leg's first usage, for migrated counts
-    _opened: bool = False  # a chunk went out (chat: the role)
     _prompt_ids_sent: bool = False
     _tail_sent: bool = False
 
+    # ---- the answer, and (an answer of one choice) its choice ----
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token relayed: the choice's, or all choices' one after another."""
+        if self.num_choices == 1:
+            return self.choices[0].token_ids
+        return [t for choice in self.choices for t in choice.token_ids]
+
+    @property
+    def finish_reason(self) -> str | None:
+        """None until every choice finished."""
+        if any(choice.finish_reason is None for choice in self.choices):
+            return None
+        return self.choices[-1].finish_reason
+
+    @property
+    def finished_here(self) -> bool:
+        return any(choice.finished_here for choice in self.choices)
+
     @property
     def text(self) -> str:
-        """The generated text relayed so far (without `opening_text`)."""
-        return "".join(self._texts)
+        """The generated text relayed so far (without `opening_text`), of choice 0."""
+        return self.choices[0].text
+
+    @property
+    def opening_text(self) -> str:
+        return self.choices[0].opening_text
+
+    @property
+    def replay(self) -> TextSource | None:
+        return self.choices[0].replay
 
     # ---- legs ----
 
     def start_continuation(self, replay: TextSource | None) -> None:
-        """The next events come from a continuation leg (`continuation.continuation_request`)."""
+        """The next events come from a continuation leg (`continuation.continuation_request`);
+        only an answer of one choice has them."""
         self.leg += 1
-        self._leg_chars = self._logprob_chars
-        self.replay = replay
+        choice = self.choices[0]
+        choice.leg_chars = choice.logprob_chars
+        choice.replay = replay
 
     # ---- events ----
 
@@ -115,16 +168,22 @@ class Ledger:
         if not choices:
             return self._tail_event(data)
         choice = choices[0]
-        if not isinstance(choice, dict) or self.finish_reason is not None:
+        if not isinstance(choice, dict):
             return []
-        return self._choice_event(data, choice)
+        index = choice.get("index", 0)
+        if not isinstance(index, int) or not 0 <= index < self.num_choices:
+            return []
+        state = self.choices[index]
+        if state.finish_reason is not None:
+            return []
+        return self._choice_event(data, choice, state)
 
     def _head_of(self, data: Json) -> Json:
         if self.head is None:
             self.head = {k: data[k] for k in HEAD_FIELDS if k in data}
         return self.head
 
-    def _choice_event(self, data: Json, choice: Json) -> list[Json]:
+    def _choice_event(self, data: Json, choice: Json, state: ChoiceLedger) -> list[Json]:
         out = {**data, **self._head_of(data)}
         out.pop("perf_metrics", None)
         choice = dict(choice)
@@ -137,36 +196,43 @@ class Ledger:
         worker_finish = choice.get("finish_reason")
         delta = dict(choice.get("delta") or {}) if self.ask.chat else None
         worker_text = (delta or {}).get("content") if self.ask.chat else choice.get("text")
-        if self.replay is None:
+        if state.replay is None:
             text, finish, kept = worker_text or "", worker_finish, len(ids)
         else:
-            text, finish, kept = self.replay.step(ids, worker_finish)
-            self.finished_here = kept < len(ids) or (finish is not None and worker_finish is None)
+            text, finish, kept = state.replay.step(ids, worker_finish)
+            state.finished_here = kept < len(ids) or (finish is not None and worker_finish is None)
         ids = ids[:kept]
-        if not self.token_ids and not ids:
-            self.opening_text += text
+        if not state.token_ids and not ids:
+            state.opening_text += text
         elif text:
-            self._texts.append(text)
-        self.token_ids += ids
-        logprobs = self._logprobs_of(choice.get("logprobs"), kept)
+            state.texts.append(text)
+        state.token_ids += ids
+        logprobs = self._logprobs_of(choice.get("logprobs"), kept, state)
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish
         if self.ask.return_token_ids:
             choice["token_ids"] = ids
+        calls = (delta or {}).get("tool_calls")
         if delta is not None:
-            if self._opened:
+            if state.opened:
                 delta.pop("role", None)  # a continuation's role chunk: the client has it
-            delta["content"] = text
+            if text or not calls:
+                delta["content"] = text
+            else:
+                delta.pop("content", None)  # a chunk of calls alone, as the worker sends it
             choice["delta"] = delta
+            if isinstance(calls, list):
+                state.tool_calls += [c for c in calls if isinstance(c, dict)]
         else:
             choice["text"] = text
         if finish is not None:
-            self.finish_reason = finish
+            state.finish_reason = finish
         if isinstance(out.get("usage"), dict):
             out["usage"] = self._running_usage(out["usage"])
         out["choices"] = [choice]
         shows = (
             bool(text)
+            or bool(calls)
             or (bool(ids) and (self.ask.return_token_ids or self.ask.logprobs))
             or finish is not None
             or (delta is not None and "role" in delta)
@@ -174,7 +240,7 @@ class Ledger:
         )
         if not shows:
             return []
-        self._opened = True
+        state.opened = True
         return [out]
 
     def _prompt_ids(self, out: Json) -> None:
@@ -188,21 +254,25 @@ class Ledger:
             self._prompt_ids_sent = True
             out["prompt_token_ids"] = self.prompt_token_ids if self.leg else given
 
-    def _logprobs_of(self, logprobs: object, kept: int) -> Json | None:
+    def _logprobs_of(self, logprobs: object, kept: int, state: ChoiceLedger) -> Json | None:
+        """A chunk's logprobs; cut to its first `kept` tokens when the coordinator ended the
+        text inside the chunk (a continuation's stop string). Uncut, they may lead with an
+        echoed prompt's entries."""
         if not isinstance(logprobs, dict):
             return None
+        cut = kept if state.replay is not None else None
         if self.ask.chat:
             content = logprobs.get("content")
-            out = {**logprobs, "content": list(content)[:kept] if isinstance(content, list) else []}
+            out = {**logprobs, "content": list(content)[:cut] if isinstance(content, list) else []}
         else:
-            out = {k: list(v)[:kept] if isinstance(v, list) else v for k, v in logprobs.items()}
+            out = {k: list(v)[:cut] if isinstance(v, list) else v for k, v in logprobs.items()}
             offsets = out.get("text_offset")
             if isinstance(offsets, list):
-                out["text_offset"] = [o + self._leg_chars for o in offsets if isinstance(o, int)]
+                out["text_offset"] = [o + state.leg_chars for o in offsets if isinstance(o, int)]
             tokens = out.get("tokens")
             if isinstance(tokens, list):
-                self._logprob_chars += sum(len(t) for t in tokens if isinstance(t, str))
-        self._logprobs.append(out)
+                state.logprob_chars += sum(len(t) for t in tokens if isinstance(t, str))
+        state.logprobs.append(out)
         return out
 
     def _running_usage(self, usage: Json) -> Json:
@@ -263,31 +333,44 @@ class Ledger:
         """The client's non-streaming answer, in the shape of a worker's whole answer."""
         head = dict(self.head or {})
         head["object"] = "chat.completion" if self.ask.chat else "text_completion"
-        choice: Json = {
-            "index": 0,
-            "logprobs": self._merged_logprobs(),
-            "finish_reason": self.finish_reason,
+        body: Json = {
+            **head,
+            "choices": [self._whole_choice(state) for state in self.choices],
+            "usage": self.usage or self.counted_usage(),
         }
-        text = self.opening_text + self.text
-        if self.ask.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if self.ask.return_token_ids:
-            choice["token_ids"] = list(self.token_ids)
-        body: Json = {**head, "choices": [choice], "usage": self.usage or self.counted_usage()}
         if self.ask.return_token_ids and self.prompt_token_ids is not None:
             body["prompt_token_ids"] = list(self.prompt_token_ids)
         if self.perf is not None:
             body["perf_metrics"] = self.perf(self.gen_perf)
         return body
 
-    def _merged_logprobs(self) -> Json | None:
-        if not self._logprobs:
+    def _whole_choice(self, state: ChoiceLedger) -> Json:
+        choice: Json = {
+            "index": state.index,
+            "logprobs": self._merged_logprobs(state),
+            "finish_reason": state.finish_reason,
+        }
+        text = state.opening_text + state.text
+        if self.ask.chat:
+            message: Json = {"role": "assistant", "content": text}
+            if state.tool_calls:
+                message["content"] = text or None
+                message["tool_calls"] = [
+                    {k: v for k, v in call.items() if k != "index"} for call in state.tool_calls
+                ]
+            choice["message"] = message
+        else:
+            choice["text"] = text
+        if self.ask.return_token_ids:
+            choice["token_ids"] = list(state.token_ids)
+        return choice
+
+    def _merged_logprobs(self, state: ChoiceLedger) -> Json | None:
+        if not state.logprobs:
             return None
         if self.ask.chat:
-            return {"content": [e for lp in self._logprobs for e in lp.get("content") or ()]}
+            return {"content": [e for lp in state.logprobs for e in lp.get("content") or ()]}
         return {
-            key: [v for lp in self._logprobs for v in lp.get(key) or ()]
+            key: [v for lp in state.logprobs for v in lp.get(key) or ()]
             for key in COMPLETION_LOGPROB_LISTS
         }

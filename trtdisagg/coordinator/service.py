@@ -1,7 +1,8 @@
 """DisaggService: one client request → ctx leg → gen leg (DESIGN.md §2), with retries.
 
-Per request (a request with several choices, `n` or a batch of prompts, runs this per choice,
-concurrently, and merges the answers: `choices.py`):
+Per request (a batch of prompts runs this per prompt, concurrently, and merges the answers:
+`choices.py`; a prompt's `n` choices share its legs: one prefill on ctx, one KV transfer, gen
+forks them):
 
 1. validate the body (400 naming the field), check readiness (503), start the request deadline
    (``request_timeout``, 504 when it passes);
@@ -41,9 +42,9 @@ import attrs
 import trio
 
 from trtdisagg.api.codec import parse_request
-from trtdisagg.api.fanout import is_multi_choice
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
-from trtdisagg.coordinator.choices import serve_choices
+from trtdisagg.api.validation import num_prompts
+from trtdisagg.coordinator.choices import serve_prompts
 from trtdisagg.coordinator.cluster import ServerRole
 from trtdisagg.coordinator.config import CoordinatorConfig, ScheduleStyle
 from trtdisagg.coordinator.gen_legs import GenLegs
@@ -154,8 +155,8 @@ class DisaggService:
 
         try:
             with trio.CancelScope(deadline=arrival + self.config.request_timeout) as scope:
-                if is_multi_choice(req):
-                    reply = await serve_choices(self, endpoint, raw, req, headers, outcome)
+                if num_prompts(req) > 1:
+                    reply = await serve_prompts(self, endpoint, raw, req, headers, outcome)
                 else:
                     reply = await self.serve_one(endpoint, raw, req, headers, outcome)
             if scope.cancelled_caught:

@@ -42,12 +42,16 @@ class ClientAsk:
     return_token_ids: bool
     return_perf_metrics: bool
     sent_disaggregated_params: bool
-    logprobs: bool = False  # the answer has a logprobs entry per token, ctx's first one too
+    # the answer has a logprobs entry per token, ctx's first one too (best_of > n ranks its
+    # candidates by them)
+    logprobs: bool = False
 
     @classmethod
     def of(cls, body: Json, *, chat: bool) -> ClientAsk:
         options = body.get("stream_options") or {}
         logprobs = body.get("logprobs")
+        best_of, n = body.get("best_of"), body.get("n")
+        ranks = isinstance(best_of, int) and best_of > (n if isinstance(n, int) else 1)
         return cls(
             chat=chat,
             stream=bool(body.get("stream")),
@@ -55,7 +59,7 @@ class ClientAsk:
             return_token_ids=bool(body.get("return_token_ids")),
             return_perf_metrics=bool(body.get("return_perf_metrics")),
             sent_disaggregated_params=body.get("disaggregated_params") is not None,
-            logprobs=logprobs is True if chat else logprobs not in (None, False),
+            logprobs=(logprobs is True if chat else logprobs not in (None, False)) or ranks,
         )
 
 
@@ -105,18 +109,23 @@ class CtxResult:
 def parse_ctx_response(data: object, *, server: str) -> CtxResult:
     """Check a ctx answer has what the gen leg needs.
 
+    One prompt's answer: one choice per `n`, choice 0 carrying the params (one prefill and one
+    KV transfer serve every choice); finished when every choice is.
+
     Raises:
-        UpstreamProtocolError: not one choice, or (for an unfinished request) no
-            ``disaggregated_params`` with ``ctx_request_id``/``disagg_request_id``, or no
-            ``prompt_token_ids``.
+        UpstreamProtocolError: no choices, or (for an unfinished request) no
+            ``disaggregated_params`` with ``ctx_request_id``/``disagg_request_id`` on choice
+            0, or no ``prompt_token_ids``.
     """
     if not isinstance(data, dict):
         raise UpstreamProtocolError(f"ctx server {server}: answer is not a JSON object")
     choices = data.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise UpstreamProtocolError(f"ctx server {server}: expected exactly one choice")
+    if not isinstance(choices, list) or not choices:
+        raise UpstreamProtocolError(f"ctx server {server}: expected one choice per n")
+    if not all(isinstance(choice, dict) for choice in choices):
+        raise UpstreamProtocolError(f"ctx server {server}: a choice is not a JSON object")
     choice = choices[0]
-    finished = choice.get("finish_reason") is not None
+    finished = all(c.get("finish_reason") is not None for c in choices)
     params = choice.get("disaggregated_params")
     prompt_ids = data.get("prompt_token_ids")
     if not finished:
@@ -250,14 +259,22 @@ def ctx_answer(ctx: CtxResult, *, ask: ClientAsk, perf_metrics: Json | None) -> 
 
 
 def answer_as_sse(answer: Json, ask: ClientAsk) -> list[bytes]:
-    """A whole answer re-framed as SSE events, for a streaming client whose request ctx finished."""
-    choice = dict(answer["choices"][0])
+    """A whole answer re-framed as SSE events, one per choice, for a streaming client whose
+    request ctx finished."""
     head: Json = {k: answer[k] for k in ("id", "created", "model") if k in answer}
     head["object"] = "chat.completion.chunk" if ask.chat else "text_completion"
-    if ask.chat:
-        message = choice.pop("message", {}) or {}
-        choice["delta"] = {"role": "assistant", "content": message.get("content", "")}
-    events = [sse_event({**head, "choices": [choice]})]
+    events: list[bytes] = []
+    for whole in answer["choices"]:
+        choice = dict(whole)
+        if ask.chat:
+            message = choice.pop("message", {}) or {}
+            delta = {"role": "assistant", "content": message.get("content")}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [
+                    {"index": i, **call} for i, call in enumerate(message["tool_calls"])
+                ]
+            choice["delta"] = delta
+        events.append(sse_event({**head, "choices": [choice]}))
     extra: Json = {k: answer[k] for k in ("perf_metrics",) if k in answer}
     if ask.include_usage and "usage" in answer:
         events.append(sse_event({**head, "choices": [], "usage": answer["usage"], **extra}))

@@ -4,8 +4,8 @@ A rank's KV memory is ``num_blocks`` blocks of ``tokens_per_block`` tokens. Each
 exactly one of three sets:
 
 1. FREE: holds nothing worth keeping (never written, or its cached content was evicted).
-2. USED: referenced by at least one live ``BlockTable``. A block of a shared cached prefix has one
-   reference per table that holds it.
+2. USED: referenced by at least one live ``BlockTable``. A block of a shared cached prefix, or of
+   a forked table (a request's ``n`` choices), has one reference per table that holds it.
 3. REUSABLE: no references, but it holds a full, computed block registered in the prefix cache
    under its chained hash (see ``hashing``). A new request with the same prefix takes it back
    (USED again); allocation evicts these, least recently used first, when FREE runs out.
@@ -17,6 +17,11 @@ run right after the table's last block (so a growing request stays contiguous), 
 run that fits, then the largest runs first. A run of consecutive blocks is one contiguous byte
 range of the KV pool and one descriptor in a KV transfer (DESIGN.md §7), which matters more for
 transfer speed than anything else.
+
+A fork (``fork``) shares every block of a table with a new one; a shared block is copied on
+write: before a table writes tokens into blocks it shares, ``unshare`` swaps them for new blocks
+and says which KV to copy (``BlockCopy``), so that two sequences never write the same block. Only
+a fork's last, partly filled block is ever copied: full blocks are never written again.
 
 With ``enable_block_reuse``, the pool records a KV event for every change to the set of cached
 hashes (STORED when a block is registered, REMOVED when one is evicted), for the KV-aware router.
@@ -34,6 +39,7 @@ from typing import Final
 
 import attrs
 
+from trtdisagg.kv.free_runs import FreeRuns
 from trtdisagg.kv.hashing import hash_block
 
 DEFAULT_MAX_PENDING_EVENTS: Final = 65536
@@ -69,6 +75,15 @@ class BlockPoolStatistics:
     num_dropped_events: int = 0  # KV events discarded because nobody drained them
 
 
+@attrs.frozen(kw_only=True)
+class BlockCopy:
+    """Copy block `src`'s KV into block `dst` before the step that writes `dst` (a fork's
+    copy-on-write: `BlockPool.unshare`)."""
+
+    src: int
+    dst: int
+
+
 @attrs.define(eq=False, kw_only=True)
 class BlockTable:
     """The blocks of one request, in token order. Created by ``BlockPool.open_table`` only.
@@ -92,78 +107,6 @@ class BlockTable:
     @property
     def is_released(self) -> bool:
         return self._released
-
-
-class _FreeRuns:
-    """Free block ids as maximal runs of consecutive ids, bucketed by run length.
-
-    A run is ``[start, start + length)``. Adjacent runs are always merged, so the number of
-    distinct lengths is at most about ``sqrt(2 * num_blocks)``, which bounds a best-fit search.
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        self._length_at: dict[int, int] = {}  # start -> length
-        self._start_of_end: dict[int, int] = {}  # end (exclusive) -> start
-        self._starts_by_length: dict[int, set[int]] = {}
-        self._count = 0
-        if num_blocks > 0:
-            self._insert(0, num_blocks)
-            self._count = num_blocks
-
-    def __len__(self) -> int:
-        return self._count
-
-    def runs(self) -> list[tuple[int, int]]:
-        """(start, length) of every run, by start; for tests and invariant checks."""
-        return sorted(self._length_at.items())
-
-    def add(self, block: int) -> None:
-        """Return one block (not currently free) to the free runs, merging with its neighbours."""
-        start, length = block, 1
-        left = self._start_of_end.get(block)
-        if left is not None:
-            length += self._remove(left)
-            start = left
-        if block + 1 in self._length_at:
-            length += self._remove(block + 1)
-        self._insert(start, length)
-        self._count += 1
-
-    def take_at(self, start: int, n: int) -> list[int]:
-        """Up to ``n`` blocks from the front of the run starting exactly at ``start``, if any."""
-        length = self._length_at.get(start)
-        if length is None:
-            return []
-        k = min(n, length)
-        self._remove(start)
-        if length > k:
-            self._insert(start + k, length - k)
-        self._count -= k
-        return list(range(start, start + k))
-
-    def take(self, n: int) -> list[int]:
-        """``n`` blocks (``n <= len(self)``) in as few runs as possible, lowest ids on ties."""
-        taken: list[int] = []
-        while len(taken) < n:
-            need = n - len(taken)
-            fitting = [length for length in self._starts_by_length if length >= need]
-            length = min(fitting) if fitting else max(self._starts_by_length)
-            taken += self.take_at(min(self._starts_by_length[length]), need)
-        return taken
-
-    def _insert(self, start: int, length: int) -> None:
-        self._length_at[start] = length
-        self._start_of_end[start + length] = start
-        self._starts_by_length.setdefault(length, set()).add(start)
-
-    def _remove(self, start: int) -> int:
-        length = self._length_at.pop(start)
-        del self._start_of_end[start + length]
-        starts = self._starts_by_length[length]
-        starts.discard(start)
-        if not starts:
-            del self._starts_by_length[length]
-        return length
 
 
 class BlockPool:
@@ -194,7 +137,7 @@ class BlockPool:
         self._num_blocks = num_blocks
         self._tokens_per_block = tokens_per_block
         self._reuse = enable_block_reuse
-        self._free = _FreeRuns(num_blocks)
+        self._free = FreeRuns(num_blocks)
         self._ref_counts = [0] * num_blocks
         # The hash a block is registered under in the prefix cache (None: not cached).
         self._hash_of: list[int | None] = [None] * num_blocks
@@ -299,24 +242,57 @@ class BlockPool:
             return True
         if needed > self.num_available_blocks:
             return False
-        new: list[int] = []
-        if table.block_ids:
-            new += self._free.take_at(table.block_ids[-1] + 1, needed)
-        from_free = min(needed - len(new), len(self._free))
-        if from_free > 0:
-            new += self._free.take(from_free)
-        evicted: list[int] = []
-        while len(new) < needed:
-            block, _ = self._reusable.popitem(last=False)
-            evicted.append(self._uncache(block))
-            new.append(block)
-        if evicted:
-            self._emit(KvEventKind.REMOVED, evicted, None)
-        for block in new:
-            self._ref_counts[block] = 1
-        self._num_used += len(new)
-        table.block_ids.extend(new)
+        after = table.block_ids[-1] if table.block_ids else None
+        table.block_ids.extend(self._allocate(needed, after))
         return True
+
+    # ---- forks (copy-on-write) ----
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A new table holding the same blocks as `table`: a sequence that goes on from the same
+        tokens (one of a request's `n` choices). Each block gets one more reference; none is
+        copied now. Before either table writes into a block they share, `unshare` gives it a
+        private copy, so that the two sequences never write into each other's KV.
+        """
+        self._check_live(table)
+        for block in table.block_ids:
+            self._ref_counts[block] += 1  # held by `table`, so used already
+        return BlockTable(
+            block_ids=list(table.block_ids),
+            num_cached_tokens=table.num_cached_tokens,
+            hashes=list(table._hashes),
+            num_committed_blocks=table._num_committed_blocks,
+        )
+
+    def unshare(self, table: BlockTable, first_token: int) -> list[BlockCopy] | None:
+        """Make the table's blocks that hold tokens from `first_token` on its own, ready to be
+        written: each one another table also holds is replaced by a new block.
+
+        Only a fork shares a block that is still written (its last, partly filled one): the
+        prefix cache shares full, computed blocks, which nobody writes again.
+
+        Returns:
+            The KV copies to make, old block into new, before the step that writes them (empty
+            when nothing was shared); None, with nothing changed, when the pool cannot supply
+            the new blocks now.
+        """
+        self._check_live(table)
+        first = first_token // self._tokens_per_block
+        ids = table.block_ids
+        shared = [i for i in range(first, len(ids)) if self._ref_counts[ids[i]] > 1]
+        if not shared:
+            return []
+        if len(shared) > self.num_available_blocks:
+            return None
+        copies: list[BlockCopy] = []
+        for index, new in zip(shared, self._allocate(len(shared), None), strict=True):
+            old = table.block_ids[index]
+            if index < table._num_committed_blocks:
+                raise AssertionError(f"block {old} is computed and full: nobody writes it again")
+            self._ref_counts[old] -= 1  # still held by the other tables
+            table.block_ids[index] = new
+            copies.append(BlockCopy(src=old, dst=new))
+        return copies
 
     def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register the table's blocks that are now full and computed in the prefix cache.
@@ -428,6 +404,28 @@ class BlockPool:
                 _check(refs[block] == count, f"block {block}: refcount {count}, {refs[block]} refs")
 
     # ---- internals ----
+
+    def _allocate(self, n: int, after: int | None) -> list[int]:
+        """`n` new blocks (n <= num_available_blocks), one reference each: free ones first, from
+        the block right after `after` when it is free (a growing table stays one run), then
+        reusable ones, least recently used first, with one REMOVED event."""
+        new: list[int] = []
+        if after is not None:
+            new += self._free.take_at(after + 1, n)
+        from_free = min(n - len(new), len(self._free))
+        if from_free > 0:
+            new += self._free.take(from_free)
+        evicted: list[int] = []
+        while len(new) < n:
+            block, _ = self._reusable.popitem(last=False)
+            evicted.append(self._uncache(block))
+            new.append(block)
+        if evicted:
+            self._emit(KvEventKind.REMOVED, evicted, None)
+        for block in new:
+            self._ref_counts[block] = 1
+        self._num_used += len(new)
+        return new
 
     def _check_live(self, table: BlockTable) -> None:
         if table._released:

@@ -151,7 +151,7 @@ def create_app(service: WorkerService) -> QuartTrio:
         asked = parse_request(await json_body(), ResponsesRequest)
         with as_responses_error():
             req = parse_request(chat_body(asked), ChatCompletionRequest)
-            job = service.start(req)
+            job = await service.start(req)
         head = ResponseHead.new(
             created_at=int(time.time()),
             model=service.served_model_name,
@@ -180,7 +180,7 @@ async def _generate(
     service: WorkerService, req: CompletionRequest | ChatCompletionRequest
 ) -> Response:
     started = time.time()
-    job = service.start(req)
+    job = await service.start(req)
     # ctx answers context_only once, whole: the coordinator needs its params, not a stream.
     if req.stream and job.transfer_key is None:
         return _sse(job.stream_body())

@@ -20,6 +20,7 @@ from trtdisagg.api.errors import ApiError
 from trtdisagg.api.fanout import ChoicePlan
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
 from trtdisagg.api.streaming import MergedBody
+from trtdisagg.api.tool_calls import ToolCall, ToolCallFormat, ToolCallParser, parse_tool_calls
 from trtdisagg.worker import responses
 from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
 from trtdisagg.worker.handoff import ctx_state
@@ -97,6 +98,9 @@ class Job:
     ctx: CtxEndpoint
     transfer_key: int | None = None
     single_prompt: bool = True  # else each choice carries its own prompt ids
+    # chat with tools (not `none`): the text is searched for calls in this format
+    tools: ToolCallFormat | None = None
+    keep: int | None = None  # best_of > n: the n best candidates of each prompt are answered
 
     @property
     def request_id(self) -> int:
@@ -116,6 +120,8 @@ class Job:
         # Each choice's channel is unbounded, so reading them one after another loses nothing.
         results: list[responses.ChoiceResult] = []
         tokens: list[responses.ChoiceTokens] = []
+        handed_over: list[tuple[ChoiceRun, list[RequestOutput]]] = []
+        scores: list[float] = []  # each result's cumulative logprob
         perf: PerfMetrics | None = None
         try:
             for run in self.runs:
@@ -124,13 +130,21 @@ class Job:
                 if last is None:
                     raise ApiError(500, f"request {run.request_id} ended without an output")
                 self._raise_error(last)
-                if last.context_done:
-                    return self._context_body(run, outputs)
+                if last.context_done:  # ctx: every choice of the prompt hands over together
+                    handed_over.append((run, outputs))
+                    continue
                 results.append(self._result(run, outputs))
+                scores.append(sum(lp.logprob for o in outputs for lp in o.logprobs if lp))
                 tokens.append(run.tokens(last))
                 perf = perf or last.perf
         finally:
             self.drop()
+        if handed_over:
+            if results:
+                raise ApiError(500, "some choices of a context_only request handed over, not all")
+            return self._context_body(handed_over)
+        if self.keep is not None:
+            results = self._best(results, scores, self.keep)
         first = self.runs[0].handle.request.prompt_token_ids
         return responses.whole_body(
             self.meta,
@@ -139,6 +153,24 @@ class Job:
             prompt_token_ids=first if self.req.return_token_ids and self.single_prompt else None,
             perf=perf if self.req.return_perf_metrics else None,
         )
+
+    def _best(
+        self, results: list[responses.ChoiceResult], scores: list[float], keep: int
+    ) -> list[responses.ChoiceResult]:
+        """best_of: each prompt's `keep` candidates of highest cumulative logprob, best first,
+        numbered p × keep + rank; their logprobs only if the client asked for them."""
+        asked = isinstance(self.req, CompletionRequest) and self.req.logprobs is not None
+        per_prompt = len(results) // len({run.plan.prompt_index for run in self.runs})
+        best: list[responses.ChoiceResult] = []
+        for first in range(0, len(results), per_prompt):
+            ranked = sorted(
+                range(first, first + per_prompt), key=lambda i: (-scores[i], results[i].index)
+            )
+            for rank, i in enumerate(ranked[:keep]):
+                index = first // per_prompt * keep + rank
+                chosen = attrs.evolve(results[i], index=index)
+                best.append(chosen if asked else attrs.evolve(chosen, logprobs=None))
+        return best
 
     def _raise_error(self, last: RequestOutput) -> None:
         if last.error is None:
@@ -153,41 +185,69 @@ class Job:
         token_ids = [t for o in outputs for t in o.token_ids]
         logprobs = [lp for o in outputs for lp in o.logprobs]
         text = (run.echo or "") + "".join(o.text for o in outputs)
+        # echo with logprobs: the echoed prompt's tokens come first, the first one without
+        # a logprob (nothing precedes it), as OpenAI answers.
+        prompt = outputs[0].prompt_logprobs if run.echo is not None else None
+        shown_ids: list[int] = token_ids
+        shown: list[TokenLogprobs | None] = logprobs
+        if prompt is not None:
+            shown_ids = [*run.handle.request.prompt_token_ids, *token_ids]
+            shown = [*responses.echoed_logprobs(len(shown_ids) - len(token_ids), prompt), *logprobs]
+        finish = last.finish_reason.value if last.finish_reason else None
+        calls: tuple[ToolCall, ...] = ()
+        if self.tools is not None:
+            parsed = parse_tool_calls(text, self.tools)
+            text, calls = parsed.content, parsed.calls
+            if calls and finish == "stop":
+                finish = "tool_calls"
         return responses.ChoiceResult(
             index=run.plan.index,
             text=text,
             token_ids=token_ids,
-            logprobs=self._logprobs(token_ids, logprobs),
-            finish_reason=last.finish_reason.value if last.finish_reason else None,
+            tool_calls=calls,
+            logprobs=self._logprobs(shown_ids, shown),
+            finish_reason=finish,
             prompt_token_ids=None if self.single_prompt else run.handle.request.prompt_token_ids,
         )
 
-    def _context_body(self, run: ChoiceRun, outputs: Sequence[RequestOutput]) -> Json:
-        """ctx's answer to context_only: the first token plus what gen needs to continue."""
-        request = run.handle.request
-        last = outputs[-1]
-        tokens = [t for o in outputs for t in o.token_ids]
-        logprobs = [lp for o in outputs for lp in o.logprobs]
+    def _context_body(self, choices: Sequence[tuple[ChoiceRun, list[RequestOutput]]]) -> Json:
+        """ctx's answer to context_only: each choice's first token, plus what gen needs to go
+        on (on choice 0: one KV transfer serves every choice)."""
+        request = choices[0][0].handle.request
+        firsts = [next(t for o in outputs for t in o.token_ids) for _, outputs in choices]
         params: Json = {
             "request_type": "context_only",
-            "first_gen_tokens": tokens[:1],
+            "first_gen_tokens": firsts[:1],
             "ctx_request_id": request.request_id,
             "disagg_request_id": self.transfer_key,
             "ctx_dp_rank": 0,
             "ctx_info_endpoint": self.ctx.info_endpoint,
             "opaque_state": ctx_state(self.ctx.instance) if self.ctx.instance else None,
         }
-        if logprobs and logprobs[0] is not None:
-            params["first_gen_logprobs"] = [first_token_logprobs(tokens[0], logprobs[0])]
-        result = attrs.evolve(
-            self._result(run, outputs),
-            finish_reason=None,
-            extra={"disaggregated_params": params},
-        )
+        if len(choices) > 1:
+            params["first_gen_tokens_by_choice"] = firsts
+        prompt = choices[0][1][0].prompt_logprobs
+        if prompt is not None:  # echo with logprobs: gen emits them before its own
+            params["prompt_logprobs"] = [
+                first_token_logprobs(token, lp)
+                for token, lp in zip(request.prompt_token_ids[1:], prompt, strict=True)
+            ]
+        logprobs = [next(lp for o in outputs for lp in o.logprobs) for _, outputs in choices]
+        if all(lp is not None for lp in logprobs):
+            params["first_gen_logprobs"] = [
+                first_token_logprobs(token, lp)
+                for token, lp in zip(firsts, logprobs, strict=True)
+                if lp is not None
+            ]
+        results = [
+            attrs.evolve(self._result(run, outputs), finish_reason=None) for run, outputs in choices
+        ]
+        results[0] = attrs.evolve(results[0], extra={"disaggregated_params": params})
+        last = choices[0][1][-1]
         return responses.whole_body(
             self.meta,
-            choices=[result],
-            usage=responses.total_usage([run.tokens(last)]),
+            choices=results,
+            usage=responses.total_usage([run.tokens(outputs[-1]) for run, outputs in choices]),
             prompt_token_ids=request.prompt_token_ids,
             perf=last.perf if self.req.return_perf_metrics else None,
         )
@@ -201,8 +261,11 @@ class Job:
 
     # ---- streams ----
 
-    def stream_body(self) -> MergedBody[RequestOutput]:
+    def stream_body(self) -> MergedBody[Any]:
         options = self.req.stream_options
+        if self.keep is not None:  # best_of: the best are known at the end, then sent whole
+            include_usage = options is not None and options.include_usage
+            return MergedBody([WholeAnswer(job=self)], WholeAsChunks(job=self, usage=include_usage))
         assembler = responses.StreamAssembler(
             meta=self.meta,
             choices=[
@@ -216,6 +279,7 @@ class Job:
                         completion_tokens=0,
                     ),
                     echo=run.echo,
+                    tools=ToolCallParser(format=self.tools) if self.tools is not None else None,
                 )
                 for run in self.runs
             ],
@@ -224,6 +288,7 @@ class Job:
             continuous_usage=options is not None and options.continuous_usage_stats,
             logprobs=self.wants_logprobs,
             prompt_ids_in_first_chunk=self.req.return_token_ids,
+            echo_logprobs=self.runs[0].handle.request.sampling.prompt_logprobs is not None,
         )
         merger = OutputMerger(
             assembler=assembler,
@@ -231,6 +296,50 @@ class Job:
             with_perf=self.req.return_perf_metrics,
         )
         return MergedBody(list(self.runs), merger)
+
+
+@attrs.define(eq=False, kw_only=True)
+class WholeAnswer:
+    """A job's whole answer as a stream's one source (`stream_body` of best_of)."""
+
+    job: Job
+    _given: bool = False
+
+    def __aiter__(self) -> WholeAnswer:
+        return self
+
+    async def __anext__(self) -> Json:
+        if self._given:
+            raise StopAsyncIteration
+        self._given = True
+        return await self.job.collect()
+
+    async def aclose(self) -> None:
+        self.job.drop()
+
+
+@attrs.define(eq=False, kw_only=True)
+class WholeAsChunks:
+    """A whole answer → a stream's chunks: each choice in one, then the usage chunk."""
+
+    job: Job
+    usage: bool
+    stopped: bool = False
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def item(self, index: int, body: Json) -> list[bytes]:
+        chunks = responses.whole_as_chunks(self.job.meta, body, include_usage=self.usage)
+        return [sse_event(chunk) for chunk in chunks]
+
+    def failed(self, index: int, error: Exception) -> list[bytes]:
+        self.stopped = True
+        failure = error if isinstance(error, ApiError) else ApiError(500, str(error))
+        return [sse_event(failure.to_json())]
+
+    def closing(self) -> list[bytes]:
+        return [SSE_DONE]
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -259,6 +368,7 @@ class OutputMerger:
             logprobs=output.logprobs,
             finish_reason=output.finish_reason.value if output.finish_reason else None,
             tokens=self.runs[index].tokens(output),
+            prompt_logprobs=output.prompt_logprobs,
         )
         return [] if chunk is None else [sse_event(chunk)]
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 
+from trtdisagg.kv.block_pool import BlockCopy
 from trtdisagg.transfer.protocol.sessions import TransferOutcome
 
 
@@ -32,10 +33,27 @@ class ItemInputs:
     start: int
     block_ids: tuple[int, ...]
     samples: bool
+    # Prompt logprobs (`SamplingParams.prompt_logprobs`): this many top tokens each (None:
+    # none), and the prompt token each position of the chunk predicts, from the first on.
+    prompt_logprobs: int | None = None
+    prompt_targets: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    @property
+    def num_extra_rows(self) -> int:
+        """Logits rows it needs besides its last position's: its other positions that predict
+        a prompt token (the last one predicts one too unless the chunk samples)."""
+        if self.prompt_logprobs is None or not self.prompt_targets:
+            return 0
+        return len(self.prompt_targets) - (0 if self.samples else 1)
+
+
+def logit_rows(items: Sequence[ItemInputs]) -> int:
+    """Rows of a step's logits: each item's last position, then every item's extra rows."""
+    return len(items) + sum(item.num_extra_rows for item in items)
 
 
 @attrs.frozen(kw_only=True)
@@ -62,6 +80,7 @@ class ReceiveCommand:
 @attrs.frozen(kw_only=True)
 class StepCommand:
     items: tuple[ItemInputs, ...] = ()
+    copies: tuple[BlockCopy, ...] = ()  # forks' copy-on-write, made before the forward
     sends: tuple[SendCommand, ...] = ()
     # ctx: the KV of these will be in their blocks when this step's forward ends
     # (`KvTransceiver.prepare_send`); applied before the forward, as rank 0 does

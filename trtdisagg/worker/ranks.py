@@ -201,7 +201,7 @@ async def _follow(
             _apply(command, transceiver, runner)
             if command.has_forward:
                 await trio.to_thread.run_sync(
-                    runner.forward_items, command.items, group, abandon_on_cancel=True
+                    _forward, runner, command, group, abandon_on_cancel=True
                 )
             outcomes = rank_outcomes(transceiver)  # digests what landed, with test hooks
             report = RankReport(
@@ -223,6 +223,12 @@ async def _exit_with_parent(rank: int) -> None:
         await trio.sleep(0.5)
     log.error("rank %d: rank 0 (pid %d) is gone; exiting", rank, parent)
     os._exit(1)
+
+
+def _forward(runner: ModelRunner, command: StepCommand, group: RankGroup) -> None:
+    """A follower's share of one step: the forks' block copies, then the forward."""
+    runner.copy_blocks(command.copies)
+    runner.forward_items(command.items, group)
 
 
 def _apply(command: StepCommand, transceiver: Transceiver | None, runner: ModelRunner) -> None:

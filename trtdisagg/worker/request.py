@@ -86,9 +86,9 @@ def _int_frozenset(values: Iterable[int]) -> frozenset[int]:
     return frozenset(values)
 
 
-def _bias_pairs(values: Mapping[int, float] | Iterable[tuple[int, float]]) -> tuple[
-    tuple[int, float], ...
-]:
+def _bias_pairs(
+    values: Mapping[int, float] | Iterable[tuple[int, float]],
+) -> tuple[tuple[int, float], ...]:
     """A token → bias mapping (or its pairs) as pairs sorted by token: hashable, one order."""
     pairs = values.items() if isinstance(values, Mapping) else values
     return tuple(sorted((int(token), float(bias)) for token, bias in pairs))
@@ -117,6 +117,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this × the token's count in the output
     repetition_penalty: float = 1.0  # on tokens of prompt or output: divide > 0, multiply < 0
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias_pairs)
+    # top-N logprobs of each prompt token (given the tokens before it), computed by prefill;
+    # None: none (completions' `echo` with `logprobs`)
+    prompt_logprobs: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -129,6 +132,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from trtdisagg.api.protocol import PerfMetrics, Usage, prune
+from trtdisagg.api.tool_calls import ToolCall, ToolCallParser, tool_call_deltas
 from trtdisagg.worker.sampling import TokenLogprobs
 
 TokenText = Callable[[int], str]
@@ -97,6 +98,16 @@ def completion_logprobs(
     }
 
 
+def echoed_logprobs(
+    num_prompt_tokens: int, prompt: Sequence[TokenLogprobs] | None
+) -> list[TokenLogprobs | None]:
+    """The logprobs shown for an echoed prompt: none for its first token, then the computed
+    ones (none at all when they are missing)."""
+    if prompt is None or len(prompt) != num_prompt_tokens - 1:
+        return [None] * num_prompt_tokens
+    return [None, *prompt]
+
+
 def chat_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None], text_of: TokenText
 ) -> Json | None:
@@ -128,6 +139,7 @@ class ChoiceResult:
     finish_reason: str | None
     prompt_token_ids: Sequence[int] | None = None  # per choice: a batch of prompts
     extra: Json | None = None
+    tool_calls: Sequence[ToolCall] = ()  # chat: calls found in the text (then not in `text`)
 
 
 def _choice(meta: ResponseMeta, result: ChoiceResult) -> Json:
@@ -137,7 +149,11 @@ def _choice(meta: ResponseMeta, result: ChoiceResult) -> Json:
         "finish_reason": result.finish_reason,
     }
     if meta.chat:
-        choice["message"] = {"role": "assistant", "content": result.text}
+        message: Json = {"role": "assistant", "content": result.text}
+        if result.tool_calls:
+            message["content"] = result.text or None
+            message["tool_calls"] = [call.as_json() for call in result.tool_calls]
+        choice["message"] = message
     else:
         choice["text"] = result.text
     if meta.return_token_ids:
@@ -191,14 +207,17 @@ def chunk_body(
     finish_reason: str | None,
     role: bool = False,
     extra: Json | None = None,
+    calls: Sequence[Json] = (),
 ) -> Json:
     choice: Json = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     if meta.chat:
         delta: Json = {}
         if role:
             delta["role"] = "assistant"
-        if text is not None:
+        if text is not None and (text or not calls):
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = list(calls)
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
@@ -208,6 +227,31 @@ def chunk_body(
     if extra:
         body.update(extra)
     return body
+
+
+def whole_as_chunks(meta: ResponseMeta, body: Json, *, include_usage: bool) -> list[Json]:
+    """A whole answer (`whole_body`) as a stream's chunks: each choice whole in one, then the
+    usage chunk when asked for (best_of, whose best choices are known only at the end)."""
+    head = _head(meta)
+    chunks: list[Json] = []
+    for whole in body["choices"]:
+        choice = {
+            k: whole[k] for k in ("index", "logprobs", "finish_reason", "token_ids") if k in whole
+        }
+        if meta.chat:
+            choice["delta"] = {"role": "assistant", **whole["message"]}
+        else:
+            choice["text"] = whole["text"]
+        chunk: Json = {**head, "choices": [choice]}
+        if not chunks and "prompt_token_ids" in body:
+            chunk["prompt_token_ids"] = body["prompt_token_ids"]
+        chunks.append(chunk)
+    if include_usage:
+        tail: Json = {**head, "choices": [], "usage": body["usage"]}
+        if "perf_metrics" in body:
+            tail["perf_metrics"] = body["perf_metrics"]
+        chunks.append(tail)
+    return chunks
 
 
 def usage_chunk(meta: ResponseMeta, usage: Usage, perf: PerfMetrics | None) -> Json:
@@ -225,6 +269,8 @@ class ChoiceStream:
     prompt_token_ids: Sequence[int]
     tokens: ChoiceTokens  # so far (the prompt's until the first output says more)
     echo: str | None = None  # completions with `echo`: the prompt text, sent first
+    echoed: bool = False  # the echo went out (with the first output, when it has logprobs)
+    tools: ToolCallParser | None = None  # chat with tools: finds the calls in the text
     text_offset: int = 0  # characters of token text sent so far (logprobs' text_offset)
     started: bool = False  # its first chunk (role, prompt ids) is out
     finished: bool = False
@@ -241,12 +287,17 @@ class StreamAssembler:
     continuous_usage: bool = False
     logprobs: bool = False
     prompt_ids_in_first_chunk: bool = False  # completions with `return_token_ids`
+    # completions with `echo` and `logprobs`: each choice's echo waits for its first output,
+    # which brings the prompt's logprobs, and goes out in one chunk with it
+    echo_logprobs: bool = False
 
     def opening(self) -> list[Json]:
         """Chat: each choice's role chunk; completions with `echo`: each prompt's text."""
         out: list[Json] = []
         for choice in self.choices:
-            if self.meta.chat or choice.echo:
+            echo_now = choice.echo is not None and not self.echo_logprobs
+            if self.meta.chat or echo_now:
+                choice.echoed = echo_now
                 out.append(self._chunk(choice, text=choice.echo or "", token_ids=(), lp=None))
         return out
 
@@ -259,19 +310,38 @@ class StreamAssembler:
         logprobs: Sequence[TokenLogprobs | None],
         finish_reason: str | None,
         tokens: ChoiceTokens,
+        prompt_logprobs: Sequence[TokenLogprobs] | None = None,
     ) -> Json | None:
         """The chunk for one output of choice `index`, or None when it shows nothing (a token
         that completes no character, and nobody asked for ids or logprobs)."""
         choice = self.choices[index]
         choice.tokens = tokens
         carries_tokens = bool(token_ids) and (self.meta.return_token_ids or self.logprobs)
-        if not text and not carries_tokens and finish_reason is None:
+        shown_ids, shown = list(token_ids), list(logprobs)
+        if choice.echo is not None and not choice.echoed:  # with the prompt's logprobs
+            choice.echoed = True
+            text = choice.echo + text
+            prompt_ids = list(choice.prompt_token_ids)
+            shown_ids = prompt_ids + shown_ids
+            shown = [*echoed_logprobs(len(prompt_ids), prompt_logprobs), *shown]
+        calls: list[Json] = []
+        if choice.tools is not None:  # the text outside calls, and the calls it completed
+            done_before = choice.tools.num_calls
+            parsed = choice.tools.feed(text)
+            if finish_reason is not None:
+                rest = choice.tools.finish()
+                parsed = attrs.evolve(parsed, content=parsed.content + rest.content)
+                if choice.tools.num_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            text = parsed.content
+            calls = tool_call_deltas(parsed.calls, done_before)
+        if not text and not carries_tokens and not calls and finish_reason is None:
             return None
-        lp = self._logprobs(choice, token_ids, logprobs)
+        lp = self._logprobs(choice, shown_ids, shown)
         if finish_reason is not None:
             choice.finished = True
         return self._chunk(
-            choice, text=text, token_ids=token_ids, lp=lp, finish_reason=finish_reason
+            choice, text=text, token_ids=token_ids, lp=lp, finish_reason=finish_reason, calls=calls
         )
 
     def closing(self, perf: PerfMetrics | None) -> list[Json]:
@@ -303,6 +373,7 @@ class StreamAssembler:
         token_ids: Sequence[int],
         lp: Json | None,
         finish_reason: str | None = None,
+        calls: Sequence[Json] = (),
     ) -> Json:
         first = not choice.started
         choice.started = True
@@ -320,4 +391,5 @@ class StreamAssembler:
             finish_reason=finish_reason,
             role=first and self.meta.chat,
             extra=extra,
+            calls=calls,
         )

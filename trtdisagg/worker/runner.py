@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from trtdisagg.config import WorkerConfig
+from trtdisagg.kv.block_pool import BlockCopy
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.batch import DecodeMeta, ForwardBatch, SeqSlice
 from trtdisagg.model.llama import CausalLM
@@ -39,7 +40,13 @@ from trtdisagg.worker.decode_graphs import (
     decode_rows,
     graph_batch_sizes,
 )
-from trtdisagg.worker.rank_plan import ItemInputs, step_items
+from trtdisagg.worker.prompt_logprobs import (
+    PromptLogprobs,
+    prompt_logprobs_of,
+    wants_prompt_logprobs,
+    with_prompt_targets,
+)
+from trtdisagg.worker.rank_plan import ItemInputs, logit_rows, step_items
 from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, make_generator, sample
 from trtdisagg.worker.scheduler import StepPlan
 
@@ -56,12 +63,14 @@ class Sampled:
     request_id: int
     token_id: int
     logprobs: TokenLogprobs | None
+    choice: int = 0  # i > 0: the first token of fork i of the request (`SampleSpec.forks`)
 
 
 @attrs.frozen(kw_only=True, eq=False)
 class StepOutput:
     sampled: tuple[Sampled, ...]
     forward_s: float
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -82,21 +91,26 @@ class ModelRunner:
     def execute(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
         """Run one forward step. `specs` holds a sampling spec for every item that samples."""
         start = time.perf_counter()
+        self.copy_blocks(plan.copies)
         with torch.inference_mode(), self._on_device():
+            prompt = any(wants_prompt_logprobs(i.request) for i in plan.items)
+            items: tuple[ItemInputs, ...] = ()
             if (
                 self.batched_decode
                 and plan.items
+                and not prompt
                 and all(i.num_new_tokens == 1 for i in plan.items)
             ):
                 logits = self._decode(plan)
             else:
-                logits = self.model(
-                    self._build_batch(plan_items(plan, self.tokens_per_block)), self.cache
-                )
-            sampled = self._sample_rows(
-                logits, [(i.request.request_id, i.samples) for i in plan.items], specs
-            )
-        return StepOutput(sampled=sampled, forward_s=time.perf_counter() - start)
+                items = plan_items(plan, self.tokens_per_block)
+                logits = self.model(self._build_batch(items), self.cache)
+            rows = [(i.request.request_id, i.samples) for i in plan.items]
+            sampled = self._sample_rows(logits[: len(rows)], rows, specs)
+            prompt_logprobs = prompt_logprobs_of(logits, items) if prompt else ()
+        return StepOutput(
+            sampled=sampled, forward_s=time.perf_counter() - start, prompt_logprobs=prompt_logprobs
+        )
 
     def execute_items(
         self, items: Sequence[ItemInputs], specs: dict[int, SampleSpec], group: RankGroup
@@ -106,9 +120,13 @@ class ModelRunner:
         with torch.inference_mode(), self._on_device():
             logits = self.forward_items(items, group)
             if logits is None:  # rank 0 is not the last stage: the last stage sends them
-                logits = group.receive_logits((len(items), self.model.args.vocab_size))
-            sampled = self._sample_rows(logits, [(i.request_id, i.samples) for i in items], specs)
-        return StepOutput(sampled=sampled, forward_s=time.perf_counter() - start)
+                logits = group.receive_logits((logit_rows(items), self.model.args.vocab_size))
+            rows = [(i.request_id, i.samples) for i in items]
+            sampled = self._sample_rows(logits[: len(rows)], rows, specs)
+            prompt_logprobs = prompt_logprobs_of(logits, items)
+        return StepOutput(
+            sampled=sampled, forward_s=time.perf_counter() - start, prompt_logprobs=prompt_logprobs
+        )
 
     def forward_items(self, items: Sequence[ItemInputs], group: RankGroup) -> torch.Tensor | None:
         """This rank's share of one step of a multi-rank instance.
@@ -140,21 +158,37 @@ class ModelRunner:
         rows: Sequence[tuple[int, bool]],
         specs: dict[int, SampleSpec],
     ) -> tuple[Sampled, ...]:
-        """Sample the rows whose (request_id, samples) says so; `logits` has one row each."""
-        wanted = [i for i, (_, samples) in enumerate(rows) if samples]
+        """Sample the rows whose (request_id, samples) says so; `logits` has one row each. A
+        row whose spec has forks is sampled once more per fork (choice 1, 2, ...)."""
+        wanted: list[tuple[int, int, int]] = []  # row, request id, choice
+        chosen: list[SampleSpec] = []
+        for i, (request_id, samples) in enumerate(rows):
+            if samples:
+                spec = specs[request_id]
+                for choice, one in enumerate((spec, *spec.forks)):
+                    wanted.append((i, request_id, choice))
+                    chosen.append(one)
         if not wanted:
             return ()
-        request_ids = [rows[i][0] for i in wanted]
+        index = [i for i, _, _ in wanted]
         tokens, logprobs = sample(
             logits,
-            [specs[request_id] for request_id in request_ids],
-            rows=None if len(wanted) == len(rows) else wanted,
+            chosen,
+            rows=None if index == list(range(len(rows))) else index,
             generator=self.noise,
         )
         return tuple(
-            Sampled(request_id=request_id, token_id=t, logprobs=lp)
-            for request_id, t, lp in zip(request_ids, tokens, logprobs, strict=True)
+            Sampled(request_id=request_id, token_id=t, logprobs=lp, choice=choice)
+            for (_, request_id, choice), t, lp in zip(wanted, tokens, logprobs, strict=True)
         )
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """A step's copy-on-write of forks' shared blocks (`StepPlan.copies`), before its
+        forward writes them. Every rank copies its own shard."""
+        if not copies:
+            return
+        with torch.inference_mode(), self._on_device():
+            self.cache.copy_blocks([c.src for c in copies], [c.dst for c in copies])
 
     def kv_ready(self) -> None:
         """Wait until the KV written by every step launched so far is in device memory.
@@ -226,6 +260,9 @@ class ModelRunner:
             blocks_flat.extend(blocks)
             logits_indices.append(len(input_ids) - 1)
 
+        for item, (q_start, *_) in zip(items, spans, strict=True):
+            # Prompt logprobs: the chunk's other positions that predict a prompt token.
+            logits_indices.extend(range(q_start, q_start + item.num_extra_rows))
         head = _single_token_head(spans) if self.batched_decode else 0
         head_table, head_lens = _head_table(spans[:head], blocks_flat)
         # Everything in one tensor: one host-to-device copy per step.
@@ -282,7 +319,13 @@ def plan_items(plan: StepPlan, tokens_per_block: int) -> tuple[ItemInputs, ...]:
         entries.append(
             (request.request_id, tuple(new_tokens), start, tuple(table.block_ids), item.samples)
         )
-    return step_items(entries, tokens_per_block)
+    built = step_items(entries, tokens_per_block)
+    if not any(wants_prompt_logprobs(item.request) for item in plan.items):
+        return built
+    return tuple(
+        with_prompt_targets(inputs, item.request) if wants_prompt_logprobs(item.request) else inputs
+        for inputs, item in zip(built, plan.items, strict=True)
+    )
 
 
 def _single_token_head(spans: Sequence[tuple[int, int, int, int]]) -> int:

@@ -91,6 +91,9 @@ class SampleSpec:
     suppress: frozenset[int] = frozenset()  # e.g. EOS before min_tokens is reached
     history: TokenHistory | None = None
     allowed: torch.Tensor | None = None
+    # A prompt's other choices, at its first token: each draws its own token from the same
+    # logits row with its own spec (the runner samples the row once per spec: `rows`).
+    forks: tuple[SampleSpec, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         if self.params.penalized and self.history is None:
@@ -207,3 +210,22 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """`launch`, then its result: token ids and optional logprobs, one per spec."""
     return launch(logits, specs, rows=rows, generator=generator).result()
+
+
+def prompt_token_logprobs(
+    rows: torch.Tensor, targets: Sequence[int], top_n: int
+) -> list[TokenLogprobs]:
+    """rows: float32 [K, V], the logits of K positions; targets: the prompt token each position
+    is followed by. Each target's logprob, with the `top_n` most likely tokens, in one host
+    sync for the K of them."""
+    logp = torch.log_softmax(rows.float(), dim=-1)
+    index = torch.tensor(list(targets), device=rows.device).unsqueeze(1)
+    values = logp.gather(1, index).squeeze(1).tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
+    if top_n > 0:
+        top_values, top_ids = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
+        tops = [
+            tuple(zip(ids, vals, strict=True))
+            for ids, vals in zip(top_ids.tolist(), top_values.tolist(), strict=True)
+        ]
+    return [TokenLogprobs(logprob=v, top=t) for v, t in zip(values, tops, strict=True)]

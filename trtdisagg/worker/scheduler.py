@@ -16,6 +16,10 @@ Continuous batching with chunked prefill. Each step carries at most ``max_num_to
    admitted in a step that preempted: those blocks were freed for the running requests.
 
 A chunk that reaches a request's last token samples: that step produces the request's next token.
+A request whose prompt serves ``n`` choices samples ``n`` first tokens in that step; then ``fork``
+starts the other choices from its KV, sharing its blocks. A shared block is copied for the one that
+writes it (copy-on-write: the plan's ``copies``, made before its forward), so choices never write
+into each other's KV; only a prompt's last, partly filled block is ever copied.
 GEN_WAITING_KV and CTX_SENDING requests hold blocks that a peer writes or reads; they are never
 scheduled nor preempted, but they do count against ``max_batch_size`` (GEN_WAITING_KV, since it
 will decode) and against the pool.
@@ -32,36 +36,16 @@ Pure: no I/O. See ``request`` for the request lifecycle and ``kv.block_pool`` fo
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 
 import attrs
 
 from trtdisagg.errors import CapacityError, InvalidTransition
-from trtdisagg.kv.block_pool import BlockPool, BlockPoolStatistics, BlockTable
+from trtdisagg.kv.block_pool import BlockCopy, BlockPool, BlockPoolStatistics, BlockTable
 from trtdisagg.worker.request import FinishReason, Request, RequestState, RequestType
+from trtdisagg.worker.step_plan import ScheduledItem, StepBuilder, StepPlan
 
-
-@attrs.frozen(kw_only=True, eq=False)
-class ScheduledItem:
-    """One request's part of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
-
-    request: Request
-    num_new_tokens: int
-    samples: bool  # the chunk reaches the last token, so the step produces a token for it
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class StepPlan:
-    """What one forward step computes. Decodes come first, then prefill chunks."""
-
-    items: tuple[ScheduledItem, ...]
-    preempted: tuple[Request, ...] = ()  # back to WAITING this step; their blocks are gone
-    finished: tuple[Request, ...] = ()  # ended by the scheduler this step (LENGTH); answer them
-    num_tokens: int
-
-    @property
-    def is_empty(self) -> bool:
-        """No forward to run (``finished`` may still need answers)."""
-        return not self.items
+__all__ = ["ScheduledItem", "Scheduler", "SchedulerStatistics", "StepPlan"]
 
 
 @attrs.frozen(kw_only=True)
@@ -72,25 +56,6 @@ class SchedulerStatistics:
     num_ctx_sending: int
     num_preemptions: int  # since start
     pool: BlockPoolStatistics
-
-
-@attrs.define(eq=False, kw_only=True)
-class _StepBuilder:
-    """The plan under construction inside one ``schedule`` call."""
-
-    budget: int
-    items: list[ScheduledItem] = attrs.field(factory=list)
-    scheduled: set[int] = attrs.field(factory=set)  # request ids
-    preempted: list[Request] = attrs.field(factory=list)
-    finished: list[Request] = attrs.field(factory=list)
-
-    def add(self, request: Request, num_new_tokens: int) -> None:
-        samples = request.num_computed_tokens + num_new_tokens == request.num_tokens
-        self.items.append(
-            ScheduledItem(request=request, num_new_tokens=num_new_tokens, samples=samples)
-        )
-        self.scheduled.add(request.request_id)
-        self.budget -= num_new_tokens
 
 
 class Scheduler:
@@ -190,13 +155,41 @@ class Scheduler:
         self._running.append(request)
         self._pool.commit(table, request.prompt_token_ids, request.num_computed_tokens)
 
+    def fork(self, request: Request, forks: Sequence[Request]) -> None:
+        """``request`` sampled the first token of each choice of its prompt (``n``): each of
+        ``forks`` (the other choices: new requests with the same prompt, each holding its own
+        first token as output 0) goes on from the prompt's KV, RUNNING, its blocks shared with
+        ``request`` until written (``BlockPool.fork``; the copy is ``StepPlan.copies``).
+
+        Raises:
+            InvalidTransition: ``request`` is not RUNNING.
+            ValueError: a fork is not a fresh WAITING request of the same prompt with one output.
+        """
+        if request.state is not RequestState.RUNNING:
+            raise InvalidTransition(request.request_id, request.state, RequestState.RUNNING)
+        table = _table(request)
+        for fork in forks:
+            self._check_new(fork)
+            if fork.prompt_token_ids != request.prompt_token_ids or fork.num_output_tokens != 1:
+                raise ValueError(
+                    f"request {fork.request_id} is no fork of {request.request_id}: it needs the "
+                    "same prompt and its own first token"
+                )
+        for fork in forks:
+            fork.to(RequestState.RUNNING)
+            fork.block_table = self._pool.fork(table)
+            fork.num_computed_tokens = request.num_computed_tokens
+            fork.num_cached_tokens = request.num_cached_tokens
+            self._running.append(fork)
+            self._requests[fork.request_id] = fork
+
     # ---- the step ----
 
     def schedule(self) -> StepPlan:
         """Pick the next step's work (module docstring, policy 1-3)."""
         if self._plan_in_flight:
             raise AssertionError("schedule() called before step_done() of the previous plan")
-        step = _StepBuilder(budget=self._max_num_tokens)
+        step = StepBuilder(budget=self._max_num_tokens)
         self._schedule_decodes(step)
         self._schedule_prefills(step)
         if not step.preempted:
@@ -204,6 +197,7 @@ class Scheduler:
         self._plan_in_flight = bool(step.items)
         return StepPlan(
             items=tuple(step.items),
+            copies=tuple(step.copies),
             preempted=tuple(step.preempted),
             finished=tuple(step.finished),
             num_tokens=self._max_num_tokens - step.budget,
@@ -226,7 +220,7 @@ class Scheduler:
             if self._pool.enable_block_reuse and num_full > table.num_committed_blocks:
                 self._pool.commit(table, request.all_token_ids, request.num_computed_tokens)
 
-    def _schedule_decodes(self, step: _StepBuilder) -> None:
+    def _schedule_decodes(self, step: StepBuilder) -> None:
         for request in list(self._running):
             if request.state is not RequestState.RUNNING or request.is_prefilling:
                 continue  # preempted earlier in this loop, or a prefill (step 2)
@@ -239,7 +233,7 @@ class Scheduler:
             if self._grow_or_preempt(step, request, request.num_computed_tokens + 1):
                 step.add(request, 1)
 
-    def _schedule_prefills(self, step: _StepBuilder) -> None:
+    def _schedule_prefills(self, step: StepBuilder) -> None:
         for request in list(self._running):
             if request.state is not RequestState.RUNNING or not request.is_prefilling:
                 continue
@@ -256,12 +250,14 @@ class Scheduler:
                 raise AssertionError(f"request {request.request_id}: fitted chunk {chunk} failed")
             step.add(request, chunk)
 
-    def _admit_waiting(self, step: _StepBuilder) -> None:
+    def _admit_waiting(self, step: StepBuilder) -> None:
         while self._waiting and step.budget > 0 and len(step.items) < self._max_batch_size:
             if self._num_slots_taken() >= self._max_batch_size:
                 return
             request = self._waiting[0]
-            table = self._pool.open_table(request.all_token_ids)
+            # Prompt logprobs come from computing every prompt token: no prefix-cache hits.
+            reuse = request.sampling.prompt_logprobs is None
+            table = self._pool.open_table(request.all_token_ids, reuse=reuse)
             num_computed = table.num_cached_tokens
             chunk = min(request.num_tokens - num_computed, step.budget)
             if not self._pool.grow(table, num_computed + chunk):
@@ -275,13 +271,21 @@ class Scheduler:
             self._running.append(request)
             step.add(request, chunk)
 
-    def _grow_or_preempt(self, step: _StepBuilder, request: Request, num_tokens: int) -> bool:
-        """Grow ``request`` to ``num_tokens``, preempting newer requests while needed.
+    def _grow_or_preempt(self, step: StepBuilder, request: Request, num_tokens: int) -> bool:
+        """Grow ``request`` to ``num_tokens``, with blocks of its own where it writes (a fork's
+        shared block is copied: ``step.copies``), preempting newer requests while needed.
 
         Returns False when ``request`` itself was preempted or finished instead.
         """
         table = _table(request)
-        while not self._pool.grow(table, num_tokens):
+        copies: list[BlockCopy] = []
+        while True:
+            unshared = self._pool.unshare(table, request.num_computed_tokens)
+            if unshared is not None:
+                copies += unshared  # kept even if growing fails: the blocks are its own now
+                if self._pool.grow(table, num_tokens):
+                    step.copies += copies
+                    return True
             victim = next(
                 (r for r in reversed(self._running) if r.request_id not in step.scheduled),
                 request,
@@ -293,7 +297,6 @@ class Scheduler:
             self._preempt(step, victim)
             if victim is request:
                 return False
-        return True
 
     def _fit_chunk(self, request: Request, chunk: int) -> int:
         """``chunk`` cut down to the tokens the table can cover with the blocks available now."""
@@ -303,7 +306,7 @@ class Scheduler:
         )
         return max(0, min(chunk, capacity - request.num_computed_tokens))
 
-    def _preempt(self, step: _StepBuilder, request: Request) -> None:
+    def _preempt(self, step: StepBuilder, request: Request) -> None:
         self._running.remove(request)
         self._pool.release(_table(request))
         request.block_table = None
@@ -315,7 +318,7 @@ class Scheduler:
         self._num_preemptions += 1
         step.preempted.append(request)
 
-    def _finish_in_step(self, step: _StepBuilder, request: Request) -> None:
+    def _finish_in_step(self, step: StepBuilder, request: Request) -> None:
         self.finish(request, FinishReason.LENGTH)
         step.finished.append(request)
 

@@ -9,45 +9,45 @@ cancellation) aborts its requests, which frees their blocks at the executor's ne
 from __future__ import annotations
 
 import itertools
-import math
 import secrets
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import trio
 
 from trtdisagg.api.chat import chat_messages, chat_tools
 from trtdisagg.api.errors import ApiError, bad_request
 from trtdisagg.api.fanout import ChoicePlan, plan_choices
+from trtdisagg.api.grammars import output_grammar
 from trtdisagg.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DisaggregatedParams,
     KvRelease,
 )
-from trtdisagg.api.validation import is_batched, logit_bias_of
+from trtdisagg.api.tool_calls import ToolCallFormat, parses_tool_calls, tool_call_format
+from trtdisagg.api.validation import is_batched, logit_bias_of, num_candidates
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.protocol.endpoints import is_tcp_endpoint
 from trtdisagg.transfer.protocol.rank_info import compat_fields
 from trtdisagg.worker import responses
 from trtdisagg.worker.engine.executor import Executor, GenerationSource
-from trtdisagg.worker.handoff import ctx_instance_of
+from trtdisagg.worker.gen_source import generation_source
+from trtdisagg.worker.grammar import GrammarCompiler, GrammarError, GrammarTemplate
 from trtdisagg.worker.jobs import ChoiceRun, CtxEndpoint, Job
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
-from trtdisagg.worker.sampling import MIN_TEMPERATURE, TokenLogprobs
+from trtdisagg.worker.sampling import MIN_TEMPERATURE
+from trtdisagg.worker.tokenization import Tokenizer
 
 if TYPE_CHECKING:
     from trtdisagg.faults.spec import FaultInjector
-from trtdisagg.worker.tokenization import Tokenizer
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_TOP_LOGPROBS = 20
 
 
 @attrs.frozen(kw_only=True)
@@ -85,7 +85,21 @@ class WorkerService:
     ctx_info_endpoint: str | None = None
     ctx_instance: str | None = None  # this worker's transceiver instance name (handoff.py)
     faults: FaultInjector | None = None  # tests only: armed by TRTDISAGG_FAULTS
+    grammars: GrammarCompiler | None = None  # made by the first request with a grammar
+    # The chat template's tool-call format (api/tool_calls.py), if it has one this server knows.
+    tool_format: ToolCallFormat | None = attrs.field(
+        default=attrs.Factory(
+            lambda self: tool_call_format(self.tokenizer.chat_template), takes_self=True
+        )
+    )
     _ids: itertools.count[int] = attrs.field(factory=itertools.count, alias="ids")
+
+    def _compiler(self) -> GrammarCompiler:
+        return GrammarCompiler(
+            tokenizer_json=self.tokenizer.to_json(),
+            vocab_size=self.executor.vocab_size,
+            eos_token_ids=sorted(self.tokenizer.eos_token_ids),
+        )
 
     def server_info(self) -> ServerInfo:
         from trtdisagg import __version__
@@ -147,8 +161,9 @@ class WorkerService:
 
     # ---- requests ----
 
-    def start(self, req: AnyRequest) -> Job:
-        """Submit every choice of a validated request (`api/fanout.py`); the job reads them."""
+    async def start(self, req: AnyRequest) -> Job:
+        """Submit every choice of a validated request (`api/fanout.py`); the job reads them.
+        A grammar the request asks for is compiled first, in a worker thread."""
         if req.model is not None and req.model != self.served_model_name:
             raise ApiError(
                 404,
@@ -163,13 +178,15 @@ class WorkerService:
                 "transceiver, and cache_transceiver is disabled on this worker",
                 param="disaggregated_params",
             )
+        grammar = await self._grammar(req)
         plans = plan_choices(req)
         prompts = self._prompts(req, plans)
         sampling = {p: self._sampling(req, len(ids)) for p, ids in prompts.items()}
         source, key = None, None
         if kind is RequestType.GENERATION_ONLY:
             assert params is not None
-            source = _generation_source(params, self.tokenizer.vocab_size)
+            candidates = num_candidates(req)
+            source = generation_source(params, self.tokenizer.vocab_size, candidates, prompts[0])
         elif kind is RequestType.CONTEXT_ONLY:
             assert params is not None
             key = params.disagg_request_id or (secrets.randbits(62) | 1 << 40)
@@ -184,7 +201,7 @@ class WorkerService:
                 param="disaggregated_params",
             )
         runs = self._submit_choices(
-            req, plans, prompts, sampling, kind=kind, source=source, key=key
+            req, plans, prompts, sampling, kind=kind, source=source, key=key, grammar=grammar
         )
         chat = isinstance(req, ChatCompletionRequest)
         meta = responses.ResponseMeta(
@@ -202,7 +219,34 @@ class WorkerService:
             ctx=CtxEndpoint(info_endpoint=self.ctx_info_endpoint, instance=self.ctx_instance),
             transfer_key=key,
             single_prompt=len(prompts) == 1,
+            keep=req.n if num_candidates(req) > req.n else None,
+            tools=(
+                self.tool_format
+                if isinstance(req, ChatCompletionRequest) and parses_tool_calls(req)
+                else None
+            ),
         )
+
+    async def _grammar(self, req: AnyRequest) -> GrammarTemplate | None:
+        """The output grammar `req` asks for, compiled (or from the compiler's cache).
+
+        Raises:
+            ApiError: a malformed constraint, or one llguidance refuses (400 naming its field).
+        """
+        wanted = output_grammar(req, self.tool_format)
+        if wanted is None:
+            return None
+        compiler = self.grammars
+        if compiler is None:  # made on first use: it reads the whole vocabulary
+            compiler = self.grammars = await trio.to_thread.run_sync(self._compiler)
+        if compiler.cached(wanted):  # no thread hop for a schema seen before
+            template = compiler.compile(wanted)
+        else:
+            try:
+                template = await trio.to_thread.run_sync(compiler.compile, wanted)
+            except GrammarError as exc:
+                raise bad_request(f"{wanted.field}: {exc}", param=wanted.field) from None
+        return template
 
     def _submit_choices(
         self,
@@ -214,29 +258,40 @@ class WorkerService:
         kind: RequestType,
         source: GenerationSource | None,
         key: int | None,
+        grammar: GrammarTemplate | None,
     ) -> list[ChoiceRun]:
-        """One executor request per choice: the fan-out that sharing a prompt's prefill among
-        its n choices (a copy-on-write fork of its blocks) replaces. All or none are queued."""
+        """One executor request per choice, a prompt's `n` choices submitted together: one
+        prefill (or KV transfer) serves them, and they fork at their first tokens. All or none
+        are queued."""
         echo = isinstance(req, CompletionRequest) and req.echo
+        by_prompt: dict[int, list[ChoicePlan]] = {}
+        for plan in plans:
+            by_prompt.setdefault(plan.prompt_index, []).append(plan)
         runs: list[ChoiceRun] = []
         try:
-            for plan in plans:
-                request = Request(
-                    request_id=next(self._ids),
-                    prompt_token_ids=list(prompts[plan.prompt_index]),
-                    sampling=attrs.evolve(sampling[plan.prompt_index], seed=plan.seed),
-                    request_type=kind,
-                    arrival_time=time.monotonic(),
-                )
-                handle = self.executor.submit(request, source=source, transfer_key=key)
-                runs.append(
-                    ChoiceRun(
-                        plan=plan,
-                        handle=handle,
-                        executor=self.executor,
-                        echo=self._echo(plan, prompts) if echo else None,
+            for index, group in by_prompt.items():
+                choices = [
+                    Request(
+                        request_id=next(self._ids),
+                        prompt_token_ids=list(prompts[index]),
+                        sampling=attrs.evolve(sampling[index], seed=plan.seed),
+                        request_type=kind,
+                        arrival_time=time.monotonic(),
                     )
+                    for plan in group
+                ]
+                handles = self.executor.submit_group(
+                    choices, source=source, transfer_key=key, grammar=grammar
                 )
+                for plan, handle in zip(group, handles, strict=True):
+                    runs.append(
+                        ChoiceRun(
+                            plan=plan,
+                            handle=handle,
+                            executor=self.executor,
+                            echo=self._echo(plan, prompts) if echo else None,
+                        )
+                    )
         except (CapacityError, WorkerStopped) as exc:
             for run in runs:
                 run.drop()
@@ -298,6 +353,7 @@ class WorkerService:
     def _sampling(self, req: AnyRequest, prompt_len: int) -> SamplingParams:
         room = self.max_seq_len - prompt_len
         field = "max_tokens"
+        prompt_logprobs: int | None = None
         if isinstance(req, ChatCompletionRequest):
             if req.max_completion_tokens is not None:
                 field = "max_completion_tokens"
@@ -308,6 +364,10 @@ class WorkerService:
             asked = req.max_tokens
             logprobs = req.logprobs
             max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if asked is None else asked
+            if req.echo:  # the echoed prompt comes with its logprobs, computed by prefill
+                prompt_logprobs = logprobs
+            if num_candidates(req) > req.n and logprobs is None:
+                logprobs = 0  # best_of ranks candidates by their tokens' logprobs
         if max_tokens > room:
             raise bad_request(
                 f"{field}: the prompt's {prompt_len} tokens + {field} {max_tokens} exceed this "
@@ -350,6 +410,7 @@ class WorkerService:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=req.repetition_penalty or 1.0,
                 logit_bias=bias,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
@@ -363,66 +424,3 @@ def _temperature(asked: float | None) -> float:
     if asked is None:
         return 1.0
     return 0.0 if asked < MIN_TEMPERATURE else asked
-
-
-def _generation_source(params: DisaggregatedParams, vocab_size: int) -> GenerationSource:
-    """Validate what a generation_only request must carry from ctx's answer."""
-    field = "disaggregated_params"
-    first: int | None = None
-    if params.first_gen_tokens:
-        first = params.first_gen_tokens[0]
-        if not 0 <= first < vocab_size:
-            raise bad_request(f"{field}.first_gen_tokens: token {first} outside the vocabulary")
-    elif params.schedule_style != "generation_first":
-        raise bad_request(
-            f"{field}.first_gen_tokens: required for generation_only (unless "
-            f"{field}.schedule_style is generation_first: then ctx sends it with the KV)",
-            param=field,
-        )
-    if not params.ctx_info_endpoint:
-        raise bad_request(f"{field}.ctx_info_endpoint: required for generation_only", param=field)
-    if not is_tcp_endpoint(params.ctx_info_endpoint):
-        endpoint = params.ctx_info_endpoint
-        raise bad_request(
-            f"{field}.ctx_info_endpoint: expected tcp://host:port, got {endpoint!r}", param=field
-        )
-    key = params.disagg_request_id
-    if key is None or not 0 < key < 2**63:
-        raise bad_request(f"{field}.disagg_request_id: required, in (0, 2**63)", param=field)
-    return GenerationSource(
-        key=key,
-        ctx_info_endpoint=params.ctx_info_endpoint,
-        first_token=first,
-        ctx_instance=ctx_instance_of(params.opaque_state),
-        first_logprobs=_first_logprobs(params, first, vocab_size),
-    )
-
-
-def _first_logprobs(
-    params: DisaggregatedParams, first: int | None, vocab_size: int
-) -> TokenLogprobs | None:
-    """ctx's logprobs of the first token, checked as any peer's input is."""
-    field = "disaggregated_params.first_gen_logprobs"
-    carried = params.first_gen_logprobs
-    if not carried:
-        return None
-    entry = carried[0]
-    if first is None or entry.token_id != first:
-        raise bad_request(
-            f"{field}[0].token_id: {entry.token_id} is not first_gen_tokens[0] ({first})",
-            param="disaggregated_params",
-        )
-    if len(entry.top_logprobs) > MAX_TOP_LOGPROBS:
-        raise bad_request(
-            f"{field}[0].top_logprobs: at most {MAX_TOP_LOGPROBS} entries",
-            param="disaggregated_params",
-        )
-    top = tuple((t.token_id, t.logprob) for t in entry.top_logprobs)
-    for token, value in ((entry.token_id, entry.logprob), *top):
-        if not 0 <= token < vocab_size or math.isnan(value) or value > 0:
-            raise bad_request(
-                f"{field}[0]: token {token} with logprob {value} is not a token of this "
-                f"vocabulary ({vocab_size}) with a logprob <= 0",
-                param="disaggregated_params",
-            )
-    return TokenLogprobs(logprob=entry.logprob, top=top)

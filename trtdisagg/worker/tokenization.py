@@ -101,6 +101,10 @@ class Tokenizer:
         eos_ids |= _ids(_read_json(path / "config.json").get("eos_token_id"))
         return cls(tokenizer=tokenizer, config=config, eos_ids=eos_ids)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` holds it (for llguidance's own tokenizer)."""
+        return str(self._tokenizer.to_str())
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
 

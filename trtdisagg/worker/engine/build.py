@@ -231,9 +231,7 @@ def _on_reports(transceiver: KvTransceiver | None, hooks: TestHooks | None) -> R
     return functools.partial(_to_both, count, hooks.take_reports)
 
 
-def count_follower_writes(
-    transceiver: KvTransceiver | None, reports: Sequence[RankReport]
-) -> None:
+def count_follower_writes(transceiver: KvTransceiver | None, reports: Sequence[RankReport]) -> None:
     """The followers' KV writes, in rank 0's transfer metrics (it counts its own as it writes)."""
     if transceiver is None:
         return

@@ -7,6 +7,7 @@ Its commands are sync and never block: they go to the inbox, which the loop take
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -28,6 +29,7 @@ from trtdisagg.worker.tokenization import Tokenizer
 
 if TYPE_CHECKING:
     from trtdisagg.worker.engine.test_hooks import TestHooks
+    from trtdisagg.worker.grammar import GrammarTemplate
 
 __all__ = ["Executor", "GenerationSource", "RequestHandle", "RequestOutput"]
 
@@ -61,10 +63,55 @@ class Executor:
         `source` is required for generation_only requests, `transfer_key` for context_only.
         Raises WorkerStopped once the worker stopped serving, so the caller can 503.
         """
+        [handle] = self.submit_group([request], source=source, transfer_key=transfer_key)
+        return handle
+
+    def submit_group(
+        self,
+        choices: Sequence[Request],
+        *,
+        source: GenerationSource | None = None,
+        transfer_key: int | None = None,
+        grammar: GrammarTemplate | None = None,
+    ) -> list[RequestHandle]:
+        """Queue one prompt's `n` choices: one request each, with its own id and seed, the same
+        prompt and type. The first is prefilled (or receives the KV) once for all; the others
+        fork from it at their first tokens (`forks.py`). One handle per choice, in order.
+        With `grammar`, each choice's output follows it (its own matcher: `worker/grammar.py`).
+
+        Raises CapacityError (400) or WorkerStopped (503) as `submit` does.
+        """
         if self.stopped is not None:
             raise WorkerStopped(f"this worker stopped serving: {self.stopped}")
-        self._check_fits(request)
-        send, receive = trio.open_memory_channel[RequestOutput](math.inf)
+        leader = choices[0]
+        self._check_fits(leader)
+        if any(c.prompt_token_ids != leader.prompt_token_ids for c in choices[1:]):
+            raise ValueError("the choices of one group share their prompt")
+        handles: list[RequestHandle] = []
+        lives: list[Live] = []
+        for i, request in enumerate(choices):
+            send, receive = trio.open_memory_channel[RequestOutput](math.inf)
+            key = transfer_key if i == 0 else None  # the leader sends the KV for all
+            live = self._live(request, send, choice=i, source=source, transfer_key=key)
+            live.grammar = grammar.matcher() if grammar is not None else None
+            lives.append(live)
+            handles.append(RequestHandle(request=request, outputs=receive))
+        head, *forks = lives
+        head.forks = forks
+        for fork in forks:
+            fork.leader = head
+        self.inbox.submit(head)
+        return handles
+
+    def _live(
+        self,
+        request: Request,
+        outputs: trio.MemorySendChannel[RequestOutput],
+        *,
+        choice: int,
+        source: GenerationSource | None,
+        transfer_key: int | None,
+    ) -> Live:
         params = request.sampling
         # A generation_only request's first token was ctx's: a seeded one continues the random
         # stream ctx drew it from, so it samples the same tokens split or not.
@@ -79,16 +126,15 @@ class Executor:
             detokenizer=self.tokenizer.incremental_detokenizer(),
             stops=StopStrings(stops=params.stop),
         )
-        live = Live(
+        return Live(
             request=request,
-            outputs=send,
+            outputs=outputs,
             state=state,
             spec=spec,
-            source=source,
+            source=source if choice == 0 else None,
             transfer_key=transfer_key,
+            choice=choice,
         )
-        self.inbox.submit(live)
-        return RequestHandle(request=request, outputs=receive)
 
     def abort(self, request_id: int) -> None:
         self.inbox.abort(request_id)

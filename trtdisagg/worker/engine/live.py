@@ -17,18 +17,25 @@ from trtdisagg.worker.request import Request
 
 if TYPE_CHECKING:
     from trtdisagg.worker.engine.outputs import OutputState, RequestOutput
+    from trtdisagg.worker.grammar import Matcher
     from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs
 
 
 @attrs.frozen(kw_only=True)
 class GenerationSource:
-    """Where a generation_only request's KV and first token come from (ctx's answer)."""
+    """Where a generation_only request's KV and first tokens come from (ctx's answer)."""
 
     key: int  # disagg_request_id: the transfer key
     ctx_info_endpoint: str
-    first_token: int | None  # None: generation_first, the token comes with the KV
+    # ctx's first token of each choice, in choice order; empty under generation_first, where
+    # they come with the KV
+    first_tokens: tuple[int, ...] = ()
     ctx_instance: str | None = None  # the ctx instance that answered, if it said (handoff.py)
-    first_logprobs: TokenLogprobs | None = None  # ctx's logprobs of first_token, if asked for
+    # ctx's logprobs of each first token, when the request asks for logprobs (else empty)
+    first_logprobs: tuple[TokenLogprobs | None, ...] = ()
+    num_choices: int = 1  # the request's n: how many first tokens ctx must send
+    # ctx's logprobs of prompt tokens 1, 2, ..., when the request asks (echo with logprobs)
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -41,6 +48,13 @@ class Live:
     spec: SampleSpec
     source: GenerationSource | None = None  # generation_only: its KV comes from this ctx
     transfer_key: int | None = None  # context_only: its KV goes to gen under this key
+    # A prompt's n choices (`forks.py`): choice 0 leads (its request is the one prefilled) and
+    # holds the others in `forks` until their first tokens start them; each of those names
+    # its `leader` while it has no request in the scheduler.
+    choice: int = 0
+    forks: list[Live] = attrs.Factory(list)
+    leader: Live | None = None
+    grammar: Matcher | None = None  # where its output stands in its grammar, if it has one
 
     @property
     def request_id(self) -> int:

@@ -31,14 +31,17 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
+import torch
 import trio
 
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.worker.engine.ending import Ending
+from trtdisagg.worker.engine.forks import hand_over_together, start_choices
 from trtdisagg.worker.engine.live import Inbox, Live
 from trtdisagg.worker.engine.outputs import OutputProcessor, Processed, RequestOutput, Token
 from trtdisagg.worker.engine.ports import StepDriver, StepFailed
 from trtdisagg.worker.engine.tracker import TransferTracker
+from trtdisagg.worker.grammar import allowed_tokens, allows_other_than
 from trtdisagg.worker.request import FinishReason, Request
 from trtdisagg.worker.runner import StepOutput
 from trtdisagg.worker.sampling import SampleSpec
@@ -87,6 +90,9 @@ class StepLoop:
         now = self.clock()
         for live in commands.new:
             self.lives[live.request_id] = live
+            for fork in live.forks:  # its prompt's other choices (forks.py)
+                self.lives[fork.request_id] = fork
+            self.metrics.prompt_tokens.inc(live.request.num_prompt_tokens)
             if live.source is not None:
                 self.tracker.wait_for_blocks(live)
             else:
@@ -130,25 +136,47 @@ class StepLoop:
     async def _step(self, plan: StepPlan) -> None:
         specs = self._specs_for(plan)
         self.tracker.prepare_sends(plan, self.lives)
+        prefill_tokens = sum(
+            max(
+                0,
+                min(i.request.num_prompt_tokens - i.request.num_computed_tokens, i.num_new_tokens),
+            )
+            for i in plan.items
+        )
         try:
             out = await self.driver.step(plan, specs)
         except StepFailed as failure:
             self._step_failed(plan, failure)
             return
         self._failed_steps = 0
+        self.metrics.prefill_tokens.inc(prefill_tokens)
         self.scheduler.step_done(plan)
         self._respond(out)
 
     def _respond(self, out: StepOutput) -> None:
         now = self.clock()
-        tokens = []
+        tokens: list[Token] = []
+        forks: dict[int, list[Token]] = {}  # a leader's id: its forks' first tokens
+        for chunk in out.prompt_logprobs:
+            prefilled = self.lives.get(chunk.request_id)
+            if prefilled is not None:
+                prefilled.state.add_prompt_logprobs(chunk.start, chunk.logprobs)
         for sampled in out.sampled:
             live = self.lives.get(sampled.request_id)
             if live is None:
                 continue  # aborted during the step
+            if sampled.choice:  # the first token of one of its forks (forks.py)
+                fork = live.forks[sampled.choice - 1]
+                token = Token(live=fork, token_id=sampled.token_id, logprobs=sampled.logprobs)
+                forks.setdefault(live.request_id, []).append(token)
+                continue
             live.request.output_token_ids.append(sampled.token_id)
             tokens.append(Token(live=live, token_id=sampled.token_id, logprobs=sampled.logprobs))
-        self._respond_with(self.outputs.process(tokens, now), now)
+        for leader_id, firsts in forks.items():
+            start_choices(self.scheduler, self.lives[leader_id], firsts)
+            tokens += firsts
+        processed = self.outputs.process(tokens, now)
+        self._respond_with(hand_over_together(processed) if forks else processed, now)
 
     def _respond_with(self, processed: Iterable[Processed], now: float) -> None:
         for item in processed:
@@ -158,18 +186,20 @@ class StepLoop:
                 self.end(item.live, item.ending, now, last=item.output)
 
     def _specs_for(self, plan: StepPlan) -> dict[int, SampleSpec]:
-        """How each request that samples in this step picks its token."""
+        """How each request that samples in this step picks its token (and each of its forks,
+        at its first token), with the bitmask of each one that has a grammar."""
         now = self.clock()
-        specs = {}
+        rows: list[tuple[int, list[Live]]] = []  # (outputs so far, the row's choices)
         for item in plan.items:
             live = self.lives[item.request.request_id]
             live.state.scheduled(now)
             if item.samples:
-                request = item.request
-                suppress = live.spec.suppress
-                if suppress and len(request.output_token_ids) >= request.sampling.min_tokens:
-                    live.spec = attrs.evolve(live.spec, suppress=frozenset())
-                specs[request.request_id] = live.spec
+                rows.append((len(item.request.output_token_ids), [live, *live.forks]))
+        masks = grammar_masks([choice for _, choices in rows for choice in choices])
+        specs = {}
+        for num_outputs, choices in rows:
+            head, *forks = [_current_spec(c, num_outputs, masks.get(id(c))) for c in choices]
+            specs[choices[0].request_id] = attrs.evolve(head, forks=tuple(forks)) if forks else head
         return specs
 
     # ---- endings ----
@@ -181,7 +211,15 @@ class StepLoop:
         output (`last`, when its last token made one), close its outputs, count it."""
         if self.lives.pop(live.request_id, None) is None:
             return
-        self.tracker.settle(live, ending)
+        leader = live.leader
+        if leader is not None:  # a choice with nothing in the scheduler (forks.py)
+            leader.forks.remove(live)
+            live.leader = None
+        else:
+            self.tracker.settle(live, ending)
+            for fork in list(live.forks):
+                if not fork.request.output_token_ids:  # never started: it ends with it
+                    self.end(fork, ending, now)
         live.deliver(last if last is not None else self.outputs.closing(live, ending, now))
         live.close()
         self.metrics.requests_total.labels(role=self.role, status=ending.status).inc()
@@ -239,3 +277,27 @@ class StepLoop:
         ending = Ending.failed(f"this worker stopped serving: {self.stopped}")
         for live in list(self.lives.values()):
             self.end(live, ending, now)
+
+
+def _current_spec(live: Live, num_outputs: int, allowed: torch.Tensor | None) -> SampleSpec:
+    """How `live` samples its next token: once it has `min_tokens` outputs, EOS is no longer
+    suppressed; `allowed` is its grammar's bitmask for this token."""
+    spec = live.spec
+    if spec.suppress and num_outputs >= live.request.sampling.min_tokens:
+        live.spec = spec = attrs.evolve(spec, suppress=frozenset())
+    if allowed is None:
+        return spec
+    if spec.suppress and not allows_other_than(allowed, spec.suppress):
+        # The grammar allows only the end, which min_tokens holds back: the grammar wins.
+        return attrs.evolve(spec, allowed=allowed, suppress=frozenset())
+    return attrs.evolve(spec, allowed=allowed)
+
+
+def grammar_masks(choices: Sequence[Live]) -> dict[int, torch.Tensor]:
+    """The allowed-token bitmask of each of a step's sampling choices that has a grammar (by
+    `id` of its Live), from its matcher's state after its previous token (`grammar.py`)."""
+    constrained = [(id(c), c.grammar) for c in choices if c.grammar is not None]
+    if not constrained:
+        return {}
+    bitmasks = allowed_tokens([matcher for _, matcher in constrained])
+    return {key: mask for (key, _), mask in zip(constrained, bitmasks, strict=True)}

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
+from trtdisagg.kv.block_pool import BlockCopy
 from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.worker.engine.local import BLOCKED_WAIT_S
 from trtdisagg.worker.engine.ports import Transceiver
@@ -58,9 +59,12 @@ class Outbox:
     def __bool__(self) -> bool:
         return bool(self.sends or self.prepares or self.receives or self.cancels)
 
-    def take(self, items: tuple[ItemInputs, ...]) -> StepCommand:
+    def take(
+        self, items: tuple[ItemInputs, ...], copies: tuple[BlockCopy, ...] = ()
+    ) -> StepCommand:
         command = StepCommand(
             items=items,
+            copies=copies,
             sends=tuple(self.sends),
             prepares=tuple(self.prepares),
             receives=tuple(self.receives),
@@ -94,7 +98,8 @@ class MultiRankDriver:
     _last_tick: float = attrs.field(default=attrs.Factory(lambda self: self.clock(), True))
 
     async def step(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
-        out = await self._tick(plan_items(plan, self.runner.tokens_per_block), specs)
+        items = plan_items(plan, self.runner.tokens_per_block)
+        out = await self._tick(items, specs, plan.copies)
         assert out is not None
         return out
 
@@ -116,9 +121,12 @@ class MultiRankDriver:
         await self._tick((), {})
 
     async def _tick(
-        self, items: tuple[ItemInputs, ...], specs: dict[int, SampleSpec]
+        self,
+        items: tuple[ItemInputs, ...],
+        specs: dict[int, SampleSpec],
+        copies: tuple[BlockCopy, ...] = (),
     ) -> StepOutput | None:
-        command = self._outbox.take(items)
+        command = self._outbox.take(items, copies)
         local = RankReport(rank=0, outcomes=rank_outcomes(self.transceiver))
         group, runner = self.group, self.runner
 
@@ -126,6 +134,7 @@ class MultiRankDriver:
             group.broadcast_command(command)
             out = None
             if command.has_forward:
+                runner.copy_blocks(command.copies)
                 out = runner.execute_items(command.items, specs, group)
             return out, group.gather_reports(local)
 

@@ -46,6 +46,9 @@ class RequestOutput:
     internal: bool = False
     perf: PerfMetrics | None = None
     context_done: bool = False  # context_only: prefill done, KV pinned for gen; answer now
+    # On the first output of a request that asks (`SamplingParams.prompt_logprobs`): prompt
+    # tokens 1, 2, ...'s logprobs (token 0 has none: nothing precedes it).
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -59,6 +62,15 @@ class OutputState:
     last_token: float | None = None
     transfer_bytes: int | None = None  # gen: what its KV transfer moved
     transfer_s: float | None = None
+    # Prompt tokens 1, 2, ...'s logprobs as prefill computes them (or ctx sent them); shared by
+    # a prompt's choices.
+    prompt_logprobs: list[TokenLogprobs] = attrs.Factory(list)
+
+    def add_prompt_logprobs(self, start: int, logprobs: Sequence[TokenLogprobs]) -> None:
+        """One prefill chunk's prompt logprobs, of prompt tokens `start`, `start + 1`, ...;
+        a chunk computed again (after a preemption) adds nothing."""
+        if start == 1 + len(self.prompt_logprobs):
+            self.prompt_logprobs.extend(logprobs)
 
     def scheduled(self, now: float) -> None:
         """The request is in a step (its first one sets the end of its queueing)."""
@@ -129,12 +141,18 @@ class OutputProcessor:
         reason: FinishReason | None = None
         text = ""
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        grammar = live.grammar
+        if grammar is not None and not is_eos and not grammar.advance(token_id):
+            # A token its grammar refused: ctx's first token under another grammar, or a bug.
+            error = f"token {token_id} breaks the request's output grammar: {grammar.error}"
+            output = self._output(live, (), "", (), reason=FinishReason.ERROR, now=now, error=error)
+            return Processed(live=live, output=output, ending=Ending.failed(error))
         if is_eos or token_id in params.stop_token_ids:
             reason = FinishReason.STOP
         else:
             text = state.stops.feed(state.detokenizer.add(token_id))
-            if state.stops.stopped:
-                reason = FinishReason.STOP
+            if state.stops.stopped or (grammar is not None and grammar.is_stopped):
+                reason = FinishReason.STOP  # a grammar that admits nothing more ends it too
         if reason is None and (
             len(request.output_token_ids) >= params.max_tokens
             or request.num_tokens >= self.max_seq_len
@@ -165,6 +183,9 @@ class OutputProcessor:
     ) -> RequestOutput:
         request = live.request
         final = reason is not None or done
+        prompt_logprobs = None
+        if request.sampling.prompt_logprobs is not None and len(request.output_token_ids) <= 1:
+            prompt_logprobs = tuple(live.state.prompt_logprobs)
         return RequestOutput(
             token_ids=tokens,
             text=text,
@@ -177,6 +198,7 @@ class OutputProcessor:
             error=error,
             internal=internal,
             context_done=done,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from trtdisagg.worker.engine.ending import Blocks, Ending
+from trtdisagg.worker.engine.forks import start_choices
 from trtdisagg.worker.engine.outputs import Token
 from trtdisagg.worker.request import FinishReason, Request
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
@@ -128,7 +129,11 @@ class TransferTracker:
             raise ValueError(f"request {live.request_id} has no KV to send")
         self.scheduler.hold_for_transfer(request)
         self._sending[key] = request
-        first_tokens = tuple(request.output_token_ids[:1])
+        # Every choice's first token (its forks ride this hand-over: forks.py), in order.
+        first_tokens = (
+            *request.output_token_ids[:1],
+            *(fork.request.output_token_ids[0] for fork in live.forks),
+        )
         self.port.send(key, table.block_ids, request.num_prompt_tokens, first_tokens)
 
     def _free(self, live: Live, reason: FinishReason) -> None:
@@ -176,18 +181,24 @@ class TransferTracker:
                 error = outcome.error or "KV transfer failed"
                 failed.append((live, Ending.transfer_failed(error)))
                 continue
-            token, error = _first_token(live, outcome, self.vocab_size)
-            if token is None:
+            tokens, error = _first_tokens(live, outcome, self.vocab_size)
+            if not tokens:
                 failures += 1
                 self.scheduler.finish(live.request, FinishReason.ERROR)
                 failed.append((live, Ending.transfer_failed(error)))
                 continue
-            self.scheduler.kv_received(live.request, token)
-            source = _source(live)
-            # ctx's logprobs of the first token came with its answer (context-first only: under
-            # generation-first the token comes with the KV, without them).
-            carried = source.first_logprobs if source.first_token is not None else None
-            arrived.append(Token(live=live, token_id=token, logprobs=carried))
+            self.scheduler.kv_received(live.request, tokens[0])
+            live.state.add_prompt_logprobs(1, _source(live).prompt_logprobs)
+            # ctx's logprobs of the first tokens came with its answer (context-first only:
+            # under generation-first the tokens come with the KV, without them).
+            carried = _source(live).first_logprobs or (None,) * len(tokens)
+            arrived.append(Token(live=live, token_id=tokens[0], logprobs=carried[0]))
+            firsts = [
+                Token(live=fork, token_id=tokens[fork.choice], logprobs=carried[fork.choice])
+                for fork in live.forks
+            ]
+            start_choices(self.scheduler, live, firsts)
+            arrived += firsts
         for key in list(self._quarantined):
             if self.port.settled(key):
                 self.scheduler.abort(self._quarantined.pop(key).request_id)
@@ -224,18 +235,25 @@ def _source(live: Live) -> GenerationSource:
     return live.source
 
 
-def _first_token(live: Live, outcome: TransferOutcome, vocab_size: int) -> tuple[int | None, str]:
-    """gen: ctx's first token (from its answer, or with the KV for generation_first), or why
-    there is none this worker can use."""
+def _first_tokens(
+    live: Live, outcome: TransferOutcome, vocab_size: int
+) -> tuple[tuple[int, ...], str]:
+    """gen: ctx's first token of each choice (from its answer, or with the KV for
+    generation_first), or none and why there are none this worker can use."""
     source = _source(live)
-    token = source.first_token
-    if token is None:
-        token = outcome.first_tokens[0] if outcome.first_tokens else None
-    if token is None:
-        return None, f"KV transfer {source.key}: ctx sent no first token"
-    if not 0 <= token < vocab_size:
-        return None, (
-            f"KV transfer {source.key}: ctx's first token {token} is outside the vocabulary "
+    tokens = source.first_tokens or outcome.first_tokens
+    choices = source.num_choices
+    if not tokens:
+        return (), f"KV transfer {source.key}: ctx sent no first token"
+    if len(tokens) != choices:
+        return (), (
+            f"KV transfer {source.key}: ctx sent {len(tokens)} first tokens for a request of "
+            f"{choices} choices"
+        )
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return (), (
+            f"KV transfer {source.key}: ctx's first token {bad} is outside the vocabulary "
             f"({vocab_size})"
         )
-    return token, ""
+    return tuple(tokens), ""
