@@ -26,6 +26,11 @@ from _bench_common import LengthRange, RequestRecord
 from trtdisagg.coordinator.metrics import CoordinatorMetrics
 from trtdisagg.launcher import plan_cluster
 from trtdisagg.metrics import WorkerMetrics
+from trtdisagg.transfer.runtime.collector import (
+    TransceiverStatistics,
+    TransferCollector,
+    WriteTally,
+)
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 GPU_CONF = TOOLS.parent / "conf" / "gpu"
@@ -173,8 +178,11 @@ def worker_text(*, total_blocks: int, free: int, reusable: int = 0, waiting: int
     m.kv_reusable_blocks.set(reusable)
     m.requests_waiting.set(waiting)
     m.preemptions.inc(preempted)
+    tally = WriteTally()  # the transfer metrics come from the transceiver's collector
     for seconds in writes:
-        m.kv_transfer_seconds.observe(seconds)
+        tally.count(1, 1, seconds)
+    idle = TransceiverStatistics(rendezvous=0, senders=0, receivers=0, bad_frames=0)
+    m.registry.register(TransferCollector(lambda: idle, tally))
     return m.render().decode()
 
 
