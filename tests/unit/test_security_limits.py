@@ -70,7 +70,7 @@ def _widest_rank(rank: int) -> RankInfo:
         model_fingerprint="f" * 64, protocol_version=PROTOCOL_VERSION,
         control_endpoint=f"tcp://{_LONGEST_HOST}:65535", agent_name=f"{name}#{rank}",
         agent_metadata=b"\xff" * MAX_AGENT_METADATA_BYTES, page_table=table,
-        bounce=BounceConfig(size_mb=_WIDE, threshold_bytes=_WIDE), request_notices=True,
+        bounce=BounceConfig(size_mb=_WIDE, threshold_bytes=_WIDE),
     )  # fmt: skip
 
 

@@ -105,8 +105,11 @@ class Net:
         endpoint = self.side(name).local.control_endpoint
         for effect in effects:
             match effect:
-                case Send(message=message):  # on our dealer to the other's router
-                    self._queue(other, MessageIn(message=message, reply_to=name.encode()))
+                case Send(message=message):  # on our dealer to the other's (secured) router
+                    sender = self.side(name).local.key
+                    self._queue(
+                        other, MessageIn(message=message, reply_to=name.encode(), peer=sender)
+                    )
                 case Reply(message=message):  # back on the other's dealer to us
                     self._queue(other, MessageIn(message=message, source=endpoint))
                 case LoadAgent(info=info, reply_to=reply_to):
@@ -145,7 +148,7 @@ class Net:
         if notice:
             message = decode(order.notice)
             assert isinstance(message, WriteNotice)
-            self.feed("gen", NoticeIn(notice=message))
+            self.feed("gen", NoticeIn(notice=message, remote=self.ctx.local.agent_name))
         self.feed("ctx", WriteEnded(write_id=write_id))
         return order
 

@@ -1,6 +1,7 @@
 """ControlPlane: one rank's ROUTER and its DEALERs to peers, owned in one place.
 
-Every message received, on the ROUTER or on a DEALER, goes to `deliver` (the driver); `send`
+Every message received, on the ROUTER (with the label of the peer that proved it sent it, when
+secured) or on a DEALER, goes to `deliver` (the driver); `send`
 puts a message on the DEALER to an endpoint, opened on first use and kept until `drop`. A
 message to an endpoint whose DEALER is being opened waits in a queue, so that messages to one
 peer leave in the order they were sent. A DEALER reports its link going up or down (`on_link`:
@@ -18,6 +19,7 @@ from typing import Protocol
 import attrs
 import trio
 
+from trtdisagg.security.keys import PeerLabel
 from trtdisagg.transfer.protocol.wire import Message
 from trtdisagg.transfer.runtime.messenger import MessengerStatistics, open_dealer
 
@@ -27,10 +29,11 @@ log = logging.getLogger(__name__)
 class ControlRouter(Protocol):
     endpoint: str
 
-    async def receive_message(self) -> tuple[bytes, Message]: ...
+    async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]: ...
     async def send_message(self, identity: bytes, message: Message) -> None: ...
     def send_message_nowait(self, identity: bytes, message: Message) -> None: ...
     def statistics(self) -> MessengerStatistics: ...
+    def flush_warnings(self) -> None: ...
 
 
 class ControlDealer(Protocol):
@@ -38,10 +41,12 @@ class ControlDealer(Protocol):
     async def send_message(self, message: Message) -> None: ...
     def send_message_nowait(self, message: Message) -> None: ...
     def statistics(self) -> MessengerStatistics: ...
+    def flush_warnings(self) -> None: ...
 
 
 DealerOpener = Callable[..., AbstractAsyncContextManager[ControlDealer]]
-Deliver = Callable[[Message, bytes | None, str], None]  # message, ROUTER identity, DEALER's peer
+# message, ROUTER identity and the label it proved (None: unsecured), the DEALER's endpoint
+Deliver = Callable[[Message, bytes | None, PeerLabel | None, str], None]
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -66,13 +71,19 @@ class ControlPlane:
         dealers = sum(dealer.statistics().bad_frames for dealer in self._dealers.values())
         return self.router.statistics().bad_frames + self._closed_bad_frames + dealers
 
+    def flush_warnings(self) -> None:
+        """Log the warnings about peers that every socket suppressed (the driver's sweep)."""
+        self.router.flush_warnings()
+        for dealer in self._dealers.values():
+            dealer.flush_warnings()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             while True:
-                identity, message = await self.router.receive_message()
-                self.deliver(message, identity, "")
+                identity, message, peer = await self.router.receive_message()
+                self.deliver(message, identity, peer, "")
 
     def reply(self, identity: bytes, message: Message) -> None:
         try:
@@ -132,7 +143,7 @@ class ControlPlane:
                     self._dealers[endpoint] = dealer
                     task_status.started(dealer)
                     while True:
-                        self.deliver(await dealer.receive_message(), None, endpoint)
+                        self.deliver(await dealer.receive_message(), None, None, endpoint)
             finally:
                 gone = self._dealers.pop(endpoint, None)
                 if gone is not None:
