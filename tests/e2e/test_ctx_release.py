@@ -91,12 +91,14 @@ async def test_release_route_names_what_is_wrong_and_knows_what_ctx_holds(
 ) -> None:
     url = cluster.ctx.url + "/disagg/release"
     async with httpx.AsyncClient(timeout=30) as client:
-        for body in ({}, {"disagg_request_id": "seven"}, {"disagg_request_id": -1}, [1]):
+        bad = ({}, {"transfer_key": "seven"}, {"transfer_key": -1}, {"transfer_key": 2**64},
+               {"disagg_request_id": -1}, [1])  # fmt: skip
+        for body in bad:
             r = await client.post(url, json=body)
             assert r.status_code == 400, (body, r.text)
             message = r.json()["error"]["message"]
-            assert "disagg_request_id" in message or "JSON object" in message, message
-        r = await client.post(url, json={"disagg_request_id": 2**50 + 3})
+            assert "transfer_key" in message or "JSON object" in message, message
+        r = await client.post(url, json={"transfer_key": 2**63 + 3})
         assert r.status_code == 200 and r.json()["released"] is False, r.text
         released = await _count(client, cluster.ctx, RELEASED)
         # A request whose gen took its KV is not released: ctx frees it when the write is done.

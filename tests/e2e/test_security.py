@@ -259,7 +259,7 @@ def test_every_openai_route_needs_the_key(keyed: tuple[Cluster, str]) -> None:
                 assert r.status_code != 200, (server.url, variant, r.text)
             for path in ("/health", "/metrics", "/version"):  # probes need no key
                 assert client.get(server.url + path).status_code == 200
-        release = {"disagg_request_id": 12345}  # the coordinator's call; no request holds it
+        release = {"transfer_key": 12345}  # the coordinator's call; no request holds it
         for server in cluster.workers:
             for headers in wrong:
                 r = client.post(server.url + "/disagg/release", json=release, headers=headers)

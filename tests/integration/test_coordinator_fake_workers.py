@@ -471,7 +471,8 @@ async def test_client_disconnect_during_ctx_leg_cancels_it(
 
 
 def _sent_id(fake: Fake) -> int:
-    key = fake.worker.bodies[-1]["disaggregated_params"]["disagg_request_id"]
+    """The transfer key the coordinator sent with its last ctx leg to `fake`."""
+    key = fake.worker.bodies[-1]["disaggregated_params"]["transfer_key"]
     assert isinstance(key, int)
     return key
 

@@ -155,7 +155,8 @@ def test_mutated_notices_raise_only_protocol_error(
     notice: wire.WriteNotice, at: int, cut: int, patch: bytes
 ) -> None:
     """WRITE_NOTICE's binary layout: any bytes spliced in, cut out or overwritten decode to a
-    notice or raise ProtocolError (a length that disagrees with the header, a token past 2**31, a name that is not UTF-8), never anything else."""
+    notice or raise ProtocolError (a length that disagrees with the header, a token past 2**31,
+    a name that is not UTF-8), never anything else."""
     encoded = wire.encode(notice)
     assert encoded[:1] == b"\xc1"  # a byte msgpack never uses
     mutated = encoded[:at] + patch + encoded[at + cut :]
