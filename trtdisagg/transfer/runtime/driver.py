@@ -206,7 +206,9 @@ class KvTransceiver:
         quarantined += sum(
             s.is_terminal and not gen.released(s, now) for s in gen.receivers.values()
         )
-        refused = {"unauthenticated": self.router.statistics().refused, **protocol.refusals.counts}
+        sockets = self.router.statistics()
+        refused = {"unauthenticated": sockets.refused, "handshake": sockets.handshakes_refused,
+                   **protocol.refusals.counts}  # fmt: skip
         return TransceiverStatistics(
             rendezvous=gen.rendezvous, senders=len(ctx.senders), receivers=len(gen.receivers),
             refused=refused,

@@ -1,4 +1,4 @@
-"""Messenger: Trio-native ZeroMQ ROUTER (bind) and DEALER (connect). The only module importing zmq.
+"""Messenger: Trio-native ZeroMQ ROUTER (bind) and DEALER (connect); with links.py, all of zmq.
 
     async with open_router(bind="tcp://127.0.0.1:0", secret=secret) as router:
         identity, message, peer = await router.receive_message()    # peer: who proved it sent it
@@ -32,9 +32,7 @@ counted as `unroutable`. Any other zmq error crashes the pump's nursery.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import struct
 import time
 from collections.abc import AsyncIterator, Callable, Hashable
 from contextlib import asynccontextmanager
@@ -42,7 +40,6 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from trtdisagg.ratelimit import LogRateLimit, log_limited
 from trtdisagg.security.keys import PeerLabel
@@ -56,6 +53,15 @@ from trtdisagg.security.sockets import (
 from trtdisagg.security.verify import PeerVerifier
 from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.protocol.wire import Message, decode, encode
+from trtdisagg.transfer.runtime.links import (
+    DOWN,
+    HANDSHAKE_FAILED,
+    UP,
+    LinkState,
+    open_monitor,
+    stop_monitor,
+    watch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,7 @@ class MessengerStatistics:
     unroutable: int  # ROUTER replies to an identity that is not connected
     overflowed: int = 0  # ROUTER replies dropped: that peer's queue was full (it does not read)
     refused: int = 0  # secured ROUTER: messages from connections that proved no member's label
+    handshakes_refused: int = 0  # secured ROUTER: peers without the cluster secret, cut off
 
 
 class _Pump:
@@ -105,6 +112,7 @@ class _Pump:
         self.inbox_full = False
         self.warnings = LogRateLimit(lines=5, interval_s=60.0)
         self.sent = self.received = self.bad_frames = self.unroutable = 0
+        self.handshakes_refused = 0
 
     def wake(self) -> None:
         if self.wait_scope is not None:
@@ -113,6 +121,11 @@ class _Pump:
     def warn(self, who: Hashable, message: str, *args: object) -> None:
         """A warning about a peer's input, at most a few per peer and minute."""
         log_limited(log, self.warnings, who, time.monotonic(), message, *args)
+
+    def handshake_failed(self, _event: int) -> None:
+        self.handshakes_refused += 1
+        self.warn("handshake", "refused a control connection: its handshake failed (a peer"
+                  " without the cluster secret)")  # fmt: skip
 
     def flush_warnings(self) -> None:
         now = time.monotonic()
@@ -246,6 +259,7 @@ class _Pump:
             sent=self.sent, received=self.received, bad_frames=self.bad_frames,
             unroutable=self.unroutable, overflowed=self.overflowed,
             refused=verified.refused if verified is not None else 0,
+            handshakes_refused=self.handshakes_refused,
         )  # fmt: skip
 
 
@@ -379,7 +393,9 @@ async def open_router(
     verifier = PeerVerifier(secret=secret) if secret is not None else None
     pump = _Pump(socket, frames=2, queue_size=queue_size, drop_when_full=True, verifier=verifier,
                  name=lambda frames: frames[0].hex())  # fmt: skip
-    async with _running(socket, pump):
+    # A secured ROUTER counts the handshakes it refused (peers without the cluster secret).
+    refusals = pump.handshake_failed if secret is not None else None
+    async with _monitored(socket, pump, HANDSHAKE_FAILED, refusals):
         yield Router(pump, endpoint)
 
 
@@ -412,86 +428,34 @@ async def open_dealer(
         configure_unsecured(socket)
     if identity is not None:
         socket.setsockopt(zmq.ROUTING_ID, identity)
-    monitor = None
-    if on_link is not None:  # before connecting: the first event is not missed
-        monitor = _monitor(socket, endpoint)
-    socket.connect(endpoint)
+    events = LinkState(endpoint, on_link) if on_link is not None else None
     pump = _Pump(socket, frames=1, queue_size=queue_size, name=lambda _frames: endpoint)
+    async with _monitored(socket, pump, UP | DOWN | HANDSHAKE_FAILED, events, endpoint):
+        yield Dealer(pump, endpoint)
+
+
+@asynccontextmanager
+async def _monitored(
+    socket: _Socket,
+    pump: _Pump,
+    events: int,
+    on_event: Callable[[int], None] | None,
+    connect: str | None = None,
+) -> AsyncIterator[None]:
+    """Run `pump` (`_running`) with `on_event` told of `socket`'s `events` (links.py), then
+    connect to `connect` if given (after the monitor: no event is missed)."""
+    monitor = open_monitor(socket, events) if on_event is not None else None
+    if connect is not None:
+        socket.connect(connect)
     try:
         async with _running(socket, pump) as nursery:
-            if monitor is not None and on_link is not None:
-                nursery.start_soon(_watch_link, monitor, endpoint, on_link)
+            if monitor is not None and on_event is not None:
+                nursery.start_soon(watch, monitor, on_event)
             try:
-                yield Dealer(pump, endpoint)
+                yield
             finally:
                 if monitor is not None:
-                    _stop_monitor(socket)
+                    stop_monitor(socket)
     finally:
         if monitor is not None:
             monitor.close(linger=0)
-
-
-_monitor_ids = itertools.count()
-_UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
-# A retried connect was refused (no process listens at the peer's endpoint): a connection that
-# never came up says so only this way.
-_DOWN = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-_REFUSED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-
-
-def _monitor(socket: _Socket, endpoint: str) -> _Socket | None:
-    """A PAIR socket receiving `socket`'s link events, or None (logged) if zmq refuses one.
-    Each gets an inproc name of its own: pyzmq's default (after the socket's descriptor) may
-    still be held by zmq's reaper for a closed socket ("Address already in use")."""
-    address = f"inproc://trtdisagg.link-monitor.{next(_monitor_ids)}"
-    try:
-        return socket.get_monitor_socket(_UP | _DOWN | _REFUSED, addr=address)
-    except zmq.ZMQError as exc:
-        log.warning("no link events for %s (liveness falls back to probes): %s", endpoint, exc)
-        return None
-
-
-def _stop_monitor(socket: _Socket) -> None:
-    """Stop `socket`'s events before either socket closes: zmq's I/O thread blocks until an
-    event can go, and one sent to a monitor whose reader closed first blocked it (and every
-    socket of the process) for good."""
-    try:
-        socket.disable_monitor()
-    except zmq.ZMQError as exc:
-        log.warning("could not stop a link monitor: %s", exc)
-
-
-async def _watch_link(monitor: _Socket, endpoint: str, on_link: Callable[[bool], None]) -> None:
-    """Report a DEALER's link changing state, from its monitor's events (a PAIR socket,
-    edge-triggered like any zmq FD). The link is up once a handshake succeeds (a NULL one too);
-    zmq retries a refused connect, or a failed handshake, every 0.1 s or so: only the first
-    failure is a change, and a failed handshake is said in the log once."""
-    fd = int(monitor.getsockopt(zmq.FD))
-    up: bool | None = None
-    refused = False
-    while True:
-        try:
-            frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
-        except zmq.Again:
-            if not int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # re-arms the edge
-                await trio.lowlevel.wait_readable(fd)
-            continue
-        try:
-            event = parse_monitor_message(frames)["event"]
-        except (ValueError, IndexError, struct.error):
-            continue  # not an event zmq would send
-        if event & _REFUSED and not refused:
-            refused = True
-            log.warning("control connection to %s: its handshake failed (wrong cluster_secret?)",
-                        endpoint)  # fmt: skip
-        if event & _UP and up is not True:
-            up = True
-            on_link(True)
-        elif event & (_DOWN | _REFUSED) and up is not False:
-            up = False
-            on_link(False)
-        await trio.lowlevel.checkpoint()
