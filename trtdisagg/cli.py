@@ -18,7 +18,12 @@ from collections.abc import Sequence
 import trio
 
 from trtdisagg.config import ConfigError, Role, load_worker_config
-from trtdisagg.security.policy import UNSECURED_LOOPBACK_LOG, ControlPlaneMode, control_plane_mode
+from trtdisagg.security.policy import (
+    SECURED_LOG,
+    UNSECURED_LOOPBACK_LOG,
+    ControlPlaneMode,
+    control_plane_mode,
+)
 from trtdisagg.security.secret import cluster_secret_of
 
 
@@ -97,6 +102,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     _setup_logging(config.log_level, f"[{config.role.value}:{config.port}]")
     if mode is ControlPlaneMode.UNSECURED_LOOPBACK:
         logging.getLogger("trtdisagg.worker").warning(UNSECURED_LOOPBACK_LOG, config.host)
+    elif mode is ControlPlaneMode.CURVE:
+        logging.getLogger("trtdisagg.worker").info(SECURED_LOG)
     # Imported only now: a bad config is reported at once, not after loading torch.
     from trtdisagg.worker.ranks import RankDied
     from trtdisagg.worker.serve import serve_worker
