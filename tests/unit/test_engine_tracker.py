@@ -14,7 +14,11 @@ import pytest
 
 from tests.engine_parts import gen_live, make_live, make_scheduler, outcome
 from trtdisagg.worker.engine.ending import Blocks, Ending
-from trtdisagg.worker.engine.tracker import TransferTracker
+from trtdisagg.worker.engine.tracker import (
+    EARLY_RELEASE_S,
+    MAX_EARLY_RELEASES,
+    TransferTracker,
+)
 from trtdisagg.worker.request import FinishReason, RequestState, RequestType
 from trtdisagg.worker.scheduler import Scheduler
 
@@ -259,3 +263,23 @@ def test_a_request_ended_elsewhere_is_left_as_it_is() -> None:
     tracker.scheduler.schedule()
     tracker.settle(live, Ending.dropped(FinishReason.LENGTH))  # the scheduler's own doing
     assert port.calls == [] and live.request.state is RequestState.RUNNING
+
+
+def test_a_release_that_comes_before_its_request_is_remembered_a_while() -> None:
+    """The coordinator's release and ctx's request race over two connections: a release that
+    finds no request of its key is kept, for EARLY_RELEASE_S, for the request still to come."""
+    tracker, _ = make()
+    tracker.remember_release(7, now=100.0)
+    assert tracker.take_early_release(7, now=100.5)
+    assert not tracker.take_early_release(7, now=100.6)  # once
+    tracker.remember_release(8, now=100.0)
+    assert not tracker.take_early_release(8, now=100.0 + EARLY_RELEASE_S)  # too old: forgotten
+    assert not tracker.take_early_release(9, now=100.0)  # never released
+
+
+def test_released_keys_are_bounded() -> None:
+    tracker, _ = make()
+    for key in range(MAX_EARLY_RELEASES + 10):
+        tracker.remember_release(key, now=1.0)
+    assert not tracker.take_early_release(0, now=1.0)  # the oldest made room
+    assert tracker.take_early_release(MAX_EARLY_RELEASES + 9, now=1.0)

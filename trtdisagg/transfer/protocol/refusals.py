@@ -1,13 +1,10 @@
 """Peers' messages the protocol drops or refuses, counted by reason, warned about per peer. Pure.
 
-* `impersonation`: the message names another rank as its sender than the one its connection
-  proved to be (or a write's notification names a rank whose agent did not send it);
-* `not_owner`: it touches a session that belongs to another peer instance;
-* `over_limit`: the peer instance already has `max_sessions_per_peer` transfers held here.
-
-(The socket counts a fourth reason, `unauthenticated`: a connection that proved no member's
-label; messenger.py.) Warnings go through one `LogRateLimit` keyed by the peer, so a peer that
-floods us costs a few log lines a minute and a count of what was suppressed.
+`impersonation`: it names another sender than the rank its connection proved to be (or a write
+notice names a rank whose agent did not send it); `not_owner`: it touches another peer
+instance's session; `over_limit`: its gen instance holds `max_sessions_per_peer` transfers here.
+(The sockets count `unauthenticated` and `handshake`: control.py.) Warnings are limited per peer
+(`LogRateLimit`), so a flood costs a few lines a minute and a count of what was suppressed.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ secured) or on a DEALER, goes to `deliver` (the driver); `send`
 puts a message on the DEALER to an endpoint, opened on first use and kept until `drop`. A
 message to an endpoint whose DEALER is being opened waits in a queue, so that messages to one
 peer leave in the order they were sent. A DEALER reports its link going up or down (`on_link`:
-liveness.py tells a peer that ended from one that stalled).
+liveness.py tells a peer that ended from one that stalled). The sockets' suppressed warnings
+about peers are counted out in the log every `WARNINGS_FLUSH_S`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import functools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import Final, Protocol
 
 import attrs
 import trio
@@ -24,6 +25,8 @@ from trtdisagg.transfer.protocol.wire import Message
 from trtdisagg.transfer.runtime.messenger import MessengerStatistics, open_dealer
 
 log = logging.getLogger(__name__)
+
+WARNINGS_FLUSH_S: Final = 10.0
 
 
 class ControlRouter(Protocol):
@@ -71,15 +74,24 @@ class ControlPlane:
         dealers = sum(dealer.statistics().bad_frames for dealer in self._dealers.values())
         return self.router.statistics().bad_frames + self._closed_bad_frames + dealers
 
-    def flush_warnings(self) -> None:
-        """Log the warnings about peers that every socket suppressed (the driver's sweep)."""
-        self.router.flush_warnings()
-        for dealer in self._dealers.values():
-            dealer.flush_warnings()
+    @property
+    def refused(self) -> dict[str, int]:
+        """What the ROUTER refused (since start): connections that failed their handshake, and
+        messages of connections that proved no member's label (messenger.py)."""
+        stats = self.router.statistics()
+        return {"handshake": stats.handshakes_refused, "unauthenticated": stats.refused}
+
+    async def _flush_warnings(self) -> None:
+        while True:
+            await trio.sleep(WARNINGS_FLUSH_S)
+            self.router.flush_warnings()
+            for dealer in self._dealers.values():
+                dealer.flush_warnings()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._flush_warnings)
             task_status.started()
             while True:
                 identity, message, peer = await self.router.receive_message()

@@ -66,7 +66,6 @@ log = logging.getLogger(__name__)
 # the write's post and end (ctx), gen's TRANSFER_RESULT and notification, the outcome (both).
 STAGES: Final = ("request", "received", "posted", "done", "result", "notice", "outcome")
 TICK_S: Final = 0.01  # deadlines are looked at this often while a transfer is under way
-WARNINGS_FLUSH_S: Final = 10.0  # how often the sockets' suppressed warnings are counted out
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -113,7 +112,6 @@ class KvTransceiver:
     _received: list[TransferOutcome] = attrs.Factory(list)
     _busy: trio.Event = attrs.Factory(trio.Event)  # wakes the ticker when work starts
     _ticking: bool = False  # the ticker looks at deadlines every TICK_S
-    _flushed: float = 0.0  # when the sockets' suppressed warnings were last logged
 
     def __attrs_post_init__(self) -> None:
         staging = None
@@ -121,14 +119,10 @@ class KvTransceiver:
             stager = self.staging.stager
             staging = StagingInfo(address=stager.address, capacity=stager.capacity)
         self.protocol = TransferProtocol(
-            local=self.local,
-            instance=self.instance,
-            timeout_s=self.timeout_s,
-            liveness=self.liveness,
-            early_failures=self.early_failures,
-            staging=staging,
+            local=self.local, instance=self.instance, timeout_s=self.timeout_s,
+            liveness=self.liveness, early_failures=self.early_failures, staging=staging,
             max_sessions_per_peer=self.max_sessions_per_peer,
-        )
+        )  # fmt: skip
         self._control = ControlPlane(
             router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
         )
@@ -206,12 +200,9 @@ class KvTransceiver:
         quarantined += sum(
             s.is_terminal and not gen.released(s, now) for s in gen.receivers.values()
         )
-        sockets = self.router.statistics()
-        refused = {"unauthenticated": sockets.refused, "handshake": sockets.handshakes_refused,
-                   **protocol.refusals.counts}  # fmt: skip
         return TransceiverStatistics(
             rendezvous=gen.rendezvous, senders=len(ctx.senders), receivers=len(gen.receivers),
-            refused=refused,
+            refused={**self._control.refused, **protocol.refusals.counts},
             bad_frames=self._control.bad_frames, quarantined=quarantined,
             quarantine_expired=gen.quarantine_expired, early=len(ctx.early),
             bounced=ctx.bounced + gen.bounced, connections=self._control.connections,
@@ -241,9 +232,6 @@ class KvTransceiver:
                 await self._busy.wait()
             self._busy = trio.Event()
             self._feed(ev.Tick())
-            if (now := self.clock()) >= self._flushed + WARNINGS_FLUSH_S:
-                self._flushed = now
-                self._control.flush_warnings()
 
     def _message(
         self, message: Message, reply_to: bytes | None, peer: PeerLabel | None, source: str

@@ -1,15 +1,11 @@
-"""A zmq socket's connection events, from its monitor: a DEALER's link up and down, a ROUTER's
-refused handshakes. The messenger's helper; besides messenger.py the only module importing zmq.
+"""A zmq socket's connection events, from a monitor: a DEALER's link up and down, a ROUTER's
+refused handshakes. Besides messenger.py (its one user) the only module importing zmq.
 
-A link is up once its handshake succeeds (a NULL one too) and down when it drops, when a connect
-is refused (nothing listens there: zmq retries every 0.1 s or so, and only the first failure is
-news) or when its handshake fails (the peer holds another cluster secret: said in the log once).
-
-Each monitor is a PAIR socket with an inproc name of its own (pyzmq's default, after the socket's
-descriptor, may still be held by zmq's reaper for a closed socket: "Address already in use"),
-read by one task, and stopped before either socket closes: zmq's I/O thread blocks until an event
-can go, and one sent to a monitor whose reader closed first blocked it, and every socket of the
-process, for good.
+A link is up once its handshake succeeds (a NULL one too); down when it drops, when a connect is
+refused (zmq retries every 0.1 s or so: only the first failure is news) or when the handshake
+fails (another cluster secret: logged once). A monitor is a PAIR socket with an inproc name of
+its own (pyzmq's default may still be held by zmq's reaper for a closed socket), stopped before
+either socket closes (zmq's I/O thread blocks, for good, on an event for a closed reader).
 """
 
 from __future__ import annotations

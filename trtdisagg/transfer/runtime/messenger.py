@@ -8,12 +8,11 @@
         await dealer.send_message(request)
         reply = await dealer.receive_message()
 
-Security (trtdisagg/security/): with a cluster secret a ROUTER is a CURVE server and a DEALER a
-CURVE client speaking for its rank's `label`; without one both are plain TCP (the loopback-only
-mode). Either way `ZMQ_MAXMSGSIZE` caps every frame, so a peer cannot make us buffer more. A
-secured ROUTER checks every message's connection (`PeerVerifier`): one that proved no member's
-label is dropped and counted (`refused`) before anything else looks at it, and every delivered
-message names its `peer`, the label it came from (None on an unsecured ROUTER).
+With a cluster secret (trtdisagg/security/) a ROUTER is a CURVE server and a DEALER a CURVE
+client of its rank's `label`; without, plain TCP (loopback only). `ZMQ_MAXMSGSIZE` caps every
+frame. A secured ROUTER checks each message's connection (`PeerVerifier`) before anything else:
+one that proved no member's label is dropped and counted (`refused`, as are failed handshakes);
+the others carry their `peer`, the label they proved (None on an unsecured ROUTER).
 
 Each socket has ONE pump task, the only task that waits on its FD. pyzmq's FD is edge-triggered:
 the pump tries with NOBLOCK; on `zmq.Again` it reads `EVENTS` (which re-arms the edge) and goes
