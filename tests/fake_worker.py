@@ -92,10 +92,10 @@ class FakeWorker:
     """Requests served, by request_type."""
     bodies: list[Json] = attrs.Factory(list)
     held: set[int] = attrs.Factory(set)
-    """ctx: disagg_request_ids of the context_only answers not released since (a fake gen
-    takes nothing, so the ids of requests that succeeded stay here)."""
+    """ctx: transfer keys of the context_only answers not released since (a fake gen takes
+    nothing, so the keys of requests that succeeded stay here)."""
     releases: list[int] = attrs.Factory(list)
-    """ctx: the ids of every `/disagg/release` received, in order."""
+    """ctx: the transfer keys of every `/disagg/release` received, in order."""
     _stored: set[int] = attrs.Factory(set)
     _events: list[Json] = attrs.Factory(list)
     _event_ids: itertools.count[int] = attrs.Factory(itertools.count)
@@ -231,12 +231,12 @@ def create_fake_app(worker: FakeWorker) -> QuartTrio:
 
     @app.post("/disagg/release")
     async def release() -> Response:
-        key = (await request.get_json())["disagg_request_id"]
+        key = (await request.get_json())["transfer_key"]
         released = key in worker.held
         worker.held.discard(key)
         worker.releases.append(key)
         worker._set_running(0)  # wakes `wait_releases`
-        return as_json({"disagg_request_id": key, "released": released})
+        return as_json({"transfer_key": key, "released": released})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -276,12 +276,13 @@ async def _serve(worker: FakeWorker, body: Json, *, chat: bool) -> Response:
         tokens = generate(prompt, 1)
         finish = "length" if max_tokens == 1 else None
         if finish is None:
-            worker.held.add(int(params["disagg_request_id"]))
+            worker.held.add(int(params["transfer_key"]))
             choice_extra["disaggregated_params"] = {
                 "request_type": "context_only",
                 "first_gen_tokens": tokens,
                 "ctx_request_id": next(worker._ctx_ids),
                 "disagg_request_id": params.get("disagg_request_id"),
+                "transfer_key": params.get("transfer_key"),
                 "ctx_dp_rank": 0,
                 "ctx_info_endpoint": worker.ctx_info_endpoint,
             }

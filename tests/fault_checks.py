@@ -126,6 +126,19 @@ async def wait_metrics(
     return text
 
 
+async def same_kv_landed(
+    client: httpx.AsyncClient, ctx: Server, gen: Server, before: set[str]
+) -> set[str]:
+    """The transfer keys whose KV landed on gen since `before` (its digests' keys then); each
+    one's bytes are asserted equal to what ctx sent. Transfer keys are random (the coordinator
+    mints them), so a test finds its transfers this way."""
+    ctx_digests, gen_digests = await digests(client, ctx), await digests(client, gen)
+    landed = set(gen_digests) - before
+    for key in landed:
+        assert ctx_digests[key] == gen_digests[key], f"transfer {key}: the bytes differ"
+    return landed
+
+
 async def digests(client: httpx.AsyncClient, server: Server) -> dict[str, str]:
     data: dict[str, str] = (await client.get(server.url + "/debug/kv_digests")).json()
     return data

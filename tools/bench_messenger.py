@@ -27,7 +27,7 @@ async def _trio_rtts(rounds: int) -> list[float]:
 
         async def echo() -> None:
             while True:
-                identity, payload = await router.receive()
+                identity, payload, _ = await router.receive()
                 await router.send(identity, payload)
 
         async with trio.open_nursery() as nursery:

@@ -18,6 +18,13 @@ from collections.abc import Sequence
 import trio
 
 from trtdisagg.config import ConfigError, Role, load_worker_config
+from trtdisagg.security.policy import (
+    SECURED_LOG,
+    UNSECURED_LOOPBACK_LOG,
+    ControlPlaneMode,
+    control_plane_mode,
+)
+from trtdisagg.security.secret import cluster_secret_of
 
 
 def _setup_logging(level: str, prefix: str) -> None:
@@ -88,7 +95,15 @@ def _run_worker(args: argparse.Namespace) -> int:
     config = load_worker_config(
         args.config, overrides, cluster_secret=os.environ.get("TRTDISAGG_CLUSTER_SECRET")
     )
+    transfer = config.cache_transceiver_config
+    mode = None
+    if transfer.backend is not None:  # a control plane: with a secret, or on loopback only
+        mode = control_plane_mode(config.host, cluster_secret_of(transfer.cluster_secret))
     _setup_logging(config.log_level, f"[{config.role.value}:{config.port}]")
+    if mode is ControlPlaneMode.UNSECURED_LOOPBACK:
+        logging.getLogger("trtdisagg.worker").warning(UNSECURED_LOOPBACK_LOG, config.host)
+    elif mode is ControlPlaneMode.CURVE:
+        logging.getLogger("trtdisagg.worker").info(SECURED_LOG)
     # Imported only now: a bad config is reported at once, not after loading torch.
     from trtdisagg.worker.ranks import RankDied
     from trtdisagg.worker.serve import serve_worker

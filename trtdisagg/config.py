@@ -103,6 +103,9 @@ class CacheTransceiverConfig:
     # A peer instance silent this long is probed; three unanswered probes this long apart mean
     # it is gone, and it is forgotten, its agents unloaded (transfer/liveness.py).
     peer_probe_ms: int = attrs.field(default=5000, validator=_positive)
+    # ctx: transfers one gen instance may hold here at once (sessions bound to it and its
+    # messages waiting for a session); a REQUEST_DATA past it is refused at once, and counted.
+    max_sessions_per_peer: int = attrs.field(default=1024, validator=_positive)
     # ZeroMQ CURVE on every control socket, keyed by this (trtdisagg/security/). A secret:
     # never in a repr, a log line or /server_info. TRTDISAGG_CLUSTER_SECRET overrides it.
     cluster_secret: str | None = attrs.field(default=None, repr=False, validator=_cluster_secret)

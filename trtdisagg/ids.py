@@ -1,8 +1,10 @@
 """Request ids: 64-bit snowflake global ids for disaggregated requests, and local ids.
 
 A global id (`disagg_request_id`, DESIGN.md §6) names one request across the coordinator, the ctx
-instance and the gen instance; the KV transfer is keyed by it, so two requests in flight must never
-share one (a collision mixes two requests' KV). Layout, most significant bit first::
+instance and the gen instance, for logs and ordering; two requests in flight never share one.
+It is predictable (a clock and a counter), so it is not what addresses the KV transfer: that is a
+transfer key (`new_transfer_key`), 64 random bits, which only the coordinator and the request's
+ctx and gen know. Layout of a global id, most significant bit first::
 
     [0 (1) | ms since EPOCH_MS (39) | node_id (8) | process_id (6) | counter (10)]
 
@@ -24,6 +26,7 @@ happens above 1024 ids/ms, so it is done with a short `time.sleep` even on an ev
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 import zlib
@@ -33,6 +36,12 @@ from typing import Final, NewType
 import attrs
 
 DisaggRequestId = NewType("DisaggRequestId", int)
+
+
+def new_transfer_key() -> int:
+    """A fresh transfer key (`disaggregated_params.transfer_key`): 64 random bits, never 0."""
+    return secrets.randbits(64) or 1
+
 
 MIN_GLOBAL_ID: Final = 1 << 40
 MAX_GLOBAL_ID: Final = (1 << 63) - 1  # exclusive

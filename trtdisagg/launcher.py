@@ -27,6 +27,10 @@ itself, and the coordinator gets the same ``cluster`` instead of server urls: it
 registered. ``etcd: embedded`` starts a single-member etcd first, as one more child (``etcd``;
 ``etcd`` must be on PATH), with its data under ``<log_dir>/etcd-data`` (wiped at each start).
 
+The control plane runs secured (trtdisagg/security/): unless ``TRTDISAGG_CLUSTER_SECRET`` is set
+here or a worker's config sets ``cache_transceiver_config.cluster_secret``, ``up`` generates a
+secret for the run and gives it to every child in that variable (never to a file or the log).
+
 Every child gets this process's environment. To put workers on different GPUs, give each its
 ``cuda_device`` key (a GPU index as this process numbers them); ``ctx`` may be an empty list when
 the coordinator has ``conditional_disagg_config`` (aggregated workers listed under ``gen``).
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -60,6 +65,7 @@ from trtdisagg.config import ConfigError, WorkerConfig, read_yaml, structure
 from trtdisagg.coordinator.config import coordinator_config_from_dict
 from trtdisagg.membership.embedded import EtcdNotInstalled, etcd_args, etcd_binary
 from trtdisagg.membership.records import check_cluster_name, check_etcd_url
+from trtdisagg.security.secret import ENV_VAR
 
 log = logging.getLogger("trtdisagg.launcher")
 
@@ -113,6 +119,8 @@ class ClusterPlan:
     log_dir: Path
     etcd_data: Path | None = None
     """The embedded etcd's data directory (emptied before it starts)."""
+    secret_configured: bool = False
+    """A worker's config sets its cluster secret: none is generated for the run."""
 
 
 def _free_port(host: str) -> int:
@@ -251,8 +259,22 @@ def plan_cluster(data: object, *, source: str, root: Path) -> tuple[ClusterPlan,
         stop_grace=float(data.get("stop_grace", 10)),
         log_dir=log_dir,
         etcd_data=log_dir / "etcd-data" if data.get("etcd") == "embedded" else None,
+        secret_configured=any(
+            (content.get("cache_transceiver_config") or {}).get("cluster_secret") is not None
+            for content in files.values()
+        ),
     )
     return plan, files
+
+
+def children_environment(plan: ClusterPlan, environ: dict[str, str]) -> dict[str, str]:
+    """The environment every child runs with: this one, plus a cluster secret generated for
+    the run unless one is set already (here, or in a worker's config)."""
+    env = {**environ, "PYTHONUNBUFFERED": "1"}
+    if not env.get(ENV_VAR) and not plan.secret_configured:
+        env[ENV_VAR] = secrets.token_urlsafe(32)
+        log.info("control plane secured with a cluster secret generated for this run")
+    return env
 
 
 async def _pump(proc: trio.Process, child: Child) -> None:
@@ -388,7 +410,7 @@ async def run_cluster(plan: ClusterPlan) -> int:
     stops them in reverse start order (coordinator first).
     """
     procs: list[tuple[trio.Process, Child]] = []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = children_environment(plan, dict(os.environ))
     # One receiver for the whole run, stop included: with none installed, a second signal
     # during the stop would kill this process and leave its children running.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -59,7 +59,7 @@ def test_bounce_mismatch_is_refused_fast_with_both_values(cluster: Cluster) -> N
             assert BOTH_VALUES in r.json()["error"]["message"], r.text
             assert elapsed < limit, elapsed
             # As a client that will not ask gen again: ctx's KV goes back at once.
-            key = {"disagg_request_id": params["disagg_request_id"]}
+            key = {"transfer_key": params["transfer_key"]}
             r = client.post(cluster.ctx.url + "/disagg/release", json=key)
             assert r.json() == {**key, "released": True}, r.text
         assert aggregated(client, cluster.gen.url, body)  # gen itself still serves

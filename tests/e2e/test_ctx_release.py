@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import attrs
 import httpx
 import pytest
+import trio
 import yaml
 
 from tests.fault_checks import SLACK_S, Processes, is_idle, processes, wait_metrics
@@ -91,12 +92,14 @@ async def test_release_route_names_what_is_wrong_and_knows_what_ctx_holds(
 ) -> None:
     url = cluster.ctx.url + "/disagg/release"
     async with httpx.AsyncClient(timeout=30) as client:
-        for body in ({}, {"disagg_request_id": "seven"}, {"disagg_request_id": -1}, [1]):
+        bad = ({}, {"transfer_key": "seven"}, {"transfer_key": -1}, {"transfer_key": 2**64},
+               {"disagg_request_id": -1}, [1])  # fmt: skip
+        for body in bad:
             r = await client.post(url, json=body)
             assert r.status_code == 400, (body, r.text)
             message = r.json()["error"]["message"]
-            assert "disagg_request_id" in message or "JSON object" in message, message
-        r = await client.post(url, json={"disagg_request_id": 2**50 + 3})
+            assert "transfer_key" in message or "JSON object" in message, message
+        r = await client.post(url, json={"transfer_key": 2**63 + 3})
         assert r.status_code == 200 and r.json()["released"] is False, r.text
         released = await _count(client, cluster.ctx, RELEASED)
         # A request whose gen took its KV is not released: ctx frees it when the write is done.
@@ -105,6 +108,43 @@ async def test_release_route_names_what_is_wrong_and_knows_what_ctx_holds(
         await wait_metrics(client, cluster.ctx, is_idle, "ctx idle", SLACK_S)
         assert await _count(client, cluster.ctx, RELEASED) == released
         assert await _count(client, cluster.coordinator, RELEASES, 'outcome="released"') == 0
+
+
+async def test_a_release_before_the_prefill_ends_ends_the_request_there(cluster: Cluster) -> None:
+    """The coordinator gave up (its client left) while ctx still prefills: the release is not
+    forgotten ("not held"), leaving the KV pinned for the whole timeout once the prefill ends;
+    the request ends at once and frees its blocks. A release that overtakes its request (over
+    another connection) ends the request as it comes."""
+    ctx = cluster.ctx
+    async with httpx.AsyncClient(timeout=30) as client:
+        released = await _count(client, ctx, RELEASED)
+        key = 2**63 + 12345
+        params = {"request_type": "context_only", "transfer_key": key}
+        body = {**_body(2000, 5), "disaggregated_params": params}  # a few prefill steps long
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await client.post(ctx.url + "/v1/completions", json=body))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            await wait_metrics(client, ctx, lambda t: metric(t, "trtdisagg_requests_running") > 0,
+                               "ctx prefilling", 10)  # fmt: skip
+            r = await client.post(ctx.url + "/disagg/release", json={"transfer_key": key})
+            assert r.json() == {"transfer_key": key, "released": True}, r.text
+        (answer,) = answers
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] == "abort", answer.text
+        await wait_metrics(client, ctx, is_idle, "ctx idle", SLACK_S)
+
+        key += 1
+        r = await client.post(ctx.url + "/disagg/release", json={"transfer_key": key})
+        assert r.json() == {"transfer_key": key, "released": False}, r.text  # nothing yet
+        body = {**_body(40, 6), "disaggregated_params": {**params, "transfer_key": key}}
+        answer = await client.post(ctx.url + "/v1/completions", json=body)
+        assert answer.json()["choices"][0]["finish_reason"] == "abort", answer.text
+        await wait_metrics(client, ctx, is_idle, "ctx idle", SLACK_S)
+        assert await _count(client, ctx, RELEASED) == released + 2
 
 
 async def test_a_gen_that_refuses_the_request_frees_ctx_at_once(cluster: Cluster) -> None:

@@ -57,7 +57,7 @@ async def _split(
     r = await client.post(ctx.url + "/v1/completions", json=ctx_body)
     assert r.status_code == 200, r.text
     answer = r.json()
-    key = answer["choices"][0]["disaggregated_params"]["disagg_request_id"]
+    key = answer["choices"][0]["disaggregated_params"]["transfer_key"]
     assert answer["choices"][0]["finish_reason"] is None
     # ctx names itself, so gen can tell a restarted ctx on a reused endpoint from the old one.
     state = answer["choices"][0]["disaggregated_params"]["opaque_state"]

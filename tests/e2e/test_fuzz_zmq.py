@@ -354,7 +354,7 @@ def _refusal(inbox: zmq.Socket[bytes]) -> int:
     _identity, payload = inbox.recv_multipart()
     result = decode(payload)
     assert isinstance(result, TransferResult) and result.status is ResultStatus.ERROR, result
-    assert f"disagg_request_id {result.key}" in result.error, result.error
+    assert f"transfer key {result.key}" in result.error, result.error
     return result.key
 
 

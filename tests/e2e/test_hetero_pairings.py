@@ -145,7 +145,7 @@ async def _split(
     )
     g = await client.post(gen.url + "/v1/completions", json=gen_body)
     assert g.status_code == 200, g.text
-    return list(g.json()["choices"][0]["token_ids"]), int(params["disagg_request_id"])
+    return list(g.json()["choices"][0]["token_ids"]), int(params["transfer_key"])
 
 
 async def _wait_idle(client: httpx.AsyncClient, server: Server) -> None:

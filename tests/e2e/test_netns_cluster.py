@@ -27,6 +27,7 @@ import pytest
 import trio
 import yaml
 
+from tests.control_peers import SECRET_TEXT
 from tests.etcd_server import Etcd, running_etcd
 from tests.netns import Network, network
 from tests.procs import metric, stop, wait_healthy, worker_config
@@ -40,7 +41,8 @@ HOSTS = ("coord", "ctxa", "gena", "ctxb", "genb")
 CLUSTER = "netns"
 LEASE_TTL_S = 2
 PORT = 8001
-ENV = {"UCX_TLS": "tcp", "TRTDISAGG_TEST_HOOKS": "1"}
+# (workers bind 0.0.0.0: their control plane must run CURVE, keyed by the cluster's secret)
+ENV = {"UCX_TLS": "tcp", "TRTDISAGG_TEST_HOOKS": "1", "TRTDISAGG_CLUSTER_SECRET": SECRET_TEXT}
 
 
 @attrs.define(eq=False)
@@ -144,12 +146,10 @@ async def test_three_hosts_tokens_equal_aggregated_and_kv_crosses_tcp_byte_exact
     async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
         sent_before = sum(hosts.net.tx_bytes(h) for h in ("ctxa", "ctxb"))
         kv_before = await kv_sent(client, ctxs)
-        keys = []
+        landed_before = set((await client.get(gen.url + "/debug/kv_digests")).json())
         for i, n in enumerate((17, 64, 150)):
             prompt = [(7 * i + 3 * j) % 490 + 10 for j in range(n)]
-            key = 2**50 + i
-            keys.append(key)
-            params = {"request_type": "context_only", "disagg_request_id": key}
+            params = {"request_type": "context_only", "disagg_request_id": 2**50 + i}
             r = await client.post(
                 hosts.coordinator.url + "/v1/completions",
                 json=body(prompt, 10, disaggregated_params=params),
@@ -163,8 +163,10 @@ async def test_three_hosts_tokens_equal_aggregated_and_kv_crosses_tcp_byte_exact
         ctx_digests: dict[str, str] = {}
         for ctx in ctxs:
             ctx_digests |= (await client.get(ctx.url + "/debug/kv_digests")).json()
+        keys = set(gen_digests) - landed_before  # the coordinator's transfer keys: random
+        assert len(keys) == 3, keys
         for key in keys:
-            assert ctx_digests[str(key)] == gen_digests[str(key)], f"transfer {key} changed bytes"
+            assert ctx_digests[key] == gen_digests[key], f"transfer {key} changed bytes"
         kv_bytes = await kv_sent(client, ctxs) - kv_before
         sent = sum(hosts.net.tx_bytes(h) for h in ("ctxa", "ctxb")) - sent_before
     assert kv_bytes > 100_000  # 231 tokens of KV

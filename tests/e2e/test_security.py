@@ -2,7 +2,8 @@
 
 * A cluster started as a user would (`python -m trtdisagg up`, the default shape: 1 ctx + 1 gen
   with the NIXL transceiver + coordinator, on 127.0.0.1) has no TCP listener and no UDP socket on
-  a non-loopback address, UCX's included, and still moves KV. Sockets are read from /proc: each
+  a non-loopback address, UCX's included, runs its control plane secured (CURVE, with a secret
+  `up` made for the run), and still moves KV. Sockets are read from /proc: each
   process's socket inodes (/proc/PID/fd) joined with its network namespace's tables
   (/proc/PID/net/{tcp,tcp6,udp,udp6}).
 * With an API key (env `TRTDISAGG_API_KEY` for the workers, `api_key` in the coordinator's file),
@@ -36,6 +37,7 @@ from tests.edges import Cluster, aggregated, completion, running_cluster, wait_i
 from tests.procs import REPO, free_port, metric
 from trtdisagg.launcher import DEFAULT_CLUSTER
 from trtdisagg.membership.interfaces import confine_ucx
+from trtdisagg.security.policy import SECURED_LOG
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -181,6 +183,8 @@ def test_default_cluster_listens_on_loopback_only_and_still_transfers(tmp_path: 
         for name in ("ctx-0", "gen-0"):
             log = (tmp_path / "logs" / f"{name}.log").read_text()
             assert "UCX restricted to lo: 127.0.0.1 is loopback" in log
+            # `up` gave the workers a secret of the run's own: CURVE, not the loopback mode
+            assert SECURED_LOG in log and "control plane unauthenticated" not in log
     assert proc.returncode == 0
     assert all(_gone(pid) for pid in pids)
 
@@ -259,7 +263,7 @@ def test_every_openai_route_needs_the_key(keyed: tuple[Cluster, str]) -> None:
                 assert r.status_code != 200, (server.url, variant, r.text)
             for path in ("/health", "/metrics", "/version"):  # probes need no key
                 assert client.get(server.url + path).status_code == 200
-        release = {"disagg_request_id": 12345}  # the coordinator's call; no request holds it
+        release = {"transfer_key": 12345}  # the coordinator's call; no request holds it
         for server in cluster.workers:
             for headers in wrong:
                 r = client.post(server.url + "/disagg/release", json=release, headers=headers)

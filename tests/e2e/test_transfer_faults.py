@@ -117,7 +117,7 @@ async def assert_exact_transfer(
     answer = await context_only(client, ctx, body)
     r = await client.post(gen.url + "/v1/completions", json=gen_body(answer, body))
     assert r.status_code == 200, r.text
-    key = str(answer["choices"][0]["disaggregated_params"]["disagg_request_id"])
+    key = str(answer["choices"][0]["disaggregated_params"]["transfer_key"])
     assert (await digests(client, ctx))[key] == (await digests(client, gen))[key], key
 
 
@@ -144,7 +144,7 @@ async def test_one_fault_ends_cleanly_within_the_deadline(
         if case.fails_with is None:
             assert r.status_code == 200, r.text
             assert len(r.json()["choices"][0]["token_ids"]) == 6
-            key = str(answer["choices"][0]["disaggregated_params"]["disagg_request_id"])
+            key = str(answer["choices"][0]["disaggregated_params"]["transfer_key"])
             ctx_digest, gen_digest = [(await digests(client, s))[key] for s in pair]
             assert ctx_digest == gen_digest, f"{name}: the bytes differ"
         else:

@@ -96,7 +96,7 @@ async def test_split_across_gpus_lands_exact_bytes(
             )
             assert second.status_code == 200, second.text
             assert_greedy_match(second.json()["choices"][0]["token_ids"], *ref, tol=NEAR_TIE)
-            key = str(params["disagg_request_id"])
+            key = str(params["transfer_key"])
             ctx_digests = (await client.get(servers[ctx].url + "/debug/kv_digests")).json()
             gen_digests = (await client.get(servers[gen].url + "/debug/kv_digests")).json()
             assert gen_digests[key] == ctx_digests[key], f"{ctx} -> {gen}: KV bytes differ"

@@ -205,6 +205,9 @@ async def test_split_answer_equals_aggregated_and_usage_merges(
     assert 1 << 40 <= disagg_id < (1 << 63) - 1
     params = gen_body["disaggregated_params"]
     assert params["request_type"] == "generation_only" and params["disagg_request_id"] == disagg_id
+    # The KV moves under a key of its own: random, not the (predictable) id, carried to gen.
+    key = ctx_body["disaggregated_params"]["transfer_key"]
+    assert params["transfer_key"] == key and key != disagg_id and 0 < key < 2**64
     assert params["first_gen_tokens"] == _expected(_body()["prompt"])[:1]
     assert gen_body["prompt_token_ids"] == fake_tokenize(_body()["prompt"])
     # The second identical prompt is a prefix hit on ctx: cached tokens come from ctx.
@@ -313,6 +316,7 @@ async def test_client_disagg_request_id_is_honoured(
     assert r.status_code == 200, r.text
     assert c.ctx[0].worker.bodies[0]["disaggregated_params"]["disagg_request_id"] == 4242
     assert c.gen[0].worker.bodies[0]["disaggregated_params"]["disagg_request_id"] == 4242
+    assert c.ctx[0].worker.bodies[0]["disaggregated_params"]["transfer_key"] != 4242  # random
 
 
 async def test_worker_4xx_is_passed_through_and_not_retried(
@@ -337,6 +341,8 @@ async def test_5xx_is_retried_on_another_server_with_a_new_id(
     first, second = (f.worker.bodies[0] for f in c.ctx)
     ids = {b["disaggregated_params"]["disagg_request_id"] for b in (first, second)}
     assert len(ids) == 2
+    keys = {b["disaggregated_params"]["transfer_key"] for b in (first, second)}
+    assert len(keys) == 2  # a key per attempt, too
     # With no retries left the failure is a 502.
     for fake in c.ctx:
         fake.worker.fail_status, fake.worker.fail_count = 500, 5
@@ -471,7 +477,8 @@ async def test_client_disconnect_during_ctx_leg_cancels_it(
 
 
 def _sent_id(fake: Fake) -> int:
-    key = fake.worker.bodies[-1]["disaggregated_params"]["disagg_request_id"]
+    """The transfer key the coordinator sent with its last ctx leg to `fake`."""
+    key = fake.worker.bodies[-1]["disaggregated_params"]["transfer_key"]
     assert isinstance(key, int)
     return key
 

@@ -33,7 +33,7 @@ async def test_dealer_drops_duplicates_and_delays_by_message_type() -> None:
         got = []
         with trio.fail_after(10):
             for _ in range(4):
-                _identity, message = await router.receive_message()
+                _identity, message, _ = await router.receive_message()
                 got.append((message, trio.current_time() - started))
         # CANCEL 1 dropped; CANCEL 2 twice; the delayed result overtaken by CANCEL 4.
         assert [m for m, _ in got] == [_cancel(2), _cancel(2), _cancel(4), _result(3)]
@@ -50,7 +50,7 @@ async def test_router_replies_are_faulted_too() -> None:
     ):
         await dealer.send_message(_result(7))
         with trio.fail_after(10):
-            identity, _ = await router.receive_message()
+            identity, _, _ = await router.receive_message()
             await router.send_message(identity, _cancel(8))  # dropped
             await router.send_message(identity, _cancel(9))
             assert await dealer.receive_message() == _cancel(9)

@@ -175,7 +175,7 @@ async def test_a_late_refusal_of_the_first_use_does_not_end_the_second_that_ctx_
     # As "ended_before" above, with nothing reordered: ctx holds the first use's request and CANCEL.
     # gen's second use asks, and ctx holds that request too while its second request of KEY
     # prefills, longer than what it held of the first use may wait: ctx then refuses the
-    # first use's request (ERROR, "no request with disagg_request_id"). That answer must not
+    # first use's request (ERROR, "no request with transfer key"). That answer must not
     # end the second use (and free its blocks) while ctx still holds the second use's request
     # and writes it when the prefill ends.
     timeout_s = 2.0  # ctx holds what finds no session this long, and sweeps every second

@@ -14,7 +14,7 @@ from trtdisagg.transfer.runtime.messenger import Router, open_dealer, open_route
 async def _echo(router: Router, *, task_status: trio.TaskStatus[None]) -> None:
     task_status.started()
     while True:
-        identity, message = await router.receive_message()
+        identity, message, _peer = await router.receive_message()
         await router.send_message(identity, message)
 
 
@@ -69,7 +69,8 @@ async def test_dealer_counts_garbage_from_its_router() -> None:
     async with open_router() as router, open_dealer(router.endpoint) as dealer:
         await dealer.send(b"hello")
         with trio.fail_after(10):
-            identity, payload = await router.receive()
+            identity, payload, peer = await router.receive()
+        assert peer is None  # an unsecured router proves nobody
         assert payload == b"hello"
         await router.send(identity, b"\x93garbage")
         await router.send_message(identity, _cancel(1))
@@ -108,7 +109,7 @@ async def test_backpressure_keeps_order_and_loses_nothing() -> None:
                 for i in range(count):
                     if i % 500 == 0:
                         await trio.sleep(0.05)  # a slow consumer: the inbox fills up
-                    _, payload = await router.receive()
+                    _, payload, _ = await router.receive()
                     assert int.from_bytes(payload[:4], "little") == i
         assert router.statistics().received == count
 

@@ -9,6 +9,7 @@ import pytest
 
 from trtdisagg.coordinator.perf import PhaseClock
 from trtdisagg.coordinator.split import (
+    AttemptIds,
     ClientAsk,
     UpstreamProtocolError,
     answer_as_sse,
@@ -29,7 +30,8 @@ CLIENT = {
 }  # fmt: skip
 PARAMS = {
     "request_type": "context_only", "first_gen_tokens": [42], "ctx_request_id": 7,
-    "disagg_request_id": 1 << 41, "ctx_dp_rank": 0, "ctx_info_endpoint": "tcp://x:1",
+    "disagg_request_id": 1 << 41, "transfer_key": 2**64 - 3, "ctx_dp_rank": 0,
+    "ctx_info_endpoint": "tcp://x:1",
 }  # fmt: skip
 
 
@@ -56,11 +58,12 @@ def ask(**kw: Any) -> ClientAsk:
 
 
 def test_ctx_request_is_non_streaming_context_only() -> None:
-    body = ctx_request(CLIENT, 123)
+    body = ctx_request(CLIENT, AttemptIds(123, 2**63 + 5))
     assert body["stream"] is False and "stream_options" not in body
     assert body["disaggregated_params"] == {
         "request_type": "context_only",
         "disagg_request_id": 123,
+        "transfer_key": 2**63 + 5,
     }
     assert body["logit_bias"] == {"1": 2}  # fields the coordinator does not know are forwarded
     assert CLIENT["stream"] is True  # the client's body is not modified
@@ -75,10 +78,12 @@ def test_gen_request_carries_ctx_params_and_prompt_ids() -> None:
 
 
 def test_gen_first_request_and_local_request() -> None:
-    body = gen_first_request(CLIENT, 99, ctx_info_endpoint="tcp://e", prompt_token_ids=[1, 2])
+    ids = AttemptIds(99, 12345)
+    body = gen_first_request(CLIENT, ids, ctx_info_endpoint="tcp://e", prompt_token_ids=[1, 2])
     params = body["disaggregated_params"]
     assert params["request_type"] == "generation_only"
     assert params["ctx_request_id"] == params["disagg_request_id"] == 99
+    assert params["transfer_key"] == 12345
     assert body["prompt_token_ids"] == [1, 2]
     local = local_request({**CLIENT, "disaggregated_params": {"disagg_request_id": 5}})
     assert "disaggregated_params" not in local

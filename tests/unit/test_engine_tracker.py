@@ -14,7 +14,11 @@ import pytest
 
 from tests.engine_parts import gen_live, make_live, make_scheduler, outcome
 from trtdisagg.worker.engine.ending import Blocks, Ending
-from trtdisagg.worker.engine.tracker import TransferTracker
+from trtdisagg.worker.engine.tracker import (
+    EARLY_RELEASE_S,
+    MAX_EARLY_RELEASES,
+    TransferTracker,
+)
 from trtdisagg.worker.request import FinishReason, RequestState, RequestType
 from trtdisagg.worker.scheduler import Scheduler
 
@@ -310,3 +314,23 @@ def test_ctx_sends_every_choice_s_first_token_with_the_kv() -> None:
     (send,) = port.named("send")
     assert send[1] == 7 and send[4] == (11, 12)
     assert live.request.state is RequestState.CTX_SENDING
+
+
+def test_a_release_that_comes_before_its_request_is_remembered_a_while() -> None:
+    """The coordinator's release and ctx's request race over two connections: a release that
+    finds no request of its key is kept, for EARLY_RELEASE_S, for the request still to come."""
+    tracker, _ = make()
+    tracker.remember_release(7, now=100.0)
+    assert tracker.take_early_release(7, now=100.5)
+    assert not tracker.take_early_release(7, now=100.6)  # once
+    tracker.remember_release(8, now=100.0)
+    assert not tracker.take_early_release(8, now=100.0 + EARLY_RELEASE_S)  # too old: forgotten
+    assert not tracker.take_early_release(9, now=100.0)  # never released
+
+
+def test_released_keys_are_bounded() -> None:
+    tracker, _ = make()
+    for key in range(MAX_EARLY_RELEASES + 10):
+        tracker.remember_release(key, now=1.0)
+    assert not tracker.take_early_release(0, now=1.0)  # the oldest made room
+    assert tracker.take_early_release(MAX_EARLY_RELEASES + 9, now=1.0)

@@ -43,6 +43,10 @@ def test_the_layout_is_complete() -> None:
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert container["readinessProbe"]["httpGet"]["path"] == "/health"
         assert "kill -TERM 1" in container["lifecycle"]["preStop"]["exec"]["command"][-1]
+        # workers bind 0.0.0.0: without a cluster secret they would refuse to start
+        secret = next(e for e in container["env"] if e["name"] == "TRTDISAGG_CLUSTER_SECRET")
+        assert secret["valueFrom"]["secretKeyRef"] == {"name": "trtdisagg-secret",
+                                                       "key": "cluster-secret"}  # fmt: skip
 
 
 def test_the_configs_in_the_config_map_load(tmp_path: Path) -> None:

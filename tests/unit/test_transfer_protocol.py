@@ -48,11 +48,13 @@ from trtdisagg.transfer.protocol.wire import (
     NOT_REGISTERED,
     Cancel,
     Message,
+    RegisterPeer,
     RequestData,
     ResultStatus,
     TransferResult,
     WriteNotice,
     decode,
+    pack_block_ids,
 )
 
 TIMEOUT = 10.0
@@ -85,6 +87,7 @@ class Net:
     sent: list[TransferOutcome] = attrs.Factory(list)
     received: list[TransferOutcome] = attrs.Factory(list)
     forgotten: list[ForgetPeer] = attrs.Factory(list)
+    elsewhere: list[tuple[str, Message]] = attrs.Factory(list)  # sent to a third party
     wakes: int = 0
 
     @classmethod
@@ -105,8 +108,14 @@ class Net:
         endpoint = self.side(name).local.control_endpoint
         for effect in effects:
             match effect:
-                case Send(message=message):  # on our dealer to the other's router
-                    self._queue(other, MessageIn(message=message, reply_to=name.encode()))
+                case Send(endpoint=to, message=message):  # to the other's (secured) router
+                    if to != self.side(other).local.control_endpoint:
+                        self.elsewhere.append((to, message))
+                        continue
+                    sender = self.side(name).local.key
+                    self._queue(
+                        other, MessageIn(message=message, reply_to=name.encode(), peer=sender)
+                    )
                 case Reply(message=message):  # back on the other's dealer to us
                     self._queue(other, MessageIn(message=message, source=endpoint))
                 case LoadAgent(info=info, reply_to=reply_to):
@@ -145,7 +154,7 @@ class Net:
         if notice:
             message = decode(order.notice)
             assert isinstance(message, WriteNotice)
-            self.feed("gen", NoticeIn(notice=message))
+            self.feed("gen", NoticeIn(notice=message, remote=self.ctx.local.agent_name))
         self.feed("ctx", WriteEnded(write_id=write_id))
         return order
 
@@ -411,3 +420,96 @@ def test_a_write_prepared_for_a_kv_that_never_comes_is_released_at_the_deadline(
     assert not net.released
     net.tick(TIMEOUT)  # the prefill that was to produce the KV never ended
     assert net.released == [prepared] and not net.ctx.ctx.prepared
+
+
+# ---- who may touch a transfer: the sender a connection proved, the session's owner ----
+
+INTRUDER = "gen-b"  # a second gen instance of the cluster, registered with ctx
+
+
+def _intruder(net: Net) -> None:
+    info = attrs.evolve(_info(INTRUDER), control_endpoint="tcp://127.0.0.1:2003")
+    net.feed("ctx", MessageIn(message=RegisterPeer(info=info), reply_to=b"b", peer=info.key))
+    net.held.clear()  # (its REGISTER_ACK: it is nobody's dealer here)
+
+
+def _from_intruder(net: Net, to: str, message: Message) -> None:
+    net.feed(to, MessageIn(message=message, reply_to=b"b", peer=(INTRUDER, 0)))
+
+
+def _request(key: int, name: str = INTRUDER) -> RequestData:
+    blocks = (pack_block_ids([9, 10]),)
+    return RequestData(key=key, instance_name=name, instance_rank=0, block_ids=blocks,
+                       num_tokens=TOKENS)  # fmt: skip
+
+
+def test_a_message_that_names_another_sender_than_its_connection_is_dropped() -> None:
+    net = Net.of()
+    _intruder(net)
+    net.feed("ctx", KvReady(key=5, source=_source()))
+    _from_intruder(net, "ctx", _request(5, name="gen"))  # gen's name, the intruder's key
+    assert net.ctx.refusals.counts["impersonation"] == 1
+    assert not net.writes and not net.elsewhere and len(net.ctx.ctx.early) == 0
+
+
+def test_another_gen_instance_can_neither_take_nor_cancel_a_session_bound_to_its_owner() -> None:
+    net = Net.of()
+    _intruder(net)
+    net.feed("ctx", KvReady(key=5, source=_source(), first_tokens=(1,)))
+    net.ask(5)
+    net.deliver()  # gen's REQUEST_DATA bound the session; its write is posted
+    (order,) = net.writes.values()
+    _from_intruder(net, "ctx", _request(5))
+    _from_intruder(net, "ctx", Cancel(key=5, instance_name=INTRUDER, instance_rank=0))
+    assert net.ctx.refusals.counts == {"impersonation": 0, "not_owner": 2, "over_limit": 0}
+    assert list(net.writes.values()) == [order] and not net.elsewhere  # nothing for it
+    net.land()
+    net.deliver()
+    assert net.sent[0].ok and net.received[0].ok
+
+
+def test_a_cancel_of_another_instance_before_the_session_does_not_cancel_it() -> None:
+    net = Net.of()
+    _intruder(net)
+    net.ask(6)
+    net.deliver()  # gen's REQUEST_DATA waits at ctx (generation-first)
+    _from_intruder(net, "ctx", Cancel(key=6, instance_name=INTRUDER, instance_rank=0))
+    ((_, answer),) = net.elsewhere  # every CANCEL is answered, to its sender
+    assert isinstance(answer, TransferResult) and answer.status is ResultStatus.CANCELLED
+    net.feed("ctx", KvReady(key=6, source=_source(), first_tokens=(2,)))
+    net.land()
+    net.deliver()
+    assert net.sent[0].ok and net.received[0].ok
+
+
+def test_a_gen_instance_over_its_limit_is_refused_at_once() -> None:
+    net = Net.of()
+    net.ctx.ctx.max_per_peer = 2
+    for key in (1, 2, 3):
+        net.ask(key)
+    net.deliver()  # three requests wait at ctx for their sessions: room for two
+    (refused,) = net.received
+    assert refused.key == 3 and not refused.ok
+    assert "max_sessions_per_peer 2" in (refused.error or "")
+    assert net.ctx.refusals.counts["over_limit"] == 1 and len(net.ctx.ctx.early) == 2
+
+
+def test_gen_takes_results_cancels_and_notices_only_from_the_ctx_it_asked() -> None:
+    net = Net.of()
+    net.feed("ctx", KvReady(key=4, source=_source(), first_tokens=(3,)))
+    net.ask(4)
+    net.deliver()  # ctx's write is under way; gen waits for it
+    forged = TransferResult(key=4, instance_name="ctx-b", instance_rank=0,
+                            status=ResultStatus.ERROR, error="forged")  # fmt: skip
+    for message in (forged, Cancel(key=4, instance_name="ctx-b", instance_rank=0)):
+        net.feed("gen", MessageIn(message=message, reply_to=b"x", peer=("ctx-b", 0)))
+    in_ctx_name = attrs.evolve(forged, instance_name="ctx")
+    net.feed("gen", MessageIn(message=in_ctx_name, reply_to=b"x", peer=("ctx-b", 0)))
+    notice = WriteNotice(key=4, instance_name="ctx", instance_rank=0, num_bytes=8,
+                         num_descriptors=1, first_tokens=(3,))  # fmt: skip
+    net.feed("gen", NoticeIn(notice=notice, remote="ctx-b#0"))  # another agent's
+    assert net.gen.refusals.counts == {"impersonation": 2, "not_owner": 2, "over_limit": 0}
+    assert not net.received
+    net.land()
+    net.deliver()
+    assert net.received[0].ok and net.received[0].first_tokens == (3,)

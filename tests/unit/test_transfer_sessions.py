@@ -230,13 +230,15 @@ def test_early_messages() -> None:
     early = EarlyMessages(ttl=5.0)
     early.add_request(0.0, _request(0, key=7))
     early.add_request(4.0, _request(1, key=7))
-    early.add_cancel(2.0, key=8)
+    early.add_cancel(2.0, key=8, instance="gen-b")
+    assert (early.held_by("gen"), early.held_by("gen-b"), early.held_by("other")) == (2, 1, 0)
     assert [r.instance_rank for r in early.sweep(6.0)] == [0]  # rank 0's is older than ttl
-    requests, cancelled = early.take(7)
+    requests, canceller = early.take(7)
     assert [r.instance_rank for r in requests] == [1]
-    assert not cancelled
-    assert early.take(8) == ([], True)
-    assert early.take(8) == ([], False)
+    assert canceller is None
+    assert early.take(8) == ([], "gen-b")  # who cancelled: only its session starts cancelled
+    assert early.take(8) == ([], None)
+    assert early.held_by("gen") == early.held_by("gen-b") == 0
 
 
 @pytest.mark.parametrize("status", [ERROR, ResultStatus.CANCELLED])

@@ -47,6 +47,10 @@ class DisaggregatedParams:
     first_gen_tokens: list[int] | None = None
     ctx_request_id: int | None = None
     disagg_request_id: int | None = None
+    # The key the KV transfer goes under, a capability: random 64 bits (the coordinator mints one
+    # per attempt; ctx mints one for a client that gives neither this nor disagg_request_id,
+    # which is otherwise taken as the key). ctx's answer carries it to gen.
+    transfer_key: int | None = None
     ctx_dp_rank: int | None = None
     ctx_info_endpoint: str | None = None
     opaque_state: str | None = None
@@ -68,9 +72,15 @@ class DisaggregatedParams:
 @attrs.frozen(kw_only=True)
 class KvRelease:
     """`POST /disagg/release` to a ctx worker: the coordinator gave up on this request's gen
-    leg before any gen took its KV, so ctx stops holding it."""
+    leg before any gen took its KV, so ctx stops holding it. Names the transfer by its key
+    (`disagg_request_id` alone: a key a client chose, as `DisaggregatedParams` takes it)."""
 
-    disagg_request_id: int
+    transfer_key: int | None = None
+    disagg_request_id: int | None = None
+
+    @property
+    def key(self) -> int | None:
+        return self.transfer_key if self.transfer_key is not None else self.disagg_request_id
 
 
 @attrs.frozen(kw_only=True)

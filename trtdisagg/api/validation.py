@@ -35,9 +35,15 @@ def validate_request(req: AnyRequest) -> None:
     _validate_sampling(req)
     params = req.disaggregated_params
     key = params.disagg_request_id if params is not None else None
-    if key is not None and not 0 <= key < 2**63:  # the wire's transfer keys are int64 (0: mint one)
+    if key is not None and not 0 <= key < 2**63:  # (0: mint one)
         raise bad_request(
             f"disaggregated_params.disagg_request_id: must be in [0, 2**63), got {key}",
+            param="disaggregated_params",
+        )
+    transfer_key = params.transfer_key if params is not None else None
+    if transfer_key is not None and not 0 < transfer_key < 2**64:  # the wire's keys are uint64
+        raise bad_request(
+            f"disaggregated_params.transfer_key: must be in (0, 2**64), got {transfer_key}",
             param="disaggregated_params",
         )
     if isinstance(req, CompletionRequest):

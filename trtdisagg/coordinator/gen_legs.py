@@ -33,7 +33,7 @@ from trtdisagg.coordinator.resume import (
     LegFailure,
     RequestTimeout,
 )
-from trtdisagg.coordinator.split import CtxResult, gen_stream_request
+from trtdisagg.coordinator.split import AttemptIds, CtxResult, gen_stream_request
 from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected, UpstreamUnreachable
 
 if TYPE_CHECKING:
@@ -57,8 +57,8 @@ class GenLegs:
     service: DisaggService
     call: _Call
     ctx: CtxResult | None = None
-    disagg_id: int | None = None
-    """The key ctx holds the KV under, released when the first leg fails before any token."""
+    ids: AttemptIds | None = None
+    """What ctx holds the KV under, released when the first leg fails before any token."""
     relay: GenRelay | None = None
 
     async def first(self, body: Json, lease: Lease, *, first_token_timeout: float | None) -> Reply:
@@ -100,9 +100,9 @@ class GenLegs:
             return StreamReply(body=RelayBody(relay=self.relay, finish=self._finish))
         return JsonReply(body=await self._collect(self.relay))
 
-    def joined(self, ctx: CtxResult, disagg_id: int) -> None:
+    def joined(self, ctx: CtxResult, ids: AttemptIds) -> None:
         """generation_first: ctx answered after the first leg was posted."""
-        self.ctx, self.disagg_id = ctx, disagg_id
+        self.ctx, self.ids = ctx, ids
         if self.relay is not None:
             ledger = self.relay.ledger
             ledger.ctx_usage = ctx.usage
@@ -158,8 +158,8 @@ class GenLegs:
         self.service.missed(failure)
 
     async def abandoned(self, relay: GenRelay) -> None:
-        if self.ctx is not None and self.disagg_id is not None:
-            await self.service.release_ctx(self.call, self.ctx.server, self.disagg_id)
+        if self.ctx is not None and self.ids is not None:
+            await self.service.release_ctx(self.call, self.ctx.server, self.ids)
 
     async def resume(self, relay: GenRelay, failure: LegFailure) -> Leg:
         """A continuation on another gen: an aggregated request for prompt + tokens sent."""

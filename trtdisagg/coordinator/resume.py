@@ -188,6 +188,7 @@ class GenRelay:
     _complete: bool = False
     _failed: AnswerFailed | None = None
     _seen_token: bool = False
+    _abandoned: bool = False  # ctx was told no gen takes its KV
 
     @property
     def complete(self) -> bool:
@@ -217,6 +218,15 @@ class GenRelay:
 
     async def aclose(self) -> None:
         await self.leg.close(success=self._complete)
+        if not self._complete:  # the client left: ctx's KV may be waiting for a gen that left too
+            await self._abandon()
+
+    async def _abandon(self) -> None:
+        """While no token came on the first leg, gen may not have taken ctx's KV (it may still
+        wait for blocks): ctx is told to free it now (a release after gen took it is a no-op)."""
+        if not self._abandoned and self.ledger.leg == 0 and not self.ledger.token_ids:
+            self._abandoned = True
+            await self.resumer.abandoned(self)
 
     async def _step(self) -> None:
         leg = self.leg
@@ -303,10 +313,8 @@ class GenRelay:
     async def _recover(self, failure: LegFailure) -> None:
         """Cut the failed leg; complete the answer, or resume it, or raise AnswerFailed."""
         self.resumer.missed(failure)
-        idle_first_leg = self.ledger.leg == 0 and not self.ledger.token_ids
         await self.leg.close(success=False)
-        if idle_first_leg:
-            await self.resumer.abandoned(self)
+        await self._abandon()
         if self.ledger.finish_reason is not None:  # the answer was whole when the leg broke
             self._pending += self.ledger.closing()
             self._complete = True

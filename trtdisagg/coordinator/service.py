@@ -7,7 +7,8 @@ forks them):
 1. validate the body (400 naming the field), check readiness (503), start the request deadline
    (``request_timeout``, 504 when it passes);
 2. tokenize the prompt when a router or conditional disaggregation needs its token ids;
-3. attempt, up to ``1 + max_retries`` times, each attempt with a new ``disagg_request_id``
+3. attempt, up to ``1 + max_retries`` times, each attempt with a new ``disagg_request_id`` and
+   a new transfer key (random: what addresses the KV)
    (the client's positive one is used for the first) and excluding the servers that failed;
    the second server of an attempt is chosen among those that can exchange KV with the first
    (503 naming the first server and why when none is left):
@@ -68,6 +69,7 @@ from trtdisagg.coordinator.resume import (
 )
 from trtdisagg.coordinator.routers import NoServerAvailable, RouteRequest
 from trtdisagg.coordinator.split import (
+    AttemptIds,
     ClientAsk,
     CtxResult,
     UpstreamProtocolError,
@@ -88,7 +90,7 @@ from trtdisagg.coordinator.upstream import (
     UpstreamUnreachable,
     WorkerClient,
 )
-from trtdisagg.ids import SnowflakeGenerator
+from trtdisagg.ids import SnowflakeGenerator, new_transfer_key
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +215,7 @@ class DisaggService:
         for attempt in range(attempts):
             disagg_id = client_id if attempt == 0 and client_id else self.ids.next_id()
             try:
-                return await self._attempt(call, disagg_id)
+                return await self._attempt(call, AttemptIds(disagg_id, new_transfer_key()))
             except UpstreamError as exc:
                 kind = type(exc).__name__
                 self.metrics.upstream_errors.labels(role=exc.role, kind=kind).inc()
@@ -250,8 +252,9 @@ class DisaggService:
             self.metrics.router_matched_tokens.labels(**labels).inc(selection.matched_tokens)
         return Lease(placement=self.placement, role=role, key=key, selection=selection)
 
-    async def _attempt(self, call: _Call, disagg_id: int) -> Reply:
+    async def _attempt(self, call: _Call, ids: AttemptIds) -> Reply:
         gen: Lease | None = None
+        disagg_id = ids.request_id
         try:
             conditional = self.config.conditional_disagg_config
             if conditional is not None:
@@ -270,32 +273,30 @@ class DisaggService:
                 and not call.ask.logprobs
             ):
                 gen = gen or await self.lease(call, GEN, disagg_id)
-                return await self._generation_first(call, disagg_id, gen)
+                return await self._generation_first(call, ids, gen)
             pair_with = gen.server if gen is not None else None
             ctx_lease = await self.lease(call, CTX, disagg_id, pair_with=pair_with)
-            ctx = await self._ctx_leg(call, disagg_id, ctx_lease)
+            ctx = await self._ctx_leg(call, ids, ctx_lease)
             if ctx.finished:
                 return self._ctx_reply(call, ctx)
             taken = False
             try:
                 # No gen that can pair with ctx left (NoServerAvailable) also releases ctx's KV.
                 gen = gen or await self.lease(call, GEN, disagg_id, pair_with=ctx.server)
-                reply = await self._gen_leg(
-                    call, gen_request(call.raw, ctx), gen, ctx=ctx, disagg_id=disagg_id
-                )
+                reply = await self._gen_leg(call, gen_request(call.raw, ctx), gen, ctx=ctx, ids=ids)
                 taken = True
                 return reply
             finally:
                 if not taken:
-                    await self.release_ctx(call, ctx.server, disagg_id)
+                    await self.release_ctx(call, ctx.server, ids)
         finally:
             if gen is not None:
                 await gen.release_unless_handed_off(success=False)
 
-    async def _ctx_leg(self, call: _Call, disagg_id: int, lease: Lease) -> CtxResult:
+    async def _ctx_leg(self, call: _Call, ids: AttemptIds, lease: Lease) -> CtxResult:
         call.clock.ctx_start = trio.current_time()
         success = False
-        # Whether ctx may hold KV under `disagg_id` that no gen will take. It may unless it said
+        # Whether ctx may hold KV under `ids` that no gen will take. It may unless it said
         # otherwise (an error status) or never got the request: a leg cancelled while ctx
         # answers (the client left, `request_timeout`) or whose answer broke or did not parse
         # would otherwise strand the prompt's blocks for ctx's whole `kv_transfer_timeout_ms`.
@@ -307,7 +308,7 @@ class DisaggService:
                 data = await self.client.post_json(
                     lease.server,
                     call.endpoint.path,
-                    ctx_request(call.raw, disagg_id),
+                    ctx_request(call.raw, ids),
                     role=CTX.value,
                     headers=call.headers,
                 )
@@ -338,10 +339,10 @@ class DisaggService:
         finally:
             call.clock.ctx_end = trio.current_time()
             if not success and may_hold:
-                await self.release_ctx(call, lease.server, disagg_id)
+                await self.release_ctx(call, lease.server, ids)
             await lease.release(success=success)
 
-    async def release_ctx(self, call: _Call, server: str, key: int) -> None:
+    async def release_ctx(self, call: _Call, server: str, ids: AttemptIds) -> None:
         """No gen leg took ctx's KV (no gen, refused, unreachable, or the client left): ask ctx
         to stop holding it now rather than for its whole `kv_transfer_timeout_ms` (peers.md,
         pain point 16). Best effort, bounded, and done even when the request is cancelled; a
@@ -350,12 +351,12 @@ class DisaggService:
         with trio.CancelScope(deadline=trio.current_time() + RELEASE_TIMEOUT_S, shield=True):
             try:
                 answer = await self.client.post_json(
-                    server, "/disagg/release", {"disagg_request_id": key},
+                    server, "/disagg/release", {"transfer_key": ids.transfer_key},
                     role=CTX.value, headers=call.headers,
                 )  # fmt: skip
                 outcome = "released" if answer.get("released") is True else "not_held"
             except UpstreamError as exc:
-                log.warning("could not release ctx's KV of request %d: %s", key, exc)
+                log.warning("could not release ctx's KV of request %d: %s", ids.request_id, exc)
         self.metrics.ctx_releases.labels(outcome=outcome).inc()
 
     def perf_of(self, call: _Call, ctx: CtxResult | None) -> Callable[[Json | None], Json] | None:
@@ -388,10 +389,10 @@ class DisaggService:
         lease: Lease,
         *,
         ctx: CtxResult | None,
-        disagg_id: int | None = None,
+        ids: AttemptIds | None = None,
         legs: GenLegs | None = None,
     ) -> Reply:
-        legs = legs or GenLegs(service=self, call=call, ctx=ctx, disagg_id=disagg_id)
+        legs = legs or GenLegs(service=self, call=call, ctx=ctx, ids=ids)
         timeout = self.config.gen_first_token_timeout
         if self.config.schedule_style is ScheduleStyle.GENERATION_FIRST and ctx is None:
             # Posted with the ctx leg (or alone, conditional): its first token may wait for a
@@ -410,17 +411,17 @@ class DisaggService:
             role = ServerRole(failure.role)
             self.placement.report_unreachable(role, failure.server, str(failure))
 
-    async def _generation_first(self, call: _Call, disagg_id: int, gen: Lease) -> Reply:
+    async def _generation_first(self, call: _Call, ids: AttemptIds, gen: Lease) -> Reply:
         """Post gen before ctx answers, so gen allocates while ctx prefills and the KV moves as
         soon as both sides are ready. gen learns where the KV comes from (ctx's
         ``ctx_info_endpoint`` from its /server_info) and under which id, but not ctx's first
         token: ctx sends that with the KV (TRANSFER_RESULT.first_tokens)."""
-        ctx_lease = await self.lease(call, CTX, disagg_id, pair_with=gen.server)
+        ctx_lease = await self.lease(call, CTX, ids.request_id, pair_with=gen.server)
         info = self.placement.server_info(ctx_lease.server)
         tokens = call.route.prompt_token_ids
         body = gen_first_request(
             call.raw,
-            disagg_id,
+            ids,
             ctx_info_endpoint=info.ctx_info_endpoint if info else None,
             prompt_token_ids=list(tokens) if tokens is not None else None,
         )
@@ -439,7 +440,7 @@ class DisaggService:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run_gen)
             try:
-                ctx_result.append(await self._ctx_leg(call, disagg_id, ctx_lease))
+                ctx_result.append(await self._ctx_leg(call, ids, ctx_lease))
             except Exception as exc:
                 ctx_error.append(exc)
             if ctx_error or ctx_result[0].finished:
@@ -452,10 +453,10 @@ class DisaggService:
                 raise ctx_error[0]
             return self._ctx_reply(call, ctx_result[0])
         if gen_error:
-            await self.release_ctx(call, ctx_result[0].server, disagg_id)
+            await self.release_ctx(call, ctx_result[0].server, ids)
             raise gen_error[0]
         reply, ctx = gen_result[0], ctx_result[0]
-        legs.joined(ctx, disagg_id)
+        legs.joined(ctx, ids)
         if isinstance(reply, StreamReply):
             return reply
         body_out = dict(reply.body)

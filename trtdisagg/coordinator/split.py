@@ -4,7 +4,8 @@ Bodies stay plain JSON mappings here: the coordinator forwards what the client s
 not interpret included) and changes only what the split needs (DESIGN.md §2):
 
 * ctx leg: ``stream: false``, no ``stream_options``, ``disaggregated_params = {request_type:
-  context_only, disagg_request_id}``;
+  context_only, disagg_request_id, transfer_key}`` (the id for logs; the key, 64 random bits per
+  attempt, addresses the KV transfer: `ids.new_transfer_key`);
 * gen leg: the client's body with ``prompt_token_ids`` from ctx and ``disaggregated_params = {...ctx
   choice's params, request_type: generation_only}``, read as a stream with token ids and usage
   (`gen_stream_request`) whatever the client asked: `ledger.py` rebuilds the client's answer;
@@ -26,6 +27,15 @@ Json = dict[str, Any]
 
 CONTEXT_ONLY: Final = "context_only"
 GENERATION_ONLY: Final = "generation_only"
+
+
+@attrs.frozen
+class AttemptIds:
+    """One attempt's names for its request: the id (logs, ordering, routers' reservations) and
+    the transfer key, random, that its KV moves under (and `/disagg/release` names)."""
+
+    request_id: int
+    transfer_key: int
 
 
 class UpstreamProtocolError(TrtDisaggError):
@@ -74,13 +84,14 @@ def client_disagg_request_id(body: Json) -> int | None:
     return None
 
 
-def ctx_request(body: Json, disagg_request_id: int) -> Json:
+def ctx_request(body: Json, ids: AttemptIds) -> Json:
     out = copy.copy(body)
     out["stream"] = False
     out.pop("stream_options", None)
     out["disaggregated_params"] = {
         "request_type": CONTEXT_ONLY,
-        "disagg_request_id": disagg_request_id,
+        "disagg_request_id": ids.request_id,
+        "transfer_key": ids.transfer_key,
     }
     return out
 
@@ -114,8 +125,8 @@ def parse_ctx_response(data: object, *, server: str) -> CtxResult:
 
     Raises:
         UpstreamProtocolError: no choices, or (for an unfinished request) no
-            ``disaggregated_params`` with ``ctx_request_id``/``disagg_request_id`` on choice
-            0, or no ``prompt_token_ids``.
+            ``disaggregated_params`` with ``ctx_request_id``/``transfer_key`` on choice 0, or
+            no ``prompt_token_ids``.
     """
     if not isinstance(data, dict):
         raise UpstreamProtocolError(f"ctx server {server}: answer is not a JSON object")
@@ -131,7 +142,7 @@ def parse_ctx_response(data: object, *, server: str) -> CtxResult:
     if not finished:
         if not isinstance(params, dict):
             raise UpstreamProtocolError(f"ctx server {server}: choice has no disaggregated_params")
-        for key in ("ctx_request_id", "disagg_request_id"):
+        for key in ("ctx_request_id", "transfer_key"):
             if params.get(key) is None:
                 raise UpstreamProtocolError(
                     f"ctx server {server}: disaggregated_params.{key} is missing"
@@ -173,20 +184,21 @@ def gen_stream_request(body: Json) -> Json:
 
 def gen_first_request(
     body: Json,
-    disagg_request_id: int,
+    ids: AttemptIds,
     *,
     ctx_info_endpoint: str | None,
     prompt_token_ids: list[int] | None,
 ) -> Json:
     """The gen leg of ``schedule_style: generation_first``, posted before ctx answers: gen only
-    knows where the KV will come from (ctx's info endpoint) and the id it will come under."""
+    knows where the KV will come from (ctx's info endpoint) and the key it will come under."""
     out = copy.copy(body)
     if prompt_token_ids is not None:
         out["prompt_token_ids"] = prompt_token_ids
     out["disaggregated_params"] = {
         "request_type": GENERATION_ONLY,
-        "ctx_request_id": disagg_request_id,
-        "disagg_request_id": disagg_request_id,
+        "ctx_request_id": ids.request_id,
+        "disagg_request_id": ids.request_id,
+        "transfer_key": ids.transfer_key,
         "ctx_info_endpoint": ctx_info_endpoint,
         "schedule_style": "generation_first",
     }

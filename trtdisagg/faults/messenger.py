@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 import trio
 
 from trtdisagg.faults.spec import FaultAction, FaultInjector
+from trtdisagg.security.keys import PeerLabel
 from trtdisagg.transfer.protocol.wire import MESSAGE_TAGS, Message
 from trtdisagg.transfer.runtime.messenger import (
     Dealer,
@@ -82,7 +83,7 @@ class FaultyRouter:
         self._faults = faults
         self.endpoint = router.endpoint
 
-    async def receive_message(self) -> tuple[bytes, Message]:
+    async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]:
         return await self._router.receive_message()
 
     async def send_message(self, identity: bytes, message: Message) -> None:
@@ -98,6 +99,9 @@ class FaultyRouter:
 
     def statistics(self) -> MessengerStatistics:
         return self._router.statistics()
+
+    def flush_warnings(self) -> None:
+        self._router.flush_warnings()
 
 
 class FaultyDealer:
@@ -122,6 +126,9 @@ class FaultyDealer:
     def statistics(self) -> MessengerStatistics:
         return self._dealer.statistics()
 
+    def flush_warnings(self) -> None:
+        self._dealer.flush_warnings()
+
 
 @asynccontextmanager
 async def faulty_router(router: Router, injector: FaultInjector) -> AsyncIterator[FaultyRouter]:
@@ -132,14 +139,16 @@ async def faulty_router(router: Router, injector: FaultInjector) -> AsyncIterato
 
 def faulty_dealers(
     injector: FaultInjector,
+    connect: Callable[..., AbstractAsyncContextManager[Dealer]] = open_dealer,
 ) -> Callable[..., AbstractAsyncContextManager[FaultyDealer]]:
-    """An `open_dealer` whose dealers follow the fault plan."""
+    """`connect` (an `open_dealer`, maybe with its security bound) whose dealers follow the
+    fault plan."""
 
     @asynccontextmanager
     async def open_faulty(
         endpoint: str, *, on_link: Callable[[bool], None] | None = None
     ) -> AsyncIterator[FaultyDealer]:
-        async with open_dealer(endpoint, on_link=on_link) as dealer, trio.open_nursery() as nursery:
+        async with connect(endpoint, on_link=on_link) as dealer, trio.open_nursery() as nursery:
             yield FaultyDealer(dealer, _Faults(injector, nursery))
             nursery.cancel_scope.cancel()
 

@@ -27,6 +27,9 @@ UNSECURED_LOOPBACK_LOG: Final = (
 )
 
 
+SECURED_LOG: Final = "control plane secured: CURVE, keyed by the cluster secret"
+
+
 class ControlPlaneMode(enum.Enum):
     CURVE = "curve"
     UNSECURED_LOOPBACK = "unsecured-loopback"

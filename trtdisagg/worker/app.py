@@ -119,7 +119,7 @@ def create_app(service: WorkerService) -> QuartTrio:
         body = parse_json(await request.get_data(cache=False, as_text=False))
         ask = structure_body(body, KvRelease)
         released = service.release_send(ask)
-        return json_response({"disagg_request_id": ask.disagg_request_id, "released": released})
+        return json_response({"transfer_key": ask.key, "released": released})
 
     def model_card() -> dict[str, object]:
         return model_object(

@@ -1,6 +1,6 @@
 """What a generation_only request carries from ctx's answer, checked as any peer's input is.
 
-ctx's answer (`disaggregated_params`) names the transfer (`disagg_request_id`), where the KV comes
+ctx's answer (`disaggregated_params`) names the transfer (`transfer_key`), where the KV comes
 from (`ctx_info_endpoint`, and ctx's instance in `opaque_state`: handoff.py), the first token ctx
 sampled for each of the request's choices, and what ctx computed that gen cannot (the first
 tokens' logprobs). Each is a 400 naming the field when it does not fit this request and vocabulary.
@@ -41,9 +41,13 @@ def generation_source(
         raise bad_request(
             f"{field}.ctx_info_endpoint: expected tcp://host:port, got {endpoint!r}", param=field
         )
-    key = params.disagg_request_id
-    if key is None or not 0 < key < 2**63:
-        raise bad_request(f"{field}.disagg_request_id: required, in (0, 2**63)", param=field)
+    key = params.transfer_key or params.disagg_request_id
+    if key is None or not 0 < key < 2**64:
+        raise bad_request(
+            f"{field}.transfer_key: required for generation_only (ctx's answer has it), or the "
+            f"disagg_request_id the ctx leg was given",
+            param=field,
+        )
     return GenerationSource(
         key=key,
         ctx_info_endpoint=params.ctx_info_endpoint,

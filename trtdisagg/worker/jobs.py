@@ -97,6 +97,7 @@ class Job:
     text_of: Callable[[int], str]
     ctx: CtxEndpoint
     transfer_key: int | None = None
+    disagg_request_id: int | None = None  # context_only: the request's id, for logs
     single_prompt: bool = True  # else each choice carries its own prompt ids
     # chat with tools (not `none`): the text is searched for calls in this format
     tools: ToolCallFormat | None = None
@@ -219,7 +220,8 @@ class Job:
             "request_type": "context_only",
             "first_gen_tokens": firsts[:1],
             "ctx_request_id": request.request_id,
-            "disagg_request_id": self.transfer_key,
+            "disagg_request_id": self.disagg_request_id,
+            "transfer_key": self.transfer_key,
             "ctx_dp_rank": 0,
             "ctx_info_endpoint": self.ctx.info_endpoint,
             "opaque_state": ctx_state(self.ctx.instance) if self.ctx.instance else None,

@@ -143,7 +143,7 @@ def run_follower(
 async def _follow(
     config: WorkerConfig, model_dir: Path, rank: int, port: int, instance_name: str
 ) -> None:
-    from trtdisagg.worker.transfer_setup import build_transceiver, hold_router
+    from trtdisagg.worker.transfer_setup import build_transceiver, control_secret, hold_router
 
     group = await trio.to_thread.run_sync(
         lambda: RankGroup.join(
@@ -164,7 +164,7 @@ async def _follow(
         writes: list[WriteRecord] = []
         digests: DigestBuffer | None = None
         if config.cache_transceiver_config.backend is not None:
-            router = await nursery.start(hold_router, config.host)
+            router = await nursery.start(hold_router, config.host, None, control_secret(config))
             router.endpoint = advertised_endpoint(router.endpoint, config.advertise_host)
             built = await build_transceiver(
                 config,

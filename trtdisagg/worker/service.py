@@ -30,6 +30,7 @@ from trtdisagg.api.tool_calls import ToolCallFormat, parses_tool_calls, tool_cal
 from trtdisagg.api.validation import is_batched, logit_bias_of, num_candidates
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
+from trtdisagg.ids import new_transfer_key
 from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.transfer.protocol.rank_info import compat_fields
@@ -144,13 +145,13 @@ class WorkerService:
         ]
 
     def release_send(self, ask: KvRelease) -> bool:
-        """`POST /disagg/release`: whether a context_only request held KV under that id (it
-        is released at the executor's next step)."""
-        key = ask.disagg_request_id
-        if not 0 <= key < 2**63:
-            raise bad_request(
-                f"disagg_request_id: must be in [0, 2**63), got {key}", param="disagg_request_id"
-            )
+        """`POST /disagg/release`: whether a context_only request held, or will hold, KV under
+        that transfer key (it is released at the executor's next step, or when its prefill
+        ends)."""
+        key = ask.key
+        if key is None or not 0 <= key < 2**64:
+            raise bad_request(f"transfer_key: required, in [0, 2**64), got {key}",
+                              param="transfer_key")  # fmt: skip
         if self.executor.transceiver is None:
             raise bad_request(
                 "disagg_request_id: there is no KV to release: cache_transceiver is disabled on "
@@ -182,21 +183,22 @@ class WorkerService:
         plans = plan_choices(req)
         prompts = self._prompts(req, plans)
         sampling = {p: self._sampling(req, len(ids)) for p, ids in prompts.items()}
-        source, key = None, None
+        source, key, disagg_id = None, None, None
         if kind is RequestType.GENERATION_ONLY:
             assert params is not None
             candidates = num_candidates(req)
             source = generation_source(params, self.tokenizer.vocab_size, candidates, prompts[0])
         elif kind is RequestType.CONTEXT_ONLY:
             assert params is not None
-            key = params.disagg_request_id or (secrets.randbits(62) | 1 << 40)
+            disagg_id = params.disagg_request_id or (secrets.randbits(62) | 1 << 40)
+            key = params.transfer_key or params.disagg_request_id or new_transfer_key()
         transfer_key = source.key if source is not None else key
         if transfer_key is not None and self.executor.transfer_key_in_use(
             transfer_key, sending=source is None
         ):
             raise ApiError(
                 409,
-                f"disaggregated_params.disagg_request_id: {transfer_key} is already in use by "
+                f"disaggregated_params.transfer_key: {transfer_key} is already in use by "
                 "another request on this worker",
                 param="disaggregated_params",
             )
@@ -218,6 +220,7 @@ class WorkerService:
             text_of=self.token_text,
             ctx=CtxEndpoint(info_endpoint=self.ctx_info_endpoint, instance=self.ctx_instance),
             transfer_key=key,
+            disagg_request_id=disagg_id,
             single_prompt=len(prompts) == 1,
             keep=req.n if num_candidates(req) > req.n else None,
             tools=(

@@ -4,10 +4,17 @@ Registration happens once, here, at start: nothing is registered or allocated pe
 transfer path. The agent's metadata is read after registration, because NIXL's metadata names the
 registered memory. With fault injection armed (TRTDISAGG_FAULTS, tests only), and only then, the
 router, the dealers and the agent are wrapped in their faulty versions (trtdisagg/faults/).
+
+With a cluster secret (trtdisagg/security/) the ROUTER is a CURVE server, and the ZAP task that
+admits its clients runs beside it for the process's life (one per zmq context: every rank is a
+process of its own); the dealers are CURVE clients speaking for this rank's label. The rank's
+own messages must fit the control plane's frame cap (`check_fits`), or peers would drop the
+connection that carries them: such a worker refuses to start.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,6 +29,10 @@ from trtdisagg.membership.interfaces import confine_ucx_to_interface
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.args import model_fingerprint
 from trtdisagg.model.parallel import pp_layer_range
+from trtdisagg.security.keys import PeerLabel
+from trtdisagg.security.limits import check_fits
+from trtdisagg.security.secret import ClusterSecret, cluster_secret_of
+from trtdisagg.security.zap import serve_zap
 from trtdisagg.transfer.protocol.liveness import PeerLiveness
 from trtdisagg.transfer.protocol.rank_info import (
     BounceConfig,
@@ -29,7 +40,7 @@ from trtdisagg.transfer.protocol.rank_info import (
     flat_rank,
     make_instance_name,
 )
-from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION
+from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION, InstanceInfo, RegisterPeer, encode
 from trtdisagg.transfer.runtime.agents.base import (
     MemoryRegion,
     TransferAgent,
@@ -50,24 +61,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def control_secret(config: WorkerConfig) -> ClusterSecret | None:
+    """The cluster secret the control plane runs with (None: unsecured, loopback only)."""
+    return cluster_secret_of(config.cache_transceiver_config.cluster_secret)
+
+
 async def hold_router(
     host: str,
     faults: FaultInjector | None = None,
+    secret: ClusterSecret | None = None,
     *,
     task_status: trio.TaskStatus[ControlRouter] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Own this rank's control-plane ROUTER for the life of the worker (bound to `host` only);
-    with `faults` (tests only), its replies follow the fault plan."""
+    """Own this rank's control-plane ROUTER for the life of the worker (bound to `host` only),
+    a CURVE server with `secret`, with the process's ZAP task; with `faults` (tests only), its
+    replies follow the fault plan."""
     address = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
-    async with open_router(bind=address) as router:
-        if faults is None:
-            task_status.started(router)
-            await trio.sleep_forever()
-        from trtdisagg.faults.messenger import faulty_router  # armed: tests only
+    async with trio.open_nursery() as nursery:
+        if secret is not None:
+            await nursery.start(serve_zap)
+        async with open_router(bind=address, secret=secret) as router:
+            if faults is None:
+                task_status.started(router)
+                await trio.sleep_forever()
+            from trtdisagg.faults.messenger import faulty_router  # armed: tests only
 
-        async with faulty_router(router, faults) as faulty:
-            task_status.started(faulty)
-            await trio.sleep_forever()
+            async with faulty_router(router, faults) as faulty:
+                task_status.started(faulty)
+                await trio.sleep_forever()
 
 
 def _make_agent(backend: TransceiverBackend, name: str, progress_thread: bool) -> TransferAgent:
@@ -105,19 +126,21 @@ async def build_transceiver(
     if instance_name is None:
         instance_name = make_instance_name(config.role.value)
     rank = flat_rank(tp_rank=parallel.tp_rank, pp_rank=parallel.pp_rank, tp_size=parallel.tp_size)
-    agent_name = f"{instance_name}#{rank}"
+    label = PeerLabel(instance_name=instance_name, instance_rank=rank)
+    agent_name = label.text
     if transfer.backend is TransceiverBackend.NIXL:
         await confine_ucx_to_interface(config.host, config.advertise_host)
     agent = await trio.to_thread.run_sync(
         _make_agent, transfer.backend, agent_name, transfer.nixl_progress_thread
     )
-    connect: DealerOpener = open_dealer
+    secured = functools.partial(open_dealer, secret=control_secret(config), label=label)
+    connect: DealerOpener = secured
     if faults is not None:  # tests only (TRTDISAGG_FAULTS)
         from trtdisagg.faults.agent import FaultyAgent
         from trtdisagg.faults.messenger import faulty_dealers
 
         agent = FaultyAgent(agent, faults)
-        connect = faulty_dealers(faults)
+        connect = faulty_dealers(faults, secured)
     page_table = cache.page_table(model.local_layer_ids)
     regions = pool_regions(page_table)
     stager = None
@@ -167,12 +190,17 @@ async def build_transceiver(
         ),
     )
     instance = (info,) if share_infos is None else await share_infos(info)
+    check_fits(len(encode(RegisterPeer(info=info))), f"this rank's REGISTER_PEER ({info.label})")
+    if rank == 0:
+        answer = InstanceInfo(protocol_version=PROTOCOL_VERSION, ranks=instance)
+        check_fits(len(encode(answer)), "this instance's INSTANCE_INFO")
     transceiver = KvTransceiver(
         local=info,
         instance=instance,
         agent=agent,
         router=router,
         timeout_s=transfer.kv_transfer_timeout_ms / 1000,
+        max_sessions_per_peer=transfer.max_sessions_per_peer,
         wake=wake,
         early_failures=early_failures,
         on_write=on_write,

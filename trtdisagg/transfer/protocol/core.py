@@ -13,6 +13,12 @@ is probed (REQUEST_INSTANCE_INFO to its rank 0), and one that is gone (probes un
 instance at its endpoint, or a control connection that dropped and stayed down) is forgotten by
 both sides (ForgetPeer: its dealers closed, its agents unloaded). One whose process ended also
 fails at once what waits on it.
+
+Senders: on a secured control plane each message that comes on the ROUTER names the rank whose
+key its connection proved (`MessageIn.peer`); one whose own fields name another rank is dropped
+and counted (refusals.py), so the rank a message names is the rank that sent it. On a DEALER the
+peer is whoever answers at the endpoint we dialled. Unsecured (loopback only), the message's
+word is taken, as it must be.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from trtdisagg.transfer.protocol.gen import GenProtocol, StagingInfo
 from trtdisagg.transfer.protocol.liveness import Gone, PeerLiveness
 from trtdisagg.transfer.protocol.peers import PeerRegistrar
 from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.refusals import Refusals
 from trtdisagg.transfer.protocol.wire import (
     PROTOCOL_VERSION,
     Cancel,
@@ -38,6 +45,7 @@ from trtdisagg.transfer.protocol.wire import (
     RequestData,
     RequestInstanceInfo,
     TransferResult,
+    sender_of,
 )
 
 log = logging.getLogger(__name__)
@@ -53,6 +61,8 @@ class TransferProtocol:
     liveness: PeerLiveness = attrs.Factory(PeerLiveness)
     early_failures: bool = True
     staging: StagingInfo | None = None
+    max_sessions_per_peer: int = 1024
+    refusals: Refusals = attrs.Factory(Refusals)
     ctx: CtxProtocol = attrs.field(init=False)
     gen: GenProtocol = attrs.field(init=False)
     forgotten: int = 0  # peer instances forgotten as gone (since start)
@@ -60,10 +70,13 @@ class TransferProtocol:
     probes: int = 0  # probes sent (since start)
 
     def __attrs_post_init__(self) -> None:
-        local, timeout_s = self.local, self.timeout_s
-        self.ctx = CtxProtocol(local=local, timeout_s=timeout_s, registrar=PeerRegistrar(local))
+        local, timeout_s, refusals = self.local, self.timeout_s, self.refusals
+        self.ctx = CtxProtocol(
+            local=local, timeout_s=timeout_s, registrar=PeerRegistrar(local), refusals=refusals,
+            max_per_peer=self.max_sessions_per_peer,
+        )  # fmt: skip
         self.gen = GenProtocol(
-            local=local, timeout_s=timeout_s, registrar=PeerRegistrar(local),
+            local=local, timeout_s=timeout_s, registrar=PeerRegistrar(local), refusals=refusals,
             early_failures=self.early_failures, staging=self.staging,
         )  # fmt: skip
 
@@ -86,14 +99,15 @@ class TransferProtocol:
         out: Out = []
         ctx, gen = self.ctx, self.gen
         match event:
-            case ev.MessageIn(message=message, reply_to=reply_to, source=source):
+            case ev.MessageIn(message=message, reply_to=reply_to, source=source, peer=peer):
                 try:
-                    self._message(message, reply_to, source, now, out)
+                    self._message(message, reply_to, source, peer, now, out)
                 except TransferLayerError as exc:  # peer input never takes the protocol down
-                    log.warning("dropped %s: %s", type(message).__name__, exc)
-            case ev.NoticeIn(notice=notice):
+                    who = peer[0] if peer else source or getattr(message, "instance_name", "?")
+                    self.refusals.warn(who, now, "dropped %s: %s", type(message).__name__, exc)
+            case ev.NoticeIn(notice=notice, remote=remote):
                 self.liveness.heard(notice.instance_name, now)
-                gen.on_notice(notice, now, out)
+                gen.on_notice(notice, remote, now, out)
             case ev.WriteEnded(write_id=write_id, error=error):
                 ctx.on_write_ended(write_id, error, now, out)
             case ev.KvReady(key=key, source=source, first_tokens=tokens):
@@ -116,6 +130,7 @@ class TransferProtocol:
             case ev.LinkChanged(endpoint=endpoint, up=up):
                 self.liveness.link(endpoint, up, now)
             case ev.Tick():
+                self.refusals.flush(now)
                 ctx.tick(now, out)
                 gen.tick(now, out)
                 for gone in self.liveness.gone(now):
@@ -141,10 +156,22 @@ class TransferProtocol:
         return [*out, ev.ForgetPeer(instance=gone.instance, endpoints=tuple(endpoints)), ev.WAKE]
 
     def _message(
-        self, message: Message, reply_to: bytes | None, source: str, now: float, out: Out
+        self,
+        message: Message,
+        reply_to: bytes | None,
+        source: str,
+        peer: tuple[str, int] | None,
+        now: float,
+        out: Out,
     ) -> None:
-        if isinstance(sender := getattr(message, "instance_name", None), str):
-            self.liveness.heard(sender, now)
+        claimed = sender_of(message)
+        if peer is not None and claimed is not None and claimed != peer:
+            self.refusals.refuse("impersonation", peer[0], now,
+                                 "dropped %s from %s#%d: it names %s#%d as its sender",
+                                 type(message).__name__, *peer, *claimed)  # fmt: skip
+            return
+        if (sender := peer or claimed) is not None:
+            self.liveness.heard(sender[0], now)
         match message:
             case RequestInstanceInfo():
                 if reply_to is not None and self.local.instance_rank == 0:
@@ -166,10 +193,13 @@ class TransferProtocol:
             case TransferResult():
                 self.gen.on_result(message, source, now, out)
             case Cancel():  # ours to send, or to receive, or held for a session to come
-                ours = self.ctx.on_cancel(message, now, out) or self.gen.on_cancel(
-                    message, now, out
-                )
-                if not ours:
+                if self.ctx.on_cancel(message, now, out) or self.gen.on_cancel(message, now, out):
+                    pass
+                elif message.key in self.ctx.senders:
+                    self.refusals.refuse("not_owner", message.instance_name, now, "CANCEL %d from"
+                                         " %s dropped: another gen instance's session",
+                                         message.key, message.instance_name)  # fmt: skip
+                else:
                     self.ctx.on_stray_cancel(message, now, out)
             case _:
                 pass  # WRITE_NOTICE is only valid as an agent notification

@@ -20,7 +20,12 @@ Per transfer key, in the order things usually happen:
 
 Every CANCEL is answered: at once when no write to its sender is in flight, else by that
 write's result. A CANCEL or REQUEST_DATA that comes before its session is held: the session
-starts cancelled, and a request that its own CANCEL overtook is dropped when it comes.
+starts cancelled (when the canceller is the gen instance it is bound to, or it is bound to none),
+and a request that its own CANCEL overtook is dropped when it comes.
+
+Ownership: a session belongs to the gen instance whose REQUEST_DATA bound it; another instance's
+REQUEST_DATA or CANCEL for it is dropped and counted (refusals.py). A gen instance holds at most
+`max_per_peer` sessions and held messages here; a REQUEST_DATA past that is refused at once.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.bounce import staged_fragments, staged_runs
 from trtdisagg.transfer.protocol.peers import PeerRegistrar, SendPlan, direct_fragments
 from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.refusals import Refusals
 from trtdisagg.transfer.protocol.sessions import (
     EarlyMessages,
     SenderSession,
@@ -80,6 +86,8 @@ class CtxProtocol:
     local: RankInfo
     timeout_s: float
     registrar: PeerRegistrar  # the gen ranks registered with us
+    refusals: Refusals = attrs.Factory(Refusals)
+    max_per_peer: int = 1024  # sessions and held messages of one gen instance
     senders: Sessions[SenderSession] = attrs.Factory(Sessions)
     early: EarlyMessages = attrs.field(init=False)
     bounced: int = 0  # writes that went through staging (since start)
@@ -117,11 +125,11 @@ class CtxProtocol:
         session.set_source(source)
         self.senders[key], self._started[key] = session, now
         self._expected.pop(key, None)
-        requests, cancelled = self.early.take(key)
-        if cancelled:
-            session.cancel()
+        requests, canceller = self.early.take(key)
         for request in requests:
             self._accept(session, request)
+        if canceller is not None and session.peer_instance in (None, canceller):
+            session.cancel()
         self._start_writes(session, out)
         self._drop_prepared(key, out)  # made for requests this session did not take
         self._settle(session, now, out)
@@ -172,10 +180,11 @@ class CtxProtocol:
     def on_request(
         self, request: RequestData, reply_to: bytes | None, now: float, out: Out
     ) -> None:
-        name, rank = request.instance_name, request.instance_rank
+        name, rank, key = request.instance_name, request.instance_rank, request.key
         if self.registrar.get((name, rank)) is None:
             # Never registered, or forgotten as gone while alive: gen meets us again.
-            log.warning("REQUEST_DATA %d from unregistered gen rank %s#%d", request.key, name, rank)
+            self.refusals.warn(name, now, "REQUEST_DATA %d from unregistered gen rank %s#%d",
+                               key, name, rank)  # fmt: skip
             if reply_to is not None:
                 error = (
                     f"{NOT_REGISTERED}: gen rank {name}#{rank} registers again at its next request"
@@ -184,12 +193,32 @@ class CtxProtocol:
                 out.append(ev.Reply(reply_to=reply_to, message=result))
         elif self.early.take_overtaken(request):
             log.info("REQUEST_DATA %d came after its CANCEL: dropped", request.key)
-        elif (session := self.senders.lookup(name, request.key)) is not None:
+        elif (session := self.senders.lookup(name, key)) is not None:
+            if session.peer_instance is None and self._over_limit(request, now, out):
+                return
             self._accept(session, request)
             self._start_writes(session, out)
-        elif request.key not in self.senders:
+        elif key in self.senders:
+            self.refusals.refuse("not_owner", name, now, "REQUEST_DATA %d from %s#%d dropped: "
+                                 "another gen instance's session", key, name, rank)  # fmt: skip
+        elif not self._over_limit(request, now, out):
             self.early.add_request(now, request)
-            self._prepare(request.key, request, out)
+            self._prepare(key, request, out)
+
+    def _over_limit(self, request: RequestData, now: float, out: Out) -> bool:
+        """Whether `request`'s gen instance holds `max_per_peer` sessions and messages here
+        already; it is then refused at once."""
+        name = request.instance_name
+        held = sum(s.peer_instance == name for s in self.senders.values())
+        held += self.early.held_by(name)
+        if held < self.max_per_peer:
+            return False
+        limit = f"cache_transceiver_config.max_sessions_per_peer {self.max_per_peer}"
+        error = f"gen instance {name} holds {held} transfers with this ctx rank (limit: {limit})"
+        self.refusals.refuse("over_limit", name, now, "REQUEST_DATA %d refused: %s",
+                             request.key, error)  # fmt: skip
+        self._result(request, request.key, ResultStatus.ERROR, out, error=error)
+        return True
 
     def on_cancel(self, cancel: Cancel, now: float, out: Out) -> bool:
         """A gen rank's CANCEL for a session of ours; False: we have none for it."""
@@ -209,14 +238,15 @@ class CtxProtocol:
         """A CANCEL that found no session, ours or gen's: answer it, and hold it for a session
         made later, which starts cancelled."""
         name, rank, key = cancel.instance_name, cancel.instance_rank, cancel.key
-        if key in self.senders:
-            return  # another instance's session
+        if self.early.held_by(name) >= self.max_per_peer:
+            self._ack_cancel(cancel, out)  # answered, not remembered: the peer holds enough
+            return
         # The answer is that rank's one answer to its request: drop what we hold of it (else a
         # sweep answers it again, maybe to a later use of the key); if we hold nothing, the
         # CANCEL overtook the request, which is dropped when it comes.
         if not self.early.drop_requests_of(name, rank, key):
             self.early.add_overtaken(now, name, rank, key)
-        self.early.add_cancel(now, key)
+        self.early.add_cancel(now, key, name)
         self._forget_key(key, out)
         self._ack_cancel(cancel, out)
 
@@ -240,8 +270,8 @@ class CtxProtocol:
             self._forget_key(key, out)  # the KV never came
         for stale in self.early.sweep(now):
             self._forget_key(stale.key, out)
-            error = (f"ctx has no request with disagg_request_id {stale.key} (never prefilled "
-                     "here, or already released)")  # fmt: skip
+            error = (f"ctx has no request with transfer key {stale.key} (never prefilled here, or"
+                     " already released)")  # fmt: skip
             self._result(stale, stale.key, ResultStatus.ERROR, out, error=error)
 
     def forget(self, instance: str, dead: str | None, now: float, out: Out) -> list[RankInfo]:

@@ -57,17 +57,19 @@ class TransferCancelled:  # cancel_request
 
 @attrs.frozen(kw_only=True)
 class MessageIn:
-    """A control message: on the ROUTER (`reply_to`: the sender's identity) or on the DEALER to
-    `source` (an endpoint)."""
+    """A control message: on the ROUTER (`reply_to`: the sender's identity; `peer`: the rank it
+    proved to be, None on an unsecured control plane) or on the DEALER to `source`."""
 
     message: Message
     reply_to: bytes | None = None
     source: str = ""
+    peer: tuple[str, int] | None = None
 
 
 @attrs.frozen(kw_only=True)
 class NoticeIn:  # a write's notification: its bytes have landed here
     notice: WriteNotice
+    remote: str = ""  # the name of the agent that notified us
 
 
 @attrs.frozen(kw_only=True)

@@ -18,6 +18,10 @@
    instance then hears of it once the blocks are free), and keeps its blocks until every
    expected rank has answered, or a second timeout past the deadline (counted in
    `quarantine_expired`: ctx is taken for dead).
+
+Ownership: a session's results, cancels and notices are taken only from the ctx instance it
+asked; another instance's are dropped and counted (refusals.py), and so is a notice whose agent
+is not the one the rank it names registered.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.bounce import bounces, canonical_bytes
 from trtdisagg.transfer.protocol.peers import PeerRegistrar
 from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.refusals import Refusals
 from trtdisagg.transfer.protocol.sessions import (
     RankResult,
     ReceiverSession,
@@ -99,6 +104,7 @@ class GenProtocol:
     local: RankInfo
     timeout_s: float
     registrar: PeerRegistrar  # the ctx ranks met
+    refusals: Refusals = attrs.Factory(Refusals)
     early_failures: bool = True
     staging: StagingInfo | None = None
     receivers: Sessions[ReceiverSession] = attrs.Factory(Sessions)
@@ -226,8 +232,19 @@ class GenProtocol:
                               first_tokens=result.first_tokens)  # fmt: skip
             session.on_result(result.instance_rank, part)
             self._settle(session, now, out)
+        elif result.key in self.receivers:
+            self._not_owner("TRANSFER_RESULT", result.key, result.instance_name, now)
 
-    def on_notice(self, notice: WriteNotice, now: float, out: Out) -> None:
+    def _not_owner(self, what: str, key: int, instance: str, now: float) -> None:
+        self.refusals.refuse("not_owner", instance, now, "%s %d from %s dropped: another ctx"
+                             " instance's session", what, key, instance)  # fmt: skip
+
+    def on_notice(self, notice: WriteNotice, remote: str, now: float, out: Out) -> None:
+        name, rank = notice.instance_name, notice.instance_rank
+        if (peer := self.registrar.get((name, rank))) is not None and peer.agent_name != remote:
+            why = f"WRITE_NOTICE {notice.key} from agent {remote} dropped: it names {name}#{rank}"
+            self.refusals.refuse("impersonation", remote, now, why)
+            return
         if (session := self.receivers.lookup(notice.instance_name, notice.key)) is not None:
             self._expire(session, now, out)
             said = None
@@ -241,6 +258,9 @@ class GenProtocol:
     def on_cancel(self, cancel: Cancel, now: float, out: Out) -> bool:
         """ctx cancelled a session of ours; False: we have none for it."""
         if (session := self.receivers.lookup(cancel.instance_name, cancel.key)) is None:
+            if cancel.key in self.receivers:
+                self._not_owner("CANCEL", cancel.key, cancel.instance_name, now)
+                return True  # (handled: dropped)
             return False
         session.cancel()
         if session.status is Status.CANCELLED:

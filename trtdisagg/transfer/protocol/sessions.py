@@ -1,6 +1,6 @@
 """Transfer session state machines, and the messages held for sessions to come. Pure.
 
-One session per (transfer key = disagg_request_id, local rank), owned by the ctx or gen side of
+One session per (transfer key, local rank), owned by the ctx or gen side of
 the protocol (ctx.py, gen.py). Status, derived from a session's facts, first match wins:
 
     sender (ctx)   CANCELLED | ERROR   terminal flags (cancel, fail, a failed write)
@@ -324,7 +324,7 @@ class EarlyMessages:
 
     ttl: float = 120.0
     _requests: dict[int, list[tuple[float, RequestData]]] = attrs.Factory(dict)
-    _cancelled: dict[int, float] = attrs.Factory(dict)
+    _cancelled: dict[int, tuple[str, float]] = attrs.Factory(dict)  # key -> (gen instance, when)
     # (gen instance, gen rank, key) -> when: that rank's CANCEL came before its REQUEST_DATA
     # (overtaken), which is dropped when it comes rather than held for a later session of the
     # key, whose gen blocks it does not name.
@@ -337,8 +337,8 @@ class EarlyMessages:
     def add_request(self, now: float, request: RequestData) -> None:
         self._requests.setdefault(request.key, []).append((now, request))
 
-    def add_cancel(self, now: float, key: int) -> None:
-        self._cancelled[key] = now
+    def add_cancel(self, now: float, key: int, instance: str) -> None:
+        self._cancelled[key] = (instance, now)
 
     def add_overtaken(self, now: float, instance: str, rank: int, key: int) -> None:
         self._overtaken[(instance, rank, key)] = now
@@ -359,13 +359,22 @@ class EarlyMessages:
     def cancelled(self, key: int) -> bool:
         return key in self._cancelled
 
+    def held_by(self, instance: str) -> int:
+        """What is held for the gen instance `instance`: requests, cancels, overtaken ones."""
+        requests = sum(r.instance_name == instance for held in self._requests.values()
+                       for _, r in held)  # fmt: skip
+        cancels = sum(name == instance for name, _ in self._cancelled.values())
+        return requests + cancels + sum(entry[0] == instance for entry in self._overtaken)
+
     def peek(self, key: int) -> list[RequestData]:
         return [request for _, request in self._requests.get(key, [])]
 
-    def take(self, key: int) -> tuple[list[RequestData], bool]:
-        """(the requests held for `key`, whether it was cancelled early); forgotten now."""
+    def take(self, key: int) -> tuple[list[RequestData], str | None]:
+        """(the requests held for `key`, the gen instance that cancelled it early, if one did);
+        forgotten now."""
         requests = [request for _, request in self._requests.pop(key, [])]
-        return requests, self._cancelled.pop(key, None) is not None
+        cancel = self._cancelled.pop(key, None)
+        return requests, cancel[0] if cancel is not None else None
 
     def sweep(self, now: float) -> list[RequestData]:
         """Drop and return the requests older than `ttl` (ctx refuses them)."""
@@ -376,6 +385,6 @@ class EarlyMessages:
                 self._requests[key] = fresh
             else:
                 del self._requests[key]
-        self._cancelled = {k: at for k, at in self._cancelled.items() if now - at < self.ttl}
+        self._cancelled = {k: c for k, c in self._cancelled.items() if now - c[1] < self.ttl}
         self._overtaken = {e: at for e, at in self._overtaken.items() if now - at < self.ttl}
         return stale

@@ -48,9 +48,10 @@ from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 
 # 5: WRITE_NOTICE in its own binary layout; 6: every write's notice says what it moved,
-# WRITE_POSTED, WRITE_PREPARED and REQUEST_DATA as a notification are gone
-PROTOCOL_VERSION: Final = 6
-MAX_KEY: Final = 2**63 - 1
+# WRITE_POSTED, WRITE_PREPARED and REQUEST_DATA as a notification are gone; 7: transfer keys are
+# random 64-bit values (`disaggregated_params.transfer_key`), no longer the request's id
+PROTOCOL_VERSION: Final = 7
+MAX_KEY: Final = 2**64 - 1
 
 
 def pack_block_ids(block_ids: Sequence[int]) -> bytes:
@@ -84,7 +85,7 @@ def _positive(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
 
 def _key(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
     if not 0 <= value <= MAX_KEY:
-        raise ValueError(f"{attr.name} {value} outside [0, 2**63)")
+        raise ValueError(f"{attr.name} {value} outside [0, 2**64)")
 
 
 def _token_ids(_inst: object, attr: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
@@ -150,7 +151,7 @@ class RequestData:
     skips blocks gen already has, e.g. from its prefix cache).
     """
 
-    key: int = attrs.field(validator=_key)  # disagg_request_id
+    key: int = attrs.field(validator=_key)  # the transfer key
     instance_name: str  # the requesting (gen) rank
     instance_rank: int = attrs.field(validator=_non_negative)
     block_ids: tuple[bytes, ...] = attrs.field(validator=_packed_ids, repr=False)
@@ -214,6 +215,16 @@ Message = (
     | Cancel
     | WriteNotice
 )
+
+
+def sender_of(message: Message) -> tuple[str, int] | None:
+    """The (instance_name, instance_rank) that `message` names as its sender, if it names one."""
+    if isinstance(message, RegisterPeer):
+        return message.info.key
+    if isinstance(message, RequestInstanceInfo | InstanceInfo):
+        return None
+    return (message.instance_name, message.instance_rank)
+
 
 MESSAGE_TAGS: Final[dict[type, str]] = {
     RequestInstanceInfo: "REQUEST_INSTANCE_INFO",
@@ -335,7 +346,7 @@ def _describe(exc: Exception) -> str:
 
 
 def _format_leaf(exc: BaseException, kind: type | None) -> str:
-    # A validator's ValueError says what is wrong ("key -1 outside [0, 2**63)"); keep it.
+    # A validator's ValueError says what is wrong ("key -1 outside [0, 2**64)"); keep it.
     if type(exc) is ValueError and kind is None:
         return f"invalid value ({exc})"
     return format_exception(exc, kind)

@@ -42,6 +42,9 @@ class TransceiverStatistics:
     peers_forgotten: int = 0
     peers_dead: int = 0  # ... of which had ended: what waited on them failed at once
     peer_probes: int = 0
+    # control messages dropped or refused, by reason (protocol/refusals.py, and the socket's
+    # `unauthenticated`)
+    refused: dict[str, int] = attrs.Factory(dict)
 
 
 @attrs.define(eq=False)
@@ -114,5 +117,13 @@ class TransferCollector(Collector):
         sessions.add_metric(["sender"], stats.senders)
         sessions.add_metric(["receiver"], stats.receivers)
         yield sessions
+        refused = CounterMetricFamily(
+            p + "control_refused", "Control messages dropped: an unauthenticated connection, a"
+            " sender that is not who it names, another peer's session, a peer over its limit",
+            labels=["reason"],
+        )  # fmt: skip
+        for reason, count in sorted(stats.refused.items()):
+            refused.add_metric([reason], count)
+        yield refused
         for field, name, kind, doc in _READ:
             yield _FAMILIES[kind](p + name, doc, value=getattr(stats, field))

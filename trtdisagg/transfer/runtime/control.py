@@ -1,10 +1,12 @@
 """ControlPlane: one rank's ROUTER and its DEALERs to peers, owned in one place.
 
-Every message received, on the ROUTER or on a DEALER, goes to `deliver` (the driver); `send`
+Every message received, on the ROUTER (with the label of the peer that proved it sent it, when
+secured) or on a DEALER, goes to `deliver` (the driver); `send`
 puts a message on the DEALER to an endpoint, opened on first use and kept until `drop`. A
 message to an endpoint whose DEALER is being opened waits in a queue, so that messages to one
 peer leave in the order they were sent. A DEALER reports its link going up or down (`on_link`:
-liveness.py tells a peer that ended from one that stalled).
+liveness.py tells a peer that ended from one that stalled). The sockets' suppressed warnings
+about peers are counted out in the log every `WARNINGS_FLUSH_S`.
 """
 
 from __future__ import annotations
@@ -13,24 +15,28 @@ import functools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import Final, Protocol
 
 import attrs
 import trio
 
+from trtdisagg.security.keys import PeerLabel
 from trtdisagg.transfer.protocol.wire import Message
 from trtdisagg.transfer.runtime.messenger import MessengerStatistics, open_dealer
 
 log = logging.getLogger(__name__)
 
+WARNINGS_FLUSH_S: Final = 10.0
+
 
 class ControlRouter(Protocol):
     endpoint: str
 
-    async def receive_message(self) -> tuple[bytes, Message]: ...
+    async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]: ...
     async def send_message(self, identity: bytes, message: Message) -> None: ...
     def send_message_nowait(self, identity: bytes, message: Message) -> None: ...
     def statistics(self) -> MessengerStatistics: ...
+    def flush_warnings(self) -> None: ...
 
 
 class ControlDealer(Protocol):
@@ -38,10 +44,12 @@ class ControlDealer(Protocol):
     async def send_message(self, message: Message) -> None: ...
     def send_message_nowait(self, message: Message) -> None: ...
     def statistics(self) -> MessengerStatistics: ...
+    def flush_warnings(self) -> None: ...
 
 
 DealerOpener = Callable[..., AbstractAsyncContextManager[ControlDealer]]
-Deliver = Callable[[Message, bytes | None, str], None]  # message, ROUTER identity, DEALER's peer
+# message, ROUTER identity and the label it proved (None: unsecured), the DEALER's endpoint
+Deliver = Callable[[Message, bytes | None, PeerLabel | None, str], None]
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -66,13 +74,28 @@ class ControlPlane:
         dealers = sum(dealer.statistics().bad_frames for dealer in self._dealers.values())
         return self.router.statistics().bad_frames + self._closed_bad_frames + dealers
 
+    @property
+    def refused(self) -> dict[str, int]:
+        """What the ROUTER refused (since start): connections that failed their handshake, and
+        messages of connections that proved no member's label (messenger.py)."""
+        stats = self.router.statistics()
+        return {"handshake": stats.handshakes_refused, "unauthenticated": stats.refused}
+
+    async def _flush_warnings(self) -> None:
+        while True:
+            await trio.sleep(WARNINGS_FLUSH_S)
+            self.router.flush_warnings()
+            for dealer in self._dealers.values():
+                dealer.flush_warnings()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._flush_warnings)
             task_status.started()
             while True:
-                identity, message = await self.router.receive_message()
-                self.deliver(message, identity, "")
+                identity, message, peer = await self.router.receive_message()
+                self.deliver(message, identity, peer, "")
 
     def reply(self, identity: bytes, message: Message) -> None:
         try:
@@ -132,7 +155,7 @@ class ControlPlane:
                     self._dealers[endpoint] = dealer
                     task_status.started(dealer)
                     while True:
-                        self.deliver(await dealer.receive_message(), None, endpoint)
+                        self.deliver(await dealer.receive_message(), None, None, endpoint)
             finally:
                 gone = self._dealers.pop(endpoint, None)
                 if gone is not None:

@@ -31,6 +31,7 @@ from typing import Final
 import attrs
 import trio
 
+from trtdisagg.security.keys import PeerLabel
 from trtdisagg.transfer.errors import ProtocolError, TransferLayerError
 from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.core import TransferProtocol
@@ -95,6 +96,7 @@ class KvTransceiver:
     on_write: Callable[[int, int, float], None] | None = None  # bytes, descriptors, seconds
     tracer: Callable[[int, str, float], None] | None = None
     pump_interval_s: float | None = None  # None: PUMP_INTERVAL_S for where our KV lives
+    max_sessions_per_peer: int = 1024  # transfers one gen instance may hold with a ctx rank
     protocol: TransferProtocol = attrs.field(init=False)
     tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
     prepared_posts: int = 0  # writes posted from a preparation (since start)
@@ -117,13 +119,10 @@ class KvTransceiver:
             stager = self.staging.stager
             staging = StagingInfo(address=stager.address, capacity=stager.capacity)
         self.protocol = TransferProtocol(
-            local=self.local,
-            instance=self.instance,
-            timeout_s=self.timeout_s,
-            liveness=self.liveness,
-            early_failures=self.early_failures,
-            staging=staging,
-        )
+            local=self.local, instance=self.instance, timeout_s=self.timeout_s,
+            liveness=self.liveness, early_failures=self.early_failures, staging=staging,
+            max_sessions_per_peer=self.max_sessions_per_peer,
+        )  # fmt: skip
         self._control = ControlPlane(
             router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
         )
@@ -203,6 +202,7 @@ class KvTransceiver:
         )
         return TransceiverStatistics(
             rendezvous=gen.rendezvous, senders=len(ctx.senders), receivers=len(gen.receivers),
+            refused={**self._control.refused, **protocol.refusals.counts},
             bad_frames=self._control.bad_frames, quarantined=quarantined,
             quarantine_expired=gen.quarantine_expired, early=len(ctx.early),
             bounced=ctx.bounced + gen.bounced, connections=self._control.connections,
@@ -233,10 +233,13 @@ class KvTransceiver:
             self._busy = trio.Event()
             self._feed(ev.Tick())
 
-    def _message(self, message: Message, reply_to: bytes | None, source: str) -> None:
+    def _message(
+        self, message: Message, reply_to: bytes | None, peer: PeerLabel | None, source: str
+    ) -> None:
         if self.tracer is not None and isinstance(message, RequestData | TransferResult):
             self._trace(message.key, "received" if isinstance(message, RequestData) else "result")
-        self._feed(ev.MessageIn(message=message, reply_to=reply_to, source=source))
+        self._feed(ev.MessageIn(message=message, reply_to=reply_to, source=source,
+                                peer=peer.key if peer is not None else None))  # fmt: skip
 
     def _link(self, endpoint: str, up: bool) -> None:
         self._feed(ev.LinkChanged(endpoint=endpoint, up=up))
@@ -409,14 +412,14 @@ class KvTransceiver:
                 if self.on_write is not None:
                     self.on_write(fragments.num_bytes, len(fragments), seconds)
             self._feed(ev.WriteEnded(write_id=write_id, error=error))
-        for _remote, payload in notifications:
+        for remote, payload in notifications:
             try:
                 notice = decode(payload)
             except ProtocolError:
-                continue  # only peers we loaded can notify us; nothing else is ours
+                continue  # not a notification of this protocol's
             if isinstance(notice, WriteNotice):
                 self._trace(notice.key, "notice")
-                self._feed(ev.NoticeIn(notice=notice))
+                self._feed(ev.NoticeIn(notice=notice, remote=remote))
 
     def _release(self, handle: XferHandle) -> None:
         release = functools.partial(self.agent.release, handle)

@@ -1,12 +1,18 @@
-"""Messenger: Trio-native ZeroMQ ROUTER (bind) and DEALER (connect). The only module importing zmq.
+"""Messenger: Trio-native ZeroMQ ROUTER (bind) and DEALER (connect); with links.py, all of zmq.
 
-    async with open_router(bind="tcp://127.0.0.1:0") as router:    # router.endpoint: bound address
-        identity, message = await router.receive_message()
+    async with open_router(bind="tcp://127.0.0.1:0", secret=secret) as router:
+        identity, message, peer = await router.receive_message()    # peer: who proved it sent it
         await router.send_message(identity, reply)
 
-    async with open_dealer(router.endpoint) as dealer:
+    async with open_dealer(router.endpoint, secret=secret, label=label) as dealer:
         await dealer.send_message(request)
         reply = await dealer.receive_message()
+
+With a cluster secret (trtdisagg/security/) a ROUTER is a CURVE server and a DEALER a CURVE
+client of its rank's `label`; without, plain TCP (loopback only). `ZMQ_MAXMSGSIZE` caps every
+frame. A secured ROUTER checks each message's connection (`PeerVerifier`) before anything else:
+one that proved no member's label is dropped and counted (`refused`, as are failed handshakes);
+the others carry their `peer`, the label they proved (None on an unsecured ROUTER).
 
 Each socket has ONE pump task, the only task that waits on its FD. pyzmq's FD is edge-triggered:
 the pump tries with NOBLOCK; on `zmq.Again` it reads `EVENTS` (which re-arms the edge) and goes
@@ -17,30 +23,50 @@ full), else queued in a bounded outbox that the pump flushes in order; since a s
 the FD's edge, it re-reads EVENTS and wakes a waiting pump.
 
 A message with the wrong frame count or a payload that does not decode is counted
-(`statistics().bad_frames`) and dropped: the pump never dies of peer input. A reply to a peer
-that is gone is counted as `unroutable`. Any other zmq error crashes the pump's nursery.
+(`statistics().bad_frames`) and dropped, with a warning limited per peer (`flush_warnings` logs
+what was suppressed): the pump never dies of peer input. A reply to a peer that is gone is
+counted as `unroutable`. Any other zmq error crashes the pump's nursery.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import struct
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Hashable
 from contextlib import asynccontextmanager
 
 import attrs
 import trio
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
+from trtdisagg.ratelimit import LogRateLimit, log_limited
+from trtdisagg.security.keys import PeerLabel
+from trtdisagg.security.secret import ClusterSecret
+from trtdisagg.security.sockets import (
+    configure_curve_client,
+    configure_curve_server,
+    configure_unsecured,
+    connection_claims,
+)
+from trtdisagg.security.verify import PeerVerifier
 from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.protocol.wire import Message, decode, encode
+from trtdisagg.transfer.runtime.links import (
+    DOWN,
+    HANDSHAKE_FAILED,
+    UP,
+    LinkState,
+    open_monitor,
+    stop_monitor,
+    watch,
+)
 
 log = logging.getLogger(__name__)
 
 _RETRY_WHILE_BLOCKED_S = 0.005  # re-try a blocked send this often (ROUTER reports no edge for it)
+_Socket = zmq.Socket[bytes]
+_Context = zmq.Context[_Socket]
 
 
 @attrs.frozen(kw_only=True)
@@ -50,6 +76,8 @@ class MessengerStatistics:
     bad_frames: int  # dropped for a wrong frame count or an undecodable payload
     unroutable: int  # ROUTER replies to an identity that is not connected
     overflowed: int = 0  # ROUTER replies dropped: that peer's queue was full (it does not read)
+    refused: int = 0  # secured ROUTER: messages from connections that proved no member's label
+    handshakes_refused: int = 0  # secured ROUTER: peers without the cluster secret, cut off
 
 
 class _Pump:
@@ -57,29 +85,53 @@ class _Pump:
 
     def __init__(
         self,
-        socket: zmq.Socket[bytes],
+        socket: _Socket,
         *,
         frames: int,
         queue_size: int,
+        name: Callable[[list[bytes]], Hashable],
+        verifier: PeerVerifier | None = None,
         drop_when_full: bool = False,
     ) -> None:
         self.socket = socket
         self.frames = frames
+        self.verifier = verifier
+        self.name = name  # who sent `frames`, for log lines about an unverified peer
         # ROUTER: a peer that stops reading fills only its own zmq queue; waiting for it would
         # hold every other peer's replies behind it, so its replies are dropped (and counted).
         self.drop_when_full = drop_when_full
         self.overflowed = 0
         self.outbox: collections.deque[list[bytes]] = collections.deque()
         self.queue_size = queue_size
-        self.inbox_send, self.inbox = trio.open_memory_channel[list[bytes]](queue_size)
+        self.inbox_send, self.inbox = trio.open_memory_channel[
+            tuple[list[bytes], PeerLabel | None]
+        ](queue_size)
         self.space = trio.lowlevel.ParkingLot()
         self.wait_scope: trio.CancelScope | None = None
         self.inbox_full = False
+        self.warnings = LogRateLimit(lines=5, interval_s=60.0)
         self.sent = self.received = self.bad_frames = self.unroutable = 0
+        self.handshakes_refused = 0
 
     def wake(self) -> None:
         if self.wait_scope is not None:
             self.wait_scope.cancel()
+
+    def warn(self, who: Hashable, message: str, *args: object) -> None:
+        """A warning about a peer's input, at most a few per peer and minute."""
+        log_limited(log, self.warnings, who, time.monotonic(), message, *args)
+
+    def handshake_failed(self, _event: int) -> None:
+        self.handshakes_refused += 1
+        self.warn("handshake", "refused a control connection: its handshake failed (a peer"
+                  " without the cluster secret)")  # fmt: skip
+
+    def flush_warnings(self) -> None:
+        now = time.monotonic()
+        for who, count in self.warnings.flush(now):
+            log.warning("%d more bad control messages from %s", count, who)
+        if self.verifier is not None:
+            self.verifier.flush_warnings(now)
 
     async def send(self, frames: list[bytes]) -> None:
         """Send now if nothing is queued (the fast path), else queue for the pump (in order)."""
@@ -129,11 +181,11 @@ class _Pump:
     def _events(self) -> int:
         return int(self.socket.getsockopt(zmq.EVENTS))
 
-    async def receive(self) -> list[bytes]:
-        frames = await self.inbox.receive()
+    async def receive(self) -> tuple[list[bytes], PeerLabel | None]:
+        received = await self.inbox.receive()
         if self.inbox_full:
             self.wake()
-        return frames
+        return received
 
     def _flush(self) -> bool:
         """Send queued messages until zmq blocks; True if blocked with messages left."""
@@ -153,15 +205,24 @@ class _Pump:
         queued and `receive` wakes us when there is room)."""
         self.inbox_full = False
         while self._has_room():
+            peer = None
             try:
-                frames = self.socket.recv_multipart(flags=zmq.NOBLOCK)
+                if self.verifier is None:
+                    frames = self.socket.recv_multipart(flags=zmq.NOBLOCK)
+                else:  # uncopied frames keep their connection's properties
+                    raw = self.socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    peer = self.verifier.admit(connection_claims(raw[-1]), time.monotonic())
+                    if peer is None:
+                        continue  # refused: counted and logged, nothing else looks at it
+                    frames = [frame.bytes for frame in raw]
             except zmq.Again:
                 return
             if len(frames) != self.frames:
                 self.bad_frames += 1
-                log.warning("dropped a %d-frame message (expected %d)", len(frames), self.frames)
+                self.warn(peer.text if peer else self.name(frames), "dropped a %d-frame message"
+                          " (expected %d)", len(frames), self.frames)  # fmt: skip
                 continue
-            self.inbox_send.send_nowait(frames)
+            self.inbox_send.send_nowait((frames, peer))
             self.received += 1
         self.inbox_full = True
 
@@ -182,46 +243,31 @@ class _Pump:
                 await trio.lowlevel.wait_readable(fd)
             self.wait_scope = None
 
+    def decode(self, payload: bytes, who: Hashable) -> Message | None:
+        """The message `payload` holds, or None (counted as a bad frame, warned about)."""
+        try:
+            return decode(payload)
+        except ProtocolError as exc:
+            self.bad_frames += 1
+            self.warn(who, "dropped a message from %s: %s", who, exc)
+            return None
+
     def statistics(self) -> MessengerStatistics:
+        verified = self.verifier.statistics() if self.verifier is not None else None
         return MessengerStatistics(
-            sent=self.sent,
-            received=self.received,
-            bad_frames=self.bad_frames,
-            unroutable=self.unroutable,
-            overflowed=self.overflowed,
-        )
+            sent=self.sent, received=self.received, bad_frames=self.bad_frames,
+            unroutable=self.unroutable, overflowed=self.overflowed,
+            refused=verified.refused if verified is not None else 0,
+            handshakes_refused=self.handshakes_refused,
+        )  # fmt: skip
 
 
-class Router:
-    """A bound ROUTER: receive (identity, payload) from DEALERs, send back by identity."""
+class _Side:
+    """What a ROUTER and a DEALER share: their pump, its counts and warnings."""
 
     def __init__(self, pump: _Pump, endpoint: str) -> None:
         self._pump = pump
         self.endpoint = endpoint
-
-    async def receive(self) -> tuple[bytes, bytes]:
-        identity, payload = await self._pump.receive()
-        return identity, payload
-
-    async def send(self, identity: bytes, payload: bytes) -> None:
-        await self._pump.send([identity, payload])
-
-    async def receive_message(self) -> tuple[bytes, Message]:
-        """The next decodable message; undecodable ones are counted as bad frames and skipped."""
-        while True:
-            identity, payload = await self.receive()
-            try:
-                return identity, decode(payload)
-            except ProtocolError as exc:
-                self._pump.bad_frames += 1
-                log.warning("dropped a message from %r: %s", identity, exc)
-
-    async def send_message(self, identity: bytes, message: Message) -> None:
-        await self.send(identity, encode(message))
-
-    def send_message_nowait(self, identity: bytes, message: Message) -> None:
-        """`send_message` from synchronous code, as `Dealer.send_message_nowait`."""
-        self._pump.send_nowait([identity, encode(message)])
 
     def has_room(self, count: int) -> bool:
         """Whether `count` messages would be taken now without waiting."""
@@ -230,16 +276,42 @@ class Router:
     def statistics(self) -> MessengerStatistics:
         return self._pump.statistics()
 
+    def flush_warnings(self) -> None:
+        """Log how many warnings about quiet peers were suppressed (call it now and then)."""
+        self._pump.flush_warnings()
 
-class Dealer:
+
+class Router(_Side):
+    """A bound ROUTER: receive (identity, payload, peer) from DEALERs, send back by identity."""
+
+    async def receive(self) -> tuple[bytes, bytes, PeerLabel | None]:
+        (identity, payload), peer = await self._pump.receive()
+        return identity, payload, peer
+
+    async def send(self, identity: bytes, payload: bytes) -> None:
+        await self._pump.send([identity, payload])
+
+    async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]:
+        """The next decodable message; undecodable ones are counted as bad frames and skipped."""
+        while True:
+            identity, payload, peer = await self.receive()
+            message = self._pump.decode(payload, peer.text if peer else identity.hex())
+            if message is not None:
+                return identity, message, peer
+
+    async def send_message(self, identity: bytes, message: Message) -> None:
+        await self.send(identity, encode(message))
+
+    def send_message_nowait(self, identity: bytes, message: Message) -> None:
+        """`send_message` from synchronous code, as `Dealer.send_message_nowait`."""
+        self._pump.send_nowait([identity, encode(message)])
+
+
+class Dealer(_Side):
     """A connected DEALER: send payloads to its ROUTER, receive what the ROUTER sends back."""
 
-    def __init__(self, pump: _Pump, endpoint: str) -> None:
-        self._pump = pump
-        self.endpoint = endpoint
-
     async def receive(self) -> bytes:
-        (payload,) = await self._pump.receive()
+        (payload,), _ = await self._pump.receive()
         return payload
 
     async def send(self, payload: bytes) -> None:
@@ -247,13 +319,9 @@ class Dealer:
 
     async def receive_message(self) -> Message:
         """The next decodable message; undecodable ones are counted as bad frames and skipped."""
-        while True:
-            payload = await self.receive()
-            try:
-                return decode(payload)
-            except ProtocolError as exc:
-                self._pump.bad_frames += 1
-                log.warning("dropped a message from %s: %s", self.endpoint, exc)
+        while (message := self._pump.decode(await self.receive(), self.endpoint)) is None:
+            pass
+        return message
 
     async def send_message(self, message: Message) -> None:
         await self.send(encode(message))
@@ -264,21 +332,11 @@ class Dealer:
         (nothing sent); the caller then falls back to `send_message`."""
         self._pump.send_nowait([encode(message)])
 
-    def has_room(self, count: int) -> bool:
-        """Whether `count` messages would be taken now without waiting."""
-        return len(self._pump.outbox) + count <= self._pump.queue_size
-
-    def statistics(self) -> MessengerStatistics:
-        return self._pump.statistics()
-
 
 @asynccontextmanager
-async def _running(socket: zmq.Socket[bytes], pump: _Pump) -> AsyncIterator[trio.Nursery]:
+async def _running(socket: _Socket, pump: _Pump) -> AsyncIterator[trio.Nursery]:
     """Run `pump` while the body runs; the socket is closed on exit. Yields the nursery that
-    owns the socket's tasks.
-
-    The body's own exception leaves unwrapped (not inside the nursery's ExceptionGroup).
-    """
+    owns the socket's tasks. The body's own exception leaves unwrapped."""
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pump.run)
@@ -294,15 +352,9 @@ async def _running(socket: zmq.Socket[bytes], pump: _Pump) -> AsyncIterator[trio
         socket.close(linger=0)
 
 
-_Context = zmq.Context[zmq.Socket[bytes]]
-
-
-def _socket(
-    kind: int, context: _Context | None, max_bytes: int, high_water_mark: int
-) -> zmq.Socket[bytes]:
+def _socket(kind: int, context: _Context | None, high_water_mark: int) -> _Socket:
     socket = (context or zmq.Context.instance()).socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     socket.setsockopt(zmq.SNDHWM, high_water_mark)
     socket.setsockopt(zmq.RCVHWM, high_water_mark)
     return socket
@@ -312,18 +364,24 @@ def _socket(
 async def open_router(
     bind: str = "tcp://127.0.0.1:0",
     *,
+    secret: ClusterSecret | None = None,
     context: _Context | None = None,
     queue_size: int = 1024,
-    max_message_bytes: int = 64 * 2**20,
     high_water_mark: int = 1000,
 ) -> AsyncIterator[Router]:
     """Bind a ROUTER to `bind` (port 0 or `*` = any free port; the host is used as given).
 
-    `router.endpoint` is the bound address (`tcp://127.0.0.1:43121`). `queue_size` bounds both
-    the inbox and the outbox (messages); `high_water_mark` is zmq's own per-peer queue limit.
+    `router.endpoint` is the bound address (`tcp://127.0.0.1:43121`). With `secret` it is a CURVE
+    server, whose context must have a ZAP task running (`security.zap.serve_zap`). `queue_size`
+    bounds both the inbox and the outbox (messages); `high_water_mark` is zmq's own per-peer
+    queue limit.
     """
-    socket = _socket(zmq.ROUTER, context, max_message_bytes, high_water_mark)
+    socket = _socket(zmq.ROUTER, context, high_water_mark)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if secret is not None:
+        configure_curve_server(socket, secret)
+    else:
+        configure_unsecured(socket)
     address = bind[: -len(":0")] + ":*" if bind.endswith(":0") else bind
     try:
         socket.bind(address)
@@ -331,8 +389,12 @@ async def open_router(
         socket.close(linger=0)
         raise
     endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-    pump = _Pump(socket, frames=2, queue_size=queue_size, drop_when_full=True)
-    async with _running(socket, pump):
+    verifier = PeerVerifier(secret=secret) if secret is not None else None
+    pump = _Pump(socket, frames=2, queue_size=queue_size, drop_when_full=True, verifier=verifier,
+                 name=lambda frames: frames[0].hex())  # fmt: skip
+    # A secured ROUTER counts the handshakes it refused (peers without the cluster secret).
+    refusals = pump.handshake_failed if secret is not None else None
+    async with _monitored(socket, pump, HANDSHAKE_FAILED, refusals):
         yield Router(pump, endpoint)
 
 
@@ -340,94 +402,59 @@ async def open_router(
 async def open_dealer(
     endpoint: str,
     *,
+    secret: ClusterSecret | None = None,
+    label: PeerLabel | None = None,
     identity: bytes | None = None,
     context: _Context | None = None,
     queue_size: int = 1024,
-    max_message_bytes: int = 64 * 2**20,
     high_water_mark: int = 1000,
     on_link: Callable[[bool], None] | None = None,
 ) -> AsyncIterator[Dealer]:
-    """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background).
-    `on_link(True)` is called each time the connection comes up, and
+    """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); with `secret`
+    as a CURVE client speaking for `label` (required then).
+
+    `on_link(True)` is called each time the connection comes up (its handshake succeeded), and
     `on_link(False)` each time it goes down: it drops (the peer closed it, or its process
-    ended), or it cannot be made (nothing listens there: a peer that ended before we first
-    connected)."""
-    socket = _socket(zmq.DEALER, context, max_message_bytes, high_water_mark)
+    ended), it cannot be made (nothing listens there: a peer that ended before we first
+    connected), or its handshake fails (the peer holds another cluster secret)."""
+    socket = _socket(zmq.DEALER, context, high_water_mark)
+    if secret is not None:
+        if label is None:
+            socket.close(linger=0)
+            raise ValueError("a CURVE dealer needs the label of the rank it speaks for")
+        configure_curve_client(socket, secret, label)
+    else:
+        configure_unsecured(socket)
     if identity is not None:
         socket.setsockopt(zmq.ROUTING_ID, identity)
-    monitor = None
-    if on_link is not None:  # before connecting: the first CONNECTED is not missed
-        monitor = _monitor(socket, endpoint)
-    socket.connect(endpoint)
-    pump = _Pump(socket, frames=1, queue_size=queue_size)
+    events = LinkState(endpoint, on_link) if on_link is not None else None
+    pump = _Pump(socket, frames=1, queue_size=queue_size, name=lambda _frames: endpoint)
+    async with _monitored(socket, pump, UP | DOWN | HANDSHAKE_FAILED, events, endpoint):
+        yield Dealer(pump, endpoint)
+
+
+@asynccontextmanager
+async def _monitored(
+    socket: _Socket,
+    pump: _Pump,
+    events: int,
+    on_event: Callable[[int], None] | None,
+    connect: str | None = None,
+) -> AsyncIterator[None]:
+    """Run `pump` (`_running`) with `on_event` told of `socket`'s `events` (links.py), then
+    connect to `connect` if given (after the monitor: no event is missed)."""
+    monitor = open_monitor(socket, events) if on_event is not None else None
+    if connect is not None:
+        socket.connect(connect)
     try:
         async with _running(socket, pump) as nursery:
-            if monitor is not None and on_link is not None:
-                nursery.start_soon(_watch_link, monitor, on_link)
+            if monitor is not None and on_event is not None:
+                nursery.start_soon(watch, monitor, on_event)
             try:
-                yield Dealer(pump, endpoint)
+                yield
             finally:
                 if monitor is not None:
-                    _stop_monitor(socket)
+                    stop_monitor(socket)
     finally:
         if monitor is not None:
             monitor.close(linger=0)
-
-
-_monitor_ids = itertools.count()
-
-
-def _monitor(socket: zmq.Socket[bytes], endpoint: str) -> zmq.Socket[bytes] | None:
-    """A PAIR socket receiving `socket`'s link events, or None (logged) if zmq refuses one.
-
-    Each monitor gets an inproc name of its own. pyzmq's default names it after the socket's
-    descriptor, which a socket opened right after another one closed reuses while zmq's reaper
-    thread still holds the old name: "Address already in use", which took the whole
-    transceiver down with it when dealers to peers came and went."""
-    events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-    address = f"inproc://trtdisagg.link-monitor.{next(_monitor_ids)}"
-    try:
-        return socket.get_monitor_socket(events, addr=address)
-    except zmq.ZMQError as exc:
-        log.warning("no link events for %s (liveness falls back to probes): %s", endpoint, exc)
-        return None
-
-
-def _stop_monitor(socket: zmq.Socket[bytes]) -> None:
-    """Stop `socket`'s events before either socket closes. zmq sends a monitor's events from its
-    I/O thread and blocks until they can go: an event of a closing dealer (a refused reconnect,
-    its disconnection) sent to a monitor whose reader was closed first blocked that thread for
-    good, and with it every socket of the process (a dealer churned out, then every transfer
-    after it timed out; its descriptors never closed)."""
-    try:
-        socket.disable_monitor()
-    except zmq.ZMQError as exc:
-        log.warning("could not stop a link monitor: %s", exc)
-
-
-async def _watch_link(monitor: zmq.Socket[bytes], on_link: Callable[[bool], None]) -> None:
-    """Report a DEALER's link changing state, from its monitor's events (a PAIR socket,
-    edge-triggered like any zmq FD). zmq retries a refused connect every 0.1 s or so; only the
-    first failure is a change."""
-    fd = int(monitor.getsockopt(zmq.FD))
-    up: bool | None = None
-    while True:
-        try:
-            frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
-        except zmq.Again:
-            if not int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # re-arms the edge
-                await trio.lowlevel.wait_readable(fd)
-            continue
-        try:
-            event = parse_monitor_message(frames)["event"]
-        except (ValueError, IndexError, struct.error):
-            continue  # not an event zmq would send
-        if event == zmq.EVENT_CONNECTED and up is not True:
-            up = True
-            on_link(True)
-        elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED) and up is not False:
-            # A retried connect was refused: no process listens at the peer's endpoint. A
-            # connection that never came up says so only this way.
-            up = False
-            on_link(False)
-        await trio.lowlevel.checkpoint()

@@ -44,7 +44,7 @@ from trtdisagg.worker.runner import ModelRunner, build_runner
 from trtdisagg.worker.scheduler import Scheduler
 from trtdisagg.worker.service import WorkerService
 from trtdisagg.worker.tokenization import Tokenizer
-from trtdisagg.worker.transfer_setup import build_transceiver, hold_router
+from trtdisagg.worker.transfer_setup import build_transceiver, control_secret, hold_router
 
 log = logging.getLogger("trtdisagg.worker")
 
@@ -95,7 +95,7 @@ async def build_worker(
     if transfer.backend is None:
         log.info("cache_transceiver is disabled")
     else:
-        router = await nursery.start(hold_router, config.host, faults)
+        router = await nursery.start(hold_router, config.host, faults, control_secret(config))
         router.endpoint = advertised_endpoint(router.endpoint, config.advertise_host)
         transceiver = await build_transceiver(
             config,

@@ -143,11 +143,14 @@ class Executor:
         """ctx: the coordinator gave up on the gen leg of transfer `key` before any gen took
         its KV (no gen, refused, unreachable, or its client left): stop holding the KV now, as
         a gen's CANCEL would, not at `kv_transfer_timeout_ms`. A write already in flight runs
-        to its end first. False when no request of this worker holds KV under `key`."""
-        if not self.tracker.holds_send(key):
-            return False
+        to its end first. A request still prefilling for `key` (or queued) ends at the next
+        step, and one not here yet ends when it comes (the loop's `_release`). False when no
+        request of this worker holds KV under `key`, or is making it."""
         self.inbox.release(key)
-        return True
+        if self.tracker.holds_send(key):
+            return True
+        lives = (*self.inbox.new, *self.loop.lives.values())
+        return any(live.transfer_key == key for live in lives)
 
     # ---- queries ----
 

@@ -88,6 +88,7 @@ class StepLoop:
     def _admit(self) -> None:
         commands = self.inbox.take()
         now = self.clock()
+        released = []
         for live in commands.new:
             self.lives[live.request_id] = live
             for fork in live.forks:  # its prompt's other choices (forks.py)
@@ -97,6 +98,9 @@ class StepLoop:
                 self.tracker.wait_for_blocks(live)
             else:
                 self.scheduler.add(live.request)
+                key = live.transfer_key
+                if key is not None and self.tracker.take_early_release(key, now):
+                    released.append(live)  # its release came first: it ends before it starts
         for request_id in commands.aborts:
             aborted = self.lives.get(request_id)
             if aborted is None:
@@ -110,8 +114,26 @@ class StepLoop:
             )
             self.end(aborted, Ending.aborted(), now)
         for key in commands.releases:
-            if self.tracker.release_send(key):
-                self.metrics.kv_sends_released.inc()
+            self._release(key, now)
+        for live in released:
+            self.end(live, Ending.aborted(), now)
+            self.metrics.kv_sends_released.inc()
+
+    def _release(self, key: int, now: float) -> None:
+        """ctx: the coordinator gave up on `key`'s gen leg. KV pinned for it is released (as a
+        CANCEL from gen would); a request still prefilling for it (or waiting to) ends now and
+        frees its blocks; a key no request has yet is remembered a while, for a request that
+        comes after its release."""
+        if self.tracker.release_send(key):
+            self.metrics.kv_sends_released.inc()
+            return
+        live = next((live for live in self.lives.values() if live.transfer_key == key), None)
+        if live is None:
+            self.tracker.remember_release(key, now)
+            return
+        log.info("request %d ends before its prefill does: its KV was released", live.request_id)
+        self.end(live, Ending.aborted(), now)
+        self.metrics.kv_sends_released.inc()
 
     def _poll(self) -> None:
         receives, sends = self.driver.outcomes()

@@ -9,8 +9,11 @@ It owns the four transfer containers and nothing else holds them:
 
 and turns transfer outcomes into scheduler calls: KV landed (`kv_received`, the first token
 goes to the output processor), a receive failed (finish, or quarantine while a write may land),
-a send is final (`release`). Transfer work goes to a `TransferPort` (the step driver), which does
-it on every rank; the tracker does no I/O itself. docs/LIFECYCLE.md has the whole lifecycle.
+a send is final (`release`). It also remembers, for `EARLY_RELEASE_S`, the transfer keys whose
+release came before any request had them (the coordinator gave up on a request whose ctx leg
+had not reached this worker yet): such a request ends as soon as it comes. Transfer work goes
+to a `TransferPort` (the step driver), which does it on every rank; the tracker does no I/O
+itself. docs/LIFECYCLE.md has the whole lifecycle.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How long, and how many, transfer keys released before their request came are remembered: the
+# release and the request race over two HTTP connections, which takes milliseconds, not seconds.
+EARLY_RELEASE_S = 10.0
+MAX_EARLY_RELEASES = 4096
+
 
 @attrs.frozen(kw_only=True)
 class Polled:
@@ -57,6 +65,10 @@ class TransferTracker:
     _receiving: dict[int, Live] = attrs.field(factory=dict, alias="receiving")
     _sending: dict[int, Request] = attrs.field(factory=dict, alias="sending")
     _quarantined: dict[int, Request] = attrs.field(factory=dict, alias="quarantined")
+    # transfer key -> when its release came, before any request had that key (oldest first)
+    _early_releases: collections.OrderedDict[int, float] = attrs.field(
+        factory=collections.OrderedDict, alias="early_releases"
+    )
 
     # ---- gen: receive ----
 
@@ -106,6 +118,20 @@ class TransferTracker:
         log.info("KV send %d released: its gen leg never took it", key)
         self.port.cancel(key)
         return True
+
+    def remember_release(self, key: int, now: float) -> None:
+        """A release of `key` that found no request: the request may still come."""
+        self._early_releases.pop(key, None)
+        self._early_releases[key] = now
+        oldest = next(iter(self._early_releases.values()))
+        while len(self._early_releases) > MAX_EARLY_RELEASES or now - oldest >= EARLY_RELEASE_S:
+            self._early_releases.popitem(last=False)
+            oldest = next(iter(self._early_releases.values()), now)
+
+    def take_early_release(self, key: int, now: float) -> bool:
+        """Whether a context_only request of `key` that just came was released already."""
+        at = self._early_releases.pop(key, None)
+        return at is not None and now - at < EARLY_RELEASE_S
 
     # ---- endings ----
 
