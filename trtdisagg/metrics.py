@@ -46,6 +46,8 @@ class WorkerMetrics:
     control_bad_frames: Counter
     preemptions: Counter
     step_failures: Counter
+    steps: Counter
+    step_device_seconds: Counter
     kv_rendezvous: Counter
     kv_sessions: Gauge
     kv_early_messages: Gauge
@@ -116,6 +118,13 @@ class WorkerMetrics:
             step_failures=Counter(
                 p + "step_failures",
                 "Model steps that raised; the requests in them failed with a 500",
+                registry=r,
+            ),
+            steps=Counter(p + "steps", "Model steps run", registry=r),
+            step_device_seconds=Counter(
+                p + "step_device_seconds",
+                "Device time of the model steps' forward and sampling (CUDA events; on CPU the "
+                "forward's wall time): its rate is the device's busy fraction",
                 registry=r,
             ),
             kv_rendezvous=Counter(

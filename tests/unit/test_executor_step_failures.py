@@ -210,9 +210,16 @@ async def test_the_executor_is_idle_only_between_steps(model: Model, nursery: tr
         def kv_ready(self) -> None:
             model.runner.kv_ready()
 
-        def execute(self, *args: Any) -> Any:
+        def prepare(self, *args: Any) -> Any:
+            return model.runner.prepare(*args)
+
+        def launch(self, *args: Any) -> Any:
             seen_in_steps.append(wakeup.idle())
-            return model.runner.execute(*args)
+            return model.runner.launch(*args)
+
+        def finish(self, *args: Any) -> Any:
+            seen_in_steps.append(wakeup.idle())
+            return model.runner.finish(*args)
 
     driver.runner = Spy()
     await nursery.start(executor.run)

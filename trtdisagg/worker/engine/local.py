@@ -1,4 +1,11 @@
-"""The step driver of a one-rank worker: each forward in a worker thread, transfers at once."""
+"""The step driver of a one-rank worker: steps launched and finished in worker threads, transfers
+at once.
+
+Launching runs the runner's host work and kernel launches (on CPU: the whole forward) in a worker
+thread; finishing waits in another for the step's tokens to reach the host, unless they are there
+already. With `overlaps` the loop launches the next step while this one's outputs are processed
+on the Trio thread (`loop.py`).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +17,12 @@ import attrs
 import trio
 
 from trtdisagg.transfer.sessions import TransferOutcome
-from trtdisagg.worker.engine.ports import StepFailed, Transceiver
+from trtdisagg.worker.engine.ports import Launched, StepFailed, Transceiver
 from trtdisagg.worker.engine.wakeup import Wakeup
-from trtdisagg.worker.runner import StepOutput
+from trtdisagg.worker.launched import LaunchedStep, StepOutput
 from trtdisagg.worker.sampling import SampleSpec
 from trtdisagg.worker.scheduler import StepPlan
+from trtdisagg.worker.step_inputs import StepInputs
 
 # With requests waiting for blocks that a transfer or another request holds, how long the loop
 # waits before it schedules again if nothing wakes it: do not spin.
@@ -24,7 +32,11 @@ BLOCKED_WAIT_S = 0.01
 class StepRunner(Protocol):
     """What the local driver needs of `ModelRunner` (a test hook may wrap it)."""
 
-    def execute(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput: ...
+    def prepare(self, plan: StepPlan) -> StepInputs: ...
+
+    def launch(self, inputs: StepInputs, specs: dict[int, SampleSpec]) -> LaunchedStep: ...
+
+    def finish(self, launched: LaunchedStep) -> StepOutput: ...
 
     def kv_ready(self) -> None: ...
 
@@ -34,14 +46,32 @@ class LocalDriver:
     runner: StepRunner
     wakeup: Wakeup
     transceiver: Transceiver | None  # None: cache_transceiver disabled (no disaggregated legs)
+    overlaps: bool = True  # config `async_scheduling`
 
-    async def step(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
+    def inputs(self, plan: StepPlan) -> StepInputs:
+        return self.runner.prepare(plan)
+
+    async def launch(self, inputs: StepInputs, specs: dict[int, SampleSpec]) -> Launched:
+        self.wakeup.step_started()
         try:
-            with self.wakeup.stepping():
-                return await trio.to_thread.run_sync(self.runner.execute, plan, specs)
+            queued = await trio.to_thread.run_sync(self.runner.launch, inputs, specs)
         except Exception as exc:
+            self.wakeup.step_ended()
             # One rank ran it and nothing else changed meanwhile: only this step is lost.
             raise StepFailed(exc) from exc
+        return Launched(queued=queued)
+
+    async def finish(self, launched: Launched) -> StepOutput:
+        queued = launched.queued
+        assert queued is not None, "a one-rank step is always queued"
+        try:
+            if not queued.done:
+                await trio.to_thread.run_sync(queued.wait)
+            return self.runner.finish(queued)
+        except Exception as exc:  # a CUDA error surfaces at the step's first sync
+            raise StepFailed(exc) from exc
+        finally:
+            self.wakeup.step_ended()
 
     async def idle(self, *, has_work: bool, in_flight: bool) -> None:
         # A transfer's end wakes the loop through the transceiver's `wake`.

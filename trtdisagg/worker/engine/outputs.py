@@ -8,7 +8,7 @@ ending out. A context_only request ends at its first token unless a stop rule en
 answer goes to the coordinator and its KV to gen (`Ending.handed_over`).
 
 Callers append each token to `request.output_token_ids` first (the scheduler's protocol), so the
-lengths seen here include it.
+lengths seen here include it; a token still in flight (`pending_tokens`) does not count.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class OutputProcessor:
                 reason = FinishReason.STOP
         if reason is None and (
             len(request.output_token_ids) >= params.max_tokens
-            or request.num_tokens >= self.max_seq_len
+            or request.num_known_tokens >= self.max_seq_len
         ):
             reason = FinishReason.LENGTH
         if reason is not None:

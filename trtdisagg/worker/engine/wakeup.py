@@ -17,7 +17,7 @@ import trio
 @attrs.define(eq=False, kw_only=True)
 class Wakeup:
     _event: trio.Event = attrs.field(factory=trio.Event, alias="event")
-    _stepping: bool = attrs.field(default=False, alias="stepping")
+    _steps: int = attrs.field(default=0, alias="steps")  # launched and not finished
 
     def set(self) -> None:
         """Something changed for the loop (a request, an abort, a transfer's end): wake it.
@@ -33,12 +33,20 @@ class Wakeup:
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
         """Marks a step (a forward, or a multi-rank tick) running in a worker thread."""
-        self._stepping = True
+        self.step_started()
         try:
             yield
         finally:
-            self._stepping = False
+            self.step_ended()
+
+    def step_started(self) -> None:
+        """A step was launched (asynchronous steps overlap: several may be in flight)."""
+        self._steps += 1
+
+    def step_ended(self) -> None:
+        """A launched step finished (or failed)."""
+        self._steps -= 1
 
     def idle(self) -> bool:
         """Whether no step runs now (the transceiver may then spin its loop, pacing.py)."""
-        return not self._stepping
+        return self._steps == 0

@@ -1,0 +1,61 @@
+"""A step's plan: what the scheduler hands the engine for one forward step (pure)."""
+
+from __future__ import annotations
+
+import attrs
+
+from trtdisagg.kv.block_pool import BlockPoolStatistics
+from trtdisagg.worker.request import Request
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ScheduledItem:
+    """One request's part of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
+
+    request: Request
+    num_new_tokens: int
+    samples: bool  # the chunk reaches the last token, so the step produces a token for it
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StepPlan:
+    """What one forward step computes. Decodes come first, then prefill chunks."""
+
+    items: tuple[ScheduledItem, ...]
+    preempted: tuple[Request, ...] = ()  # back to WAITING this step; their blocks are gone
+    finished: tuple[Request, ...] = ()  # ended by the scheduler this step (LENGTH); answer them
+    num_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        """No forward to run (``finished`` may still need answers)."""
+        return not self.items
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStatistics:
+    num_waiting: int
+    num_running: int
+    num_gen_waiting_kv: int
+    num_ctx_sending: int
+    num_preemptions: int  # since start
+    pool: BlockPoolStatistics
+
+
+@attrs.define(eq=False, kw_only=True)
+class StepBuilder:
+    """The plan under construction inside one ``schedule`` call."""
+
+    budget: int
+    items: list[ScheduledItem] = attrs.field(factory=list)
+    scheduled: set[int] = attrs.field(factory=set)  # request ids
+    preempted: list[Request] = attrs.field(factory=list)
+    finished: list[Request] = attrs.field(factory=list)
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        samples = request.num_computed_tokens + num_new_tokens == request.num_tokens
+        self.items.append(
+            ScheduledItem(request=request, num_new_tokens=num_new_tokens, samples=samples)
+        )
+        self.scheduled.add(request.request_id)
+        self.budget -= num_new_tokens
