@@ -47,6 +47,21 @@ class RequestOutput:
     perf: PerfMetrics | None = None
     context_done: bool = False  # context_only: prefill done, KV pinned for gen; answer now
 
+    @property
+    def is_last(self) -> bool:
+        """Nothing follows it: its request finished, failed, or (ctx) handed over."""
+        return self.finish_reason is not None or self.context_done or self.error is not None
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the next one of the same request as one (a reader that fell behind
+        sends them in one chunk): tokens, text and logprobs joined, the rest the later's."""
+        return attrs.evolve(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            logprobs=self.logprobs + later.logprobs,
+        )
+
 
 @attrs.define(eq=False, kw_only=True)
 class OutputState:
