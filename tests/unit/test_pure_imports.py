@@ -12,11 +12,14 @@ import sys
 import pytest
 
 PURE_MODULES: tuple[str, ...] = (
+    "trtdisagg",  # the offline engine's names come on first use
     "trtdisagg.kv.page_table",
     "trtdisagg.kv.hashing",
     "trtdisagg.kv.block_pool",
     "trtdisagg.worker.request",
     "trtdisagg.worker.scheduler",
+    "trtdisagg.worker.step_plan",
+    "trtdisagg.worker.in_flight",
     "trtdisagg.transfer.faults",
     "trtdisagg.transfer.agents.faulty",
     "trtdisagg.transfer.sessions",

@@ -65,7 +65,7 @@ class Executor:
         """
         if self.stopped is not None:
             raise WorkerStopped(f"this worker stopped serving: {self.stopped}")
-        self._check_fits(request)
+        self.check_fits(request)
         send, receive = trio.open_memory_channel[RequestOutput](math.inf)
         params = request.sampling
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
@@ -147,7 +147,8 @@ class Executor:
         self.metrics.kv_free_blocks.set(pool.free_blocks)
         self.metrics.kv_reusable_blocks.set(pool.reusable_blocks)
 
-    def _check_fits(self, request: Request) -> None:
+    def check_fits(self, request: Request) -> None:
+        """Raise CapacityError when the request's prompt could never be served here."""
         pool = self.scheduler.pool
         capacity = pool.num_blocks * pool.tokens_per_block
         if request.num_prompt_tokens >= self.max_seq_len:
