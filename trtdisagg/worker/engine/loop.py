@@ -104,10 +104,11 @@ class StepLoop:
         while True:
             await self._round()
 
-    async def run_until_idle(self) -> None:
-        """Rounds until no request is left, no step is in flight and no command waits (the
-        offline engine, which has no transfers)."""
-        while self.lives or self._in_flight is not None or self.inbox.has_commands:
+    async def run_until_idle(self, more: Callable[[], bool] = lambda: False) -> None:
+        """Rounds until no request is left, no step is in flight, no command waits and `more()`
+        says no request will come (the offline engine, which has no transfers; a closed-loop
+        client says `more` while it will submit, and wakes the loop when it stops)."""
+        while self.lives or self._in_flight is not None or self.inbox.has_commands or more():
             await self._round()
 
     async def _round(self) -> None:
