@@ -15,10 +15,11 @@ gone before the HTTP worker starts. Builds `trtdisagg.LLM` from the worker confi
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -159,59 +160,81 @@ async def offline_loop(
     )
 
 
-def probe_steps(llm: LLM, input_len: int, vocab: int, *, repeats: int = 7) -> dict[str, float]:
-    """One prompt's prefill and one decode step (batch 1), each alone on the runner."""
+def probe_steps(
+    llm: LLM, input_len: int, vocab: int, *, prefill_lens: Sequence[int] = (), repeats: int = 7
+) -> dict[str, float]:
+    """One prompt's prefill (of `input_len`, and of each of `prefill_lens`) and one decode step
+    at batch 1 after `input_len` tokens, each alone on the runner: host wall time around a
+    synchronous step, and the device time from its CUDA events; medians."""
     runner = llm.runner
-    pool = llm.executor.scheduler.pool
-    prompt = [(31 * i + 7) % vocab for i in range(input_len)]
-    table = pool.open_table(prompt, reuse=False)
-    if not pool.grow(table, input_len + 1):
-        raise SystemExit(f"the KV pool cannot hold a {input_len}-token prompt")
-    request = Request(
-        request_id=-1,
-        prompt_token_ids=prompt,
-        sampling=SamplingParams(max_tokens=2, temperature=0.0),
-        arrival_time=0.0,
-        state=RequestState.RUNNING,
-        block_table=table,
-    )
-    specs = {-1: SampleSpec(params=request.sampling, generator=None)}
-    prefill = StepPlan(
-        items=(ScheduledItem(request=request, num_new_tokens=input_len, samples=True),),
-        num_tokens=input_len,
-    )
-    decode = StepPlan(
-        items=(ScheduledItem(request=request, num_new_tokens=1, samples=True),),
-        num_tokens=1,
-    )
-
-    def timed(plan: StepPlan, computed: int) -> tuple[float, float]:
-        walls, devices = [], []
-        for _ in range(repeats + 1):
-            request.num_computed_tokens = computed
-            request.output_token_ids = [] if computed < input_len else [1]
-            sync(runner.device)
-            start = time.perf_counter()
-            out = runner.execute(plan, specs)
-            sync(runner.device)
-            walls.append(time.perf_counter() - start)
-            devices.append(out.device_s)
-        return statistics.median(walls[1:]), statistics.median(devices[1:])
-
-    prefill_wall, prefill_device = timed(prefill, 0)
-    decode_wall, decode_device = timed(decode, input_len)
-    pool.release(table)
     args = runner.model.args
+    embed = runner.model.model.embed_tokens
+    # Matmul parameters: the input embedding is a lookup (unless tied to the output head).
     params = sum(p.numel() for p in runner.model.parameters())
-    attention = 2 * args.num_layers * args.num_heads * args.head_dim * input_len * input_len
-    return {
-        "prefill_ms": 1e3 * prefill_wall,
-        "prefill_device_ms": 1e3 * prefill_device,
-        "prefill_tflops": (2 * params * input_len + attention) / prefill_wall / 1e12,
-        "decode_ms": 1e3 * decode_wall,
-        "decode_device_ms": 1e3 * decode_device,
-        "parameters": float(params),
-    }
+    lm_head = runner.model.lm_head
+    if embed is not None and (lm_head is None or lm_head.weight is not embed.weight):
+        params -= embed.weight.numel()
+    out: dict[str, float] = {"matmul_parameters": float(params)}
+    for length in dict.fromkeys([input_len, *prefill_lens]):
+        with _request(llm, length, vocab) as request:
+            prefill = _plan(request, length)
+            wall, device = _timed(runner, request, prefill, computed=0, repeats=repeats)
+            attention = 2 * args.num_layers * args.num_heads * args.head_dim * length * length
+            tag = "prefill" if length == input_len else f"prefill_{length}"
+            out[f"{tag}_ms"] = 1e3 * wall
+            out[f"{tag}_device_ms"] = 1e3 * device
+            out[f"{tag}_tflops"] = (2 * params * length + attention) / device / 1e12
+            if length == input_len:
+                wall, device = _timed(runner, request, _plan(request, 1), computed=length,
+                                      repeats=repeats)  # fmt: skip
+                out["decode_ms"] = 1e3 * wall
+                out["decode_device_ms"] = 1e3 * device
+    return out
+
+
+@contextlib.contextmanager
+def _request(llm: LLM, length: int, vocab: int) -> Iterator[Request]:
+    """A running request of a `length`-token prompt with blocks for one more token."""
+    pool = llm.executor.scheduler.pool
+    prompt = [(31 * i + 7) % vocab for i in range(length)]
+    table = pool.open_table(prompt, reuse=False)
+    if not pool.grow(table, length + 1):
+        pool.release(table)
+        raise SystemExit(f"the KV pool cannot hold a {length}-token prompt")
+    try:
+        yield Request(
+            request_id=-1,
+            prompt_token_ids=prompt,
+            sampling=SamplingParams(max_tokens=2, temperature=0.0),
+            arrival_time=0.0,
+            state=RequestState.RUNNING,
+            block_table=table,
+        )
+    finally:
+        pool.release(table)
+
+
+def _plan(request: Request, num_new_tokens: int) -> StepPlan:
+    item = ScheduledItem(request=request, num_new_tokens=num_new_tokens, samples=True)
+    return StepPlan(items=(item,), num_tokens=num_new_tokens)
+
+
+def _timed(
+    runner: Any, request: Request, plan: StepPlan, *, computed: int, repeats: int
+) -> tuple[float, float]:
+    """Median host wall time and device time of `plan`, after one untimed run."""
+    specs = {request.request_id: SampleSpec(params=request.sampling, generator=None)}
+    walls, devices = [], []
+    for _ in range(repeats + 1):
+        request.num_computed_tokens = computed
+        request.output_token_ids = [] if computed < request.num_prompt_tokens else [1]
+        sync(runner.device)
+        start = time.perf_counter()
+        out = runner.execute(plan, specs)
+        sync(runner.device)
+        walls.append(time.perf_counter() - start)
+        devices.append(out.device_s)
+    return statistics.median(walls[1:]), statistics.median(devices[1:])
 
 
 def probe_device(llm: LLM, input_len: int) -> dict[str, float]:
@@ -235,7 +258,7 @@ def probe_device(llm: LLM, input_len: int) -> dict[str, float]:
     return {
         "hbm_gb_s": bandwidth / 1e9,
         "decode_floor_ms": 1e3 * (weights + kv) / bandwidth,
-        "matmul_tflops": 2 * 8192**3 / gemm / 1e12,
+        "bf16_matmul_tflops": 2 * 8192**3 / gemm / 1e12,
     }
 
 

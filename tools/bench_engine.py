@@ -4,8 +4,9 @@ Both run the same worker config (a YAML file, or --model/--device/--dtype) on ra
 prompts of exact lengths, greedy, `ignore_eos`, closed loop at each --concurrency:
 
 * offline: `trtdisagg.LLM`'s engine in a child process, clients submitting straight to its
-  executor (no HTTP); first, one prompt's prefill forward and one decode step at batch 1 are
-  timed alone, and on CUDA the HBM bandwidth (decode floor) and the bf16 matmul rate;
+  executor (no HTTP); first, one prompt's prefill forward (and that of each --prefill-lens) and
+  one decode step at batch 1 are timed alone, and on CUDA the HBM bandwidth (decode floor) and
+  the bf16 matmul rate (prefill TFLOP/s count 2 x matmul parameters x tokens + attention);
 * http: `python -m trtdisagg ctx` with the same config, bench_serving's streaming client
   (`return_token_ids`, `stream_options.include_usage`).
 
@@ -17,7 +18,7 @@ over HTTP. Ratios printed last: HTTP / offline throughput, TTFT p50 at concurren
 + decode step), TPOT p50 at concurrency 1 / decode floor (CUDA) and / decode step.
 
     python tools/bench_engine.py --config conf/gpu/worker.yaml --concurrency 1,16,64 \\
-        --input-len 512 --output-len 128
+        --input-len 512 --output-len 128 --prefill-lens 8192
     python tools/bench_engine.py --model tiny --concurrency 1,32 --input-len 128 --output-len 128
 
 The result JSON goes to --result-json, else to $OUT/bench_engine.json when $OUT is set.
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, help="per concurrency (default: max(4c, 16))")
     p.add_argument("--warmup", type=int, default=2, help="requests per concurrency, unmeasured")
     p.add_argument("--vocab-size", type=int, default=512, help="prompt ids uniform in [0, V)")
+    p.add_argument(
+        "--prefill-lens", default="",
+        help="more prompt lengths whose prefill forward is probed alone, e.g. 8192",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-http", action="store_true")
@@ -145,7 +150,9 @@ def run_offline_phase(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model, **config)
     out: dict[str, Any] = {"build_s": time.perf_counter() - started}
     vocab = min(args.vocab_size, llm.tokenizer.vocab_size)
-    out["probes"] = probe_steps(llm, args.input_len, vocab) | probe_device(llm, args.input_len)
+    lens = [int(n) for n in args.prefill_lens.split(",") if n]
+    probes = probe_steps(llm, args.input_len, vocab, prefill_lens=lens)
+    out["probes"] = probes | probe_device(llm, args.input_len)
     runs = {}
     for c in concurrencies(args):
         warm, measured = workload(args, c)
@@ -254,6 +261,10 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
             if "decode_floor_ms" in probes:
                 floor = probes["decode_floor_ms"]
                 out[f"{mode} TPOT p50 / HBM floor, c=1"] = one["tpot_ms"]["p50"] / floor
+    matmul = probes.get("bf16_matmul_tflops")
+    for name, value in probes.items():
+        if matmul and name.startswith("prefill") and name.endswith("_tflops"):
+            out[f"{name[: -len('_tflops')]} / bf16 matmul rate"] = value / matmul
     return out
 
 
