@@ -2,9 +2,9 @@
 at once.
 
 Launching runs the runner's host work and kernel launches (on CPU: the whole forward) in a worker
-thread; finishing waits in another for the step's tokens to reach the host, unless they are there
-already. With `overlaps` the loop launches the next step while this one's outputs are processed
-on the Trio thread (`loop.py`).
+thread, and then, in the same thread, waits until the step launched before it has its tokens on
+the host: one trip off the Trio loop per step. With `overlaps` the loop launches step N+1 before
+it processes step N's outputs (`loop.py`); the device runs step N+1 meanwhile.
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ from trtdisagg.worker.step_inputs import StepInputs
 BLOCKED_WAIT_S = 0.01
 
 
+def _failed(exc: Exception) -> StepFailed:
+    failure = StepFailed(exc)
+    failure.__cause__ = exc
+    return failure
+
+
 class StepRunner(Protocol):
     """What the local driver needs of `ModelRunner` (a test hook may wrap it)."""
 
@@ -51,25 +57,43 @@ class LocalDriver:
     def inputs(self, plan: StepPlan) -> StepInputs:
         return self.runner.prepare(plan)
 
-    async def launch(self, inputs: StepInputs, specs: dict[int, SampleSpec]) -> Launched:
+    async def launch(
+        self, inputs: StepInputs, specs: dict[int, SampleSpec], *, after: Launched | None = None
+    ) -> Launched:
         self.wakeup.step_started()
-        try:
-            queued = await trio.to_thread.run_sync(self.runner.launch, inputs, specs)
-        except Exception as exc:
+        previous = after.queued if after is not None else None
+        launched = Launched()
+
+        def launch_then_wait() -> None:
+            try:
+                launched.queued = self.runner.launch(inputs, specs)
+            except Exception as exc:
+                # One rank ran it and nothing else changed meanwhile: only this step is lost.
+                launched.failure = _failed(exc)
+            if previous is not None and after is not None:
+                try:
+                    previous.wait()
+                except Exception as exc:  # a CUDA error surfaces at the step's first sync
+                    after.wait_failure = _failed(exc)
+
+        await trio.to_thread.run_sync(launch_then_wait)
+        if launched.failure is not None:
             self.wakeup.step_ended()
-            # One rank ran it and nothing else changed meanwhile: only this step is lost.
-            raise StepFailed(exc) from exc
-        return Launched(queued=queued)
+        return launched
 
     async def finish(self, launched: Launched) -> StepOutput:
         queued = launched.queued
-        assert queued is not None, "a one-rank step is always queued"
+        assert queued is not None, "a one-rank step that launched is queued"
         try:
+            if launched.wait_failure is not None:
+                raise launched.wait_failure
             if not queued.done:
                 await trio.to_thread.run_sync(queued.wait)
             return self.runner.finish(queued)
+        except StepFailed:
+            raise
         except Exception as exc:  # a CUDA error surfaces at the step's first sync
-            raise StepFailed(exc) from exc
+            raise _failed(exc) from exc
         finally:
             self.wakeup.step_ended()
 

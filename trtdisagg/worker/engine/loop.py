@@ -10,19 +10,20 @@
               the outputs; a context_only request's first token ends its HTTP answer and starts
               its send
 
-Asynchronous steps (`driver.overlaps`, one rank): a round launches step N+1 and, at the same
-time, finishes step N (waits for its tokens on the host, then responds), so the device never
-waits for the host's processing. Step N+1 was scheduled before step N's tokens were known: each
-request that samples in a step counts a pending token (`Request.pending_tokens`), the next
-step's decode row for it reads that token on the device, and a request that surely ends with it
-is not scheduled again (`Scheduler`). A request whose token turns out to end it (a stop token,
-a stop string) is still in step N+1: that step's result for it is dropped, and its blocks are
-freed only once step N+1 finished (`in_flight.py`). A step's inputs are taken from its plan
-before it launches (`driver.inputs`), and the scheduler hears of the launch before anything
-runs concurrently, so requests and blocks still change only on the Trio thread. One hook,
-`synchronous`, marks requests that need their previous token on the host before their next
-step samples (a grammar's mask): a step holding one is finished before the next is scheduled.
-A multi-rank driver does not overlap: every step is finished before the next is scheduled.
+Asynchronous steps (`driver.overlaps`, one rank): a round launches step N+1 and then finishes
+step N (waits for its tokens, in the same trip to a worker thread, then responds), so the device
+runs step N+1 while the host processes step N's outputs. Step N+1 was scheduled before step N's
+tokens were known: each request that samples in a step counts a pending token
+(`Request.pending_tokens`), the next step's decode row for it reads that token on the device,
+and a request that surely ends with it is not scheduled again (`Scheduler`). A request whose
+token turns out to end it (a stop token, a stop string) is still in step N+1: that step's result
+for it is dropped, and its blocks are freed only once step N+1 finished (`in_flight.py`). A
+step's inputs are taken from its plan before it launches (`driver.inputs`), and the scheduler
+hears of the launch before anything runs concurrently, so requests and blocks still change only
+on the Trio thread. One hook, `synchronous`, marks requests that need their previous token on
+the host before their next step samples (a grammar's mask): a step holding one is finished
+before the next is scheduled. A multi-rank driver does not overlap: every step is finished
+before the next is scheduled.
 
 Polling comes before receiving so that blocks a finished transfer frees serve the gen requests
 waiting for blocks in the same round. What differs between one rank and many is the driver's
@@ -57,7 +58,6 @@ from trtdisagg.worker.launched import StepOutput
 from trtdisagg.worker.request import FinishReason, Request
 from trtdisagg.worker.sampling import SampleSpec
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
-from trtdisagg.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +136,19 @@ class StepLoop:
         for item in plan.items:
             if item.samples:
                 item.request.pending_tokens += 1
+        # One trip to a worker thread: launch this step, then wait for the one in flight. The
+        # loop yields to the HTTP tasks once per round, and the device has this step queued
+        # while the last one's outputs are processed.
         self._in_flight = None
-        if in_flight is None:
-            self._in_flight = await self._launch(plan, inputs, specs)
+        after = in_flight.launched if in_flight is not None else None
+        launched = await self.driver.launch(inputs, specs, after=after)
+        if in_flight is not None:
+            await self._finish(in_flight)  # its tokens are on the host: nothing waits
+        if launched.failure is not None:
+            self._step_failed(plan, launched.failure)
+            self.scheduler.step_finished(plan)
             return
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._finish, in_flight)
-            launched = await self._launch(plan, inputs, specs)
-        self._in_flight = launched
+        self._in_flight = InFlight(plan=plan, launched=launched)
 
     def _may_overlap(self, in_flight: InFlight) -> bool:
         """Whether the next step may be scheduled before `in_flight`'s tokens are known."""
@@ -201,17 +206,6 @@ class StepLoop:
             self.metrics.preemptions.inc(len(plan.preempted))
         self._drop(plan.finished)
         return plan if plan.items else None
-
-    async def _launch(
-        self, plan: StepPlan, inputs: StepInputs, specs: dict[int, SampleSpec]
-    ) -> InFlight | None:
-        try:
-            launched = await self.driver.launch(inputs, specs)
-        except StepFailed as failure:
-            self._step_failed(plan, failure)
-            self.scheduler.step_finished(plan)
-            return None
-        return InFlight(plan=plan, launched=launched)
 
     async def _finish(self, in_flight: InFlight) -> None:
         plan = in_flight.plan

@@ -104,7 +104,10 @@ class MultiRankDriver:
         rows = tuple((item.request.request_id, item.samples) for item in plan.items)
         return StepInputs(rows=rows, items=plan_items(plan, self.runner.tokens_per_block))
 
-    async def launch(self, inputs: StepInputs, specs: dict[int, SampleSpec]) -> Launched:
+    async def launch(
+        self, inputs: StepInputs, specs: dict[int, SampleSpec], *, after: Launched | None = None
+    ) -> Launched:
+        assert after is None, "multi-rank steps do not overlap"
         out = await self._tick(inputs.items, specs)
         assert out is not None
         return Launched(done=out)

@@ -107,10 +107,12 @@ class TransferPort(Protocol):
 @attrs.define(eq=False, kw_only=True)
 class Launched:
     """A step a driver launched: queued on the device (one rank), or already done (a tick of
-    a multi-rank instance). The driver's `finish` brings its output."""
+    a multi-rank instance), or failed at its launch. The driver's `finish` brings its output."""
 
     queued: LaunchedStep | None = None
     done: StepOutput | None = None
+    failure: StepFailed | None = None  # its launch raised: only its requests are lost
+    wait_failure: StepFailed | None = None  # waiting for its tokens raised (a CUDA error)
 
 
 class StepDriver(TransferPort, Protocol):
@@ -125,9 +127,12 @@ class StepDriver(TransferPort, Protocol):
         """The step's host-side inputs, taken from the plan before the step launches (the
         plan's requests may change while it runs)."""
 
-    async def launch(self, inputs: StepInputs, specs: dict[int, SampleSpec]) -> Launched:
-        """Queue one step's forward and sampling. Raises StepFailed when only this step is
-        lost."""
+    async def launch(
+        self, inputs: StepInputs, specs: dict[int, SampleSpec], *, after: Launched | None = None
+    ) -> Launched:
+        """Queue one step's forward and sampling; then wait until `after` (the step launched
+        before, when it overlaps) has its tokens on the host. A launch that raises, when only
+        this step is lost, comes back as `failure`."""
 
     async def finish(self, launched: Launched) -> StepOutput:
         """The sampled tokens of a launched step, once they are on the host. Raises StepFailed
