@@ -10,12 +10,13 @@ them once that copy is done (`launched.py`). Between the two the loop may launch
 a decode row whose token is still in flight reads it from the last step's sampled tokens on the
 device (`step_inputs.LateRow`), so the device never waits for the host.
 
-On CUDA the model runs its fused path (`CausalLM.use_ops`, Triton kernels in bf16/fp16). A
-decode-only step (every item computes one token) is replayed from a CUDA graph per batch size
-when `cuda_graphs` is on and one fits (`decode_graphs.py`); any other step from a graph per
-token-count bucket (`step_graphs.py`); else it runs eagerly. On CPU a decode-only step attends
-batched and a mixed one per sequence. Each step sends its integer inputs to the device in one
-copy; an all-greedy step never syncs the host before its tokens' copy.
+The model runs its fused path (`CausalLM.use_ops`: Triton kernels on CUDA in bf16/fp16, torch
+ops elsewhere). On CUDA a decode-only step (every item computes one token) is replayed from a
+CUDA graph per batch size when `cuda_graphs` is on and one fits (`decode_graphs.py`); any other
+step from a graph per token-count bucket (`step_graphs.py`); else it runs eagerly. On CPU a
+decode-only step attends batched and a mixed one per sequence. Each step sends its integer
+inputs to the device in one copy; an all-greedy step never syncs the host before its tokens'
+copy.
 """
 
 from __future__ import annotations
@@ -318,8 +319,10 @@ def build_runner(
         device = torch.device("cuda", parallel.device_index)
     dtype = DTYPES[config.dtype]
     model = load_model(model_dir, dtype=dtype, device=device, parallel=parallel)
+    # The fused path everywhere: one q/k/v and one gate/up GEMM per layer (on CPU, torch ops:
+    # fewer calls per step than the reference modules make).
+    model.use_ops(select_ops(device, dtype))
     if device.type == "cuda":
-        model.use_ops(select_ops(device, dtype))
         torch.cuda.empty_cache()  # the unfused weights' memory, before the pool is sized
     kv = config.kv_cache_config
     num_layers = len(model.local_layer_ids)
