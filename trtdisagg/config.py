@@ -164,6 +164,9 @@ class WorkerConfig:
     # Launch each step before the previous one's tokens reach the host (the loop processes a
     # step's outputs while the next one runs). Multi-rank instances always step synchronously.
     async_scheduling: bool = True
+    # A streamed choice's chunks after its first carry at least this many tokens (fewer only at
+    # the end): fewer, larger SSE writes when many streams are open, burstier gaps between them.
+    stream_interval: int = attrs.field(default=1, validator=_positive)
     api_key: str | None = attrs.field(default=None, repr=False)  # a secret: never in a repr
     # Test-only introspection and fault hooks (KV digests at /debug/kv_digests). Set through the
     # TRTDISAGG_TEST_HOOKS=1 environment variable; never on in production.

@@ -97,3 +97,23 @@ async def test_a_reader_that_keeps_up_gets_each_output() -> None:
             await trio.testing.wait_all_tasks_blocked()
         await send.send(output(99, reason=FinishReason.STOP))
     assert got == [(97,), (98,), (99,)]
+
+
+async def test_a_stream_interval_holds_later_outputs_until_enough_tokens() -> None:
+    send, receive = trio.open_memory_channel[RequestOutput](math.inf)
+    run, _ = run_with()
+    run.handle = RequestHandle(request=run.handle.request, outputs=receive)
+    run.interval = 3
+    got: list[tuple[int, ...]] = []
+    async with trio.open_nursery() as nursery:
+
+        async def read() -> None:
+            async for out in run:
+                got.append(out.token_ids)
+
+        nursery.start_soon(read)
+        for token in range(97, 104):  # the first alone (TTFT), then three at a time
+            await send.send(output(token))
+            await trio.testing.wait_all_tasks_blocked()
+        await send.send(output(104, reason=FinishReason.STOP))  # the end comes out at once
+    assert got == [(97,), (98, 99, 100), (101, 102, 103), (104,)]
