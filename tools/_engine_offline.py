@@ -43,15 +43,19 @@ class Timeline:
     samples: list[tuple[float, float]] = attrs.Factory(list)
     first_done: float | None = None
     last_submit: float | None = None
+    every_s: float = 0.05  # the sampling period
 
     def busy(self) -> float | None:
         """Device seconds per second over [first_done, last_submit], the counter interpolated
-        linearly between its samples; None when the window is empty or not covered."""
+        linearly between its samples; None when the window is not covered or shorter than two
+        sampling periods (too few requests for a steady part: give --num-requests >= 4 x c)."""
         if self.first_done is None or self.last_submit is None:
             return None
         lo, hi = self.first_done, self.last_submit
         samples = sorted(self.samples)
-        if hi <= lo or not samples or samples[0][0] > lo or samples[-1][0] < hi:
+        if hi - lo < 2 * self.every_s or not samples:
+            return None
+        if samples[0][0] > lo or samples[-1][0] < hi:
             return None
         return (_at(samples, hi) - _at(samples, lo)) / (hi - lo)
 
@@ -87,7 +91,7 @@ async def closed_loop(
     """`concurrency` clients, each issuing its next request when its last one ended, while the
     device-time counter is sampled every `every_s`. `engine(more)`, when given, runs alongside
     (the offline engine's loop, told whether more requests will come)."""
-    timeline = Timeline()
+    timeline = Timeline(every_s=every_s)
     records: list[RequestRecord] = []
     pending = list(reversed(specs))
 

@@ -34,7 +34,7 @@ def test_a_small_run_reports_both_paths(tmp_path: Path) -> None:
         for run in runs.values():
             assert run["completed"] == 12 and run["failed"] == 0
             assert run["output_tok_s"] > 0 and run["tpot_ms"]["p50"] > 0
-    busy = doc["offline"]["runs"]["4"]["device_busy"]
+    busy = doc["offline"]["runs"]["1"]["device_busy"]  # c=4 has too few waves for a window
     assert busy is not None and 0 < busy <= 1.05
     probes = doc["offline"]["probes"]
     assert probes["prefill_ms"] > 0 and probes["decode_ms"] > 0
