@@ -153,12 +153,16 @@ class PlanSpy:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.steps: list[list[int]] = []
-        self.late_rows = 0  # decode rows whose token came from the device
+        self.late_rows_by_step: list[int] = []  # decode rows whose token came from the device
+
+    @property
+    def late_rows(self) -> int:
+        return sum(self.late_rows_by_step)
 
     def prepare(self, plan: Any) -> Any:
         self.steps.append([item.request.request_id for item in plan.items])
         inputs = self.runner.prepare(plan)
-        self.late_rows += len(inputs.late)
+        self.late_rows_by_step.append(len(inputs.late))
         return inputs
 
     def launch(self, *args: Any) -> Any:
@@ -274,4 +278,31 @@ async def test_an_abort_mid_stream_frees_every_block(model: Model) -> None:
             outs = [out async for out in kept.outputs]
     assert rest and rest[-1].finish_reason is FinishReason.ABORT
     assert len(tokens(outs)) == ASKS[0].sampling.max_tokens
+    assert_idle(executor)
+
+
+async def test_rows_that_need_their_token_on_the_host_step_synchronously(
+    model: Model, alone: list[tuple[list[int], list[float]]]
+) -> None:
+    """The `synchronous` hook (grammar masks need the previous token): a step holding such a
+    row is finished before the next is scheduled, so no row of the next step is late."""
+    executor = make_executor(model.runner, model.tokenizer, overlap=True)
+    spy = PlanSpy(model.runner)
+    driver = executor.loop.driver
+    assert isinstance(driver, LocalDriver)
+    driver.runner = spy
+    constrained = {0}
+    executor.loop.synchronous = lambda live: live.request_id in constrained
+    asks = [ASKS[0], ASKS[5]]  # 12 and 14 tokens: request 1 outlives request 0
+    handles = [submit(executor, i, ask) for i, ask in enumerate(asks)]
+    with trio.fail_after(TIMEOUT_S):
+        await executor.loop.run_until_idle()
+    outs = [drain(h) for h in handles]
+    for out, index in zip(outs, (0, 5), strict=True):
+        assert_greedy_match(tokens(out), *alone[index])
+    # Request 0 is in every step until it ends, so no step up to then has a late row; the steps
+    # after it overlap again.
+    last_with_0 = max(i for i, step in enumerate(spy.steps) if 0 in step)
+    assert spy.late_rows_by_step[: last_with_0 + 1] == [0] * (last_with_0 + 1)
+    assert sum(spy.late_rows_by_step[last_with_0 + 1 :]) > 0
     assert_idle(executor)
