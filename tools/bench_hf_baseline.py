@@ -7,8 +7,10 @@ ids (`_bench_common.iter_requests`, class "all").
 
 Timing comes from a streamer that generate() calls once with the prompt and once per new token:
 TTFT is the prefill (send -> first token), ITL the gaps between tokens, TPOT and E2E as in
-bench_serving. Throughput is per second of the sum of the requests' wall times. The result file
-has the same shape as bench_serving's, so plot_bench reads both.
+bench_serving. `--plain-loop` times a bare greedy loop instead (the model called with its KV
+cache, argmax, one token at a time: generate() without its per-token bookkeeping). Throughput is
+per second of the sum of the requests' wall times. The result file has the same shape as
+bench_serving's, so plot_bench reads both.
 
     python tools/bench_hf_baseline.py --model-dir tiny --input-len 64 --output-len 32 \\
         --num-requests 16 --vocab-size 512 --result-json out/hf.json
@@ -94,6 +96,20 @@ class TimingStreamer:
         )
 
 
+def plain_loop(model: Any, ids: Any, new_tokens: int, streamer: TimingStreamer) -> None:
+    """Greedy decoding by hand: one forward over the prompt, then one per token, with HF's KV
+    cache; each token's argmax is read on the host (a sync), as a server would."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True)
+        for _ in range(new_tokens):
+            token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+            streamer.put(token.cpu())
+            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+    streamer.end()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -109,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--plain-loop", action="store_true", help="a bare greedy loop, not generate()")
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-tpot-ms", type=float)
     p.add_argument("--label", default="hf-baseline")
@@ -143,6 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run(spec: RequestSpec, t0: float) -> RequestRecord:
         ids = torch.tensor([spec.prompt_ids], dtype=torch.long, device=device)
         streamer = TimingStreamer(sent_at=time.perf_counter())
+        streamer.prompt_seen = args.plain_loop  # the loop reports generated tokens only
+        if args.plain_loop:
+            plain_loop(model, ids, spec.output_len, streamer)
+            return streamer.record(spec, t0)
         with torch.inference_mode():
             model.generate(
                 ids, attention_mask=torch.ones_like(ids), do_sample=False,

@@ -160,8 +160,17 @@ class WorkerConfig:
     # torch intra-op threads on CPU. Workers of one machine share its cores, and OpenMP threads
     # that spin against each other slow a step down tenfold, so the default is 1 per worker.
     cpu_threads: int = attrs.field(default=1, validator=_positive)
-    # CUDA only: replay decode steps from CUDA graphs captured at start (batch sizes 1..64).
+    # CUDA only: replay decode steps from CUDA graphs captured at start (batch sizes 1..64),
+    # and mixed and prefill steps of up to cuda_graph_max_tokens tokens from graphs captured
+    # per token-count bucket (0: those run eagerly).
     cuda_graphs: bool = True
+    cuda_graph_max_tokens: int = attrs.field(default=2048, validator=_non_negative)
+    # Launch each step before the previous one's tokens reach the host (the loop processes a
+    # step's outputs while the next one runs). Multi-rank instances always step synchronously.
+    async_scheduling: bool = True
+    # A streamed choice's chunks after its first carry at least this many tokens (fewer only at
+    # the end): fewer, larger SSE writes when many streams are open, burstier gaps between them.
+    stream_interval: int = attrs.field(default=1, validator=_positive)
     api_key: str | None = attrs.field(default=None, repr=False)  # a secret: never in a repr
     # Test-only introspection and fault hooks (KV digests at /debug/kv_digests). Set through the
     # TRTDISAGG_TEST_HOOKS=1 environment variable; never on in production.

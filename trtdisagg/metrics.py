@@ -48,6 +48,8 @@ class WorkerMetrics:
     kv_transfer_failures: Counter
     preemptions: Counter
     step_failures: Counter
+    steps: Counter
+    step_device_seconds: Counter
     kv_sends_released: Counter
     faults_injected: Counter
     event_loop_lag: Histogram
@@ -103,6 +105,13 @@ class WorkerMetrics:
             step_failures=Counter(
                 p + "step_failures",
                 "Model steps that raised; the requests in them failed with a 500",
+                registry=r,
+            ),
+            steps=Counter(p + "steps", "Model steps run", registry=r),
+            step_device_seconds=Counter(
+                p + "step_device_seconds",
+                "Device time of the model steps' forward and sampling (CUDA events; on CPU the "
+                "forward's wall time): its rate is the device's busy fraction",
                 registry=r,
             ),
             kv_sends_released=Counter(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 PROTOCOL = Path(__file__).parents[2] / "trtdisagg" / "transfer" / "protocol"
 PURE_MODULES: tuple[str, ...] = (
+    "trtdisagg",  # the offline engine's names come on first use
     "trtdisagg.kv.page_table",
     "trtdisagg.kv.hashing",
     "trtdisagg.kv.block_pool",
@@ -21,6 +22,7 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.worker.request",
     "trtdisagg.worker.scheduler",
     "trtdisagg.worker.step_plan",
+    "trtdisagg.worker.in_flight",
     "trtdisagg.faults.spec",
     "trtdisagg.faults.agent",
     "trtdisagg.transfer.errors",

@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from trtdisagg.model.tiny import TinySpec, write_checkpoint
 from trtdisagg.model.tiny_tokenizer import build_tokenizer, write_tokenizer_files
-from trtdisagg.worker.tokenization import Tokenizer, TokenizerError
+from trtdisagg.worker.tokenization import (
+    MAX_HELD_TOKENS,
+    IncrementalDetokenizer,
+    Tokenizer,
+    TokenizerError,
+)
 
 VOCAB = 512
 TEXTS = [
@@ -222,6 +227,39 @@ def test_detokenizer_on_arbitrary_ids(tok: Tokenizer, ids: list[int]) -> None:
     detok = tok.incremental_detokenizer()
     text = "".join(detok.add(i) for i in ids) + detok.flush()
     assert text == tok.decode(ids)
+
+
+@attrs.define
+class RecordingTokenizer:
+    """A tokenizer whose decode notes how many ids each call decodes."""
+
+    inner: Tokenizer
+    windows: list[int] = attrs.Factory(list)
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        self.windows.append(len(ids))
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("kind", ["special", "invalid bytes", "mixed"])
+def test_detokenizer_window_stays_short(tok: Tokenizer, kind: str) -> None:
+    """Tokens that add no text (skipped special tokens, as a random model over a large padded
+    vocabulary emits) and invalid UTF-8 that never completes do not grow the decoded window:
+    each token decodes a few ids, however long the stream."""
+    special = sorted(tok.eos_token_ids)[0]
+    continuation = tok.encode("🦊", add_special_tokens=False)[-1]  # a lone 0xBx byte: invalid
+    pattern = {
+        "special": [special],
+        "invalid bytes": [continuation],
+        "mixed": [special, continuation, 97, continuation, continuation, special],
+    }[kind]
+    ids = (pattern * 400)[:400]
+    recorder = RecordingTokenizer(tok)
+    detok = IncrementalDetokenizer(tokenizer=recorder)  # type: ignore[arg-type]
+    text = "".join(detok.add(i) for i in ids) + detok.flush()
+    assert text == tok.decode(ids)
+    assert max(recorder.windows) <= 2 * MAX_HELD_TOKENS, max(recorder.windows)
+    assert len(recorder.windows) <= 2 * len(ids) + 2  # at most two short decodes per token
 
 
 def test_broken_chat_template_fails_at_load(tmp_path: Path) -> None:

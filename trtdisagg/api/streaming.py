@@ -144,7 +144,10 @@ class MergedBody(ResponseBody, Generic[T]):
             if self.merger.stopped:
                 self._done = True
                 self._pending.extend(self.merger.closing())
-        return self._pending.pop(0)
+        # Everything ready goes out in one write (each write is a trip through h11 and a send).
+        data = b"".join(self._pending)
+        self._pending.clear()
+        return data
 
     async def _next_item(self) -> tuple[int, Any] | None:
         if self._direct is not None:

@@ -193,7 +193,12 @@ class CausalLM(nn.Module):
         return len(self.local_layer_ids)
 
     def forward(
-        self, batch: ForwardBatch, cache: KVCache, hidden: torch.Tensor | None = None
+        self,
+        batch: ForwardBatch,
+        cache: KVCache,
+        hidden: torch.Tensor | None = None,
+        *,
+        logits: bool = True,
     ) -> torch.Tensor:
         """Run this stage's layers over the batch's new tokens.
 
@@ -201,6 +206,8 @@ class CausalLM(nn.Module):
             batch: the step's tokens and attention metadata.
             cache: this rank's KV pool (its local layers, local kv heads).
             hidden: [N, hidden_size] from the previous stage; None on the first stage.
+            logits: False stops the last stage before the output head: it returns the final
+                norm's output at `batch.logits_indices` [S, hidden_size] (for `head`).
 
         Returns:
             Last stage: float32 logits [S, vocab]; other stages: hidden states [N, hidden_size].
@@ -224,7 +231,7 @@ class CausalLM(nn.Module):
         if batch.decode is None and attention is None:
             masks = tuple(causal_mask(seq, x.device) for seq in batch.seqs)
         if self.ops is not None:
-            return self._forward_fused(
+            last = self._forward_fused(
                 x,
                 self.ops,
                 cos=cos,
@@ -234,6 +241,7 @@ class CausalLM(nn.Module):
                 batch=batch,
                 cache=cache,
             )
+            return self.head(last) if logits and self.lm_head is not None else last
         for layer, block in enumerate(self.model.layers):
             x = block(x, cos=cos, sin=sin, masks=masks, batch=batch, cache=cache, layer=layer)
         if self.lm_head is None or self.model.norm is None:
@@ -241,6 +249,11 @@ class CausalLM(nn.Module):
         # The norm is per token, so taking the wanted rows first saves work and changes nothing.
         # In a decode batch every token is its sequence's last.
         last = self.model.norm(x if batch.decode is not None else x[batch.logits_indices])
+        return self.head(last) if logits else last
+
+    def head(self, last: torch.Tensor) -> torch.Tensor:
+        """The output head: the final norm's output [S, hidden_size] -> float32 logits."""
+        assert self.lm_head is not None, "only the last pipeline stage has the output head"
         return self.lm_head(last).float()
 
     def _forward_fused(
@@ -273,12 +286,10 @@ class CausalLM(nn.Module):
         if self.lm_head is None or norm is None:
             return x if residual is None else residual + x
         if residual is None:  # a last stage without layers
-            last = ops.rms_norm(
+            return ops.rms_norm(
                 x if batch.decode is not None else x[batch.logits_indices], norm.weight, norm.eps
             )
-        elif batch.decode is not None:
-            last, _ = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        else:
-            rows = batch.logits_indices
-            last, _ = ops.add_rms_norm(x[rows], residual[rows], norm.weight, norm.eps)
-        return self.lm_head(last).float()
+        if batch.decode is not None:
+            return ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
+        rows = batch.logits_indices
+        return ops.add_rms_norm(x[rows], residual[rows], norm.weight, norm.eps)[0]

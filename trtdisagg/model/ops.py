@@ -36,46 +36,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
-def gather_decode_kv(
-    cache: KVCache, layer: int, meta: DecodeMeta
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K and V of every sequence of a decode batch, padded: [S, H, L, D] each, and the bool
-    mask [S, L] of real keys, L = `meta.max_context_len`."""
-    tpb = cache.tokens_per_block
-    length = meta.max_context_len
-    num_blocks = math.ceil(length / tpb)
-    table = meta.block_table[:, :num_blocks]
-    s = table.shape[0]
-    # index_select on the layer's view: several times faster on CPU than pool[table, layer].
-    per_block = cache.pool.shape[2:]
-    kv = cache.pool[:, layer].index_select(0, table.reshape(-1)).view(s, num_blocks, *per_block)
-    if cache.layout is Layout.HND:
-        kv = kv.permute(2, 0, 3, 1, 4, 5)  # [2, S, H, n, T, D]
-    else:
-        kv = kv.permute(2, 0, 4, 1, 3, 5)
-    kv = kv.reshape(2, s, cache.num_kv_heads, num_blocks * tpb, cache.head_dim)[:, :, :, :length]
-    positions = torch.arange(length, device=table.device)
-    mask = positions[None, :] < meta.context_lens[:, None].to(positions.dtype)
-    return kv[0], kv[1], mask
-
-
 def decode_attention_torch(
     q: torch.Tensor, cache: KVCache, layer: int, meta: DecodeMeta
 ) -> torch.Tensor:
     """Batched decode attention: q [S, Hq, D] (one token per sequence) -> [S, Hq, D].
 
-    The `Hq / H` query heads that share a kv head are that head's queries, so one SDPA call over
-    [S, H, group, D] against the padded [S, H, L, D] keys needs no GQA expansion and no causal
-    mask (a decode token sees every cached key), only the length mask. Every sequence must have
-    `context_lens >= 1`.
+    One kv head at a time: its keys and values of every sequence are gathered from the pool in
+    one `index_select` each ([S, L, D], contiguous, L = the longest context padded to whole
+    blocks), and the `Hq / H` query heads that share it attend with two batched matmuls and an
+    additive length mask; no GQA expansion, no causal mask (a decode token sees every cached
+    key). Gathering per head skips the copy that putting every head's keys side by side takes,
+    the larger part of a CPU decode step. Every sequence must have `context_lens >= 1`.
     """
     s, num_heads, d = q.shape
-    keys, values, mask = gather_decode_kv(cache, layer, meta)
-    group = num_heads // cache.num_kv_heads
-    out = F.scaled_dot_product_attention(
-        q.view(s, cache.num_kv_heads, group, d), keys, values, attn_mask=mask[:, None, None, :]
-    )
-    return out.reshape(s, num_heads, d)
+    tpb = cache.tokens_per_block
+    num_blocks = math.ceil(meta.max_context_len / tpb)
+    blocks = meta.block_table[:, :num_blocks].reshape(-1).long()
+    length = num_blocks * tpb
+    positions = torch.arange(length, device=q.device)
+    beyond = positions[None, :] >= meta.context_lens[:, None].to(positions.dtype)
+    bias = torch.zeros(s, 1, length, device=q.device).masked_fill_(beyond[:, None, :], -math.inf)
+    num_kv_heads = cache.num_kv_heads
+    group = num_heads // num_kv_heads
+    layer_pool = cache.pool[:, layer]  # [blocks, 2, H, T, D] (HND) or [blocks, 2, T, H, D]
+    outs = []
+    for head in range(num_kv_heads):
+        if cache.layout is Layout.HND:
+            k, v = layer_pool[:, 0, head], layer_pool[:, 1, head]  # [blocks, T, D]
+        else:
+            k, v = layer_pool[:, 0, :, head], layer_pool[:, 1, :, head]
+        keys = k.index_select(0, blocks).view(s, length, d).float()
+        values = v.index_select(0, blocks).view(s, length, d).float()
+        queries = q[:, head * group : (head + 1) * group].float()  # [S, group, D]
+        scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=d**-0.5)
+        outs.append(torch.bmm(scores.softmax(dim=-1), values))
+    return torch.cat(outs, dim=1).to(q.dtype)
 
 
 class TorchOps:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import torch
@@ -39,6 +39,8 @@ class DecodeRows:
     slots: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]  # each row's blocks (at least ceil(context_len / T))
+    # Rows whose token is still in flight (asynchronous steps): 0 here, written on the device.
+    late: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -189,15 +191,20 @@ class DecodeGraphs:
         sizes = self.captured_sizes
         return bool(sizes) and len(rows) <= sizes[-1] and rows.max_blocks <= self.max_blocks_per_seq
 
-    def run(self, rows: DecodeRows) -> torch.Tensor | None:
+    def run(
+        self, rows: DecodeRows, before_replay: Callable[[ForwardBatch], None] | None = None
+    ) -> torch.Tensor | None:
         """Logits [len(rows), vocab] from the smallest graph that holds `rows`; None if none
-        does. The tensor is the graph's output buffer: read it before the next call."""
+        does. The tensor is the graph's output buffer: read it before the next call.
+        `before_replay` gets the graph's input batch once the rows are in (late tokens)."""
         if not self.fits(rows):
             return None
         sizes = self.captured_sizes
         size = sizes[bisect.bisect_left(sizes, len(rows))]
         captured = self._captured[size]
-        captured.staging.fill(rows)
+        batch = captured.staging.fill(rows)
+        if before_replay is not None:
+            before_replay(batch)
         captured.graph.replay()
         self.replays += 1
         return captured.logits[: len(rows)]
@@ -208,15 +215,26 @@ def decode_rows(
     tokens_per_block: int,
 ) -> DecodeRows:
     """DecodeRows from (prompt ids, output ids, num_computed_tokens, block ids) per sequence:
-    each computes the token at position `num_computed_tokens`."""
+    each computes the token at position `num_computed_tokens`. A position just past the known
+    tokens is a token still in flight: the row is listed in `late`."""
     tpb = tokens_per_block
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     lens: list[int] = []
     tables: list[list[int]] = []
+    late: list[int] = []
     for prompt, output, pos, blocks in requests:
-        token_ids.append(prompt[pos] if pos < len(prompt) else output[pos - len(prompt)])
+        p = len(prompt)
+        if pos < p:
+            token_ids.append(prompt[pos])
+        elif pos - p < len(output):
+            token_ids.append(output[pos - p])
+        elif pos - p == len(output):
+            late.append(len(token_ids))
+            token_ids.append(0)
+        else:
+            raise ValueError(f"position {pos} is past the {p + len(output)} known tokens + 1")
         positions.append(pos)
         used = list(blocks[: pos // tpb + 1])
         if len(used) * tpb <= pos:
@@ -230,6 +248,7 @@ def decode_rows(
         slots=slots,
         context_lens=lens,
         block_tables=tables,
+        late=tuple(late),
     )
 
 

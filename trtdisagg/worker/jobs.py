@@ -39,8 +39,12 @@ class ChoiceRun:
     handle: RequestHandle
     executor: Executor
     echo: str | None = None  # completions with `echo`: the prompt text
+    # After the first, read outputs of at least this many tokens (config `stream_interval`).
+    interval: int = 1
     done: bool = False  # its last output (or ctx's context_done) arrived
+    _started: bool = attrs.field(default=False, alias="started")  # the first output was read
     _closed: bool = attrs.field(default=False, alias="closed")
+    _held: RequestOutput | None = attrs.field(default=None, alias="held")  # read, not sent yet
 
     @property
     def request_id(self) -> int:
@@ -52,12 +56,46 @@ class ChoiceRun:
     async def __anext__(self) -> RequestOutput:
         if self.done or self._closed:
             raise StopAsyncIteration
-        try:
-            output = await self.handle.outputs.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise StopAsyncIteration from None
+        output, self._held = self._held, None
+        if output is None:
+            try:
+                output = await self.handle.outputs.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                raise StopAsyncIteration from None
+        output = self._coalesce(output)
+        if self._started:
+            output = await self._fill(output)
+        self._started = True
         if output.finish_reason is not None or output.context_done:
             self.done = True
+        return output
+
+    async def _fill(self, output: RequestOutput) -> RequestOutput:
+        """Wait for outputs until `interval` tokens are in hand (or the last one came)."""
+        while len(output.token_ids) < self.interval and not output.is_last:
+            try:
+                later = await self.handle.outputs.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            if later.error is not None:
+                self._held = later
+                break
+            output = self._coalesce(output.then(later))
+        return output
+
+    def _coalesce(self, output: RequestOutput) -> RequestOutput:
+        """The outputs already queued behind `output` (its reader fell behind the engine),
+        joined to it: one chunk and one write for several tokens. An error output is kept for
+        the next read, so the text before it still goes out first."""
+        while not output.is_last:
+            try:
+                later = self.handle.outputs.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            if later.error is not None:
+                self._held = later
+                break
+            output = output.then(later)
         return output
 
     async def aclose(self) -> None:

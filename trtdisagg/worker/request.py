@@ -193,6 +193,10 @@ class Request:
     block_table: BlockTable | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Tokens that a step in flight samples, not known on the host yet (asynchronous steps): the
+    # next step already computes from them (its input comes from the device), so they count in
+    # `num_tokens`, not in `output_token_ids`. The engine's loop sets and resolves them.
+    pending_tokens: int = 0
 
     def __attrs_post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -200,12 +204,24 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        """Prompt then output tokens (a new list)."""
+        """Prompt then output tokens known on the host (a new list)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens, those still pending included (what the steps compute)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens known on the host."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def sampled(self, token_id: int) -> None:
+        """A token of a step arrived: it becomes the next output (and stops being pending)."""
+        self.output_token_ids.append(token_id)
+        if self.pending_tokens > 0:
+            self.pending_tokens -= 1
 
     @property
     def num_prompt_tokens(self) -> int:

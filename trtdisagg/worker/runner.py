@@ -1,15 +1,27 @@
 """ModelRunner: turns a StepPlan into tensors, runs the model, samples. Synchronous by design.
 
-The executor calls `execute` through `trio.to_thread.run_sync`, so nothing here may touch Trio.
-The runner owns the model and the KV tensors and decides no policy; the scheduler owns the block
-tables and decides everything else (nano-vllm's split).
+The executor calls it from worker threads (`trio.to_thread.run_sync`), so nothing here may touch
+Trio. The runner owns the model and the KV tensors and decides no policy; the scheduler owns the
+block tables and decides everything else (nano-vllm's split).
 
-On CUDA the model runs its fused path (`CausalLM.use_ops`, Triton kernels in bf16/fp16), and a
-decode-only step (every item computes one token) goes through batched attention: replayed from a
-CUDA graph when `cuda_graphs` is on and one fits (`decode_graphs.py`), else eagerly. Every other
-step, and every step on CPU, builds a flat-token batch and attends per sequence. Each step sends
-its integer inputs to the device in one copy, and sampling (`sampling.py`, every row batched on
-the device) costs one host sync per step.
+A step is launched, then finished (`launch`, `finish`; `execute` does both): launching queues the
+forward and the sampling and starts the sampled tokens' one copy to the host; finishing reads
+them once that copy is done (`launched.py`). Between the two the loop may launch the next step:
+a decode row whose token is still in flight reads it from the last step's sampled tokens on the
+device (`step_inputs.LateRow`), so the device never waits for the host.
+
+A prompt's `n` choices sample their first tokens from one logits row, one draw per choice
+(`SampleSpec.forks`). A step of a fork that writes a block its prompt's other choices share
+copies that block first (`StepPlan.copies`, on the device, before the forward).
+
+The model runs its fused path (`CausalLM.use_ops`: Triton kernels on CUDA in bf16/fp16, torch
+ops elsewhere). On CUDA a decode-only step (every item computes one token) is replayed from a
+CUDA graph per batch size when `cuda_graphs` is on and one fits (`decode_graphs.py`); any other
+step from a graph per token-count bucket (`step_graphs.py`); else it runs eagerly. On CPU a
+decode-only step attends batched and a mixed one per sequence. Each step sends its integer
+inputs to the device in one copy, and its sampling (`sampling.py`, every row batched on the
+device) syncs the host only to copy its tokens back; a step that computes prompt logprobs
+(`prompt_logprobs.py`) reads them at its launch.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import torch
 from trtdisagg.config import WorkerConfig
 from trtdisagg.kv.block_pool import BlockCopy
 from trtdisagg.kv.cache import KVCache
-from trtdisagg.model.batch import DecodeMeta, ForwardBatch, SeqSlice
+from trtdisagg.model.batch import ForwardBatch
 from trtdisagg.model.llama import CausalLM
 from trtdisagg.model.loader import load_model
 from trtdisagg.model.ops import select_ops
@@ -37,40 +49,34 @@ from trtdisagg.worker.decode_graphs import (
     DecodeRows,
     DecodeStaging,
     blocks_for,
-    decode_rows,
     graph_batch_sizes,
 )
-from trtdisagg.worker.prompt_logprobs import (
-    PromptLogprobs,
-    prompt_logprobs_of,
-    wants_prompt_logprobs,
-    with_prompt_targets,
-)
-from trtdisagg.worker.rank_plan import ItemInputs, logit_rows, step_items
-from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs, make_generator, sample
+from trtdisagg.worker.launched import LaunchedStep, Sampled, StepOutput
+from trtdisagg.worker.prompt_logprobs import PromptLogprobs, prompt_logprobs_of
+from trtdisagg.worker.rank_plan import ItemInputs, logit_rows
+from trtdisagg.worker.sampling import SampleSpec, launch, make_generator
 from trtdisagg.worker.scheduler import StepPlan
+from trtdisagg.worker.step_graphs import StepGraphs, token_buckets
+from trtdisagg.worker.step_inputs import (
+    LateRow,
+    StepInputs,
+    build_batch,
+    fill_late,
+    plan_items,
+    step_inputs,
+    to_device,
+)
 
 if TYPE_CHECKING:
     from trtdisagg.worker.rank_group import RankGroup
 
 log = logging.getLogger(__name__)
 
+__all__ = ["LaunchedStep", "ModelRunner", "Sampled", "StepOutput", "build_runner", "plan_items"]
+
+Patch = Callable[[ForwardBatch], None]  # writes a step's late tokens into its input batch
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@attrs.frozen(kw_only=True)
-class Sampled:
-    request_id: int
-    token_id: int
-    logprobs: TokenLogprobs | None
-    choice: int = 0  # i > 0: the first token of fork i of the request (`SampleSpec.forks`)
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class StepOutput:
-    sampled: tuple[Sampled, ...]
-    forward_s: float
-    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -83,34 +89,56 @@ class ModelRunner:
     batched_decode: bool = False
     # Captured decode graphs (CUDA, cuda_graphs on), tried first for decode-only steps.
     graphs: DecodeGraphs | None = None
+    # Captured graphs of mixed and prefill steps per token-count bucket, tried first for them.
+    step_graphs: StepGraphs | None = None
+    # Time each step's device work with CUDA events (`StepOutput.device_s`).
+    time_steps: bool = True
     # The unseeded rows' random draws (seeded requests draw from their own generators).
     noise: torch.Generator = attrs.field(
         default=attrs.Factory(lambda self: make_generator(None, self.device), takes_self=True)
     )
+    # The step launched last: its sampled tokens, on the device, feed the next step's late rows.
+    _last: LaunchedStep | None = attrs.field(default=None, alias="last")
+    _last_rows: dict[int, int] = attrs.field(factory=dict, alias="last_rows")
+    _finished: LaunchedStep | None = attrs.field(default=None, alias="finished")  # taken last
 
     def execute(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
-        """Run one forward step. `specs` holds a sampling spec for every item that samples."""
+        """Run one step and wait for its tokens (`prepare`, `launch`, `finish`)."""
+        launched = self.launch(self.prepare(plan), specs)
+        launched.wait()
+        return self.finish(launched)
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        """The step's host-side inputs (call before the plan's requests change again)."""
+        return step_inputs(plan, self.tokens_per_block, batched_decode=self.batched_decode)
+
+    def launch(self, inputs: StepInputs, specs: dict[int, SampleSpec]) -> LaunchedStep:
+        """Queue one step's forward and sampling; `specs` holds a sampling spec for every item
+        that samples. A late row takes the token that the previous launched step samples for
+        its request, on the device. On CPU the step is done when this returns; on CUDA it is
+        queued (unless sampling needs the host), and its tokens come with `finish`."""
         start = time.perf_counter()
-        self.copy_blocks(plan.copies)
+        self.copy_blocks(inputs.copies)
         with torch.inference_mode(), self._on_device():
-            prompt = any(wants_prompt_logprobs(i.request) for i in plan.items)
-            items: tuple[ItemInputs, ...] = ()
-            if (
-                self.batched_decode
-                and plan.items
-                and not prompt
-                and all(i.num_new_tokens == 1 for i in plan.items)
-            ):
-                logits = self._decode(plan)
+            started = self._timing_event()
+            patch = self._late_patch(inputs.late)
+            if inputs.decode is not None:
+                logits = self._decode(inputs.decode, patch)
             else:
-                items = plan_items(plan, self.tokens_per_block)
-                logits = self.model(self._build_batch(items), self.cache)
-            rows = [(i.request.request_id, i.samples) for i in plan.items]
-            sampled = self._sample_rows(logits[: len(rows)], rows, specs)
-            prompt_logprobs = prompt_logprobs_of(logits, items) if prompt else ()
-        return StepOutput(
-            sampled=sampled, forward_s=time.perf_counter() - start, prompt_logprobs=prompt_logprobs
-        )
+                logits = self._forward_items(inputs.items, patch)
+            prompt = prompt_logprobs_of(logits, inputs.items) if inputs.prompt_logprobs else ()
+            launched = self._sample_launch(logits, inputs.rows, specs, start, started, prompt)
+        self._last = launched
+        # A late row is a request's own decode (choice 0): forks never run in the next step.
+        self._last_rows = {
+            request_id: i for i, (request_id, choice) in enumerate(launched.rows) if choice == 0
+        }
+        return launched
+
+    def finish(self, launched: LaunchedStep) -> StepOutput:
+        """The tokens of a launched step, once `launched.wait()` returned (or `done` is true)."""
+        self._finished = launched
+        return launched.output()
 
     def execute_items(
         self, items: Sequence[ItemInputs], specs: dict[int, SampleSpec], group: RankGroup
@@ -122,11 +150,10 @@ class ModelRunner:
             if logits is None:  # rank 0 is not the last stage: the last stage sends them
                 logits = group.receive_logits((logit_rows(items), self.model.args.vocab_size))
             rows = [(i.request_id, i.samples) for i in items]
-            sampled = self._sample_rows(logits[: len(rows)], rows, specs)
-            prompt_logprobs = prompt_logprobs_of(logits, items)
-        return StepOutput(
-            sampled=sampled, forward_s=time.perf_counter() - start, prompt_logprobs=prompt_logprobs
-        )
+            prompt = prompt_logprobs_of(logits, items)
+            launched = self._sample_launch(logits, rows, specs, start, None, prompt)
+            launched.wait()
+        return launched.output()
 
     def forward_items(self, items: Sequence[ItemInputs], group: RankGroup) -> torch.Tensor | None:
         """This rank's share of one step of a multi-rank instance.
@@ -152,14 +179,18 @@ class ModelRunner:
                 return None
             return out if group.rank == 0 else None
 
-    def _sample_rows(
+    def _sample_launch(
         self,
         logits: torch.Tensor,
         rows: Sequence[tuple[int, bool]],
         specs: dict[int, SampleSpec],
-    ) -> tuple[Sampled, ...]:
-        """Sample the rows whose (request_id, samples) says so; `logits` has one row each. A
-        row whose spec has forks is sampled once more per fork (choice 1, 2, ...)."""
+        start: float,
+        started: torch.cuda.Event | None,
+        prompt_logprobs: tuple[PromptLogprobs, ...],
+    ) -> LaunchedStep:
+        """Sample the rows whose (request_id, samples) says so (`logits` has one row each, then
+        any prompt-logprobs rows) and start the tokens' one copy to the host. A row whose spec
+        has forks is sampled once more per fork (choice 1, 2, ...)."""
         wanted: list[tuple[int, int, int]] = []  # row, request id, choice
         chosen: list[SampleSpec] = []
         for i, (request_id, samples) in enumerate(rows):
@@ -168,18 +199,19 @@ class ModelRunner:
                 for choice, one in enumerate((spec, *spec.forks)):
                     wanted.append((i, request_id, choice))
                     chosen.append(one)
-        if not wanted:
-            return ()
         index = [i for i, _, _ in wanted]
-        tokens, logprobs = sample(
+        pending = launch(
             logits,
             chosen,
-            rows=None if index == list(range(len(rows))) else index,
+            rows=None if index == list(range(logits.shape[0])) else index,
             generator=self.noise,
         )
-        return tuple(
-            Sampled(request_id=request_id, token_id=t, logprobs=lp, choice=choice)
-            for (_, request_id, choice), t, lp in zip(wanted, tokens, logprobs, strict=True)
+        return LaunchedStep.queue(
+            tuple((request_id, choice) for _, request_id, choice in wanted),
+            pending,
+            launched_at=start,
+            started=started,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
@@ -191,21 +223,26 @@ class ModelRunner:
             self.cache.copy_blocks([c.src for c in copies], [c.dst for c in copies])
 
     def kv_ready(self) -> None:
-        """Wait until the KV written by every step launched so far is in device memory.
+        """Make sure the KV written by the steps whose tokens were taken is in device memory.
 
         Call before a transfer agent reads the pool (ctx: before the KV send starts). The agent
         copies on its own streams, which do not wait for ours, so the order must be made on the
-        host: an event recorded on the current stream, then synchronized. Steps run on the
-        current (default) stream of this device from a worker thread; the default stream is the
-        same object in every thread, so recording here orders after them. Usually the step's
-        sampling already synchronized and this returns at once. No-op on CPU, where
-        writes are complete when the step returns.
+        host. A request's KV is sent once the step that sampled its first token was finished,
+        and that step's ready event follows its forward on the one stream the steps use, so
+        waiting for the last finished step's event suffices (it has fired: this returns at
+        once). A step launched later and still running never writes a sending request's blocks:
+        the scheduler stops scheduling a context_only request once its first token is in
+        flight. No-op on CPU, where writes are complete when a step returns.
         """
-        if self.device.type != "cuda":
-            return
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        event.synchronize()
+        if self._finished is not None:
+            self._finished.wait()
+
+    def _timing_event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda" or not self.time_steps:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _on_device(self) -> contextlib.AbstractContextManager[object]:
         # The executor calls from a worker thread, whose current CUDA device (which Triton
@@ -214,157 +251,58 @@ class ModelRunner:
             return torch.cuda.device(self.device)
         return contextlib.nullcontext()
 
-    def decode_inputs(self, plan: StepPlan) -> DecodeRows:
-        """The inputs of a decode-only step."""
-        entries = []
-        for item in plan.items:
-            request = item.request
-            table = request.block_table
-            assert table is not None, f"request {request.request_id} scheduled without blocks"
-            entries.append(
-                (
-                    request.prompt_token_ids,
-                    request.output_token_ids,
-                    request.num_computed_tokens,
-                    table.block_ids,
-                )
-            )
-        return decode_rows(entries, self.tokens_per_block)
-
-    def _decode(self, plan: StepPlan) -> torch.Tensor:
-        rows = self.decode_inputs(plan)
+    def _decode(self, rows: DecodeRows, patch: Patch | None) -> torch.Tensor:
         if self.graphs is not None:
-            logits = self.graphs.run(rows)
+            logits = self.graphs.run(rows, patch)
             if logits is not None:
                 return logits
         staging = DecodeStaging.allocate(
             len(rows), rows.max_blocks, tokens_per_block=self.tokens_per_block, device=self.device
         )
-        return self.model(staging.fill(rows), self.cache)
+        batch = staging.fill(rows)
+        if patch is not None:
+            patch(batch)
+        return self.model(batch, self.cache)
+
+    def _forward_items(self, items: Sequence[ItemInputs], patch: Patch | None) -> torch.Tensor:
+        # A graph reads back each sequence's last position only: prompt logprobs run eagerly.
+        if self.step_graphs is not None and not any(i.num_extra_rows for i in items):
+            logits = self.step_graphs.run(items, patch)
+            if logits is not None:
+                return logits
+        batch = self._build_batch(items)
+        if patch is not None:
+            patch(batch)
+        return self.model(batch, self.cache)
+
+    def _late_patch(self, late: Sequence[LateRow]) -> Patch | None:
+        """What writes the late rows' tokens into a batch's input ids, on the device."""
+        if not late:
+            return None
+        last = self._last
+        if last is None:
+            raise AssertionError("a step has pending tokens, but no step was launched before it")
+        try:
+            sources = [self._last_rows[row.request_id] for row in late]
+        except KeyError as missing:
+            raise AssertionError(
+                f"request {missing} has a pending token that the last step did not sample"
+            ) from None
+        index = to_device([row.row for row in late] + sources, self.device)
+        count = len(late)
+
+        def patch(batch: ForwardBatch) -> None:
+            fill_late(batch.input_ids, index[:count], last.tokens, index[count:])
+
+        return patch
 
     def _build_batch(self, items: Sequence[ItemInputs]) -> ForwardBatch:
-        tpb = self.tokens_per_block
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        spans: list[tuple[int, int, int, int]] = []  # q_start, q_len, kv_len, blocks
-        blocks_flat: list[int] = []
-        logits_indices: list[int] = []
-        for item in items:
-            start, end, blocks = item.start, item.end, item.block_ids
-            q_start = len(input_ids)
-            input_ids.extend(item.token_ids)
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // tpb] * tpb + p % tpb for p in range(start, end))
-            spans.append((q_start, end - start, end, len(blocks)))
-            blocks_flat.extend(blocks)
-            logits_indices.append(len(input_ids) - 1)
-
-        for item, (q_start, *_) in zip(items, spans, strict=True):
-            # Prompt logprobs: the chunk's other positions that predict a prompt token.
-            logits_indices.extend(range(q_start, q_start + item.num_extra_rows))
-        head = _single_token_head(spans) if self.batched_decode else 0
-        head_table, head_lens = _head_table(spans[:head], blocks_flat)
-        # Everything in one tensor: one host-to-device copy per step.
-        n, s = len(input_ids), len(logits_indices)
-        packed = _to_device(
-            [
-                *input_ids,
-                *positions,
-                *slots,
-                *logits_indices,
-                *blocks_flat,
-                *head_table,
-                *head_lens,
-            ],
+        return build_batch(
+            items,
             self.device,
+            tokens_per_block=self.tokens_per_block,
+            batched_decode=self.batched_decode,
         )
-        seqs: list[SeqSlice] = []
-        offset = 3 * n + s
-        for q_start, q_len, kv_len, num_blocks in spans:
-            block_ids = packed[offset : offset + num_blocks]
-            seqs.append(SeqSlice(q_start=q_start, q_len=q_len, kv_len=kv_len, block_ids=block_ids))
-            offset += num_blocks
-        decode_head = None
-        if head:
-            width = len(head_table) // head
-            decode_head = DecodeMeta(
-                block_table=packed[offset : offset + head * width].view(head, width),
-                context_lens=packed[offset + head * width : offset + head * width + head],
-                max_context_len=max(head_lens),
-            )
-        return ForwardBatch(
-            input_ids=packed[:n],
-            positions=packed[n : 2 * n],
-            slot_mapping=packed[2 * n : 3 * n],
-            seqs=tuple(seqs),
-            logits_indices=packed[3 * n : 3 * n + s],
-            decode_head=decode_head,
-        )
-
-
-def plan_items(plan: StepPlan, tokens_per_block: int) -> tuple[ItemInputs, ...]:
-    """A scheduler plan as explicit inputs (what rank 0 broadcasts to the other ranks)."""
-    entries = []
-    for item in plan.items:
-        request = item.request
-        table = request.block_table
-        assert table is not None, f"request {request.request_id} scheduled without blocks"
-        start = request.num_computed_tokens
-        end = start + item.num_new_tokens
-        prompt, outputs = request.prompt_token_ids, request.output_token_ids
-        # Slice without copying the whole sequence: a decode step needs one token.
-        p = len(prompt)
-        new_tokens = prompt[start:end] + outputs[max(start - p, 0) : max(end - p, 0)]
-        entries.append(
-            (request.request_id, tuple(new_tokens), start, tuple(table.block_ids), item.samples)
-        )
-    built = step_items(entries, tokens_per_block)
-    if not any(wants_prompt_logprobs(item.request) for item in plan.items):
-        return built
-    return tuple(
-        with_prompt_targets(inputs, item.request) if wants_prompt_logprobs(item.request) else inputs
-        for inputs, item in zip(built, plan.items, strict=True)
-    )
-
-
-def _single_token_head(spans: Sequence[tuple[int, int, int, int]]) -> int:
-    """How many leading sequences of a mixed step have one new token (their rows are 0..k-1).
-
-    0 when every sequence has one (a decode-only step has its own batched path) or when fewer
-    than two lead: one sequence gains nothing from the batched kernel.
-    """
-    head = 0
-    while head < len(spans) and spans[head][1] == 1:
-        head += 1
-    return 0 if head == len(spans) or head < 2 else head
-
-
-def _head_table(
-    spans: Sequence[tuple[int, int, int, int]], blocks_flat: Sequence[int]
-) -> tuple[list[int], list[int]]:
-    """The leading sequences' block ids as one padded [k, W] table (flattened) and their kv_lens.
-
-    Rows are padded with their own first block: any valid id does, the kernel reads only the
-    first ceil(kv_len / tokens_per_block) entries.
-    """
-    if not spans:
-        return [], []
-    width = max(num_blocks for *_, num_blocks in spans)
-    table: list[int] = []
-    offset = 0
-    for *_, num_blocks in spans:
-        row = list(blocks_flat[offset : offset + num_blocks])
-        table.extend(row + [row[0]] * (width - num_blocks))
-        offset += num_blocks
-    return table, [kv_len for _, _, kv_len, _ in spans]
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        host = torch.tensor(values, dtype=torch.long, pin_memory=True)
-        return host.to(device, non_blocking=True)
-    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def kv_pool_blocks(config: WorkerConfig, block_bytes: int) -> int:
@@ -398,8 +336,10 @@ def build_runner(
         device = torch.device("cuda", parallel.device_index)
     dtype = DTYPES[config.dtype]
     model = load_model(model_dir, dtype=dtype, device=device, parallel=parallel)
+    # The fused path everywhere: one q/k/v and one gate/up GEMM per layer (on CPU, torch ops:
+    # fewer calls per step than the reference modules make).
+    model.use_ops(select_ops(device, dtype))
     if device.type == "cuda":
-        model.use_ops(select_ops(device, dtype))
         torch.cuda.empty_cache()  # the unfused weights' memory, before the pool is sized
     kv = config.kv_cache_config
     num_layers = len(model.local_layer_ids)
@@ -434,24 +374,59 @@ def build_runner(
         batched_decode=True,
     )
     ops = model.ops
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.warm_up(cache)  # every kernel variant serving can meet, graphs or not
+    if ops is not None:
+        log.info("compiled the fused path's kernels in %.1f s", time.perf_counter() - start)
     single = parallel.tp_size == 1 and parallel.pp_size == 1
     if config.cuda_graphs and device.type == "cuda" and ops is not None:
         if not ops.graph_safe or not single:
             log.info("CUDA graphs off: they need the Triton ops and one rank (TP = PP = 1)")
         else:
-            max_seq_len = config.max_seq_len or model.args.max_position_embeddings
-            graphs = DecodeGraphs(
-                model=model,
-                cache=cache,
-                batch_sizes=graph_batch_sizes(config.max_batch_size),
-                max_blocks_per_seq=blocks_for(max_seq_len, tpb, cache.num_blocks),
-            )
-            start = time.perf_counter()
-            graphs.capture()
-            runner.graphs = graphs
-            log.info(
-                "captured decode CUDA graphs for batch sizes %s in %.1f s",
-                graphs.captured_sizes,
-                time.perf_counter() - start,
-            )
+            _capture_graphs(runner, config, max_seq_len=config.max_seq_len)
     return runner
+
+
+def _capture_graphs(runner: ModelRunner, config: WorkerConfig, *, max_seq_len: int | None) -> None:
+    """Capture decode graphs per batch size and mixed-step graphs per token bucket; log what
+    they cost in time and device memory."""
+    model, cache = runner.model, runner.cache
+    width = blocks_for(
+        max_seq_len or model.args.max_position_embeddings, cache.tokens_per_block, cache.num_blocks
+    )
+    device = cache.device
+    torch.cuda.synchronize(device)
+    free_before = torch.cuda.mem_get_info(device)[0]
+    start = time.perf_counter()
+    graphs = DecodeGraphs(
+        model=model,
+        cache=cache,
+        batch_sizes=graph_batch_sizes(config.max_batch_size),
+        max_blocks_per_seq=width,
+    )
+    graphs.capture()
+    runner.graphs = graphs
+    decode_s = time.perf_counter() - start
+    buckets = token_buckets(min(config.cuda_graph_max_tokens, config.max_num_tokens))
+    if buckets:
+        steps = StepGraphs(
+            model=model,
+            cache=cache,
+            buckets=buckets,
+            max_seqs=config.max_batch_size,
+            max_blocks_per_seq=width,
+        )
+        steps.capture()
+        runner.step_graphs = steps
+    used = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+    log.info(
+        "captured decode CUDA graphs for batch sizes %s in %.1f s and mixed-step graphs for "
+        "%d token buckets up to %d in %.1f s; all graphs hold %.2f GiB of device memory",
+        graphs.captured_sizes,
+        decode_s,
+        len(buckets),
+        buckets[-1] if buckets else 0,
+        time.perf_counter() - start - decode_s,
+        used / 2**30,
+    )

@@ -156,6 +156,7 @@ class PendingSample:
     host: torch.Tensor  # [S] token ids, or [S, 2 + 2K]: token, logprob, K top ids, K top logprobs
     ready: torch.cuda.Event | None  # recorded after the copy; None when `host` is computed
     top_logprobs: Sequence[int]  # per row: how many top logprobs, -1 for no logprobs
+    device_tokens: torch.Tensor  # int64 [S], on the logits' device (a next step may read them)
 
     def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         if self.ready is not None:
@@ -192,13 +193,16 @@ def launch(
     generator on the logits' device (default: torch's default generator for that device).
     """
     packed, top_logprobs = sampling_batch.sample_rows(logits, specs, rows=rows, generator=generator)
+    tokens = packed if packed.dim() == 1 else packed[:, 0].long()
     if packed.device.type != "cuda":
-        return PendingSample(host=packed, ready=None, top_logprobs=top_logprobs)
+        return PendingSample(
+            host=packed, ready=None, top_logprobs=top_logprobs, device_tokens=tokens
+        )
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
     host.copy_(packed, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(packed.device))
-    return PendingSample(host=host, ready=ready, top_logprobs=top_logprobs)
+    return PendingSample(host=host, ready=ready, top_logprobs=top_logprobs, device_tokens=tokens)
 
 
 def sample(

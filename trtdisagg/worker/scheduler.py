@@ -30,6 +30,15 @@ its request's ``output_token_ids`` → ``finish``/``hold_for_transfer`` the requ
 Every non-empty plan must get its ``step_done`` before the next ``schedule``. The executor must
 also answer ``plan.finished``: requests the scheduler ended itself (LENGTH).
 
+Asynchronous steps split ``step_done`` in two: ``step_launched(plan)`` once the forward is queued
+(the next ``schedule`` may follow at once), ``step_finished(plan)`` once it ran. A token that a
+step in flight samples is counted in its request's ``pending_tokens`` (the executor's loop keeps
+that count): the next plan decodes from it, and a request that surely ends with it (a
+context_only request's first token, its ``max_tokens``-th, the context's last) is not scheduled
+again. A request ended while a launched step still computes it keeps its blocks until that step
+finished (``in_flight.py``). Preemption frees blocks at once: the step in flight writes them before
+any later step (one device stream), and the executor finishes it before it polls transfers again.
+
 Pure: no I/O. See ``request`` for the request lifecycle and ``kv.block_pool`` for blocks.
 """
 
@@ -38,24 +47,13 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-import attrs
-
 from trtdisagg.errors import CapacityError, InvalidTransition
-from trtdisagg.kv.block_pool import BlockCopy, BlockPool, BlockPoolStatistics, BlockTable
+from trtdisagg.kv.block_pool import BlockCopy, BlockPool, BlockTable
+from trtdisagg.worker.in_flight import InFlight
 from trtdisagg.worker.request import FinishReason, Request, RequestState, RequestType
-from trtdisagg.worker.step_plan import ScheduledItem, StepBuilder, StepPlan
+from trtdisagg.worker.step_plan import ScheduledItem, SchedulerStatistics, StepBuilder, StepPlan
 
 __all__ = ["ScheduledItem", "Scheduler", "SchedulerStatistics", "StepPlan"]
-
-
-@attrs.frozen(kw_only=True)
-class SchedulerStatistics:
-    num_waiting: int
-    num_running: int
-    num_gen_waiting_kv: int
-    num_ctx_sending: int
-    num_preemptions: int  # since start
-    pool: BlockPoolStatistics
 
 
 class Scheduler:
@@ -88,7 +86,8 @@ class Scheduler:
         self._ctx_sending: dict[int, Request] = {}
         self._requests: dict[int, Request] = {}  # every unfinished request, by id
         self._num_preemptions = 0
-        self._plan_in_flight = False
+        self._plan_unlaunched = False  # a plan was scheduled and not launched (or done) yet
+        self._in_flight = InFlight()  # launched plans' requests; blocks that wait for them
 
     @property
     def pool(self) -> BlockPool:
@@ -178,7 +177,8 @@ class Scheduler:
         for fork in forks:
             fork.to(RequestState.RUNNING)
             fork.block_table = self._pool.fork(table)
-            fork.num_computed_tokens = request.num_computed_tokens
+            # The prompt: the leader may have a step in flight past it already.
+            fork.num_computed_tokens = request.num_prompt_tokens
             fork.num_cached_tokens = request.num_cached_tokens
             self._running.append(fork)
             self._requests[fork.request_id] = fork
@@ -187,14 +187,16 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Pick the next step's work (module docstring, policy 1-3)."""
-        if self._plan_in_flight:
-            raise AssertionError("schedule() called before step_done() of the previous plan")
+        if self._plan_unlaunched:
+            raise AssertionError(
+                "schedule() called before step_done() (or step_launched()) of the previous plan"
+            )
         step = StepBuilder(budget=self._max_num_tokens)
         self._schedule_decodes(step)
         self._schedule_prefills(step)
         if not step.preempted:
             self._admit_waiting(step)
-        self._plan_in_flight = bool(step.items)
+        self._plan_unlaunched = bool(step.items)
         return StepPlan(
             items=tuple(step.items),
             copies=tuple(step.copies),
@@ -208,7 +210,18 @@ class Scheduler:
 
         Items whose request left RUNNING meanwhile (aborted during the forward) are skipped.
         """
-        self._plan_in_flight = False
+        self.step_launched(plan)
+        self.step_finished(plan)
+
+    def step_launched(self, plan: StepPlan) -> None:
+        """The plan's forward is queued: advance each item's computed tokens, and cache the full
+        blocks whose tokens are known (a pending token's block is cached a step later).
+
+        Items whose request left RUNNING meanwhile (aborted during the forward) are skipped.
+        Until `step_finished(plan)`, a request of the plan that ends keeps its blocks.
+        """
+        self._plan_unlaunched = False
+        self._in_flight.launched(item.request.request_id for item in plan.items)
         for item in plan.items:
             request = item.request
             if request.state is not RequestState.RUNNING:
@@ -216,9 +229,16 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens
             table = _table(request)
             # Commit only when a block filled up, so most steps skip building the token list.
-            num_full = request.num_computed_tokens // self._pool.tokens_per_block
+            known = min(request.num_computed_tokens, request.num_known_tokens)
+            num_full = known // self._pool.tokens_per_block
             if self._pool.enable_block_reuse and num_full > table.num_committed_blocks:
-                self._pool.commit(table, request.all_token_ids, request.num_computed_tokens)
+                self._pool.commit(table, request.all_token_ids, known)
+
+    def step_finished(self, plan: StepPlan) -> None:
+        """The plan's forward ran on the device: blocks of its requests that ended meanwhile,
+        held for it, are released now (unless another launched plan still holds them)."""
+        for table in self._in_flight.finished(item.request.request_id for item in plan.items):
+            self._pool.release(table)
 
     def _schedule_decodes(self, step: StepBuilder) -> None:
         for request in list(self._running):
@@ -227,6 +247,8 @@ class Scheduler:
             self._check_runnable(request)
             if len(step.items) >= self._max_batch_size or step.budget < 1:
                 return
+            if request.pending_tokens and self._ends_with_pending(request):
+                continue  # its last token is in flight: it ends when that token arrives
             if request.num_tokens >= self._max_seq_len:
                 self._finish_in_step(step, request)
                 continue
@@ -255,6 +277,8 @@ class Scheduler:
             if self._num_slots_taken() >= self._max_batch_size:
                 return
             request = self._waiting[0]
+            if request.pending_tokens:
+                return  # preempted with a token in flight: it recomputes once the token is here
             # Prompt logprobs come from computing every prompt token: no prefix-cache hits.
             reuse = request.sampling.prompt_logprobs is None
             table = self._pool.open_table(request.all_token_ids, reuse=reuse)
@@ -337,7 +361,10 @@ class Scheduler:
         request.to(RequestState.FINISHED)
         self._forget(request)
         if request.block_table is not None:
-            self._pool.release(request.block_table)
+            if self._in_flight.computing(request.request_id):
+                self._in_flight.park(request.request_id, request.block_table)
+            else:
+                self._pool.release(request.block_table)
             request.block_table = None
         request.finish_reason = reason
 
@@ -455,9 +482,23 @@ class Scheduler:
         if request in self._waiting:
             self._waiting.remove(request)
 
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Whether the token in flight surely ends the request, whatever its value: the first
+        token of a context_only request, the `max_tokens`-th, or the context's last."""
+        return (
+            request.request_type is RequestType.CONTEXT_ONLY
+            or request.num_output_tokens + request.pending_tokens >= request.sampling.max_tokens
+            or request.num_tokens >= self._max_seq_len
+        )
+
     def _holds_all_blocks(self, request: Request) -> bool:
         """No other request holds blocks that it could free later."""
-        return self._running == [request] and not self._gen_waiting_kv and not self._ctx_sending
+        return (
+            self._running == [request]
+            and not self._gen_waiting_kv
+            and not self._ctx_sending
+            and not self._in_flight.num_parked
+        )
 
     def _num_slots_taken(self) -> int:
         return len(self._running) + len(self._gen_waiting_kv)

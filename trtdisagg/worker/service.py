@@ -293,6 +293,7 @@ class WorkerService:
                             handle=handle,
                             executor=self.executor,
                             echo=self._echo(plan, prompts) if echo else None,
+                            interval=self.config.stream_interval,
                         )
                     )
         except (CapacityError, WorkerStopped) as exc:

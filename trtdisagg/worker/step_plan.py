@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from trtdisagg.kv.block_pool import BlockCopy
+from trtdisagg.kv.block_pool import BlockCopy, BlockPoolStatistics
 from trtdisagg.worker.request import Request
 
 
@@ -37,6 +37,16 @@ class StepPlan:
     def is_empty(self) -> bool:
         """No forward to run (``finished`` may still need answers)."""
         return not self.items
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStatistics:
+    num_waiting: int
+    num_running: int
+    num_gen_waiting_kv: int
+    num_ctx_sending: int
+    num_preemptions: int  # since start
+    pool: BlockPoolStatistics
 
 
 @attrs.define(eq=False, kw_only=True)

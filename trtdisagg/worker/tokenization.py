@@ -176,14 +176,25 @@ def _compile(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# Tokens held back at most while the text ends in U+FFFD. A UTF-8 character has at most four
+# bytes and each token at least one, so an incomplete character starts in the last three tokens:
+# beyond this, all but those are released (invalid bytes, which a random model emits, stay U+FFFD).
+MAX_HELD_TOKENS = 8
+_TAIL_TOKENS = 3
+
+
 @attrs.define(eq=False, kw_only=True)
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas.
+    """Turns a stream of token ids into text deltas, one short decode per token.
 
-    Each step decodes a short window (from `_prefix` to the end) and emits what it adds beyond
-    the already-emitted part of that window. Output is held back while the text ends in U+FFFD:
-    the last tokens may be the first bytes of a multi-byte character. Invariant: the deltas so
-    far, plus `flush()`, concatenate to `decode(all ids)`.
+    It decodes a window of ids (from `_prefix`, a character boundary before the emitted part,
+    to the end) and emits what the window adds beyond the emitted part, whose text is kept
+    (`_prefix_text`), so each token costs one decode of a few ids whatever the sequence's
+    length. Output is held back while the text ends in U+FFFD: the last tokens may be the first
+    bytes of a multi-byte character (at most `MAX_HELD_TOKENS`). A token that adds no text (a
+    skipped special token) moves the window on too, so a model that emits many of them does not
+    make the window grow. Invariant: the deltas so far, plus `flush()`, concatenate to
+    `decode(all ids)`.
     """
 
     tokenizer: Tokenizer
@@ -191,26 +202,47 @@ class IncrementalDetokenizer:
     ids: list[int] = attrs.field(factory=list)
     _prefix: int = 0  # window start: a character boundary before `_read`
     _read: int = 0  # ids before this are emitted
+    _prefix_text: str = ""  # the decoded text of ids[_prefix:_read]
 
     def add(self, token_id: int) -> str:
         """Feed one token id; return the text it completes (may be "")."""
-        self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self._prefix : self._read])
-        text = self._decode(self.ids[self._prefix :])
-        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+        ids = self.ids
+        ids.append(token_id)
+        text = self._decode(ids[self._prefix :])
+        if text.endswith("\ufffd"):
+            if len(ids) - self._read > MAX_HELD_TOKENS:
+                return self._release_head(text)
             return ""
-        self._prefix, self._read = self._read, len(self.ids)
-        return text[len(prefix_text) :]
+        if len(text) < len(self._prefix_text):
+            return ""
+        delta = text[len(self._prefix_text) :]
+        self._advance(len(ids))
+        return delta
 
     def add_many(self, token_ids: Iterable[int]) -> str:
         return "".join(self.add(t) for t in token_ids)
 
     def flush(self) -> str:
         """Whatever is held back (an incomplete trailing character decodes as U+FFFD)."""
-        prefix_text = self._decode(self.ids[self._prefix : self._read])
         text = self._decode(self.ids[self._prefix :])
-        self._prefix, self._read = self._read, len(self.ids)
-        return text[len(prefix_text) :]
+        delta = text[len(self._prefix_text) :]
+        self._advance(len(self.ids))
+        return delta
+
+    def _release_head(self, text: str) -> str:
+        """Emit all but the last tokens, when the window splits there at a character boundary
+        (the head's text is where the whole window's starts); else keep holding."""
+        end = len(self.ids) - _TAIL_TOKENS
+        head = self._decode(self.ids[self._prefix : end])
+        if not text.startswith(head) or len(head) < len(self._prefix_text):
+            return ""
+        delta = head[len(self._prefix_text) :]
+        self._advance(end)
+        return delta
+
+    def _advance(self, read: int) -> None:
+        self._prefix, self._read = self._read, read
+        self._prefix_text = self._decode(self.ids[self._prefix : self._read])
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -183,7 +183,12 @@ def assemble_executor(
     driver: StepDriver
     if group is None:
         stepper = runner if test_hooks is None else FaultyRunner(runner=runner, hooks=test_hooks)
-        driver = LocalDriver(runner=stepper, wakeup=wakeup, transceiver=moves)
+        driver = LocalDriver(
+            runner=stepper,
+            wakeup=wakeup,
+            transceiver=moves,
+            overlaps=config.async_scheduling,
+        )
     else:
         driver = MultiRankDriver(
             group=group,

@@ -84,7 +84,7 @@ class Executor:
         if self.stopped is not None:
             raise WorkerStopped(f"this worker stopped serving: {self.stopped}")
         leader = choices[0]
-        self._check_fits(leader)
+        self.check_fits(leader)
         if any(c.prompt_token_ids != leader.prompt_token_ids for c in choices[1:]):
             raise ValueError("the choices of one group share their prompt")
         handles: list[RequestHandle] = []
@@ -190,7 +190,8 @@ class Executor:
         self.metrics.kv_free_blocks.set(pool.free_blocks)
         self.metrics.kv_reusable_blocks.set(pool.reusable_blocks)
 
-    def _check_fits(self, request: Request) -> None:
+    def check_fits(self, request: Request) -> None:
+        """Raise CapacityError when the request's prompt could never be served here."""
         pool = self.scheduler.pool
         capacity = pool.num_blocks * pool.tokens_per_block
         if request.num_prompt_tokens >= self.max_seq_len:

@@ -112,6 +112,10 @@ class Inbox:
         self.wake()
 
     @property
+    def has_commands(self) -> bool:
+        return bool(self._new or self._aborts or self._releases)
+
+    @property
     def new(self) -> tuple[Live, ...]:
         """Requests submitted and not taken yet."""
         return tuple(self._new)

@@ -1,4 +1,11 @@
-"""The step driver of a one-rank worker: each forward in a worker thread, transfers at once."""
+"""The step driver of a one-rank worker: steps launched and finished in worker threads, transfers
+at once.
+
+Launching runs the runner's host work and kernel launches (on CPU: the whole forward) in a worker
+thread, and then, in the same thread, waits until the step launched before it has its tokens on
+the host: one trip off the Trio loop per step. With `overlaps` the loop launches step N+1 before
+it processes step N's outputs (`loop.py`); the device runs step N+1 meanwhile.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +17,32 @@ import attrs
 import trio
 
 from trtdisagg.transfer.protocol.sessions import TransferOutcome
-from trtdisagg.worker.engine.ports import StepFailed, Transceiver
+from trtdisagg.worker.engine.ports import Launched, StepFailed, Transceiver
 from trtdisagg.worker.engine.wakeup import Wakeup
-from trtdisagg.worker.runner import StepOutput
+from trtdisagg.worker.launched import LaunchedStep, StepOutput
 from trtdisagg.worker.sampling import SampleSpec
 from trtdisagg.worker.scheduler import StepPlan
+from trtdisagg.worker.step_inputs import StepInputs
 
 # With requests waiting for blocks that a transfer or another request holds, how long the loop
 # waits before it schedules again if nothing wakes it: do not spin.
 BLOCKED_WAIT_S = 0.01
 
 
+def _failed(exc: Exception) -> StepFailed:
+    failure = StepFailed(exc)
+    failure.__cause__ = exc
+    return failure
+
+
 class StepRunner(Protocol):
     """What the local driver needs of `ModelRunner` (a test hook may wrap it)."""
 
-    def execute(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput: ...
+    def prepare(self, plan: StepPlan) -> StepInputs: ...
+
+    def launch(self, inputs: StepInputs, specs: dict[int, SampleSpec]) -> LaunchedStep: ...
+
+    def finish(self, launched: LaunchedStep) -> StepOutput: ...
 
     def kv_ready(self) -> None: ...
 
@@ -34,13 +52,45 @@ class LocalDriver:
     runner: StepRunner
     wakeup: Wakeup
     transceiver: Transceiver | None  # None: cache_transceiver disabled (no disaggregated legs)
+    overlaps: bool = True  # config `async_scheduling`
 
-    async def step(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
+    def inputs(self, plan: StepPlan) -> StepInputs:
+        return self.runner.prepare(plan)
+
+    async def launch(
+        self, inputs: StepInputs, specs: dict[int, SampleSpec], *, after: Launched | None = None
+    ) -> Launched:
+        previous = after.queued if after is not None else None
+        launched = Launched()
+
+        def launch_then_wait() -> None:
+            try:
+                launched.queued = self.runner.launch(inputs, specs)
+            except Exception as exc:
+                # One rank ran it and nothing else changed meanwhile: only this step is lost.
+                launched.failure = _failed(exc)
+            if previous is not None and after is not None:
+                try:
+                    previous.wait()
+                except Exception as exc:  # a CUDA error surfaces at the step's first sync
+                    after.wait_failure = _failed(exc)
+
+        await trio.to_thread.run_sync(launch_then_wait)
+        return launched
+
+    async def finish(self, launched: Launched) -> StepOutput:
+        queued = launched.queued
+        assert queued is not None, "a one-rank step that launched is queued"
         try:
-            return await trio.to_thread.run_sync(self.runner.execute, plan, specs)
-        except Exception as exc:
-            # One rank ran it and nothing else changed meanwhile: only this step is lost.
-            raise StepFailed(exc) from exc
+            if launched.wait_failure is not None:
+                raise launched.wait_failure
+            if not queued.done:
+                await trio.to_thread.run_sync(queued.wait)
+            return self.runner.finish(queued)
+        except StepFailed:
+            raise
+        except Exception as exc:  # a CUDA error surfaces at the step's first sync
+            raise _failed(exc) from exc
 
     async def idle(self, *, has_work: bool, in_flight: bool) -> None:
         # A transfer's end wakes the loop through the transceiver's `wake`.

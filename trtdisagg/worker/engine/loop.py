@@ -5,10 +5,25 @@
               whose KV was sent (or failed, or timed out) free their pinned blocks
     receive   generation_only requests get blocks, then ask ctx for their KV
     schedule  the scheduler picks decode tokens and prefill chunks within the step budget
-    step      the driver runs the forward and samples (off the Trio loop, on every rank)
+    step      the driver launches the forward and sampling (off the Trio loop, on every rank)
     respond   sampled tokens are appended, the output processor applies the stop rules and makes
               the outputs; a context_only request's first token ends its HTTP answer and starts
               its send
+
+Asynchronous steps (`driver.overlaps`, one rank): a round launches step N+1 and then finishes
+step N (waits for its tokens, in the same trip to a worker thread, then responds), so the device
+runs step N+1 while the host processes step N's outputs. Step N+1 was scheduled before step N's
+tokens were known: each request that samples in a step counts a pending token
+(`Request.pending_tokens`), the next step's decode row for it reads that token on the device,
+and a request that surely ends with it is not scheduled again (`Scheduler`). A request whose
+token turns out to end it (a stop token, a stop string) is still in step N+1: that step's result
+for it is dropped, and its blocks are freed only once step N+1 finished (`in_flight.py`). A
+step's inputs are taken from its plan before it launches (`driver.inputs`), and the scheduler
+hears of the launch before anything runs concurrently, so requests and blocks still change only
+on the Trio thread. One hook, `synchronous`, marks requests that need their previous token on
+the host before their next step samples (a grammar's mask, penalties' token counts): a step
+holding one is finished before the next is scheduled. A multi-rank driver does not overlap:
+every step is finished before the next is scheduled.
 
 Polling comes before receiving so that blocks a finished transfer frees serve the gen requests
 waiting for blocks in the same round. What differs between one rank and many is the driver's
@@ -39,11 +54,11 @@ from trtdisagg.worker.engine.ending import Ending
 from trtdisagg.worker.engine.forks import hand_over_together, start_choices
 from trtdisagg.worker.engine.live import Inbox, Live
 from trtdisagg.worker.engine.outputs import OutputProcessor, Processed, RequestOutput, Token
-from trtdisagg.worker.engine.ports import StepDriver, StepFailed
+from trtdisagg.worker.engine.ports import Launched, StepDriver, StepFailed
 from trtdisagg.worker.engine.tracker import TransferTracker
 from trtdisagg.worker.grammar import allowed_tokens, allows_other_than
+from trtdisagg.worker.launched import StepOutput
 from trtdisagg.worker.request import FinishReason, Request
-from trtdisagg.worker.runner import StepOutput
 from trtdisagg.worker.sampling import SampleSpec
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
 
@@ -53,6 +68,21 @@ log = logging.getLogger(__name__)
 # request's doing (an input no test foresaw); the same failure three times over, whatever the
 # batch, is the worker's own (a sticky CUDA error, memory it cannot get back).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class InFlight:
+    """A launched step whose tokens the loop has not taken yet."""
+
+    plan: StepPlan
+    launched: Launched
+    prefill_tokens: int  # prompt tokens it computes (not counting recomputed outputs)
+
+
+def needs_last_token(live: Live) -> bool:
+    """Whether `live` needs its previous token on the host before its next step samples: its
+    grammar's mask, or its penalties' token counts, are made from it."""
+    return live.grammar is not None or live.request.sampling.penalized
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -65,23 +95,76 @@ class StepLoop:
     metrics: WorkerMetrics
     role: str
     clock: Callable[[], float] = time.monotonic
+    # Rows that need their previous token on the host before their next step samples: a step
+    # holding such a row is finished before the next step is scheduled (a test may replace it).
+    synchronous: Callable[[Live], bool] = needs_last_token
     lives: dict[int, Live] = attrs.Factory(dict)  # every request the engine serves, by id
     # Why this worker stopped serving (too many failed steps in a row); None while it serves.
     stopped: str | None = None
     _failed_steps: int = attrs.field(default=0, alias="failed_steps")  # in a row
+    _in_flight: InFlight | None = attrs.field(default=None, alias="in_flight")
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            self._admit()
-            self._poll()
-            self.tracker.start_receives()
-            plan = self._schedule()
-            if plan is None:
+            await self._round()
+
+    async def run_until_idle(self, more: Callable[[], bool] = lambda: False) -> None:
+        """Rounds until no request is left, no step is in flight, no command waits and `more()`
+        says no request will come (the offline engine, which has no transfers; a closed-loop
+        client says `more` while it will submit, and wakes the loop when it stops)."""
+        while self.lives or self._in_flight is not None or self.inbox.has_commands or more():
+            await self._round()
+
+    async def _round(self) -> None:
+        self._admit()
+        self._poll()
+        self.tracker.start_receives()
+        in_flight = self._in_flight
+        if in_flight is not None and not self._may_overlap(in_flight):
+            self._in_flight = None
+            await self._finish(in_flight)
+            return
+        plan = self._schedule()
+        if plan is None:
+            if in_flight is not None:
+                self._in_flight = None
+                await self._finish(in_flight)
+            else:
                 has_work = self.scheduler.has_work()
                 await self.driver.idle(has_work=has_work, in_flight=self.tracker.in_flight)
-                continue
-            await self._step(plan)
+            return
+        specs = self._specs_for(plan)
+        inputs = self.driver.inputs(plan)
+        self.tracker.prepare_sends(plan, self.lives)
+        prefill_tokens = _prefill_tokens(plan)
+        self.scheduler.step_launched(plan)
+        for item in plan.items:
+            if item.samples:
+                item.request.pending_tokens += 1
+        # One trip to a worker thread: launch this step, then wait for the one in flight. The
+        # loop yields to the HTTP tasks once per round, and the device has this step queued
+        # while the last one's outputs are processed.
+        self._in_flight = None
+        after = in_flight.launched if in_flight is not None else None
+        launched = await self.driver.launch(inputs, specs, after=after)
+        if in_flight is not None:
+            await self._finish(in_flight)  # its tokens are on the host: nothing waits
+        if launched.failure is not None:
+            self._step_failed(plan, launched.failure)
+            self.scheduler.step_finished(plan)
+            return
+        self._in_flight = InFlight(plan=plan, launched=launched, prefill_tokens=prefill_tokens)
+
+    def _may_overlap(self, in_flight: InFlight) -> bool:
+        """Whether the next step may be scheduled before `in_flight`'s tokens are known."""
+        if not self.driver.overlaps:
+            return False
+        for item in in_flight.plan.items:
+            live = self.lives.get(item.request.request_id)
+            if item.samples and live is not None and self.synchronous(live):
+                return False
+        return True
 
     # ---- the phases ----
 
@@ -155,24 +238,19 @@ class StepLoop:
         self._drop(plan.finished)
         return plan if plan.items else None
 
-    async def _step(self, plan: StepPlan) -> None:
-        specs = self._specs_for(plan)
-        self.tracker.prepare_sends(plan, self.lives)
-        prefill_tokens = sum(
-            max(
-                0,
-                min(i.request.num_prompt_tokens - i.request.num_computed_tokens, i.num_new_tokens),
-            )
-            for i in plan.items
-        )
+    async def _finish(self, in_flight: InFlight) -> None:
+        plan = in_flight.plan
         try:
-            out = await self.driver.step(plan, specs)
+            out = await self.driver.finish(in_flight.launched)
         except StepFailed as failure:
             self._step_failed(plan, failure)
+            self.scheduler.step_finished(plan)
             return
         self._failed_steps = 0
-        self.metrics.prefill_tokens.inc(prefill_tokens)
-        self.scheduler.step_done(plan)
+        self.scheduler.step_finished(plan)
+        self.metrics.steps.inc()
+        self.metrics.prefill_tokens.inc(in_flight.prefill_tokens)
+        self.metrics.step_device_seconds.inc(out.device_s)
         self._respond(out)
 
     def _respond(self, out: StepOutput) -> None:
@@ -186,13 +264,13 @@ class StepLoop:
         for sampled in out.sampled:
             live = self.lives.get(sampled.request_id)
             if live is None:
-                continue  # aborted during the step
+                continue  # it ended (aborted, or stopped by the step before): dropped
             if sampled.choice:  # the first token of one of its forks (forks.py)
                 fork = live.forks[sampled.choice - 1]
                 token = Token(live=fork, token_id=sampled.token_id, logprobs=sampled.logprobs)
                 forks.setdefault(live.request_id, []).append(token)
                 continue
-            live.request.output_token_ids.append(sampled.token_id)
+            live.request.sampled(sampled.token_id)
             tokens.append(Token(live=live, token_id=sampled.token_id, logprobs=sampled.logprobs))
         for leader_id, firsts in forks.items():
             start_choices(self.scheduler, self.lives[leader_id], firsts)
@@ -216,7 +294,13 @@ class StepLoop:
             live = self.lives[item.request.request_id]
             live.state.scheduled(now)
             if item.samples:
-                rows.append((len(item.request.output_token_ids), [live, *live.forks]))
+                # The token this step samples is output number num_outputs (pending included).
+                request = item.request
+                num_outputs = request.num_output_tokens + request.pending_tokens
+                # Forks sample with their leader's first token only (a step already in
+                # flight may hold it while the next one is scheduled).
+                forks = live.forks if num_outputs == 0 else []
+                rows.append((num_outputs, [live, *forks]))
         masks = grammar_masks([choice for _, choices in rows for choice in choices])
         specs = {}
         for num_outputs, choices in rows:
@@ -260,8 +344,9 @@ class StepLoop:
         """Fail the requests of the step that raised; the others go on.
 
         Their tokens were never sampled and their KV may be half written, so they cannot resume;
-        nothing else was touched by the step. They end as an abort does (blocks freed, transfer
-        state released), with the cause in their error.
+        nothing else was touched by the step. They end as an abort does (blocks freed once no
+        launched step computes them, transfer state released), with the cause in their error.
+        The caller closes the plan (`Scheduler.step_finished`).
         """
         self._failed_steps += 1
         self.metrics.step_failures.inc()
@@ -279,7 +364,6 @@ class StepLoop:
             live = self.lives.get(item.request.request_id)
             if live is not None:
                 self.end(live, ending, now)
-        self.scheduler.step_done(plan)  # no item is RUNNING any more: this only closes the plan
         if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
             self._stop_serving(cause)
 
@@ -299,6 +383,14 @@ class StepLoop:
         ending = Ending.failed(f"this worker stopped serving: {self.stopped}")
         for live in list(self.lives.values()):
             self.end(live, ending, now)
+
+
+def _prefill_tokens(plan: StepPlan) -> int:
+    """The prompt tokens a plan computes (call before the scheduler advances its requests)."""
+    return sum(
+        max(0, min(i.request.num_prompt_tokens - i.request.num_computed_tokens, i.num_new_tokens))
+        for i in plan.items
+    )
 
 
 def _current_spec(live: Live, num_outputs: int, allowed: torch.Tensor | None) -> SampleSpec:

@@ -13,6 +13,9 @@ every `HEARTBEAT_S`, so that no rank's collective waits long enough to time out.
 
 A step that raises stops the instance (the exception leaves the loop): the other ranks may be
 left inside one of the step's collectives, and nothing brings them back in step with rank 0.
+
+Steps are synchronous here (`overlaps` is False): every rank takes its inputs from rank 0's
+broadcast, so a step's tokens must be on rank 0's host before the next tick.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import trio
 from trtdisagg.kv.block_pool import BlockCopy
 from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.worker.engine.local import BLOCKED_WAIT_S
-from trtdisagg.worker.engine.ports import Transceiver
+from trtdisagg.worker.engine.ports import Launched, Transceiver
 from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.rank_group import HEARTBEAT_S, RankGroup
 from trtdisagg.worker.rank_plan import (
@@ -39,9 +42,10 @@ from trtdisagg.worker.rank_plan import (
     StepCommand,
 )
 from trtdisagg.worker.ranks import rank_outcomes
-from trtdisagg.worker.runner import ModelRunner, StepOutput, plan_items
+from trtdisagg.worker.runner import ModelRunner, StepOutput
 from trtdisagg.worker.sampling import SampleSpec
 from trtdisagg.worker.scheduler import StepPlan
+from trtdisagg.worker.step_inputs import StepInputs, plan_items
 
 # How often rank 0 ticks, with nothing to compute, while a transfer is in flight on some rank.
 RANK_POLL_S = 0.002
@@ -97,11 +101,26 @@ class MultiRankDriver:
     )
     _last_tick: float = attrs.field(default=attrs.Factory(lambda self: self.clock(), True))
 
-    async def step(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
-        items = plan_items(plan, self.runner.tokens_per_block)
-        out = await self._tick(items, specs, plan.copies)
+    # Every rank must take the same inputs at every tick: steps stay synchronous.
+    overlaps: bool = attrs.field(default=False, init=False)
+
+    def inputs(self, plan: StepPlan) -> StepInputs:
+        rows = tuple((item.request.request_id, item.samples) for item in plan.items)
+        return StepInputs(
+            rows=rows, items=plan_items(plan, self.runner.tokens_per_block), copies=plan.copies
+        )
+
+    async def launch(
+        self, inputs: StepInputs, specs: dict[int, SampleSpec], *, after: Launched | None = None
+    ) -> Launched:
+        assert after is None, "multi-rank steps do not overlap"
+        out = await self._tick(inputs.items, specs, inputs.copies)
         assert out is not None
-        return out
+        return Launched(done=out)
+
+    async def finish(self, launched: Launched) -> StepOutput:
+        assert launched.done is not None, "a multi-rank tick is done when it returns"
+        return launched.done
 
     async def idle(self, *, has_work: bool, in_flight: bool) -> None:
         """Tick now if transfer work waits for the other ranks; else wait for a wake-up, and

@@ -8,7 +8,7 @@ ending out. A context_only request ends at its first token unless a stop rule en
 answer goes to the coordinator and its KV to gen (`Ending.handed_over`).
 
 Callers append each token to `request.output_token_ids` first (the scheduler's protocol), so the
-lengths seen here include it.
+lengths seen here include it; a token still in flight (`pending_tokens`) does not count.
 """
 
 from __future__ import annotations
@@ -49,6 +49,21 @@ class RequestOutput:
     # On the first output of a request that asks (`SamplingParams.prompt_logprobs`): prompt
     # tokens 1, 2, ...'s logprobs (token 0 has none: nothing precedes it).
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+
+    @property
+    def is_last(self) -> bool:
+        """Nothing follows it: its request finished, failed, or (ctx) handed over."""
+        return self.finish_reason is not None or self.context_done or self.error is not None
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the next one of the same request as one (a reader that fell behind
+        sends them in one chunk): tokens, text and logprobs joined, the rest the later's."""
+        return attrs.evolve(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            logprobs=self.logprobs + later.logprobs,
+        )
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -155,7 +170,7 @@ class OutputProcessor:
                 reason = FinishReason.STOP  # a grammar that admits nothing more ends it too
         if reason is None and (
             len(request.output_token_ids) >= params.max_tokens
-            or request.num_tokens >= self.max_seq_len
+            or request.num_known_tokens >= self.max_seq_len
         ):
             reason = FinishReason.LENGTH
         if reason is not None:

@@ -14,11 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import attrs
+
 if TYPE_CHECKING:
     from trtdisagg.transfer.protocol.sessions import TransferOutcome
-    from trtdisagg.worker.runner import StepOutput
+    from trtdisagg.worker.launched import LaunchedStep, StepOutput
     from trtdisagg.worker.sampling import SampleSpec
     from trtdisagg.worker.scheduler import StepPlan
+    from trtdisagg.worker.step_inputs import StepInputs
 
 
 class StepFailed(Exception):
@@ -101,11 +104,39 @@ class TransferPort(Protocol):
         """Transfers that reached a final state on every rank: (receives, sends)."""
 
 
+@attrs.define(eq=False, kw_only=True)
+class Launched:
+    """A step a driver launched: queued on the device (one rank), or already done (a tick of
+    a multi-rank instance), or failed at its launch. The driver's `finish` brings its output."""
+
+    queued: LaunchedStep | None = None
+    done: StepOutput | None = None
+    failure: StepFailed | None = None  # its launch raised: only its requests are lost
+    wait_failure: StepFailed | None = None  # waiting for its tokens raised (a CUDA error)
+
+
 class StepDriver(TransferPort, Protocol):
     """Runs the engine's steps and transfer work on the instance's ranks."""
 
-    async def step(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
-        """Run one step's forward and sample. Raises StepFailed when only this step is lost."""
+    @property
+    def overlaps(self) -> bool:
+        """Whether the loop may launch the next step before it finished this one (the next
+        step's decode rows then read their tokens on the device)."""
+
+    def inputs(self, plan: StepPlan) -> StepInputs:
+        """The step's host-side inputs, taken from the plan before the step launches (the
+        plan's requests may change while it runs)."""
+
+    async def launch(
+        self, inputs: StepInputs, specs: dict[int, SampleSpec], *, after: Launched | None = None
+    ) -> Launched:
+        """Queue one step's forward and sampling; then wait until `after` (the step launched
+        before, when it overlaps) has its tokens on the host. A launch that raises, when only
+        this step is lost, comes back as `failure`."""
+
+    async def finish(self, launched: Launched) -> StepOutput:
+        """The sampled tokens of a launched step, once they are on the host. Raises StepFailed
+        when only this step is lost."""
 
     async def idle(self, *, has_work: bool, in_flight: bool) -> None:
         """Nothing to compute now: wait for a wake-up. `has_work`: requests wait for blocks;

@@ -35,9 +35,10 @@ from trtdisagg.worker.rank_plan import HeadDigest, RankDigest, RankReport, compo
 
 if TYPE_CHECKING:
     from trtdisagg.worker.engine.local import StepRunner
-    from trtdisagg.worker.runner import StepOutput
+    from trtdisagg.worker.launched import LaunchedStep, StepOutput
     from trtdisagg.worker.sampling import SampleSpec
     from trtdisagg.worker.scheduler import StepPlan
+    from trtdisagg.worker.step_inputs import StepInputs
 
 MAX_DIGESTS = 4096
 
@@ -208,10 +209,16 @@ class FaultyRunner:
     runner: StepRunner
     hooks: TestHooks
 
-    def execute(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        return self.runner.prepare(plan)
+
+    def launch(self, inputs: StepInputs, specs: dict[int, SampleSpec]) -> LaunchedStep:
         if self.hooks.take_step_failure():
             raise InjectedStepFailure("step failure injected by the test hooks")
-        return self.runner.execute(plan, specs)
+        return self.runner.launch(inputs, specs)
+
+    def finish(self, launched: LaunchedStep) -> StepOutput:
+        return self.runner.finish(launched)
 
     def kv_ready(self) -> None:
         self.runner.kv_ready()

@@ -1,0 +1,97 @@
+"""The offline engine (`from trtdisagg import LLM, SamplingParams`) against a worker process over
+HTTP with the same config: the same greedy tokens, text and finish reasons, for prompts given
+as text and as token ids, several at once (tiny model, CPU)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.instances import running_instances
+from tests.procs import Server, worker_config
+
+PROMPTS: list[str | list[int]] = [
+    "The quick brown fox",
+    [(7 * i + 3) % 500 + 1 for i in range(40)],
+    "a",
+    [(11 * i + 5) % 500 + 1 for i in range(150)],  # prefilled in chunks next to decodes
+]
+MAX_TOKENS = [12, 20, 5, 9]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running_instances(tmp_path_factory.mktemp("offline"), {"w": ("ctx", {})}) as servers:
+        yield servers["w"]
+
+
+def http_tokens(url: str, prompt: str | list[int], max_tokens: int, *, stream: bool) -> Any:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+    with httpx.Client(timeout=60) as client:
+        if not stream:
+            r = client.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["token_ids"], choice["text"], choice["finish_reason"]
+        tokens: list[int] = []
+        text, reason = "", None
+        with client.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        tokens.extend(choice.get("token_ids", []))
+                        text += choice.get("text", "")
+                        reason = choice.get("finish_reason") or reason
+        return tokens, text, reason
+
+
+def test_offline_greedy_tokens_equal_the_workers(worker: Server, tmp_path: Path) -> None:
+    from trtdisagg import LLM, SamplingParams
+
+    config = worker_config()
+    llm = LLM(config.pop("model"), **config)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate(PROMPTS, params)
+    assert [o.prompt for o in outputs] == [p if isinstance(p, str) else None for p in PROMPTS]
+    for i, (prompt, n, out) in enumerate(zip(PROMPTS, MAX_TOKENS, outputs, strict=True)):
+        assert len(out.token_ids) == n and out.finish_reason == "length"
+        for stream in (False, True):
+            tokens, text, reason = http_tokens(worker.url, prompt, n, stream=stream)
+            assert list(out.token_ids) == tokens, (i, stream)
+            assert (out.text, out.finish_reason) == (text, reason), (i, stream)
+        assert out.perf is not None and out.perf.first_token_s > 0
+    # A second call on the same engine, one prompt as token ids, logprobs asked for.
+    (again,) = llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, logprobs=1))
+    assert again.token_ids == outputs[1].token_ids[:4]
+    assert again.logprobs is not None and all(lp is not None for lp in again.logprobs)
+
+
+def test_bad_prompts_are_refused_before_anything_runs() -> None:
+    from trtdisagg import LLM, SamplingParams
+
+    config = worker_config(max_seq_len=64)
+    llm = LLM(config.pop("model"), **config)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: token id 100000 outside"):
+        llm.generate([[1, 2], [100000]])
+    with pytest.raises(ValueError, match=r"prompts\[0\]: 60 prompt tokens \+ max_tokens 8"):
+        llm.generate([[1] * 60], SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="2 given for 1 prompts"):
+        llm.generate("x", [SamplingParams(max_tokens=1)] * 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM("tiny", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="max_batch_sise"):
+        LLM("tiny", max_batch_sise=4)
+    assert llm.executor.num_active() == 0
