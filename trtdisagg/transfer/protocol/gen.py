@@ -422,10 +422,11 @@ class GenProtocol:
                         key, session.peer_instance, self.timeout_s)  # fmt: skip
         outcome = None
         if not session.failure_reported:  # else it was told, and the executor frees
+            num_bytes, num_descriptors, tokens = session.moved()
             outcome = self._outcome(
                 key, now, ok=status is Status.TRANSFERRED, cancelled=status is Status.CANCELLED,
-                error=session.error, num_bytes=session.num_bytes,
-                num_descriptors=session.num_descriptors, first_tokens=session.first_tokens,
+                error=session.error, num_bytes=num_bytes, num_descriptors=num_descriptors,
+                first_tokens=tokens,
             )  # fmt: skip
         if (staged := self._staged.pop(key, None)) is not None:
             if outcome is not None and outcome.ok:
@@ -479,8 +480,7 @@ class GenProtocol:
         out += [ev.Received(outcome=self._outcome(key, now, ok=False, cancelled=True)), ev.WAKE]
 
     def _outcome(self, key: int, now: float, **fields: Any) -> TransferOutcome:
-        outcome = TransferOutcome(key=key, ok=False, seconds=now - self._started.pop(key, now))
-        return attrs.evolve(outcome, **fields)
+        return TransferOutcome(key=key, seconds=now - self._started.pop(key, now), **fields)
 
 
 def _replaced(instance: _CtxInstance, named: str | None) -> bool:

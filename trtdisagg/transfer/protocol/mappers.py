@@ -33,8 +33,7 @@ import numpy.typing as npt
 
 from trtdisagg.kv.page_table import LayerGroup, MapperKind, PoolView
 from trtdisagg.transfer.errors import MappingError, UnsupportedPairing
-from trtdisagg.transfer.protocol.block_runs import BlockRun
-from trtdisagg.transfer.protocol.fragments import Fragments, Runs, empty_runs, merge_runs
+from trtdisagg.transfer.protocol.fragments import BlockRun, Fragments, Runs, empty_runs, merge_runs
 
 IdArray = npt.NDArray[np.int64]  # block ids (or token counts), one per block
 

@@ -29,8 +29,14 @@ import attrs
 import numpy as np
 
 from trtdisagg.transfer.errors import MappingError, PeerIncompatible, UnsupportedPairing
-from trtdisagg.transfer.protocol.block_runs import BlockRun, packed_run
-from trtdisagg.transfer.protocol.fragments import Fragments, Runs, empty_runs, merge_runs
+from trtdisagg.transfer.protocol.fragments import (
+    BlockRun,
+    Fragments,
+    Runs,
+    empty_runs,
+    merge_runs,
+    packed_run,
+)
 from trtdisagg.transfer.protocol.mappers import (
     HeadOverlap,
     Mapper,

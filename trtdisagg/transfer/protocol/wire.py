@@ -278,23 +278,19 @@ _TOKEN_BYTES: Final = 4
 
 
 def _encode_notice(notice: WriteNotice) -> bytes:
-    name = notice.instance_name.encode()
-    tokens = notice.first_tokens
-    return b"".join(
-        (
-            _NOTICE.pack(
-                _NOTICE_MAGIC,
-                notice.instance_rank,
-                notice.key,
-                notice.num_bytes,
-                notice.num_descriptors,
-                len(name),
-                len(tokens),
-            ),
-            name,
-            struct.pack(f"<{len(tokens)}I", *tokens),
-        )
-    )
+    return encode_notice(notice.key, notice.instance_name, notice.instance_rank,
+                         notice.num_bytes, notice.num_descriptors, notice.first_tokens)  # fmt: skip
+
+
+def encode_notice(
+    key: int, name: str, rank: int, num_bytes: int, num_descriptors: int, tokens: tuple[int, ...]
+) -> bytes:
+    """A WRITE_NOTICE's bytes straight from its fields: ctx makes one per write, on the path
+    between its KV being ready and the post (the fields are ctx's own, not a peer's)."""
+    raw = name.encode()
+    header = _NOTICE.pack(_NOTICE_MAGIC, rank, key, num_bytes, num_descriptors, len(raw),
+                          len(tokens))  # fmt: skip
+    return header + raw + struct.pack(f"<{len(tokens)}I", *tokens)
 
 
 def _decode_notice(data: bytes) -> WriteNotice:
