@@ -1,32 +1,23 @@
-"""Control-plane messages and their one msgpack codec. Pure.
+"""Control-plane messages and their one codec. Pure.
 
-Every message is a frozen attrs class; `Message` is their tagged union (tag key `"type"`, tag
-values are the protocol's message names such as `"REQUEST_DATA"`). `encode` and `decode` are the
-only path between bytes and messages. `decode` never raises anything but `ProtocolError`, whatever
-the bytes: peers and the network are untrusted input.
-
-Conversation (one ZMQ frame carries one encoded message):
+Every message is a frozen attrs class; `Message` is their tagged union (tag key `"type"`, values
+the protocol's message names such as `"REQUEST_DATA"`). `encode` and `decode` are the only path
+between bytes and messages; `decode` raises nothing but `ProtocolError`, whatever the bytes.
 
     gen rank -> ctx rank 0    REQUEST_INSTANCE_INFO   -> INSTANCE_INFO (every ctx rank's RankInfo)
     gen rank -> each ctx rank REGISTER_PEER (own)     -> REGISTER_ACK (accepted, or refused+reason)
     gen rank -> ctx rank      REQUEST_DATA (key, destination block ids, token count)
-    ctx rank -> gen rank      TRANSFER_RESULT (one per REQUEST_DATA, also when 0 bytes moved)
+    ctx rank -> gen rank      TRANSFER_RESULT (one per REQUEST_DATA, also when 0 bytes moved; the
+                              answer to a CANCEL when no write to gen is in flight)
     either   -> either        CANCEL (key)
-    ctx rank -> gen rank      TRANSFER_RESULT (CANCELLED): the answer to a CANCEL from gen when
-                              no write to it is in flight (else that write's result answers it)
-    ctx agent -> gen agent    WRITE_NOTICE: not a ZMQ message but the NIXL notification payload of
-                              a write, which gen receives once the write's bytes have landed. It
-                              says what the write moved and carries ctx's first tokens, so gen
-                              may finish on it before TRANSFER_RESULT comes.
+    ctx agent -> gen agent    WRITE_NOTICE: the agent notification of a write, seen once its
+                              bytes landed; it says what the write moved and carries ctx's first
+                              tokens, so gen may finish on it before TRANSFER_RESULT comes.
 
 Block id lists travel as packed little-endian int64 (`pack_block_ids`), one `bytes` per layer
-group of the receiver, not as msgpack lists.
-
-WRITE_NOTICE, the one message on the path of every transfer between its bytes landing and gen
-decoding, is not msgpack but a fixed little-endian layout (`_NOTICE`, then the ctx rank's name
-and the first tokens): gen decodes it with one `struct` call, many times cheaper than the
-tagged-union converter. Its first byte, 0xc1, is one msgpack never
-uses, so no msgpack message can be read as a notice, nor a notice as msgpack.
+group. WRITE_NOTICE, on the path of every transfer, is a fixed little-endian layout (`_NOTICE`,
+then the name and the tokens) that one `struct` call reads; its first byte, 0xc1, is one msgpack
+never uses, so neither is ever read as the other.
 """
 
 from __future__ import annotations

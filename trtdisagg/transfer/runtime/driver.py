@@ -10,14 +10,12 @@ The executor calls these between steps; none of them waits on the network:
          check_gen_transfer_status() -> outcomes           KV landed (or failed): decode or fail
     both cancel_request(key) -> bool                       False while a write may still land
 
-Each call, control message, agent notification and write's end is an event for the pure
-protocol core (protocol/core.py, ctx.py and gen.py describe the protocol and lifecycle); this
-driver carries out the effects it answers with, and owns every I/O resource, each in one place:
-the sockets (control.py), the agent and its lock (pump.py), the loaded peer agents, the
-prepared and posted writes, the staging buffer, and the one thread that polls the agent while a
-transfer waits (pump.py). The check methods only hand over outcomes made already; `wake` tells
-the executor when there are some. `tracer`, when given, is called with (key, stage, time) at
-each of `STAGES`; unset, it costs nothing.
+Each call, control message, notification and write's end is an event for the pure protocol core
+(protocol/core.py); this driver carries out the effects it answers with and owns every I/O
+resource, each in one place: the sockets (control.py), the agent, its lock and the thread that
+polls it while a transfer waits (pump.py), the loaded peer agents, the prepared and posted
+writes, the staging buffer. `wake` tells the executor when there are outcomes. `tracer`, when
+given, is called with (key, stage, time) at each of `STAGES`; unset, it costs nothing.
 """
 
 from __future__ import annotations
