@@ -388,7 +388,7 @@ class GenProtocol:
         if not session.is_terminal or self.receivers.get(key) is not session:
             return
         status = session.status
-        if not self.released(session, now):
+        if status is not Status.TRANSFERRED and not self.released(session, now):
             if self.early_failures and status is Status.ERROR and not session.failure_reported:
                 session.failure_reported = True
                 failed = self._outcome(key, now, ok=False, error=session.error, blocks_held=True)
@@ -399,7 +399,7 @@ class GenProtocol:
             self._results_due.update(
                 {(session.peer_instance, r, key): now for r in session.unreported}
             )
-        if not session.is_quiescent and status is not Status.TRANSFERRED:
+        if status is not Status.TRANSFERRED and not session.is_quiescent:
             self.quarantine_expired += 1
             log.warning("KV transfer %d: no answer from ctx %s %gs past the deadline; blocks freed",
                         key, session.peer_instance, self.timeout_s)  # fmt: skip
