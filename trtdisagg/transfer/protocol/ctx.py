@@ -88,10 +88,12 @@ class CtxProtocol:
     _writes: dict[int, tuple[SenderSession, ev.WriteOrder]] = attrs.Factory(dict)  # in flight
     _next_write: int = 1
     _started: dict[int, float] = attrs.Factory(dict)
+    _name: bytes = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         # A REQUEST_DATA whose session never appears is refused after the transfer timeout.
         self.early = EarlyMessages(ttl=self.timeout_s)
+        self._name = self.local.instance_name.encode()  # as every notice carries it
 
     @property
     def prepared(self) -> int:
@@ -113,10 +115,11 @@ class CtxProtocol:
     ) -> None:
         if key in self.senders:
             raise ValueError(f"a session for key {key} already exists")
+        if (expected := self._expected.pop(key, None)) is not None and expected[0] == source:
+            source = expected[0]  # the one the prepared writes were mapped from: runs found
         session = SenderSession(key=key, deadline=now + self.timeout_s, first_tokens=first_tokens)
         session.set_source(source)
         self.senders[key], self._started[key] = session, now
-        self._expected.pop(key, None)
         requests, canceller = self.early.take(key)
         for request in requests:
             self._accept(session, request)
@@ -302,7 +305,7 @@ class CtxProtocol:
             rank = request.instance_rank
             order: ev.WriteOrder | None
             made = prepared.pop(rank, None)
-            if made is not None and made.request == request and made.source == source:
+            if made is not None and made.source is source and made.request == request:
                 order = made.order  # posted from its preparation, under the same id
             else:
                 if made is not None:
@@ -385,9 +388,9 @@ class CtxProtocol:
                              num_tokens=num_tokens, num_bytes=num_bytes)  # fmt: skip
 
     def _notice(self, order: ev.WriteOrder, first_tokens: tuple[int, ...]) -> bytes:
-        fragments, local = order.fragments, self.local
-        return encode_notice(order.key, local.instance_name, local.instance_rank,
-                             fragments.num_bytes, len(fragments), first_tokens)  # fmt: skip
+        fragments, rank = order.fragments, self.local.instance_rank
+        return encode_notice(order.key, self._name, rank, fragments.num_bytes, len(fragments),
+                             first_tokens)  # fmt: skip
 
     def _write_done(
         self,

@@ -23,6 +23,7 @@ never uses, so neither is ever read as the other.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 import sys
 from array import array
@@ -269,19 +270,23 @@ _TOKEN_BYTES: Final = 4
 
 
 def _encode_notice(notice: WriteNotice) -> bytes:
-    return encode_notice(notice.key, notice.instance_name, notice.instance_rank,
+    return encode_notice(notice.key, notice.instance_name.encode(), notice.instance_rank,
                          notice.num_bytes, notice.num_descriptors, notice.first_tokens)  # fmt: skip
 
 
 def encode_notice(
-    key: int, name: str, rank: int, num_bytes: int, num_descriptors: int, tokens: tuple[int, ...]
+    key: int, name: bytes, rank: int, num_bytes: int, num_descriptors: int, tokens: tuple[int, ...]
 ) -> bytes:
-    """A WRITE_NOTICE's bytes straight from its fields: ctx makes one per write, on the path
-    between its KV being ready and the post (the fields are ctx's own, not a peer's)."""
-    raw = name.encode()
-    header = _NOTICE.pack(_NOTICE_MAGIC, rank, key, num_bytes, num_descriptors, len(raw),
+    """A WRITE_NOTICE's bytes straight from its fields (`name` UTF-8): ctx makes one per write,
+    between its KV being ready and the post (its own fields, not a peer's)."""
+    header = _NOTICE.pack(_NOTICE_MAGIC, rank, key, num_bytes, num_descriptors, len(name),
                           len(tokens))  # fmt: skip
-    return header + raw + struct.pack(f"<{len(tokens)}I", *tokens)
+    return b"".join((header, name, _tokens(len(tokens)).pack(*tokens)))
+
+
+@functools.lru_cache(maxsize=8)  # (a peer picks the count: bounded)
+def _tokens(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}I")
 
 
 def _decode_notice(data: bytes) -> WriteNotice:
@@ -302,7 +307,7 @@ def _decode_notice(data: bytes) -> WriteNotice:
             instance_rank=rank,
             num_bytes=num_bytes,
             num_descriptors=descriptors,
-            first_tokens=struct.unpack_from(f"<{count}I", data, end),
+            first_tokens=_tokens(count).unpack_from(data, end),
         )
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"invalid WRITE_NOTICE: {exc}") from exc
