@@ -15,7 +15,7 @@ from tests.rank_infos import make_instance
 from trtdisagg.api.codec import MAX_JSON_DEPTH, parse_json, structure_body, validate_request
 from trtdisagg.api.errors import ApiError
 from trtdisagg.api.protocol import CompletionRequest
-from trtdisagg.transfer.protocol.endpoints import is_tcp_endpoint
+from trtdisagg.transfer.protocol.rank_info import is_tcp_endpoint
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trtdisagg.transfer.protocol.block_runs import BlockRun, packed_run, run_of
+from trtdisagg.transfer.protocol.fragments import BlockRun, packed_run, run_of
 from trtdisagg.transfer.protocol.sessions import SourceBlocks
 from trtdisagg.transfer.protocol.wire import pack_block_ids
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tests.rank_infos import make_instance
 from trtdisagg.kv.page_table import Layout, MapperKind
 from trtdisagg.transfer.errors import MappingError, PeerIncompatible
-from trtdisagg.transfer.protocol.block_runs import BlockRun, packed_run
+from trtdisagg.transfer.protocol.fragments import BlockRun, packed_run
 from trtdisagg.transfer.protocol.mappers import (
     HndHeadMismatchMapper,
     IntactMapper,
@@ -37,10 +37,9 @@ from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.sessions import (
     RankResult,
     ReceiverSession,
-    ReceiverStatus,
     SenderSession,
-    SenderStatus,
     SourceBlocks,
+    Status,
 )
 from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, pack_block_ids
 
@@ -333,7 +332,7 @@ def test_every_destination_byte_written_once(s: Scenario) -> None:
             assert receiver.on_result(rank, part)
             if num_bytes:
                 assert receiver.on_notice(rank)
-        assert receiver.status is ReceiverStatus.TRANSFERRED
+        assert receiver.status is Status.TRANSFERRED
         got = sum(n for (_, gr), n in results.items() if gr == g.instance_rank)
         assert (
             got
@@ -344,7 +343,7 @@ def test_every_destination_byte_written_once(s: Scenario) -> None:
 
     assert max(results.values()) == 1, "a ctx rank reported twice to one gen rank"
     for rank, sender in senders.items():
-        assert sender.status is SenderStatus.TRANSFERRED, (rank, sender.status)
+        assert sender.status is Status.TRANSFERRED, (rank, sender.status)
     for pool in gen_pools.values():
         if pool.info.dp_rank != s.gen_dp_rank:
             assert not pool.writes.any(), "a gen rank outside the request's DP group was written"

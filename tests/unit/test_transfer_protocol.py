@@ -82,6 +82,7 @@ class Net:
     held: collections.deque[tuple[str, MessageIn]] = attrs.Factory(collections.deque)
     drop: Callable[[str, Message], bool] = lambda to, message: False
     writes: dict[int, WriteOrder] = attrs.Factory(dict)  # posted, not landed
+    notices: dict[int, bytes] = attrs.Factory(dict)  # the posted writes' notices, by write id
     prepared: set[int] = attrs.Factory(set)
     released: list[int] = attrs.Factory(list)
     sent: list[TransferOutcome] = attrs.Factory(list)
@@ -124,8 +125,8 @@ class Net:
                     self.prepared.add(order.write_id)
                 case ReleasePrepared(write_id=write_id):
                     self.released.append(write_id)
-                case PostWrite(order=order):
-                    self.writes[order.write_id] = order
+                case PostWrite(order=order, notice=notice):
+                    self.writes[order.write_id], self.notices[order.write_id] = order, notice
                 case Sent(outcome=outcome):
                     self.sent.append(outcome)
                 case Received(outcome=outcome):
@@ -152,7 +153,7 @@ class Net:
             (write_id,) = self.writes
         order = self.writes.pop(write_id)
         if notice:
-            message = decode(order.notice)
+            message = decode(self.notices.pop(write_id))
             assert isinstance(message, WriteNotice)
             self.feed("gen", NoticeIn(notice=message, remote=self.ctx.local.agent_name))
         self.feed("ctx", WriteEnded(write_id=write_id))
@@ -197,7 +198,7 @@ def test_generation_first_posts_the_write_prepared_during_the_prefill() -> None:
     net.feed("ctx", KvReady(key=9, source=_source(), first_tokens=(3,)))
     (posted,) = net.writes.values()
     assert posted.write_id == prepared and not net.released  # the very same write
-    assert decode(posted.notice) == WriteNotice(
+    assert decode(net.notices[posted.write_id]) == WriteNotice(
         key=9, instance_name="ctx", instance_rank=0, num_bytes=posted.fragments.num_bytes,
         num_descriptors=1, first_tokens=(3,),
     )  # fmt: skip

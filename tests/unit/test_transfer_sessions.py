@@ -10,11 +10,10 @@ from trtdisagg.transfer.protocol.sessions import (
     EarlyMessages,
     RankResult,
     ReceiverSession,
-    ReceiverStatus,
     SenderSession,
-    SenderStatus,
     Sessions,
     SourceBlocks,
+    Status,
 )
 from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, pack_block_ids
 
@@ -47,23 +46,23 @@ def _receiver(expected: tuple[int, ...] = (0, 1)) -> ReceiverSession:
 
 def test_sender_happy_path() -> None:
     s = _sender()
-    assert s.status is SenderStatus.INIT
+    assert s.status is Status.INIT
     assert s.add_request(_request(0))
-    assert s.status is SenderStatus.INIT
+    assert s.status is Status.INIT
     assert s.take_writes() == []
     s.set_source(_src([[3, 4]], 5))
-    assert s.status is SenderStatus.READY
+    assert s.status is Status.READY
     assert [r.instance_rank for r in s.take_writes()] == [0]
-    assert s.status is SenderStatus.TRANSFERRING
+    assert s.status is Status.TRANSFERRING
     assert not s.is_quiescent
     assert s.take_writes() == []  # in flight: never handed out twice
     assert s.write_finished(0, OK)
-    assert s.status is SenderStatus.INIT  # waiting for gen rank 1
+    assert s.status is Status.INIT  # waiting for gen rank 1
     assert s.add_request(_request(1))
-    assert s.status is SenderStatus.READY
+    assert s.status is Status.READY
     (request,) = s.take_writes()
     assert s.write_finished(request.instance_rank, OK)
-    assert s.status is SenderStatus.TRANSFERRED
+    assert s.status is Status.TRANSFERRED
     assert s.is_terminal
     assert s.is_quiescent
 
@@ -79,7 +78,7 @@ def test_sender_ignores_duplicates_unexpected_and_late() -> None:
     assert s.write_finished(0, OK)
     assert not s.write_finished(0, OK)  # late duplicate
     assert not s.add_request(_request(0))  # after TRANSFERRED
-    assert s.status is SenderStatus.TRANSFERRED
+    assert s.status is Status.TRANSFERRED
 
 
 def test_sender_failed_write_is_error() -> None:
@@ -88,7 +87,7 @@ def test_sender_failed_write_is_error() -> None:
     s.add_request(_request(0))
     s.take_writes()
     s.write_finished(0, ERROR, "nixl said no")
-    assert s.status is SenderStatus.ERROR
+    assert s.status is Status.ERROR
     assert s.error == "nixl said no"
 
 
@@ -98,7 +97,7 @@ def test_sender_cancelled_write_cancels_the_session() -> None:
     s.add_request(_request(0))
     s.take_writes()
     s.write_finished(0, ResultStatus.CANCELLED)
-    assert s.status is SenderStatus.CANCELLED
+    assert s.status is Status.CANCELLED
 
 
 def test_sender_cancel_is_not_quiescence() -> None:
@@ -108,11 +107,11 @@ def test_sender_cancel_is_not_quiescence() -> None:
     s.add_request(_request(1))
     s.take_writes()
     assert s.cancel() is False  # writes in flight: blocks must stay pinned
-    assert s.status is SenderStatus.CANCELLED
+    assert s.status is Status.CANCELLED
     assert s.take_writes() == []
     s.write_finished(0, OK)
     s.write_finished(1, OK)
-    assert s.status is SenderStatus.CANCELLED
+    assert s.status is Status.CANCELLED
     assert s.is_quiescent
     assert s.cancel() is True
 
@@ -125,7 +124,7 @@ def test_sender_terminal_states_are_sticky() -> None:
     s.write_finished(0, OK)
     s.cancel()
     s.fail("late failure")
-    assert s.status is SenderStatus.TRANSFERRED
+    assert s.status is Status.TRANSFERRED
     with pytest.raises(ValueError, match="source set twice"):
         s.set_source(_src([[1]], 1))
 
@@ -135,22 +134,22 @@ def test_sender_deadline() -> None:
     assert not s.expired(9.9)
     assert s.expired(10.0)
     s.fail("timed out")
-    assert s.status is SenderStatus.ERROR
+    assert s.status is Status.ERROR
     assert not s.expired(11.0)
 
 
 def test_receiver_happy_path_needs_results_and_notices() -> None:
     r = _receiver()
-    assert r.status is ReceiverStatus.INIT
+    assert r.status is Status.INIT
     r.mark_requested()
-    assert r.status is ReceiverStatus.TRANSFERRING
+    assert r.status is Status.TRANSFERRING
     assert r.on_result(
         0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="")
     )  # non-elected duplicate
     assert r.on_result(1, RankResult(status=OK, num_bytes=100, num_descriptors=2, error=""))
-    assert r.status is ReceiverStatus.TRANSFERRING  # rank 1's bytes not confirmed landed
+    assert r.status is Status.TRANSFERRING  # rank 1's bytes not confirmed landed
     assert r.on_notice(1)
-    assert r.status is ReceiverStatus.TRANSFERRED
+    assert r.status is Status.TRANSFERRED
     assert (r.num_bytes, r.num_descriptors) == (100, 2)
 
 
@@ -160,7 +159,7 @@ def test_receiver_notice_may_come_first() -> None:
     assert r.on_notice(3)
     assert not r.on_notice(3)
     r.on_result(3, RankResult(status=OK, num_bytes=8, num_descriptors=1, error=""))
-    assert r.status is ReceiverStatus.TRANSFERRED
+    assert r.status is Status.TRANSFERRED
 
 
 def test_receiver_ignores_unexpected_duplicate_and_late() -> None:
@@ -170,18 +169,18 @@ def test_receiver_ignores_unexpected_duplicate_and_late() -> None:
     assert not r.on_notice(9)
     assert r.on_result(0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error=""))
     assert not r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="dup"))
-    assert r.status is ReceiverStatus.TRANSFERRED
+    assert r.status is Status.TRANSFERRED
 
 
 def test_receiver_error_result_and_quiescence() -> None:
     r = _receiver()
     r.mark_requested()
     r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="boom"))
-    assert r.status is ReceiverStatus.ERROR
+    assert r.status is Status.ERROR
     assert r.error == "ctx rank 0: error: boom"
     assert not r.is_quiescent  # rank 1 may still be writing into our blocks
     r.on_result(1, RankResult(status=OK, num_bytes=4, num_descriptors=1, error=""))
-    assert r.status is ReceiverStatus.ERROR
+    assert r.status is Status.ERROR
     assert r.is_quiescent
 
 
@@ -189,9 +188,9 @@ def test_receiver_cancel() -> None:
     r = _receiver()
     r.mark_requested()
     r.cancel()
-    assert r.status is ReceiverStatus.CANCELLED
+    assert r.status is Status.CANCELLED
     r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="cancelled"))
-    assert r.status is ReceiverStatus.CANCELLED  # an error never overrides CANCELLED
+    assert r.status is Status.CANCELLED  # an error never overrides CANCELLED
     assert not r.expired(100.0)
 
 
@@ -200,13 +199,13 @@ def test_a_receiver_whose_ctx_died_fails_and_is_quiescent_at_once() -> None:
     r.mark_requested()
     assert not r.is_quiescent
     r.peer_died("peer instance ctx-a is gone: its connection dropped")
-    assert r.status is ReceiverStatus.ERROR and r.is_quiescent
+    assert r.status is Status.ERROR and r.is_quiescent
     assert r.error == "peer instance ctx-a is gone: its connection dropped"
     cancelled = _receiver()
     cancelled.mark_requested()
     cancelled.cancel()  # quarantined: a write may still land, until the ctx instance ended
     cancelled.peer_died("gone")
-    assert cancelled.status is ReceiverStatus.CANCELLED and cancelled.is_quiescent
+    assert cancelled.status is Status.CANCELLED and cancelled.is_quiescent
 
 
 def test_registry_routes_only_to_the_owning_peer() -> None:
@@ -251,7 +250,7 @@ def test_a_last_result_that_is_not_ok_fails_the_receiver(status: ResultStatus) -
     assert r.on_result(
         1, RankResult(status=status, num_bytes=0, num_descriptors=0, error="no submit")
     )
-    assert r.status is ReceiverStatus.ERROR
+    assert r.status is Status.ERROR
     assert r.error == f"ctx rank 1: {status.value}: no submit"
     assert r.is_quiescent
 
@@ -309,16 +308,16 @@ def test_receiver_ends_on_a_write_s_notice_before_its_result() -> None:
         0, RankResult(status=OK, num_bytes=64, num_descriptors=1, first_tokens=(5,))
     )  # duplicate
     assert not r.on_notice(7, RankResult(status=OK, num_bytes=1, num_descriptors=1))  # unexpected
-    assert r.status is ReceiverStatus.TRANSFERRING  # rank 1 has not written yet
+    assert r.status is Status.TRANSFERRING  # rank 1 has not written yet
     assert r.is_quiescent is False
     r.on_result(
         1, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="")
     )  # rank 1: nothing to move
-    assert r.status is ReceiverStatus.TRANSFERRED and r.is_quiescent
+    assert r.status is Status.TRANSFERRED and r.is_quiescent
     assert (r.num_bytes, r.num_descriptors, r.first_tokens) == (64, 1, (5,))
     # rank 0's result comes last: it changes nothing, even an error (the bytes had landed).
     r.on_result(0, RankResult(status=ERROR, num_bytes=64, num_descriptors=1, error="late"))
-    assert r.status is ReceiverStatus.TRANSFERRED and r.num_bytes == 64
+    assert r.status is Status.TRANSFERRED and r.num_bytes == 64
 
 
 def test_a_write_that_fails_before_its_notice_fails_the_receiver() -> None:
@@ -326,10 +325,10 @@ def test_a_write_that_fails_before_its_notice_fails_the_receiver() -> None:
     r.mark_requested()
     assert not r.is_quiescent  # the write may still land
     r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="write failed"))
-    assert r.status is ReceiverStatus.ERROR and r.is_quiescent
+    assert r.status is Status.ERROR and r.is_quiescent
     # a notice after the error result says nothing more
     assert r.on_notice(0, RankResult(status=OK, num_bytes=64, num_descriptors=1))
-    assert r.status is ReceiverStatus.ERROR and r.num_bytes == 0
+    assert r.status is Status.ERROR and r.num_bytes == 0
 
 
 _receiver_events = st.lists(
@@ -343,15 +342,15 @@ _receiver_events = st.lists(
 )
 
 
-def _derived_status(session: ReceiverSession) -> ReceiverStatus:
+def _derived_status(session: ReceiverSession) -> Status:
     """The receiver's status from its facts alone, as its definition reads."""
     if session.cancelled:
-        return ReceiverStatus.CANCELLED
+        return Status.CANCELLED
     if session.error is not None:
-        return ReceiverStatus.ERROR
+        return Status.ERROR
     if all(session._landed(rank) for rank in session.expected):
-        return ReceiverStatus.TRANSFERRED
-    return ReceiverStatus.TRANSFERRING if session.requested else ReceiverStatus.INIT
+        return Status.TRANSFERRED
+    return Status.TRANSFERRING if session.requested else Status.INIT
 
 
 @settings(max_examples=400, deadline=None)
@@ -383,5 +382,5 @@ def test_a_receiver_s_kept_status_is_always_its_derived_one(
         else:
             session.peer_died("gone")
         assert session.status is _derived_status(session)
-        assert session.is_terminal == (session.status is not ReceiverStatus.TRANSFERRING)
+        assert session.is_terminal == (session.status is not Status.TRANSFERRING)
         assert session.expired(10) == (not session.is_terminal)

@@ -1,15 +1,6 @@
-"""Errors of the transfer layer. Pure.
+"""Errors of the transfer layer, each carrying what it concerns (no sentinels). Pure.
 
-Every failure the transfer layer reports is one of these, each carrying what it concerns. None of
-them is a sentinel or a bare `Exception`; the executor maps them to request failures, the HTTP
-layer to status codes.
-
-    TransferLayerError
-    ├── ProtocolError        bytes from a peer that are not a valid message of this protocol
-    ├── PeerIncompatible     a peer that can never exchange KV with us (checked at registration)
-    ├── UnsupportedPairing   two pool views no mapper can pair (peers wraps it in PeerIncompatible)
-    ├── MappingError         a request whose block lists do not fit the pools (a caller bug)
-    └── AgentError           a transfer agent refused or failed an operation
+The executor maps them to request failures, the HTTP layer to status codes.
 """
 
 from __future__ import annotations
@@ -24,11 +15,8 @@ class ProtocolError(TransferLayerError):
 
 
 class PeerIncompatible(TransferLayerError):
-    """A peer whose settings can never work with ours; the reason names each field and both values.
-
-    Raised once at registration; the caller caches it so that later requests to that peer fail
-    fast with the same message.
-    """
+    """A peer that can never exchange KV with us; `reason` names each field and both values.
+    Raised once at registration and cached, so that later requests fail fast the same way."""
 
     def __init__(self, peer: str, reason: str) -> None:
         super().__init__(f"peer {peer} is incompatible: {reason}")
@@ -41,7 +29,7 @@ class UnsupportedPairing(TransferLayerError):
 
 
 class MappingError(TransferLayerError):
-    """Block lists or token counts that do not fit the mapped pools."""
+    """Block lists or token counts that do not fit the mapped pools (a caller bug)."""
 
 
 class AgentError(TransferLayerError):

@@ -14,7 +14,7 @@ from typing import Final
 
 from trtdisagg.api.errors import bad_request
 from trtdisagg.api.protocol import DisaggregatedParams, FirstTokenLogprobs
-from trtdisagg.transfer.protocol.endpoints import is_tcp_endpoint
+from trtdisagg.transfer.protocol.rank_info import is_tcp_endpoint
 from trtdisagg.worker.engine.live import GenerationSource
 from trtdisagg.worker.handoff import ctx_instance_of
 from trtdisagg.worker.sampling import TokenLogprobs

@@ -1,21 +1,14 @@
 """The bounce (staging) path: one contiguous write instead of many small ones. Pure.
 
 Some pairings cut the KV so finely that a direct transfer is thousands of tiny fragments (HND
-against NHD: one head of one token each; NHD head mismatches: one head range per token). With
-`kv_cache_bounce_size_mb` > 0 on both sides, such a transfer goes through staging buffers:
-
-1. gen reserves room in its staging buffer for its share of the request in the *canonical*
-   layout `[its layers, K/V, its kv heads, tokens, head_dim]` (dense, in its local order) and
-   names that room in REQUEST_DATA;
-2. each ctx rank gathers the part it owns (`staged_runs`: one run of heads x tokens per layer
-   and K/V) into its own staging buffer, in order, and writes it with one descriptor per run
-   (runs that continue each other on both sides merge, usually into one);
-3. once every ctx rank has reported, gen scatters the canonical region into its blocks.
-
-The address arithmetic stays on the ctx side: gen only reserves `canonical_bytes` and later
-reads its own dense region back. Whether a pairing bounces is decided identically on both sides
-from the mapper both build at registration (`bounces`): the smallest piece it would write per
-block, against the agreed `threshold_bytes`.
+against NHD; NHD head mismatches). With `kv_cache_bounce_size_mb` > 0 on both sides such a
+transfer goes through staging buffers: gen reserves room for its share in the *canonical* layout
+`[its layers, K/V, its kv heads, tokens, head_dim]` and names it in REQUEST_DATA; each ctx rank
+packs the runs it owns (`staged_runs`) into its own staging buffer and writes them with one
+descriptor per run (merged where they continue each other); once every ctx rank has reported,
+gen scatters the region into its blocks. Both sides decide whether a pairing bounces the same
+way (`bounces`): from the smallest piece the mapper both build would write, against the agreed
+`threshold_bytes`.
 """
 
 from __future__ import annotations

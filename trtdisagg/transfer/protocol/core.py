@@ -2,23 +2,18 @@
 
     effects = protocol.handle(event, now)
 
-The driver (runtime/driver.py) feeds every event in (events.py) and carries out the effects it
-gets back, in order; nothing here does I/O or reads a clock. The protocol routes each event to
-the ctx side (ctx.py: sessions of KV we send), the gen side (gen.py: sessions of KV we receive)
-and the peers' liveness (liveness.py), and answers for the instance as a whole (rank 0 answers
-REQUEST_INSTANCE_INFO with every rank's RankInfo).
+The driver (runtime/driver.py) feeds every event in (events.py) and carries out the effects, in
+order; nothing here does I/O or reads a clock. Events go to the ctx side (ctx.py: KV we send),
+the gen side (gen.py: KV we receive) and the peers' liveness (liveness.py); rank 0 answers
+REQUEST_INSTANCE_INFO with every rank's RankInfo.
 
-Peers that are gone: any message from a peer instance is a sign of life; one that goes silent
-is probed (REQUEST_INSTANCE_INFO to its rank 0), and one that is gone (probes unanswered, another
-instance at its endpoint, or a control connection that dropped and stayed down) is forgotten by
-both sides (ForgetPeer: its dealers closed, its agents unloaded). One whose process ended also
-fails at once what waits on it.
-
-Senders: on a secured control plane each message that comes on the ROUTER names the rank whose
-key its connection proved (`MessageIn.peer`); one whose own fields name another rank is dropped
-and counted (refusals.py), so the rank a message names is the rank that sent it. On a DEALER the
-peer is whoever answers at the endpoint we dialled. Unsecured (loopback only), the message's
-word is taken, as it must be.
+Any message from a peer instance is a sign of life; a silent one is probed, and one that is gone
+(probes unanswered, another instance at its endpoint, or a control connection that dropped and
+stayed down) is forgotten by both sides (ForgetPeer); one whose process ended also fails at once
+what waits on it. On a secured control plane a ROUTER message names the rank its connection
+proved (`MessageIn.peer`); one whose own fields name another rank is dropped and counted
+(refusals.py). On a DEALER the peer is whoever answers at the endpoint we dialled; unsecured
+(loopback only), the message's word is taken.
 """
 
 from __future__ import annotations

@@ -2,26 +2,26 @@
 
 Per transfer key, in the order things usually happen:
 
-1. gen ranks register (REGISTER_PEER): the registrar's compatibility gate, then the driver loads
-   the rank's agent (LoadAgent), then REGISTER_ACK. An unregistered rank's REQUEST_DATA is
-   refused at once (NOT_REGISTERED), and gen meets this instance again.
+1. gen ranks register (REGISTER_PEER): the registrar's compatibility gate, the driver loads the
+   rank's agent (LoadAgent), REGISTER_ACK. An unregistered rank's REQUEST_DATA is refused at
+   once (NOT_REGISTERED), and gen meets this instance again.
 2. REQUEST_DATA that comes before the KV is ready (generation-first) waits in EarlyMessages;
-   when the executor says where the KV will be (`prepare_send`: KvExpected), each waiting
-   request's write is mapped and prepared (PrepareWrite) while the prefill runs.
+   when the executor says where the KV will be (KvExpected), each waiting request's write is
+   mapped and prepared (PrepareWrite) while the prefill runs.
 3. The KV is ready (KvReady): the SenderSession takes the waiting requests, and each requesting
    gen rank gets one write (PostWrite), the one prepared for that very request and source, or
-   one mapped now. Its notification says what it moves and carries ctx's first tokens, so gen
-   may finish on it alone.
+   one mapped now. Its notice says what it moves and carries ctx's first tokens, so gen may
+   finish on it alone.
 4. The write ends (WriteEnded): TRANSFER_RESULT to that rank, also when it moved 0 bytes (a
    non-elected duplicate never writes) or failed.
 5. The session is over once terminal and quiescent (no write in flight): Sent(outcome), and the
    executor frees its blocks. Past its deadline a session fails, but keeps its blocks while a
    write may still read them.
 
-Every CANCEL is answered: at once when no write to its sender is in flight, else by that
-write's result. A CANCEL or REQUEST_DATA that comes before its session is held: the session
-starts cancelled (when the canceller is the gen instance it is bound to, or it is bound to none),
-and a request that its own CANCEL overtook is dropped when it comes.
+Every CANCEL is answered: at once when no write to its sender is in flight, else by that write's
+result. A CANCEL or REQUEST_DATA that comes before its session is held: the session starts
+cancelled (when the canceller is the gen instance it is bound to, or it is bound to none), and a
+request that its own CANCEL overtook is dropped when it comes.
 
 Ownership: a session belongs to the gen instance whose REQUEST_DATA bound it; another instance's
 REQUEST_DATA or CANCEL for it is dropped and counted (refusals.py). A gen instance holds at most
@@ -31,7 +31,6 @@ REQUEST_DATA or CANCEL for it is dropped and counted (refusals.py). A gen instan
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import attrs
 
@@ -56,8 +55,7 @@ from trtdisagg.transfer.protocol.wire import (
     RequestData,
     ResultStatus,
     TransferResult,
-    WriteNotice,
-    encode,
+    encode_notice,
     unpack_block_ids,
 )
 
@@ -75,12 +73,6 @@ class _Prepared:
     source: SourceBlocks
 
 
-@attrs.frozen(kw_only=True)
-class _Write:
-    session: SenderSession
-    order: ev.WriteOrder
-
-
 @attrs.define(eq=False, kw_only=True)
 class CtxProtocol:
     local: RankInfo
@@ -92,18 +84,20 @@ class CtxProtocol:
     early: EarlyMessages = attrs.field(init=False)
     bounced: int = 0  # writes that went through staging (since start)
     _expected: dict[int, tuple[SourceBlocks, float]] = attrs.Factory(dict)  # key -> (where, until)
-    _prepared: dict[tuple[int, int], _Prepared] = attrs.Factory(dict)  # (key, gen rank) ->
-    _writes: dict[int, _Write] = attrs.Factory(dict)  # in flight, by write id
+    _prepared: dict[int, dict[int, _Prepared]] = attrs.Factory(dict)  # key -> gen rank ->
+    _writes: dict[int, tuple[SenderSession, ev.WriteOrder]] = attrs.Factory(dict)  # in flight
     _next_write: int = 1
     _started: dict[int, float] = attrs.Factory(dict)
+    _name: bytes = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         # A REQUEST_DATA whose session never appears is refused after the transfer timeout.
         self.early = EarlyMessages(ttl=self.timeout_s)
+        self._name = self.local.instance_name.encode()  # as every notice carries it
 
     @property
     def prepared(self) -> int:
-        return len(self._prepared)
+        return sum(map(len, self._prepared.values()))
 
     # ---- the executor's calls ----
 
@@ -121,10 +115,11 @@ class CtxProtocol:
     ) -> None:
         if key in self.senders:
             raise ValueError(f"a session for key {key} already exists")
+        if (expected := self._expected.pop(key, None)) is not None and expected[0] == source:
+            source = expected[0]  # the one the prepared writes were mapped from: runs found
         session = SenderSession(key=key, deadline=now + self.timeout_s, first_tokens=first_tokens)
         session.set_source(source)
         self.senders[key], self._started[key] = session, now
-        self._expected.pop(key, None)
         requests, canceller = self.early.take(key)
         for request in requests:
             self._accept(session, request)
@@ -142,7 +137,8 @@ class CtxProtocol:
         self._forget_key(key, out)
         for request in self.early.take(key)[0]:
             error = f"the ctx request ended before its KV was ready: {reason}"
-            self._result(request, request.key, ResultStatus.ERROR, out, error=error)
+            self._result(request.instance_name, request.instance_rank, request.key,
+                         ResultStatus.ERROR, out, error=error)  # fmt: skip
 
     def cancel(self, key: int, now: float, out: Out) -> bool | None:
         """Stop `key`'s send; whether no write may still read its blocks (None: no session)."""
@@ -186,13 +182,12 @@ class CtxProtocol:
             self.refusals.warn(name, now, "REQUEST_DATA %d from unregistered gen rank %s#%d",
                                key, name, rank)  # fmt: skip
             if reply_to is not None:
-                error = (
-                    f"{NOT_REGISTERED}: gen rank {name}#{rank} registers again at its next request"
-                )
-                result = self._message(request.key, ResultStatus.ERROR, error=error)
-                out.append(ev.Reply(reply_to=reply_to, message=result))
+                error = f"{NOT_REGISTERED}: gen rank {name}#{rank} registers again at its next" \
+                    " request"
+                out.append(ev.Reply(reply_to=reply_to, message=self._message(
+                    key, ResultStatus.ERROR, error=error)))  # fmt: skip
         elif self.early.take_overtaken(request):
-            log.info("REQUEST_DATA %d came after its CANCEL: dropped", request.key)
+            log.info("REQUEST_DATA %d came after its CANCEL: dropped", key)
         elif (session := self.senders.lookup(name, key)) is not None:
             if session.peer_instance is None and self._over_limit(request, now, out):
                 return
@@ -208,6 +203,8 @@ class CtxProtocol:
     def _over_limit(self, request: RequestData, now: float, out: Out) -> bool:
         """Whether `request`'s gen instance holds `max_per_peer` sessions and messages here
         already; it is then refused at once."""
+        if len(self.senders) + self.early.size < self.max_per_peer:
+            return False  # (nobody can be over it: no count per instance needed)
         name = request.instance_name
         held = sum(s.peer_instance == name for s in self.senders.values())
         held += self.early.held_by(name)
@@ -217,7 +214,8 @@ class CtxProtocol:
         error = f"gen instance {name} holds {held} transfers with this ctx rank (limit: {limit})"
         self.refusals.refuse("over_limit", name, now, "REQUEST_DATA %d refused: %s",
                              request.key, error)  # fmt: skip
-        self._result(request, request.key, ResultStatus.ERROR, out, error=error)
+        self._result(name, request.instance_rank, request.key, ResultStatus.ERROR, out,
+                     error=error)  # fmt: skip
         return True
 
     def on_cancel(self, cancel: Cancel, now: float, out: Out) -> bool:
@@ -253,11 +251,12 @@ class CtxProtocol:
     def on_write_ended(self, write_id: int, error: str | None, now: float, out: Out) -> None:
         if (write := self._writes.pop(write_id, None)) is None:
             return
+        session, order = write
         if error is not None:
-            log.warning("KV write %d to %s failed: %s", write.session.key, write.order.peer, error)
-        self.bounced += write.order.staged is not None and error is None
-        self._write_done(write.session, write.order.peer[1], error, out, write.order)
-        self._settle(write.session, now, out)
+            log.warning("KV write %d to %s failed: %s", session.key, order.peer, error)
+        self.bounced += order.staged is not None and error is None
+        self._write_done(session, order.peer[1], error, out, order)
+        self._settle(session, now, out)
 
     # ---- time, and peers that are gone ----
 
@@ -272,7 +271,8 @@ class CtxProtocol:
             self._forget_key(stale.key, out)
             error = (f"ctx has no request with transfer key {stale.key} (never prefilled here, or"
                      " already released)")  # fmt: skip
-            self._result(stale, stale.key, ResultStatus.ERROR, out, error=error)
+            self._result(stale.instance_name, stale.instance_rank, stale.key, ResultStatus.ERROR,
+                         out, error=error)  # fmt: skip
 
     def forget(self, instance: str, dead: str | None, now: float, out: Out) -> list[RankInfo]:
         """Forget the gen instance `instance` (gone; `dead`: why, when its process ended: what
@@ -281,8 +281,9 @@ class CtxProtocol:
             if dead is not None and session.peer_instance == instance:
                 session.fail(f"peer instance {instance} is gone: {dead}")
                 self._settle(session, now, out)
-        for at in [at for at, p in self._prepared.items() if p.request.instance_name == instance]:
-            out.append(ev.ReleasePrepared(write_id=self._prepared.pop(at).order.write_id))
+        for by_rank in self._prepared.values():
+            for rank in [r for r, p in by_rank.items() if p.request.instance_name == instance]:
+                out.append(ev.ReleasePrepared(write_id=by_rank.pop(rank).order.write_id))
         ranks = self.registrar.ranks_of(instance)
         self.registrar.forget(instance)
         return ranks
@@ -298,47 +299,45 @@ class CtxProtocol:
         session.add_request(request)
 
     def _start_writes(self, session: SenderSession, out: Out) -> None:
-        assert session.source is not None
+        source, prepared = session.source, self._prepared.get(session.key, {})
+        assert source is not None
         for request in session.take_writes():
             rank = request.instance_rank
             order: ev.WriteOrder | None
-            prepared = self._prepared.pop((session.key, rank), None)
-            if prepared is not None and (prepared.request, prepared.source) == (
-                request,
-                session.source,
-            ):
-                order = prepared.order  # posted from its preparation, under the same id
+            made = prepared.pop(rank, None)
+            if made is not None and made.source is source and made.request == request:
+                order = made.order  # posted from its preparation, under the same id
             else:
-                if prepared is not None:
-                    out.append(ev.ReleasePrepared(write_id=prepared.order.write_id))
+                if made is not None:
+                    out.append(ev.ReleasePrepared(write_id=made.order.write_id))
                 try:
-                    order = self._order(session.key, request, session.source, session.deadline)
+                    order = self._order(session.key, request, source, session.deadline)
                 except (TransferLayerError, ValueError) as exc:
                     self._write_done(session, rank, f"{type(exc).__name__}: {exc}", out)
                     continue
             if order is None:  # nothing of this rank's share to write
                 self._write_done(session, rank, None, out)
                 continue
-            # The notice carries ctx's first tokens, known only now that the KV is ready.
-            order = attrs.evolve(order, notice=self._notice(order, session.first_tokens))
-            self._writes[order.write_id] = _Write(session=session, order=order)
-            out.append(ev.PostWrite(order=order))
+            self._writes[order.write_id] = (session, order)
+            out.append(ev.PostWrite(order=order, notice=self._notice(order, session.first_tokens)))
 
     def _prepare(self, key: int, request: RequestData, out: Out) -> None:
         """Map and prepare the direct write of `key`'s expected KV into `request`'s blocks."""
-        at, expected = (key, request.instance_rank), self._expected.get(key)
-        held = self._prepared.get(at)
+        rank, expected = request.instance_rank, self._expected.get(key)
+        held = self._prepared.get(key, {}).get(rank)
         if expected is None or request.staging_bytes or (held and held.request == request):
             return
         if held is not None:
-            out.append(ev.ReleasePrepared(write_id=self._prepared.pop(at).order.write_id))
+            out.append(ev.ReleasePrepared(write_id=self._prepared[key].pop(rank).order.write_id))
         try:
             order = self._order(key, request, *expected)
         except (TransferLayerError, ValueError) as exc:
-            log.debug("KV write %d to %s not prepared: %s", key, at, exc)
+            log.debug("KV write %d to %s#%d not prepared: %s", key, request.instance_name, rank,
+                      exc)  # fmt: skip
             return  # the write maps it again when the KV is ready, and reports what is wrong
         if order is not None:
-            self._prepared[at] = _Prepared(order=order, request=request, source=expected[0])
+            made = _Prepared(order=order, request=request, source=expected[0])
+            self._prepared.setdefault(key, {})[rank] = made
             out.append(ev.PrepareWrite(order=order))
 
     def _order(
@@ -363,12 +362,10 @@ class CtxProtocol:
             return None
         pool = plan.peer.page_table.layer_groups[0].pool
         write_id, self._next_write = self._next_write, self._next_write + 1
-        order = ev.WriteOrder(
-            write_id=write_id, key=key, peer=peer, fragments=fragments, notice=b"",
+        return ev.WriteOrder(
+            write_id=write_id, key=key, peer=peer, fragments=fragments, staged=staged,
             dst_memory_type=pool.memory_type, dst_device_id=pool.device_id, deadline=deadline,
-            staged=staged,
         )  # fmt: skip
-        return attrs.evolve(order, notice=self._notice(order))
 
     def _staged(
         self, request: RequestData, plan: SendPlan, source: SourceBlocks
@@ -390,12 +387,10 @@ class CtxProtocol:
         return ev.StagedSend(runs=runs, block_ids=source.block_ids[0], first_token=first,
                              num_tokens=num_tokens, num_bytes=num_bytes)  # fmt: skip
 
-    def _notice(self, order: ev.WriteOrder, first_tokens: tuple[int, ...] = ()) -> bytes:
-        fragments = order.fragments
-        return encode(WriteNotice(key=order.key, instance_name=self.local.instance_name,
-                                  instance_rank=self.local.instance_rank,
-                                  num_bytes=fragments.num_bytes, num_descriptors=len(fragments),
-                                  first_tokens=first_tokens))  # fmt: skip
+    def _notice(self, order: ev.WriteOrder, first_tokens: tuple[int, ...]) -> bytes:
+        fragments, rank = order.fragments, self.local.instance_rank
+        return encode_notice(order.key, self._name, rank, fragments.num_bytes, len(fragments),
+                             first_tokens)  # fmt: skip
 
     def _write_done(
         self,
@@ -411,7 +406,7 @@ class CtxProtocol:
             status = ResultStatus.CANCELLED
         session.write_finished(rank, status, error or "")
         tokens = session.first_tokens if status is ResultStatus.OK else ()
-        self._result((session.peer_instance or "", rank), session.key, status, out,
+        self._result(session.peer_instance or "", rank, session.key, status, out,
                      error=error or "", num_bytes=moved[0], num_descriptors=moved[1],
                      first_tokens=tokens)  # fmt: skip
         out.append(ev.WAKE)
@@ -435,31 +430,30 @@ class CtxProtocol:
         self._drop_prepared(key, out)
 
     def _drop_prepared(self, key: int, out: Out) -> None:
-        for at in [at for at in self._prepared if at[0] == key]:
-            out.append(ev.ReleasePrepared(write_id=self._prepared.pop(at).order.write_id))
+        for made in self._prepared.pop(key, {}).values():
+            out.append(ev.ReleasePrepared(write_id=made.order.write_id))
 
     # ---- messages ----
 
-    def _message(self, key: int, status: ResultStatus, **fields: Any) -> TransferResult:
-        result = TransferResult(key=key, instance_name=self.local.instance_name,
-                                instance_rank=self.local.instance_rank, status=status)  # fmt: skip
-        return attrs.evolve(result, **fields)
+    def _message(
+        self, key: int, status: ResultStatus, *, error: str = "", num_bytes: int = 0,
+        num_descriptors: int = 0, first_tokens: tuple[int, ...] = (),
+    ) -> TransferResult:  # fmt: skip
+        return TransferResult(
+            key=key, instance_name=self.local.instance_name, status=status, error=error,
+            instance_rank=self.local.instance_rank, num_bytes=num_bytes,
+            num_descriptors=num_descriptors, first_tokens=first_tokens,
+        )  # fmt: skip
 
     def _result(
-        self,
-        to: RequestData | tuple[str, int],
-        key: int,
-        status: ResultStatus,
-        out: Out,
-        **fields: Any,
+        self, name: str, rank: int, key: int, status: ResultStatus, out: Out, **fields: object
     ) -> None:
-        """TRANSFER_RESULT to the gen rank `to` (or the one that sent it), if still known."""
-        peer_key = (to.instance_name, to.instance_rank) if isinstance(to, RequestData) else to
-        if (peer := self.registrar.get(peer_key)) is not None:
-            message = self._message(key, status, **fields)
+        """TRANSFER_RESULT to the gen rank `name#rank`, if still known."""
+        if (peer := self.registrar.get((name, rank))) is not None:
+            message = self._message(key, status, **fields)  # type: ignore[arg-type]
             out.append(ev.Send(endpoint=peer.control_endpoint, message=message))
 
     def _ack_cancel(self, cancel: Cancel, out: Out) -> None:
-        peer = (cancel.instance_name, cancel.instance_rank)
         error = "cancelled; no write in flight"
-        self._result(peer, cancel.key, ResultStatus.CANCELLED, out, error=error)
+        self._result(cancel.instance_name, cancel.instance_rank, cancel.key,
+                     ResultStatus.CANCELLED, out, error=error)  # fmt: skip

@@ -1,9 +1,8 @@
-"""What the transfer protocol core takes in (events) and gives out (effects). Pure.
+"""What the protocol core takes in (events) and gives out (effects): small frozen values. Pure.
 
 The driver (runtime/driver.py) turns whatever happens to one rank into an event: an executor
-call, a control message, a write's notification, a write that ended, a link that dropped, the
-clock's tick. `TransferProtocol.handle(event, now)` (core.py) answers with the effects to carry
-out, in order. Every type here is a small frozen value.
+call, a control message, a write's notification or end, a link that dropped, the clock's tick.
+`TransferProtocol.handle(event, now)` (core.py) answers with the effects to carry out, in order.
 """
 
 from __future__ import annotations
@@ -67,9 +66,9 @@ class MessageIn:
 
 
 @attrs.frozen(kw_only=True)
-class NoticeIn:  # a write's notification: its bytes have landed here
+class NoticeIn:  # a write's notification (its bytes have landed), from the agent `remote`
     notice: WriteNotice
-    remote: str = ""  # the name of the agent that notified us
+    remote: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -130,10 +129,7 @@ class Reply:  # a control message back to whoever sent one on our ROUTER
 
 
 @attrs.frozen(kw_only=True)
-class StagedSend:
-    """ctx, bounce path: pack `runs` of `block_ids` into staging room first; the write's
-    fragments read from that room (their sources are offsets into it)."""
-
+class StagedSend:  # ctx, bounce: pack `runs` into staging room first; fragments read from it
     runs: tuple[StagedRun, ...]
     block_ids: tuple[int, ...]
     first_token: int
@@ -142,18 +138,15 @@ class StagedSend:
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class WriteOrder:
-    """One write of ctx's KV to the gen rank `peer`, whose notification is `notice`."""
-
+class WriteOrder:  # one write of ctx's KV to the gen rank `peer`
     write_id: int
     key: int
     peer: tuple[str, int]
     fragments: Fragments
-    notice: bytes
     dst_memory_type: str
     dst_device_id: int
     deadline: float
-    staged: StagedSend | None = None
+    staged: StagedSend | None = None  # sources are then offsets into the staging room
 
 
 @attrs.frozen(kw_only=True)
@@ -164,6 +157,7 @@ class PrepareWrite:  # ctx: have the agent prepare `order`; it is posted (or rel
 @attrs.frozen(kw_only=True)
 class PostWrite:  # ctx: start `order` (from its preparation, if one was made under its id)
     order: WriteOrder
+    notice: bytes  # its notification: made now, since it carries ctx's first tokens
 
 
 @attrs.frozen(kw_only=True)
@@ -178,10 +172,7 @@ class LoadAgent:  # ctx: load a registering gen rank's agent, then say so (Agent
 
 
 @attrs.frozen(kw_only=True)
-class ForgetPeer:
-    """Close the dealers to `endpoints`; `instance` (None: none was met there) is gone, so
-    unload its agents once no write to them is in flight."""
-
+class ForgetPeer:  # close the dealers to `endpoints`; unload `instance`'s agents (None: none)
     instance: str | None
     endpoints: tuple[str, ...]
 

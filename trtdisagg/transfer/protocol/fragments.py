@@ -1,8 +1,13 @@
-"""Fragments: the contiguous writes of one transfer, as one `[n, 3]` int64 array. Pure.
+"""Fragments: the contiguous writes of one transfer, as one `[n, 3]` int64 array; block runs. Pure.
 
 Mappers produce `Fragments`; agents consume them. A head-mismatched transfer of a long prompt is
 10^5 to 10^7 fragments, so they stay one numpy array (`rows`: src_addr, dst_addr, size) end to
 end; iterating yields `Fragment` values for code that wants objects.
+
+A pool that is not fragmented hands a prompt consecutive blocks on both sides, and its
+homogeneous transfer is then one fragment (mappers.py). Checking that id by id is linear in the
+prompt and sits between gen's REQUEST_DATA and the post, so gen's packed list is checked in C
+(`packed_run`), and ctx's own list once, when its KV is ready (`sessions.SourceBlocks.runs`).
 """
 
 from __future__ import annotations
@@ -103,3 +108,34 @@ def merge_runs(runs: Runs) -> Runs:
     continues = (src[:-1] + size[:-1] == src[1:]) & (dst[:-1] + size[:-1] == dst[1:])
     starts = np.flatnonzero(np.concatenate(([True], ~continues)))
     return np.stack([src[starts], dst[starts], np.add.reduceat(size, starts)], axis=1)
+
+
+@attrs.frozen
+class BlockRun:
+    """Block ids `first, first + 1, ..., first + count - 1`."""
+
+    first: int
+    count: int
+
+
+def run_of(ids: Sequence[int]) -> BlockRun | None:
+    """The run `ids` form, or None (empty, or not ascending by one)."""
+    if not ids:
+        return None
+    first, count = ids[0], len(ids)
+    if ids[-1] != first + count - 1:
+        return None  # most lists that are not a run end elsewhere: no need to look further
+    return BlockRun(first, count) if list(ids) == list(range(first, first + count)) else None
+
+
+def packed_run(data: bytes) -> BlockRun | None:
+    """`run_of` for ids packed as little-endian int64 (`wire.pack_block_ids`), compared in C."""
+    count, odd = divmod(len(data), 8)
+    if not count or odd:
+        return None
+    first = int.from_bytes(data[:8], "little", signed=True)
+    if int.from_bytes(data[-8:], "little", signed=True) != first + count - 1:
+        return None
+    if data != np.arange(first, first + count, dtype="<i8").tobytes():
+        return None
+    return BlockRun(first, count)

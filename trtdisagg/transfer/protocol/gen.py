@@ -1,27 +1,25 @@
 """The gen (receiver) side of the transfer protocol: ask ctx for KV, see it land. Pure.
 
 1. First contact with a ctx info endpoint meets the instance there (the rendezvous):
-   REQUEST_INSTANCE_INFO to it, the compatibility gate on every rank it names, REGISTER_PEER to
-   each of them, their REGISTER_ACKs. The result, or the refusal, is kept per endpoint; a
-   rendezvous that gets no answer is forgotten, and the next request tries again. ctx's answer
-   names its instance, and a request that names another one there (a ctx restarted on a reused
-   port) meets the endpoint again.
+   REQUEST_INSTANCE_INFO, the compatibility gate on every rank it names, REGISTER_PEER to each,
+   their REGISTER_ACKs. The result (or refusal) is kept per endpoint; one that gets no answer is
+   forgotten and the next request tries again. A request that names another instance than the
+   one met there (a ctx restarted on a reused port) meets the endpoint again.
 2. A ReceiverSession expects one part from each overlapping ctx rank, and REQUEST_DATA goes to
-   each of them. A receive that bounces (bounce.py) reserves room in the staging buffer first.
+   each. A receive that bounces (bounce.py) reserves room in the staging buffer first.
 3. The session completes when every expected rank's part landed: the write's notification (NIXL
-   delivers it only after the write's bytes), which says what it moved and carries ctx's first
-   token; or, for a rank with nothing to write, its OK result. Received(outcome), and the
-   executor decodes. A session that ended before some rank's TRANSFER_RESULT came remembers
-   that it is due, and drops it when it comes, so that a later use of the key never takes it.
+   delivers it only after the bytes), which says what it moved and carries ctx's first token;
+   or, for a rank with nothing to write, its OK result. Received(outcome), and the executor
+   decodes. A result still due when the session ends is remembered and dropped when it comes,
+   so that a later use of the key never takes it.
 4. Quarantine: a session that fails while a ctx write may still land sends CANCEL once, reports
-   its failure at once with `blocks_held` (unless `early_failures` is off: a multi-rank
-   instance then hears of it once the blocks are free), and keeps its blocks until every
-   expected rank has answered, or a second timeout past the deadline (counted in
-   `quarantine_expired`: ctx is taken for dead).
+   its failure at once with `blocks_held` (unless `early_failures` is off: a multi-rank instance
+   then hears of it once the blocks are free), and keeps its blocks until every expected rank
+   answered, or a second timeout past the deadline (`quarantine_expired`: ctx taken for dead).
 
-Ownership: a session's results, cancels and notices are taken only from the ctx instance it
-asked; another instance's are dropped and counted (refusals.py), and so is a notice whose agent
-is not the one the rank it names registered.
+Ownership: results, cancels and notices are taken only from the ctx instance a session asked;
+another's are dropped and counted (refusals.py), as is a notice whose agent is not the one the
+rank it names registered.
 """
 
 from __future__ import annotations
@@ -66,17 +64,13 @@ RENDEZVOUS_TIMEOUT_S = 5.0
 
 
 @attrs.frozen(kw_only=True)
-class StagingInfo:
-    """This rank's staging buffer, as gen names its room in REQUEST_DATA."""
-
+class StagingInfo:  # this rank's staging buffer, as REQUEST_DATA names its room
     address: int
     capacity: int
 
 
 @attrs.define(eq=False, kw_only=True)
-class _CtxInstance:
-    """What gen knows of the ctx instance at one info endpoint."""
-
+class _CtxInstance:  # what gen knows of the ctx instance at one info endpoint
     endpoint: str
     deadline: float  # of the rendezvous under way
     instance_name: str | None = None  # the instance that answered, refused or not
@@ -88,9 +82,7 @@ class _CtxInstance:
 
 
 @attrs.define(eq=False, kw_only=True)
-class _Starting:
-    """A receive with no session yet: its rendezvous or its staging room is under way."""
-
+class _Starting:  # a receive with no session yet: its rendezvous or staging room is under way
     ask: ev.ReceiveAsked
     deadline: float
     cancelled: bool = False
@@ -121,9 +113,9 @@ class GenProtocol:
     _started: dict[int, float] = attrs.Factory(dict)
 
     def awaits_notice(self) -> bool:
-        """Whether a ctx write may land here now, and its notification come: for any session
-        held, a quarantined one too. (Without NIXL's progress thread, draining is also what
-        progresses a write on the receiving side.)"""
+        """Whether a ctx write may land here now, and its notification come (for any session
+        held, a quarantined one too; without NIXL's progress thread, draining is also what
+        progresses a write on the receiving side)."""
         return bool(self.receivers)
 
     def meeting(self) -> set[str]:
@@ -174,7 +166,7 @@ class GenProtocol:
             if instance is not None and key in instance.waiting:
                 instance.waiting.remove(key)
                 del self._starting[key]
-                self._cancelled_early(key, now, out)
+                self._fail(key, None, now, out)
         return key not in self._scattering  # a copy into the blocks may still run
 
     # ---- ctx's messages and notifications ----
@@ -191,10 +183,8 @@ class GenProtocol:
             self._refused(instance, str(exc), now, out)
             return
         instance.ranks, instance.unacked = info.ranks, {r.instance_rank for r in info.ranks}
-        for rank in info.ranks:
-            out.append(
-                ev.Send(endpoint=rank.control_endpoint, message=RegisterPeer(info=self.local))
-            )
+        register = RegisterPeer(info=self.local)
+        out += [ev.Send(endpoint=rank.control_endpoint, message=register) for rank in info.ranks]
 
     def on_ack(self, ack: RegisterAck, source: str, now: float, out: Out) -> _CtxInstance | None:
         """A REGISTER_ACK on the dealer to `source`; the instance now met, if this did it."""
@@ -245,14 +235,14 @@ class GenProtocol:
             why = f"WRITE_NOTICE {notice.key} from agent {remote} dropped: it names {name}#{rank}"
             self.refusals.refuse("impersonation", remote, now, why)
             return
-        if (session := self.receivers.lookup(notice.instance_name, notice.key)) is not None:
+        if (session := self.receivers.lookup(name, notice.key)) is not None:
             self._expire(session, now, out)
             said = None
             if notice.num_descriptors:
                 said = RankResult(status=ResultStatus.OK, num_bytes=notice.num_bytes,
                                   num_descriptors=notice.num_descriptors,
                                   first_tokens=notice.first_tokens)  # fmt: skip
-            session.on_notice(notice.instance_rank, said)
+            session.on_notice(rank, said)
             self._settle(session, now, out)
 
     def on_cancel(self, cancel: Cancel, now: float, out: Out) -> bool:
@@ -296,9 +286,8 @@ class GenProtocol:
     # ---- time, and peers that are gone ----
 
     def tick(self, now: float, out: Out) -> None:
-        self._results_due = {
-            d: at for d, at in self._results_due.items() if now - at <= 2 * self.timeout_s
-        }
+        due, limit = self._results_due, 2 * self.timeout_s
+        self._results_due = {d: at for d, at in due.items() if now - at <= limit}
         for session in list(self.receivers.values()):
             self._expire(session, now, out)
             self._settle(session, now, out)  # a quarantine may end by time
@@ -337,8 +326,7 @@ class GenProtocol:
     # ---- sessions ----
 
     def _proceed(self, key: int, instance: _CtxInstance, now: float, out: Out) -> None:
-        """`key`'s ctx instance is met: reserve staging room if the transfer bounces, then
-        ask for the KV."""
+        """`key`'s ctx instance is met: reserve staging room if it bounces, then ask."""
         starting, first = self._starting[key], instance.ranks[0]
         starting.ranks = instance.ranks
         starting.expected = self.registrar.overlap(first, peer_dp_rank=first.dp_rank).ranks
@@ -351,8 +339,8 @@ class GenProtocol:
                 starting.staged = ev.StagedReceive(offset=-1, num_bytes=num_bytes,
                                                    block_ids=blocks[0], first_token=skipped,
                                                    num_tokens=num_tokens)  # fmt: skip
-                deadline = starting.deadline
-                out.append(ev.ReserveStaging(key=key, num_bytes=num_bytes, deadline=deadline))
+                out.append(ev.ReserveStaging(key=key, num_bytes=num_bytes,
+                                             deadline=starting.deadline))  # fmt: skip
                 return
             log.info("KV of %d tokens exceeds the staging buffer: direct writes", num_tokens)
         self._open(key, now, out)
@@ -373,7 +361,7 @@ class GenProtocol:
         if starting.cancelled:
             if staged is not None:
                 out.append(ev.ReleaseStaging(offset=staged.offset))
-            self._cancelled_early(key, now, out)
+            self._fail(key, None, now, out)
             return
         address = staged.offset + self.staging.address if staged and self.staging else 0
         request = RequestData(
@@ -385,8 +373,7 @@ class GenProtocol:
         )  # fmt: skip
         session = ReceiverSession(key=key, peer_instance=starting.ranks[0].instance_name,
                                   expected=frozenset(starting.expected),
-                                  deadline=starting.deadline)  # fmt: skip
-        session.mark_requested()
+                                  deadline=starting.deadline, requested=True)  # fmt: skip
         self.receivers[key] = session
         if staged is not None:
             self._staged[key] = staged
@@ -400,12 +387,9 @@ class GenProtocol:
         key = session.key
         if not session.is_terminal or self.receivers.get(key) is not session:
             return
-        if not self.released(session, now):
-            if (
-                self.early_failures
-                and session.status is Status.ERROR
-                and not session.failure_reported
-            ):
+        status = session.status
+        if status is not Status.TRANSFERRED and not self.released(session, now):
+            if self.early_failures and status is Status.ERROR and not session.failure_reported:
                 session.failure_reported = True
                 failed = self._outcome(key, now, ok=False, error=session.error, blocks_held=True)
                 out += [ev.Received(outcome=failed), ev.WAKE]
@@ -415,17 +399,17 @@ class GenProtocol:
             self._results_due.update(
                 {(session.peer_instance, r, key): now for r in session.unreported}
             )
-        status = session.status
-        if not session.is_quiescent and status is not Status.TRANSFERRED:
+        if status is not Status.TRANSFERRED and not session.is_quiescent:
             self.quarantine_expired += 1
             log.warning("KV transfer %d: no answer from ctx %s %gs past the deadline; blocks freed",
                         key, session.peer_instance, self.timeout_s)  # fmt: skip
         outcome = None
         if not session.failure_reported:  # else it was told, and the executor frees
+            num_bytes, num_descriptors, tokens = session.moved()
             outcome = self._outcome(
                 key, now, ok=status is Status.TRANSFERRED, cancelled=status is Status.CANCELLED,
-                error=session.error, num_bytes=session.num_bytes,
-                num_descriptors=session.num_descriptors, first_tokens=session.first_tokens,
+                error=session.error, num_bytes=num_bytes, num_descriptors=num_descriptors,
+                first_tokens=tokens,
             )  # fmt: skip
         if (staged := self._staged.pop(key, None)) is not None:
             if outcome is not None and outcome.ok:
@@ -439,9 +423,9 @@ class GenProtocol:
 
     def released(self, session: ReceiverSession, now: float) -> bool:
         """Whether no ctx write can land in `session`'s blocks any more: its KV landed, or
-        every expected rank reported (a ctx rank answers a CANCEL at once when no write to us
-        is in flight, else with that write's result), or ctx stayed silent a second timeout
-        past the deadline (taken for dead)."""
+        every expected rank reported (ctx answers a CANCEL at once when no write to us is in
+        flight, else with that write's result), or ctx stayed silent a second timeout past the
+        deadline (taken for dead)."""
         settled = session.status is Status.TRANSFERRED or session.is_quiescent
         return settled or now >= session.deadline + self.timeout_s
 
@@ -455,9 +439,8 @@ class GenProtocol:
         if session.cancel_sent:
             return
         session.cancel_sent = True
-        local = self.local
-        cancel = Cancel(key=session.key, instance_name=local.instance_name,
-                        instance_rank=local.instance_rank)  # fmt: skip
+        cancel = Cancel(key=session.key, instance_name=self.local.instance_name,
+                        instance_rank=self.local.instance_rank)  # fmt: skip
         for rank in sorted(session.expected):
             if (peer := self.registrar.get((session.peer_instance, rank))) is not None:
                 out.append(ev.Send(endpoint=peer.control_endpoint, message=cancel))
@@ -472,15 +455,13 @@ class GenProtocol:
             del self._starting[key]
             self._fail(key, refusal, now, out)
 
-    def _fail(self, key: int, reason: str, now: float, out: Out) -> None:
-        out += [ev.Received(outcome=self._outcome(key, now, ok=False, error=reason)), ev.WAKE]
-
-    def _cancelled_early(self, key: int, now: float, out: Out) -> None:
-        out += [ev.Received(outcome=self._outcome(key, now, ok=False, cancelled=True)), ev.WAKE]
+    def _fail(self, key: int, reason: str | None, now: float, out: Out) -> None:
+        """`key`'s receive failed with `reason`, or was cancelled (None) before it started."""
+        fields = {"error": reason} if reason is not None else {"cancelled": True}
+        out += [ev.Received(outcome=self._outcome(key, now, ok=False, **fields)), ev.WAKE]
 
     def _outcome(self, key: int, now: float, **fields: Any) -> TransferOutcome:
-        outcome = TransferOutcome(key=key, ok=False, seconds=now - self._started.pop(key, now))
-        return attrs.evolve(outcome, **fields)
+        return TransferOutcome(key=key, seconds=now - self._started.pop(key, now), **fields)
 
 
 def _replaced(instance: _CtxInstance, named: str | None) -> bool:

@@ -1,22 +1,17 @@
 """Which peer instances are gone. Pure.
 
-A loaded agent of a peer on the same node maps the peer's whole KV pool (UCX cuda_ipc), and that
-memory is not freed while the mapping stays: a peer that exits, crashes or restarts under a new
-name stays pinned in GPU memory for as long as its agent is loaded. So each side watches the
-peer instances it knows:
-
-- anything heard from an instance (a message naming it, an answer to a probe) counts as alive;
-- an instance silent for `idle_s` is probed: REQUEST_INSTANCE_INFO to its rank 0, whose answer
-  (from any live rank 0) names the instance now at that endpoint; another name there means the
-  old instance was replaced: gone at once;
-- `misses` probes in a row without an answer within `answer_s` each: gone;
-- the control connection to one of its ranks dropped, or could not be made, and did not come
-  back within `relink_s`: gone. A live process keeps its sockets open, a stalled one too (the
-  kernel holds them), so this is a process that ended, seen in about a second.
+A loaded agent of a peer on the same node maps the peer's whole KV pool (UCX cuda_ipc), which
+stays allocated while the mapping does: a peer that exits or restarts under a new name stays
+pinned in GPU memory until its agent is unloaded. So each side watches the peers it knows:
+anything heard from one counts as alive; one silent for `idle_s` is probed (REQUEST_INSTANCE_INFO
+to its rank 0; another name answering there means it was replaced: gone at once); `misses`
+probes in a row unanswered within `answer_s`: gone; a control connection to one of its ranks
+that dropped (or could not be made) and did not come back within `relink_s`: gone (a live or
+stalled process keeps its sockets open, so this is a process that ended).
 
 A peer that is `dead` (replaced, or its connection gone) can write nothing any more, so what
-waits on it fails at once, and gen frees the blocks it was to fill. One that only went silent
-may be stalled and write later: what waits on it keeps its deadline and its quarantine.
+waits on it fails at once; one that only went silent may be stalled and write later, so what
+waits on it keeps its deadline and quarantine.
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """Mappers: (source blocks, destination blocks) -> merged byte fragments for one rank pair. Pure.
 
-A mapper is built once per (ctx rank view, gen rank view) pair at peer registration, from both
-page tables' registered sizes, the overlapping layers and the overlapping heads; building it is
-where an unsupported pairing is refused (`UnsupportedPairing`, naming both values). At request
-time `map_blocks` turns aligned block pairs (`aligned_blocks`) into `Fragments` (each
-`(src_addr, dst_addr, size)`), sorted and merged: two pieces that continue each other on BOTH
-sides become one fragment, so a homogeneous transfer between runs of consecutive blocks is one
-fragment per run. Per-block runs are computed once per token count and placed with numpy.
+A mapper is built once per (ctx rank view, gen rank view) pair at registration, from both page
+tables' registered sizes and the overlapping layers and heads; an unsupported pairing is refused
+there (`UnsupportedPairing`, naming both values). At request time `map_blocks` places each
+aligned block pair's runs (computed once per token count) with numpy and merges pieces that
+continue each other on BOTH sides, so a homogeneous transfer between runs of consecutive blocks
+is one fragment per run.
 
-    IntactMapper            same local heads and layout: whole K/V entries; per block, every run
-                            of layers contiguous on both sides merges (1 fragment per block when
-                            all layers overlap, 1 per run of consecutive blocks after merging)
+    IntactMapper            same local heads and layout: whole K/V entries
     ReplicatedMapper        REPLICATED views: whole entries; who sends is decided by election
-    HndHeadMismatchMapper   heads differ, HND `[H, T, D]`: one contiguous head range per layer
-                            and K/V per block
-    NhdHeadMismatchMapper   heads differ, NHD `[T, H, D]`: one head range per layer, K/V and token
-    TransposeMapper         HND on one side, NHD on the other: one head of one token per piece,
-                            merged only where both sides continue (many small fragments)
+    HndHeadMismatchMapper   heads differ, HND `[H, T, D]`: one head range per layer and K/V
+    NhdHeadMismatchMapper   heads differ, NHD `[T, H, D]`: one head range per layer, K/V, token
+    TransposeMapper         HND on one side, NHD on the other: one head of one token per piece
 
-Byte geometry comes from the registered sizes only: the entry size divided by heads x tokens must
-be a whole number of bytes and equal `head_dim * element_bytes` on both sides.
+The entry size divided by heads x tokens must be a whole number of bytes and equal
+`head_dim * element_bytes` on both sides.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ import numpy.typing as npt
 
 from trtdisagg.kv.page_table import LayerGroup, MapperKind, PoolView
 from trtdisagg.transfer.errors import MappingError, UnsupportedPairing
-from trtdisagg.transfer.protocol.block_runs import BlockRun
-from trtdisagg.transfer.protocol.fragments import Fragments, Runs, empty_runs, merge_runs
+from trtdisagg.transfer.protocol.fragments import BlockRun, Fragments, Runs, empty_runs, merge_runs
 
 IdArray = npt.NDArray[np.int64]  # block ids (or token counts), one per block
 

@@ -1,24 +1,17 @@
 """PeerRegistrar: who a rank exchanges KV with, and how. Pure.
 
-Lifecycle, per local rank:
-
-1. `PeerRegistrar(local_info)` at start-up.
-2. `register(peer_info)` once per peer rank: on ctx for each REGISTER_PEER, on gen for each rank
-   of an INSTANCE_INFO. It runs the compatibility gate (`check_compatible`), maps pools (equal
-   `pool_role`, overlapping global layers) and builds the mappers, so an unsupported pairing is a
-   `PeerIncompatible` here, never at request time. A refused instance stays refused (same
-   message) until `forget`.
-3. Per request: `overlap(peer, peer_dp_rank=...)` says which peer ranks share layers and heads
-   with this rank (gen sends REQUEST_DATA to exactly those ctx ranks and expects one result from
-   each; ctx expects REQUEST_DATA from exactly those gen ranks), and `send_plan(peer_key)` turns
-   block lists into fragments on the sending side.
-4. `forget(instance_name)` when the peer instance goes away.
+`register(peer_info)` once per peer rank (ctx: each REGISTER_PEER; gen: each rank of an
+INSTANCE_INFO) runs the compatibility gate, maps pools (equal `pool_role`, overlapping global
+layers) and builds the mappers, so an unsupported pairing is a `PeerIncompatible` then, never
+at request time; a refused instance stays refused until `forget`. Per request,
+`overlap(peer, peer_dp_rank=...)` names the peer ranks that share layers and heads with this one
+(gen sends REQUEST_DATA to exactly those, and ctx expects it from exactly those), and
+`send_plan(peer_key)` turns block lists into fragments on the sending side.
 
 Owner election: when the sender's KV heads are duplicated over `d = tp_per_dp / num_kv_heads > 1`
-of its ranks, the copy of a head that receiver rank `r` needs is written only by the duplicate with
-`tp_in_dp % d == r.tp_rank % d`; the other duplicates still answer with a 0-byte result, because
-the receiver counts one result per overlapping rank. Every destination byte thus has exactly one
-writer. A REPLICATED view is the `num_kv_heads == 1` case of the same rule.
+of its ranks, the copy that receiver rank `r` needs is written only by the duplicate with
+`tp_in_dp % d == r.tp_rank % d`; the others answer with a 0-byte result, since the receiver
+counts one result per overlapping rank. Every destination byte has exactly one writer.
 """
 
 from __future__ import annotations
@@ -29,8 +22,14 @@ import attrs
 import numpy as np
 
 from trtdisagg.transfer.errors import MappingError, PeerIncompatible, UnsupportedPairing
-from trtdisagg.transfer.protocol.block_runs import BlockRun, packed_run
-from trtdisagg.transfer.protocol.fragments import Fragments, Runs, empty_runs, merge_runs
+from trtdisagg.transfer.protocol.fragments import (
+    BlockRun,
+    Fragments,
+    Runs,
+    empty_runs,
+    merge_runs,
+    packed_run,
+)
 from trtdisagg.transfer.protocol.mappers import (
     HeadOverlap,
     Mapper,

@@ -1,32 +1,58 @@
 """RankInfo: what one rank tells its peers about itself, and the compatibility gate. Pure.
 
-Each rank of an instance builds one `RankInfo` at start-up (after its KV pool and transfer agent
-exist) and never changes it. ctx rank 0 serves the list of all its ranks' infos (INSTANCE_INFO);
-a gen rank sends its own with REGISTER_PEER to every ctx rank. Both sides then call
-`check_compatible` before anything else: a mismatch is a `PeerIncompatible` naming each field and
-both values, raised at registration and never deep inside a request.
-
-Topology conventions (shared with `peers.py`):
+Each rank builds one `RankInfo` at start-up (after its KV pool and agent exist) and never changes
+it. ctx rank 0 serves every rank's (INSTANCE_INFO); a gen rank sends its own (REGISTER_PEER).
+Both sides run `check_compatible` first: a mismatch is a `PeerIncompatible` at registration,
+never deep inside a request. Topology (shared with `peers.py`):
 
 * flat rank `instance_rank = pp_rank * tp_size + tp_rank`;
-* attention data parallelism splits the TP ranks into `dp_size` groups of `tp_per_dp = tp_size //
-  dp_size` consecutive ranks; each group holds every KV head, split over its ranks;
-* with `K` KV heads and `P = tp_per_dp` ranks, rank `i` of a group holds heads
-  `[i*K/P, (i+1)*K/P)` when `K >= P` (`K % P == 0`), else the single head `i // (P/K)`
-  (`P % K == 0`; `P/K` ranks hold a copy of it);
+* attention DP splits the TP ranks into `dp_size` groups of `tp_per_dp` consecutive ranks; each
+  group holds every KV head: with `K` heads and `P = tp_per_dp`, rank `i` holds `[i*K/P,
+  (i+1)*K/P)` when `K >= P`, else the single head `i // (P/K)` (`P/K` ranks hold a copy);
 * PP stage `s` holds the global layers `[sum(layer_num_per_pp[:s]), ... + layer_num_per_pp[s])`.
+
+Control endpoints come from untrusted places (a client's `ctx_info_endpoint`, a peer's RankInfo)
+and zmq reads more into one than an address (`tcp://src;dst`, `*`) or raises on what it cannot
+parse, so each is checked (`is_tcp_endpoint`) before zmq sees it.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import uuid
 from collections.abc import Mapping
+from typing import Final
 
 import attrs
 
 from trtdisagg.kv.page_table import Layout, PageTable
 from trtdisagg.transfer.errors import PeerIncompatible
-from trtdisagg.transfer.protocol.endpoints import is_tcp_endpoint
+
+_DNS_LABEL: Final = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def is_tcp_endpoint(value: str) -> bool:
+    """`tcp://host:port` with an IPv4 address, a bracketed IPv6 address or a DNS name, and a
+    port in [1, 65536); nothing else."""
+    head, sep, port = value.rpartition(":")
+    if not (sep and head.startswith("tcp://") and port.isdigit() and len(port) <= 5):
+        return False
+    if not 0 < int(port) < 65536:
+        return False
+    host = head.removeprefix("tcp://")
+    if host.startswith("[") and host.endswith("]"):
+        return _ip_version(host[1:-1]) == 6
+    if _ip_version(host) == 4:
+        return True
+    return len(host) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in host.split("."))
+
+
+def _ip_version(text: str) -> int | None:
+    try:
+        return ipaddress.ip_address(text).version
+    except ValueError:
+        return None
 
 
 def flat_rank(*, tp_rank: int, pp_rank: int, tp_size: int) -> int:
@@ -54,9 +80,8 @@ def check_head_split(num_kv_heads: int, tp_per_dp: int) -> None:
     if num_kv_heads <= 0 or tp_per_dp <= 0:
         raise ValueError(f"num_kv_heads {num_kv_heads} and tp_per_dp {tp_per_dp} must be positive")
     if num_kv_heads % tp_per_dp and tp_per_dp % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads {num_kv_heads} and tensor parallel size {tp_per_dp} do not divide"
-        )
+        raise ValueError(f"num_kv_heads {num_kv_heads} and tensor parallel size {tp_per_dp}"
+                         " do not divide")  # fmt: skip
 
 
 def make_instance_name(role: str) -> str:
@@ -109,38 +134,29 @@ class RankInfo:
     def __attrs_post_init__(self) -> None:
         if not is_tcp_endpoint(self.control_endpoint):  # peers connect to it: checked first
             raise ValueError(f"control_endpoint {self.control_endpoint!r} is not tcp://host:port")
-        if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
-            raise ValueError(
-                f"rank (tp {self.tp_rank}, pp {self.pp_rank}) outside sizes "
-                f"(tp {self.tp_size}, pp {self.pp_size})"
-            )
-        if self.dp_size <= 0 or self.tp_size % self.dp_size:
-            raise ValueError(f"dp_size {self.dp_size} does not divide tp_size {self.tp_size}")
+        tp, pp, dp, layers = self.tp_size, self.pp_size, self.dp_size, self.layer_num_per_pp
+        if not (0 <= self.tp_rank < tp and 0 <= self.pp_rank < pp):
+            raise ValueError(f"rank (tp {self.tp_rank}, pp {self.pp_rank}) outside sizes "
+                             f"(tp {tp}, pp {pp})")  # fmt: skip
+        if dp <= 0 or tp % dp:
+            raise ValueError(f"dp_size {dp} does not divide tp_size {tp}")
         if self.dp_rank != self.tp_rank // self.tp_per_dp:
-            raise ValueError(
-                f"dp_rank {self.dp_rank} != tp_rank {self.tp_rank} // {self.tp_per_dp}"
-            )
-        expected_rank = flat_rank(tp_rank=self.tp_rank, pp_rank=self.pp_rank, tp_size=self.tp_size)
-        if self.instance_rank != expected_rank:
-            raise ValueError(f"instance_rank {self.instance_rank} != pp*tp+tp = {expected_rank}")
-        if len(self.layer_num_per_pp) != self.pp_size or min(self.layer_num_per_pp) <= 0:
-            raise ValueError(
-                f"layer_num_per_pp {self.layer_num_per_pp} must hold pp_size "
-                f"{self.pp_size} positive counts"
-            )
+            raise ValueError(f"dp_rank {self.dp_rank} != tp_rank {self.tp_rank} // "
+                             f"{self.tp_per_dp}")  # fmt: skip
+        flat = flat_rank(tp_rank=self.tp_rank, pp_rank=self.pp_rank, tp_size=tp)
+        if self.instance_rank != flat:
+            raise ValueError(f"instance_rank {self.instance_rank} != pp*tp+tp = {flat}")
+        if len(layers) != pp or min(layers) <= 0:
+            raise ValueError(f"layer_num_per_pp {layers} must hold pp_size {pp} positive counts")
         check_head_split(self.num_kv_heads, self.tp_per_dp)
         if self.kv_heads_per_rank != len(self.heads):
-            raise ValueError(
-                f"kv_heads_per_rank {self.kv_heads_per_rank} != {len(self.heads)} "
-                f"({self.num_kv_heads} heads over {self.tp_per_dp} ranks)"
-            )
-        stage = set(self.layers)
+            raise ValueError(f"kv_heads_per_rank {self.kv_heads_per_rank} != {len(self.heads)} "
+                             f"({self.num_kv_heads} heads over {self.tp_per_dp} ranks)")
         for group in self.page_table.layer_groups:
-            if not set(group.global_layer_ids) <= stage:
-                raise ValueError(
-                    f"page table layer group {group.group_id} holds layers "
-                    f"{group.global_layer_ids} outside PP stage {self.pp_rank} {self.layers}"
-                )
+            if not set(group.global_layer_ids) <= set(self.layers):
+                raise ValueError(f"page table layer group {group.group_id} holds layers "
+                                 f"{group.global_layer_ids} outside PP stage {self.pp_rank} "
+                                 f"{self.layers}")  # fmt: skip
 
     @property
     def key(self) -> tuple[str, int]:
@@ -207,13 +223,8 @@ def compat_mismatches(
 
 
 def check_compatible(local: RankInfo, peer: RankInfo) -> None:
-    """Raise PeerIncompatible unless `peer` can exchange KV with `local` (`compat_fields`).
-
-    The message lists every mismatching field with both values (`dtype: local 'float32' vs
-    peer 'bfloat16'`).
-    """
-    mismatches = compat_mismatches(
-        compat_fields(local), compat_fields(peer), names=("local", "peer")
-    )
-    if mismatches:
+    """Raise PeerIncompatible, naming every mismatching field, unless `peer` can exchange KV
+    with `local` (`compat_fields`)."""
+    if mismatches := compat_mismatches(compat_fields(local), compat_fields(peer),
+                                       names=("local", "peer")):  # fmt: skip
         raise PeerIncompatible(peer.label, "; ".join(mismatches))

@@ -3,8 +3,8 @@
 `impersonation`: it names another sender than the rank its connection proved to be (or a write
 notice names a rank whose agent did not send it); `not_owner`: it touches another peer
 instance's session; `over_limit`: its gen instance holds `max_sessions_per_peer` transfers here.
-(The sockets count `unauthenticated` and `handshake`: control.py.) Warnings are limited per peer
-(`LogRateLimit`), so a flood costs a few lines a minute and a count of what was suppressed.
+(control.py counts the sockets' `unauthenticated` and `handshake`.) Warnings are limited per
+peer, so a flood costs a few lines a minute and a count of what was suppressed.
 """
 
 from __future__ import annotations

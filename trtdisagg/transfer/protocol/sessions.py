@@ -1,7 +1,7 @@
 """Transfer session state machines, and the messages held for sessions to come. Pure.
 
-One session per (transfer key, local rank), owned by the ctx or gen side of
-the protocol (ctx.py, gen.py). Status, derived from a session's facts, first match wins:
+One session per (transfer key, local rank), owned by the ctx or gen side (ctx.py, gen.py).
+Status, derived from a session's facts, first match wins:
 
     sender (ctx)   CANCELLED | ERROR   terminal flags (cancel, fail, a failed write)
                    TRANSFERRED         every expected gen rank's write finished OK
@@ -9,13 +9,13 @@ the protocol (ctx.py, gen.py). Status, derived from a session's facts, first mat
                    READY               the KV is ready (`set_source`) and a request waits
                    INIT                otherwise
     receiver (gen) CANCELLED | ERROR   terminal flags (cancel, fail, an error result)
-                   TRANSFERRED         every expected ctx rank's part landed: its write's
-                                       notice (which says what it moved), or its OK result
-                                       with, if it moved bytes, the notice
+                   TRANSFERRED         every expected ctx rank's part landed: its write's notice
+                                       (which says what it moved), or its OK result with, if it
+                                       moved bytes, the notice
                    TRANSFERRING        after `mark_requested`; INIT before
 
-Late or duplicate events (a second result from one rank, anything after a terminal state, a
-rank outside the expected set) are no-ops that return False. Cancellation is not quiescence: a
+Late or duplicate events (a second result from one rank, anything after a terminal state, a rank
+outside the expected set) are no-ops that return False. Cancellation is not quiescence: a
 sender's blocks may be freed only when no write is in flight (`is_quiescent`), a receiver's only
 when every expected rank has reported (or gen gives up on a silent ctx, gen.py).
 """
@@ -28,11 +28,10 @@ from typing import TypeVar
 
 import attrs
 
-from trtdisagg.transfer.protocol.block_runs import BlockRun, run_of
+from trtdisagg.transfer.protocol.fragments import BlockRun, run_of
 from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus
 
 Status = enum.Enum("Status", "INIT READY TRANSFERRING TRANSFERRED ERROR CANCELLED")
-SenderStatus = ReceiverStatus = Status
 
 
 @attrs.frozen(kw_only=True)
@@ -46,12 +45,12 @@ class TransferOutcome:
     num_bytes: int = 0
     num_descriptors: int = 0
     seconds: float = 0.0
+    # gen: ctx's first generated token(s), which come with its write (a generation_first
+    # request has no other source)
     first_tokens: tuple[int, ...] = ()
-    """gen: ctx's first generated token(s), which come with its write (a generation_first
-    request has no other source)."""
+    # gen: the transfer failed, but a ctx write may still land in its blocks. The request ends
+    # now; its blocks are freed once `cancel_request(key)` returns True.
     blocks_held: bool = False
-    """gen: the transfer failed, but a ctx write may still land in its blocks. The request
-    ends now; its blocks are freed once `cancel_request(key)` returns True."""
 
 
 @attrs.frozen(kw_only=True)
@@ -63,21 +62,41 @@ class SourceBlocks:
 
     @functools.cached_property
     def runs(self) -> tuple[BlockRun | None, ...]:
-        """Each layer group's blocks as a run, where they form one (block_runs.py)."""
+        """Each layer group's blocks as a run, where they form one (fragments.py)."""
         return tuple(run_of(ids) for ids in self.block_ids)
 
 
 @attrs.define(eq=False, kw_only=True)
-class SenderSession:
-    """ctx side of one transfer key: which gen ranks asked, what is in flight, what is done."""
-
+class _Session:
     key: int
     deadline: float
+    error: str | None = None
+    cancelled: bool = False
+
+    @property
+    def is_terminal(self) -> bool:
+        raise NotImplementedError
+
+    def fail(self, reason: str) -> None:
+        if not self.is_terminal:
+            self.error = reason
+
+    def expired(self, now: float) -> bool:
+        return now >= self.deadline and not self.is_terminal
+
+    def _flag(self) -> Status | None:
+        if self.cancelled or self.error is not None:
+            return Status.CANCELLED if self.cancelled else Status.ERROR
+        return None
+
+
+@attrs.define(eq=False, kw_only=True)
+class SenderSession(_Session):
+    """ctx side of one transfer key: which gen ranks asked, what is in flight, what is done."""
+
     peer_instance: str | None = None  # bound (`bind`) by the first REQUEST_DATA
     expected: frozenset[int] | None = None  # gen ranks that will ask (registrar overlap)
     source: SourceBlocks | None = None
-    error: str | None = None
-    cancelled: bool = False
     first_tokens: tuple[int, ...] = ()  # what ctx sampled, sent along with every OK write
     _requests: dict[int, RequestData] = attrs.Factory(dict)
     _in_flight: set[int] = attrs.Factory(set)
@@ -88,8 +107,8 @@ class SenderSession:
 
     @property
     def status(self) -> Status:
-        if self.cancelled or self.error is not None:
-            return Status.CANCELLED if self.cancelled else Status.ERROR
+        if (flag := self._flag()) is not None:
+            return flag
         if self.expected is not None and self.expected <= self._finished.keys():
             return Status.TRANSFERRED  # every finished write was OK (else the flags above)
         if self._in_flight:
@@ -159,18 +178,11 @@ class SenderSession:
             self.cancelled = status is ResultStatus.CANCELLED
         return True
 
-    def fail(self, reason: str) -> None:
-        if not self.is_terminal:
-            self.error = reason
-
     def cancel(self) -> bool:
         """Stop issuing writes; returns `is_quiescent` (False: a write is still in flight)."""
         if self.status not in (Status.TRANSFERRED, Status.ERROR):
             self.cancelled = True
         return self.is_quiescent
-
-    def expired(self, now: float) -> bool:
-        return now >= self.deadline and not self.is_terminal
 
 
 @attrs.frozen(kw_only=True)
@@ -183,16 +195,12 @@ class RankResult:
 
 
 @attrs.define(eq=False, kw_only=True)
-class ReceiverSession:
+class ReceiverSession(_Session):
     """gen side of one transfer key: one part expected from each overlapping ctx rank."""
 
-    key: int
     peer_instance: str  # the ctx instance
     expected: frozenset[int]  # ctx ranks sent REQUEST_DATA (registrar overlap)
-    deadline: float
     requested: bool = False
-    error: str | None = None
-    cancelled: bool = False
     # gen's bookkeeping for a session that ended while a ctx write may still land:
     cancel_sent: bool = False  # CANCEL went to the expected ctx ranks (once)
     failure_reported: bool = False  # the failure went to the executor; the blocks stay pinned
@@ -201,8 +209,7 @@ class ReceiverSession:
     # ctx ranks whose write's notice came, with what it says the write moved (None: a notice
     # that says nothing, which counts only with the rank's OK result)
     _noticed: dict[int, RankResult | None] = attrs.Factory(dict)
-    # Expected ranks whose part has not landed, kept as events come: every session's status
-    # is read after every event.
+    # expected ranks whose part has not landed, kept as events come (read after every event)
     _unlanded: set[int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -210,8 +217,8 @@ class ReceiverSession:
 
     @property
     def status(self) -> Status:
-        if self.cancelled or self.error is not None:
-            return Status.CANCELLED if self.cancelled else Status.ERROR
+        if (flag := self._flag()) is not None:
+            return flag
         if not self._unlanded:
             return Status.TRANSFERRED
         return Status.TRANSFERRING if self.requested else Status.INIT
@@ -224,8 +231,11 @@ class ReceiverSession:
             return False
         return result.num_bytes == 0 or rank in self._noticed
 
-    def _part(self, rank: int) -> RankResult | None:
-        return self._results.get(rank) or self._noticed.get(rank)
+    def _parts(self) -> list[RankResult]:
+        """What each expected rank's write moved, by rank: its result, else its notice."""
+        results, noticed = self._results, self._noticed
+        parts = (results.get(rank) or noticed.get(rank) for rank in sorted(self.expected))
+        return [part for part in parts if part is not None]
 
     @property
     def unreported(self) -> frozenset[int]:
@@ -243,19 +253,28 @@ class ReceiverSession:
         landed = (r in self._results or self._noticed.get(r) is not None for r in self.expected)
         return self.peer_dead or all(landed)
 
+    def moved(self) -> tuple[int, int, tuple[int, ...]]:
+        """(bytes, descriptors, the first generated tokens from the lowest ctx rank that sent
+        them) of every part known, in one pass (an outcome needs all three)."""
+        num_bytes = num_descriptors = 0
+        tokens: tuple[int, ...] = ()
+        for part in self._parts():
+            num_bytes += part.num_bytes
+            num_descriptors += part.num_descriptors
+            tokens = tokens or part.first_tokens
+        return num_bytes, num_descriptors, tokens
+
     @property
     def num_bytes(self) -> int:
-        return sum(part.num_bytes for part in map(self._part, self.expected) if part)
+        return self.moved()[0]
 
     @property
     def num_descriptors(self) -> int:
-        return sum(part.num_descriptors for part in map(self._part, self.expected) if part)
+        return self.moved()[1]
 
     @property
     def first_tokens(self) -> tuple[int, ...]:
-        """The first generated tokens, from the lowest ctx rank that sent them (rank 0)."""
-        parts = (self._part(rank) for rank in sorted(self.expected))
-        return next((part.first_tokens for part in parts if part and part.first_tokens), ())
+        return self.moved()[2]
 
     def mark_requested(self) -> None:
         self.requested = True
@@ -286,10 +305,6 @@ class ReceiverSession:
         if self._landed(rank):
             self._unlanded.discard(rank)
 
-    def fail(self, reason: str) -> None:
-        if not self.is_terminal:
-            self.error = reason
-
     def peer_died(self, reason: str) -> None:
         """The ctx instance's process ended (liveness.py): nothing of it can land any more."""
         self.fail(reason)
@@ -298,9 +313,6 @@ class ReceiverSession:
     def cancel(self) -> None:
         if not self.is_terminal:
             self.cancelled = True
-
-    def expired(self, now: float) -> bool:
-        return now >= self.deadline and not self.is_terminal
 
 
 S = TypeVar("S", SenderSession, ReceiverSession)
@@ -365,6 +377,12 @@ class EarlyMessages:
                        for _, r in held)  # fmt: skip
         cancels = sum(name == instance for name, _ in self._cancelled.values())
         return requests + cancels + sum(entry[0] == instance for entry in self._overtaken)
+
+    @property
+    def size(self) -> int:
+        """Requests, cancels and overtaken entries held, of every gen instance."""
+        requests = sum(len(held) for held in self._requests.values())
+        return requests + len(self._cancelled) + len(self._overtaken)
 
     def peek(self, key: int) -> list[RequestData]:
         return [request for _, request in self._requests.get(key, [])]

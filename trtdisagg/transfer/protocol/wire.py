@@ -1,37 +1,29 @@
-"""Control-plane messages and their one msgpack codec. Pure.
+"""Control-plane messages and their one codec. Pure.
 
-Every message is a frozen attrs class; `Message` is their tagged union (tag key `"type"`, tag
-values are the protocol's message names such as `"REQUEST_DATA"`). `encode` and `decode` are the
-only path between bytes and messages. `decode` never raises anything but `ProtocolError`, whatever
-the bytes: peers and the network are untrusted input.
-
-Conversation (one ZMQ frame carries one encoded message):
+Every message is a frozen attrs class; `Message` is their tagged union (tag key `"type"`, values
+the protocol's message names such as `"REQUEST_DATA"`). `encode` and `decode` are the only path
+between bytes and messages; `decode` raises nothing but `ProtocolError`, whatever the bytes.
 
     gen rank -> ctx rank 0    REQUEST_INSTANCE_INFO   -> INSTANCE_INFO (every ctx rank's RankInfo)
     gen rank -> each ctx rank REGISTER_PEER (own)     -> REGISTER_ACK (accepted, or refused+reason)
     gen rank -> ctx rank      REQUEST_DATA (key, destination block ids, token count)
-    ctx rank -> gen rank      TRANSFER_RESULT (one per REQUEST_DATA, also when 0 bytes moved)
+    ctx rank -> gen rank      TRANSFER_RESULT (one per REQUEST_DATA, also when 0 bytes moved; the
+                              answer to a CANCEL when no write to gen is in flight)
     either   -> either        CANCEL (key)
-    ctx rank -> gen rank      TRANSFER_RESULT (CANCELLED): the answer to a CANCEL from gen when
-                              no write to it is in flight (else that write's result answers it)
-    ctx agent -> gen agent    WRITE_NOTICE: not a ZMQ message but the NIXL notification payload of
-                              a write, which gen receives once the write's bytes have landed. It
-                              says what the write moved and carries ctx's first tokens, so gen
-                              may finish on it before TRANSFER_RESULT comes.
+    ctx agent -> gen agent    WRITE_NOTICE: the agent notification of a write, seen once its
+                              bytes landed; it says what the write moved and carries ctx's first
+                              tokens, so gen may finish on it before TRANSFER_RESULT comes.
 
 Block id lists travel as packed little-endian int64 (`pack_block_ids`), one `bytes` per layer
-group of the receiver, not as msgpack lists.
-
-WRITE_NOTICE, the one message on the path of every transfer between its bytes landing and gen
-decoding, is not msgpack but a fixed little-endian layout (`_NOTICE`, then the ctx rank's name
-and the first tokens): gen decodes it with one `struct` call, many times cheaper than the
-tagged-union converter. Its first byte, 0xc1, is one msgpack never
-uses, so no msgpack message can be read as a notice, nor a notice as msgpack.
+group. WRITE_NOTICE, on the path of every transfer, is a fixed little-endian layout (`_NOTICE`,
+then the name and the tokens) that one `struct` call reads; its first byte, 0xc1, is one msgpack
+never uses, so neither is ever read as the other.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 import sys
 from array import array
@@ -278,23 +270,23 @@ _TOKEN_BYTES: Final = 4
 
 
 def _encode_notice(notice: WriteNotice) -> bytes:
-    name = notice.instance_name.encode()
-    tokens = notice.first_tokens
-    return b"".join(
-        (
-            _NOTICE.pack(
-                _NOTICE_MAGIC,
-                notice.instance_rank,
-                notice.key,
-                notice.num_bytes,
-                notice.num_descriptors,
-                len(name),
-                len(tokens),
-            ),
-            name,
-            struct.pack(f"<{len(tokens)}I", *tokens),
-        )
-    )
+    return encode_notice(notice.key, notice.instance_name.encode(), notice.instance_rank,
+                         notice.num_bytes, notice.num_descriptors, notice.first_tokens)  # fmt: skip
+
+
+def encode_notice(
+    key: int, name: bytes, rank: int, num_bytes: int, num_descriptors: int, tokens: tuple[int, ...]
+) -> bytes:
+    """A WRITE_NOTICE's bytes straight from its fields (`name` UTF-8): ctx makes one per write,
+    between its KV being ready and the post (its own fields, not a peer's)."""
+    header = _NOTICE.pack(_NOTICE_MAGIC, rank, key, num_bytes, num_descriptors, len(name),
+                          len(tokens))  # fmt: skip
+    return b"".join((header, name, _tokens(len(tokens)).pack(*tokens)))
+
+
+@functools.lru_cache(maxsize=8)  # (a peer picks the count: bounded)
+def _tokens(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}I")
 
 
 def _decode_notice(data: bytes) -> WriteNotice:
@@ -315,7 +307,7 @@ def _decode_notice(data: bytes) -> WriteNotice:
             instance_rank=rank,
             num_bytes=num_bytes,
             num_descriptors=descriptors,
-            first_tokens=struct.unpack_from(f"<{count}I", data, end),
+            first_tokens=_tokens(count).unpack_from(data, end),
         )
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"invalid WRITE_NOTICE: {exc}") from exc

@@ -1,12 +1,10 @@
 """ControlPlane: one rank's ROUTER and its DEALERs to peers, owned in one place.
 
-Every message received, on the ROUTER (with the label of the peer that proved it sent it, when
-secured) or on a DEALER, goes to `deliver` (the driver); `send`
-puts a message on the DEALER to an endpoint, opened on first use and kept until `drop`. A
-message to an endpoint whose DEALER is being opened waits in a queue, so that messages to one
-peer leave in the order they were sent. A DEALER reports its link going up or down (`on_link`:
-liveness.py tells a peer that ended from one that stalled). The sockets' suppressed warnings
-about peers are counted out in the log every `WARNINGS_FLUSH_S`.
+Every message received (on the ROUTER, with the label its sender proved when secured, or on a
+DEALER) goes to `deliver` (the driver). `send` puts a message on the DEALER to an endpoint,
+opened on first use and kept until `drop`; messages to a DEALER being opened wait in order. A
+DEALER reports its link going up or down (`on_link`: liveness.py tells a peer that ended from
+one that stalled). Suppressed warnings about peers are counted out every `WARNINGS_FLUSH_S`.
 """
 
 from __future__ import annotations

@@ -10,14 +10,12 @@ The executor calls these between steps; none of them waits on the network:
          check_gen_transfer_status() -> outcomes           KV landed (or failed): decode or fail
     both cancel_request(key) -> bool                       False while a write may still land
 
-Each call, control message, agent notification and write's end is an event for the pure
-protocol core (protocol/core.py, ctx.py and gen.py describe the protocol and lifecycle); this
-driver carries out the effects it answers with, and owns every I/O resource, each in one place:
-the sockets (control.py), the agent and its lock (pump.py), the loaded peer agents, the
-prepared and posted writes, the staging buffer, and the one thread that polls the agent while a
-transfer waits (pump.py). The check methods only hand over outcomes made already; `wake` tells
-the executor when there are some. `tracer`, when given, is called with (key, stage, time) at
-each of `STAGES`; unset, it costs nothing.
+Each call, control message, notification and write's end is an event for the pure protocol core
+(protocol/core.py); this driver carries out the effects it answers with and owns every I/O
+resource, each in one place: the sockets (control.py), the agent, its lock and the thread that
+polls it while a transfer waits (pump.py), the loaded peer agents, the prepared and posted
+writes, the staging buffer. `wake` tells the executor when there are outcomes. `tracer`, when
+given, is called with (key, stage, time) at each of `STAGES`; unset, it costs nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ from trtdisagg.transfer.protocol.wire import (
 )
 from trtdisagg.transfer.runtime.agents.base import (
     TransferAgent,
+    WritePreparer,
     XferHandle,
     XferStatus,
     posts_quickly,
@@ -104,10 +103,11 @@ class KvTransceiver:
     _calls: AgentCalls = attrs.field(init=False)
     _pump: NotificationPump = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
+    _preparer: WritePreparer | None = attrs.field(init=False)
     _remotes: dict[tuple[str, int], str] = attrs.Factory(dict)  # gen ranks' loaded agents
     _prepared: dict[int, XferHandle] = attrs.Factory(dict)  # by write id
     _flights: dict[int, _Flight] = attrs.Factory(dict)  # posted writes, by write id
-    _landed: trio.Event = attrs.Factory(trio.Event)  # set (and replaced) as each write ends
+    _landed: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)  # a write ended
     _sent: list[TransferOutcome] = attrs.Factory(list)
     _received: list[TransferOutcome] = attrs.Factory(list)
     _busy: trio.Event = attrs.Factory(trio.Event)  # wakes the ticker when work starts
@@ -127,6 +127,7 @@ class KvTransceiver:
             router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
         )
         self._calls = AgentCalls(self.agent)
+        self._preparer = write_preparer(self.agent)
         interval = self.pump_interval_s
         if interval is None:
             interval = PUMP_INTERVAL_S[self.local.page_table.layer_groups[0].pool.memory_type]
@@ -255,8 +256,8 @@ class KvTransceiver:
                     self._control.send(endpoint, message)
                 case ev.Reply(reply_to=identity, message=message):
                     self._control.reply(identity, message)
-                case ev.PostWrite(order=order):
-                    self._post(order)
+                case ev.PostWrite(order=order, notice=notice):
+                    self._post(order, notice)
                 case ev.PrepareWrite(order=order):
                     self._prepare(order)
                 case ev.ReleasePrepared(write_id=write_id):
@@ -298,12 +299,13 @@ class KvTransceiver:
     def _prepare(self, order: ev.WriteOrder) -> None:
         """Prepare `order` with the agent when it can and the post will be quick (a slow post
         goes through a thread anyway, where preparing first saves nothing)."""
-        preparer, remote = write_preparer(self.agent), self._remotes.get(order.peer)
+        preparer, remote = self._preparer, self._remotes.get(order.peer)
         if preparer is None or remote is None or not self._calls.idle:
             return
         if posts_quickly(self.agent, order.fragments, remote):
+            # (the notice is given at the post: it carries first tokens not known yet)
             prepare = functools.partial(
-                preparer.prepare_write, order.fragments, remote, order.notice,
+                preparer.prepare_write, order.fragments, remote, b"",
                 dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
             )  # fmt: skip
             try:
@@ -311,7 +313,7 @@ class KvTransceiver:
             except TransferLayerError as exc:
                 log.debug("KV write %d not prepared: %s", order.key, exc)
 
-    def _post(self, order: ev.WriteOrder) -> None:
+    def _post(self, order: ev.WriteOrder, notice: bytes) -> None:
         remote = self._remotes.get(order.peer)
         prepared = self._prepared.pop(order.write_id, None)
         if remote is None:
@@ -319,9 +321,9 @@ class KvTransceiver:
             self._feed(ev.WriteEnded(write_id=order.write_id, error=error))
             return
         self.prepared_posts += prepared is not None
-        submit = functools.partial(self._submit, order, remote, prepared)
+        submit = functools.partial(self._submit, order, remote, notice, prepared)
         if order.staged is not None:
-            self._spawn(self._post_staged, order, remote)
+            self._spawn(self._post_staged, order, remote, notice)
         elif self._calls.idle and (prepared or posts_quickly(self.agent, order.fragments, remote)):
             try:
                 self._posted(order, self._calls.now(submit), remote)
@@ -340,7 +342,7 @@ class KvTransceiver:
             return
         self._posted(order, handle, remote)
 
-    async def _post_staged(self, order: ev.WriteOrder, remote: str) -> None:
+    async def _post_staged(self, order: ev.WriteOrder, remote: str, notice: bytes) -> None:
         """Bounce: pack this rank's share into staging room, then write it in one go."""
         assert self.staging is not None and order.staged is not None
         staging, staged = self.staging, order.staged
@@ -358,7 +360,8 @@ class KvTransceiver:
             rows = order.fragments.rows.copy()
             rows[:, 0] += staging.stager.address + offset
             order = attrs.evolve(order, fragments=Fragments(rows))
-            handle = await self._calls.in_thread(functools.partial(self._submit, order, remote))
+            submit = functools.partial(self._submit, order, remote, notice)
+            handle = await self._calls.in_thread(submit)
         except TransferLayerError as exc:
             staging.release(offset)
             self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
@@ -366,15 +369,14 @@ class KvTransceiver:
         self._posted(order, handle, remote, staging_offset=offset)
 
     def _submit(
-        self, order: ev.WriteOrder, remote: str, prepared: XferHandle | None = None
+        self, order: ev.WriteOrder, remote: str, notice: bytes, prepared: XferHandle | None = None
     ) -> XferHandle:
         """The agent call that posts `order`, from its preparation if one was made."""
-        preparer = write_preparer(self.agent)
-        if prepared is not None and preparer is not None:
-            preparer.post_prepared(prepared, order.notice)
+        if prepared is not None and self._preparer is not None:
+            self._preparer.post_prepared(prepared, notice)
             return prepared
         return self.agent.submit_write(
-            order.fragments, remote, order.notice,
+            order.fragments, remote, notice,
             dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
         )  # fmt: skip
 
@@ -402,8 +404,7 @@ class KvTransceiver:
             self._release(flight.handle)
             if flight.staging_offset is not None and self.staging is not None:
                 self.staging.release(flight.staging_offset)
-            self._landed.set()
-            self._landed = trio.Event()
+            self._landed.unpark_all()
             error = None if state is XferStatus.DONE else "the agent reported an error writing it"
             if error is None:
                 self._trace(flight.order.key, "done")
@@ -452,7 +453,7 @@ class KvTransceiver:
         peer on this node maps that peer's whole KV pool on its GPU."""
         with trio.move_on_after(2 * self.timeout_s):
             while any(f.remote in names for f in self._flights.values()):
-                await self._landed.wait()
+                await self._landed.park()
         for name in names:
             if any(f.remote == name for f in self._flights.values()):
                 log.warning("agent %s stays loaded: a write to it never ended", name)

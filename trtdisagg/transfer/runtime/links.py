@@ -2,10 +2,10 @@
 refused handshakes. Besides messenger.py (its one user) the only module importing zmq.
 
 A link is up once its handshake succeeds (a NULL one too); down when it drops, when a connect is
-refused (zmq retries every 0.1 s or so: only the first failure is news) or when the handshake
-fails (another cluster secret: logged once). A monitor is a PAIR socket with an inproc name of
-its own (pyzmq's default may still be held by zmq's reaper for a closed socket), stopped before
-either socket closes (zmq's I/O thread blocks, for good, on an event for a closed reader).
+refused (only the first of zmq's retries is news) or when the handshake fails (another cluster
+secret: logged once). A monitor is a PAIR socket with an inproc name of its own (zmq's reaper may
+still hold pyzmq's default for a closed socket), stopped before either socket closes (zmq's I/O
+thread blocks for good on an event for a closed reader).
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
 """Messenger: Trio-native ZeroMQ ROUTER (bind) and DEALER (connect); with links.py, all of zmq.
 
-    async with open_router(bind="tcp://127.0.0.1:0", secret=secret) as router:
-        identity, message, peer = await router.receive_message()    # peer: who proved it sent it
-        await router.send_message(identity, reply)
-
-    async with open_dealer(router.endpoint, secret=secret, label=label) as dealer:
-        await dealer.send_message(request)
-        reply = await dealer.receive_message()
-
 With a cluster secret (trtdisagg/security/) a ROUTER is a CURVE server and a DEALER a CURVE
 client of its rank's `label`; without, plain TCP (loopback only). `ZMQ_MAXMSGSIZE` caps every
-frame. A secured ROUTER checks each message's connection (`PeerVerifier`) before anything else:
-one that proved no member's label is dropped and counted (`refused`, as are failed handshakes);
-the others carry their `peer`, the label they proved (None on an unsecured ROUTER).
+frame. A secured ROUTER checks each message's connection (`PeerVerifier`) first: one that proved
+no member's label is dropped and counted (`refused`, as are failed handshakes); the others carry
+their `peer`, the label they proved.
 
-Each socket has ONE pump task, the only task that waits on its FD. pyzmq's FD is edge-triggered:
-the pump tries with NOBLOCK; on `zmq.Again` it reads `EVENTS` (which re-arms the edge) and goes
-again at once if that already shows the event, else waits for the FD. Received messages go to a
-bounded inbox; when it is full they stay queued in zmq (backpressure). A send is tried at once
-when nothing is queued (`*_nowait` from synchronous code; trio.WouldBlock when the outbox is
-full), else queued in a bounded outbox that the pump flushes in order; since a send may consume
-the FD's edge, it re-reads EVENTS and wakes a waiting pump.
-
-A message with the wrong frame count or a payload that does not decode is counted
-(`statistics().bad_frames`) and dropped, with a warning limited per peer (`flush_warnings` logs
-what was suppressed): the pump never dies of peer input. A reply to a peer that is gone is
-counted as `unroutable`. Any other zmq error crashes the pump's nursery.
+Each socket has ONE pump task, the only one that waits on its FD. pyzmq's FD is edge-triggered:
+the pump tries with NOBLOCK, and on `zmq.Again` reads `EVENTS` (which re-arms the edge) before
+it waits. Received messages go to a bounded inbox (full: they stay queued in zmq). A send is
+tried at once when nothing is queued (`*_nowait` from synchronous code; trio.WouldBlock when the
+outbox is full), else queued in order for the pump; since a send may consume the FD's edge, it
+re-reads EVENTS and wakes a waiting pump. A malformed message is counted (`bad_frames`) and
+dropped with a warning limited per peer: the pump never dies of peer input; a reply to a gone
+peer is counted as `unroutable`; any other zmq error crashes the pump's nursery.
 """
 
 from __future__ import annotations

@@ -2,16 +2,16 @@
 
 Agent calls never overlap (agents/base.py): each holds `AgentCalls.lock`. A blocking call
 (loading a peer's agent, a post that copies host memory, packing staging) runs in a worker
-thread (`in_thread`); a quick one (a post of a few descriptors, a release) on the Trio thread
-(`now`), but only while no blocking call runs (`idle`): then the lock is held by nobody or by the
-pump for microseconds, and the loop never waits on a blocking call.
+thread (`in_thread`), a quick one (a post of a few descriptors, a release) on the Trio thread
+(`now`), but only while no blocking call runs (`idle`): the lock is then free or held by the pump
+for microseconds, and the loop never waits on a blocking call.
 
-The pump: an agent says that a write ended only when polled (NIXL's UCX backend even sends a GPU
-write's notification from the poll that finds it done), and that a notification came only when
-asked. A Trio task cannot poll often enough: Trio sleeps in epoll, whose timeout is whole
-milliseconds. So one thread polls every `interval_s`, only while a write is in flight or a
-receive awaits its notification (else it parks on a `threading.Event`), and hands what it finds
-to the Trio thread with `TrioToken.run_sync_soon`, which wakes the loop at once.
+An agent says that a write ended only when polled (NIXL's UCX backend even sends a GPU write's
+notification from the poll that finds it done), and that a notification came only when asked; a
+Trio task cannot poll often enough (epoll's timeout is whole milliseconds). So one thread polls
+every `interval_s` while a write is in flight or a receive awaits its notification (else it parks
+on a `threading.Event`), and hands what it finds to the Trio thread with
+`TrioToken.run_sync_soon`, which wakes the loop at once.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ Ended = list[tuple[int, XferStatus]]
 
 # The pump's period while a transfer waits, by where the KV lives: a small part of the shortest
 # write that matters, since each poll costs CPU (docs/BENCHMARKS.md). A GPU write of hundreds of
-# MiB takes a fraction of a millisecond, and a raw NIXL reader that spins sees it end within
-# microseconds; a host-memory write of that size takes milliseconds.
+# MiB takes a fraction of a millisecond; a host-memory write of that size takes milliseconds.
 PUMP_INTERVAL_S = {"VRAM": 50e-6, "DRAM": 500e-6}
 _PR_SET_TIMERSLACK = 29
 
@@ -80,10 +79,7 @@ class NotificationPump:
     """Polls the agent's writes and notifications from a thread while any is awaited."""
 
     def __init__(
-        self,
-        calls: AgentCalls,
-        deliver: Callable[[Notifications, Ended], None],
-        interval_s: float,
+        self, calls: AgentCalls, deliver: Callable[[Notifications, Ended], None], interval_s: float
     ) -> None:
         self._calls, self._deliver, self._interval_s = calls, deliver, interval_s
         self._state = threading.Lock()  # guards what is watched, and the wake-up
@@ -97,7 +93,8 @@ class NotificationPump:
         """Poll this write until it ends; its end is delivered once."""
         with self._state:
             self._writes[write_id] = handle
-            self._wakeup.set()
+            if not self._wakeup.is_set():  # (set: the pump is polling, and clears it only
+                self._wakeup.set()  # under this lock once nothing is watched)
 
     def want_notices(self, wanted: bool) -> None:
         """Drain the agent's notifications (while a receive awaits one) or not."""

@@ -1,10 +1,9 @@
 """StagingArea: room in this rank's staging buffer, handed out first come, first served.
 
-Transfers that bounce (transfer/bounce.py) reserve their bytes here before they write (ctx) or
-ask (gen). A reservation that does not fit waits, in arrival order: a large transfer is never
-overtaken forever by small ones, and since every holder frees its room once its own write (ctx)
-or scatter (gen) is done, independently of anyone waiting, waiting cannot deadlock. Each wait
-ends at the transfer's deadline.
+Bouncing transfers (protocol/bounce.py) reserve their bytes here before they write (ctx) or ask
+(gen). A reservation that does not fit waits in arrival order, until the transfer's deadline:
+a large one is never overtaken forever by small ones, and since every holder frees its room once
+its own write or scatter is done, waiting cannot deadlock.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """TransferAgent: the data-plane seam (one-sided WRITE plus a notification). Pure.
 
-Lifecycle of one agent (one per rank):
+Per rank: `make_agent` (backend from `cache_transceiver_config.backend`), `register_memory` once
+(before `local_metadata()` goes into the RankInfo), `add_remote` per peer written to, then per
+write `submit_write` -> `poll` until DONE or ERROR -> `release`; the target sees the
+notification in `get_notifications()` once the bytes landed. Methods are synchronous;
+`register_memory`, `add_remote` and `submit_write` may block (call them from a worker thread),
+the others return quickly. Never call one agent from two threads at once (runtime/pump.py).
 
-1. `make_agent(backend, name, ...)`: the backend comes from `cache_transceiver_config.backend`.
-2. `register_memory(pool_regions(page_table))` once, before `local_metadata()` is published in
-   the rank's RankInfo (NIXL metadata names the registered memory).
-3. `add_remote(peer.agent_metadata)` once per peer rank we write to; `remove_remote` when it goes.
-4. Per write: `submit_write(fragments, remote, notif)` -> `poll(handle)` until DONE or ERROR ->
-   `release(handle)`. The target sees `notif` in `get_notifications()` after the bytes landed.
-5. `close()`: releases handles, forgets remotes, deregisters memory.
-
-Threading contract (both backends): methods are synchronous. `register_memory`,
-`deregister_memory`, `add_remote` and `submit_write` may block (pinning memory, connecting to a
-peer, preparing descriptors): call them from a worker thread. `poll`, `release`,
-`get_notifications` and `local_metadata` return quickly. Never call one agent from two threads at
-once (runtime/pump.py: `AgentCalls` holds one lock around every call).
-
-A thread hop costs more than posting a small write to a connected peer, so an agent that knows
-when its `submit_write` is that quick says so with an optional `submit_is_quick(fragments,
-remote)` method (`posts_quickly`); the caller may then post on its own thread.
-
-An agent may also split a write in two (`WritePreparer`, optional): `prepare_write` does all of
-`submit_write` but the post, and `post_prepared` starts it. ctx prepares a write while the
-prefill that produces its KV still runs (gen asked first), so that only the post is left when
-the KV is ready. `release` drops a prepared handle that is never posted.
+Optional, because a thread hop costs more than posting a small write to a connected peer: an
+agent that knows when its `submit_write` is that quick says so (`submit_is_quick`), and one that
+can split a write (`WritePreparer`) lets ctx prepare it while the prefill that produces its KV
+still runs, so that only the post is left when the KV is ready.
 """
 
 from __future__ import annotations
@@ -51,8 +38,7 @@ class XferStatus(enum.Enum):
 
 
 @attrs.frozen(kw_only=True)
-class MemoryRegion:
-    """A contiguous range of registered memory."""
+class MemoryRegion:  # a contiguous range of registered memory
 
     address: int
     size: int
@@ -79,11 +65,8 @@ def pool_regions(page_table: PageTable) -> list[MemoryRegion]:
 def find_region(
     regions: Sequence[MemoryRegion], fragments: Fragments, *, column: int = 0
 ) -> MemoryRegion:
-    """The one region holding every fragment's source (`column=0`) or destination (`1`).
-
-    Raises:
-        AgentError: the fragments are not all inside one of `regions`.
-    """
+    """The one region holding every fragment's source (`column=0`) or destination (`1`);
+    AgentError if there is none."""
     rows = fragments.rows
     start = int(rows[:, column].min())
     end = int((rows[:, column] + rows[:, 2]).max())
@@ -109,9 +92,7 @@ class TransferAgent(Protocol):
 
     def local_metadata(self) -> bytes: ...
 
-    def add_remote(self, metadata: bytes) -> str:
-        """Load a peer agent from its metadata; returns its name (the `remote` of writes)."""
-        ...
+    def add_remote(self, metadata: bytes) -> str: ...  # a peer's agent: its name (`remote`)
 
     def remove_remote(self, name: str) -> None: ...
 
@@ -125,20 +106,15 @@ class TransferAgent(Protocol):
         dst_device_id: int = 0,
     ) -> XferHandle:
         """Start writing every fragment (local src -> remote dst); `notif` reaches the remote
-        once all bytes landed. An empty list is DONE at once and sends no notification.
-
-        Raises:
-            AgentError: a source outside registered memory, an unknown remote, a backend refusal.
-        """
+        once all bytes landed. An empty list is DONE at once and notifies nobody. AgentError: a
+        source outside registered memory, an unknown remote, a backend refusal."""
         ...
 
     def poll(self, handle: XferHandle) -> XferStatus: ...
 
     def release(self, handle: XferHandle) -> None: ...
 
-    def get_notifications(self) -> list[tuple[str, bytes]]:
-        """Notifications received since the last call, as (remote agent name, payload)."""
-        ...
+    def get_notifications(self) -> list[tuple[str, bytes]]: ...  # (remote name, payload)
 
     def close(self) -> None: ...
 
@@ -155,24 +131,18 @@ class WritePreparer(Protocol):
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
-        """Everything `submit_write` does but starting the write; as quick as it is when
-        `submit_is_quick` says so. Raises AgentError as `submit_write` does."""
+        """Everything `submit_write` does but starting the write (AgentError as it)."""
         ...
 
     def post_prepared(self, handle: XferHandle, notif: bytes | None = None) -> None:
-        """Start a prepared write (once); then `poll` and `release` it as any other. Quick.
-        `notif`, when given, replaces the notification given to `prepare_write`.
-
-        Raises:
-            AgentError: an unknown handle, or the backend refused the post (the handle is then
-                released).
-        """
+        """Start a prepared write (once), with `notif` (when given) in place of the one given
+        to `prepare_write`; then `poll` and `release` it as any other. Quick. AgentError: an
+        unknown handle, or the backend refused the post (the handle is then released)."""
         ...
 
 
 def write_preparer(agent: TransferAgent) -> WritePreparer | None:
-    """`agent` itself when it can prepare writes ahead of their post, else None (wrappers and
-    test doubles without the two methods always write in one go)."""
+    """`agent` itself when it can prepare writes ahead of their post, else None."""
     if hasattr(agent, "prepare_write") and hasattr(agent, "post_prepared"):
         return agent  # type: ignore[return-value]
     return None
@@ -180,8 +150,7 @@ def write_preparer(agent: TransferAgent) -> WritePreparer | None:
 
 def posts_quickly(agent: TransferAgent, fragments: Fragments, remote: str) -> bool:
     """Whether `agent` says that `submit_write(fragments, remote, ...)` returns within about
-    0.1 ms, so it may run on the event loop. Optional for agents (not in `TransferAgent`): test
-    doubles and wrappers without `submit_is_quick` are posted from a worker thread."""
+    0.1 ms, so it may run on the event loop (else it posts from a worker thread)."""
     quick = getattr(agent, "submit_is_quick", None)
     return quick is not None and bool(quick(fragments, remote))
 
@@ -189,13 +158,9 @@ def posts_quickly(agent: TransferAgent, fragments: Fragments, remote: str) -> bo
 def make_agent(
     backend: str, name: str, *, fabric: LoopbackFabric | None = None, progress_thread: bool = True
 ) -> TransferAgent:
-    """Create the agent named by config (`"NIXL"` | `"LOOPBACK"`, whose agents reach one another
-    through `fabric`); the backend module is imported only here. Blocking (NIXL creates its UCX
-    context): call it from a worker thread.
-
-    Raises:
-        AgentError: an unknown backend name, or LOOPBACK without a fabric.
-    """
+    """The agent named by config (`"NIXL"`, or `"LOOPBACK"` whose agents reach one another
+    through `fabric`), importing its backend only now; AgentError for another name. Blocking
+    (NIXL creates its UCX context): call it from a worker thread."""
     if backend == "NIXL":
         from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
 

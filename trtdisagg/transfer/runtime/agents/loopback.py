@@ -1,15 +1,11 @@
 """LoopbackAgent: in-process writes between agents of one process, for single-process tests.
 
 Agents find each other through a `LoopbackFabric` that the test (or a single-process cluster)
-creates and passes to every agent: no module-level registry. A write checks that every source
-lies in the writer's registered memory and every destination in the target's, copies with
-`ctypes.memmove`, and queues the notification on the target; it is DONE when `submit_write`
-(or `post_prepared`) returns. DRAM only (host addresses). Same contract as
-`base.TransferAgent`; nothing here blocks.
-
-`notify_on_poll=True` sends a write's notification only from the first `poll` that finds it
-done, as NIXL's UCX backend does for a write still in flight when posted (a GPU write): then
-gen hears of a write no sooner than ctx polls it.
+passes to each: no module-level registry. A write checks its sources and destinations against
+both agents' registered memory, copies with `ctypes.memmove` and queues the notification on the
+target; it is DONE once posted. DRAM only; nothing here blocks. `notify_on_poll=True` sends the
+notification only from the first `poll` that finds the write done, as NIXL's UCX backend does
+for a GPU write.
 """
 
 from __future__ import annotations

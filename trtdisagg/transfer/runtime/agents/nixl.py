@@ -1,19 +1,12 @@
 """NixlAgent: the NIXL (UCX) transfer agent. The only module that imports nixl.
 
 One `nixl_agent` per rank with the UCX backend and `NIXL_THREAD_SYNC_STRICT` (the agent locks
-itself, so a call on a worker thread and a `poll` on the event loop cannot corrupt it; callers
-should still serialise, see `base`). Memory is registered once: DRAM for CPU pools, VRAM for CUDA
-pools. A write builds one local and one remote descriptor list from the fragments
-(`get_xfer_descs` with `(addr, size, device)` rows), `initialize_xfer("WRITE", ...)` with the
-notification, and posts it with `transfer`; `poll` reads `check_xfer_state`.
-
-May block (call through `trio.to_thread.run_sync`): `NixlAgent(...)`, `register_memory`,
-`deregister_memory`, `add_remote`, `submit_write` (descriptor preparation is linear
-in the number of fragments, and the first write to a peer sets up its connection), `close`.
-Quick: `poll`, `release` (of a finished handle), `get_notifications`, `local_metadata`,
-`post_prepared`, and `submit_write` /
-`prepare_write` where `submit_is_quick` says so (a few descriptors to a peer already written
-to).
+itself; callers still serialise, see `base`). Memory is registered once (DRAM for CPU pools,
+VRAM for CUDA ones). A write builds a local and a remote descriptor list from the fragments,
+`initialize_xfer("WRITE", ...)`, and posts it with `transfer`; `poll` reads `check_xfer_state`.
+Blocking: construction, `register_memory`, `deregister_memory`, `add_remote`, `close`, and
+`submit_write` / `prepare_write` unless `submit_is_quick` says so (a few descriptors to a peer
+already written to); the rest is quick.
 """
 
 from __future__ import annotations
