@@ -209,7 +209,8 @@ def http(args: argparse.Namespace) -> dict[str, Any]:
         config_path = Path(tmp) / "worker.yaml"
         config_path.write_text(yaml.safe_dump({**worker_config(args), "port": port}))
         log_path = Path(tmp) / "worker.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
         with open(log_path, "wb") as log:
             worker = subprocess.Popen(
                 [sys.executable, "-m", "trtdisagg", "ctx", "--config", str(config_path)],

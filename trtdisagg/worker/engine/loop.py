@@ -299,8 +299,8 @@ class StepLoop:
                 num_outputs = request.num_output_tokens + request.pending_tokens
                 # Forks sample with their leader's first token only (a step already in
                 # flight may hold it while the next one is scheduled).
-                forks = live.forks if num_outputs == 0 else []
-                rows.append((num_outputs, [live, *forks]))
+                riders = live.forks if num_outputs == 0 else []
+                rows.append((num_outputs, [live, *riders]))
         masks = grammar_masks([choice for _, choices in rows for choice in choices])
         specs = {}
         for num_outputs, choices in rows:
