@@ -24,20 +24,15 @@ GEN_WAITING_KV and CTX_SENDING requests hold blocks that a peer writes or reads;
 scheduled nor preempted, but they do count against ``max_batch_size`` (GEN_WAITING_KV, since it
 will decode) and against the pool.
 
-Calling protocol (the executor, once per step):
-``plan = schedule()`` → run the forward → ``step_done(plan)`` → append each sampled token to
-its request's ``output_token_ids`` → ``finish``/``hold_for_transfer`` the requests that are done.
-Every non-empty plan must get its ``step_done`` before the next ``schedule``. The executor must
-also answer ``plan.finished``: requests the scheduler ended itself (LENGTH).
-
-Asynchronous steps split ``step_done`` in two: ``step_launched(plan)`` once the forward is queued
-(the next ``schedule`` may follow at once), ``step_finished(plan)`` once it ran. A token that a
-step in flight samples is counted in its request's ``pending_tokens`` (the executor's loop keeps
-that count): the next plan decodes from it, and a request that surely ends with it (a
-context_only request's first token, its ``max_tokens``-th, the context's last) is not scheduled
-again. A request ended while a launched step still computes it keeps its blocks until that step
-finished (``in_flight.py``). Preemption frees blocks at once: the step in flight writes them before
-any later step (one device stream), and the executor finishes it before it polls transfers again.
+Calling protocol (the engine loop): ``plan = schedule()``, then ``step_launched(plan)`` once its
+forward is queued and ``step_finished(plan)`` once it ran (``step_done`` does both), before the
+next ``schedule``; then each sampled token is appended and the requests that are done are
+``finish``ed or ``hold_for_transfer``ed; ``plan.finished`` (LENGTH) is answered too. A token of a
+step still in flight counts in its request's ``pending_tokens``: the next plan decodes from it,
+and a request that surely ends with it (a context_only request's first token, its
+``max_tokens``-th, the context's last) is not scheduled again. A request ended while a launched
+step computes it keeps its blocks until that step finished (``in_flight.py``); preemption frees
+at once, since the step in flight writes them before any later step (one device stream).
 
 Pure: no I/O. See ``request`` for the request lifecycle and ``kv.block_pool`` for blocks.
 """
@@ -69,11 +64,10 @@ class Scheduler:
     def __init__(
         self, *, pool: BlockPool, max_batch_size: int, max_num_tokens: int, max_seq_len: int
     ) -> None:
-        for name, value in (
-            ("max_batch_size", max_batch_size),
-            ("max_num_tokens", max_num_tokens),
-            ("max_seq_len", max_seq_len),
-        ):
+        limits = dict(
+            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len
+        )
+        for name, value in limits.items():
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         self._pool = pool
@@ -138,9 +132,7 @@ class Scheduler:
 
     def kv_received(self, request: Request, first_token: int) -> None:
         """The whole prompt's KV arrived: GEN_WAITING_KV → RUNNING, ``first_token`` as output 0.
-
-        The received blocks join the prefix cache like locally computed ones.
-        """
+        The received blocks join the prefix cache like locally computed ones."""
         self._expect(request, RequestState.GEN_WAITING_KV, RequestState.RUNNING)
         table = request.block_table
         if table is None or len(table.block_ids) < self._pool.blocks_for(request.num_prompt_tokens):
@@ -206,10 +198,7 @@ class Scheduler:
         )
 
     def step_done(self, plan: StepPlan) -> None:
-        """The plan's forward ran: advance each item's computed tokens and cache full blocks.
-
-        Items whose request left RUNNING meanwhile (aborted during the forward) are skipped.
-        """
+        """The plan's forward ran (a synchronous step): ``step_launched``, ``step_finished``."""
         self.step_launched(plan)
         self.step_finished(plan)
 
@@ -420,11 +409,8 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def has_work(self) -> bool:
-        """Whether any request is schedulable (WAITING or RUNNING).
-
-        ``schedule`` may still return an empty plan when every block is pinned by transfers;
-        the executor then waits for a transfer to finish rather than spinning.
-        """
+        """Whether any request is schedulable (WAITING or RUNNING). ``schedule`` may still
+        return an empty plan while transfers pin every block: the loop then waits, not spins."""
         return bool(self._waiting or self._running)
 
     def statistics(self) -> SchedulerStatistics:
