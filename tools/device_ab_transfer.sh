@@ -2,8 +2,8 @@
 # One device call: tools/bench_transfer.py on CUDA for this tree and for variants of it, in turn,
 # so that each comparison is made within one call on one host.
 #
-# Run from the repository root on the device, with the wheels of docs/bench_gpu_headline.md
-# ("Reproduce: the wheels") in .whl/. Results go to $OUT (bench.txt, results.tgz).
+# Run from the repository root on the device, with the wheels of docs/BENCHMARKS.md
+# ("Running on the GPU machine") in .whl/. Results go to $OUT (bench.txt, results.tgz).
 #
 #   VARIANTS="base" ROUNDS="1 2 3" SIZES="2048 8192" ONCE="1024 32768" BUSY=2048 \
 #       SUITE=1 bash tools/device_ab_transfer.sh
