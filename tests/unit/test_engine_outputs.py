@@ -12,8 +12,9 @@ import pytest
 from tests.engine_parts import HOLD, make_live
 from trtdisagg.worker.engine.ending import Blocks, Ending
 from trtdisagg.worker.engine.live import Live
-from trtdisagg.worker.engine.outputs import OutputProcessor, Processed, Token
+from trtdisagg.worker.engine.outputs import OutputProcessor, Processed, RequestOutput, Token
 from trtdisagg.worker.request import FinishReason, RequestType
+from trtdisagg.worker.sampling import TokenLogprobs
 
 A, B, C = (ord(c) for c in "abc")
 EOS = 2
@@ -160,3 +161,20 @@ def test_the_closing_output_of_a_request_ended_without_a_token() -> None:
     assert failed.finish_reason is FinishReason.ERROR and failed.perf is not None
     upstream = outputs.closing(live, Ending.transfer_failed("ctx is gone"), 2.0)
     assert upstream.error == "ctx is gone" and not upstream.internal
+
+
+def test_joined_outputs_keep_the_first_one_s_prompt_logprobs() -> None:
+    """A reader that fell behind joins a choice's first output (which carries the echoed
+    prompt's logprobs) with the next: the prompt's logprobs must survive the join."""
+    prompt = (TokenLogprobs(logprob=-0.5, top=((3, -0.5),)),)
+
+    def output(token: int, carried: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
+        return RequestOutput(
+            token_ids=(token,), text=f"t{token}", logprobs=(None,), finish_reason=None,
+            num_prompt_tokens=2, num_cached_tokens=0, num_output_tokens=token,
+            prompt_logprobs=carried,
+        )  # fmt: skip
+
+    joined = output(1, prompt).then(output(2))
+    assert joined.prompt_logprobs == prompt and joined.token_ids == (1, 2)
+    assert output(1).then(output(2)).prompt_logprobs is None
