@@ -32,6 +32,7 @@ import base64
 import contextlib
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -155,6 +156,8 @@ def _processes(
     tmp: Path, net: Any, sizes: list[int], model: Path, progress_thread: bool
 ) -> Iterator[dict[str, Any]]:
     max_tokens = 2 * max(sizes) + 1024
+    # Workers bound beyond loopback run their control plane secured (CURVE), as between hosts.
+    env = {**UCX_ENV, "TRTDISAGG_CLUSTER_SECRET": secrets.token_urlsafe(32)}
     procs: list[subprocess.Popen[Any]] = []
     try:
         urls = {}
@@ -168,7 +171,7 @@ def _processes(
             path.write_text(yaml.safe_dump(config))
             log_path = tmp / f"{role}.log"
             procs.append(
-                net.popen(role, [role, "--config", str(path)], log_path=log_path, env=UCX_ENV)
+                net.popen(role, [role, "--config", str(path)], log_path=log_path, env=env)
             )
             urls[role] = f"http://{host.address}:{PORT}"
         size = max(sizes) * 16384 + (1 << 20)
