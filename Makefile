@@ -33,8 +33,14 @@ system-deps:
 		$$SUDO apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q etcd-server iproute2; }
 
+# The suite runs on TEST_WORKERS xdist workers: run one at a time, its tests leave a core idle
+# while they wait on timeouts, child processes and start-ups. Each test file stays on one worker,
+# so a module's cluster starts once; tests/conftest.py hands the slow modules out first.
+TEST_WORKERS ?= 2
+
 test: lint system-deps
-	$(PY) -m pytest -q -p no:cacheprovider -m "not gpu" --durations=25
+	$(PY) -m pytest -q -p no:cacheprovider -m "not gpu" --durations=25 \
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache

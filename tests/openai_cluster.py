@@ -3,6 +3,9 @@ with NIXL behind a coordinator, on `tiny`), the two ways to reach it, and reader
 
 "worker" is the ctx worker serving whole (aggregated) requests alone; "coordinator" splits
 every choice into a ctx → gen pair.
+
+The cluster is started once per test session (per xdist worker) by `shared_cluster` in
+`tests/e2e/conftest.py`, and shared by the modules that only send it requests and leave it idle.
 """
 
 from __future__ import annotations

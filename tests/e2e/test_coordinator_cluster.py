@@ -20,7 +20,8 @@ import openai
 import pytest
 import yaml
 
-from tests.procs import Server, free_port, metric, spawn, worker_config
+from tests.instances import running_instances
+from tests.procs import Server, free_port, metric, spawn
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,19 +30,10 @@ WORKER = {"cache_transceiver_config": {"backend": "NIXL", "nixl_progress_thread"
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Server]]]:
-    tmp = tmp_path_factory.mktemp("workers")
-    with contextlib.ExitStack() as stack:
-        out: dict[str, list[Server]] = {"ctx": [], "gen": []}
-        for role, count in (("ctx", 2), ("gen", 1)):
-            for i in range(count):
-                port = free_port()
-                path = tmp / f"{role}-{i}.yaml"
-                path.write_text(yaml.safe_dump(worker_config(**WORKER)))
-                out[role].append(stack.enter_context(spawn(
-                    [role, "--config", str(path), "--port", str(port)],
-                    port=port, log_path=tmp / f"{role}-{i}.log",
-                )))  # fmt: skip
-        yield out
+    # Started together: their start-ups overlap instead of queueing.
+    specs = {"ctx-0": ("ctx", WORKER), "ctx-1": ("ctx", WORKER), "gen-0": ("gen", WORKER)}
+    with running_instances(tmp_path_factory.mktemp("workers"), specs) as servers:
+        yield {"ctx": [servers["ctx-0"], servers["ctx-1"]], "gen": [servers["gen-0"]]}
 
 
 @contextlib.contextmanager

@@ -30,6 +30,8 @@ from tests.oracle import assert_greedy_match, hf_greedy
 from tests.procs import Server, free_port, metric, spawn
 from trtdisagg.model.tiny import TinySpec, write_checkpoint
 
+pytestmark = pytest.mark.slow
+
 TRANSFER = {"backend": "NIXL", "kv_transfer_timeout_ms": 20000, "nixl_progress_thread": False}
 HOOKS = {"TRTDISAGG_TEST_HOOKS": "1"}
 BASE = TinySpec(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)

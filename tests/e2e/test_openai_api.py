@@ -1,8 +1,8 @@
-"""The OpenAI API as real clients use it, against real processes (`tests/openai_cluster.py`:
-a ctx and a gen worker behind a coordinator, on `tiny`, started once for the module), the worker
-alone and the coordinator. Each feature is checked for OpenAI's shape (the official `openai`
-client parses every answer) and for agreement: the same tokens split or not, greedy and seeded
-at temperature 1. The validation list is `test_openai_validation.py`.
+"""The OpenAI API as real clients use it, against real processes (`tests/openai_cluster.py`: a ctx
+and a gen worker behind a coordinator, on `tiny`, shared with the other modules that only send it
+requests), the worker alone and the coordinator. Each feature is checked for OpenAI's shape (the
+official `openai` client parses every answer) and for agreement: the same tokens split or not,
+greedy and seeded at temperature 1. The validation list is `test_openai_validation.py`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from tests.openai_cluster import (
     assert_stream_shape,
     both,
     by_choice,
-    openai_cluster,
     sse,
     tokens_of,
     url_of,
@@ -43,19 +42,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, httpx.Client]]:
-    with openai_cluster(tmp_path_factory.mktemp("openai_api")) as started:
-        yield started
+def cluster(shared_cluster: tuple[Cluster, httpx.Client]) -> Cluster:
+    return shared_cluster[0]
 
 
 @pytest.fixture(scope="module")
-def cluster(running: tuple[Cluster, httpx.Client]) -> Cluster:
-    return running[0]
-
-
-@pytest.fixture(scope="module")
-def http(running: tuple[Cluster, httpx.Client]) -> httpx.Client:
-    return running[1]
+def http(shared_cluster: tuple[Cluster, httpx.Client]) -> httpx.Client:
+    return shared_cluster[1]
 
 
 @pytest.fixture(scope="module")

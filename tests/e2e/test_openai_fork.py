@@ -1,8 +1,8 @@
 """A prompt's `n` choices share its prefill and its KV transfer, through real processes
-(`tests/openai_cluster.py`: a ctx and a gen worker behind a coordinator, on `tiny`, started once
-for the module): the workers' counters prove one prefill and one transfer; the choices agree split
-or not, greedy and seeded; `best_of` keeps the best candidates; `echo` with `logprobs` gives the
-prompt's logprobs, computed by the prefill on ctx when split.
+(`tests/openai_cluster.py`: a ctx and a gen worker behind a coordinator, on `tiny`, shared with the
+other modules that only send it requests): the workers' counters prove one prefill and one transfer;
+the choices agree split or not, greedy and seeded; `best_of` keeps the best candidates; `echo` with
+`logprobs` gives the prompt's logprobs, computed by the prefill on ctx when split.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from tests.openai_cluster import (
     assert_stream_shape,
     both,
     by_choice,
-    openai_cluster,
     sse,
     tokens_of,
     url_of,
@@ -43,19 +42,13 @@ PROMPT_LEN = 1000
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, httpx.Client]]:
-    with openai_cluster(tmp_path_factory.mktemp("openai_fork")) as started:
-        yield started
+def cluster(shared_cluster: tuple[Cluster, httpx.Client]) -> Cluster:
+    return shared_cluster[0]
 
 
 @pytest.fixture(scope="module")
-def cluster(running: tuple[Cluster, httpx.Client]) -> Cluster:
-    return running[0]
-
-
-@pytest.fixture(scope="module")
-def http(running: tuple[Cluster, httpx.Client]) -> httpx.Client:
-    return running[1]
+def http(shared_cluster: tuple[Cluster, httpx.Client]) -> httpx.Client:
+    return shared_cluster[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
 """The sampling controls (`logit_bias`, presence, frequency and repetition penalties, `min_p`)
 through the official `openai` client, against the worker alone and through the coordinator
-(`tests/openai_cluster.py`, started once for the module): each changes the output the way it
-should, and the worker and the ctx → gen split give the same tokens, greedy and seeded.
+(`tests/openai_cluster.py`, shared with the other modules that only send it requests): each changes
+the output the way it should, and the worker and the ctx → gen split give the same tokens, greedy
+and seeded.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.edges import Cluster
-from tests.openai_cluster import CHAT, IDS, PROMPTS, both, openai_cluster, tokens_of
+from tests.openai_cluster import CHAT, IDS, PROMPTS, both, tokens_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,14 +26,8 @@ NUDGE = {str(TOKEN): 6}
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, httpx.Client]]:
-    with openai_cluster(tmp_path_factory.mktemp("openai_sampling")) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def cluster(running: tuple[Cluster, httpx.Client]) -> Cluster:
-    return running[0]
+def cluster(shared_cluster: tuple[Cluster, httpx.Client]) -> Cluster:
+    return shared_cluster[0]
 
 
 def _complete(client: openai.OpenAI, **ask: Any) -> list[int]:

@@ -1,15 +1,14 @@
-"""Structured output and tool calls through real processes (`tests/openai_cluster.py`: a ctx and
-a gen worker behind a coordinator, on the random `tiny` model, started once for the module),
-with the official `openai` client: output always parses and validates against its schema (20 of
-them), aggregated and disaggregated alike (the mask of the first token is ctx's, gen's after it
-replays that token); tool calls come back in OpenAI's shape, whole and streamed.
+"""Structured output and tool calls through real processes (`tests/openai_cluster.py`: a ctx and a
+gen worker behind a coordinator, on the random `tiny` model, shared with the other modules that only
+send it requests), with the official `openai` client: output always parses and validates against its
+schema (20 of them), aggregated and disaggregated alike (the mask of the first token is ctx's, gen's
+after it replays that token); tool calls come back in OpenAI's shape, whole and streamed.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,7 +17,7 @@ import pytest
 
 from tests.edges import Cluster
 from tests.json_schemas import SCHEMAS
-from tests.openai_cluster import CHAT, TARGETS, api, both, openai_cluster, url_of
+from tests.openai_cluster import CHAT, TARGETS, api, both, url_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,19 +32,13 @@ SAMPLING = [{"temperature": 0}, {"temperature": 1.0, "seed": 123}]
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, httpx.Client]]:
-    with openai_cluster(tmp_path_factory.mktemp("openai_structured")) as started:
-        yield started
+def cluster(shared_cluster: tuple[Cluster, httpx.Client]) -> Cluster:
+    return shared_cluster[0]
 
 
 @pytest.fixture(scope="module")
-def cluster(running: tuple[Cluster, httpx.Client]) -> Cluster:
-    return running[0]
-
-
-@pytest.fixture(scope="module")
-def http(running: tuple[Cluster, httpx.Client]) -> httpx.Client:
-    return running[1]
+def http(shared_cluster: tuple[Cluster, httpx.Client]) -> httpx.Client:
+    return shared_cluster[1]
 
 
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))

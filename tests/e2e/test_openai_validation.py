@@ -1,38 +1,31 @@
 """The validation list, one parametrised test each, against the worker alone and through the
-coordinator (`tests/openai_cluster.py`, started once for the module): every refusal is a 400 in
-OpenAI's shape naming the field, neutral values are served, bad text is a 400, a non-JSON body
-a 415.
+coordinator (`tests/openai_cluster.py`, shared with the other modules that only send it requests):
+every refusal is a 400 in OpenAI's shape naming the field, neutral values are served, bad text is a
+400, a non-JSON body a 415.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.edges import Cluster
-from tests.openai_cluster import CHAT, TARGETS, TOOLS, openai_cluster, url_of
+from tests.openai_cluster import CHAT, TARGETS, TOOLS, url_of
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, httpx.Client]]:
-    with openai_cluster(tmp_path_factory.mktemp("openai_validation")) as started:
-        yield started
+def cluster(shared_cluster: tuple[Cluster, httpx.Client]) -> Cluster:
+    return shared_cluster[0]
 
 
 @pytest.fixture(scope="module")
-def cluster(running: tuple[Cluster, httpx.Client]) -> Cluster:
-    return running[0]
-
-
-@pytest.fixture(scope="module")
-def http(running: tuple[Cluster, httpx.Client]) -> httpx.Client:
-    return running[1]
+def http(shared_cluster: tuple[Cluster, httpx.Client]) -> httpx.Client:
+    return shared_cluster[1]
 
 
 COMPLETE = {"prompt": "Hello", "max_tokens": 2}

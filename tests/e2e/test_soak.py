@@ -1,22 +1,22 @@
 """A 60-second soak in CI: mixed load through the coordinator, then a leak check (acceptance 7).
 
-1 ctx + 1 gen (tiny model, NIXL transceiver) behind a coordinator. The load is tools/soak.py's
-(bench_serving's mixed mode: a closed loop of short-prompt streams plus Poisson long-prompt
-streams) at a moderate rate, in two phases: 15 s of warm-up, then 45 s. Required: no failed
-request in either phase; afterwards every KV block of both workers is free or held by the prefix
-cache (soak.py's check); and no process's resident memory grows during the second phase by more
-than allocator warm-up explains.
+1 ctx + 1 gen (tiny model, NIXL transceiver) behind a coordinator: the session's shared cluster
+(`tests/e2e/conftest.py`). The load is tools/soak.py's (bench_serving's mixed mode: a closed loop
+of short-prompt streams plus Poisson long-prompt streams) at a moderate rate, in two phases: 15 s
+of warm-up, then 45 s. Required: no failed request in either phase; afterwards every KV block of
+both workers is free or held by the prefix cache (soak.py's check); and no process's resident
+memory grows during the second phase by more than allocator warm-up explains.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.edges import Cluster, running_cluster
+from tests.edges import Cluster
 
 # tools/ holds scripts that import each other as top-level modules (see test_bench_tools.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -36,11 +36,10 @@ RSS_SLACK_FRACTION = 0.15
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("soak")
-    coordinator = {"request_timeout": 60}
-    with running_cluster(tmp, coordinator=coordinator) as running:
-        yield running
+def cluster(shared_cluster: tuple[Cluster, httpx.Client]) -> Cluster:
+    """The session's shared cluster (its coordinator's request_timeout is 60 s): whatever the
+    modules before this one left held is a leak this test finds too."""
+    return shared_cluster[0]
 
 
 def _load(cluster: Cluster, seconds: float, seed: int) -> BenchConfig:
