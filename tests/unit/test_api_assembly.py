@@ -17,7 +17,7 @@ from trtdisagg.api.responses_events import ResponseHead, ResponsesStream, respon
 from trtdisagg.api.sse import DONE, SseSplitter, parse_event
 from trtdisagg.coordinator.choices import ChoiceSseMerger, merge_answers
 from trtdisagg.coordinator.split import ClientAsk
-from trtdisagg.worker import responses
+from trtdisagg.worker.http import responses
 from trtdisagg.worker.sampling import TokenLogprobs
 
 META = responses.ResponseMeta(

@@ -12,7 +12,7 @@ import trio.testing
 from trtdisagg.api.fanout import ChoicePlan
 from trtdisagg.worker.engine.live import RequestHandle
 from trtdisagg.worker.engine.outputs import RequestOutput
-from trtdisagg.worker.jobs import ChoiceRun
+from trtdisagg.worker.http.jobs import ChoiceRun
 from trtdisagg.worker.request import FinishReason, Request, SamplingParams
 from trtdisagg.worker.sampling import TokenLogprobs
 

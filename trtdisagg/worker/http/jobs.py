@@ -21,9 +21,9 @@ from trtdisagg.api.fanout import ChoicePlan
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
 from trtdisagg.api.streaming import MergedBody
 from trtdisagg.api.tool_calls import ToolCall, ToolCallFormat, ToolCallParser, parse_tool_calls
-from trtdisagg.worker import responses
 from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
-from trtdisagg.worker.handoff import ctx_state
+from trtdisagg.worker.http import responses
+from trtdisagg.worker.http.handoff import ctx_state
 from trtdisagg.worker.request import RequestType
 from trtdisagg.worker.sampling import TokenLogprobs
 
