@@ -401,7 +401,7 @@ class OutputMerger:
             return [sse_event(ApiError(500, output.error).to_json())]
         if output.perf is not None and self._perf is None:
             self._perf = output.perf
-        chunk = self.assembler.output(
+        event = self.assembler.output_event(
             index,
             text=output.text,
             token_ids=output.token_ids,
@@ -410,7 +410,7 @@ class OutputMerger:
             tokens=self.runs[index].tokens(output),
             prompt_logprobs=output.prompt_logprobs,
         )
-        return [] if chunk is None else [sse_event(chunk)]
+        return [] if event is None else [event]
 
     def failed(self, index: int, error: Exception) -> list[bytes]:
         self.stopped = True
