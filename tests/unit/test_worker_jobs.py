@@ -73,6 +73,14 @@ async def test_queued_outputs_come_out_as_one() -> None:
     assert run.done and not aborts.aborted
 
 
+async def test_queued_outputs_keep_the_prompt_s_logprobs_of_the_first() -> None:
+    prompt = (TokenLogprobs(logprob=-1.0, top=()), TokenLogprobs(logprob=-2.0, top=()))
+    first = attrs.evolve(output(97), prompt_logprobs=prompt)  # echo: only the first has them
+    run, _ = run_with(first, output(98), output(99, reason=FinishReason.LENGTH))
+    (joined,) = [out async for out in run]
+    assert joined.token_ids == (97, 98, 99) and joined.prompt_logprobs == prompt
+
+
 async def test_an_error_is_read_after_the_text_before_it() -> None:
     run, _ = run_with(output(97), output(98), output(99, reason=FinishReason.ERROR, error="boom"))
     outs = [out async for out in run]

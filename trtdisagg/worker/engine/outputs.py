@@ -57,12 +57,16 @@ class RequestOutput:
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the next one of the same request as one (a reader that fell behind
-        sends them in one chunk): tokens, text and logprobs joined, the rest the later's."""
+        sends them in one chunk): tokens, text and logprobs joined, the prompt's logprobs (which
+        only a request's first output carries) kept, the rest the later's."""
         return attrs.evolve(
             later,
             token_ids=self.token_ids + later.token_ids,
             text=self.text + later.text,
             logprobs=self.logprobs + later.logprobs,
+            prompt_logprobs=(
+                self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+            ),
         )
 
 
