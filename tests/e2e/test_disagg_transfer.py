@@ -20,7 +20,7 @@ from tests.oracle import assert_greedy_match, hf_greedy
 from tests.procs import Server, metric, running_worker
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.tiny import TinySpec, ensure_tiny_checkpoint
-from trtdisagg.worker.handoff import ctx_instance_of
+from trtdisagg.worker.http.handoff import ctx_instance_of
 
 TIMEOUT_MS = 3000
 TRANSFER = {"backend": "NIXL", "kv_transfer_timeout_ms": TIMEOUT_MS, "nixl_progress_thread": False}

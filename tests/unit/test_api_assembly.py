@@ -17,7 +17,7 @@ from trtdisagg.api.responses_events import ResponseHead, ResponsesStream, respon
 from trtdisagg.api.sse import DONE, SseSplitter, parse_event
 from trtdisagg.coordinator.choices import ChoiceSseMerger, merge_answers
 from trtdisagg.coordinator.split import ClientAsk
-from trtdisagg.worker import responses
+from trtdisagg.worker.http import responses
 from trtdisagg.worker.sampling import TokenLogprobs
 
 META = responses.ResponseMeta(
@@ -196,6 +196,47 @@ def test_an_echo_with_logprobs_goes_out_with_the_first_output() -> None:
     later = assembler.output(1, text="y", token_ids=[8], finish_reason="stop",
                              tokens=tokens(0, 3, 2), logprobs=[None])  # fmt: skip
     assert later["choices"][0]["text"] == "y"  # the echo went out once
+
+
+TEXTS = ("hi", "", 'q"uo\\te', "line\nbreak\ttab\x01", "h\u00e9 \u4e16\u754c \U0001f600", "\ud800")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("ids", [False, True])
+def test_a_plain_chunk_s_bytes_are_those_of_its_dict(chat: bool, ids: bool) -> None:
+    """The plain chunks formatted from parts (`PlainChunk`) are, byte for byte, `sse_event` of
+    the dict `output` makes, whatever the text holds; first chunks and chunks that show
+    nothing agree too."""
+    meta = responses.ResponseMeta(response_id='id-"\u00e9', created=17, model="m\\odel",
+                                  chat=chat, return_token_ids=ids)  # fmt: skip
+    formatted, walked = _assembler(meta, include_usage=True), _assembler(meta, include_usage=True)
+    assert [sse_event(c) for c in walked.opening()] == list(map(sse_event, formatted.opening()))
+    for done, (text, finish) in enumerate(
+        [*((t, None) for t in TEXTS), ("end", "stop"), ("", "length")], start=1
+    ):
+        index = done % 3
+        kw: Any = dict(text=text, token_ids=[40 + done, 7], logprobs=[None, None],
+                       finish_reason=finish, tokens=tokens(index // 2, 3, done))  # fmt: skip
+        chunk = walked.output(index, **kw)
+        event = formatted.output_event(index, **kw)
+        assert event == (None if chunk is None else sse_event(chunk)), (text, finish)
+    assert formatted.closing(None) == walked.closing(None)
+    assert [c.plain is not None for c in formatted.choices] == [True, True, True]
+
+
+def test_a_chunk_with_logprobs_or_usage_is_not_plain() -> None:
+    lp = TokenLogprobs(logprob=-1.5, top=((3, -0.25),))
+    formatted, walked = _assembler(META, continuous_usage=True), _assembler(META)
+    for assembler in (formatted, walked):
+        assembler.opening()
+    kw: Any = dict(text="a", token_ids=[5], finish_reason=None, tokens=tokens(0, 3, 1))
+    for first in range(2):  # the first chunk, then a later one
+        event = formatted.output_event(0, logprobs=[None], **kw)
+        assert event is not None and b'"usage"' in event
+        event = walked.output_event(0, logprobs=[lp], **kw)
+        assert event is not None and json.loads(event[6:])["choices"][0]["logprobs"] == {
+            "tokens": ["<5>"], "token_logprobs": [-1.5], "top_logprobs": [{"<3>": -0.25,
+            "<5>": -1.5}], "text_offset": [3 * first]}  # fmt: skip
 
 
 # ---- the coordinator's merge ----

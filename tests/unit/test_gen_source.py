@@ -1,5 +1,6 @@
-"""What a generation_only request carries from ctx's answer (`worker/gen_source.py`), checked as
-any peer's input is: every choice's first token, their logprobs, the prompt's logprobs."""
+"""What a generation_only request carries from ctx's answer (`worker/http/gen_source.py`),
+checked as any peer's input is: every choice's first token, their logprobs, the prompt's
+logprobs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from trtdisagg.api.codec import structure_body
 from trtdisagg.api.errors import ApiError
 from trtdisagg.api.protocol import DisaggregatedParams
-from trtdisagg.worker.gen_source import generation_source
+from trtdisagg.worker.http.gen_source import generation_source
 
 VOCAB = 100
 PROMPT = [1, 5, 6, 7]

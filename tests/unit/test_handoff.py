@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trtdisagg.worker.handoff import ctx_instance_of, ctx_state
+from trtdisagg.worker.http.handoff import ctx_instance_of, ctx_state
 
 
 @given(st.text(min_size=1))

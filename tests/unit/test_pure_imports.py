@@ -35,6 +35,7 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.worker.engine.tracker",
     "trtdisagg.worker.engine.ports",
     "trtdisagg.worker.engine.forks",
+    "trtdisagg.worker.http.handoff",
     "trtdisagg.coordinator.cluster",
     "trtdisagg.coordinator.routers",
     "trtdisagg.coordinator.ledger",

@@ -12,7 +12,7 @@ import trio.testing
 from trtdisagg.api.fanout import ChoicePlan
 from trtdisagg.worker.engine.live import RequestHandle
 from trtdisagg.worker.engine.outputs import RequestOutput
-from trtdisagg.worker.jobs import ChoiceRun
+from trtdisagg.worker.http.jobs import ChoiceRun
 from trtdisagg.worker.request import FinishReason, Request, SamplingParams
 from trtdisagg.worker.sampling import TokenLogprobs
 
@@ -71,6 +71,14 @@ async def test_queued_outputs_come_out_as_one() -> None:
     assert [lp.logprob for lp in joined.logprobs if lp is not None] == [-97.0, -98.0, -99.0]
     assert joined.finish_reason is FinishReason.LENGTH and joined.num_output_tokens == 3
     assert run.done and not aborts.aborted
+
+
+async def test_queued_outputs_keep_the_prompt_s_logprobs_of_the_first() -> None:
+    prompt = (TokenLogprobs(logprob=-1.0, top=()), TokenLogprobs(logprob=-2.0, top=()))
+    first = attrs.evolve(output(97), prompt_logprobs=prompt)  # echo: only the first has them
+    run, _ = run_with(first, output(98), output(99, reason=FinishReason.LENGTH))
+    (joined,) = [out async for out in run]
+    assert joined.token_ids == (97, 98, 99) and joined.prompt_logprobs == prompt
 
 
 async def test_an_error_is_read_after_the_text_before_it() -> None:

@@ -74,7 +74,7 @@ class ReceiveCommand:
     endpoint: str
     block_ids: tuple[int, ...]
     num_tokens: int
-    ctx_instance: str | None = None  # the ctx instance rank 0 was told of (handoff.py)
+    ctx_instance: str | None = None  # the ctx instance rank 0 was told of (http/handoff.py)
 
 
 @attrs.frozen(kw_only=True)

@@ -23,8 +23,8 @@ from trtdisagg.membership.records import WorkerRecord, advertised_url
 from trtdisagg.membership.registration import Drain, serve_registration
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.transfer.protocol.rank_info import make_instance_name
-from trtdisagg.worker.app import create_app
 from trtdisagg.worker.engine.build import build_worker
+from trtdisagg.worker.http.app import create_app
 from trtdisagg.worker.rank_group import RankGroup
 from trtdisagg.worker.ranks import Followers, start_followers
 

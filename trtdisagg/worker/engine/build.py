@@ -37,12 +37,12 @@ from trtdisagg.worker.engine.test_hooks import DigestingTransceiver, FaultyRunne
 from trtdisagg.worker.engine.tracker import TransferTracker
 from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.fault_hooks import arm_faults
+from trtdisagg.worker.http.service import WorkerService
 from trtdisagg.worker.rank_group import RankGroup
 from trtdisagg.worker.rank_plan import RankReport
 from trtdisagg.worker.ranks import share_infos_with
 from trtdisagg.worker.runner import ModelRunner, build_runner
 from trtdisagg.worker.scheduler import Scheduler
-from trtdisagg.worker.service import WorkerService
 from trtdisagg.worker.tokenization import Tokenizer
 from trtdisagg.worker.transfer_setup import build_transceiver, control_secret, hold_router
 

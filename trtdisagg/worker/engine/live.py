@@ -30,7 +30,7 @@ class GenerationSource:
     # ctx's first token of each choice, in choice order; empty under generation_first, where
     # they come with the KV
     first_tokens: tuple[int, ...] = ()
-    ctx_instance: str | None = None  # the ctx instance that answered, if it said (handoff.py)
+    ctx_instance: str | None = None  # the ctx instance that answered, if it said (http/handoff.py)
     # ctx's logprobs of each first token, when the request asks for logprobs (else empty)
     first_logprobs: tuple[TokenLogprobs | None, ...] = ()
     num_choices: int = 1  # the request's n: how many first tokens ctx must send

@@ -9,11 +9,14 @@ choices it has (as OpenAI does), and every choice's completion tokens.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 import attrs
 
+from trtdisagg.api.codec import sse_event
 from trtdisagg.api.protocol import PerfMetrics, Usage, prune
 from trtdisagg.api.tool_calls import ToolCall, ToolCallParser, tool_call_deltas
 from trtdisagg.worker.sampling import TokenLogprobs
@@ -261,6 +264,44 @@ def usage_chunk(meta: ResponseMeta, usage: Usage, perf: PerfMetrics | None) -> J
     return body
 
 
+@attrs.frozen(kw_only=True)
+class PlainChunk:
+    """A streamed choice's plain chunk as its SSE event: the choice already started, and no
+    logprobs, tool calls, echo or per-chunk usage. Only its text, token ids and finish reason
+    vary, so the rest is rendered once per choice; the bytes are those `sse_event` makes of
+    `chunk_body`'s dict (the same keys in the same order, strings escaped as `json.dumps`
+    escapes them), one format call instead of a dict walked by the JSON encoder per token."""
+
+    head: str  # up to the finish reason's value
+    text_key: str  # between the finish reason and the text
+    text_end: str  # closes chat's delta
+    with_ids: bool
+
+    @classmethod
+    def of(cls, meta: ResponseMeta, index: int) -> PlainChunk:
+        # json.dumps escapes every non-ASCII character, so the whole event is ASCII.
+        head = (
+            f'data: {{"id":{json.dumps(meta.response_id)},'
+            f'"object":{json.dumps("chat.completion.chunk" if meta.chat else "text_completion")},'
+            f'"created":{json.dumps(meta.created)},"model":{json.dumps(meta.model)},'
+            f'"choices":[{{"index":{json.dumps(index)},"logprobs":null,"finish_reason":'
+        )
+        return cls(
+            head=head,
+            text_key=',"delta":{"content":' if meta.chat else ',"text":',
+            text_end="}" if meta.chat else "",
+            with_ids=meta.return_token_ids,
+        )
+
+    def event(self, text: str, token_ids: Sequence[int], finish_reason: str | None) -> bytes:
+        finish = "null" if finish_reason is None else encode_basestring_ascii(finish_reason)
+        ids = f',"token_ids":[{",".join(map(str, token_ids))}]' if self.with_ids else ""
+        return (
+            self.head + finish + self.text_key + encode_basestring_ascii(text) + self.text_end
+            + ids + "}]}\n\n"
+        ).encode("ascii")  # fmt: skip
+
+
 @attrs.define(eq=False, kw_only=True)
 class ChoiceStream:
     """A streamed choice's progress."""
@@ -274,6 +315,7 @@ class ChoiceStream:
     text_offset: int = 0  # characters of token text sent so far (logprobs' text_offset)
     started: bool = False  # its first chunk (role, prompt ids) is out
     finished: bool = False
+    plain: PlainChunk | None = None  # its plain chunk's parts, once one is sent
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -343,6 +385,48 @@ class StreamAssembler:
         return self._chunk(
             choice, text=text, token_ids=token_ids, lp=lp, finish_reason=finish_reason, calls=calls
         )
+
+    def output_event(
+        self,
+        index: int,
+        *,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs | None],
+        finish_reason: str | None,
+        tokens: ChoiceTokens,
+        prompt_logprobs: Sequence[TokenLogprobs] | None = None,
+    ) -> bytes | None:
+        """`output`'s chunk as its SSE event; a plain chunk (`PlainChunk`) is formatted from
+        its parts."""
+        choice = self.choices[index]
+        plain = (
+            choice.started
+            and choice.tools is None
+            and (choice.echo is None or choice.echoed)
+            and not self.continuous_usage
+            and all(lp is None for lp in logprobs)
+        )
+        if not plain:
+            chunk = self.output(
+                index,
+                text=text,
+                token_ids=token_ids,
+                logprobs=logprobs,
+                finish_reason=finish_reason,
+                tokens=tokens,
+                prompt_logprobs=prompt_logprobs,
+            )
+            return None if chunk is None else sse_event(chunk)
+        choice.tokens = tokens
+        carries_tokens = bool(token_ids) and (self.meta.return_token_ids or self.logprobs)
+        if not text and not carries_tokens and finish_reason is None:
+            return None
+        if finish_reason is not None:
+            choice.finished = True
+        if choice.plain is None:
+            choice.plain = PlainChunk.of(self.meta, choice.index)
+        return choice.plain.event(text, token_ids, finish_reason)
 
     def closing(self, perf: PerfMetrics | None) -> list[Json]:
         if not self.include_usage:

@@ -34,11 +34,11 @@ from trtdisagg.ids import new_transfer_key
 from trtdisagg.kv.hashing import HASH_ALGORITHM
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.transfer.protocol.rank_info import compat_fields
-from trtdisagg.worker import responses
 from trtdisagg.worker.engine.executor import Executor, GenerationSource
-from trtdisagg.worker.gen_source import generation_source
 from trtdisagg.worker.grammar import GrammarCompiler, GrammarError, GrammarTemplate
-from trtdisagg.worker.jobs import ChoiceRun, CtxEndpoint, Job
+from trtdisagg.worker.http import responses
+from trtdisagg.worker.http.gen_source import generation_source
+from trtdisagg.worker.http.jobs import ChoiceRun, CtxEndpoint, Job
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
 from trtdisagg.worker.sampling import MIN_TEMPERATURE
 from trtdisagg.worker.tokenization import Tokenizer

@@ -21,9 +21,9 @@ from trtdisagg.api.fanout import ChoicePlan
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
 from trtdisagg.api.streaming import MergedBody
 from trtdisagg.api.tool_calls import ToolCall, ToolCallFormat, ToolCallParser, parse_tool_calls
-from trtdisagg.worker import responses
 from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
-from trtdisagg.worker.handoff import ctx_state
+from trtdisagg.worker.http import responses
+from trtdisagg.worker.http.handoff import ctx_state
 from trtdisagg.worker.request import RequestType
 from trtdisagg.worker.sampling import TokenLogprobs
 
@@ -401,7 +401,7 @@ class OutputMerger:
             return [sse_event(ApiError(500, output.error).to_json())]
         if output.perf is not None and self._perf is None:
             self._perf = output.perf
-        chunk = self.assembler.output(
+        event = self.assembler.output_event(
             index,
             text=output.text,
             token_ids=output.token_ids,
@@ -410,7 +410,7 @@ class OutputMerger:
             tokens=self.runs[index].tokens(output),
             prompt_logprobs=output.prompt_logprobs,
         )
-        return [] if chunk is None else [sse_event(chunk)]
+        return [] if event is None else [event]
 
     def failed(self, index: int, error: Exception) -> list[bytes]:
         self.stopped = True

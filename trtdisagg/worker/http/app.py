@@ -29,7 +29,7 @@ from trtdisagg.api.responses_api import ResponsesRequest, as_responses_error, ch
 from trtdisagg.api.responses_events import ResponseHead, ResponsesStream, response_body
 from trtdisagg.api.streaming import ResponsesBody
 from trtdisagg.metrics import CONTENT_TYPE
-from trtdisagg.worker.service import WorkerService
+from trtdisagg.worker.http.service import WorkerService
 
 if TYPE_CHECKING:
     from trtdisagg.faults.spec import FaultInjector
