@@ -37,7 +37,7 @@ Notifications = list[tuple[str, bytes]]
 Ended = list[tuple[int, XferStatus]]
 
 # The pump's period while a transfer waits, by where the KV lives: a small part of the shortest
-# write that matters, since each poll costs CPU (docs/BENCHMARKS.md). A GPU write of hundreds of
+# write that matters, since each poll costs CPU. A GPU write of hundreds of
 # MiB takes a fraction of a millisecond; a host-memory write of that size takes milliseconds.
 PUMP_INTERVAL_S = {"VRAM": 50e-6, "DRAM": 500e-6}
 _PR_SET_TIMERSLACK = 29

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 _STATES = {"PROC": XferStatus.PENDING, "DONE": XferStatus.DONE, "ERR": XferStatus.ERROR}
 _DONE = XferHandle(0)  # the handle of an empty write: nothing was submitted
 # Preparing descriptors is linear in their number: up to this many, posting to a connected peer
-# costs less than the thread hop it would otherwise pay (docs/BENCHMARKS.md).
+# costs less than the thread hop it would otherwise pay.
 QUICK_SUBMIT_MAX_DESCRIPTORS = 16
 # A post from host memory may copy the bytes itself (UCX's shared-memory transports without a
 # progress thread), so from DRAM only a small write is quick; from VRAM a post only queues it.
