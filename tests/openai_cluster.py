@@ -18,8 +18,10 @@ from typing import Any
 
 import httpx
 import openai
+import yaml
 
 from tests.edges import Cluster, running_cluster
+from tests.procs import Server, free_port, spawn
 
 TARGETS = ("worker", "coordinator")
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "Hello"]
@@ -49,6 +51,26 @@ LOGPROB_TOLERANCE = 1e-4  # ctx's prefill and gen's decode sum in different orde
 def openai_cluster(tmp: Path) -> Iterator[tuple[Cluster, httpx.Client]]:
     with running_cluster(tmp) as cluster, httpx.Client(timeout=60, trust_env=False) as http:
         yield cluster, http
+
+
+@contextlib.contextmanager
+def generation_first_coordinator(cluster: Cluster, tmp: Path) -> Iterator[Server]:
+    """A second coordinator over `cluster`'s workers, with schedule_style: generation_first."""
+    port = free_port()
+    config = {
+        "hostname": "127.0.0.1", "port": port, "schedule_style": "generation_first",
+        "context_servers": {"urls": [cluster.ctx.url]},
+        "generation_servers": {"urls": [cluster.gen.url]},
+        "health_check_interval": 0.2, "request_timeout": 60,
+    }  # fmt: skip
+    path = tmp / "disagg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with spawn(
+        ["coordinator", "--config", str(path), "--port", str(port)],
+        port=port,
+        log_path=tmp / "coordinator.log",
+    ) as server:
+        yield server
 
 
 def url_of(cluster: Cluster, target: str) -> str:

@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 
 from tests.edges import Cluster, wait_idle, wait_until
 from tests.openai_cluster import (
@@ -30,11 +29,12 @@ from tests.openai_cluster import (
     assert_stream_shape,
     both,
     by_choice,
+    generation_first_coordinator,
     sse,
     tokens_of,
     url_of,
 )
-from tests.procs import Server, free_port, metric, spawn
+from tests.procs import Server, metric
 from trtdisagg.api.fanout import choice_seed
 from trtdisagg.worker.tokenization import Tokenizer
 
@@ -57,18 +57,7 @@ def generation_first(
 ) -> Iterator[Server]:
     """A second coordinator over the same workers, with schedule_style: generation_first."""
     tmp = tmp_path_factory.mktemp("generation_first")
-    port = free_port()
-    config = {
-        "hostname": "127.0.0.1", "port": port, "schedule_style": "generation_first",
-        "context_servers": {"urls": [cluster.ctx.url]},
-        "generation_servers": {"urls": [cluster.gen.url]},
-        "health_check_interval": 0.2, "request_timeout": 60,
-    }  # fmt: skip
-    path = tmp / "disagg.yaml"
-    path.write_text(yaml.safe_dump(config))
-    with spawn(
-        ["coordinator", "--config", str(path)], port=port, log_path=tmp / "coordinator.log"
-    ) as server:
+    with generation_first_coordinator(cluster, tmp) as server:
         yield server
 
 
