@@ -500,11 +500,26 @@ async def test_200_streams_abandoned_in_prefill_and_decode_free_every_block_with
         for server, count in zip(cluster.workers, aborted, strict=True):
             assert await _aborted(client, server) > count, server.url
         after = await _latency(client, url, calm)
+        coordinator = (await client.get(cluster.coordinator.url + "/metrics")).text
+        releases = {
+            outcome: metric(coordinator, "trtdisagg_coordinator_ctx_releases_total",
+                            f'outcome="{outcome}"')
+            for outcome in ("released", "not_held", "failed")
+        }  # fmt: skip
         # A CANCEL that came after its session ended is held a transfer timeout (for a session
         # of its key still to come), then forgotten: no block is held for it.
         with trio.fail_after(TIMEOUT_S + 5):
             while await _early_messages(client, cluster.workers):  # noqa: ASYNC110 (metrics)
                 await trio.sleep(0.1)
-    print(f"all free {freed_s:.2f}s after the last hang-up; latency {before:.2f}s, {after:.2f}s")
-    assert freed_s <= 1.0, (freed_s, "(running, blocks, sessions, quarantined):", held_at_1s)
+    print(
+        f"all free {freed_s:.2f}s after the last hang-up; latency {before:.2f}s, {after:.2f}s;"
+        f" ctx releases {releases}"
+    )
+    assert freed_s <= 1.0, (
+        freed_s,
+        "(running, blocks, sessions, quarantined):",
+        held_at_1s,
+        "ctx releases:",
+        releases,
+    )
     assert after <= 2 * before + 0.5, (before, after)
