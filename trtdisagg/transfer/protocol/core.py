@@ -113,8 +113,6 @@ class TransferProtocol:
                 ctx.abandon(key, reason, out)
             case ev.ReceiveAsked():
                 gen.ask(event, now, out)
-            case ev.TransferCancelled(key=key):
-                out = self.cancel(key, now)[1]
             case ev.AgentLoaded(info=info, reply_to=reply_to, error=error):
                 if ctx.on_agent_loaded(info, reply_to, error, out):
                     self._track(info, now)

@@ -369,7 +369,7 @@ class CtxProtocol:
 
     def _staged(
         self, request: RequestData, plan: SendPlan, source: SourceBlocks
-    ) -> ev.StagedSend | None:
+    ) -> ev.Staged | None:
         """Bounce: the runs this rank owns of gen's canonical region (bounce.py)."""
         if not plan.elected:
             return None
@@ -384,7 +384,7 @@ class CtxProtocol:
                 f"gen's staging region of {request.staging_bytes} bytes cannot hold {needed}"
             )
         num_bytes = sum(run.num_bytes for run in runs)
-        return ev.StagedSend(runs=runs, block_ids=source.block_ids[0], first_token=first,
+        return ev.Staged(runs=runs, block_ids=source.block_ids[0], first_token=first,
                              num_tokens=num_tokens, num_bytes=num_bytes)  # fmt: skip
 
     def _notice(self, order: ev.WriteOrder, first_tokens: tuple[int, ...]) -> bytes:

@@ -88,7 +88,7 @@ class _Starting:  # a receive with no session yet: its rendezvous or staging roo
     cancelled: bool = False
     ranks: tuple[RankInfo, ...] = ()
     expected: tuple[int, ...] = ()
-    staged: ev.StagedReceive | None = None
+    staged: ev.Staged | None = None
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -105,7 +105,7 @@ class GenProtocol:
     bounced: int = 0  # receives that went through staging
     _instances: dict[str, _CtxInstance] = attrs.Factory(dict)  # by info endpoint
     _starting: dict[int, _Starting] = attrs.Factory(dict)
-    _staged: dict[int, ev.StagedReceive] = attrs.Factory(dict)
+    _staged: dict[int, ev.Staged] = attrs.Factory(dict)
     _scattering: dict[int, TransferOutcome] = attrs.Factory(dict)  # reported once copied
     # (ctx instance, ctx rank, key) -> when: a session of `key` ended before that rank's
     # TRANSFER_RESULT came. That result, when it comes, is the ended session's.
@@ -336,7 +336,7 @@ class GenProtocol:
             skipped = (-(-num_tokens // tpb) - len(blocks[0])) * tpb  # blocks gen holds
             num_bytes = canonical_bytes(self.local, num_tokens - skipped)
             if num_bytes <= self.staging.capacity:
-                starting.staged = ev.StagedReceive(offset=-1, num_bytes=num_bytes,
+                starting.staged = ev.Staged(offset=-1, num_bytes=num_bytes,
                                                    block_ids=blocks[0], first_token=skipped,
                                                    num_tokens=num_tokens)  # fmt: skip
                 out.append(ev.ReserveStaging(key=key, num_bytes=num_bytes,
