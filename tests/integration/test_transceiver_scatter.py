@@ -78,7 +78,6 @@ async def test_host_scatter_runs_off_the_loop_and_holds_the_outcome_and_the_bloc
         session = ReceiverSession(
             key=KEY, peer_instance="ctx", expected=frozenset({0}), deadline=1e12
         )
-        session.mark_requested()
         session.on_result(0, RankResult(status=ResultStatus.OK, num_bytes=4096, num_descriptors=1))
         gen.protocol.gen.receivers[KEY] = session
         gen.protocol.gen._staged[KEY] = Staged(

@@ -77,7 +77,7 @@ class _Prepared:
 class CtxProtocol:
     local: RankInfo
     timeout_s: float
-    registrar: PeerRegistrar  # the gen ranks registered with us
+    registrar: PeerRegistrar  # the peer ranks met, shared with the gen side
     refusals: Refusals = attrs.Factory(Refusals)
     max_per_peer: int = 1024  # sessions and held messages of one gen instance
     senders: Sessions[SenderSession] = attrs.Factory(Sessions)
@@ -194,8 +194,7 @@ class CtxProtocol:
             self._accept(session, request)
             self._start_writes(session, out)
         elif key in self.senders:
-            self.refusals.refuse("not_owner", name, now, "REQUEST_DATA %d from %s#%d dropped: "
-                                 "another gen instance's session", key, name, rank)  # fmt: skip
+            self.refusals.not_owner("REQUEST_DATA", key, name, now)
         elif not self._over_limit(request, now, out):
             self.early.add_request(now, request)
             self._prepare(key, request, out)
@@ -262,8 +261,7 @@ class CtxProtocol:
 
     def tick(self, now: float, out: Out) -> None:
         for session in list(self.senders.values()):
-            if session.expired(now):
-                session.fail(f"KV transfer {session.key} timed out after {self.timeout_s:g}s")
+            session.expire(now, self.timeout_s)
             self._settle(session, now, out)
         for key in [k for k, (_, until) in self._expected.items() if now >= until]:
             self._forget_key(key, out)  # the KV never came
@@ -274,9 +272,9 @@ class CtxProtocol:
             self._result(stale.instance_name, stale.instance_rank, stale.key, ResultStatus.ERROR,
                          out, error=error)  # fmt: skip
 
-    def forget(self, instance: str, dead: str | None, now: float, out: Out) -> list[RankInfo]:
+    def forget(self, instance: str, dead: str | None, now: float, out: Out) -> None:
         """Forget the gen instance `instance` (gone; `dead`: why, when its process ended: what
-        is bound to it fails now). Its ranks, as registered."""
+        is bound to it fails now)."""
         for session in list(self.senders.values()):
             if dead is not None and session.peer_instance == instance:
                 session.fail(f"peer instance {instance} is gone: {dead}")
@@ -284,9 +282,6 @@ class CtxProtocol:
         for by_rank in self._prepared.values():
             for rank in [r for r, p in by_rank.items() if p.request.instance_name == instance]:
                 out.append(ev.ReleasePrepared(write_id=by_rank.pop(rank).order.write_id))
-        ranks = self.registrar.ranks_of(instance)
-        self.registrar.forget(instance)
-        return ranks
 
     # ---- writes ----
 
