@@ -335,8 +335,8 @@ def test_every_destination_byte_written_once(s: Scenario) -> None:
         got = sum(n for (_, gr), n in results.items() if gr == g.instance_rank)
         assert (
             got
-            == len(overlap)
-            == len(gen_reg[g.instance_rank].overlap(ctx_infos[0], peer_dp_rank=s.ctx_dp_rank))
+            == len(overlap.ranks)
+            == len(gen_reg[g.instance_rank].overlap(ctx_infos[0], peer_dp_rank=s.ctx_dp_rank).ranks)
         )
         _check_destination(s, gen_pools[g.instance_rank])
 
