@@ -31,6 +31,7 @@ REQUEST_DATA or CANCEL for it is dropped and counted (refusals.py). A gen instan
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import attrs
 
@@ -430,22 +431,17 @@ class CtxProtocol:
 
     # ---- messages ----
 
-    def _message(
-        self, key: int, status: ResultStatus, *, error: str = "", num_bytes: int = 0,
-        num_descriptors: int = 0, first_tokens: tuple[int, ...] = (),
-    ) -> TransferResult:  # fmt: skip
-        return TransferResult(
-            key=key, instance_name=self.local.instance_name, status=status, error=error,
-            instance_rank=self.local.instance_rank, num_bytes=num_bytes,
-            num_descriptors=num_descriptors, first_tokens=first_tokens,
-        )  # fmt: skip
+    def _message(self, key: int, status: ResultStatus, **fields: Any) -> TransferResult:
+        return TransferResult(key=key, instance_name=self.local.instance_name,
+                              instance_rank=self.local.instance_rank, status=status,
+                              **fields)  # fmt: skip
 
     def _result(
-        self, name: str, rank: int, key: int, status: ResultStatus, out: Out, **fields: object
+        self, name: str, rank: int, key: int, status: ResultStatus, out: Out, **fields: Any
     ) -> None:
         """TRANSFER_RESULT to the gen rank `name#rank`, if still known."""
         if (peer := self.registrar.get((name, rank))) is not None:
-            message = self._message(key, status, **fields)  # type: ignore[arg-type]
+            message = self._message(key, status, **fields)
             out.append(ev.Send(endpoint=peer.control_endpoint, message=message))
 
     def _ack_cancel(self, cancel: Cancel, out: Out) -> None:

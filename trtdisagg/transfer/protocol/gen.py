@@ -31,7 +31,7 @@ import attrs
 
 from trtdisagg.transfer.errors import PeerIncompatible
 from trtdisagg.transfer.protocol import events as ev
-from trtdisagg.transfer.protocol.bounce import bounces, canonical_bytes
+from trtdisagg.transfer.protocol.bounce import canonical_bytes
 from trtdisagg.transfer.protocol.peers import PeerRegistrar
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.refusals import Refusals
@@ -344,11 +344,10 @@ class GenProtocol:
         """Whether this receive goes through staging; ctx decides the same from the same
         mapper, and both ends agreed on the settings."""
         bounce, by_rank = self.local.bounce, {r.instance_rank: r for r in starting.ranks}
-        return any(
-            bounces(self.registrar.send_plan(by_rank[rank].key).piece_bytes,
-                    threshold_bytes=bounce.threshold_bytes, enabled=bounce.enabled)
+        return bounce.enabled and any(
+            self.registrar.send_plan(by_rank[rank].key).piece_bytes < bounce.threshold_bytes
             for rank in starting.expected
-        )  # fmt: skip
+        )
 
     def _open(self, key: int, now: float, out: Out) -> None:
         starting = self._starting.pop(key)
