@@ -183,10 +183,9 @@ class CtxProtocol:
             self.refusals.warn(name, now, "REQUEST_DATA %d from unregistered gen rank %s#%d",
                                key, name, rank)  # fmt: skip
             if reply_to is not None:
-                error = f"{NOT_REGISTERED}: gen rank {name}#{rank} registers again at its next" \
-                    " request"
-                out.append(ev.Reply(reply_to=reply_to, message=self._message(
-                    key, ResultStatus.ERROR, error=error)))  # fmt: skip
+                error = f"{NOT_REGISTERED}: gen rank {name}#{rank} registers again at its next try"
+                message = self._message(key, ResultStatus.ERROR, error=error)
+                out.append(ev.Reply(reply_to=reply_to, message=message))
         elif self.early.take_overtaken(request):
             log.info("REQUEST_DATA %d came after its CANCEL: dropped", key)
         elif (session := self.senders.lookup(name, key)) is not None:

@@ -313,9 +313,9 @@ class KvTransceiver:
         self.prepared_posts += prepared is not None
         quick = prepared is not None or posts_quickly(self.agent, order.fragments, remote)
         if order.staged is None and quick and self._calls.idle:
+            submit = functools.partial(self._submit, order, remote, notice, prepared)
             try:
-                self._posted(order, self._calls.now(functools.partial(
-                    self._submit, order, remote, notice, prepared)), remote)  # fmt: skip
+                self._posted(order, self._calls.now(submit), remote)
             except TransferLayerError as exc:
                 self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
         else:
