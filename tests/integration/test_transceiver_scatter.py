@@ -16,7 +16,7 @@ import trio
 
 from tests.transceivers import outcome_of, rank_info
 from trtdisagg.transfer.protocol.bounce import StagedRun
-from trtdisagg.transfer.protocol.events import NoticeIn, StagedReceive
+from trtdisagg.transfer.protocol.events import NoticeIn, Staged
 from trtdisagg.transfer.protocol.sessions import RankResult, ReceiverSession
 from trtdisagg.transfer.protocol.wire import ResultStatus, WriteNotice
 from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
@@ -78,10 +78,9 @@ async def test_host_scatter_runs_off_the_loop_and_holds_the_outcome_and_the_bloc
         session = ReceiverSession(
             key=KEY, peer_instance="ctx", expected=frozenset({0}), deadline=1e12
         )
-        session.mark_requested()
         session.on_result(0, RankResult(status=ResultStatus.OK, num_bytes=4096, num_descriptors=1))
         gen.protocol.gen.receivers[KEY] = session
-        gen.protocol.gen._staged[KEY] = StagedReceive(
+        gen.protocol.gen._staged[KEY] = Staged(
             offset=offset, num_bytes=4096, block_ids=(1, 2), first_token=0, num_tokens=5
         )
         # ctx's write lands: its notice ends the session, whose KV is then scattered

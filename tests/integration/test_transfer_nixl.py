@@ -194,7 +194,7 @@ def _child(gen_info: RankInfo, results: Any) -> None:
         )
         notice = encode(WriteNotice(key=11, instance_name="ctx", instance_rank=0))
         status = _wait(agent, agent.submit_write(fragments, remote, notice))
-        results.put(("ok", status.value, sum(f.size for f in fragments)))
+        results.put(("ok", status.value, fragments.num_bytes))
     except BaseException as exc:
         results.put(("error", repr(exc), 0))
         raise

@@ -12,7 +12,7 @@ from tests.rank_infos import make_instance
 from trtdisagg.faults.agent import FaultyAgent
 from trtdisagg.faults.spec import FaultInjector, parse_faults
 from trtdisagg.transfer.errors import AgentError
-from trtdisagg.transfer.protocol.fragments import Fragment, Fragments
+from trtdisagg.transfer.protocol.fragments import Fragments
 from trtdisagg.transfer.protocol.peers import PeerRegistrar
 from trtdisagg.transfer.protocol.wire import WriteNotice, decode, encode
 from trtdisagg.transfer.runtime.agents.base import (
@@ -156,16 +156,16 @@ def test_loopback_refuses_out_of_bounds_and_unknown_remotes() -> None:
     ctx, gen = _agents()
     ctx.register_memory([MemoryRegion(address=src.ctypes.data, size=64)])
     gen.register_memory([MemoryRegion(address=dst.ctypes.data, size=32)])
-    good = Fragment(src_addr=src.ctypes.data, dst_addr=dst.ctypes.data, size=32)
+    good = (src.ctypes.data, dst.ctypes.data, 32)
     with pytest.raises(AgentError, match="unknown remote agent 'gen/0'"):
         ctx.submit_write(Fragments.of([good]), "gen/0", b"")
     remote = ctx.add_remote(gen.local_metadata())
-    too_long = Fragment(src_addr=src.ctypes.data, dst_addr=dst.ctypes.data, size=33)
+    too_long = (src.ctypes.data, dst.ctypes.data, 33)
     with pytest.raises(
         AgentError, match=r"ctx/0 -> gen/0: 1 fragments' destinations .* not inside"
     ):
         ctx.submit_write(Fragments.of([too_long]), remote, b"")
-    unregistered = Fragment(src_addr=src.ctypes.data + 60, dst_addr=dst.ctypes.data, size=8)
+    unregistered = (src.ctypes.data + 60, dst.ctypes.data, 8)
     with pytest.raises(AgentError, match=r"sources \[0x[0-9a-f]+, 0x[0-9a-f]+\) are not inside"):
         ctx.submit_write(Fragments.of([unregistered]), remote, b"")
     assert not dst.any()
@@ -191,12 +191,10 @@ def test_registry_selects_by_config_name() -> None:
         make_agent("LOOPBACK", "x", fabric=fabric)
 
 
-def test_fragments_sequence() -> None:
-    items = [Fragment(src_addr=10, dst_addr=20, size=4), Fragment(src_addr=14, dst_addr=30, size=2)]
-    fragments = Fragments.of(items)
-    assert list(fragments) == items
-    assert fragments[1] == items[1]
-    assert fragments[1:] == Fragments.of(items[1:])
+def test_fragments() -> None:
+    fragments = Fragments.of([(10, 20, 4), (14, 30, 2)])
+    assert fragments.rows.tolist() == [[10, 20, 4], [14, 30, 2]]
+    assert fragments == Fragments.of([(10, 20, 4), (14, 30, 2)]) != Fragments.of([(10, 20, 4)])
     assert (len(fragments), fragments.num_bytes) == (2, 6)
     assert len(Fragments.of([])) == 0
     with pytest.raises(ValueError, match="read-only"):

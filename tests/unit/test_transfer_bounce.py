@@ -125,10 +125,10 @@ def test_staged_transfer_lands_every_gen_byte(case: dict[str, object]) -> None:
             src.pack(0, runs, src_blocks, first_token=first, num_tokens=num_tokens)
             fragments = staged_fragments(runs, src_address=src.address, dst_address=staging.address)
             assert len(fragments) <= len(runs)
-            for f in fragments:  # the agent's job: copy each fragment's bytes
-                s, d = f.src_addr - src.address, f.dst_addr - staging.address
-                staging.tensor[d : d + f.size] = src.tensor[s : s + f.size]
-                written[d : d + f.size] += 1
+            for src_addr, dst_addr, size in fragments.rows.tolist():  # the agent's job
+                s, d = src_addr - src.address, dst_addr - staging.address
+                staging.tensor[d : d + size] = src.tensor[s : s + size]
+                written[d : d + size] += 1
         assert bool((written == 1).all()), "a canonical byte was written twice or never"
         staging.unpack(0, dst_blocks, first_token=first, num_tokens=num_tokens)
         blocks = torch.tensor([0] * skip + dst_blocks)  # gen's own earlier blocks: not checked

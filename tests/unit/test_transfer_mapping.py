@@ -297,7 +297,6 @@ def test_every_destination_byte_written_once(s: Scenario) -> None:
         receiver = ReceiverSession(
             key=7, peer_instance="ctx", expected=frozenset(overlap.ranks), deadline=math.inf
         )
-        receiver.mark_requested()
         request = RequestData(
             key=7,
             instance_name="gen",
@@ -319,13 +318,13 @@ def test_every_destination_byte_written_once(s: Scenario) -> None:
             # The write path: a constant-time mapping where both lists are runs, else this.
             assert direct_fragments(plan, sender.source, request) == fragments
             src, dst = ctx_pools[rank], gen_pools[g.instance_rank]
-            for f in fragments:
-                so, do = src.offset(f.src_addr, f.size), dst.offset(f.dst_addr, f.size)
-                dst.data[do : do + f.size] = src.data[so : so + f.size]
-                dst.writes[do : do + f.size] += 1
+            for src_addr, dst_addr, size in fragments.rows.tolist():
+                so, do = src.offset(src_addr, size), dst.offset(dst_addr, size)
+                dst.data[do : do + size] = src.data[so : so + size]
+                dst.writes[do : do + size] += 1
             assert sender.write_finished(g.instance_rank, ResultStatus.OK)
             results[rank, g.instance_rank] += 1
-            num_bytes = sum(f.size for f in fragments)
+            num_bytes = fragments.num_bytes
             part = RankResult(
                 status=ResultStatus.OK, num_bytes=num_bytes, num_descriptors=len(fragments)
             )
@@ -336,8 +335,8 @@ def test_every_destination_byte_written_once(s: Scenario) -> None:
         got = sum(n for (_, gr), n in results.items() if gr == g.instance_rank)
         assert (
             got
-            == len(overlap)
-            == len(gen_reg[g.instance_rank].overlap(ctx_infos[0], peer_dp_rank=s.ctx_dp_rank))
+            == len(overlap.ranks)
+            == len(gen_reg[g.instance_rank].overlap(ctx_infos[0], peer_dp_rank=s.ctx_dp_rank).ranks)
         )
         _check_destination(s, gen_pools[g.instance_rank])
 
@@ -387,7 +386,7 @@ def _fragments(
 ) -> list[tuple[int, int, int]]:
     plan = PeerRegistrar(ctx).register(gen)
     frags = plan.fragments(src_blocks=[src], dst_blocks=[dst], num_tokens=tokens)
-    return [(f.src_addr, f.dst_addr, f.size) for f in frags]
+    return [(src, dst, size) for src, dst, size in frags.rows.tolist()]
 
 
 def test_homogeneous_consecutive_blocks_are_one_fragment() -> None:

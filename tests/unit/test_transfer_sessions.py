@@ -140,8 +140,7 @@ def test_sender_deadline() -> None:
 
 def test_receiver_happy_path_needs_results_and_notices() -> None:
     r = _receiver()
-    assert r.status is Status.INIT
-    r.mark_requested()
+    assert r.status is Status.TRANSFERRING
     assert r.status is Status.TRANSFERRING
     assert r.on_result(
         0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="")
@@ -150,12 +149,11 @@ def test_receiver_happy_path_needs_results_and_notices() -> None:
     assert r.status is Status.TRANSFERRING  # rank 1's bytes not confirmed landed
     assert r.on_notice(1)
     assert r.status is Status.TRANSFERRED
-    assert (r.num_bytes, r.num_descriptors) == (100, 2)
+    assert r.moved()[:2] == (100, 2)
 
 
 def test_receiver_notice_may_come_first() -> None:
     r = _receiver(expected=(3,))
-    r.mark_requested()
     assert r.on_notice(3)
     assert not r.on_notice(3)
     r.on_result(3, RankResult(status=OK, num_bytes=8, num_descriptors=1, error=""))
@@ -164,7 +162,6 @@ def test_receiver_notice_may_come_first() -> None:
 
 def test_receiver_ignores_unexpected_duplicate_and_late() -> None:
     r = _receiver(expected=(0,))
-    r.mark_requested()
     assert not r.on_result(9, RankResult(status=OK, num_bytes=0, num_descriptors=0, error=""))
     assert not r.on_notice(9)
     assert r.on_result(0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error=""))
@@ -174,7 +171,6 @@ def test_receiver_ignores_unexpected_duplicate_and_late() -> None:
 
 def test_receiver_error_result_and_quiescence() -> None:
     r = _receiver()
-    r.mark_requested()
     r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="boom"))
     assert r.status is Status.ERROR
     assert r.error == "ctx rank 0: error: boom"
@@ -186,7 +182,6 @@ def test_receiver_error_result_and_quiescence() -> None:
 
 def test_receiver_cancel() -> None:
     r = _receiver()
-    r.mark_requested()
     r.cancel()
     assert r.status is Status.CANCELLED
     r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="cancelled"))
@@ -196,13 +191,11 @@ def test_receiver_cancel() -> None:
 
 def test_a_receiver_whose_ctx_died_fails_and_is_quiescent_at_once() -> None:
     r = _receiver()
-    r.mark_requested()
     assert not r.is_quiescent
     r.peer_died("peer instance ctx-a is gone: its connection dropped")
     assert r.status is Status.ERROR and r.is_quiescent
     assert r.error == "peer instance ctx-a is gone: its connection dropped"
     cancelled = _receiver()
-    cancelled.mark_requested()
     cancelled.cancel()  # quarantined: a write may still land, until the ctx instance ended
     cancelled.peer_died("gone")
     assert cancelled.status is Status.CANCELLED and cancelled.is_quiescent
@@ -245,7 +238,6 @@ def test_a_last_result_that_is_not_ok_fails_the_receiver(status: ResultStatus) -
     # The last expected result completes the set; with 0 bytes it needs no notice. It must
     # still fail the session, not read as TRANSFERRED (gen would decode KV that never came).
     r = _receiver(expected=(0, 1))
-    r.mark_requested()
     assert r.on_result(0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error=""))
     assert r.on_result(
         1, RankResult(status=status, num_bytes=0, num_descriptors=0, error="no submit")
@@ -267,23 +259,22 @@ def test_sender_reports_which_ranks_it_writes_to() -> None:
 
 def test_receiver_takes_the_first_tokens_of_the_lowest_ctx_rank_that_sent_them() -> None:
     r = _receiver(expected=(0, 1, 2))
-    r.mark_requested()
-    assert r.first_tokens == ()
+    assert r.moved()[2] == ()
     r.on_result(
         2, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(7,))
     )
-    assert r.first_tokens == (7,)
+    assert r.moved()[2] == (7,)
     r.on_result(
         1, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="")
     )  # a follower without them
     r.on_result(
         0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(5,))
     )
-    assert r.first_tokens == (5,)
+    assert r.moved()[2] == (5,)
     assert not r.on_result(
         0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(9,))
     )
-    assert r.first_tokens == (5,)  # a duplicate result changes nothing
+    assert r.moved()[2] == (5,)  # a duplicate result changes nothing
 
 
 def test_merged_outcome_keeps_the_first_tokens_of_any_rank() -> None:
@@ -301,7 +292,6 @@ def test_merged_outcome_keeps_the_first_tokens_of_any_rank() -> None:
 
 def test_receiver_ends_on_a_write_s_notice_before_its_result() -> None:
     r = _receiver(expected=(0, 1))
-    r.mark_requested()
     assert not r.is_quiescent
     assert r.on_notice(0, RankResult(status=OK, num_bytes=64, num_descriptors=1, first_tokens=(5,)))
     assert not r.on_notice(
@@ -314,21 +304,20 @@ def test_receiver_ends_on_a_write_s_notice_before_its_result() -> None:
         1, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="")
     )  # rank 1: nothing to move
     assert r.status is Status.TRANSFERRED and r.is_quiescent
-    assert (r.num_bytes, r.num_descriptors, r.first_tokens) == (64, 1, (5,))
+    assert r.moved() == (64, 1, (5,))
     # rank 0's result comes last: it changes nothing, even an error (the bytes had landed).
     r.on_result(0, RankResult(status=ERROR, num_bytes=64, num_descriptors=1, error="late"))
-    assert r.status is Status.TRANSFERRED and r.num_bytes == 64
+    assert r.status is Status.TRANSFERRED and r.moved()[0] == 64
 
 
 def test_a_write_that_fails_before_its_notice_fails_the_receiver() -> None:
     r = _receiver(expected=(0,))
-    r.mark_requested()
     assert not r.is_quiescent  # the write may still land
     r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="write failed"))
     assert r.status is Status.ERROR and r.is_quiescent
     # a notice after the error result says nothing more
     assert r.on_notice(0, RankResult(status=OK, num_bytes=64, num_descriptors=1))
-    assert r.status is Status.ERROR and r.num_bytes == 0
+    assert r.status is Status.ERROR and r.moved()[0] == 0
 
 
 _receiver_events = st.lists(
@@ -350,7 +339,7 @@ def _derived_status(session: ReceiverSession) -> Status:
         return Status.ERROR
     if all(session._landed(rank) for rank in session.expected):
         return Status.TRANSFERRED
-    return Status.TRANSFERRING if session.requested else Status.INIT
+    return Status.TRANSFERRING
 
 
 @settings(max_examples=400, deadline=None)
@@ -362,7 +351,6 @@ def test_a_receiver_s_kept_status_is_always_its_derived_one(
     session's status at every step); after any sequence of events that matches the status
     derived from its facts."""
     session = ReceiverSession(key=1, peer_instance="ctx", expected=frozenset(expected), deadline=9)
-    session.mark_requested()
     for kind, rank, status, num_bytes in events:
         if kind == "result":
             session.on_result(

@@ -199,8 +199,8 @@ CANCEL = wire.Cancel(key=5, instance_name="gen", instance_rank=1)
         ({"extra": 1}, r"extra fields found \(extra\)"),
         ({"key": "5"}, r"expected int @ \$\.key"),
         ({"key": True}, r"expected int @ \$\.key"),
-        ({"key": -1}, r"key -1 outside"),
-        ({"instance_rank": -3}, "instance_rank must not be negative"),
+        ({"key": -1}, r"'key' must be >= 0: -1"),
+        ({"instance_rank": -3}, "'instance_rank' must be >= 0: -3"),
     ],
 )
 def test_malformed_fields_name_the_problem(change: dict[str, object], match: str) -> None:

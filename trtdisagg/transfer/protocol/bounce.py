@@ -6,9 +6,9 @@ transfer goes through staging buffers: gen reserves room for its share in the *c
 `[its layers, K/V, its kv heads, tokens, head_dim]` and names it in REQUEST_DATA; each ctx rank
 packs the runs it owns (`staged_runs`) into its own staging buffer and writes them with one
 descriptor per run (merged where they continue each other); once every ctx rank has reported,
-gen scatters the region into its blocks. Both sides decide whether a pairing bounces the same
-way (`bounces`): from the smallest piece the mapper both build would write, against the agreed
-`threshold_bytes`.
+gen scatters the region into its blocks. gen decides whether a pairing bounces (gen.py), from
+the smallest piece its mapper would write against the agreed `threshold_bytes`; ctx follows the
+REQUEST_DATA.
 """
 
 from __future__ import annotations
@@ -84,11 +84,6 @@ def staged_fragments(runs: Sequence[StagedRun], *, src_address: int, dst_address
         rows[i] = (src_address + offset, dst_address + run.dst_offset, run.num_bytes)
         offset += run.num_bytes
     return Fragments(merge_runs(rows))
-
-
-def bounces(piece_bytes: int, *, threshold_bytes: int, enabled: bool) -> bool:
-    """Whether a pairing whose smallest direct piece is `piece_bytes` goes through staging."""
-    return enabled and piece_bytes < threshold_bytes
 
 
 @attrs.define(kw_only=True)

@@ -58,6 +58,7 @@ class TransferProtocol:
     staging: StagingInfo | None = None
     max_sessions_per_peer: int = 1024
     refusals: Refusals = attrs.Factory(Refusals)
+    registrar: PeerRegistrar = attrs.field(init=False)
     ctx: CtxProtocol = attrs.field(init=False)
     gen: GenProtocol = attrs.field(init=False)
     forgotten: int = 0  # peer instances forgotten as gone (since start)
@@ -65,13 +66,15 @@ class TransferProtocol:
     probes: int = 0  # probes sent (since start)
 
     def __attrs_post_init__(self) -> None:
+        # one registrar: an instance name is fresh per start, so ctx and gen peers never collide
         local, timeout_s, refusals = self.local, self.timeout_s, self.refusals
+        registrar = self.registrar = PeerRegistrar(local)
         self.ctx = CtxProtocol(
-            local=local, timeout_s=timeout_s, registrar=PeerRegistrar(local), refusals=refusals,
+            local=local, timeout_s=timeout_s, registrar=registrar, refusals=refusals,
             max_per_peer=self.max_sessions_per_peer,
         )  # fmt: skip
         self.gen = GenProtocol(
-            local=local, timeout_s=timeout_s, registrar=PeerRegistrar(local), refusals=refusals,
+            local=local, timeout_s=timeout_s, registrar=registrar, refusals=refusals,
             early_failures=self.early_failures, staging=self.staging,
         )  # fmt: skip
 
@@ -113,8 +116,6 @@ class TransferProtocol:
                 ctx.abandon(key, reason, out)
             case ev.ReceiveAsked():
                 gen.ask(event, now, out)
-            case ev.TransferCancelled(key=key):
-                out = self.cancel(key, now)[1]
             case ev.AgentLoaded(info=info, reply_to=reply_to, error=error):
                 if ctx.on_agent_loaded(info, reply_to, error, out):
                     self._track(info, now)
@@ -144,8 +145,10 @@ class TransferProtocol:
         self.dead += gone.dead
         log.warning("peer instance %s is gone (%s)", gone.instance, gone.reason)
         dead = gone.reason if gone.dead else None
-        ranks = self.ctx.forget(gone.instance, dead, now, out)
+        ranks = self.registrar.ranks_of(gone.instance)
+        self.ctx.forget(gone.instance, dead, now, out)
         ranks += self.gen.forget(gone.instance, dead, now, out)
+        self.registrar.forget(gone.instance)
         # (not an endpoint that a rendezvous with a new instance there now uses)
         endpoints = sorted({info.control_endpoint for info in ranks} - self.gen.meeting())
         return [*out, ev.ForgetPeer(instance=gone.instance, endpoints=tuple(endpoints)), ev.WAKE]
@@ -191,9 +194,7 @@ class TransferProtocol:
                 if self.ctx.on_cancel(message, now, out) or self.gen.on_cancel(message, now, out):
                     pass
                 elif message.key in self.ctx.senders:
-                    self.refusals.refuse("not_owner", message.instance_name, now, "CANCEL %d from"
-                                         " %s dropped: another gen instance's session",
-                                         message.key, message.instance_name)  # fmt: skip
+                    self.refusals.not_owner("CANCEL", message.key, message.instance_name, now)
                 else:
                     self.ctx.on_stray_cancel(message, now, out)
             case _:

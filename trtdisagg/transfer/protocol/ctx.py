@@ -31,6 +31,7 @@ REQUEST_DATA or CANCEL for it is dropped and counted (refusals.py). A gen instan
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import attrs
 
@@ -77,7 +78,7 @@ class _Prepared:
 class CtxProtocol:
     local: RankInfo
     timeout_s: float
-    registrar: PeerRegistrar  # the gen ranks registered with us
+    registrar: PeerRegistrar  # the peer ranks met, shared with the gen side
     refusals: Refusals = attrs.Factory(Refusals)
     max_per_peer: int = 1024  # sessions and held messages of one gen instance
     senders: Sessions[SenderSession] = attrs.Factory(Sessions)
@@ -182,10 +183,9 @@ class CtxProtocol:
             self.refusals.warn(name, now, "REQUEST_DATA %d from unregistered gen rank %s#%d",
                                key, name, rank)  # fmt: skip
             if reply_to is not None:
-                error = f"{NOT_REGISTERED}: gen rank {name}#{rank} registers again at its next" \
-                    " request"
-                out.append(ev.Reply(reply_to=reply_to, message=self._message(
-                    key, ResultStatus.ERROR, error=error)))  # fmt: skip
+                error = f"{NOT_REGISTERED}: gen rank {name}#{rank} registers again at its next try"
+                message = self._message(key, ResultStatus.ERROR, error=error)
+                out.append(ev.Reply(reply_to=reply_to, message=message))
         elif self.early.take_overtaken(request):
             log.info("REQUEST_DATA %d came after its CANCEL: dropped", key)
         elif (session := self.senders.lookup(name, key)) is not None:
@@ -194,8 +194,7 @@ class CtxProtocol:
             self._accept(session, request)
             self._start_writes(session, out)
         elif key in self.senders:
-            self.refusals.refuse("not_owner", name, now, "REQUEST_DATA %d from %s#%d dropped: "
-                                 "another gen instance's session", key, name, rank)  # fmt: skip
+            self.refusals.not_owner("REQUEST_DATA", key, name, now)
         elif not self._over_limit(request, now, out):
             self.early.add_request(now, request)
             self._prepare(key, request, out)
@@ -262,8 +261,7 @@ class CtxProtocol:
 
     def tick(self, now: float, out: Out) -> None:
         for session in list(self.senders.values()):
-            if session.expired(now):
-                session.fail(f"KV transfer {session.key} timed out after {self.timeout_s:g}s")
+            session.expire(now, self.timeout_s)
             self._settle(session, now, out)
         for key in [k for k, (_, until) in self._expected.items() if now >= until]:
             self._forget_key(key, out)  # the KV never came
@@ -274,9 +272,9 @@ class CtxProtocol:
             self._result(stale.instance_name, stale.instance_rank, stale.key, ResultStatus.ERROR,
                          out, error=error)  # fmt: skip
 
-    def forget(self, instance: str, dead: str | None, now: float, out: Out) -> list[RankInfo]:
+    def forget(self, instance: str, dead: str | None, now: float, out: Out) -> None:
         """Forget the gen instance `instance` (gone; `dead`: why, when its process ended: what
-        is bound to it fails now). Its ranks, as registered."""
+        is bound to it fails now)."""
         for session in list(self.senders.values()):
             if dead is not None and session.peer_instance == instance:
                 session.fail(f"peer instance {instance} is gone: {dead}")
@@ -284,9 +282,6 @@ class CtxProtocol:
         for by_rank in self._prepared.values():
             for rank in [r for r, p in by_rank.items() if p.request.instance_name == instance]:
                 out.append(ev.ReleasePrepared(write_id=by_rank.pop(rank).order.write_id))
-        ranks = self.registrar.ranks_of(instance)
-        self.registrar.forget(instance)
-        return ranks
 
     # ---- writes ----
 
@@ -369,7 +364,7 @@ class CtxProtocol:
 
     def _staged(
         self, request: RequestData, plan: SendPlan, source: SourceBlocks
-    ) -> ev.StagedSend | None:
+    ) -> ev.Staged | None:
         """Bounce: the runs this rank owns of gen's canonical region (bounce.py)."""
         if not plan.elected:
             return None
@@ -384,7 +379,7 @@ class CtxProtocol:
                 f"gen's staging region of {request.staging_bytes} bytes cannot hold {needed}"
             )
         num_bytes = sum(run.num_bytes for run in runs)
-        return ev.StagedSend(runs=runs, block_ids=source.block_ids[0], first_token=first,
+        return ev.Staged(runs=runs, block_ids=source.block_ids[0], first_token=first,
                              num_tokens=num_tokens, num_bytes=num_bytes)  # fmt: skip
 
     def _notice(self, order: ev.WriteOrder, first_tokens: tuple[int, ...]) -> bytes:
@@ -435,22 +430,17 @@ class CtxProtocol:
 
     # ---- messages ----
 
-    def _message(
-        self, key: int, status: ResultStatus, *, error: str = "", num_bytes: int = 0,
-        num_descriptors: int = 0, first_tokens: tuple[int, ...] = (),
-    ) -> TransferResult:  # fmt: skip
-        return TransferResult(
-            key=key, instance_name=self.local.instance_name, status=status, error=error,
-            instance_rank=self.local.instance_rank, num_bytes=num_bytes,
-            num_descriptors=num_descriptors, first_tokens=first_tokens,
-        )  # fmt: skip
+    def _message(self, key: int, status: ResultStatus, **fields: Any) -> TransferResult:
+        return TransferResult(key=key, instance_name=self.local.instance_name,
+                              instance_rank=self.local.instance_rank, status=status,
+                              **fields)  # fmt: skip
 
     def _result(
-        self, name: str, rank: int, key: int, status: ResultStatus, out: Out, **fields: object
+        self, name: str, rank: int, key: int, status: ResultStatus, out: Out, **fields: Any
     ) -> None:
         """TRANSFER_RESULT to the gen rank `name#rank`, if still known."""
         if (peer := self.registrar.get((name, rank))) is not None:
-            message = self._message(key, status, **fields)  # type: ignore[arg-type]
+            message = self._message(key, status, **fields)
             out.append(ev.Send(endpoint=peer.control_endpoint, message=message))
 
     def _ack_cancel(self, cancel: Cancel, out: Out) -> None:

@@ -46,11 +46,6 @@ class ReceiveAsked:  # request_and_receive_async: ask the ctx at `endpoint` for 
     ctx_instance: str | None = None
 
 
-@attrs.frozen(kw_only=True)
-class TransferCancelled:  # cancel_request
-    key: int
-
-
 # ---- events: the network, the agent, the driver's own work ----
 
 
@@ -109,7 +104,7 @@ class Tick:  # time passed: deadlines, probes and stale held messages are looked
 
 
 Event = (
-    KvExpected | KvReady | SendAbandoned | ReceiveAsked | TransferCancelled | MessageIn | NoticeIn
+    KvExpected | KvReady | SendAbandoned | ReceiveAsked | MessageIn | NoticeIn
     | LinkChanged | WriteEnded | AgentLoaded | StagingReserved | Scattered | Tick
 )  # fmt: skip
 
@@ -129,12 +124,17 @@ class Reply:  # a control message back to whoever sent one on our ROUTER
 
 
 @attrs.frozen(kw_only=True)
-class StagedSend:  # ctx, bounce: pack `runs` into staging room first; fragments read from it
-    runs: tuple[StagedRun, ...]
+class Staged:
+    """A bounced transfer's share of one layer group's blocks, from `first_token` of a request
+    of `num_tokens`: ctx packs `runs` into staging room and writes from it; gen's lands at
+    `offset` of its staging buffer and is scattered into the blocks from there."""
+
     block_ids: tuple[int, ...]
     first_token: int
     num_tokens: int
     num_bytes: int
+    runs: tuple[StagedRun, ...] = ()
+    offset: int = -1  # (gen: reserved with ReserveStaging)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -146,7 +146,7 @@ class WriteOrder:  # one write of ctx's KV to the gen rank `peer`
     dst_memory_type: str
     dst_device_id: int
     deadline: float
-    staged: StagedSend | None = None  # sources are then offsets into the staging room
+    staged: Staged | None = None  # sources are then offsets into the staging room
 
 
 @attrs.frozen(kw_only=True)
@@ -190,18 +190,9 @@ class ReleaseStaging:
 
 
 @attrs.frozen(kw_only=True)
-class StagedReceive:  # gen: where a bouncing receive lands in staging, and where it goes then
-    offset: int
-    num_bytes: int
-    block_ids: tuple[int, ...]
-    first_token: int
-    num_tokens: int
-
-
-@attrs.frozen(kw_only=True)
 class ScatterStaged:  # gen: copy `staged` into its blocks, free its room, then say so
     key: int
-    staged: StagedReceive
+    staged: Staged
 
 
 @attrs.frozen(kw_only=True)

@@ -2,7 +2,7 @@
 
 Mappers produce `Fragments`; agents consume them. A head-mismatched transfer of a long prompt is
 10^5 to 10^7 fragments, so they stay one numpy array (`rows`: src_addr, dst_addr, size) end to
-end; iterating yields `Fragment` values for code that wants objects.
+end.
 
 A pool that is not fragmented hands a prompt consecutive blocks on both sides, and its
 homogeneous transfer is then one fragment (mappers.py). Checking that id by id is linear in the
@@ -12,8 +12,7 @@ prompt and sits between gen's REQUEST_DATA and the post, so gen's packed list is
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -27,17 +26,8 @@ def empty_runs() -> Runs:
     return np.zeros((0, 3), dtype=np.int64)
 
 
-@attrs.frozen(kw_only=True)
-class Fragment:
-    """One contiguous write: `size` bytes from local `src_addr` to remote `dst_addr`."""
-
-    src_addr: int
-    dst_addr: int
-    size: int
-
-
-class Fragments(Sequence[Fragment]):
-    """An immutable sequence of fragments stored as `rows` (`[n, 3]` int64)."""
+class Fragments:
+    """The contiguous writes of one transfer: `rows` (`[n, 3]` int64, read-only)."""
 
     __slots__ = ("_num_bytes", "rows")
 
@@ -58,9 +48,9 @@ class Fragments(Sequence[Fragment]):
         return fragments
 
     @classmethod
-    def of(cls, fragments: Iterable[Fragment]) -> Fragments:
-        rows = [(f.src_addr, f.dst_addr, f.size) for f in fragments]
-        return cls(np.array(rows, dtype=np.int64).reshape(-1, 3))
+    def of(cls, rows: Iterable[tuple[int, int, int]]) -> Fragments:
+        """Fragments from (source, destination, size) rows."""
+        return cls(np.array(list(rows), dtype=np.int64).reshape(-1, 3))
 
     @property
     def num_bytes(self) -> int:
@@ -71,22 +61,6 @@ class Fragments(Sequence[Fragment]):
 
     def __len__(self) -> int:
         return len(self.rows)
-
-    @overload
-    def __getitem__(self, index: int) -> Fragment: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> Fragments: ...
-
-    def __getitem__(self, index: int | slice) -> Fragment | Fragments:
-        if isinstance(index, slice):
-            return Fragments(self.rows[index])
-        src, dst, size = self.rows[index].tolist()
-        return Fragment(src_addr=src, dst_addr=dst, size=size)
-
-    def __iter__(self) -> Iterator[Fragment]:
-        for src, dst, size in self.rows.tolist():
-            yield Fragment(src_addr=src, dst_addr=dst, size=size)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Fragments):

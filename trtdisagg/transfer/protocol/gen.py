@@ -31,7 +31,7 @@ import attrs
 
 from trtdisagg.transfer.errors import PeerIncompatible
 from trtdisagg.transfer.protocol import events as ev
-from trtdisagg.transfer.protocol.bounce import bounces, canonical_bytes
+from trtdisagg.transfer.protocol.bounce import canonical_bytes
 from trtdisagg.transfer.protocol.peers import PeerRegistrar
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.refusals import Refusals
@@ -88,14 +88,14 @@ class _Starting:  # a receive with no session yet: its rendezvous or staging roo
     cancelled: bool = False
     ranks: tuple[RankInfo, ...] = ()
     expected: tuple[int, ...] = ()
-    staged: ev.StagedReceive | None = None
+    staged: ev.Staged | None = None
 
 
 @attrs.define(eq=False, kw_only=True)
 class GenProtocol:
     local: RankInfo
     timeout_s: float
-    registrar: PeerRegistrar  # the ctx ranks met
+    registrar: PeerRegistrar  # the peer ranks met, shared with the ctx side
     refusals: Refusals = attrs.Factory(Refusals)
     early_failures: bool = True
     staging: StagingInfo | None = None
@@ -105,7 +105,7 @@ class GenProtocol:
     bounced: int = 0  # receives that went through staging
     _instances: dict[str, _CtxInstance] = attrs.Factory(dict)  # by info endpoint
     _starting: dict[int, _Starting] = attrs.Factory(dict)
-    _staged: dict[int, ev.StagedReceive] = attrs.Factory(dict)
+    _staged: dict[int, ev.Staged] = attrs.Factory(dict)
     _scattering: dict[int, TransferOutcome] = attrs.Factory(dict)  # reported once copied
     # (ctx instance, ctx rank, key) -> when: a session of `key` ended before that rank's
     # TRANSFER_RESULT came. That result, when it comes, is the ended session's.
@@ -223,11 +223,7 @@ class GenProtocol:
             session.on_result(result.instance_rank, part)
             self._settle(session, now, out)
         elif result.key in self.receivers:
-            self._not_owner("TRANSFER_RESULT", result.key, result.instance_name, now)
-
-    def _not_owner(self, what: str, key: int, instance: str, now: float) -> None:
-        self.refusals.refuse("not_owner", instance, now, "%s %d from %s dropped: another ctx"
-                             " instance's session", what, key, instance)  # fmt: skip
+            self.refusals.not_owner("TRANSFER_RESULT", result.key, result.instance_name, now)
 
     def on_notice(self, notice: WriteNotice, remote: str, now: float, out: Out) -> None:
         name, rank = notice.instance_name, notice.instance_rank
@@ -249,7 +245,7 @@ class GenProtocol:
         """ctx cancelled a session of ours; False: we have none for it."""
         if (session := self.receivers.lookup(cancel.instance_name, cancel.key)) is None:
             if cancel.key in self.receivers:
-                self._not_owner("CANCEL", cancel.key, cancel.instance_name, now)
+                self.refusals.not_owner("CANCEL", cancel.key, cancel.instance_name, now)
                 return True  # (handled: dropped)
             return False
         session.cancel()
@@ -303,14 +299,13 @@ class GenProtocol:
 
     def forget(self, instance: str, dead: str | None, now: float, out: Out) -> list[RankInfo]:
         """Forget the ctx instance `instance` (gone; `dead`: why, when its process ended: what
-        waits on it fails now, and its blocks are free, since it writes no more)."""
+        waits on it fails now, and its blocks are free, since it writes no more). The ranks
+        of the rendezvous dropped."""
         for session in list(self.receivers.values()):
             if dead is not None and session.peer_instance == instance:
                 session.peer_died(f"peer instance {instance} is gone: {dead}")
                 self._settle(session, now, out)
-        ranks = [*self.registrar.ranks_of(instance), *self.forget_instance(instance)]
-        self.registrar.forget(instance)
-        return ranks
+        return self.forget_instance(instance)
 
     def forget_instance(self, instance: str, *, rank_endpoint: str = "") -> list[RankInfo]:
         """Drop the rendezvous with `instance`, and with whichever instance has a rank at
@@ -336,7 +331,7 @@ class GenProtocol:
             skipped = (-(-num_tokens // tpb) - len(blocks[0])) * tpb  # blocks gen holds
             num_bytes = canonical_bytes(self.local, num_tokens - skipped)
             if num_bytes <= self.staging.capacity:
-                starting.staged = ev.StagedReceive(offset=-1, num_bytes=num_bytes,
+                starting.staged = ev.Staged(offset=-1, num_bytes=num_bytes,
                                                    block_ids=blocks[0], first_token=skipped,
                                                    num_tokens=num_tokens)  # fmt: skip
                 out.append(ev.ReserveStaging(key=key, num_bytes=num_bytes,
@@ -349,11 +344,10 @@ class GenProtocol:
         """Whether this receive goes through staging; ctx decides the same from the same
         mapper, and both ends agreed on the settings."""
         bounce, by_rank = self.local.bounce, {r.instance_rank: r for r in starting.ranks}
-        return any(
-            bounces(self.registrar.send_plan(by_rank[rank].key).piece_bytes,
-                    threshold_bytes=bounce.threshold_bytes, enabled=bounce.enabled)
+        return bounce.enabled and any(
+            self.registrar.send_plan(by_rank[rank].key).piece_bytes < bounce.threshold_bytes
             for rank in starting.expected
-        )  # fmt: skip
+        )
 
     def _open(self, key: int, now: float, out: Out) -> None:
         starting = self._starting.pop(key)
@@ -373,7 +367,7 @@ class GenProtocol:
         )  # fmt: skip
         session = ReceiverSession(key=key, peer_instance=starting.ranks[0].instance_name,
                                   expected=frozenset(starting.expected),
-                                  deadline=starting.deadline, requested=True)  # fmt: skip
+                                  deadline=starting.deadline)  # fmt: skip
         self.receivers[key] = session
         if staged is not None:
             self._staged[key] = staged
@@ -430,8 +424,7 @@ class GenProtocol:
         return settled or now >= session.deadline + self.timeout_s
 
     def _expire(self, session: ReceiverSession, now: float, out: Out) -> None:
-        if session.expired(now):
-            session.fail(f"KV transfer {session.key} timed out after {self.timeout_s:g}s")
+        if session.expire(now, self.timeout_s):
             self._stop(session, out)
 
     def _stop(self, session: ReceiverSession, out: Out) -> None:

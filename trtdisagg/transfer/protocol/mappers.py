@@ -168,23 +168,13 @@ class Mapper:
         return Fragments(merge_runs(placed))
 
     def map_runs(self, src: BlockRun, dst: BlockRun, *, num_tokens: int) -> Fragments | None:
-        """`map_blocks` for the usual case, in constant time: both block lists are runs
-        (block_runs.py: fresh blocks on both sides) and whole slots are copied, which merge into
-        one fragment. None: not that case (or lists that do not fit: `aligned_blocks` says why)."""
-        skip = src.count - dst.count
-        if skip < 0:
-            return None
-        return self._one_fragment(src.first + skip, dst.first, dst.count, src.count, num_tokens)
-
-    def _one_fragment(
-        self, src_first: int, dst_first: int, count: int, src_count: int, num_tokens: int
-    ) -> Fragments | None:
-        """The one fragment copying `count` whole consecutive slots from `src_first` to
-        `dst_first`, for a request of `num_tokens` whose source list holds `src_count` blocks;
-        None where that does not hold (`aligned_blocks` then says what is wrong, if anything)."""
-        span = self._span
+        """`map_blocks` for the usual case, in constant time: both block lists are runs (fresh
+        blocks on both sides) and whole slots are copied, which merge into one fragment. None:
+        not that case (or lists that do not fit: `aligned_blocks` then says why)."""
+        span, count = self._span, dst.count
+        src_first, dst_first = src.first + src.count - count, dst.first  # dst may skip blocks
         total = -(-num_tokens // self.src.tokens_per_block)
-        if span is None or count <= 0 or src_count > total:
+        if span is None or not 0 < count <= src.count <= total:
             return None
         inside_src = 0 <= src_first <= self.src.num_slots - count
         if not (inside_src and 0 <= dst_first <= self.dst.num_slots - count):

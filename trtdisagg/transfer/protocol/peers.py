@@ -60,15 +60,10 @@ class PeerOverlap:
     tp_ranks: tuple[int, ...]
     ranks: tuple[int, ...]  # flat instance ranks, pp-major, sorted
 
-    def __len__(self) -> int:
-        return len(self.ranks)
-
 
 def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> PeerOverlap:
-    """Peer ranks of DP group `peer_dp_rank` holding any layer AND any KV head that `local` holds.
-
-    `peer` may be any rank of the peer instance: only its sizes are read.
-    """
+    """Peer ranks of DP group `peer_dp_rank` holding any layer AND any KV head that `local` holds
+    (`peer` may be any rank of the peer instance: only its sizes are read)."""
     if not 0 <= peer_dp_rank < peer.dp_size:
         raise MappingError(f"peer dp rank {peer_dp_rank} outside dp_size {peer.dp_size}")
     pp_ranks = tuple(
@@ -96,7 +91,7 @@ def duplicate_head_factor(info: RankInfo) -> int:
 def is_elected(*, sender: RankInfo, receiver: RankInfo) -> bool:
     """Whether `sender` writes the heads it shares with `receiver` (one writer per head copy)."""
     dup = duplicate_head_factor(sender)
-    return dup == 1 or sender.tp_in_dp % dup == receiver.tp_rank % dup
+    return sender.tp_in_dp % dup == receiver.tp_rank % dup
 
 
 @attrs.frozen(kw_only=True)
@@ -113,11 +108,8 @@ def map_pools(src: RankInfo, dst: RankInfo) -> tuple[ViewPair, ...]:
 
     A group maps to the receiver group sharing any of its global layers (more than one such
     group is an error); inside it, a view maps to the view with an equal `pool_role`. Unmatched
-    views, and rank pairs sharing no layer or head, map to nothing.
-
-    Raises:
-        UnsupportedPairing: ambiguous group match, different mapper kinds, or a mapper refusal.
-    """
+    views, and rank pairs sharing no layer or head, map to nothing. UnsupportedPairing: an
+    ambiguous group match, different mapper kinds, or a mapper refusal."""
     heads = _intersect(src.heads, dst.heads)
     if not heads:
         return ()
@@ -180,10 +172,7 @@ class SendPlan:
         num_tokens: int,
     ) -> Fragments:
         """Merged fragments for one request; `*_blocks[g]` = block ids of layer group `g`.
-
-        Raises:
-            MappingError: missing layer groups, or block lists that do not fit (`aligned_blocks`).
-        """
+        MappingError: missing layer groups, or block lists that do not fit (`aligned_blocks`)."""
         if not self.elected:
             return Fragments(empty_runs())
         runs: list[Runs] = []
@@ -261,16 +250,11 @@ class PeerRegistrar:
 
     def register(self, peer: RankInfo) -> SendPlan:
         """Admit one peer rank (idempotent for the same info) and return its send plan.
-
-        Raises:
-            PeerIncompatible: the peer (or another rank of its instance) failed the gate; the
-                same error is raised again for every later registration of that instance.
-        """
-        refused = self._refused.get(peer.instance_name)
-        if refused is not None:
+        PeerIncompatible: the peer (or another rank of its instance) failed the gate; the same
+        error is raised again for every later registration of that instance."""
+        if (refused := self._refused.get(peer.instance_name)) is not None:
             raise refused
-        known = self._peers.get(peer.key)
-        if known is not None:
+        if (known := self._peers.get(peer.key)) is not None:
             if known != peer:
                 raise PeerIncompatible(peer.label, "registered again with a different RankInfo")
             return self._plans[peer.key]
@@ -286,33 +270,26 @@ class PeerRegistrar:
             raise error from None
         elected = is_elected(sender=self.local, receiver=peer)
         plan = SendPlan(peer=peer, elected=elected, views=views)
-        self._peers[peer.key] = peer
-        self._plans[peer.key] = plan
+        self._peers[peer.key], self._plans[peer.key] = peer, plan
         return plan
 
     def get(self, key: tuple[str, int]) -> RankInfo | None:
         return self._peers.get(key)
 
     def send_plan(self, key: tuple[str, int]) -> SendPlan:
-        """The plan for a registered peer rank; KeyError if it never registered."""
-        return self._plans[key]
+        return self._plans[key]  # (KeyError: never registered)
 
     def overlap(self, peer: RankInfo, *, peer_dp_rank: int) -> PeerOverlap:
         """`peer_overlap(local, peer)`, cached per (peer instance, DP group)."""
-        cache_key = (peer.instance_name, peer_dp_rank)
-        found = self._overlaps.get(cache_key)
-        if found is None:
-            found = self._overlaps[cache_key] = peer_overlap(
-                self.local, peer, peer_dp_rank=peer_dp_rank
-            )
+        key = (peer.instance_name, peer_dp_rank)
+        if (found := self._overlaps.get(key)) is None:
+            found = self._overlaps[key] = peer_overlap(self.local, peer, peer_dp_rank=peer_dp_rank)
         return found
 
     def ranks_of(self, instance_name: str) -> list[RankInfo]:
-        """The registered ranks of one peer instance."""
         return [info for key, info in self._peers.items() if key[0] == instance_name]
 
     def forget(self, instance_name: str) -> None:
-        """Drop every rank, plan, overlap and refusal of one peer instance."""
         for table in (self._peers, self._plans, self._overlaps):
             for key in [k for k in table if k[0] == instance_name]:
                 del table[key]

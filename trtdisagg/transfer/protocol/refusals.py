@@ -31,6 +31,10 @@ class Refusals:
         self.counts[reason] += 1
         self.warn(peer, now, message, *args)
 
+    def not_owner(self, what: str, key: int, peer: str, now: float) -> None:
+        self.refuse("not_owner", peer, now, "%s %d from %s dropped: another peer instance's"
+                    " session", what, key, peer)  # fmt: skip
+
     def warn(self, peer: str, now: float, message: str, *args: object) -> None:
         """A warning caused by `peer`'s input, at most a few per peer and minute."""
         log_limited(log, self._warnings, peer, now, message, *args)

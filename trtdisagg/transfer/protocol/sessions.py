@@ -12,7 +12,7 @@ Status, derived from a session's facts, first match wins:
                    TRANSFERRED         every expected ctx rank's part landed: its write's notice
                                        (which says what it moved), or its OK result with, if it
                                        moved bytes, the notice
-                   TRANSFERRING        after `mark_requested`; INIT before
+                   TRANSFERRING        otherwise (made when its REQUEST_DATA goes out)
 
 Late or duplicate events (a second result from one rank, anything after a terminal state, a rank
 outside the expected set) are no-ops that return False. Cancellation is not quiescence: a
@@ -83,6 +83,12 @@ class _Session:
 
     def expired(self, now: float) -> bool:
         return now >= self.deadline and not self.is_terminal
+
+    def expire(self, now: float, timeout_s: float) -> bool:
+        """Fail the session if its deadline passed; whether this did it."""
+        if expired := self.expired(now):
+            self.error = f"KV transfer {self.key} timed out after {timeout_s:g}s"
+        return expired
 
     def _flag(self) -> Status | None:
         if self.cancelled or self.error is not None:
@@ -200,7 +206,6 @@ class ReceiverSession(_Session):
 
     peer_instance: str  # the ctx instance
     expected: frozenset[int]  # ctx ranks sent REQUEST_DATA (registrar overlap)
-    requested: bool = False
     # gen's bookkeeping for a session that ended while a ctx write may still land:
     cancel_sent: bool = False  # CANCEL went to the expected ctx ranks (once)
     failure_reported: bool = False  # the failure went to the executor; the blocks stay pinned
@@ -219,9 +224,7 @@ class ReceiverSession(_Session):
     def status(self) -> Status:
         if (flag := self._flag()) is not None:
             return flag
-        if not self._unlanded:
-            return Status.TRANSFERRED
-        return Status.TRANSFERRING if self.requested else Status.INIT
+        return Status.TRANSFERRING if self._unlanded else Status.TRANSFERRED
 
     def _landed(self, rank: int) -> bool:
         if self._noticed.get(rank) is not None:
@@ -263,21 +266,6 @@ class ReceiverSession(_Session):
             num_descriptors += part.num_descriptors
             tokens = tokens or part.first_tokens
         return num_bytes, num_descriptors, tokens
-
-    @property
-    def num_bytes(self) -> int:
-        return self.moved()[0]
-
-    @property
-    def num_descriptors(self) -> int:
-        return self.moved()[1]
-
-    @property
-    def first_tokens(self) -> tuple[int, ...]:
-        return self.moved()[2]
-
-    def mark_requested(self) -> None:
-        self.requested = True
 
     def on_result(self, rank: int, result: RankResult) -> bool:
         """A TRANSFER_RESULT from ctx rank `rank`; False if unexpected, duplicate or late."""

@@ -65,19 +65,9 @@ def unpack_block_ids(data: bytes) -> tuple[int, ...]:
     return tuple(unpacked)
 
 
-def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
-    if value < 0:
-        raise ValueError(f"{attr.name} must not be negative, got {value}")
-
-
-def _positive(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"{attr.name} must be positive, got {value}")
-
-
-def _key(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
-    if not 0 <= value <= MAX_KEY:
-        raise ValueError(f"{attr.name} {value} outside [0, 2**64)")
+_non_negative: Final = attrs.validators.ge(0)
+_positive: Final = attrs.validators.gt(0)
+_key: Final = attrs.validators.and_(_non_negative, attrs.validators.le(MAX_KEY))
 
 
 def _token_ids(_inst: object, attr: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
@@ -257,7 +247,9 @@ _converter: Final = _make_converter()
 def encode(message: Message) -> bytes:
     """One message as bytes: a msgpack map with a `"type"` tag, or a WRITE_NOTICE's layout."""
     if isinstance(message, WriteNotice):
-        return _encode_notice(message)
+        return encode_notice(message.key, message.instance_name.encode(), message.instance_rank,
+                             message.num_bytes, message.num_descriptors,
+                             message.first_tokens)  # fmt: skip
     data: bytes = _converter.dumps(message, unstructure_as=Message)
     return data
 
@@ -267,11 +259,6 @@ def encode(message: Message) -> bytes:
 _NOTICE_MAGIC: Final = b"\xc1WN"
 _NOTICE: Final = struct.Struct("<3sxQQQQHH")
 _TOKEN_BYTES: Final = 4
-
-
-def _encode_notice(notice: WriteNotice) -> bytes:
-    return encode_notice(notice.key, notice.instance_name.encode(), notice.instance_rank,
-                         notice.num_bytes, notice.num_descriptors, notice.first_tokens)  # fmt: skip
 
 
 def encode_notice(
@@ -338,7 +325,7 @@ def _describe(exc: Exception) -> str:
 
 
 def _format_leaf(exc: BaseException, kind: type | None) -> str:
-    # A validator's ValueError says what is wrong ("key -1 outside [0, 2**64)"); keep it.
+    # A validator's ValueError says what is wrong ("'key' must be >= 0: -1"); keep it.
     if type(exc) is ValueError and kind is None:
         return f"invalid value ({exc})"
     return format_exception(exc, kind)

@@ -140,8 +140,7 @@ class KvTransceiver:
     # ---- the executor's calls ----
 
     def prepare_send(self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
-        """ctx: `key`'s KV will be in `block_ids` once the step now starting ends; a gen rank
-        that already asked (generation_first) gets its write prepared during that step."""
+        # a gen rank that already asked (generation_first) gets its write prepared meanwhile
         self._feed(ev.KvExpected(key=key, source=_source(block_ids, num_tokens)))
 
     def respond_and_send_async(
@@ -151,14 +150,11 @@ class KvTransceiver:
         num_tokens: int,
         first_tokens: Sequence[int] = (),
     ) -> None:
-        """ctx: `key`'s KV is ready in `block_ids`: write it, and the first tokens that
-        prefill sampled, to whoever asks (or asked)."""
         source, tokens = _source(block_ids, num_tokens), tuple(first_tokens)
         self._feed(ev.KvReady(key=key, source=source, first_tokens=tokens))
 
     def abandon_send(self, key: int, reason: str) -> None:
-        """ctx: `key`'s request ended before its KV was ready: a gen rank that already asked is
-        refused at once with `reason`. A no-op once the request has responded."""
+        # a gen rank that already asked is refused at once (a no-op once it responded)
         self._feed(ev.SendAbandoned(key=key, reason=reason))
 
     def request_and_receive_async(
@@ -170,8 +166,7 @@ class KvTransceiver:
         *,
         ctx_instance: str | None = None,
     ) -> None:
-        """gen: ask the ctx instance at `ctx_info_endpoint` (`ctx_instance`, when known: a
-        cached other one there is met again) for `key`'s KV, to land in `block_ids`."""
+        # (`ctx_instance`, when known: another instance met at that endpoint is met again)
         self._trace(key, "request")
         blocks = tuple(tuple(ids) for ids in block_ids)
         self._feed(ev.ReceiveAsked(key=key, endpoint=ctx_info_endpoint, block_ids=blocks,
@@ -186,14 +181,9 @@ class KvTransceiver:
         return done
 
     def cancel_request(self, key: int) -> bool:
-        """Stop transfer `key`. True when no write can still land in (or read from) its blocks."""
         quiescent, effects = self.protocol.cancel(key, self.clock())
         self._apply(effects)
         return quiescent
-
-    def count_write(self, num_bytes: int, num_descriptors: int, seconds: float) -> None:
-        """Count a KV write made by another rank of this instance (rank 0's metrics)."""
-        self.tally.count(num_bytes, num_descriptors, seconds)
 
     def statistics(self) -> TransceiverStatistics:
         protocol, ctx, gen, now = self.protocol, self.protocol.ctx, self.protocol.gen, self.clock()
@@ -321,52 +311,53 @@ class KvTransceiver:
             self._feed(ev.WriteEnded(write_id=order.write_id, error=error))
             return
         self.prepared_posts += prepared is not None
-        submit = functools.partial(self._submit, order, remote, notice, prepared)
-        if order.staged is not None:
-            self._spawn(self._post_staged, order, remote, notice)
-        elif self._calls.idle and (prepared or posts_quickly(self.agent, order.fragments, remote)):
+        quick = prepared is not None or posts_quickly(self.agent, order.fragments, remote)
+        if order.staged is None and quick and self._calls.idle:
+            submit = functools.partial(self._submit, order, remote, notice, prepared)
             try:
                 self._posted(order, self._calls.now(submit), remote)
             except TransferLayerError as exc:
                 self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
         else:
-            self._spawn(self._post_in_thread, order, remote, submit)
+            self._spawn(self._post_in_thread, order, remote, notice, prepared)
 
     async def _post_in_thread(
-        self, order: ev.WriteOrder, remote: str, submit: Callable[[], XferHandle]
+        self, order: ev.WriteOrder, remote: str, notice: bytes, prepared: XferHandle | None
     ) -> None:
+        """A post that blocks; bounced, it first packs this rank's share into staging room,
+        then writes it in one go."""
+        offset = None
         try:
+            if order.staged is not None:
+                assert self.staging is not None
+                offset, order = await self._stage(order, self.staging)
+            submit = functools.partial(self._submit, order, remote, notice, prepared)
             handle = await self._calls.in_thread(submit)
         except TransferLayerError as exc:
-            self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
-            return
-        self._posted(order, handle, remote)
-
-    async def _post_staged(self, order: ev.WriteOrder, remote: str, notice: bytes) -> None:
-        """Bounce: pack this rank's share into staging room, then write it in one go."""
-        assert self.staging is not None and order.staged is not None
-        staging, staged = self.staging, order.staged
-        try:
-            offset = await staging.reserve(staged.num_bytes, order.deadline)
-        except TransferLayerError as exc:
-            self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
-            return
-        try:
-            pack = functools.partial(
-                staging.stager.pack, offset, staged.runs, staged.block_ids,
-                first_token=staged.first_token, num_tokens=staged.num_tokens,
-            )  # fmt: skip
-            await self._calls.in_thread(pack)
-            rows = order.fragments.rows.copy()
-            rows[:, 0] += staging.stager.address + offset
-            order = attrs.evolve(order, fragments=Fragments(rows))
-            submit = functools.partial(self._submit, order, remote, notice)
-            handle = await self._calls.in_thread(submit)
-        except TransferLayerError as exc:
-            staging.release(offset)
+            if offset is not None and self.staging is not None:
+                self.staging.release(offset)
             self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
             return
         self._posted(order, handle, remote, staging_offset=offset)
+
+    async def _stage(self, order: ev.WriteOrder, staging: StagingArea) -> tuple[int, ev.WriteOrder]:
+        """Reserve room and pack `order`'s share into it: the offset, and the order that
+        writes from it."""
+        staged = order.staged
+        assert staged is not None
+        offset = await staging.reserve(staged.num_bytes, order.deadline)
+        pack = functools.partial(
+            staging.stager.pack, offset, staged.runs, staged.block_ids,
+            first_token=staged.first_token, num_tokens=staged.num_tokens,
+        )  # fmt: skip
+        try:
+            await self._calls.in_thread(pack)
+        except TransferLayerError:
+            staging.release(offset)
+            raise
+        rows = order.fragments.rows.copy()
+        rows[:, 0] += staging.stager.address + offset
+        return offset, attrs.evolve(order, fragments=Fragments(rows))
 
     def _submit(
         self, order: ev.WriteOrder, remote: str, notice: bytes, prepared: XferHandle | None = None
@@ -472,7 +463,7 @@ class KvTransceiver:
             return
         self._feed(ev.StagingReserved(key=key, offset=offset))
 
-    async def _scatter(self, key: int, staged: ev.StagedReceive) -> None:
+    async def _scatter(self, key: int, staged: ev.Staged) -> None:
         """Copy a bounced receive into its blocks: on the GPU it is queued on the device's
         stream, ahead of any step that reads them; from host memory it is real work, done in a
         worker thread (the request's blocks stay held until it is reported)."""

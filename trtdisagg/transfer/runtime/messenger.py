@@ -69,22 +69,23 @@ class MessengerStatistics:
 
 
 class _Pump:
-    """The one task that touches a zmq socket; see the module docstring."""
+    """A socket and the one task that touches it; see the module docstring. Router and Dealer
+    shape its frames."""
+
+    frames = 1
 
     def __init__(
         self,
         socket: _Socket,
+        endpoint: str,
         *,
-        frames: int,
         queue_size: int,
-        name: Callable[[list[bytes]], Hashable],
         verifier: PeerVerifier | None = None,
         drop_when_full: bool = False,
     ) -> None:
         self.socket = socket
-        self.frames = frames
+        self.endpoint = endpoint
         self.verifier = verifier
-        self.name = name  # who sent `frames`, for log lines about an unverified peer
         # ROUTER: a peer that stops reading fills only its own zmq queue; waiting for it would
         # hold every other peer's replies behind it, so its replies are dropped (and counted).
         self.drop_when_full = drop_when_full
@@ -101,6 +102,14 @@ class _Pump:
         self.sent = self.received = self.bad_frames = self.unroutable = 0
         self.handshakes_refused = 0
 
+    def _sender(self, frames: list[bytes]) -> Hashable:
+        """Who sent `frames`, for log lines about an unverified peer."""
+        return self.endpoint
+
+    def has_room(self, count: int) -> bool:
+        """Whether `count` messages would be taken now without waiting."""
+        return len(self.outbox) + count <= self.queue_size
+
     def wake(self) -> None:
         if self.wait_scope is not None:
             self.wait_scope.cancel()
@@ -115,19 +124,20 @@ class _Pump:
                   " without the cluster secret)")  # fmt: skip
 
     def flush_warnings(self) -> None:
+        """Log how many warnings about quiet peers were suppressed (call it now and then)."""
         now = time.monotonic()
         for who, count in self.warnings.flush(now):
             log.warning("%d more bad control messages from %s", count, who)
         if self.verifier is not None:
             self.verifier.flush_warnings(now)
 
-    async def send(self, frames: list[bytes]) -> None:
+    async def _send(self, frames: list[bytes]) -> None:
         """Send now if nothing is queued (the fast path), else queue for the pump (in order)."""
         # Cancellation is checked before sending, but the scheduling round every async call owes
         # comes after it (as in trio's own Lock.acquire): the message leaves a round earlier.
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            self.send_nowait(frames)
+            self._send_nowait(frames)
         except trio.WouldBlock:
             while len(self.outbox) >= self.queue_size:
                 await self.space.park()
@@ -136,9 +146,10 @@ class _Pump:
             return
         await trio.lowlevel.cancel_shielded_checkpoint()
 
-    def send_nowait(self, frames: list[bytes]) -> None:
-        """`send` without waiting: sent now, or queued for the pump; trio.WouldBlock (nothing
-        sent or queued) when the outbox is full."""
+    def _send_nowait(self, frames: list[bytes]) -> None:
+        """`_send` without waiting, from synchronous code on the Trio thread that owns the
+        socket: sent now, or queued for the pump in order behind earlier messages.
+        trio.WouldBlock (nothing sent or queued) when the outbox is full."""
         if not self.outbox and self._try_send(frames):
             if self.wait_scope is not None and self._events() & zmq.POLLIN:
                 self.wake()
@@ -169,7 +180,7 @@ class _Pump:
     def _events(self) -> int:
         return int(self.socket.getsockopt(zmq.EVENTS))
 
-    async def receive(self) -> tuple[list[bytes], PeerLabel | None]:
+    async def _receive(self) -> tuple[list[bytes], PeerLabel | None]:
         received = await self.inbox.receive()
         if self.inbox_full:
             self.wake()
@@ -184,15 +195,15 @@ class _Pump:
             self.space.unpark()
         return False
 
-    def _has_room(self) -> bool:
+    def _has_inbox_room(self) -> bool:
         stats = self.inbox_send.statistics()
         return stats.current_buffer_used < stats.max_buffer_size
 
     def _drain(self) -> None:
         """Receive until zmq is empty or the inbox is full (then `inbox_full`; zmq keeps the rest
-        queued and `receive` wakes us when there is room)."""
+        queued and `_receive` wakes us when there is room)."""
         self.inbox_full = False
-        while self._has_room():
+        while self._has_inbox_room():
             peer = None
             try:
                 if self.verifier is None:
@@ -207,8 +218,8 @@ class _Pump:
                 return
             if len(frames) != self.frames:
                 self.bad_frames += 1
-                self.warn(peer.text if peer else self.name(frames), "dropped a %d-frame message"
-                          " (expected %d)", len(frames), self.frames)  # fmt: skip
+                self.warn(peer.text if peer else self._sender(frames), "dropped a %d-frame"
+                          " message (expected %d)", len(frames), self.frames)  # fmt: skip
                 continue
             self.inbox_send.send_nowait((frames, peer))
             self.received += 1
@@ -231,7 +242,7 @@ class _Pump:
                 await trio.lowlevel.wait_readable(fd)
             self.wait_scope = None
 
-    def decode(self, payload: bytes, who: Hashable) -> Message | None:
+    def _decode(self, payload: bytes, who: Hashable) -> Message | None:
         """The message `payload` holds, or None (counted as a bad frame, warned about)."""
         try:
             return decode(payload)
@@ -250,94 +261,57 @@ class _Pump:
         )  # fmt: skip
 
 
-class _Side:
-    """What a ROUTER and a DEALER share: their pump, its counts and warnings."""
-
-    def __init__(self, pump: _Pump, endpoint: str) -> None:
-        self._pump = pump
-        self.endpoint = endpoint
-
-    def has_room(self, count: int) -> bool:
-        """Whether `count` messages would be taken now without waiting."""
-        return len(self._pump.outbox) + count <= self._pump.queue_size
-
-    def statistics(self) -> MessengerStatistics:
-        return self._pump.statistics()
-
-    def flush_warnings(self) -> None:
-        """Log how many warnings about quiet peers were suppressed (call it now and then)."""
-        self._pump.flush_warnings()
-
-
-class Router(_Side):
+class Router(_Pump):
     """A bound ROUTER: receive (identity, payload, peer) from DEALERs, send back by identity."""
 
+    frames = 2
+
+    def _sender(self, frames: list[bytes]) -> Hashable:
+        return frames[0].hex()
+
     async def receive(self) -> tuple[bytes, bytes, PeerLabel | None]:
-        (identity, payload), peer = await self._pump.receive()
+        (identity, payload), peer = await self._receive()
         return identity, payload, peer
 
     async def send(self, identity: bytes, payload: bytes) -> None:
-        await self._pump.send([identity, payload])
+        await self._send([identity, payload])
 
     async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]:
         """The next decodable message; undecodable ones are counted as bad frames and skipped."""
         while True:
             identity, payload, peer = await self.receive()
-            message = self._pump.decode(payload, peer.text if peer else identity.hex())
+            message = self._decode(payload, peer.text if peer else identity.hex())
             if message is not None:
                 return identity, message, peer
 
     async def send_message(self, identity: bytes, message: Message) -> None:
-        await self.send(identity, encode(message))
+        await self._send([identity, encode(message)])
 
     def send_message_nowait(self, identity: bytes, message: Message) -> None:
-        """`send_message` from synchronous code, as `Dealer.send_message_nowait`."""
-        self._pump.send_nowait([identity, encode(message)])
+        self._send_nowait([identity, encode(message)])
 
 
-class Dealer(_Side):
+class Dealer(_Pump):
     """A connected DEALER: send payloads to its ROUTER, receive what the ROUTER sends back."""
 
     async def receive(self) -> bytes:
-        (payload,), _ = await self._pump.receive()
+        (payload,), _ = await self._receive()
         return payload
 
     async def send(self, payload: bytes) -> None:
-        await self._pump.send([payload])
+        await self._send([payload])
 
     async def receive_message(self) -> Message:
         """The next decodable message; undecodable ones are counted as bad frames and skipped."""
-        while (message := self._pump.decode(await self.receive(), self.endpoint)) is None:
+        while (message := self._decode(await self.receive(), self.endpoint)) is None:
             pass
         return message
 
     async def send_message(self, message: Message) -> None:
-        await self.send(encode(message))
+        await self._send([encode(message)])
 
     def send_message_nowait(self, message: Message) -> None:
-        """`send_message` from synchronous code (on the Trio thread that owns the socket): sent
-        now, or queued in order behind earlier messages. trio.WouldBlock when the outbox is full
-        (nothing sent); the caller then falls back to `send_message`."""
-        self._pump.send_nowait([encode(message)])
-
-
-@asynccontextmanager
-async def _running(socket: _Socket, pump: _Pump) -> AsyncIterator[trio.Nursery]:
-    """Run `pump` while the body runs; the socket is closed on exit. Yields the nursery that
-    owns the socket's tasks. The body's own exception leaves unwrapped."""
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump.run)
-            try:
-                yield nursery
-            finally:
-                nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
-    finally:
-        socket.close(linger=0)
+        self._send_nowait([encode(message)])
 
 
 def _socket(kind: int, context: _Context | None, high_water_mark: int) -> _Socket:
@@ -378,12 +352,12 @@ async def open_router(
         raise
     endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
     verifier = PeerVerifier(secret=secret) if secret is not None else None
-    pump = _Pump(socket, frames=2, queue_size=queue_size, drop_when_full=True, verifier=verifier,
-                 name=lambda frames: frames[0].hex())  # fmt: skip
+    router = Router(socket, endpoint, queue_size=queue_size, drop_when_full=True,
+                    verifier=verifier)  # fmt: skip
     # A secured ROUTER counts the handshakes it refused (peers without the cluster secret).
-    refusals = pump.handshake_failed if secret is not None else None
-    async with _monitored(socket, pump, HANDSHAKE_FAILED, refusals):
-        yield Router(pump, endpoint)
+    refusals = router.handshake_failed if secret is not None else None
+    async with _running(router, HANDSHAKE_FAILED, refusals):
+        yield router
 
 
 @asynccontextmanager
@@ -416,26 +390,25 @@ async def open_dealer(
     if identity is not None:
         socket.setsockopt(zmq.ROUTING_ID, identity)
     events = LinkState(endpoint, on_link) if on_link is not None else None
-    pump = _Pump(socket, frames=1, queue_size=queue_size, name=lambda _frames: endpoint)
-    async with _monitored(socket, pump, UP | DOWN | HANDSHAKE_FAILED, events, endpoint):
-        yield Dealer(pump, endpoint)
+    dealer = Dealer(socket, endpoint, queue_size=queue_size)
+    async with _running(dealer, UP | DOWN | HANDSHAKE_FAILED, events, endpoint):
+        yield dealer
 
 
 @asynccontextmanager
-async def _monitored(
-    socket: _Socket,
-    pump: _Pump,
-    events: int,
-    on_event: Callable[[int], None] | None,
-    connect: str | None = None,
+async def _running(
+    pump: _Pump, events: int, on_event: Callable[[int], None] | None, connect: str | None = None
 ) -> AsyncIterator[None]:
-    """Run `pump` (`_running`) with `on_event` told of `socket`'s `events` (links.py), then
-    connect to `connect` if given (after the monitor: no event is missed)."""
+    """Run `pump` while the body runs, with `on_event` told of its socket's `events` (links.py),
+    then connect to `connect` if given (after the monitor: no event is missed). The socket is
+    closed on exit; the body's own exception leaves unwrapped."""
+    socket = pump.socket
     monitor = open_monitor(socket, events) if on_event is not None else None
     if connect is not None:
         socket.connect(connect)
     try:
-        async with _running(socket, pump) as nursery:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump.run)
             if monitor is not None and on_event is not None:
                 nursery.start_soon(watch, monitor, on_event)
             try:
@@ -443,6 +416,12 @@ async def _monitored(
             finally:
                 if monitor is not None:
                     stop_monitor(socket)
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     finally:
+        socket.close(linger=0)
         if monitor is not None:
             monitor.close(linger=0)

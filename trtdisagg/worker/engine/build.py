@@ -242,7 +242,7 @@ def count_follower_writes(transceiver: KvTransceiver | None, reports: Sequence[R
         return
     for report in reports:
         for write in report.writes:
-            transceiver.count_write(write.num_bytes, write.num_descriptors, write.seconds)
+            transceiver.tally.count(write.num_bytes, write.num_descriptors, write.seconds)
 
 
 def _to_both(first: ReportSink, second: ReportSink, reports: Sequence[RankReport]) -> None:

@@ -155,11 +155,6 @@ class LoopbackAgent:
         """The peers loaded with `add_remote` (tests check that none are left behind)."""
         return frozenset(self._remotes)
 
-    @property
-    def num_notifications(self) -> int:
-        """Notifications received and not yet taken (tests wait for them to be drained)."""
-        return len(self._notifications)
-
     def poll(self, handle: XferHandle) -> XferStatus:
         unsent = self._unsent.pop(handle, None)
         if unsent is not None:
