@@ -14,11 +14,13 @@ In one run, on the same two namespaces, with UCX on TCP (``UCX_TLS=tcp``, as bet
             the notification), and ``kv_transfer_bytes`` what moved. gen keeps no prefix cache,
             so every sample moves the whole prompt's KV.
   raw NIXL  two processes (this script, ``--raw-peer``) in the same namespaces with one NIXL
-            agent each and a registered buffer: ctx posts ONE write of the same byte count with
-            a notification and polls it; gen polls ``get_new_notifs`` (both every
-            ``--raw-poll-us``; 0 spins). Timed from just
-            before the post (ctx) to the notification seen (gen), on the one CLOCK_MONOTONIC
-            both namespaces share.
+            agent each and a registered buffer, doing the same transfer with nothing but NIXL:
+            gen asks ctx for the bytes (a NIXL notification, as gen's REQUEST_DATA asks), ctx
+            builds ONE descriptor of that byte count and posts it with a notification, and gen
+            polls ``get_new_notifs`` until it comes (both poll every ``--raw-poll-us``; 0
+            spins). Timed on gen from just before the ask to the notification seen, the span
+            ``kv_transfer_s`` covers; ``raw_write_s`` in the JSON is ctx's post to that
+            notification (the write alone, on the one CLOCK_MONOTONIC both namespaces share).
 
 The samples alternate (which path goes first flips each time) after two warm-ups of each.
 Printed: per prompt size, the median time and rate of each path and ``raw / workers``
@@ -75,38 +77,47 @@ def raw_peer(side: str, size: int) -> None:
             remote = raw.decode() if isinstance(raw, bytes) else raw
             remote_address = int(cmd["address"])
             _say({"ok": True})
-        elif cmd["op"] == "wait":  # gen: spin until this notification arrives
-            want = cmd["notif"].encode()
-            _say({"waiting": True})
+        elif cmd["op"] == "serve":  # ctx: wait for gen's ask, then write what it asks for
+            _say({"serving": True})
             pause = float(cmd["poll_s"])
-            while not any(want in payloads for payloads in agent.get_new_notifs().values()):
-                if pause:
-                    time.sleep(pause)
-            _say({"seen": time.monotonic()})
-        elif cmd["op"] == "write":  # ctx: one descriptor of `bytes`, with a notification
-            assert remote is not None
-            n = int(cmd["bytes"])
-            local = np.array([[address, n, 0]], dtype=np.uint64)
-            target = np.array([[remote_address, n, 0]], dtype=np.uint64)
+            ask = _next_notif(agent, b"ask ", pause)
+            _, notif, n = ask.decode().split()
+            local = np.array([[address, int(n), 0]], dtype=np.uint64)
+            target = np.array([[remote_address, int(n), 0]], dtype=np.uint64)
             handle = agent.initialize_xfer(
                 "WRITE", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(target, "DRAM"),
-                remote, cmd["notif"].encode(),
+                remote, notif.encode(),
             )  # fmt: skip
             posted = time.monotonic()
             state = agent.transfer(handle)
-            pause = float(cmd["poll_s"])
             while state not in ("DONE", "ERR"):
                 if pause:
                     time.sleep(pause)
                 state = agent.check_xfer_state(handle)
-            done = time.monotonic()
             agent.release_xfer_handle(handle)
-            _say({"posted": posted, "done": done, "state": state})
+            _say({"posted": posted, "state": state})
+        elif cmd["op"] == "fetch":  # gen: ask ctx for `bytes`, spin until their notification
+            assert remote is not None
+            asked = time.monotonic()
+            agent.send_notif(remote, f"ask {cmd['notif']} {int(cmd['bytes'])}".encode())
+            _next_notif(agent, cmd["notif"].encode(), float(cmd["poll_s"]))
+            _say({"asked": asked, "seen": time.monotonic()})
         elif cmd["op"] == "check":  # gen: the bytes that landed are ctx's
             n = int(cmd["bytes"])
             _say({"ok": bool((buffer[:n] == 7).all())})
         elif cmd["op"] == "stop":
             return
+
+
+def _next_notif(agent: Any, prefix: bytes, pause: float) -> bytes:
+    """Poll `agent` until a notification that starts with `prefix` comes (every `pause` s)."""
+    while True:
+        for payloads in agent.get_new_notifs().values():
+            for payload in payloads:
+                if payload.startswith(prefix):
+                    return bytes(payload)
+        if pause:
+            time.sleep(pause)
 
 
 MARK: Final = "@bench "  # NIXL logs to stdout too: our lines are the marked ones
@@ -233,14 +244,18 @@ def _workers_sample(
     return float(perf["kv_transfer_s"]), int(perf["kv_transfer_bytes"])
 
 
-def _raw_sample(peers: dict[str, Peer], num_bytes: int, index: int, poll_s: float) -> float:
+def _raw_sample(
+    peers: dict[str, Peer], num_bytes: int, index: int, poll_s: float
+) -> tuple[float, float]:
+    """gen asks ctx for `num_bytes` (a NIXL notification), ctx writes them with a notification:
+    (gen's ask to the write's notification seen, ctx's post to that notification)."""
     notif = f"raw-{index}"
-    peers["gen"].ask({"op": "wait", "notif": notif, "poll_s": poll_s})  # answers as it polls
-    write = peers["ctx"].ask({"op": "write", "bytes": num_bytes, "notif": notif, "poll_s": poll_s})
+    peers["ctx"].ask({"op": "serve", "poll_s": poll_s})  # answers as it starts polling
+    fetch = peers["gen"].ask({"op": "fetch", "notif": notif, "bytes": num_bytes, "poll_s": poll_s})
+    write = peers["ctx"].ask()
     if write["state"] != "DONE":
         raise RuntimeError(f"raw write failed: {write}")
-    seen = float(peers["gen"].ask()["seen"])
-    return seen - float(write["posted"])
+    return fetch["seen"] - fetch["asked"], fetch["seen"] - write["posted"]
 
 
 def run(
@@ -264,7 +279,7 @@ def run(
             index = 0
             for tokens in sizes:
                 prompt = [(i * 37 + tokens) % 500 + 3 for i in range(tokens)]
-                workers_s, raw_s = [], []
+                workers_s, raw_s, raw_write_s = [], [], []
                 num_bytes = 0
                 for i in range(iterations + 2):
                     order = ("workers", "raw") if i % 2 == 0 else ("raw", "workers")
@@ -275,15 +290,17 @@ def run(
                             if i >= 2:
                                 workers_s.append(seconds)
                         elif num_bytes:
-                            seconds = _raw_sample(peers, num_bytes, index, poll_s)
+                            seconds, write_s = _raw_sample(peers, num_bytes, index, poll_s)
                             if i >= 2:
                                 raw_s.append(seconds)
+                                raw_write_s.append(write_s)
                 assert peers["gen"].ask({"op": "check", "bytes": num_bytes})["ok"]
                 workers, raw = statistics.median(workers_s), statistics.median(raw_s)
                 results["sizes"][tokens] = {
                     "bytes": num_bytes,
-                    "workers_s": workers_s, "raw_s": raw_s,
+                    "workers_s": workers_s, "raw_s": raw_s, "raw_write_s": raw_write_s,
                     "workers_median_s": workers, "raw_median_s": raw,
+                    "raw_write_median_s": statistics.median(raw_write_s),
                     "workers_gb_s": num_bytes / workers / 1e9, "raw_gb_s": num_bytes / raw / 1e9,
                     "ratio_raw_over_workers": raw / workers,
                 }  # fmt: skip
@@ -323,11 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         sizes, args.iterations, args.out, args.raw_poll_us / 1e6, args.nixl_progress_thread
     )
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    print(f"{'tokens':>7} {'KV MiB':>8} {'workers ms':>11} {'raw ms':>8} "
+    print(f"{'tokens':>7} {'KV MiB':>8} {'workers ms':>11} {'raw ms':>8} {'raw write ms':>13} "
           f"{'workers GB/s':>13} {'raw GB/s':>9} {'raw/workers':>12}")  # fmt: skip
     for tokens, r in results["sizes"].items():
         print(f"{tokens:>7} {r['bytes'] / 2**20:>8.1f} {r['workers_median_s'] * 1e3:>11.2f} "
-              f"{r['raw_median_s'] * 1e3:>8.2f} {r['workers_gb_s']:>13.3f} {r['raw_gb_s']:>9.3f} "
+              f"{r['raw_median_s'] * 1e3:>8.2f} {r['raw_write_median_s'] * 1e3:>13.2f} "
+              f"{r['workers_gb_s']:>13.3f} {r['raw_gb_s']:>9.3f} "
               f"{r['ratio_raw_over_workers']:>12.3f}")  # fmt: skip
     return 0
 
