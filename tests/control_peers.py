@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 
 import attrs
 import torch
@@ -88,6 +89,21 @@ def answers(socket: zmq.Socket[bytes], within_ms: int) -> list[Message]:
     while socket.poll(within_ms):
         got.append(decode(socket.recv()))
         within_ms = 100
+    return got
+
+
+def answers_to_each(sockets: Sequence[zmq.Socket[bytes]], within_ms: int) -> list[list[Message]]:
+    """Whatever comes back on each of `sockets` within one shared window of `within_ms`: the
+    silence owed to several strangers is waited for once, not once per stranger."""
+    poller = zmq.Poller()
+    for socket in sockets:
+        poller.register(socket, zmq.POLLIN)
+    got: list[list[Message]] = [[] for _ in sockets]
+    deadline = time.monotonic() + within_ms / 1000
+    while (left_s := deadline - time.monotonic()) > 0:
+        for ready, _ in poller.poll(left_s * 1000):
+            index = next(i for i, socket in enumerate(sockets) if socket is ready)
+            got[index].append(decode(ready.recv()))
     return got
 
 

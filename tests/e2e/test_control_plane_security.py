@@ -38,7 +38,7 @@ from tests.control_peers import (
     SECRET_TEXT,
     Intruder,
     Stranger,
-    answers,
+    answers_to_each,
     ask,
     instance_info,
     member,
@@ -157,10 +157,12 @@ def test_nixl_cannot_read_a_victim_s_kv_with_what_a_stranger_can_learn(
     endpoint = info_endpoint(client, cluster.ctx)
     server_info = client.get(cluster.ctx.url + "/server_info").text
     assert "metadata" not in server_info and "address" not in server_info, server_info
-    for kind in Stranger:
-        with stranger(endpoint, kind, CLAIMED) as socket:
+    with contextlib.ExitStack() as strangers:
+        sockets = [strangers.enter_context(stranger(endpoint, kind, CLAIMED)) for kind in Stranger]
+        for socket in sockets:
             socket.send(encode(RequestInstanceInfo(protocol_version=PROTOCOL_VERSION)))
-            assert answers(socket, SILENCE_MS) == [], kind
+        got = answers_to_each(sockets, SILENCE_MS)
+    assert dict(zip(Stranger, got, strict=True)) == {kind: [] for kind in Stranger}
     # With nothing to load, there is nothing to read from.
     thief = nixl_agent(f"thief-{secrets.token_hex(4)}", nixl_agent_config(backends=["UCX"]))
     with pytest.raises(Exception):  # noqa: B017 (NIXL raises its own types)
@@ -232,20 +234,30 @@ def test_a_peer_without_the_secret_gets_nothing_and_is_counted(
     The server's public key and a key of its own: every message is refused (counted) before it
     is read. No answer, no state, a few log lines, and the workers serve on."""
     rounds = 40
-    for server in cluster.workers:
-        endpoint = info_endpoint(client, server)
-        text = metrics_of(client, server)
-        handshakes = metric(text, REFUSED, 'reason="handshake"')
-        unauthenticated = metric(text, REFUSED, 'reason="unauthenticated"')
-        bad_frames = metric(text, "trtdisagg_control_bad_frames_total")
-        logged = len(server.log().splitlines())
-        messages = _hostile(CLAIMED)
-        for kind in Stranger:
-            with stranger(endpoint, kind, CLAIMED) as socket:
+    messages = _hostile(CLAIMED)
+    before: dict[str, tuple[float, float, float, int]] = {}
+    with contextlib.ExitStack() as strangers:
+        sent: list[tuple[Server, Stranger, zmq.Socket[bytes]]] = []
+        for server in cluster.workers:
+            endpoint = info_endpoint(client, server)
+            text = metrics_of(client, server)
+            before[server.url] = (
+                metric(text, REFUSED, 'reason="handshake"'),
+                metric(text, REFUSED, 'reason="unauthenticated"'),
+                metric(text, "trtdisagg_control_bad_frames_total"),
+                len(server.log().splitlines()),
+            )
+            for kind in Stranger:
+                socket = strangers.enter_context(stranger(endpoint, kind, CLAIMED))
                 for _ in range(rounds):
                     for message in messages:
                         socket.send(encode(message))
-                assert answers(socket, SILENCE_MS) == [], kind
+                sent.append((server, kind, socket))
+        got = answers_to_each([socket for _, _, socket in sent], SILENCE_MS)
+    heard = {(server.url, kind): replies for (server, kind, _), replies in zip(sent, got)}
+    assert heard == {key: [] for key in heard}
+    for server in cluster.workers:
+        handshakes, unauthenticated, bad_frames, logged = before[server.url]
         # the impostor's messages (the one stranger that finishes a handshake), each of them
         expected = unauthenticated + rounds * len(messages)
         wait_until(lambda s=server, n=expected: refused(client, s, "unauthenticated") == n,

@@ -2,12 +2,12 @@
 and service resuming when the workers come back, without restarting the coordinator.
 
 Requests use conditional disaggregation (short prompts prefilled on gen alone), so this runs
-with or without the KV transceiver.
+with or without the KV transceiver. The ctx and the gen are the module's: a test that kills them
+leaves the next one to start them again, on the same ports.
 """
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import sys
@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import yaml
@@ -28,27 +29,53 @@ pytestmark = pytest.mark.timeout(300)
 REQUEST_TIMEOUT = 20
 
 
-@contextlib.contextmanager
-def worker(tmp_path: Path, role: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
-    path = tmp_path / f"{role}.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            worker_config(
-                cache_transceiver_config={"backend": "NIXL", "nixl_progress_thread": False}
-            )
-        )
-    )
-    log_path = tmp_path / f"{role}-{port}-{time.monotonic_ns()}.log"
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "trtdisagg", role, "--config", str(path), "--port", str(port)],
-            stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
-        )  # fmt: skip
+@attrs.define(eq=False)
+class Workers:
+    """A ctx and a gen on fixed ports, shared by the module: a test kills them, and the next one
+    finds them started again (`up`) on the same ports."""
+
+    tmp: Path
+    ports: dict[str, int]
+    procs: dict[str, subprocess.Popen[bytes]] = attrs.Factory(dict)
+
+    def url(self, role: str) -> str:
+        return f"http://127.0.0.1:{self.ports[role]}"
+
+    def up(self) -> None:
+        """Start each role whose process is gone, all at once, and wait until each is healthy."""
+        starting: dict[str, Path] = {}
+        for role, port in self.ports.items():
+            if role in self.procs and self.procs[role].poll() is None:
+                continue
+            path = self.tmp / f"{role}.yaml"
+            transfer = {"backend": "NIXL", "nixl_progress_thread": False}
+            path.write_text(yaml.safe_dump(worker_config(cache_transceiver_config=transfer)))
+            log_path = self.tmp / f"{role}-{port}-{time.monotonic_ns()}.log"
+            args = [role, "--config", str(path), "--port", str(port)]
+            with open(log_path, "wb") as log_file:
+                self.procs[role] = subprocess.Popen(
+                    [sys.executable, "-m", "trtdisagg", *args],
+                    stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
+                )  # fmt: skip
+            starting[role] = log_path
+        for role, log_path in starting.items():
+            wait_healthy(self.url(role), self.procs[role], log_path, 120)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            stop(proc)
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    started = Workers(tmp_path_factory.mktemp("workers"), {"ctx": free_port(), "gen": free_port()})
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc, log_path, 120)
-        yield proc
+        yield started
     finally:
-        stop(proc)
+        started.stop_all()
 
 
 def running(url: str) -> float:
@@ -72,9 +99,10 @@ def status(url: str) -> int:
     return httpx.get(url + "/health", timeout=2).status_code
 
 
-def test_worker_death_5xx_then_503_then_recovery(tmp_path: Path) -> None:
-    ctx_port, gen_port, port = free_port(), free_port(), free_port()
-    ctx_url, gen_url = f"http://127.0.0.1:{ctx_port}", f"http://127.0.0.1:{gen_port}"
+def test_worker_death_5xx_then_503_then_recovery(workers: Workers, tmp_path: Path) -> None:
+    workers.up()
+    port = free_port()
+    ctx_url, gen_url = workers.url("ctx"), workers.url("gen")
     config = {
         "hostname": "127.0.0.1", "port": port,
         "context_servers": {"urls": [ctx_url]}, "generation_servers": {"urls": [gen_url]},
@@ -84,12 +112,9 @@ def test_worker_death_5xx_then_503_then_recovery(tmp_path: Path) -> None:
     path = tmp_path / "disagg.yaml"
     path.write_text(yaml.safe_dump(config))
     short = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
-    with contextlib.ExitStack() as stack:
-        ctx = stack.enter_context(worker(tmp_path, "ctx", ctx_port))
-        gen = stack.enter_context(worker(tmp_path, "gen", gen_port))
-        coord = stack.enter_context(spawn(
-            ["coordinator", "--config", str(path)], port=port, log_path=tmp_path / "coord.log",
-        ))  # fmt: skip
+    with spawn(
+        ["coordinator", "--config", str(path)], port=port, log_path=tmp_path / "coord.log"
+    ) as coord:
         assert httpx.post(coord.url + "/v1/completions", json=short, timeout=30).status_code == 200
 
         # gen dies in the middle of a long request: the client gets a 5xx, well within the timeout.
@@ -104,13 +129,13 @@ def test_worker_death_5xx_then_503_then_recovery(tmp_path: Path) -> None:
         thread = threading.Thread(target=long_request)
         thread.start()
         wait_for(lambda: running(gen_url) == 1, 20, "gen busy")
-        gen.send_signal(signal.SIGKILL)
+        workers.procs["gen"].send_signal(signal.SIGKILL)
         thread.join(REQUEST_TIMEOUT + 15)
         assert 500 <= outcome["status"] < 600, outcome
         assert outcome["seconds"] < REQUEST_TIMEOUT, outcome
 
         # With ctx gone too, new requests are refused at once with 503.
-        ctx.send_signal(signal.SIGKILL)
+        workers.procs["ctx"].send_signal(signal.SIGKILL)
         wait_for(lambda: status(coord.url) == 503, 5, "coordinator /health 503")
         wait_for(
             lambda: httpx.get(coord.url + "/cluster_info").json()["unhealthy"]["context"],
@@ -125,19 +150,21 @@ def test_worker_death_5xx_then_503_then_recovery(tmp_path: Path) -> None:
         assert info["unhealthy"] == {"context": [ctx_url], "generation": [gen_url]}
 
         # Both come back on the same ports: service resumes without a coordinator restart.
-        stack.enter_context(worker(tmp_path, "ctx", ctx_port))
-        stack.enter_context(worker(tmp_path, "gen", gen_port))
+        workers.up()
         wait_for(lambda: status(coord.url) == 200, 10, "coordinator /health 200")
         r = httpx.post(coord.url + "/v1/completions", json=short, timeout=30)
         assert r.status_code == 200, r.text
         assert coord.alive()
 
 
-def test_disaggregated_legs_survive_or_fail_cleanly_when_ctx_dies(tmp_path: Path) -> None:
+def test_disaggregated_legs_survive_or_fail_cleanly_when_ctx_dies(
+    workers: Workers, tmp_path: Path
+) -> None:
     """ctx → gen over NIXL: a request already decoding on gen finishes after ctx dies (its KV
     has moved); a request still in ctx's prefill ends in a 5xx; then no ctx means 503 at once."""
-    ctx_port, gen_port, port = free_port(), free_port(), free_port()
-    ctx_url, gen_url = f"http://127.0.0.1:{ctx_port}", f"http://127.0.0.1:{gen_port}"
+    workers.up()
+    port = free_port()
+    ctx_url, gen_url = workers.url("ctx"), workers.url("gen")
     config = {
         "hostname": "127.0.0.1", "port": port, "max_retries": 0,
         "context_servers": {"urls": [ctx_url]}, "generation_servers": {"urls": [gen_url]},
@@ -145,12 +172,9 @@ def test_disaggregated_legs_survive_or_fail_cleanly_when_ctx_dies(tmp_path: Path
     }  # fmt: skip
     path = tmp_path / "disagg.yaml"
     path.write_text(yaml.safe_dump(config))
-    with contextlib.ExitStack() as stack:
-        ctx = stack.enter_context(worker(tmp_path, "ctx", ctx_port))
-        stack.enter_context(worker(tmp_path, "gen", gen_port))
-        coord = stack.enter_context(spawn(
-            ["coordinator", "--config", str(path)], port=port, log_path=tmp_path / "coord.log",
-        ))  # fmt: skip
+    with spawn(
+        ["coordinator", "--config", str(path)], port=port, log_path=tmp_path / "coord.log"
+    ) as coord:
         outcomes: dict[str, Any] = {}
 
         def call(name: str, body: dict[str, Any]) -> None:
@@ -171,7 +195,7 @@ def test_disaggregated_legs_survive_or_fail_cleanly_when_ctx_dies(tmp_path: Path
         second = threading.Thread(target=call, args=("prefilling", prefilling))
         second.start()
         wait_for(lambda: running(ctx_url) == 1, 20, "ctx prefilling")
-        ctx.send_signal(signal.SIGKILL)
+        workers.procs["ctx"].send_signal(signal.SIGKILL)
         first.join(REQUEST_TIMEOUT + 15)
         second.join(REQUEST_TIMEOUT + 15)
         assert outcomes["decoding"][0] == 200, outcomes["decoding"]

@@ -162,67 +162,47 @@ async def _wait_idle(client: httpx.AsyncClient, server: Server) -> None:
             await trio.sleep(0.05)  # polling an observable condition, bounded above
 
 
-@contextlib.contextmanager
-def _coordinator(tmp: Path, ctx: Server, gen: Server) -> Iterator[Server]:
-    port = free_port()
-    config = {
-        "hostname": "127.0.0.1",
-        "port": port,
-        "context_servers": {"urls": [ctx.url]},
-        "generation_servers": {"urls": [gen.url]},
-        "health_check_interval": 0.2,
-        "server_start_timeout": 60,
-    }
-    path = tmp / f"disagg-{port}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    with spawn(
-        ["coordinator", "--config", str(path)], port=port, log_path=tmp / f"coord-{port}.log"
-    ) as server:
-        yield server
-
-
 async def _check_pairing(
     group: Group, ctx_name: str, gen_name: str, seed: int, *, bytes_per_token: int = 0
 ) -> None:
-    """Through a coordinator in front of exactly this ctx and this gen, as a user would.
+    """ctx's context-only answer handed to gen, as the coordinator hands it on: what varies
+    between pairings is the KV's path from one cut to the other, and the coordinator's own path
+    over such instances is tested on its own (test_coordinator_in_front_of_tp2_ctx_and_pp2_gen).
 
     With `bytes_per_token`, ctx's byte counter must grow by exactly the prompts' KV: every rank's
     writes counted once (rank 0 exports its followers' too), none twice."""
     ctx, gen = group.servers[ctx_name], group.servers[gen_name]
-    with _coordinator(group.model.parent, ctx, gen) as coordinator:
-        async with httpx.AsyncClient(timeout=60) as client:
-            sent_before = metric(
-                (await client.get(ctx.url + "/metrics")).text, "trtdisagg_kv_transfer_bytes_total"
+    async with httpx.AsyncClient(timeout=60) as client:
+        sent_before = metric(
+            (await client.get(ctx.url + "/metrics")).text, "trtdisagg_kv_transfer_bytes_total"
+        )
+        for prompt in _prompts(seed):
+            before = set((await client.get(gen.url + "/debug/kv_digests")).json())
+            tokens, key = await _split(client, ctx, gen, prompt)
+            ref, margins = hf_greedy(group.model, prompt, MAX_TOKENS)
+            assert_greedy_match(tokens, ref, margins)
+            ctx_digests = (await client.get(ctx.url + "/debug/kv_digests")).json()
+            gen_digests = (await client.get(gen.url + "/debug/kv_digests")).json()
+            assert set(gen_digests) - before == {str(key)}  # this request's transfer only
+            assert gen_digests[str(key)] == ctx_digests[str(key)], (
+                f"{ctx_name} -> {gen_name}: gen KV differs from ctx KV for prompt of "
+                f"{len(prompt)} tokens"
             )
-            for prompt in _prompts(seed):
-                before = set((await client.get(gen.url + "/debug/kv_digests")).json())
-                r = await client.post(coordinator.url + "/v1/completions", json=_body(prompt))
-                assert r.status_code == 200, r.text
-                tokens = r.json()["choices"][0]["token_ids"]
-                ref, margins = hf_greedy(group.model, prompt, MAX_TOKENS)
-                assert_greedy_match(tokens, ref, margins)
-                ctx_digests = (await client.get(ctx.url + "/debug/kv_digests")).json()
-                gen_digests = (await client.get(gen.url + "/debug/kv_digests")).json()
-                (key,) = set(gen_digests) - before  # this request's transfer, and only it
-                assert gen_digests[key] == ctx_digests[key], (
-                    f"{ctx_name} -> {gen_name}: gen KV differs from ctx KV for prompt of "
-                    f"{len(prompt)} tokens"
-                )
-                assert not ctx_digests[key].startswith("mismatch")
-            await _wait_idle(client, ctx)
-            await _wait_idle(client, gen)
-            if bytes_per_token:
-                sent = metric(
-                    (await client.get(ctx.url + "/metrics")).text,
-                    "trtdisagg_kv_transfer_bytes_total",
-                )
-                lengths = [len(prompt) for prompt in _prompts(seed)]
-                if not gen_name.endswith("_nhd"):
-                    # Same layout: a partial last block goes whole, one piece per run.
-                    lengths = [-(-n // TOKENS_PER_BLOCK) * TOKENS_PER_BLOCK for n in lengths]
-                # (HND -> NHD moves token by token: only the prompt's own tokens.)
-                want = bytes_per_token * sum(lengths)
-                assert sent - sent_before == want, f"{ctx_name} counted {sent - sent_before}"
+            assert not ctx_digests[str(key)].startswith("mismatch")
+        await _wait_idle(client, ctx)
+        await _wait_idle(client, gen)
+        if bytes_per_token:
+            sent = metric(
+                (await client.get(ctx.url + "/metrics")).text,
+                "trtdisagg_kv_transfer_bytes_total",
+            )
+            lengths = [len(prompt) for prompt in _prompts(seed)]
+            if not gen_name.endswith("_nhd"):
+                # Same layout: a partial last block goes whole, one piece per run.
+                lengths = [-(-n // TOKENS_PER_BLOCK) * TOKENS_PER_BLOCK for n in lengths]
+            # (HND -> NHD moves token by token: only the prompt's own tokens.)
+            want = bytes_per_token * sum(lengths)
+            assert sent - sent_before == want, f"{ctx_name} counted {sent - sent_before}"
 
 
 @pytest.mark.parametrize(
