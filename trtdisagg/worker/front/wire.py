@@ -106,7 +106,7 @@ def encode_submit(group: SubmitGroup) -> bytes:
 def decode_submit(payload: object) -> SubmitGroup:
     try:
         return _converter.structure(payload, SubmitGroup)
-    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise WireError(f"bad SUBMIT: {exc}") from None
 
 
@@ -200,7 +200,7 @@ def decode_output(record: Any) -> tuple[int, RequestOutput | None]:
         )
     except WireError:
         raise
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         raise WireError(f"bad output record: {exc!r}") from None
     return request_id, output
 
