@@ -123,7 +123,12 @@ def streamed(http: httpx.Client, url: str, path: str, body: dict[str, Any]) -> d
     for index, chunks in by_choice(events).items():
         text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in chunks)
         ids = [t for c in chunks for t in c.get("token_ids") or []]
-        logprobs = [c["logprobs"] for c in chunks if c.get("logprobs")]
+        # How many tokens a chunk carries depends on timing (a reader that falls behind gets
+        # them joined): the logprobs are compared joined too.
+        logprobs: dict[str, list[Any]] = {}
+        for chunk in chunks:
+            for key, values in (chunk.get("logprobs") or {}).items():
+                logprobs.setdefault(key, []).extend(values or [])
         joined[index] = (text, ids, chunks[-1]["finish_reason"], logprobs)
     return joined
 

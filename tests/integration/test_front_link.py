@@ -9,6 +9,7 @@ name another front's request ids, are dropped and counted while the engine keeps
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import attrs
@@ -23,7 +24,7 @@ from trtdisagg.model.parallel import Parallel
 from trtdisagg.worker.engine.build import assemble_executor
 from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
 from trtdisagg.worker.engine.wakeup import Wakeup
-from trtdisagg.worker.front.client import EngineFacts, RemoteEngine
+from trtdisagg.worker.front.client import RemoteEngine
 from trtdisagg.worker.front.link import Link, open_socket
 from trtdisagg.worker.front.server import EngineServer
 from trtdisagg.worker.front.supervisor import engine_facts
@@ -76,10 +77,9 @@ class Linked:
 
 
 @pytest.fixture
-async def linked(model: Model, tmp_path: Path, nursery: trio.Nursery) -> Linked:
+async def linked(model: Model, tmp_path: Path) -> AsyncIterator[Linked]:
     """An engine serving two fronts' worth of ids; this test is front 0."""
     executor = make_executor(model)
-    await nursery.start(executor.run)
     endpoint = f"ipc://{tmp_path / 'engine'}"
     server = EngineServer(
         executor=executor, num_fronts=2, tokenizer_json=model.tokenizer.to_json()
@@ -87,9 +87,7 @@ async def linked(model: Model, tmp_path: Path, nursery: trio.Nursery) -> Linked:
     router = open_socket(zmq.ROUTER)
     router.bind(endpoint)
     server.link = Link(socket=router, on_message=server.on_message)
-    await nursery.start(server.run)
-    facts: EngineFacts = engine_facts(executor)
-    front = RemoteEngine(facts=facts, registry=executor.metrics.registry)
+    front = RemoteEngine(facts=engine_facts(executor), registry=executor.metrics.registry)
     dealer = open_socket(zmq.DEALER, identity=b"api0")
     dealer.connect(endpoint)
     linked = Linked(executor=executor, server=server, front=front, endpoint=endpoint)
@@ -99,11 +97,17 @@ async def linked(model: Model, tmp_path: Path, nursery: trio.Nursery) -> Linked:
         front.on_message(frames)
 
     front.link = Link(socket=dealer, on_message=counting)
-    nursery.start_soon(front.link.run)
-    front.hello(0)
-    with trio.fail_after(TIMEOUT_S):
-        await front.connected.wait()
-    return linked
+    async with trio.open_nursery() as nursery:
+        await nursery.start(executor.run)
+        await nursery.start(server.run)
+        nursery.start_soon(front.link.run)
+        front.hello(0)
+        with trio.fail_after(TIMEOUT_S):
+            await front.connected.wait()
+        yield linked
+        nursery.cancel_scope.cancel()
+    front.link.close()  # the pumps are done
+    server.link.close()
 
 
 def choices(ids: list[int], max_tokens: int) -> list[Request]:

@@ -69,6 +69,7 @@ class RemoteEngine:
     stopped: str | None = None
     bad_frames: int = 0
     connected: trio.Event = attrs.Factory(trio.Event)  # the engine answered HELLO
+    stopping: trio.Event = attrs.Factory(trio.Event)  # the engine said STOP
     _channels: dict[int, trio.MemorySendChannel[RequestOutput]] = attrs.field(
         factory=dict, alias="channels"
     )
@@ -191,6 +192,8 @@ class RemoteEngine:
                 if reply is not None:
                     reply.value = message[2]
                     reply.done.set()
+            elif kind == Kind.STOP:
+                self.stopping.set()
             elif kind == Kind.STATE and len(message) == 2:
                 stopped = message[1]
                 self.stopped = stopped if isinstance(stopped, str) else None

@@ -84,7 +84,8 @@ class Link:
             self.on_message(frames)
 
     async def run(self) -> None:
-        """The pump, until cancelled; the socket is closed when it ends."""
+        """The pump, until cancelled. The socket stays open (`close` closes it), so that the
+        last messages can still be sent once the pump stopped."""
         fd = int(self.socket.getsockopt(zmq.FD))
         try:
             while True:
@@ -100,4 +101,8 @@ class Link:
                 self._wait_scope = None
         finally:
             self._wait_scope = None
-            self.socket.close(linger=0)
+
+    def close(self, *, linger_s: float = 0.0) -> None:
+        """Close the socket; zmq keeps sending what it holds for up to `linger_s`."""
+        self._flush()
+        self.socket.close(linger=int(linger_s * 1000))

@@ -7,8 +7,10 @@ same Quart app). It shares the port with the other fronts through `SO_REUSEPORT`
 requests' ids are `index`, `index + count`, ...: the engine takes no id twice.
 
 The engine process alone decides when a front stops: a front ignores SIGINT and SIGTERM (a
-terminal's Ctrl-C, or a SIGTERM to the process group during a drain, must not cut its streams),
-is killed by the engine when the worker stops, and exits by itself when the engine is gone.
+terminal's Ctrl-C, or a SIGTERM to the process group during a drain, must not cut its streams).
+When the worker stops, the engine sends STOP: the front ends its server as a one-process worker
+does (hypercorn's graceful shutdown) and exits; one that does not is killed. A front whose
+engine process is gone exits by itself.
 """
 
 from __future__ import annotations
@@ -108,6 +110,10 @@ async def serve_front(spec: FrontSpec, engine_pid: int) -> None:
         await nursery.start(serve_http, create_app(service), sock)
         engine.serving()
         log.info("api server %d serving on port %d", spec.index, spec.config.port)
+        await engine.stopping.wait()
+        log.info("api server %d stopping", spec.index)
+        nursery.cancel_scope.cancel()  # hypercorn lets the responses under way end first
+    engine.link.close()
 
 
 async def _exit_with_engine(engine_pid: int, index: int) -> None:

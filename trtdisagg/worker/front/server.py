@@ -126,6 +126,13 @@ class EngineServer:
             for front in self.fronts.values():
                 self.link.send_nowait([front.identity, pack([Kind.STATE, stopped])])
 
+    def stop_fronts(self) -> None:
+        """Send what is owed, then tell every front to stop (`Kind.STOP`)."""
+        assert self.link is not None
+        self.flush()
+        for front in self.fronts.values():
+            self.link.send_nowait([front.identity, pack([Kind.STOP])])
+
     # ---- messages from fronts ----
 
     def on_message(self, frames: list[bytes]) -> None:

@@ -5,7 +5,8 @@ the link), binds the engine's ROUTER in it, claims the worker's port with a rese
 that does not listen (as the coordinator's fleet does: it resolves port 0 and takes no
 connection), and spawns `count` fronts on that port. It is started once every front serves, and
 then watches them: a front that exits stops the worker (`FrontDied`), as a rank that dies
-does. When the worker stops, its fronts are killed and reaped and the directory is removed.
+does. When the worker stops, its fronts are told to stop (and killed if they do not) and
+reaped, and the directory is removed.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from trtdisagg.worker.http.service import WorkerService
 log = logging.getLogger("trtdisagg.worker")
 
 FRONT_START_TIMEOUT_S = 120.0
+STOP_GRACE_S = 5.0  # a front's graceful shutdown takes hypercorn's graceful_timeout (1 s)
 _REAP_S = 5.0
 
 
@@ -64,12 +66,14 @@ class Fronts:
         raise FrontDied(message)
 
     def stop(self) -> None:
-        """Kill and reap every front (they ignore SIGTERM: `process.py`)."""
+        """Reap every front, told to stop before; kill those that do not within the grace
+        (they ignore SIGTERM: `process.py`)."""
         for process in self.processes:
+            process.join(STOP_GRACE_S)
             if process.is_alive():
+                log.warning("api server %s did not stop; killing it", process.name)
                 process.kill()
-        for process in self.processes:
-            process.join(_REAP_S)
+                process.join(_REAP_S)
 
 
 async def serve_fronts(
@@ -90,6 +94,7 @@ async def serve_fronts(
     private = Path(tempfile.mkdtemp(prefix="trtdisagg-api-"))  # mode 0700
     reservation = bind_socket(config.host, config.port, reuse_port=True, listen=False)
     fronts: Fronts | None = None
+    server: EngineServer | None = None
     try:
         port = int(reservation.getsockname()[1])
         endpoint = f"ipc://{private / 'engine'}"
@@ -130,8 +135,12 @@ async def serve_fronts(
             host = f"[{config.host}]" if ":" in config.host else config.host
             task_status.started([f"http://{host}:{port}"])
     finally:
+        if server is not None and server.link is not None:
+            server.stop_fronts()
         if fronts is not None:
             fronts.stop()
+        if server is not None and server.link is not None:
+            server.link.close()
         reservation.close()
         shutil.rmtree(private, ignore_errors=True)
 

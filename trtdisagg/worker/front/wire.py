@@ -44,6 +44,7 @@ class Kind(enum.IntEnum):
     REPLY = 6  # engine → front: [REPLY, call id, result]
     STATE = 7  # engine → front: [STATE, why it stopped serving or None]
     SERVING = 8  # front → engine: [SERVING]: its HTTP port is open
+    STOP = 9  # engine → front: [STOP]: the worker stops; finish the responses under way, exit
 
 
 class Call(enum.IntEnum):
