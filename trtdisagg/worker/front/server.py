@@ -194,6 +194,8 @@ class EngineServer:
     def _submit(self, front: FrontBatch, group: SubmitGroup) -> None:
         ids = group.request_ids
         if not all(self._owns(front, i) and not self.executor.has_request(i) for i in ids):
+            # Counted as a bad frame, and answered: the front waits for these ids' outputs.
+            self._refuse(front, group, f"request ids {list(ids)}: not this front's, or in use")
             raise WireError(f"SUBMIT of requests {list(ids)}: not this front's, or in use")
         if group.grammar is None:
             self._queue(front, group, None)
