@@ -105,14 +105,15 @@ def _run_worker(args: argparse.Namespace) -> int:
     elif mode is ControlPlaneMode.CURVE:
         logging.getLogger("trtdisagg.worker").info(SECURED_LOG)
     # Imported only now: a bad config is reported at once, not after loading torch.
+    from trtdisagg.worker.front.supervisor import FrontDied
     from trtdisagg.worker.ranks import RankDied
     from trtdisagg.worker.serve import serve_worker
 
     died = False
     try:
         trio.run(_until_terminated, serve_worker, config)
-    except* RankDied:
-        died = True  # already logged, naming the rank; a traceback would add nothing
+    except* (RankDied, FrontDied):
+        died = True  # already logged, naming the process; a traceback would add nothing
     # Every service stopped and every rank was reaped in `serve_worker`. Tearing down the
     # interpreter (collecting the model's objects module by module) would only hold the port's
     # owner process a second or two longer: leave now, with the logs flushed.

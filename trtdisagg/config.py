@@ -180,6 +180,9 @@ class WorkerConfig:
     fault_injection: str | None = attrs.field(default=None, validator=_fault_spec)
     max_request_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
     log_level: str = "info"
+    # 0: this process serves the HTTP API itself. N >= 1: N front processes serve it on the same
+    # port (SO_REUSEPORT), and this process runs the engine alone (`worker/front/`).
+    api_server_count: int = attrs.field(default=0, validator=_non_negative)
     cluster: ClusterConfig | None = None
 
     def __attrs_post_init__(self) -> None:

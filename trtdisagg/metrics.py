@@ -21,10 +21,12 @@ _LATENCY_BUCKETS = (
 _LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
-def event_loop_lag_histogram(registry: CollectorRegistry) -> Histogram:
+def event_loop_lag_histogram(
+    registry: CollectorRegistry, *, name: str = "trtdisagg_event_loop_lag_seconds"
+) -> Histogram:
     """How late the process's Trio loop wakes from a short sleep (see `trtdisagg.loop_lag`)."""
     return Histogram(
-        "trtdisagg_event_loop_lag_seconds",
+        name,
         "Delay of the Trio loop waking from a 100 ms sleep: time some handler held the loop",
         buckets=_LOOP_LAG_BUCKETS,
         registry=registry,

@@ -57,7 +57,7 @@ def run_with(*outputs: RequestOutput) -> tuple[ChoiceRun, Aborts]:
     run = ChoiceRun(
         plan=plan,
         handle=RequestHandle(request=request, outputs=receive),
-        executor=aborts,  # type: ignore[arg-type]
+        engine=aborts,  # type: ignore[arg-type]
     )
     return run, aborts
 

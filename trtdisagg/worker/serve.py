@@ -2,8 +2,8 @@
 
 Start-up order is explicit (DESIGN.md §1): the other ranks joined (multi-rank) → model, KV pool,
 transceiver and engine built (`engine/build.py`) → transceiver running → engine loop running →
-HTTP serving → the "ready" log line. Until then the port is closed, so a health check cannot see
-a half-started worker.
+HTTP serving (here, or in `api_server_count` front processes: `front/`) → the "ready" log
+line. Until then the port is closed, so a health check cannot see a half-started worker.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from trtdisagg.membership.registration import Drain, serve_registration
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.transfer.protocol.rank_info import make_instance_name
 from trtdisagg.worker.engine.build import build_worker
+from trtdisagg.worker.front.supervisor import serve_fronts
 from trtdisagg.worker.http.app import create_app
 from trtdisagg.worker.rank_group import RankGroup
 from trtdisagg.worker.ranks import Followers, start_followers
@@ -82,11 +83,17 @@ async def serve_worker(
             if worker.transceiver is not None:
                 await nursery.start(worker.transceiver.run)
             await nursery.start(worker.executor.run)
-            app = create_app(worker.service)
-            serve_http = functools.partial(
-                hypercorn_serve, app, hypercorn_config(config.host, config.port)
-            )
-            binds: list[str] = await nursery.start(serve_http)
+            binds: list[str]
+            if config.api_server_count > 0:  # the HTTP API in front processes
+                binds = await nursery.start(
+                    serve_fronts, config, worker.executor, worker.service
+                )
+            else:
+                app = create_app(worker.service)
+                serve_http = functools.partial(
+                    hypercorn_serve, app, hypercorn_config(config.host, config.port)
+                )
+                binds = await nursery.start(serve_http)
             pool = worker.executor.scheduler.pool
             log.info(
                 "worker ready: role=%s model=%s kv_blocks=%d tokens_per_block=%d url=%s",

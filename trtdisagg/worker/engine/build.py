@@ -37,6 +37,7 @@ from trtdisagg.worker.engine.test_hooks import DigestingTransceiver, FaultyRunne
 from trtdisagg.worker.engine.tracker import TransferTracker
 from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.fault_hooks import arm_faults
+from trtdisagg.worker.http.engine import LocalEngine
 from trtdisagg.worker.http.service import WorkerService
 from trtdisagg.worker.rank_group import RankGroup
 from trtdisagg.worker.rank_plan import RankReport
@@ -132,8 +133,7 @@ async def build_worker(
         served_model_name=config.served_model_name or (config.model if named else model_dir.name),
         model_dir=model_dir,
         tokenizer=tokenizer,
-        executor=executor,
-        metrics=metrics,
+        engine=LocalEngine(executor=executor),
         max_seq_len=executor.max_seq_len,
         faults=faults,
         ctx_info_endpoint=transceiver.info_endpoint if transceiver is not None else None,

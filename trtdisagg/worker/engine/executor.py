@@ -17,7 +17,13 @@ import trio
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.transfer.runtime.driver import KvTransceiver
-from trtdisagg.worker.engine.live import GenerationSource, Inbox, Live, RequestHandle
+from trtdisagg.worker.engine.live import (
+    GenerationSource,
+    Inbox,
+    Live,
+    OutputSink,
+    RequestHandle,
+)
 from trtdisagg.worker.engine.loop import StepLoop
 from trtdisagg.worker.engine.outputs import OutputState, RequestOutput
 from trtdisagg.worker.engine.tracker import TransferTracker
@@ -31,7 +37,7 @@ if TYPE_CHECKING:
     from trtdisagg.worker.engine.test_hooks import TestHooks
     from trtdisagg.worker.grammar import GrammarTemplate
 
-__all__ = ["Executor", "GenerationSource", "RequestHandle", "RequestOutput"]
+__all__ = ["Executor", "GenerationSource", "OutputSink", "RequestHandle", "RequestOutput"]
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -81,32 +87,52 @@ class Executor:
 
         Raises CapacityError (400) or WorkerStopped (503) as `submit` does.
         """
+        handles: list[RequestHandle] = []
+        sinks: list[OutputSink] = []
+        for request in choices:
+            send, receive = trio.open_memory_channel[RequestOutput](math.inf)
+            sinks.append(send)
+            handles.append(RequestHandle(request=request, outputs=receive))
+        self.submit_group_into(
+            choices, sinks, source=source, transfer_key=transfer_key, grammar=grammar
+        )
+        return handles
+
+    def submit_group_into(
+        self,
+        choices: Sequence[Request],
+        sinks: Sequence[OutputSink],
+        *,
+        source: GenerationSource | None = None,
+        transfer_key: int | None = None,
+        grammar: GrammarTemplate | None = None,
+    ) -> None:
+        """`submit_group` with each choice's outputs going to its own sink (a front process's
+        batch: `worker/front/`) instead of a new channel. Raises as `submit_group` does."""
         if self.stopped is not None:
             raise WorkerStopped(f"this worker stopped serving: {self.stopped}")
+        if len(sinks) != len(choices):
+            raise ValueError("one sink per choice")
         leader = choices[0]
         self.check_fits(leader)
         if any(c.prompt_token_ids != leader.prompt_token_ids for c in choices[1:]):
             raise ValueError("the choices of one group share their prompt")
-        handles: list[RequestHandle] = []
         lives: list[Live] = []
-        for i, request in enumerate(choices):
-            send, receive = trio.open_memory_channel[RequestOutput](math.inf)
+        for i, (request, sink) in enumerate(zip(choices, sinks, strict=True)):
             key = transfer_key if i == 0 else None  # the leader sends the KV for all
-            live = self._live(request, send, choice=i, source=source, transfer_key=key)
+            live = self._live(request, sink, choice=i, source=source, transfer_key=key)
             live.grammar = grammar.matcher() if grammar is not None else None
             lives.append(live)
-            handles.append(RequestHandle(request=request, outputs=receive))
         head, *forks = lives
         head.forks = forks
         for fork in forks:
             fork.leader = head
         self.inbox.submit(head)
-        return handles
 
     def _live(
         self,
         request: Request,
-        outputs: trio.MemorySendChannel[RequestOutput],
+        outputs: OutputSink,
         *,
         choice: int,
         source: GenerationSource | None,
@@ -163,6 +189,13 @@ class Executor:
         """Why this worker stopped serving (its model steps kept failing); None while it serves."""
         return self.loop.stopped
 
+    def has_request(self, request_id: int) -> bool:
+        """Whether a request with this id is queued or served here."""
+        return request_id in self.loop.lives or any(
+            live.request_id == request_id or any(f.request_id == request_id for f in live.forks)
+            for live in self.inbox.new
+        )
+
     def num_active(self) -> int:
         return len(self.loop.lives) + len(self.inbox.new)
 
@@ -193,17 +226,23 @@ class Executor:
     def check_fits(self, request: Request) -> None:
         """Raise CapacityError when the request's prompt could never be served here."""
         pool = self.scheduler.pool
-        capacity = pool.num_blocks * pool.tokens_per_block
-        if request.num_prompt_tokens >= self.max_seq_len:
-            raise CapacityError(
-                f"prompt has {request.num_prompt_tokens} tokens; this model's context is "
-                f"{self.max_seq_len} tokens"
-            )
-        if request.num_prompt_tokens + 1 > capacity:
-            raise CapacityError(
-                f"prompt has {request.num_prompt_tokens} tokens; the KV cache holds {capacity}"
-            )
+        check_fits(
+            request.num_prompt_tokens,
+            max_seq_len=self.max_seq_len,
+            capacity=pool.num_blocks * pool.tokens_per_block,
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The loop, until cancelled (or until a step on a multi-rank instance raises)."""
         await self.loop.run(task_status=task_status)
+
+
+def check_fits(num_prompt_tokens: int, *, max_seq_len: int, capacity: int) -> None:
+    """Raise CapacityError when a prompt of `num_prompt_tokens` could never be served by an
+    engine of this context length and KV capacity (tokens)."""
+    if num_prompt_tokens >= max_seq_len:
+        raise CapacityError(
+            f"prompt has {num_prompt_tokens} tokens; this model's context is {max_seq_len} tokens"
+        )
+    if num_prompt_tokens + 1 > capacity:
+        raise CapacityError(f"prompt has {num_prompt_tokens} tokens; the KV cache holds {capacity}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import trio
@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from trtdisagg.worker.engine.outputs import OutputState, RequestOutput
     from trtdisagg.worker.grammar import Matcher
     from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go: a trio channel to an in-process handler, or a front
+    process's batch (`worker/front/`). Never blocks; a sink whose reader is gone raises
+    trio.BrokenResourceError or trio.ClosedResourceError."""
+
+    def send_nowait(self, output: RequestOutput, /) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -43,7 +53,7 @@ class Live:
     """One request the engine serves: its state, how it samples, where its outputs go."""
 
     request: Request
-    outputs: trio.MemorySendChannel[RequestOutput]
+    outputs: OutputSink
     state: OutputState  # text, stop strings and timings (outputs.py)
     spec: SampleSpec
     source: GenerationSource | None = None  # generation_only: its KV comes from this ctx

@@ -47,7 +47,7 @@ def create_app(service: WorkerService) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
-        stopped = service.executor.stopped
+        stopped = service.engine.stopped
         if stopped is not None:  # for good: its model steps kept failing (executor.py)
             return json_response({"status": "unhealthy", "reason": stopped}, status=503)
         if service.ready:
@@ -61,7 +61,7 @@ def create_app(service: WorkerService) -> QuartTrio:
     @app.get("/metrics")
     @app.get("/prometheus/metrics")
     async def metrics() -> Response:
-        return Response(service.render_metrics(), content_type=CONTENT_TYPE)
+        return Response(await service.render_metrics(), content_type=CONTENT_TYPE)
 
     @app.get("/server_info")
     async def server_info() -> Response:
@@ -69,26 +69,25 @@ def create_app(service: WorkerService) -> QuartTrio:
 
     @app.post("/kv_cache_events")
     async def kv_cache_events() -> Response:
-        return json_response(service.drain_kv_events())
+        return json_response(await service.drain_kv_events())
 
     @app.get("/debug/kv_digests")
     async def kv_digests() -> Response:
-        hooks = service.executor.test_hooks
-        if hooks is None:
+        if not service.engine.has_test_hooks:
             raise ApiError(404, f"route {request.path} not found")
-        return json_response({str(key): digest for key, digest in hooks.digests.items()})
+        digests = await service.engine.kv_digests()
+        return json_response({str(key): digest for key, digest in digests.items()})
 
     @app.post("/debug/step_failures")
     async def step_failures() -> Response:
         """Make the next `count` model steps raise: body `{"count": 1}` (test hooks only)."""
-        hooks = service.executor.test_hooks
-        if hooks is None:
+        if not service.engine.has_test_hooks:
             raise ApiError(404, f"route {request.path} not found")
         body = parse_json(await request.get_data(cache=False, as_text=False))
         count = body.get("count") if isinstance(body, dict) else None
         if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= 1000:
             raise bad_request("count: required, an integer in [0, 1000]", param="count")
-        hooks.step_failures = count
+        await service.engine.fail_steps(count)
         log.warning("the next %d model steps will fail on purpose (test hooks)", count)
         return json_response({"step_failures": count})
 
@@ -118,7 +117,7 @@ def create_app(service: WorkerService) -> QuartTrio:
     async def release_kv() -> Response:
         body = parse_json(await request.get_data(cache=False, as_text=False))
         ask = structure_body(body, KvRelease)
-        released = service.release_send(ask)
+        released = await service.release_send(ask)
         return json_response({"transfer_key": ask.key, "released": released})
 
     def model_card() -> dict[str, object]:

@@ -21,8 +21,9 @@ from trtdisagg.api.fanout import ChoicePlan
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
 from trtdisagg.api.streaming import MergedBody
 from trtdisagg.api.tool_calls import ToolCall, ToolCallFormat, ToolCallParser, parse_tool_calls
-from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
+from trtdisagg.worker.engine.executor import RequestHandle, RequestOutput
 from trtdisagg.worker.http import responses
+from trtdisagg.worker.http.engine import Engine
 from trtdisagg.worker.http.handoff import ctx_state
 from trtdisagg.worker.request import RequestType
 from trtdisagg.worker.sampling import TokenLogprobs
@@ -37,7 +38,7 @@ class ChoiceRun:
 
     plan: ChoicePlan
     handle: RequestHandle
-    executor: Executor
+    engine: Engine
     echo: str | None = None  # completions with `echo`: the prompt text
     # After the first, read outputs of at least this many tokens (config `stream_interval`).
     interval: int = 1
@@ -108,7 +109,7 @@ class ChoiceRun:
         self._closed = True
         self.handle.outputs.close()
         if not self.done:
-            self.executor.abort(self.request_id)
+            self.engine.abort(self.request_id)
 
     def tokens(self, output: RequestOutput) -> responses.ChoiceTokens:
         return responses.ChoiceTokens(

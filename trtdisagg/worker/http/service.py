@@ -32,11 +32,10 @@ from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.ids import new_transfer_key
 from trtdisagg.kv.hashing import HASH_ALGORITHM
-from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.protocol.rank_info import compat_fields
-from trtdisagg.worker.engine.executor import Executor, GenerationSource
+from trtdisagg.worker.engine.live import GenerationSource
 from trtdisagg.worker.grammar import GrammarCompiler, GrammarError, GrammarTemplate
 from trtdisagg.worker.http import responses
+from trtdisagg.worker.http.engine import Engine
 from trtdisagg.worker.http.gen_source import generation_source
 from trtdisagg.worker.http.jobs import ChoiceRun, CtxEndpoint, Job
 from trtdisagg.worker.request import Request, RequestType, SamplingParams
@@ -78,8 +77,7 @@ class WorkerService:
     served_model_name: str
     model_dir: Path
     tokenizer: Tokenizer
-    executor: Executor
-    metrics: WorkerMetrics
+    engine: Engine  # in this process (`LocalEngine`) or behind a link (`front/`)
     max_seq_len: int
     ready: bool = False
     started_at: float = attrs.field(factory=time.time)
@@ -98,7 +96,7 @@ class WorkerService:
     def _compiler(self) -> GrammarCompiler:
         return GrammarCompiler(
             tokenizer_json=self.tokenizer.to_json(),
-            vocab_size=self.executor.vocab_size,
+            vocab_size=self.engine.vocab_size,
             eos_token_ids=sorted(self.tokenizer.eos_token_ids),
         )
 
@@ -121,30 +119,20 @@ class WorkerService:
             dtype=c.dtype,
             version=__version__,
             disaggregated_params={"ctx_info_endpoint": self.ctx_info_endpoint},
-            kv_compat=self._kv_compat(),
+            kv_compat=self.engine.kv_compat,
         )
 
-    def _kv_compat(self) -> dict[str, str | int] | None:
-        transceiver = self.executor.transceiver
-        if transceiver is None:
-            return None
-        return compat_fields(transceiver.local)
+    @property
+    def has_transceiver(self) -> bool:
+        return self.engine.kv_compat is not None
 
-    def render_metrics(self) -> bytes:
-        return self.metrics.render(self.executor.refresh_gauges)
+    async def render_metrics(self) -> bytes:
+        return await self.engine.render_metrics()
 
-    def drain_kv_events(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "event_id": e.event_id,
-                "kind": e.kind.value,
-                "block_hashes": list(e.block_hashes),
-                "parent_hash": e.parent_hash,
-            }
-            for e in self.executor.scheduler.pool.drain_events()
-        ]
+    async def drain_kv_events(self) -> list[dict[str, Any]]:
+        return await self.engine.drain_kv_events()
 
-    def release_send(self, ask: KvRelease) -> bool:
+    async def release_send(self, ask: KvRelease) -> bool:
         """`POST /disagg/release`: whether a context_only request held, or will hold, KV under
         that transfer key (it is released at the executor's next step, or when its prefill
         ends)."""
@@ -152,13 +140,13 @@ class WorkerService:
         if key is None or not 0 <= key < 2**64:
             raise bad_request(f"transfer_key: required, in [0, 2**64), got {key}",
                               param="transfer_key")  # fmt: skip
-        if self.executor.transceiver is None:
+        if not self.has_transceiver:
             raise bad_request(
                 "disagg_request_id: there is no KV to release: cache_transceiver is disabled on "
                 "this worker",
                 param="disagg_request_id",
             )
-        return self.executor.release_send(key)
+        return await self.engine.release_send(key)
 
     # ---- requests ----
 
@@ -173,7 +161,7 @@ class WorkerService:
             )
         params = req.disaggregated_params
         kind = RequestType(params.request_type if params else "context_and_generation")
-        if kind is not RequestType.CONTEXT_AND_GENERATION and self.executor.transceiver is None:
+        if kind is not RequestType.CONTEXT_AND_GENERATION and not self.has_transceiver:
             raise bad_request(
                 f"disaggregated_params.request_type {kind.value!r} needs the KV cache "
                 "transceiver, and cache_transceiver is disabled on this worker",
@@ -193,7 +181,7 @@ class WorkerService:
             disagg_id = params.disagg_request_id or (secrets.randbits(62) | 1 << 40)
             key = params.transfer_key or params.disagg_request_id or new_transfer_key()
         transfer_key = source.key if source is not None else key
-        if transfer_key is not None and self.executor.transfer_key_in_use(
+        if transfer_key is not None and await self.engine.transfer_key_in_use(
             transfer_key, sending=source is None
         ):
             raise ApiError(
@@ -283,7 +271,7 @@ class WorkerService:
                     )
                     for plan in group
                 ]
-                handles = self.executor.submit_group(
+                handles = self.engine.submit_group(
                     choices, source=source, transfer_key=key, grammar=grammar
                 )
                 for plan, handle in zip(group, handles, strict=True):
@@ -291,7 +279,7 @@ class WorkerService:
                         ChoiceRun(
                             plan=plan,
                             handle=handle,
-                            executor=self.executor,
+                            engine=self.engine,
                             echo=self._echo(plan, prompts) if echo else None,
                             interval=self.config.stream_interval,
                         )
@@ -386,7 +374,7 @@ class WorkerService:
                 param="stop_token_ids",
             )
         # The logits' width too: a bias is added to a logit, which must exist.
-        logits_width = min(vocab, self.executor.vocab_size)
+        logits_width = min(vocab, self.engine.vocab_size)
         bias = logit_bias_of(req)
         bad_bias = next((t for t in sorted(bias) if t >= logits_width), None)
         if bad_bias is not None:

@@ -1,0 +1,293 @@
+"""`api_server_count`: the worker's HTTP API in front processes, the engine in its own.
+
+One module-scoped set of servers: an aggregated `tiny` worker with 2 fronts, a ctx/gen pair with
+1 front each behind a coordinator, and the session's shared cluster, whose ctx worker serves in
+one process (`api_server_count: 0`) and is the reference for greedy tokens. Which process holds
+a connection is read from /proc (each front's open sockets), not from anything the API shows.
+The lifecycle tests start workers of their own: they kill them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+
+from tests.edges import Cluster, running_cluster, wait_idle, wait_until
+from tests.openai_cluster import CHAT, LOGPROB_TOLERANCE, PROMPTS, by_choice, sse
+from tests.procs import Server, metric, running_worker
+
+pytestmark = pytest.mark.slow
+
+IDS = {"return_token_ids": True}
+
+
+@attrs.frozen
+class Servers:
+    fronts: Server  # aggregated, api_server_count: 2
+    pair: Cluster  # ctx and gen with api_server_count: 1, and a coordinator
+    reference: Server  # api_server_count: 0
+
+
+@pytest.fixture(scope="module")
+def servers(
+    tmp_path_factory: pytest.TempPathFactory, shared_cluster: tuple[Cluster, httpx.Client]
+) -> Iterator[Servers]:
+    tmp = tmp_path_factory.mktemp("api_servers")
+    with (
+        running_worker(tmp, api_server_count=2) as fronts,
+        running_cluster(tmp, worker={"api_server_count": 1}) as pair,
+    ):
+        yield Servers(fronts=fronts, pair=pair, reference=shared_cluster[0].ctx)
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=60, trust_env=False) as client:
+        yield client
+
+
+# ---- processes and their sockets, from /proc ----
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def socket_fds(pid: int) -> int:
+    """How many sockets process `pid` holds open."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            count += os.readlink(fd).startswith("socket:[")
+        except OSError:
+            continue  # closed meanwhile
+    return count
+
+
+def fronts_of(server: Server) -> list[int]:
+    """The worker's front processes: its children that multiprocessing spawned to run code
+    (its resource tracker is a child too)."""
+    return [
+        pid
+        for pid in children(server.proc.pid)
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+# ---- answers, stripped of what differs between two servers ----
+
+
+def completion(http: httpx.Client, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = http.post(url + path, json=body)
+    assert r.status_code == 200, r.text
+    answer = dict(r.json())
+    for volatile in ("id", "created"):
+        answer.pop(volatile)
+    return answer
+
+
+def streamed(http: httpx.Client, url: str, path: str, body: dict[str, Any]) -> dict[int, Any]:
+    """Each choice's text, token ids, logprobs and finish reason, joined over its chunks."""
+    events = sse(http, url + path, {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    joined: dict[int, Any] = {}
+    for index, chunks in by_choice(events).items():
+        text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in chunks)
+        ids = [t for c in chunks for t in c.get("token_ids") or []]
+        # How many tokens a chunk carries depends on timing (a reader that falls behind gets
+        # them joined): the logprobs are compared joined too.
+        logprobs: dict[str, list[Any]] = {}
+        for chunk in chunks:
+            for key, values in (chunk.get("logprobs") or {}).items():
+                logprobs.setdefault(key, []).extend(values or [])
+        joined[index] = (text, ids, chunks[-1]["finish_reason"], logprobs)
+    return joined
+
+
+def assert_same(got: Any, want: Any) -> None:
+    """Equal, floats within the logprob tolerance (the two engines batch differently)."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, abs=LOGPROB_TOLERANCE)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want), (got, want)
+        for key in want:
+            assert_same(got[key], want[key])
+    elif isinstance(want, list | tuple):
+        assert isinstance(got, list | tuple) and len(got) == len(want), (got, want)
+        for g, w in zip(got, want, strict=True):
+            assert_same(g, w)
+    else:
+        assert got == want
+
+
+BODIES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, **IDS}),
+    ("/v1/completions", {"prompt": PROMPTS, "max_tokens": 6, "temperature": 0, "n": 2, **IDS}),
+    ("/v1/completions",
+     {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "logprobs": 3, "echo": True}),
+    ("/v1/chat/completions",
+     {"messages": CHAT, "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 6, "temperature": 0, "n": 2}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+def test_answers_equal_a_one_process_worker_s(
+    servers: Servers, http: httpx.Client, path: str, body: dict[str, Any]
+) -> None:
+    assert_same(
+        completion(http, servers.fronts.url, path, body),
+        completion(http, servers.reference.url, path, body),
+    )
+    assert_same(
+        streamed(http, servers.fronts.url, path, body),
+        streamed(http, servers.reference.url, path, body),
+    )
+
+
+def test_concurrent_streams_spread_over_both_fronts(servers: Servers) -> None:
+    """Many streams at once all succeed, and while they are open each front holds some."""
+    server = servers.fronts
+    fronts = fronts_of(server)
+    assert len(fronts) == 2, fronts
+    count, tokens = 16, 24
+    body = {"prompt": PROMPTS[2], "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, **IDS}  # fmt: skip
+    first_chunks = threading.Barrier(count + 1, timeout=60)
+
+    def stream() -> int:
+        """The tokens of one stream; it waits, after its first chunk, until all have one."""
+        received = 0
+        with (
+            httpx.Client(timeout=60, trust_env=False) as client,
+            client.stream("POST", server.url + "/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    if received == 0:
+                        first_chunks.wait()
+                    received += sum(len(c.get("token_ids") or []) for c in
+                                    json.loads(line[6:])["choices"])  # fmt: skip
+        return received
+
+    idle = {pid: socket_fds(pid) for pid in fronts}
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        results = [pool.submit(stream) for _ in range(count)]
+        first_chunks.wait()  # every stream's connection is open now
+        held = {pid: socket_fds(pid) - idle[pid] for pid in fronts}
+        assert [r.result(60) for r in results] == [tokens] * count
+    assert all(n > 0 for n in held.values()), held  # each front serves some of them
+    assert sum(held.values()) >= count, held
+
+
+def test_metrics_show_the_engine_s_and_each_name_once(servers: Servers, http: httpx.Client) -> None:
+    def families(url: str) -> list[str]:
+        """Its metric families; not the `_created` ones, which come with a first sample."""
+        text = http.get(url + "/metrics").text
+        names = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+        return [name for name in names if not name.endswith("_created")]
+
+    # A worker with a transceiver, one process and with a front: the same names, each once,
+    # plus the front's own event-loop lag.
+    one_process = families(servers.reference.url)
+    with_front = families(servers.pair.ctx.url)
+    assert len(with_front) == len(set(with_front)), with_front
+    assert set(with_front) == set(one_process) | {"trtdisagg_api_server_event_loop_lag_seconds"}
+    text = http.get(servers.fronts.url + "/metrics").text
+    total = metric(text, "trtdisagg_kv_cache_total_blocks")
+    assert total > 0 and metric(text, "trtdisagg_kv_cache_free_blocks") > 0
+    assert metric(text, "trtdisagg_requests_total", 'role="ctx",status="ok"') > 0
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(
+    servers: Servers, http: httpx.Client
+) -> None:
+    server = servers.fronts
+    wait_idle(http, server)
+
+    def aborted() -> float:
+        text = http.get(server.url + "/metrics").text
+        return metric(text, "trtdisagg_requests_total", 'role="ctx",status="aborted"')
+
+    before = aborted()
+    body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        running = metric(http.get(server.url + "/metrics").text, "trtdisagg_requests_running")
+        assert running == 1
+    # The connection is closed: its front aborts the request, the engine frees its blocks.
+    wait_until(lambda: aborted() == before + 1, 30, "the request aborted")
+    wait_idle(http, server)
+
+
+def test_a_pair_with_fronts_gives_the_aggregated_tokens(
+    servers: Servers, http: httpx.Client
+) -> None:
+    coordinator = servers.pair.coordinator
+    assert coordinator is not None
+    body = {"prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "n": 2, **IDS}  # fmt: skip
+    want = completion(http, servers.reference.url, "/v1/completions", body)
+    got = completion(http, coordinator.url, "/v1/completions", body)
+    assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in want["choices"]]
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
+    stream = streamed(http, coordinator.url, "/v1/completions", body)
+    assert [stream[i][1] for i in (0, 1)] == [c["token_ids"] for c in want["choices"]]
+    for worker in servers.pair.workers:
+        wait_idle(http, worker)
+
+
+# ---- lifecycle: workers of their own ----
+
+
+def test_a_killed_front_stops_the_worker_and_leaves_no_orphan(tmp_path: Path) -> None:
+    with running_worker(tmp_path, api_server_count=2) as server:
+        fronts = fronts_of(server)
+        assert len(fronts) == 2, fronts
+        os.kill(fronts[0], signal.SIGKILL)
+        server.proc.wait(30)
+        assert server.proc.returncode == 1
+        wait_until(lambda: not any(alive(pid) for pid in fronts), 15, "every front gone")
+        assert "api server 0" in server.log() or "api server 1" in server.log()
+
+
+def test_stopping_the_worker_stops_its_fronts(tmp_path: Path) -> None:
+    with running_worker(tmp_path, api_server_count=1) as server:
+        fronts = fronts_of(server)
+        assert len(fronts) == 1, fronts
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(30)
+        assert server.proc.returncode == 0
+        wait_until(lambda: not alive(fronts[0]), 15, "the front gone")
