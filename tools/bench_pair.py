@@ -4,10 +4,12 @@ Starts `python -m trtdisagg up CONFIG` (one ctx, one gen, the coordinator), runs
 `bench_serving.py` through the coordinator at each --concurrency (closed loop, streaming, exact
 lengths, `ignore_eos`), and reads gen's /metrics before and after each run:
 
-* gen tok/s: tokens gen produced (its inter-token gaps plus one per request) / the run's wall time;
-* mean batch: those tokens / gen's steps; step ms: wall time / gen's steps;
-* busy: gen's step device seconds / wall time (CUDA events around each step); device step ms
-  and the tok/s while stepping: the same tokens over that device time.
+* over the whole run: gen's tokens (its inter-token gaps plus one per request) / wall time;
+* while gen had work: the same counters, sampled every 0.2 s, summed over the intervals that
+  begin and end with a request running on gen: tokens per second, mean batch (tokens per step),
+  busy (step device seconds per second; CUDA events around each step), and the share of the run
+  gen had work. The closed loop's waves, the client's start and its warm-up leave gen idle at
+  times; these figures leave that out.
 
 Gen only decodes, so its tok/s at mean batch B is what the issue compares with an aggregated
 worker's decode-only rate at batch B (`bench_engine.py --skip-http --concurrency B` with long
@@ -22,6 +24,7 @@ The result JSON goes to --result-json, else to $OUT/bench_pair.json when $OUT is
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -29,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +47,10 @@ COUNTERS = {
     "device_s": "trtdisagg_step_device_seconds_total",
     "gaps": "trtdisagg_inter_token_latency_seconds_count",
     "requests": "trtdisagg_e2e_request_latency_seconds_count",
+    "running": "trtdisagg_requests_running",
 }
+SAMPLE_S = 0.2
+Sample = tuple[float, dict[str, float]]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,21 +77,40 @@ def counters(text: str) -> dict[str, float]:
     return found
 
 
-def gen_figures(
-    before: dict[str, float], after: dict[str, float], wall_s: float
-) -> dict[str, float]:
-    delta = {k: after[k] - before[k] for k in COUNTERS}
-    tokens = delta["gaps"] + delta["requests"]
-    steps = max(delta["steps"], 1.0)
-    return {
-        "gen_tok_s": tokens / wall_s,
-        "mean_batch": tokens / steps,
-        "step_ms": 1000 * wall_s / steps,
-        "busy": delta["device_s"] / wall_s,
-        # While it steps: the device time of a step, and the rate at the mean batch
-        "device_step_ms": 1000 * delta["device_s"] / steps,
-        "stepping_tok_s": tokens / max(delta["device_s"], 1e-9),
-    }
+def _tokens(a: dict[str, float], b: dict[str, float]) -> float:
+    return (b["gaps"] - a["gaps"]) + (b["requests"] - a["requests"])
+
+
+def gen_figures(samples: list[Sample]) -> dict[str, float]:
+    """Whole-run and while-working figures from gen's counters sampled over one run."""
+    (t0, first), (t1, last) = samples[0], samples[-1]
+    figures = {"gen_tok_s": _tokens(first, last) / (t1 - t0)}
+    work_s = tokens = steps = device_s = 0.0
+    for (ta, a), (tb, b) in itertools.pairwise(samples):
+        if a["running"] >= 1 and b["running"] >= 1:
+            work_s += tb - ta
+            tokens += _tokens(a, b)
+            steps += b["steps"] - a["steps"]
+            device_s += b["device_s"] - a["device_s"]
+    if work_s > 0 and steps > 0:
+        figures |= {
+            "working_share": work_s / (t1 - t0),
+            "working_tok_s": tokens / work_s,
+            "mean_batch": tokens / steps,
+            "step_ms": 1000 * work_s / steps,
+            "device_step_ms": 1000 * device_s / steps,
+            "busy": device_s / work_s,
+        }
+    return figures
+
+
+def sample_until(gen: str, done: threading.Event, samples: list[Sample]) -> None:
+    with httpx.Client(trust_env=False, timeout=5) as client:
+        while True:
+            samples.append((time.monotonic(), counters(client.get(gen + "/metrics").text)))
+            if done.wait(SAMPLE_S):
+                samples.append((time.monotonic(), counters(client.get(gen + "/metrics").text)))
+                return
 
 
 def wait_healthy(url: str, timeout_s: float, cluster: subprocess.Popen[bytes]) -> None:
@@ -112,14 +138,18 @@ def run_one(args: argparse.Namespace, front: str, gen: str, concurrency: int) ->
             "--vocab-size", str(args.vocab_size), "--warmup", str(min(concurrency, 16)),
             "--no-progress", "--result-json", str(out),
         ]  # fmt: skip
-        before = counters(httpx.get(gen + "/metrics", trust_env=False).text)
-        started = time.monotonic()
-        subprocess.run(command, check=True)
-        wall_s = time.monotonic() - started
-        after = counters(httpx.get(gen + "/metrics", trust_env=False).text)
+        samples: list[Sample] = []
+        done = threading.Event()
+        sampler = threading.Thread(target=sample_until, args=(gen, done, samples))
+        sampler.start()
+        try:
+            subprocess.run(command, check=True)
+        finally:
+            done.set()
+            sampler.join()
         summary = json.loads(out.read_text())["summary"]
     client = next(iter(summary.values()))
-    return {"concurrency": concurrency, "client": client, **gen_figures(before, after, wall_s)}
+    return {"concurrency": concurrency, "client": client, **gen_figures(samples)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,9 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"c={c}: client {client['output_throughput']:.1f} tok/s, TTFT p50 "
                 f"{client['ttft_ms']['p50']:.2f} ms, TPOT p50 {client['tpot_ms']['p50']:.2f} ms | "
-                f"gen {run['gen_tok_s']:.1f} tok/s at mean batch {run['mean_batch']:.1f}, "
-                f"step {run['step_ms']:.2f} ms (device {run['device_step_ms']:.2f} ms: "
-                f"{run['stepping_tok_s']:.1f} tok/s while stepping), busy {run['busy']:.2f}",
+                f"gen {run['gen_tok_s']:.1f} tok/s over the run; while working "
+                f"({run.get('working_share', 0):.2f} of it): {run.get('working_tok_s', 0):.1f} "
+                f"tok/s at mean batch {run.get('mean_batch', 0):.1f}, step "
+                f"{run.get('step_ms', 0):.2f} ms (device {run.get('device_step_ms', 0):.2f}), "
+                f"busy {run.get('busy', 0):.2f}",
                 flush=True,
             )
     finally:
