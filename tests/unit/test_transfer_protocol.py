@@ -265,6 +265,25 @@ def test_cancel_is_false_on_both_sides_while_the_write_is_in_flight() -> None:
     assert net.gen.cancel(3, net.now)[0] is True
 
 
+def test_a_gen_that_asks_after_ctx_released_the_kv_is_refused_at_once() -> None:
+    """The coordinator released ctx's KV (its client left) before gen asked: gen's REQUEST_DATA
+    gets an error now, not after the ctx's sweep of messages it held for a session to come."""
+    net = Net.of()
+    net.feed("ctx", KvReady(key=11, source=_source()))
+    quiescent, out = net.ctx.cancel(11, net.now)
+    net.apply("ctx", out)
+    assert quiescent and not len(net.ctx.ctx.senders)
+    net.ask(11)
+    net.deliver()
+    (refused,) = net.received
+    assert not refused.ok and "released" in (refused.error or "")
+    assert not len(net.ctx.ctx.early) and not len(net.gen.gen.receivers) and not net.writes
+    net.tick(TIMEOUT + 0.1)  # remembered for a transfer timeout: then held as any unknown key
+    net.ask(11)
+    net.deliver()
+    assert len(net.ctx.ctx.early) == 1 and len(net.received) == 1
+
+
 def test_a_timed_out_receive_is_reported_at_once_and_freed_when_ctx_answers() -> None:
     net = Net.of()
     net.feed("ctx", KvReady(key=4, source=_source()))

@@ -1,4 +1,5 @@
-"""What every role's quart-trio app shares: JSON responses, OpenAI error bodies, API-key check.
+"""What every role's quart-trio app shares: JSON responses, OpenAI error bodies, API-key check,
+and the closing of what a streamed answer holds when its HTTP exchange ends.
 
 Errors map to HTTP statuses here and nowhere else: an `ApiError` carries its status, framework
 errors (404 route, 405 method, 413 body too large) become OpenAI error bodies, and anything
@@ -10,10 +11,11 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from typing import Any
+from typing import Any, Final, Protocol, cast
 
 from quart import Response, request
 from quart_trio import QuartTrio
+from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from trtdisagg.api.codec import parse_json
@@ -29,6 +31,41 @@ OPENAI_PREFIX = "/v1/"
 KEYED_PREFIXES = (OPENAI_PREFIX, "/disagg/")
 READ_METHODS = ("GET", "HEAD", "OPTIONS")
 JSON_TYPES = ("application/json",)
+_CLOSERS_KEY: Final = "trtdisagg.closers"
+
+
+class Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+def close_with_exchange(closable: Closable) -> None:
+    """Close `closable` when this request's HTTP exchange ends, however it ends."""
+    cast(dict[str, Any], request.scope).setdefault(_CLOSERS_KEY, []).append(closable)
+
+
+class _ClosingConnection(TrioASGIHTTPConnection):
+    """Closes what the handler registered (`close_with_exchange`) once the exchange ends.
+
+    quart closes a streamed body only from inside its send loop; a client that leaves between
+    the handler's return and that loop's start (the response head's send, the after-request
+    handlers) would leave the body unclosed, and what it holds (a worker's requests, an
+    upstream stream, a reservation) would run on for no one. Closing is idempotent.
+    """
+
+    async def handle_request(  # type: ignore[override]  # quart-trio's own signature
+        self, nursery: Any, request: Any, send: Any
+    ) -> None:
+        try:
+            await super().handle_request(nursery, request, send)
+        finally:
+            for closable in cast(dict[str, Any], self.scope).get(_CLOSERS_KEY, []):
+                await closable.aclose()
+
+
+class ClosingQuartTrio(QuartTrio):
+    """A QuartTrio app whose exchanges close what their handlers registered."""
+
+    asgi_http_class = _ClosingConnection
 
 
 def dumps(value: Any) -> str:

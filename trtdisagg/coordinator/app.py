@@ -19,16 +19,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Final, cast
+from typing import Final
 
 from quart import Response, request
 from quart_trio import QuartTrio
-from quart_trio.asgi import TrioASGIHTTPConnection
 
 from trtdisagg import __version__
 from trtdisagg.api.codec import parse_request
 from trtdisagg.api.errors import ApiError
 from trtdisagg.api.http import (
+    ClosingQuartTrio,
+    close_with_exchange,
     error_response,
     install_common_handlers,
     json_body,
@@ -55,33 +56,7 @@ from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected
 
 log = logging.getLogger(__name__)
 
-_BODIES_KEY: Final = "trtdisagg.reply_bodies"
 FORWARDED_HEADERS: Final = ("Authorization",)
-
-
-class _ClosingConnection(TrioASGIHTTPConnection):
-    """Closes streaming bodies a handler produced, even when the response never started.
-
-    quart closes a body only from inside its send loop; if the client disconnects between the
-    handler returning and the loop starting, the body (holding an upstream stream and a gen
-    reservation) would be dropped unclosed. Bodies are registered in the ASGI scope by the route
-    and closed here, after the request task ends for any reason. Closing is idempotent.
-    """
-
-    async def handle_request(  # type: ignore[override]  # quart-trio's own signature
-        self, nursery: Any, request: Any, send: Any
-    ) -> None:
-        try:
-            await super().handle_request(nursery, request, send)
-        finally:
-            scope = cast(dict[str, Any], self.scope)
-            bodies: list[ReplyBody] = scope.get(_BODIES_KEY, [])
-            for body in bodies:
-                await body.aclose()
-
-
-class CoordinatorApp(QuartTrio):
-    asgi_http_class = _ClosingConnection
 
 
 def create_app(
@@ -91,7 +66,7 @@ def create_app(
     api_key: str | None,
     max_body_bytes: int,
 ) -> QuartTrio:
-    app = CoordinatorApp(__name__)
+    app = ClosingQuartTrio(__name__)
     started = int(time.time())
     install_common_handlers(app, max_body_bytes=max_body_bytes, api_key=api_key)
     app.config["RESPONSE_TIMEOUT"] = None  # streams end by the request deadline, not quart's
@@ -126,7 +101,7 @@ def create_app(
         return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
 
     def sse(body: ReplyBody) -> Response:
-        cast(dict[str, Any], request.scope).setdefault(_BODIES_KEY, []).append(body)
+        close_with_exchange(body)
         response = Response(body, content_type="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None

@@ -3,7 +3,7 @@
 A body owns what the stream holds: the open upstream response, the gen reservation and the
 in-flight count. `aclose()` releases all of it, exactly once, shielded from cancellation; it runs
 when the stream ends, when the client disconnects (Trio cancels the sending task), or when the
-HTTP layer drops a body it never started (see `app._ClosingConnection`).
+HTTP layer drops a body it never started (see `api/http.py: ClosingQuartTrio`).
 
 Deadlines are enforced per read (`resume.GenRelay`: a cancel scope around each upstream read,
 never across a ``yield``). An answer that cannot be completed (no continuation left, the request

@@ -89,6 +89,10 @@ class CtxProtocol:
     _writes: dict[int, tuple[SenderSession, ev.WriteOrder]] = attrs.Factory(dict)  # in flight
     _next_write: int = 1
     _started: dict[int, float] = attrs.Factory(dict)
+    # key -> until: sends cancelled here (the coordinator released the KV: no gen leg takes
+    # it). A gen that asks for one later is refused at once, not held for a session that will
+    # not come (keys are random per attempt: none comes back).
+    _released: dict[int, float] = attrs.Factory(dict)
     _name: bytes = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -147,6 +151,7 @@ class CtxProtocol:
             self._forget_key(key, out)  # the request ended before its KV was ready
             return None
         quiescent = sender.cancel()
+        self._released[key] = now + self.timeout_s
         cancel = Cancel(key=key, instance_name=self.local.instance_name,
                         instance_rank=self.local.instance_rank)  # fmt: skip
         for rank in sender.requesters:
@@ -195,6 +200,9 @@ class CtxProtocol:
             self._start_writes(session, out)
         elif key in self.senders:
             self.refusals.not_owner("REQUEST_DATA", key, name, now)
+        elif key in self._released:
+            error = f"ctx released the KV of transfer {key}: no gen leg takes it"
+            self._result(name, rank, key, ResultStatus.ERROR, out, error=error)
         elif not self._over_limit(request, now, out):
             self.early.add_request(now, request)
             self._prepare(key, request, out)
@@ -265,6 +273,8 @@ class CtxProtocol:
             self._settle(session, now, out)
         for key in [k for k, (_, until) in self._expected.items() if now >= until]:
             self._forget_key(key, out)  # the KV never came
+        for key in [k for k, until in self._released.items() if now >= until]:
+            del self._released[key]
         for stale in self.early.sweep(now):
             self._forget_key(stale.key, out)
             error = (f"ctx has no request with transfer key {stale.key} (never prefilled here, or"

@@ -18,6 +18,8 @@ from trtdisagg import __version__
 from trtdisagg.api.codec import parse_json, parse_request, structure_body, to_json
 from trtdisagg.api.errors import ApiError, bad_request
 from trtdisagg.api.http import (
+    ClosingQuartTrio,
+    close_with_exchange,
     install_common_handlers,
     json_body,
     json_response,
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(service: WorkerService) -> QuartTrio:
-    app = QuartTrio(__name__)
+    app = ClosingQuartTrio(__name__)
     install_common_handlers(
         app, max_body_bytes=service.config.max_request_body_bytes, api_key=service.config.api_key
     )
@@ -151,6 +153,7 @@ def create_app(service: WorkerService) -> QuartTrio:
         with as_responses_error():
             req = parse_request(chat_body(asked), ChatCompletionRequest)
             job = await service.start(req)
+        close_with_exchange(job)  # its requests end with the exchange, answered or not
         head = ResponseHead.new(
             created_at=int(time.time()),
             model=service.served_model_name,
@@ -180,6 +183,7 @@ async def _generate(
 ) -> Response:
     started = time.time()
     job = await service.start(req)
+    close_with_exchange(job)  # its requests end with the exchange, answered or not
     # ctx answers context_only once, whole: the coordinator needs its params, not a stream.
     if req.stream and job.transfer_key is None:
         return _sse(job.stream_body())

@@ -154,6 +154,10 @@ class Job:
         for run in self.runs:
             run.drop()
 
+    async def aclose(self) -> None:
+        """The HTTP exchange ended (`api.http.close_with_exchange`): unfinished requests end."""
+        self.drop()
+
     # ---- whole answers ----
 
     async def collect(self) -> Json:
