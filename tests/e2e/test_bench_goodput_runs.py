@@ -1,5 +1,5 @@
 """tools/bench_goodput.py end to end on the CPU (`--cpu-smoke`: the tiny model, tiny lengths,
-3 s points): two real clusters started with `up` one after the other, aggregated and
+1.5 s points): two real clusters started with `up` one after the other, aggregated and
 disaggregated, two Poisson rates each through bench_serving's machinery, every process's
 /metrics read, the summary, table, plot and point files written. A sweep that stops working is
 caught here, not on the device."""
@@ -42,6 +42,8 @@ def test_a_cpu_smoke_sweep_measures_both_modes_and_says_what_it_saw(tmp_path: Pa
         sys.executable, str(ROOT / "tools" / "bench_goodput.py"), "run", "--cpu-smoke",
         "--modes", "aggregated,disagg", "--workloads", "chat", "--out", str(out),
         "--work", str(tmp_path / "work"),
+        # Shorter points than the smoke's 3 s: each still has requests, and the paths are alike.
+        "--point-s", "1.5", "--warmup-requests", "1",
     ]  # fmt: skip
     code, stdout, stderr = run_tool(argv, timeout=180)
     assert code == 0, stdout[-3000:] + stderr[-3000:]

@@ -1,18 +1,18 @@
 """The offline engine (`from trtdisagg import LLM, SamplingParams`) against a worker process over
 HTTP with the same config: the same greedy tokens, text and finish reasons, for prompts given
-as text and as token ids, several at once (tiny model, CPU)."""
+as text and as token ids, several at once (tiny model, CPU). The worker is the session's shared
+ctx worker: the default config, plus a transceiver that aggregated requests leave unused."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.instances import running_instances
+from tests.edges import Cluster
 from tests.procs import Server, worker_config
 
 PROMPTS: list[str | list[int]] = [
@@ -25,9 +25,8 @@ MAX_TOKENS = [12, 20, 5, 9]
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running_instances(tmp_path_factory.mktemp("offline"), {"w": ("ctx", {})}) as servers:
-        yield servers["w"]
+def worker(shared_cluster: tuple[Cluster, httpx.Client]) -> Server:
+    return shared_cluster[0].ctx
 
 
 def http_tokens(url: str, prompt: str | list[int], max_tokens: int, *, stream: bool) -> Any:

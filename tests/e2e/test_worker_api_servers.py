@@ -4,7 +4,8 @@ One module-scoped set of servers: an aggregated `tiny` worker with 2 fronts, a c
 1 front each behind a coordinator, and the session's shared cluster, whose ctx worker serves in
 one process (`api_server_count: 0`) and is the reference for greedy tokens. Which process holds
 a connection is read from /proc (each front's open sockets), not from anything the API shows.
-The lifecycle tests start workers of their own: they kill them.
+The lifecycle tests come last and end the module's own workers: a front of the aggregated worker
+is killed, the pair's ctx is stopped (starting workers of their own would cost two more starts).
 """
 
 from __future__ import annotations
@@ -269,25 +270,25 @@ def test_a_pair_with_fronts_gives_the_aggregated_tokens(
         wait_idle(http, worker)
 
 
-# ---- lifecycle: workers of their own ----
+# ---- lifecycle: the module's workers, ended (these tests stay last) ----
 
 
-def test_a_killed_front_stops_the_worker_and_leaves_no_orphan(tmp_path: Path) -> None:
-    with running_worker(tmp_path, api_server_count=2) as server:
-        fronts = fronts_of(server)
-        assert len(fronts) == 2, fronts
-        os.kill(fronts[0], signal.SIGKILL)
-        server.proc.wait(30)
-        assert server.proc.returncode == 1
-        wait_until(lambda: not any(alive(pid) for pid in fronts), 15, "every front gone")
-        assert "api server 0" in server.log() or "api server 1" in server.log()
+def test_a_killed_front_stops_the_worker_and_leaves_no_orphan(servers: Servers) -> None:
+    server = servers.fronts
+    fronts = fronts_of(server)
+    assert len(fronts) == 2, fronts
+    os.kill(fronts[0], signal.SIGKILL)
+    server.proc.wait(30)
+    assert server.proc.returncode == 1
+    wait_until(lambda: not any(alive(pid) for pid in fronts), 15, "every front gone")
+    assert "api server 0" in server.log() or "api server 1" in server.log()
 
 
-def test_stopping_the_worker_stops_its_fronts(tmp_path: Path) -> None:
-    with running_worker(tmp_path, api_server_count=1) as server:
-        fronts = fronts_of(server)
-        assert len(fronts) == 1, fronts
-        server.proc.send_signal(signal.SIGTERM)
-        server.proc.wait(30)
-        assert server.proc.returncode == 0
-        wait_until(lambda: not alive(fronts[0]), 15, "the front gone")
+def test_stopping_the_worker_stops_its_fronts(servers: Servers) -> None:
+    server = servers.pair.ctx
+    fronts = fronts_of(server)
+    assert len(fronts) == 1, fronts
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(30)
+    assert server.proc.returncode == 0
+    wait_until(lambda: not alive(fronts[0]), 15, "the front gone")
