@@ -75,15 +75,18 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def socket_fds(pid: int) -> int:
-    """How many sockets process `pid` holds open."""
-    count = 0
+def sockets_of(pid: int) -> set[str]:
+    """The sockets process `pid` holds open (their inodes): a set, so that sockets closed
+    meanwhile (an earlier test's keep-alive connections) do not hide new ones."""
+    found = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
-            count += os.readlink(fd).startswith("socket:[")
+            target = os.readlink(fd)
         except OSError:
             continue  # closed meanwhile
-    return count
+        if target.startswith("socket:["):
+            found.add(target)
+    return found
 
 
 def fronts_of(server: Server) -> list[int]:
@@ -201,11 +204,11 @@ def test_concurrent_streams_spread_over_both_fronts(servers: Servers) -> None:
                                     json.loads(line[6:])["choices"])  # fmt: skip
         return received
 
-    idle = {pid: socket_fds(pid) for pid in fronts}
+    idle = {pid: sockets_of(pid) for pid in fronts}
     with concurrent.futures.ThreadPoolExecutor(count) as pool:
         results = [pool.submit(stream) for _ in range(count)]
         first_chunks.wait()  # every stream's connection is open now
-        held = {pid: socket_fds(pid) - idle[pid] for pid in fronts}
+        held = {pid: len(sockets_of(pid) - idle[pid]) for pid in fronts}
         assert [r.result(60) for r in results] == [tokens] * count
     assert all(n > 0 for n in held.values()), held  # each front serves some of them
     assert sum(held.values()) >= count, held
