@@ -137,8 +137,9 @@ async def serve_fronts(
     finally:
         if server is not None and server.link is not None:
             server.stop_fronts()
-        if fronts is not None:
-            fronts.stop()
+        if fronts is not None:  # reaping waits up to seconds: off the loop, even when cancelled
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(fronts.stop)
         if server is not None and server.link is not None:
             server.link.close()
         reservation.close()
