@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the workers' cache_transceiver_config.nixl_progress_thread (default off, as in "
         "conf/ for CPU hosts; UCX on TCP moves data only while someone progresses it)",
     )  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("bench_netns_transfer"), help="logs, JSON")
+    out = Path("bench_results/netns_transfer")
+    p.add_argument("--out", type=Path, default=out, help="logs, JSON (git-ignores bench_results/)")
     p.add_argument("--raw-peer", choices=["ctx", "gen"], help=argparse.SUPPRESS)
     p.add_argument("--raw-bytes", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
