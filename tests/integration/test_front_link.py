@@ -17,10 +17,9 @@ import pytest
 import trio
 import zmq
 
+from tests.tiny_model import TinyModel, load_tiny
 from trtdisagg.config import KvCacheConfig, WorkerConfig
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.model.loader import resolve_model
-from trtdisagg.model.parallel import Parallel
 from trtdisagg.worker.engine.build import assemble_executor
 from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
 from trtdisagg.worker.engine.wakeup import Wakeup
@@ -30,31 +29,17 @@ from trtdisagg.worker.front.server import EngineServer
 from trtdisagg.worker.front.supervisor import engine_facts
 from trtdisagg.worker.front.wire import Call, Kind, SubmitGroup, encode_submit, pack
 from trtdisagg.worker.request import FinishReason, Request, SamplingParams
-from trtdisagg.worker.runner import ModelRunner, build_runner
-from trtdisagg.worker.tokenization import Tokenizer
 
 TIMEOUT_S = 60.0  # a whole test's requests, on a loaded 2-core machine
 PROMPT = [10 + (7 * i) % 300 for i in range(24)]
 
 
-@attrs.frozen
-class Model:
-    runner: ModelRunner
-    tokenizer: Tokenizer
-
-
 @pytest.fixture(scope="module")
-def model() -> Model:
-    model_dir: Path = resolve_model("tiny")
-    config = WorkerConfig(
-        max_num_tokens=256, kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=2048)
-    )
-    return Model(
-        runner=build_runner(config, model_dir, Parallel()), tokenizer=Tokenizer.from_dir(model_dir)
-    )
+def model() -> TinyModel:
+    return load_tiny()
 
 
-def make_executor(model: Model) -> Executor:
+def make_executor(model: TinyModel) -> Executor:
     config = WorkerConfig(
         max_num_tokens=256, kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=2048)
     )
@@ -77,13 +62,11 @@ class Linked:
 
 
 @pytest.fixture
-async def linked(model: Model, tmp_path: Path) -> AsyncIterator[Linked]:
+async def linked(model: TinyModel, tmp_path: Path) -> AsyncIterator[Linked]:
     """An engine serving two fronts' worth of ids; this test is front 0."""
     executor = make_executor(model)
     endpoint = f"ipc://{tmp_path / 'engine'}"
-    server = EngineServer(
-        executor=executor, num_fronts=2, tokenizer_json=model.tokenizer.to_json()
-    )
+    server = EngineServer(executor=executor, num_fronts=2, tokenizer_json=model.tokenizer.to_json())
     router = open_socket(zmq.ROUTER)
     router.bind(endpoint)
     server.link = Link(socket=router, on_message=server.on_message)
@@ -189,9 +172,7 @@ async def test_malformed_frames_are_counted_and_the_engine_keeps_serving(
             rogue.send(frame)
         # One pipe delivers in order: once a call sent last is answered, all came before it.
         rogue.send(pack([Kind.CALL, 1, Call.METRICS, None]))
-        while (await trio.to_thread.run_sync(rogue.recv_multipart))[0][1:2] != bytes(
-            [Kind.REPLY]
-        ):
+        while (await trio.to_thread.run_sync(rogue.recv_multipart))[0][1:2] != bytes([Kind.REPLY]):
             pass  # the STATE that answered its HELLO
     finally:
         rogue.close(linger=0)

@@ -10,25 +10,20 @@ stop the worker (`Executor.stopped`) and fail whatever it still held.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
-import attrs
 import pytest
 import trio
 
+from tests.tiny_model import TinyModel, load_tiny
 from trtdisagg.config import KvCacheConfig, WorkerConfig
 from trtdisagg.errors import WorkerStopped
 from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.model.loader import resolve_model
-from trtdisagg.model.parallel import Parallel
 from trtdisagg.worker.engine.build import assemble_executor
 from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
 from trtdisagg.worker.engine.loop import MAX_CONSECUTIVE_STEP_FAILURES
 from trtdisagg.worker.engine.test_hooks import TestHooks
 from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.request import FinishReason, Request, SamplingParams
-from trtdisagg.worker.runner import ModelRunner, build_runner
-from trtdisagg.worker.tokenization import Tokenizer
 
 TOKENS_PER_BLOCK = 16
 MAX_SEQ_LEN = 256
@@ -37,26 +32,15 @@ TIMEOUT_S = 60.0  # a whole test's requests, on a loaded 2-core machine
 INJECTED = "internal error in the model step: InjectedStepFailure: step failure injected"
 
 
-@attrs.frozen
-class Model:
-    runner: ModelRunner
-    tokenizer: Tokenizer
-
-
 @pytest.fixture(scope="module")
-def model() -> Model:
+def model() -> TinyModel:
     """One runner for the module: each test's executor gets a fresh pool over its KV tensors."""
-    model_dir: Path = resolve_model("tiny")
-    config = WorkerConfig(
-        max_num_tokens=256,
-        kv_cache_config=KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK, max_tokens=2048),
-    )
-    return Model(
-        runner=build_runner(config, model_dir, Parallel()), tokenizer=Tokenizer.from_dir(model_dir)
-    )
+    return load_tiny(tokens_per_block=TOKENS_PER_BLOCK)
 
 
-def make_executor(model: Model, *, max_batch_size: int, wakeup: Wakeup | None = None) -> Executor:
+def make_executor(
+    model: TinyModel, *, max_batch_size: int, wakeup: Wakeup | None = None
+) -> Executor:
     """max_batch_size 1: one request per step, so a failed step holds exactly one of them."""
     config = WorkerConfig(
         max_batch_size=max_batch_size,
@@ -124,7 +108,7 @@ def assert_idle(executor: Executor) -> None:
     assert pool.free_blocks + pool.reusable_blocks == pool.total_blocks, pool
 
 
-async def reference(model: Model, request_ids: list[int]) -> dict[int, list[int]]:
+async def reference(model: TinyModel, request_ids: list[int]) -> dict[int, list[int]]:
     """Each request's greedy tokens, run alone on an executor where nothing fails."""
     executor = make_executor(model, max_batch_size=1)
     async with trio.open_nursery() as nursery:
@@ -135,7 +119,7 @@ async def reference(model: Model, request_ids: list[int]) -> dict[int, list[int]
 
 
 async def test_a_failed_step_fails_only_its_requests(
-    model: Model, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+    model: TinyModel, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     expected = await reference(model, [1, 2])
     executor = make_executor(model, max_batch_size=1)
@@ -154,7 +138,9 @@ async def test_a_failed_step_fails_only_its_requests(
     assert len(logged) == 1 and logged[0].exc_info is not None  # once, with the traceback
 
 
-async def test_failed_steps_in_a_row_stop_the_worker(model: Model, nursery: trio.Nursery) -> None:
+async def test_failed_steps_in_a_row_stop_the_worker(
+    model: TinyModel, nursery: trio.Nursery
+) -> None:
     executor = make_executor(model, max_batch_size=1)
     await nursery.start(executor.run)
     assert executor.test_hooks is not None
@@ -176,7 +162,7 @@ async def test_failed_steps_in_a_row_stop_the_worker(model: Model, nursery: trio
     assert_idle(executor)
 
 
-async def test_a_successful_step_resets_the_count(model: Model, nursery: trio.Nursery) -> None:
+async def test_a_successful_step_resets_the_count(model: TinyModel, nursery: trio.Nursery) -> None:
     count = MAX_CONSECUTIVE_STEP_FAILURES - 1
     expected = await reference(model, [10, 20])
     executor = make_executor(model, max_batch_size=1)
