@@ -13,7 +13,8 @@ import time
 import pytest
 import trio
 
-from tests.unit.test_executor_step_failures import Model, assert_idle, make_executor, outputs
+from tests.tiny_model import TinyModel
+from tests.unit.test_executor_step_failures import assert_idle, make_executor, outputs
 from tests.unit.test_executor_step_failures import model as model  # the fixture
 from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
 from trtdisagg.worker.request import FinishReason, Request, SamplingParams
@@ -55,7 +56,7 @@ async def run_group(
 
 @pytest.mark.parametrize(("temperature", "seeds"), [(0.0, [None] * 4), (1.0, [11, 22, 33])])
 async def test_each_choice_samples_what_it_would_alone(
-    model: Model, nursery: trio.Nursery, temperature: float, seeds: list[int | None]
+    model: TinyModel, nursery: trio.Nursery, temperature: float, seeds: list[int | None]
 ) -> None:
     executor = make_executor(model, max_batch_size=8)
     await nursery.start(executor.run)
@@ -70,7 +71,7 @@ async def test_each_choice_samples_what_it_would_alone(
     assert_idle(executor)
 
 
-async def test_the_prompt_is_prefilled_once(model: Model, nursery: trio.Nursery) -> None:
+async def test_the_prompt_is_prefilled_once(model: TinyModel, nursery: trio.Nursery) -> None:
     executor = make_executor(model, max_batch_size=8)
     await nursery.start(executor.run)
     await run_group(executor, [1, 2, 3, 4], temperature=1.0, max_tokens=20)
@@ -80,7 +81,7 @@ async def test_the_prompt_is_prefilled_once(model: Model, nursery: trio.Nursery)
 
 
 async def test_aborting_a_group_before_its_first_token_ends_every_choice(
-    model: Model, nursery: trio.Nursery
+    model: TinyModel, nursery: trio.Nursery
 ) -> None:
     executor = make_executor(model, max_batch_size=8)
     group = [choice(200 + i, seed=i, temperature=1.0, max_tokens=8) for i in range(3)]
@@ -94,7 +95,7 @@ async def test_aborting_a_group_before_its_first_token_ends_every_choice(
     assert_idle(executor)
 
 
-async def test_a_failed_prefill_fails_every_choice(model: Model, nursery: trio.Nursery) -> None:
+async def test_a_failed_prefill_fails_every_choice(model: TinyModel, nursery: trio.Nursery) -> None:
     executor = make_executor(model, max_batch_size=8)
     await nursery.start(executor.run)
     assert executor.test_hooks is not None

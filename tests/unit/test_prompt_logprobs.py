@@ -14,7 +14,8 @@ import pytest
 import torch
 import trio
 
-from tests.unit.test_executor_step_failures import Model, assert_idle, outputs
+from tests.tiny_model import TinyModel
+from tests.unit.test_executor_step_failures import assert_idle, outputs
 from tests.unit.test_executor_step_failures import model as model  # the fixture
 from trtdisagg.config import KvCacheConfig, WorkerConfig
 from trtdisagg.metrics import WorkerMetrics
@@ -40,7 +41,7 @@ def reference() -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def chunked_executor(model: Model) -> Executor:
+def chunked_executor(model: TinyModel) -> Executor:
     """Prefill chunks of 16 tokens at most: the prompt takes three steps."""
     config = WorkerConfig(
         max_batch_size=8,
@@ -69,7 +70,7 @@ def request(request_id: int, *, prompt_logprobs: int | None, seed: int = 0) -> R
 
 
 async def test_prompt_logprobs_match_transformers(
-    model: Model, reference: torch.Tensor, nursery: trio.Nursery
+    model: TinyModel, reference: torch.Tensor, nursery: trio.Nursery
 ) -> None:
     executor = chunked_executor(model)
     await nursery.start(executor.run)
@@ -90,7 +91,7 @@ async def test_prompt_logprobs_match_transformers(
 
 
 async def test_a_request_asking_for_them_takes_nothing_from_the_prefix_cache(
-    model: Model, nursery: trio.Nursery
+    model: TinyModel, nursery: trio.Nursery
 ) -> None:
     executor = chunked_executor(model)
     await nursery.start(executor.run)
