@@ -16,6 +16,7 @@ import numpy as np
 import trio
 import zmq
 
+from tests.procs import free_port
 from tests.transceivers import BLOCK_BYTES, NUM_SLOTS, TPB, rank_info
 from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
@@ -91,7 +92,8 @@ async def test_a_new_ctx_instance_on_the_old_endpoint_is_met_again() -> None:
                 ctx_nursery.cancel_scope.cancel()
             return router.endpoint
 
-        endpoint = await serve_once("ctx-first", "tcp://127.0.0.1:0", key=11, dst=[3, 4])
+        first = f"tcp://127.0.0.1:{free_port()}"  # re-bound by the second ctx
+        endpoint = await serve_once("ctx-first", first, key=11, dst=[3, 4])
         assert gen.statistics().rendezvous == 1
         # Same endpoint, new instance: without the name check gen would send REQUEST_DATA on the
         # dead registration, the new ctx would drop it, and the transfer would time out.

@@ -7,6 +7,7 @@ import contextlib
 import trio
 import zmq
 
+from tests.procs import free_port
 from trtdisagg.transfer.protocol import wire
 from trtdisagg.transfer.runtime.messenger import Router, open_dealer, open_router
 
@@ -189,7 +190,7 @@ async def test_a_dealer_reports_its_link_going_down_and_up() -> None:
     on_link, until = links, links.until
     async with trio.open_nursery() as nursery:
         first, second = trio.Event(), trio.Event()
-        router = await nursery.start(_serve, "tcp://127.0.0.1:0", first)
+        router = await nursery.start(_serve, _unused_endpoint(), first)  # re-bound below
         async with open_dealer(router.endpoint, on_link=on_link) as dealer:
             await until(1)
             await dealer.send_message(_cancel(1))  # the link carries messages
@@ -203,12 +204,18 @@ async def test_a_dealer_reports_its_link_going_down_and_up() -> None:
     assert links.seen == [True, False, True, False]
 
 
+def _unused_endpoint() -> str:
+    """An endpoint nobody listens on. Below the ephemeral range: on an ephemeral port a connect
+    to 127.0.0.1 can be given that same port as its own and connect to itself (or another
+    process's client holds it), and the link comes up with no peer."""
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
 async def test_a_dealer_whose_peer_never_listened_reports_its_link_down_once() -> None:
     """A peer that ended before we first connected to it: the connect is refused, and that is
     the only word of it (no connection ever drops). Said once, not at every retry; up once a
     ROUTER listens there."""
-    async with open_router() as gone:
-        endpoint = gone.endpoint
+    endpoint = _unused_endpoint()
     links = _Links()
     async with trio.open_nursery() as nursery, open_dealer(endpoint, on_link=links):
         await links.until(1)
@@ -249,8 +256,7 @@ async def test_dealers_to_a_dead_peer_closed_in_bulk_leave_the_process_s_sockets
     good, and every socket of the process stopped moving (a ctx dropping the dealers of gens
     that ended, then every transfer after timing out). Here batches of such dealers close
     while they retry, and a request still gets its answer after each batch."""
-    async with open_router() as gone:
-        dead = gone.endpoint
+    dead = _unused_endpoint()
     async with open_router() as router, trio.open_nursery() as nursery:
         await nursery.start(_echo, router)
         async with open_dealer(router.endpoint) as probe:
