@@ -35,9 +35,7 @@ async def test_worker_registers_then_drains_on_sigterm(
     name = f"drain{api_server_count}"
     cluster = {"etcd": etcd.url, "name": name, "lease_ttl_s": 3}
     prefix = workers_prefix(name)
-    with running_worker(
-        tmp_path, "gen", cluster=cluster, api_server_count=api_server_count
-    ) as gen:
+    with running_worker(tmp_path, "gen", cluster=cluster, api_server_count=api_server_count) as gen:
         async with open_etcd(etcd.url) as client:
             answer = await wait_for_members(client, prefix, lambda a: bool(a.kvs), timeout=10)
             (kv,) = answer.kvs
