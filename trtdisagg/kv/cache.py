@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from trtdisagg.kv.page_table import (
@@ -28,6 +29,14 @@ from trtdisagg.kv.page_table import (
 )
 
 BlockIds = torch.Tensor | Sequence[int]
+
+
+@attrs.frozen(eq=False)
+class SlotIndex:
+    """Slots [N] as pool coordinates: block ids and offsets within the block, [N] each."""
+
+    blocks: torch.Tensor
+    offsets: torch.Tensor
 
 
 class KVCache:
@@ -66,6 +75,18 @@ class KVCache:
         self.pool = torch.zeros(
             (num_blocks, num_layers, 2, *entry_shape), dtype=dtype, device=device
         )
+        # Views made once: on the CPU a small step costs what its ops do, indexing included.
+        # Per layer, K and V ([blocks, H, T, D] or [blocks, T, H, D]); per layer and kv head,
+        # K and V [blocks, T, D] (what batched decode attention gathers from).
+        self._planes = [(self.pool[:, i, 0], self.pool[:, i, 1]) for i in range(num_layers)]
+        head_dim_of_plane = 1 if layout is Layout.HND else 2
+        self._head_planes = [
+            [
+                (k.select(head_dim_of_plane, h), v.select(head_dim_of_plane, h))
+                for h in range(num_kv_heads)
+            ]
+            for k, v in self._planes
+        ]
 
     @staticmethod
     def bytes_per_block(
@@ -97,19 +118,39 @@ class KVCache:
     def block_bytes(self) -> int:
         return self.num_layers * self.layer_bytes
 
+    def slot_index(self, slot_mapping: torch.Tensor) -> SlotIndex:
+        """The blocks and in-block offsets of slots [N]."""
+        return SlotIndex(
+            blocks=torch.div(slot_mapping, self.tokens_per_block, rounding_mode="floor"),
+            offsets=slot_mapping % self.tokens_per_block,
+        )
+
     def write(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        index: SlotIndex | None = None,
     ) -> None:
-        """Store new tokens' K and V ([N, H, D] each) at their slots ([N])."""
-        blocks = torch.div(slot_mapping, self.tokens_per_block, rounding_mode="floor")
-        offsets = slot_mapping % self.tokens_per_block
+        """Store new tokens' K and V ([N, H, D] each) at their slots ([N]); `index` is
+        `slot_index(slot_mapping)`, when the caller has it already."""
+        if index is None:
+            index = self.slot_index(slot_mapping)
+        blocks, offsets = index.blocks, index.offsets
+        keys, values = self._planes[layer]
         # Advanced indices split by a slice put the token dim first: both index to [N, H, D].
         if self.layout is Layout.HND:
-            self.pool[blocks, layer, 0, :, offsets] = k
-            self.pool[blocks, layer, 1, :, offsets] = v
+            keys[blocks, :, offsets] = k
+            values[blocks, :, offsets] = v
         else:
-            self.pool[blocks, layer, 0, offsets] = k
-            self.pool[blocks, layer, 1, offsets] = v
+            keys[blocks, offsets] = k
+            values[blocks, offsets] = v
+
+    def head_planes(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per kv head of `layer`, its K and V planes [blocks, T, D] (views of the pool)."""
+        return self._head_planes[layer]
 
     def gather(
         self, layer: int, block_ids: torch.Tensor, length: int

@@ -16,11 +16,11 @@ import importlib.util
 import math
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 import torch.nn.functional as F
 
-from trtdisagg.kv.cache import KVCache
-from trtdisagg.kv.page_table import Layout
+from trtdisagg.kv.cache import KVCache, SlotIndex
 from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
 from trtdisagg.model.rope import apply_rope
 
@@ -31,13 +31,41 @@ if TYPE_CHECKING:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`RMSNorm.forward`: normalise in float32, scale in the activation dtype (HF's order)."""
     dtype = x.dtype
-    x32 = x.float()
+    x32 = _float(x)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    return weight * (x32 if dtype == torch.float32 else x32.to(dtype))
+
+
+@attrs.frozen(eq=False)
+class DecodeGather:
+    """What every layer of a decode step reads its keys and values with: the blocks to gather
+    (row-major over the batch's block table, `length` tokens per sequence) and the additive mask
+    that hides the positions past each sequence's context ([S, 1, length])."""
+
+    blocks: torch.Tensor
+    bias: torch.Tensor
+    length: int
+
+    @classmethod
+    def of(cls, meta: DecodeMeta, tokens_per_block: int, device: torch.device) -> DecodeGather:
+        num_blocks = math.ceil(meta.max_context_len / tokens_per_block)
+        length = num_blocks * tokens_per_block
+        positions = torch.arange(length, device=device)
+        beyond = positions[None, :] >= meta.context_lens[:, None].to(positions.dtype)
+        bias = torch.zeros(beyond.shape[0], 1, length, device=device)
+        return cls(
+            blocks=meta.block_table[:, :num_blocks].reshape(-1).long(),
+            bias=bias.masked_fill_(beyond[:, None, :], -math.inf),
+            length=length,
+        )
 
 
 def decode_attention_torch(
-    q: torch.Tensor, cache: KVCache, layer: int, meta: DecodeMeta
+    q: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    meta: DecodeMeta,
+    gather: DecodeGather | None = None,
 ) -> torch.Tensor:
     """Batched decode attention: q [S, Hq, D] (one token per sequence) -> [S, Hq, D].
 
@@ -47,38 +75,46 @@ def decode_attention_torch(
     additive length mask; no GQA expansion, no causal mask (a decode token sees every cached
     key). Gathering per head skips the copy that putting every head's keys side by side takes,
     the larger part of a CPU decode step. Every sequence must have `context_lens >= 1`.
+    `gather` is `DecodeGather.of(meta, ...)`, when the caller has it already.
     """
     s, num_heads, d = q.shape
-    tpb = cache.tokens_per_block
-    num_blocks = math.ceil(meta.max_context_len / tpb)
-    blocks = meta.block_table[:, :num_blocks].reshape(-1).long()
-    length = num_blocks * tpb
-    positions = torch.arange(length, device=q.device)
-    beyond = positions[None, :] >= meta.context_lens[:, None].to(positions.dtype)
-    bias = torch.zeros(s, 1, length, device=q.device).masked_fill_(beyond[:, None, :], -math.inf)
+    if gather is None:
+        gather = DecodeGather.of(meta, cache.tokens_per_block, q.device)
+    blocks, bias, length = gather.blocks, gather.bias, gather.length
     num_kv_heads = cache.num_kv_heads
     group = num_heads // num_kv_heads
-    layer_pool = cache.pool[:, layer]  # [blocks, 2, H, T, D] (HND) or [blocks, 2, T, H, D]
     outs = []
-    for head in range(num_kv_heads):
-        if cache.layout is Layout.HND:
-            k, v = layer_pool[:, 0, head], layer_pool[:, 1, head]  # [blocks, T, D]
-        else:
-            k, v = layer_pool[:, 0, :, head], layer_pool[:, 1, :, head]
-        keys = k.index_select(0, blocks).view(s, length, d).float()
-        values = v.index_select(0, blocks).view(s, length, d).float()
-        queries = q[:, head * group : (head + 1) * group].float()  # [S, group, D]
+    for head, (k, v) in enumerate(cache.head_planes(layer)):  # [blocks, T, D] each
+        keys = _float(k.index_select(0, blocks).view(s, length, d))
+        values = _float(v.index_select(0, blocks).view(s, length, d))
+        queries = _float(q[:, head * group : (head + 1) * group])  # [S, group, D]
         scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=d**-0.5)
         outs.append(torch.bmm(scores.softmax(dim=-1), values))
-    return torch.cat(outs, dim=1).to(q.dtype)
+    out = torch.cat(outs, dim=1)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    # (a float32 tensor's `.float()` is still one op to dispatch)
+    return x if x.dtype == torch.float32 else x.float()
 
 
 class TorchOps:
-    """The fused path's operations in plain torch (any device, any dtype)."""
+    """The fused path's operations in plain torch (any device, any dtype).
+
+    Every layer of a forward passes the same batch tensors (`slot_mapping`, `DecodeMeta`): what
+    the layers derive from them (the slots' blocks and offsets, the decode gather) is built at the
+    first layer and kept for the others, since on the CPU a small step costs what its op
+    launches do. One runner's forwards run one at a time, so one slot each suffices.
+    """
 
     name = "torch"
     # Whether a forward through these ops may be captured in a CUDA graph.
     graph_safe = False
+
+    def __init__(self) -> None:
+        self._slots: tuple[torch.Tensor, SlotIndex] | None = None
+        self._gather: tuple[DecodeMeta, DecodeGather] | None = None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -108,14 +144,20 @@ class TorchOps:
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
         """Rotate q [N, Hq, D] and k [N, H, D], store k and v at their slots; return rotated q."""
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(layer, k, v, slot_mapping)
+        num_heads = q.shape[1]
+        rotated = apply_rope(torch.cat((q, k), dim=1), cos, sin)  # one rotation for both
+        q, k = rotated[:, :num_heads], rotated[:, num_heads:]
+        if self._slots is None or self._slots[0] is not slot_mapping:
+            self._slots = (slot_mapping, cache.slot_index(slot_mapping))
+        cache.write(layer, k, v, slot_mapping, index=self._slots[1])
         return q
 
     def decode_attention(
         self, q: torch.Tensor, cache: KVCache, layer: int, meta: DecodeMeta
     ) -> torch.Tensor:
-        return decode_attention_torch(q, cache, layer, meta)
+        if self._gather is None or self._gather[0] is not meta:
+            self._gather = (meta, DecodeGather.of(meta, cache.tokens_per_block, q.device))
+        return decode_attention_torch(q, cache, layer, meta, self._gather[1])
 
     def prepare_attention(self, batch: ForwardBatch) -> AttentionMeta | None:
         """The step's metadata for `paged_attention`, built once per forward; None where these

@@ -170,6 +170,7 @@ class TritonOps(TorchOps):
     graph_safe = True
 
     def __init__(self, tiles: AttentionTiles | None = None) -> None:
+        super().__init__()
         self.tiles = tiles or AttentionTiles()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

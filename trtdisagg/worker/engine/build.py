@@ -188,6 +188,7 @@ def assemble_executor(
             wakeup=wakeup,
             transceiver=moves,
             overlaps=config.async_scheduling,
+            computes_on_launch=runner.device.type == "cpu",
         )
     else:
         driver = MultiRankDriver(

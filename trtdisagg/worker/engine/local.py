@@ -53,6 +53,7 @@ class LocalDriver:
     wakeup: Wakeup
     transceiver: Transceiver | None  # None: cache_transceiver disabled (no disaggregated legs)
     overlaps: bool = True  # config `async_scheduling`
+    computes_on_launch: bool = False  # a CPU runner: its launch is the whole step
 
     def inputs(self, plan: StepPlan) -> StepInputs:
         return self.runner.prepare(plan)

@@ -12,10 +12,12 @@
 
 Asynchronous steps (`driver.overlaps`, one rank): a round launches step N+1 and then finishes
 step N (waits for its tokens, in the same trip to a worker thread, then responds), so the device
-runs step N+1 while the host processes step N's outputs. Step N+1 was scheduled before step N's
-tokens were known: each request that samples in a step counts a pending token
-(`Request.pending_tokens`), the next step's decode row for it reads that token on the device,
-and a request that surely ends with it is not scheduled again (`Scheduler`). A request whose
+runs step N+1 while the host processes step N's outputs. On the CPU a launch computes the whole
+step (`driver.computes_on_launch`): the Trio thread then finishes step N while the worker thread
+computes step N+1. Step N+1 was scheduled before step N's tokens were known: each request that
+samples in a step counts a pending token (`Request.pending_tokens`), the next step's decode
+row for it reads that token on the device, and a request that surely ends with it is not
+scheduled again (`Scheduler`). A request whose
 token turns out to end it (a stop token, a stop string) is still in step N+1: that step's result
 for it is dropped, and its blocks are freed only once step N+1 finished (`in_flight.py`). A
 step's inputs are taken from its plan before it launches (`driver.inputs`), and the scheduler
@@ -61,6 +63,7 @@ from trtdisagg.worker.launched import StepOutput
 from trtdisagg.worker.request import FinishReason, Request
 from trtdisagg.worker.sampling import SampleSpec
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
+from trtdisagg.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -142,19 +145,40 @@ class StepLoop:
         for item in plan.items:
             if item.samples:
                 item.request.pending_tokens += 1
-        # One trip to a worker thread: launch this step, then wait for the one in flight. The
-        # loop yields to the HTTP tasks once per round, and the device has this step queued
-        # while the last one's outputs are processed.
         self._in_flight = None
-        after = in_flight.launched if in_flight is not None else None
-        launched = await self.driver.launch(inputs, specs, after=after)
-        if in_flight is not None:
-            await self._finish(in_flight)  # its tokens are on the host: nothing waits
+        if in_flight is not None and self.driver.computes_on_launch:
+            launched = await self._launch_finishing(inputs, specs, in_flight)
+        else:
+            # One trip to a worker thread: launch this step, then wait for the one in flight.
+            # The loop yields to the HTTP tasks once per round, and the device has this step
+            # queued while the last one's outputs are processed.
+            after = in_flight.launched if in_flight is not None else None
+            launched = await self.driver.launch(inputs, specs, after=after)
+            if in_flight is not None:
+                await self._finish(in_flight)  # its tokens are on the host: nothing waits
         if launched.failure is not None:
             self._step_failed(plan, launched.failure)
             self.scheduler.step_finished(plan)
             return
         self._in_flight = InFlight(plan=plan, launched=launched, prefill_tokens=prefill_tokens)
+
+    async def _launch_finishing(
+        self, inputs: StepInputs, specs: dict[int, SampleSpec], in_flight: InFlight
+    ) -> Launched:
+        """Launch a step that computes in the worker thread as it launches (CPU), and finish
+        the step before it meanwhile: the host processes step N's tokens while step N+1 runs,
+        as it does while a device runs it (torch ops let go of the GIL while they compute)."""
+        launched: Launched | None = None
+
+        async def launch() -> None:
+            nonlocal launched
+            launched = await self.driver.launch(inputs, specs)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(launch)
+            await self._finish(in_flight)
+        assert launched is not None
+        return launched
 
     def _may_overlap(self, in_flight: InFlight) -> bool:
         """Whether the next step may be scheduled before `in_flight`'s tokens are known."""

@@ -103,6 +103,7 @@ class MultiRankDriver:
 
     # Every rank must take the same inputs at every tick: steps stay synchronous.
     overlaps: bool = attrs.field(default=False, init=False)
+    computes_on_launch: bool = attrs.field(default=False, init=False)
 
     def inputs(self, plan: StepPlan) -> StepInputs:
         rows = tuple((item.request.request_id, item.samples) for item in plan.items)

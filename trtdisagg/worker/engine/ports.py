@@ -123,6 +123,11 @@ class StepDriver(TransferPort, Protocol):
         """Whether the loop may launch the next step before it finished this one (the next
         step's decode rows then read their tokens on the device)."""
 
+    @property
+    def computes_on_launch(self) -> bool:
+        """Whether a launch computes the whole step before it returns (a CPU runner): the loop
+        then finishes the step before it while this one computes, as a device would run it."""
+
     def inputs(self, plan: StepPlan) -> StepInputs:
         """The step's host-side inputs, taken from the plan before the step launches (the
         plan's requests may change while it runs)."""
