@@ -282,7 +282,7 @@ class CtxProtocol:
             return
         if session.expected is None:
             overlap = self.registrar.overlap(peer, peer_dp_rank=peer.dp_rank)
-            session.bind(request.instance_name, frozenset(overlap.ranks))
+            session.bind(request.instance_name, frozenset(overlap))
         session.add_request(request)
 
     def _start_writes(self, session: SenderSession, out: Out) -> None:

@@ -314,7 +314,7 @@ class GenProtocol:
         """`key`'s ctx instance is met: reserve staging room if it bounces, then ask."""
         starting, first = self._starting[key], instance.ranks[0]
         starting.ranks = instance.ranks
-        starting.expected = self.registrar.overlap(first, peer_dp_rank=first.dp_rank).ranks
+        starting.expected = self.registrar.overlap(first, peer_dp_rank=first.dp_rank)
         blocks, num_tokens = starting.ask.block_ids, starting.ask.num_tokens
         if self.staging is not None and len(blocks) == 1 and self._bounces(starting):
             tpb = self.local.tokens_per_block
