@@ -1,7 +1,7 @@
 """Round-trip time of one small message through our Trio messenger, against blocking pyzmq.
 
-Both in one process on 127.0.0.1: a DEALER sends 100 bytes, a ROUTER echoes them. The Trio
-path is `open_router`/`open_dealer` (pumps, inbox, scheduling rounds); the baseline is plain
+Both in one process on 127.0.0.1: a DEALER sends about 100 bytes, a ROUTER echoes them. The Trio
+path is `open_router`/`open_dealer` (pumps, codec, inbox, scheduling rounds); the baseline is plain
 blocking pyzmq with the echo on a thread. The difference is what our loop adds per hop.
 
     python tools/bench_messenger.py [--rounds 2000]
@@ -17,9 +17,11 @@ import time
 import trio
 import zmq
 
+from trtdisagg.transfer.protocol.wire import Cancel
 from trtdisagg.transfer.runtime.messenger import open_dealer, open_router
 
 PAYLOAD = b"x" * 100
+MESSAGE = Cancel(key=1, instance_name="gen", instance_rank=0, reason="x" * 50)  # ~100 bytes
 
 
 async def _trio_rtts(rounds: int) -> list[float]:
@@ -27,16 +29,16 @@ async def _trio_rtts(rounds: int) -> list[float]:
 
         async def echo() -> None:
             while True:
-                identity, payload, _ = await router.receive()
-                await router.send(identity, payload)
+                identity, message, _ = await router.receive_message()
+                await router.send_message(identity, message)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(echo)
             rtts = []
             for _ in range(rounds):
                 start = time.perf_counter()
-                await dealer.send(PAYLOAD)
-                await dealer.receive()
+                await dealer.send_message(MESSAGE)
+                await dealer.receive_message()
                 rtts.append(time.perf_counter() - start)
             nursery.cancel_scope.cancel()
     return rtts

@@ -960,7 +960,7 @@ class _Side:
         import numpy as np
 
         from trtdisagg.transfer.protocol.fragments import Fragments
-        from trtdisagg.transfer.runtime.agents.base import XferStatus
+        from trtdisagg.transfer.runtime.agents.base import XferStatus, submit_write
 
         src = self.cache.pool.data_ptr()  # ctx blocks start at 0
         rows = np.array([[src, args["dst_address"], args["num_bytes"]]], dtype=np.int64)
@@ -971,7 +971,8 @@ class _Side:
 
         def write() -> tuple[float, float]:
             start = time.monotonic()
-            handle = self.agent.submit_write(
+            handle = submit_write(
+                self.agent,
                 fragments,
                 args["remote"],
                 tag,

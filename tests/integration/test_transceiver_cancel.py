@@ -26,14 +26,13 @@ class StallingAgent:
     inner: LoopbackAgent
     stalled: bool = True
     submitted: int = 0
-    _held: list[tuple[XferHandle, tuple[Any, ...], dict[str, Any]]] = attrs.field(factory=list)
-    _landed: dict[XferHandle, XferHandle] = attrs.field(factory=dict)
+    _held: dict[XferHandle, bytes] = attrs.field(factory=dict)  # posted, not yet landed
 
     def finish(self) -> None:
         """The held writes land now (bytes, then notification)."""
         self.stalled = False
-        for handle, args, kw in self._held:
-            self._landed[handle] = self.inner.submit_write(*args, **kw)
+        for handle, notif in self._held.items():
+            self.inner.post_prepared(handle, notif)
         self._held.clear()
 
     @property
@@ -55,22 +54,22 @@ class StallingAgent:
     def remove_remote(self, name: str) -> None:
         self.inner.remove_remote(name)
 
-    def submit_write(
-        self, fragments: Fragments, remote: str, notif: bytes, **kw: Any
-    ) -> XferHandle:
+    def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
+        return self.inner.submit_is_quick(fragments, remote)
+
+    def prepare_write(self, fragments: Fragments, remote: str, **kw: Any) -> XferHandle:
+        return self.inner.prepare_write(fragments, remote, **kw)
+
+    def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
         self.submitted += 1
-        handle = XferHandle(-self.submitted)  # the inner agent's handles are positive
-        self._held.append((handle, (fragments, remote, notif), kw))
-        return handle
+        self._held[handle] = notif
 
     def poll(self, handle: XferHandle) -> XferStatus:
-        landed = self._landed.get(handle)
-        return XferStatus.PENDING if landed is None else self.inner.poll(landed)
+        return XferStatus.PENDING if handle in self._held else self.inner.poll(handle)
 
     def release(self, handle: XferHandle) -> None:
-        landed = self._landed.pop(handle, None)
-        if landed is not None:
-            self.inner.release(landed)
+        self._held.pop(handle, None)
+        self.inner.release(handle)
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         return self.inner.get_notifications()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import attrs
 import trio
 import zmq
 
@@ -67,34 +68,49 @@ async def test_garbage_frames_are_counted_and_dropped() -> None:
 
 
 async def test_dealer_counts_garbage_from_its_router() -> None:
+    raw: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        raw.setsockopt(zmq.LINGER, 0)
+        port = raw.bind_to_random_port("tcp://127.0.0.1")
+        async with open_dealer(f"tcp://127.0.0.1:{port}") as dealer:
+            await dealer.send_message(_cancel(5))
+            with trio.fail_after(10):
+                while not raw.poll(0):  # noqa: ASYNC110 (a raw zmq socket has no trio event)
+                    await trio.sleep(0.005)
+            identity, payload = raw.recv_multipart(flags=zmq.NOBLOCK)
+            assert wire.decode(payload) == _cancel(5)
+            raw.send_multipart([identity, b"\x93garbage"], flags=zmq.NOBLOCK)
+            raw.send_multipart([identity, wire.encode(_cancel(1))], flags=zmq.NOBLOCK)
+            with trio.fail_after(10):
+                assert await dealer.receive_message() == _cancel(1)
+            assert dealer.statistics().bad_frames == 1
+    finally:
+        raw.close(linger=0)
+
+
+async def test_an_unsecured_router_proves_nobody() -> None:
     async with open_router() as router, open_dealer(router.endpoint) as dealer:
-        await dealer.send(b"hello")
+        await dealer.send_message(_cancel(3))
         with trio.fail_after(10):
-            identity, payload, peer = await router.receive()
-        assert peer is None  # an unsecured router proves nobody
-        assert payload == b"hello"
-        await router.send(identity, b"\x93garbage")
-        await router.send_message(identity, _cancel(1))
-        with trio.fail_after(10):
-            assert await dealer.receive_message() == _cancel(1)
-        assert dealer.statistics().bad_frames == 1
+            _identity, message, peer = await router.receive_message()
+        assert (message, peer) == (_cancel(3), None)
 
 
 async def test_reply_to_a_gone_peer_is_unroutable() -> None:
     async with open_router() as router:
-        await router.send(b"nobody", b"x")
+        await router.send_message(b"nobody", _cancel(0))
         with trio.fail_after(10):
             while router.statistics().unroutable == 0:  # noqa: ASYNC110 (a counter)
                 await trio.sleep(0.005)
         # and the router still serves
         async with open_dealer(router.endpoint) as dealer:
-            await dealer.send(b"ping")
+            await dealer.send_message(_cancel(1))
             with trio.fail_after(10):
-                assert (await router.receive())[1] == b"ping"
+                assert (await router.receive_message())[1] == _cancel(1)
 
 
 async def test_backpressure_keeps_order_and_loses_nothing() -> None:
-    count, padding = 3000, bytes(4096)
+    count, padding = 3000, "x" * 4096
     async with (
         open_router(queue_size=8, high_water_mark=4) as router,
         open_dealer(router.endpoint, queue_size=8, high_water_mark=4) as dealer,
@@ -102,7 +118,7 @@ async def test_backpressure_keeps_order_and_loses_nothing() -> None:
 
         async def produce() -> None:
             for i in range(count):
-                await dealer.send(i.to_bytes(4, "little") + padding)
+                await dealer.send_message(attrs.evolve(_cancel(i), reason=padding))
 
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
@@ -110,8 +126,8 @@ async def test_backpressure_keeps_order_and_loses_nothing() -> None:
                 for i in range(count):
                     if i % 500 == 0:
                         await trio.sleep(0.05)  # a slow consumer: the inbox fills up
-                    _, payload, _ = await router.receive()
-                    assert int.from_bytes(payload[:4], "little") == i
+                    _, message, _ = await router.receive_message()
+                    assert isinstance(message, wire.Cancel) and message.key == i
         assert router.statistics().received == count
 
 

@@ -20,7 +20,7 @@ from trtdisagg.transfer.runtime.agents.base import (
     XferStatus,
     make_agent,
     pool_regions,
-    posts_quickly,
+    submit_write,
 )
 from trtdisagg.transfer.runtime.agents.loopback import (
     QUICK_COPY_BYTES,
@@ -89,7 +89,7 @@ def test_loopback_write_through_a_mapper() -> None:
     fragments = plan.fragments(src_blocks=[[2, 3, 5]], dst_blocks=[[0, 1, 6]], num_tokens=12)
     assert len(fragments) == 2  # [2, 3] -> [0, 1] merged, [5] -> [6]
     notice = encode(WriteNotice(key=9, instance_name="ctx", instance_rank=0))
-    handle = ctx.submit_write(fragments, remote, notice)
+    handle = submit_write(ctx, fragments, remote, notice)
     assert ctx.poll(handle) is XferStatus.DONE
     ctx.release(handle)
     assert bytes(dst[0:1024]) == bytes(src[1024:2048])
@@ -110,21 +110,21 @@ def test_loopback_prepared_write_copies_only_when_posted() -> None:
     gen.register_memory([MemoryRegion(address=int(dst.ctypes.data), size=256)])
     remote = ctx.add_remote(gen.local_metadata())
     rows = np.array([[src.ctypes.data + 16, dst.ctypes.data, 64]], dtype=np.int64)
-    handle = ctx.prepare_write(Fragments(rows), remote, b"n")
+    handle = ctx.prepare_write(Fragments(rows), remote)
     assert ctx.poll(handle) is XferStatus.PENDING
     assert not dst.any() and gen.get_notifications() == []
-    ctx.post_prepared(handle)
+    ctx.post_prepared(handle, b"n")
     assert ctx.poll(handle) is XferStatus.DONE
     assert bytes(dst[:64]) == bytes(src[16:80]) and not dst[64:].any()
     assert gen.get_notifications() == [("ctx/0", b"n")]
     with pytest.raises(AgentError, match="no prepared write"):
-        ctx.post_prepared(handle)  # once only
+        ctx.post_prepared(handle, b"n")  # once only
     ctx.release(handle)
-    dropped = ctx.prepare_write(Fragments(rows), remote, b"never")
+    dropped = ctx.prepare_write(Fragments(rows), remote)
     ctx.release(dropped)
     assert ctx.num_handles == 0
     with pytest.raises(AgentError, match="no prepared write"):
-        ctx.post_prepared(dropped)
+        ctx.post_prepared(dropped, b"never")
     assert gen.get_notifications() == []
 
 
@@ -139,13 +139,13 @@ def test_loopback_can_notify_from_the_first_poll_that_finds_a_write_done() -> No
     gen.register_memory([MemoryRegion(address=int(dst.ctypes.data), size=64)])
     remote = ctx.add_remote(gen.local_metadata())
     rows = Fragments(np.array([[src.ctypes.data, dst.ctypes.data, 64]], dtype=np.int64))
-    handle = ctx.submit_write(rows, remote, b"polled")
+    handle = submit_write(ctx, rows, remote, b"polled")
     assert (dst == src).all() and gen.get_notifications() == []  # landed, not yet told
     assert ctx.poll(handle) is XferStatus.DONE
     assert gen.get_notifications() == [("ctx/0", b"polled")]
     assert ctx.poll(handle) is XferStatus.DONE and gen.get_notifications() == []  # once
     ctx.release(handle)
-    never = ctx.submit_write(rows, remote, b"never polled")
+    never = submit_write(ctx, rows, remote, b"never polled")
     ctx.release(never)
     assert gen.get_notifications() == [] and ctx.num_handles == 0
 
@@ -158,26 +158,26 @@ def test_loopback_refuses_out_of_bounds_and_unknown_remotes() -> None:
     gen.register_memory([MemoryRegion(address=dst.ctypes.data, size=32)])
     good = (src.ctypes.data, dst.ctypes.data, 32)
     with pytest.raises(AgentError, match="unknown remote agent 'gen/0'"):
-        ctx.submit_write(Fragments.of([good]), "gen/0", b"")
+        submit_write(ctx, Fragments.of([good]), "gen/0", b"")
     remote = ctx.add_remote(gen.local_metadata())
     too_long = (src.ctypes.data, dst.ctypes.data, 33)
     with pytest.raises(
         AgentError, match=r"ctx/0 -> gen/0: 1 fragments' destinations .* not inside"
     ):
-        ctx.submit_write(Fragments.of([too_long]), remote, b"")
+        submit_write(ctx, Fragments.of([too_long]), remote, b"")
     unregistered = (src.ctypes.data + 60, dst.ctypes.data, 8)
     with pytest.raises(AgentError, match=r"sources \[0x[0-9a-f]+, 0x[0-9a-f]+\) are not inside"):
-        ctx.submit_write(Fragments.of([unregistered]), remote, b"")
+        submit_write(ctx, Fragments.of([unregistered]), remote, b"")
     assert not dst.any()
     assert gen.get_notifications() == []
-    empty = ctx.submit_write(Fragments.of([]), remote, b"never sent")
+    empty = submit_write(ctx, Fragments.of([]), remote, b"never sent")
     assert ctx.poll(empty) is XferStatus.DONE
     assert gen.get_notifications() == []
     with pytest.raises(AgentError, match="no loopback agent 'nobody'"):
         ctx.add_remote(b"nobody")
     gen.close()
     with pytest.raises(AgentError, match="no loopback agent"):
-        ctx.submit_write(Fragments.of([good]), remote, b"")
+        submit_write(ctx, Fragments.of([good]), remote, b"")
 
 
 def test_registry_selects_by_config_name() -> None:
@@ -201,22 +201,17 @@ def test_fragments() -> None:
         fragments.rows[0, 0] = 1
 
 
-def test_posts_quickly_follows_the_agents_own_hint() -> None:
+def test_submit_is_quick_follows_the_agents_own_hint() -> None:
     ctx, gen = _agents()
     small = Fragments(np.array([[0, 0, QUICK_COPY_BYTES]], dtype=np.int64))
     large = Fragments(np.array([[0, 0, QUICK_COPY_BYTES + 1]], dtype=np.int64))
-    # The loopback agent copies inside submit_write: quick only while the copy is small.
-    assert posts_quickly(ctx, small, gen.name)
-    assert not posts_quickly(ctx, large, gen.name)
-    # A wrapper passes the question on; an agent that does not say is posted from a thread.
+    # The loopback agent copies inside post_prepared: quick only while the copy is small.
+    assert ctx.submit_is_quick(small, gen.name)
+    assert not ctx.submit_is_quick(large, gen.name)
+    # A wrapper passes the question on.
     faulty = FaultyAgent(ctx, FaultInjector(plan=parse_faults("")))
-    assert posts_quickly(faulty, small, gen.name)
-    assert not posts_quickly(faulty, large, gen.name)
-    assert not posts_quickly(_Silent(), small, gen.name)  # type: ignore[arg-type]
-
-
-class _Silent:
-    """An agent (test double) that has no `submit_is_quick`."""
+    assert faulty.submit_is_quick(small, gen.name)
+    assert not faulty.submit_is_quick(large, gen.name)
 
 
 def test_a_nixl_post_is_quick_only_to_a_connected_peer_with_few_small_descriptors() -> None:
@@ -246,7 +241,7 @@ def test_a_nixl_post_is_quick_only_to_a_connected_peer_with_few_small_descriptor
 
         one = rows(1, 4096)
         assert not ctx.submit_is_quick(one, remote)  # the first write sets up the connection
-        handle = ctx.submit_write(one, remote, b"first")
+        handle = submit_write(ctx, one, remote, b"first")
         while ctx.poll(handle) is XferStatus.PENDING:
             gen.get_notifications()  # no progress thread: the target progresses when polled
         ctx.release(handle)

@@ -115,7 +115,7 @@ def test_staged_transfer_lands_every_gen_byte(case: dict[str, object]) -> None:
         staging = StagingBuffer(cache, 1 << 16)
         region = canonical_bytes(g, num_tokens - first)
         written = torch.zeros(region, dtype=torch.int32)
-        for rank in peer_overlap(g, ctx[0], peer_dp_rank=0).ranks:
+        for rank in peer_overlap(g, ctx[0], peer_dp_rank=0):
             sender = ctx[rank]
             if not is_elected(sender=sender, receiver=g):
                 continue  # a duplicate head's other copy: it reports 0 bytes

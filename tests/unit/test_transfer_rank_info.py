@@ -133,11 +133,9 @@ def test_overlap_pp_and_tp() -> None:
     ctx = _instance("ctx", tp=2, pp=2, layers=(3, 1), heads=4)
     gen = _instance("gen", tp=4, pp=2, layers=(2, 2), heads=4)
     # gen rank (tp 3, pp 1) holds layers 2-3 and head 3: ctx stages 0 and 1, ctx tp 1
-    overlap = peer_overlap(gen[7], ctx[0], peer_dp_rank=0)
-    assert (overlap.pp_ranks, overlap.tp_ranks, overlap.ranks) == ((0, 1), (1,), (1, 3))
+    assert peer_overlap(gen[7], ctx[0], peer_dp_rank=0) == (1, 3)
     # ctx rank (tp 0, pp 0) holds layers 0-2 and heads 0-1: gen stages 0, 1; gen tp 0, 1
-    overlap = peer_overlap(ctx[0], gen[0], peer_dp_rank=0)
-    assert overlap.ranks == (0, 1, 4, 5)
+    assert peer_overlap(ctx[0], gen[0], peer_dp_rank=0) == (0, 1, 4, 5)
 
 
 def test_instance_names_are_unique() -> None:

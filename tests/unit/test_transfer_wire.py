@@ -135,7 +135,7 @@ def test_well_formed_msgpack_garbage_raises_only_protocol_error(value: object, t
 
 
 @settings(max_examples=200, deadline=None)
-@given(messages.filter(lambda m: not isinstance(m, wire.WriteNotice)), st.data())
+@given(messages, st.data())
 def test_mutated_messages_raise_only_protocol_error(
     message: wire.Message, data: st.DataObject
 ) -> None:
@@ -149,37 +149,13 @@ def test_mutated_messages_raise_only_protocol_error(
     assert type(decoded) in wire.MESSAGE_TAGS
 
 
-@settings(max_examples=500, deadline=None)
-@given(notices, st.integers(0, 80), st.integers(0, 8), st.binary(max_size=8))
-def test_mutated_notices_raise_only_protocol_error(
-    notice: wire.WriteNotice, at: int, cut: int, patch: bytes
-) -> None:
-    """WRITE_NOTICE's binary layout: any bytes spliced in, cut out or overwritten decode to a
-    notice or raise ProtocolError (a length that disagrees with the header, a token past 2**31,
-    a name that is not UTF-8), never anything else."""
-    encoded = wire.encode(notice)
-    assert encoded[:1] == b"\xc1"  # a byte msgpack never uses
-    mutated = encoded[:at] + patch + encoded[at + cut :]
-    try:
-        decoded = wire.decode(mutated)
-    except ProtocolError:
-        return
-    assert isinstance(decoded, wire.WriteNotice)
-
-
-def test_a_notice_s_layout_is_checked_field_by_field() -> None:
+def test_a_notice_s_fields_are_checked() -> None:
     notice = wire.WriteNotice(key=7, instance_name="ctx", instance_rank=1, first_tokens=(3,))
-    encoded = wire.encode(notice)
-    with pytest.raises(ProtocolError, match="shorter than its header"):
-        wire.decode(encoded[:20])
-    with pytest.raises(ProtocolError, match="its header says 3 bytes of name and 1 tokens"):
-        wire.decode(encoded + b"\0")
-    widest_key = encoded[:12] + (2**64 - 1).to_bytes(8, "little") + encoded[20:]
-    assert wire.decode(widest_key) == attrs.evolve(notice, key=2**64 - 1)  # 64 random bits fit
+    widest = attrs.evolve(notice, key=2**64 - 1)  # 64 random bits fit
+    assert wire.decode(wire.encode(widest)) == widest
+    fields = _fields(notice)
     with pytest.raises(ProtocolError, match="token id outside"):
-        wire.decode(encoded[:-4] + (2**31).to_bytes(4, "little"))
-    with pytest.raises(ProtocolError, match="invalid WRITE_NOTICE"):
-        wire.decode(encoded[:-7] + b"\xff\xfe\xfd" + encoded[-4:])
+        wire.decode(msgpack.packb({**fields, "first_tokens": [2**31]}))
     with pytest.raises(ValueError, match="token id outside"):
         attrs.evolve(notice, first_tokens=(-1,))
 

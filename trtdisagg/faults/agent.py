@@ -1,9 +1,9 @@
 """FaultyAgent: a transfer agent that injects a test's data-plane faults. Tests only.
 
 It wraps the real agent (NIXL or loopback) and asks a `FaultInjector` (spec.py) at
-two points: before each `submit_write` (`fail_submit` raises AgentError instead;
-`stall_transfer` holds the write back: it is submitted at the first poll after the stall, so its
-bytes and notification land only then, and until then the write reads PENDING), and for
+two points: before each `post_prepared` (`fail_submit` releases the write and raises AgentError
+instead; `stall_transfer` holds the write back: it is posted at the first poll after the stall,
+so its bytes and notification land only then, and until then the write reads PENDING), and for
 each notification received (a WRITE_NOTICE: dropped, duplicated, or held back for a while).
 Everything else goes straight to the wrapped agent. Same threading contract as `base`; nothing
 here blocks, so a stalled write costs the caller's polls, not a thread.
@@ -11,7 +11,6 @@ here blocks, so a stalled write costs the caller's polls, not a thread.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -23,7 +22,6 @@ from trtdisagg.transfer.runtime.agents.base import (
     TransferAgent,
     XferHandle,
     XferStatus,
-    posts_quickly,
 )
 
 if TYPE_CHECKING:
@@ -41,11 +39,7 @@ class FaultyAgent:
         self._inner = inner
         self._faults = faults
         self._clock = clock
-        # Stalled writes: our handle -> (when to submit, what), then our handle -> the inner one.
-        # Our handles are negative, the inner agents' are not: the two never collide.
-        self._stalled: dict[XferHandle, tuple[float, Callable[[], XferHandle]]] = {}
-        self._submitted: dict[XferHandle, XferHandle] = {}
-        self._stall_ids = itertools.count(-1, -1)
+        self._stalled: dict[XferHandle, tuple[float, bytes]] = {}  # -> (when to post, notif)
         self._held: list[tuple[float, str, bytes]] = []  # delayed notifications, by due time
 
     @property
@@ -68,50 +62,43 @@ class FaultyAgent:
         self._inner.remove_remote(name)
 
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
-        return posts_quickly(self._inner, fragments, remote)
+        return self._inner.submit_is_quick(fragments, remote)
 
-    def submit_write(
+    def prepare_write(
         self,
         fragments: Fragments,
         remote: str,
-        notif: bytes,
         *,
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
+        return self._inner.prepare_write(
+            fragments, remote, dst_memory_type=dst_memory_type, dst_device_id=dst_device_id
+        )
+
+    def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
         fault = self._faults.submit()
         if fault is not None and fault.action is FaultAction.FAIL_SUBMIT:
-            raise AgentError(f"{self.name}: injected fault: write to {remote} not submitted")
-
-        def submit() -> XferHandle:
-            return self._inner.submit_write(
-                fragments,
-                remote,
-                notif,
-                dst_memory_type=dst_memory_type,
-                dst_device_id=dst_device_id,
-            )
-
+            self._inner.release(handle)
+            raise AgentError(f"{self.name}: injected fault: write {handle} not submitted")
         if fault is not None and fault.action is FaultAction.STALL_TRANSFER:
-            handle = XferHandle(next(self._stall_ids))
-            self._stalled[handle] = (self._clock() + fault.seconds, submit)
-            return handle
-        return submit()
+            self._stalled[handle] = (self._clock() + fault.seconds, notif)
+        else:
+            self._inner.post_prepared(handle, notif)
 
     def poll(self, handle: XferHandle) -> XferStatus:
         stalled = self._stalled.get(handle)
         if stalled is not None:
-            until, submit = stalled
+            until, notif = stalled
             if self._clock() < until:
                 return XferStatus.PENDING
             del self._stalled[handle]
-            self._submitted[handle] = submit()
-        return self._inner.poll(self._submitted.get(handle, handle))
+            self._inner.post_prepared(handle, notif)
+        return self._inner.poll(handle)
 
     def release(self, handle: XferHandle) -> None:
-        if self._stalled.pop(handle, None) is not None:
-            return  # never submitted: nothing will land
-        self._inner.release(self._submitted.pop(handle, handle))
+        self._stalled.pop(handle, None)  # never posted: nothing will land
+        self._inner.release(handle)
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         now = self._clock()
@@ -130,6 +117,5 @@ class FaultyAgent:
 
     def close(self) -> None:
         self._stalled.clear()
-        self._submitted.clear()
         self._held.clear()
         self._inner.close()

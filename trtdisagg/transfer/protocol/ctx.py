@@ -1,31 +1,14 @@
 """The ctx (sender) side of the transfer protocol: push KV to the gen ranks that ask. Pure.
 
-Per transfer key, in the order things usually happen:
-
-1. gen ranks register (REGISTER_PEER): the registrar's compatibility gate, the driver loads the
-   rank's agent (LoadAgent), REGISTER_ACK. An unregistered rank's REQUEST_DATA is refused at
-   once (NOT_REGISTERED), and gen meets this instance again.
-2. REQUEST_DATA that comes before the KV is ready (generation-first) waits in EarlyMessages;
-   when the executor says where the KV will be (KvExpected), each waiting request's write is
-   mapped and prepared (PrepareWrite) while the prefill runs.
-3. The KV is ready (KvReady): the SenderSession takes the waiting requests, and each requesting
-   gen rank gets one write (PostWrite), the one prepared for that very request and source, or
-   one mapped now. Its notice says what it moves and carries ctx's first tokens, so gen may
-   finish on it alone.
-4. The write ends (WriteEnded): TRANSFER_RESULT to that rank, also when it moved 0 bytes (a
-   non-elected duplicate never writes) or failed.
-5. The session is over once terminal and quiescent (no write in flight): Sent(outcome), and the
-   executor frees its blocks. Past its deadline a session fails, but keeps its blocks while a
-   write may still read them.
-
-Every CANCEL is answered: at once when no write to its sender is in flight, else by that write's
-result. A CANCEL or REQUEST_DATA that comes before its session is held: the session starts
-cancelled (when the canceller is the gen instance it is bound to, or it is bound to none), and a
-request that its own CANCEL overtook is dropped when it comes.
-
-Ownership: a session belongs to the gen instance whose REQUEST_DATA bound it; another instance's
-REQUEST_DATA or CANCEL for it is dropped and counted (refusals.py). A gen instance holds at most
-`max_per_peer` sessions and held messages here; a REQUEST_DATA past that is refused at once.
+docs/LIFECYCLE.md tells the path (ctx side, generation-first, cancellation, who may touch a
+transfer). In events: a gen rank registers (REGISTER_PEER: the registrar's compatibility gate,
+LoadAgent, REGISTER_ACK; an unregistered rank's REQUEST_DATA is refused with NOT_REGISTERED, and
+gen meets this instance again). A REQUEST_DATA that comes before its session waits in
+EarlyMessages, and has its write prepared (PrepareWrite) once the executor says where the KV will
+be (KvExpected). When the KV is ready (KvReady), each requesting gen rank gets one write
+(PostWrite), the one prepared for that very request and source or one mapped now; its end
+(WriteEnded) is answered with TRANSFER_RESULT, also for 0 bytes. A session terminal and quiescent
+is over (Sent). Every CANCEL is answered, at once or by the write in flight to its sender.
 """
 
 from __future__ import annotations
@@ -56,7 +39,8 @@ from trtdisagg.transfer.protocol.wire import (
     RequestData,
     ResultStatus,
     TransferResult,
-    encode_notice,
+    WriteNotice,
+    encode,
     unpack_block_ids,
 )
 
@@ -93,12 +77,10 @@ class CtxProtocol:
     # it). A gen that asks for one later is refused at once, not held for a session that will
     # not come (keys are random per attempt: none comes back).
     _released: dict[int, float] = attrs.Factory(dict)
-    _name: bytes = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         # A REQUEST_DATA whose session never appears is refused after the transfer timeout.
         self.early = EarlyMessages(ttl=self.timeout_s)
-        self._name = self.local.instance_name.encode()  # as every notice carries it
 
     @property
     def prepared(self) -> int:
@@ -300,7 +282,7 @@ class CtxProtocol:
             return
         if session.expected is None:
             overlap = self.registrar.overlap(peer, peer_dp_rank=peer.dp_rank)
-            session.bind(request.instance_name, frozenset(overlap.ranks))
+            session.bind(request.instance_name, frozenset(overlap))
         session.add_request(request)
 
     def _start_writes(self, session: SenderSession, out: Out) -> None:
@@ -393,9 +375,11 @@ class CtxProtocol:
                              num_tokens=num_tokens, num_bytes=num_bytes)  # fmt: skip
 
     def _notice(self, order: ev.WriteOrder, first_tokens: tuple[int, ...]) -> bytes:
-        fragments, rank = order.fragments, self.local.instance_rank
-        return encode_notice(order.key, self._name, rank, fragments.num_bytes, len(fragments),
-                             first_tokens)  # fmt: skip
+        fragments, local = order.fragments, self.local
+        notice = WriteNotice(key=order.key, instance_name=local.instance_name,
+                             instance_rank=local.instance_rank, num_bytes=fragments.num_bytes,
+                             num_descriptors=len(fragments), first_tokens=first_tokens)  # fmt: skip
+        return encode(notice)
 
     def _write_done(
         self,

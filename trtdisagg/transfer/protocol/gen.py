@@ -1,25 +1,15 @@
 """The gen (receiver) side of the transfer protocol: ask ctx for KV, see it land. Pure.
 
-1. First contact with a ctx info endpoint meets the instance there (the rendezvous):
-   REQUEST_INSTANCE_INFO, the compatibility gate on every rank it names, REGISTER_PEER to each,
-   their REGISTER_ACKs. The result (or refusal) is kept per endpoint; one that gets no answer is
-   forgotten and the next request tries again. A request that names another instance than the
-   one met there (a ctx restarted on a reused port) meets the endpoint again.
-2. A ReceiverSession expects one part from each overlapping ctx rank, and REQUEST_DATA goes to
-   each. A receive that bounces (bounce.py) reserves room in the staging buffer first.
-3. The session completes when every expected rank's part landed: the write's notification (NIXL
-   delivers it only after the bytes), which says what it moved and carries ctx's first token;
-   or, for a rank with nothing to write, its OK result. Received(outcome), and the executor
-   decodes. A result still due when the session ends is remembered and dropped when it comes,
-   so that a later use of the key never takes it.
-4. Quarantine: a session that fails while a ctx write may still land sends CANCEL once, reports
-   its failure at once with `blocks_held` (unless `early_failures` is off: a multi-rank instance
-   then hears of it once the blocks are free), and keeps its blocks until every expected rank
-   answered, or a second timeout past the deadline (`quarantine_expired`: ctx taken for dead).
-
-Ownership: results, cancels and notices are taken only from the ctx instance a session asked;
-another's are dropped and counted (refusals.py), as is a notice whose agent is not the one the
-rank it names registered.
+docs/LIFECYCLE.md tells the path (gen side, cancellation, who may touch a transfer). In events:
+the first request to a ctx info endpoint meets the instance there (REQUEST_INSTANCE_INFO, the
+compatibility gate on every rank, REGISTER_PEER to each, their REGISTER_ACKs), kept per endpoint
+until that instance is replaced or forgotten; one that gets no answer is forgotten and the next
+request tries again. A ReceiverSession then expects one part from each overlapping ctx rank, and
+REQUEST_DATA goes to each (a bouncing receive reserves staging room first, bounce.py). It
+completes when every part landed (a write's notice, or an OK result for nothing to write):
+Received. One that fails while a ctx write may still land sends CANCEL once, reports at once with
+`blocks_held` (unless `early_failures` is off, for a multi-rank instance) and keeps its blocks
+until every expected rank answered or a second timeout passed (`quarantine_expired`).
 """
 
 from __future__ import annotations
@@ -324,7 +314,7 @@ class GenProtocol:
         """`key`'s ctx instance is met: reserve staging room if it bounces, then ask."""
         starting, first = self._starting[key], instance.ranks[0]
         starting.ranks = instance.ranks
-        starting.expected = self.registrar.overlap(first, peer_dp_rank=first.dp_rank).ranks
+        starting.expected = self.registrar.overlap(first, peer_dp_rank=first.dp_rank)
         blocks, num_tokens = starting.ask.block_ids, starting.ask.num_tokens
         if self.staging is not None and len(blocks) == 1 and self._bounces(starting):
             tpb = self.local.tokens_per_block

@@ -128,7 +128,6 @@ class ViewGeometry:
 class Mapper:
     """Base: per-block runs from `_units`, cached per token count; `map` places and merges them."""
 
-    name: ClassVar[str] = "base"
     token_dependent: ClassVar[bool] = False  # whether a partial block has fewer units
 
     src: ViewGeometry
@@ -220,20 +219,16 @@ class Mapper:
 
 
 class IntactMapper(Mapper):
-    name: ClassVar[str] = "intact"
-
     def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
         for src_off, dst_off in self._entry_offsets():
             yield (src_off, dst_off, self.src.entry_size)
 
 
 class ReplicatedMapper(IntactMapper):
-    name: ClassVar[str] = "replicated"
+    """Whole entries of REPLICATED views; which rank sends is decided by election (peers.py)."""
 
 
 class HndHeadMismatchMapper(Mapper):
-    name: ClassVar[str] = "hnd-head-mismatch"
-
     def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
         src_head = self.heads.src_start * self.src.head_bytes
         dst_head = self.heads.dst_start * self.dst.head_bytes
@@ -243,7 +238,6 @@ class HndHeadMismatchMapper(Mapper):
 
 
 class NhdHeadMismatchMapper(Mapper):
-    name: ClassVar[str] = "nhd-head-mismatch"
     token_dependent: ClassVar[bool] = True
 
     def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
@@ -260,7 +254,6 @@ class NhdHeadMismatchMapper(Mapper):
 
 
 class TransposeMapper(Mapper):
-    name: ClassVar[str] = "transpose"
     token_dependent: ClassVar[bool] = True
 
     def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:

@@ -52,35 +52,26 @@ def _intersect(a: range, b: range) -> range:
     return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
-@attrs.frozen(kw_only=True)
-class PeerOverlap:
-    """The ranks of a peer instance (within one of its DP groups) that share data with us."""
-
-    pp_ranks: tuple[int, ...]
-    tp_ranks: tuple[int, ...]
-    ranks: tuple[int, ...]  # flat instance ranks, pp-major, sorted
-
-
-def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> PeerOverlap:
-    """Peer ranks of DP group `peer_dp_rank` holding any layer AND any KV head that `local` holds
-    (`peer` may be any rank of the peer instance: only its sizes are read)."""
+def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> tuple[int, ...]:
+    """The flat ranks (pp-major, sorted) of the peer's DP group `peer_dp_rank` that hold any
+    layer AND any KV head that `local` holds (`peer` may be any rank of the peer instance: only
+    its sizes are read)."""
     if not 0 <= peer_dp_rank < peer.dp_size:
         raise MappingError(f"peer dp rank {peer_dp_rank} outside dp_size {peer.dp_size}")
-    pp_ranks = tuple(
+    pp_ranks = [
         p
         for p in range(peer.pp_size)
         if _intersect(layer_range(peer.layer_num_per_pp, p), local.layers)
-    )
+    ]
     first = peer_dp_rank * peer.tp_per_dp
-    tp_ranks = tuple(
+    tp_ranks = [
         first + i
         for i in range(peer.tp_per_dp)
         if _intersect(head_range(peer.num_kv_heads, peer.tp_per_dp, i), local.heads)
-    )
-    ranks = tuple(
+    ]
+    return tuple(
         flat_rank(tp_rank=t, pp_rank=p, tp_size=peer.tp_size) for p in pp_ranks for t in tp_ranks
     )
-    return PeerOverlap(pp_ranks=pp_ranks, tp_ranks=tp_ranks, ranks=ranks)
 
 
 def duplicate_head_factor(info: RankInfo) -> int:
@@ -243,10 +234,9 @@ class PeerRegistrar:
 
     def __init__(self, local: RankInfo) -> None:
         self.local = local
-        self._peers: dict[tuple[str, int], RankInfo] = {}
-        self._plans: dict[tuple[str, int], SendPlan] = {}
+        self._plans: dict[tuple[str, int], SendPlan] = {}  # by peer rank: each plan names it
         self._refused: dict[str, PeerIncompatible] = {}
-        self._overlaps: dict[tuple[str, int], PeerOverlap] = {}
+        self._overlaps: dict[tuple[str, int], tuple[int, ...]] = {}
 
     def register(self, peer: RankInfo) -> SendPlan:
         """Admit one peer rank (idempotent for the same info) and return its send plan.
@@ -254,10 +244,10 @@ class PeerRegistrar:
         error is raised again for every later registration of that instance."""
         if (refused := self._refused.get(peer.instance_name)) is not None:
             raise refused
-        if (known := self._peers.get(peer.key)) is not None:
-            if known != peer:
+        if (known := self._plans.get(peer.key)) is not None:
+            if known.peer != peer:
                 raise PeerIncompatible(peer.label, "registered again with a different RankInfo")
-            return self._plans[peer.key]
+            return known
         try:
             check_compatible(self.local, peer)
             views = map_pools(self.local, peer)
@@ -270,16 +260,17 @@ class PeerRegistrar:
             raise error from None
         elected = is_elected(sender=self.local, receiver=peer)
         plan = SendPlan(peer=peer, elected=elected, views=views)
-        self._peers[peer.key], self._plans[peer.key] = peer, plan
+        self._plans[peer.key] = plan
         return plan
 
     def get(self, key: tuple[str, int]) -> RankInfo | None:
-        return self._peers.get(key)
+        plan = self._plans.get(key)
+        return plan.peer if plan is not None else None
 
     def send_plan(self, key: tuple[str, int]) -> SendPlan:
         return self._plans[key]  # (KeyError: never registered)
 
-    def overlap(self, peer: RankInfo, *, peer_dp_rank: int) -> PeerOverlap:
+    def overlap(self, peer: RankInfo, *, peer_dp_rank: int) -> tuple[int, ...]:
         """`peer_overlap(local, peer)`, cached per (peer instance, DP group)."""
         key = (peer.instance_name, peer_dp_rank)
         if (found := self._overlaps.get(key)) is None:
@@ -287,10 +278,10 @@ class PeerRegistrar:
         return found
 
     def ranks_of(self, instance_name: str) -> list[RankInfo]:
-        return [info for key, info in self._peers.items() if key[0] == instance_name]
+        return [plan.peer for key, plan in self._plans.items() if key[0] == instance_name]
 
     def forget(self, instance_name: str) -> None:
-        for table in (self._peers, self._plans, self._overlaps):
+        for table in (self._plans, self._overlaps):
             for key in [k for k in table if k[0] == instance_name]:
                 del table[key]
         self._refused.pop(instance_name, None)

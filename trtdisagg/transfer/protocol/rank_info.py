@@ -150,8 +150,10 @@ class RankInfo:
             raise ValueError(f"layer_num_per_pp {layers} must hold pp_size {pp} positive counts")
         check_head_split(self.num_kv_heads, self.tp_per_dp)
         if self.kv_heads_per_rank != len(self.heads):
-            raise ValueError(f"kv_heads_per_rank {self.kv_heads_per_rank} != {len(self.heads)} "
-                             f"({self.num_kv_heads} heads over {self.tp_per_dp} ranks)")
+            raise ValueError(
+                f"kv_heads_per_rank {self.kv_heads_per_rank} != {len(self.heads)} "
+                f"({self.num_kv_heads} heads over {self.tp_per_dp} ranks)"
+            )
         for group in self.page_table.layer_groups:
             if not set(group.global_layer_ids) <= set(self.layers):
                 raise ValueError(f"page table layer group {group.group_id} holds layers "

@@ -15,23 +15,18 @@ between bytes and messages; `decode` raises nothing but `ProtocolError`, whateve
                               tokens, so gen may finish on it before TRANSFER_RESULT comes.
 
 Block id lists travel as packed little-endian int64 (`pack_block_ids`), one `bytes` per layer
-group. WRITE_NOTICE, on the path of every transfer, is a fixed little-endian layout (`_NOTICE`,
-then the name and the tokens) that one `struct` call reads; its first byte, 0xc1, is one msgpack
-never uses, so neither is ever read as the other.
+group.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
-import struct
-import sys
-from array import array
 from collections.abc import Sequence
 from typing import Any, Final
 
 import attrs
 import cattrs
+import numpy as np
 from cattrs.preconf.msgpack import MsgpackConverter, make_converter
 from cattrs.strategies import configure_tagged_union
 from cattrs.v import format_exception
@@ -39,30 +34,24 @@ from cattrs.v import format_exception
 from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 
-# 5: WRITE_NOTICE in its own binary layout; 6: every write's notice says what it moved,
-# WRITE_POSTED, WRITE_PREPARED and REQUEST_DATA as a notification are gone; 7: transfer keys are
-# random 64-bit values (`disaggregated_params.transfer_key`), no longer the request's id
-PROTOCOL_VERSION: Final = 7
+# 6: every write's notice says what it moved, WRITE_POSTED, WRITE_PREPARED and REQUEST_DATA as a
+# notification are gone; 7: transfer keys are random 64-bit values
+# (`disaggregated_params.transfer_key`), no longer the request's id; 8: WRITE_NOTICE is msgpack
+# like every other message
+PROTOCOL_VERSION: Final = 8
 MAX_KEY: Final = 2**64 - 1
 
 
 def pack_block_ids(block_ids: Sequence[int]) -> bytes:
     """Block ids as little-endian int64 bytes."""
-    packed = array("q", block_ids)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
+    return np.asarray(block_ids, dtype="<i8").tobytes()
 
 
 def unpack_block_ids(data: bytes) -> tuple[int, ...]:
     """Inverse of `pack_block_ids`; ProtocolError on a length that is not a multiple of 8."""
     if len(data) % 8:
         raise ProtocolError(f"packed block ids of {len(data)} bytes, not a multiple of 8")
-    unpacked = array("q")
-    unpacked.frombytes(data)
-    if sys.byteorder != "little":
-        unpacked.byteswap()
-    return tuple(unpacked)
+    return tuple(np.frombuffer(data, dtype="<i8").tolist())
 
 
 _non_negative: Final = attrs.validators.ge(0)
@@ -245,59 +234,9 @@ _converter: Final = _make_converter()
 
 
 def encode(message: Message) -> bytes:
-    """One message as bytes: a msgpack map with a `"type"` tag, or a WRITE_NOTICE's layout."""
-    if isinstance(message, WriteNotice):
-        return encode_notice(message.key, message.instance_name.encode(), message.instance_rank,
-                             message.num_bytes, message.num_descriptors,
-                             message.first_tokens)  # fmt: skip
+    """One message as bytes: a msgpack map with a `"type"` tag."""
     data: bytes = _converter.dumps(message, unstructure_as=Message)
     return data
-
-
-# WRITE_NOTICE: magic, then instance_rank, key, num_bytes, num_descriptors, the byte length of
-# instance_name (UTF-8) and the number of first tokens; then the name, then the tokens (uint32).
-_NOTICE_MAGIC: Final = b"\xc1WN"
-_NOTICE: Final = struct.Struct("<3sxQQQQHH")
-_TOKEN_BYTES: Final = 4
-
-
-def encode_notice(
-    key: int, name: bytes, rank: int, num_bytes: int, num_descriptors: int, tokens: tuple[int, ...]
-) -> bytes:
-    """A WRITE_NOTICE's bytes straight from its fields (`name` UTF-8): ctx makes one per write,
-    between its KV being ready and the post (its own fields, not a peer's)."""
-    header = _NOTICE.pack(_NOTICE_MAGIC, rank, key, num_bytes, num_descriptors, len(name),
-                          len(tokens))  # fmt: skip
-    return b"".join((header, name, _tokens(len(tokens)).pack(*tokens)))
-
-
-@functools.lru_cache(maxsize=8)  # (a peer picks the count: bounded)
-def _tokens(count: int) -> struct.Struct:
-    return struct.Struct(f"<{count}I")
-
-
-def _decode_notice(data: bytes) -> WriteNotice:
-    if len(data) < _NOTICE.size:
-        raise ProtocolError(f"WRITE_NOTICE of {len(data)} bytes, shorter than its header")
-    _, rank, key, num_bytes, descriptors, name_len, count = _NOTICE.unpack_from(data)
-    if len(data) != _NOTICE.size + name_len + count * _TOKEN_BYTES:
-        raise ProtocolError(
-            f"WRITE_NOTICE of {len(data)} bytes; its header says {name_len} bytes of name and"
-            f" {count} tokens"
-        )
-    end = _NOTICE.size + name_len
-    try:
-        name = data[_NOTICE.size : end].decode()
-        return WriteNotice(
-            key=key,
-            instance_name=name,
-            instance_rank=rank,
-            num_bytes=num_bytes,
-            num_descriptors=descriptors,
-            first_tokens=_tokens(count).unpack_from(data, end),
-        )
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(f"invalid WRITE_NOTICE: {exc}") from exc
 
 
 def decode(data: bytes) -> Message:
@@ -308,8 +247,6 @@ def decode(data: bytes) -> Message:
             msgpack, trailing bytes, unknown tag, missing/extra/mistyped fields, failed validation.
             Nothing else escapes, whatever the input.
     """
-    if data[:3] == _NOTICE_MAGIC:
-        return _decode_notice(data)
     try:
         # A union is not a `type[T]` to mypy; the tagged-union hook returns one of its members.
         message: Message = _converter.loads(data, Message)  # type: ignore[arg-type]

@@ -31,7 +31,6 @@ class ControlRouter(Protocol):
     endpoint: str
 
     async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]: ...
-    async def send_message(self, identity: bytes, message: Message) -> None: ...
     def send_message_nowait(self, identity: bytes, message: Message) -> None: ...
     def statistics(self) -> MessengerStatistics: ...
     def flush_warnings(self) -> None: ...
@@ -96,11 +95,8 @@ class ControlPlane:
                 self.deliver(message, identity, peer, "")
 
     def reply(self, identity: bytes, message: Message) -> None:
-        try:
-            self.router.send_message_nowait(identity, message)
-        except trio.WouldBlock:
-            assert self._nursery is not None
-            self._nursery.start_soon(self.router.send_message, identity, message)
+        # never blocks: a ROUTER drops the replies of a peer that does not read (messenger.py)
+        self.router.send_message_nowait(identity, message)
 
     def send(self, endpoint: str, message: Message) -> None:
         """Send on the DEALER to `endpoint` now, or queue it (in order) for one being opened."""

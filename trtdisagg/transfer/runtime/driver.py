@@ -45,14 +45,7 @@ from trtdisagg.transfer.protocol.wire import (
     WriteNotice,
     decode,
 )
-from trtdisagg.transfer.runtime.agents.base import (
-    TransferAgent,
-    WritePreparer,
-    XferHandle,
-    XferStatus,
-    posts_quickly,
-    write_preparer,
-)
+from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferHandle, XferStatus
 from trtdisagg.transfer.runtime.collector import TransceiverStatistics, WriteTally
 from trtdisagg.transfer.runtime.control import ControlPlane, ControlRouter, DealerOpener
 from trtdisagg.transfer.runtime.messenger import open_dealer
@@ -103,7 +96,6 @@ class KvTransceiver:
     _calls: AgentCalls = attrs.field(init=False)
     _pump: NotificationPump = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
-    _preparer: WritePreparer | None = attrs.field(init=False)
     _remotes: dict[tuple[str, int], str] = attrs.Factory(dict)  # gen ranks' loaded agents
     _prepared: dict[int, XferHandle] = attrs.Factory(dict)  # by write id
     _flights: dict[int, _Flight] = attrs.Factory(dict)  # posted writes, by write id
@@ -127,7 +119,6 @@ class KvTransceiver:
             router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
         )
         self._calls = AgentCalls(self.agent)
-        self._preparer = write_preparer(self.agent)
         interval = self.pump_interval_s
         if interval is None:
             interval = PUMP_INTERVAL_S[self.local.page_table.layer_groups[0].pool.memory_type]
@@ -287,15 +278,14 @@ class KvTransceiver:
     # ---- writes: quick agent calls inline, blocking ones in a worker thread (pump.py) ----
 
     def _prepare(self, order: ev.WriteOrder) -> None:
-        """Prepare `order` with the agent when it can and the post will be quick (a slow post
-        goes through a thread anyway, where preparing first saves nothing)."""
-        preparer, remote = self._preparer, self._remotes.get(order.peer)
-        if preparer is None or remote is None or not self._calls.idle:
+        """Prepare `order` with the agent when that is quick (a slow post goes through a
+        thread anyway, where preparing first saves nothing)."""
+        remote = self._remotes.get(order.peer)
+        if remote is None or not self._calls.idle:
             return
-        if posts_quickly(self.agent, order.fragments, remote):
-            # (the notice is given at the post: it carries first tokens not known yet)
+        if self.agent.submit_is_quick(order.fragments, remote):
             prepare = functools.partial(
-                preparer.prepare_write, order.fragments, remote, b"",
+                self.agent.prepare_write, order.fragments, remote,
                 dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
             )  # fmt: skip
             try:
@@ -311,7 +301,7 @@ class KvTransceiver:
             self._feed(ev.WriteEnded(write_id=order.write_id, error=error))
             return
         self.prepared_posts += prepared is not None
-        quick = prepared is not None or posts_quickly(self.agent, order.fragments, remote)
+        quick = prepared is not None or self.agent.submit_is_quick(order.fragments, remote)
         if order.staged is None and quick and self._calls.idle:
             submit = functools.partial(self._submit, order, remote, notice, prepared)
             try:
@@ -362,14 +352,14 @@ class KvTransceiver:
     def _submit(
         self, order: ev.WriteOrder, remote: str, notice: bytes, prepared: XferHandle | None = None
     ) -> XferHandle:
-        """The agent call that posts `order`, from its preparation if one was made."""
-        if prepared is not None and self._preparer is not None:
-            self._preparer.post_prepared(prepared, notice)
-            return prepared
-        return self.agent.submit_write(
-            order.fragments, remote, notice,
-            dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
-        )  # fmt: skip
+        """The agent calls that post `order`, from its preparation if one was made."""
+        if prepared is None:
+            prepared = self.agent.prepare_write(
+                order.fragments, remote,
+                dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
+            )  # fmt: skip
+        self.agent.post_prepared(prepared, notice)
+        return prepared
 
     def _posted(
         self,

@@ -8,12 +8,13 @@ their `peer`, the label they proved.
 
 Each socket has ONE pump task, the only one that waits on its FD. pyzmq's FD is edge-triggered:
 the pump tries with NOBLOCK, and on `zmq.Again` reads `EVENTS` (which re-arms the edge) before
-it waits. Received messages go to a bounded inbox (full: they stay queued in zmq). A send is
-tried at once when nothing is queued (`*_nowait` from synchronous code; trio.WouldBlock when the
-outbox is full), else queued in order for the pump; since a send may consume the FD's edge, it
-re-reads EVENTS and wakes a waiting pump. A malformed message is counted (`bad_frames`) and
-dropped with a warning limited per peer: the pump never dies of peer input; a reply to a gone
-peer is counted as `unroutable`; any other zmq error crashes the pump's nursery.
+it waits. Received messages are decoded (wire.py) into a bounded inbox (full: they stay queued
+in zmq). A send is tried at once when nothing is queued (`*_nowait` from synchronous code;
+trio.WouldBlock when the outbox is full), else queued in order for the pump; since a send may
+consume the FD's edge, it re-reads EVENTS and wakes a waiting pump. A malformed message is
+counted (`bad_frames`) and dropped with a warning limited per peer: the pump never dies of peer
+input; a reply to a gone peer is counted as `unroutable`; any other zmq error crashes the pump's
+nursery.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class _Pump:
         self.outbox: collections.deque[list[bytes]] = collections.deque()
         self.queue_size = queue_size
         self.inbox_send, self.inbox = trio.open_memory_channel[
-            tuple[list[bytes], PeerLabel | None]
+            tuple[bytes, Message, PeerLabel | None]  # (ROUTER identity, message, proven label)
         ](queue_size)
         self.space = trio.lowlevel.ParkingLot()
         self.wait_scope: trio.CancelScope | None = None
@@ -180,7 +181,7 @@ class _Pump:
     def _events(self) -> int:
         return int(self.socket.getsockopt(zmq.EVENTS))
 
-    async def _receive(self) -> tuple[list[bytes], PeerLabel | None]:
+    async def _receive(self) -> tuple[bytes, Message, PeerLabel | None]:
         received = await self.inbox.receive()
         if self.inbox_full:
             self.wake()
@@ -216,12 +217,19 @@ class _Pump:
                     frames = [frame.bytes for frame in raw]
             except zmq.Again:
                 return
+            who = peer.text if peer else self._sender(frames)
             if len(frames) != self.frames:
                 self.bad_frames += 1
-                self.warn(peer.text if peer else self._sender(frames), "dropped a %d-frame"
-                          " message (expected %d)", len(frames), self.frames)  # fmt: skip
+                self.warn(who, "dropped a %d-frame message (expected %d)", len(frames),
+                          self.frames)  # fmt: skip
                 continue
-            self.inbox_send.send_nowait((frames, peer))
+            try:
+                message = decode(frames[-1])
+            except ProtocolError as exc:
+                self.bad_frames += 1
+                self.warn(who, "dropped a message from %s: %s", who, exc)
+                continue
+            self.inbox_send.send_nowait((frames[0] if self.frames == 2 else b"", message, peer))
             self.received += 1
         self.inbox_full = True
 
@@ -242,15 +250,6 @@ class _Pump:
                 await trio.lowlevel.wait_readable(fd)
             self.wait_scope = None
 
-    def _decode(self, payload: bytes, who: Hashable) -> Message | None:
-        """The message `payload` holds, or None (counted as a bad frame, warned about)."""
-        try:
-            return decode(payload)
-        except ProtocolError as exc:
-            self.bad_frames += 1
-            self.warn(who, "dropped a message from %s: %s", who, exc)
-            return None
-
     def statistics(self) -> MessengerStatistics:
         verified = self.verifier.statistics() if self.verifier is not None else None
         return MessengerStatistics(
@@ -262,27 +261,15 @@ class _Pump:
 
 
 class Router(_Pump):
-    """A bound ROUTER: receive (identity, payload, peer) from DEALERs, send back by identity."""
+    """A bound ROUTER: receive (identity, message, peer) from DEALERs, send back by identity."""
 
     frames = 2
 
     def _sender(self, frames: list[bytes]) -> Hashable:
         return frames[0].hex()
 
-    async def receive(self) -> tuple[bytes, bytes, PeerLabel | None]:
-        (identity, payload), peer = await self._receive()
-        return identity, payload, peer
-
-    async def send(self, identity: bytes, payload: bytes) -> None:
-        await self._send([identity, payload])
-
     async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]:
-        """The next decodable message; undecodable ones are counted as bad frames and skipped."""
-        while True:
-            identity, payload, peer = await self.receive()
-            message = self._decode(payload, peer.text if peer else identity.hex())
-            if message is not None:
-                return identity, message, peer
+        return await self._receive()
 
     async def send_message(self, identity: bytes, message: Message) -> None:
         await self._send([identity, encode(message)])
@@ -292,20 +279,10 @@ class Router(_Pump):
 
 
 class Dealer(_Pump):
-    """A connected DEALER: send payloads to its ROUTER, receive what the ROUTER sends back."""
-
-    async def receive(self) -> bytes:
-        (payload,), _ = await self._receive()
-        return payload
-
-    async def send(self, payload: bytes) -> None:
-        await self._send([payload])
+    """A connected DEALER: send messages to its ROUTER, receive what the ROUTER sends back."""
 
     async def receive_message(self) -> Message:
-        """The next decodable message; undecodable ones are counted as bad frames and skipped."""
-        while (message := self._decode(await self.receive(), self.endpoint)) is None:
-            pass
-        return message
+        return (await self._receive())[1]
 
     async def send_message(self, message: Message) -> None:
         await self._send([encode(message)])

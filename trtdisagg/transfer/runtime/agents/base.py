@@ -2,15 +2,15 @@
 
 Per rank: `make_agent` (backend from `cache_transceiver_config.backend`), `register_memory` once
 (before `local_metadata()` goes into the RankInfo), `add_remote` per peer written to, then per
-write `submit_write` -> `poll` until DONE or ERROR -> `release`; the target sees the
-notification in `get_notifications()` once the bytes landed. Methods are synchronous;
-`register_memory`, `add_remote` and `submit_write` may block (call them from a worker thread),
+write `prepare_write` -> `post_prepared` -> `poll` until DONE or ERROR -> `release`; the target
+sees the notification in `get_notifications()` once the bytes landed. Methods are synchronous;
+`register_memory`, `add_remote` and `prepare_write` may block (call them from a worker thread),
 the others return quickly. Never call one agent from two threads at once (runtime/pump.py).
 
-Optional, because a thread hop costs more than posting a small write to a connected peer: an
-agent that knows when its `submit_write` is that quick says so (`submit_is_quick`), and one that
-can split a write (`WritePreparer`) lets ctx prepare it while the prefill that produces its KV
-still runs, so that only the post is left when the KV is ready.
+A write is prepared and posted in two calls so that ctx can prepare one while the prefill that
+produces its KV still runs, leaving only the post for when the KV is ready; and an agent says
+when a write is quick to prepare (`submit_is_quick`), since a thread hop costs more than
+preparing a few descriptors to a connected peer.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class XferStatus(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class MemoryRegion:  # a contiguous range of registered memory
-
     address: int
     size: int
     memory_type: str = "DRAM"  # "DRAM" | "VRAM", as NIXL names them
@@ -96,18 +95,28 @@ class TransferAgent(Protocol):
 
     def remove_remote(self, name: str) -> None: ...
 
-    def submit_write(
+    def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
+        """Whether preparing and posting this write returns within about 0.1 ms, so that it
+        may run on the event loop (else it goes through a worker thread)."""
+        ...
+
+    def prepare_write(
         self,
         fragments: Fragments,
         remote: str,
-        notif: bytes,
         *,
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
-        """Start writing every fragment (local src -> remote dst); `notif` reaches the remote
-        once all bytes landed. An empty list is DONE at once and notifies nobody. AgentError: a
-        source outside registered memory, an unknown remote, a backend refusal."""
+        """A write of every fragment (local src -> remote dst), for `post_prepared` to start;
+        a handle never posted is `release`d. AgentError: a source outside registered memory,
+        an unknown remote, a backend refusal."""
+        ...
+
+    def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
+        """Start a prepared write (once); `notif` reaches the remote once all bytes landed (an
+        empty write is DONE at once and notifies nobody). Quick. AgentError: an unknown handle,
+        or the backend refused the post (the handle is then released)."""
         ...
 
     def poll(self, handle: XferHandle) -> XferStatus: ...
@@ -119,40 +128,20 @@ class TransferAgent(Protocol):
     def close(self) -> None: ...
 
 
-class WritePreparer(Protocol):
-    """The optional split of `TransferAgent.submit_write` (see the module docstring)."""
-
-    def prepare_write(
-        self,
-        fragments: Fragments,
-        remote: str,
-        notif: bytes,
-        *,
-        dst_memory_type: str = "DRAM",
-        dst_device_id: int = 0,
-    ) -> XferHandle:
-        """Everything `submit_write` does but starting the write (AgentError as it)."""
-        ...
-
-    def post_prepared(self, handle: XferHandle, notif: bytes | None = None) -> None:
-        """Start a prepared write (once), with `notif` (when given) in place of the one given
-        to `prepare_write`; then `poll` and `release` it as any other. Quick. AgentError: an
-        unknown handle, or the backend refused the post (the handle is then released)."""
-        ...
-
-
-def write_preparer(agent: TransferAgent) -> WritePreparer | None:
-    """`agent` itself when it can prepare writes ahead of their post, else None."""
-    if hasattr(agent, "prepare_write") and hasattr(agent, "post_prepared"):
-        return agent  # type: ignore[return-value]
-    return None
-
-
-def posts_quickly(agent: TransferAgent, fragments: Fragments, remote: str) -> bool:
-    """Whether `agent` says that `submit_write(fragments, remote, ...)` returns within about
-    0.1 ms, so it may run on the event loop (else it posts from a worker thread)."""
-    quick = getattr(agent, "submit_is_quick", None)
-    return quick is not None and bool(quick(fragments, remote))
+def submit_write(
+    agent: TransferAgent,
+    fragments: Fragments,
+    remote: str,
+    notif: bytes,
+    *,
+    dst_memory_type: str = "DRAM",
+    dst_device_id: int = 0,
+) -> XferHandle:
+    """Prepare and post one write: the whole of it, when there is nothing to do in between."""
+    handle = agent.prepare_write(fragments, remote, dst_memory_type=dst_memory_type,
+                                 dst_device_id=dst_device_id)  # fmt: skip
+    agent.post_prepared(handle, notif)
+    return handle
 
 
 def make_agent(

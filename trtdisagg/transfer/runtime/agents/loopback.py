@@ -56,7 +56,7 @@ class LoopbackAgent:
         self._remotes: set[str] = set()
         self._notifications: list[tuple[str, bytes]] = []
         self._handles: dict[XferHandle, XferStatus] = {}
-        self._prepared: dict[XferHandle, tuple[Fragments, str, bytes]] = {}
+        self._prepared: dict[XferHandle, tuple[Fragments, str]] = {}
         self._ids = itertools.count(1)
         fabric.attach(self)
 
@@ -90,32 +90,18 @@ class LoopbackAgent:
         self._remotes.discard(name)
 
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
-        # The copy happens in `submit_write`: quick only while it is small (~0.1 ms).
+        # The copy happens in `post_prepared`: quick only while it is small (~0.1 ms).
         return fragments.num_bytes <= QUICK_COPY_BYTES
-
-    def submit_write(
-        self,
-        fragments: Fragments,
-        remote: str,
-        notif: bytes,
-        *,
-        dst_memory_type: str = "DRAM",
-        dst_device_id: int = 0,
-    ) -> XferHandle:
-        handle = self.prepare_write(fragments, remote, notif)
-        self.post_prepared(handle)
-        return handle
 
     def prepare_write(
         self,
         fragments: Fragments,
         remote: str,
-        notif: bytes,
         *,
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
-        """Check the write now; `post_prepared` copies. A handle never posted is `release`d."""
+        """Check the write now; `post_prepared` copies."""
         if remote not in self._remotes:
             raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
         target = self._fabric.get(remote)
@@ -127,15 +113,14 @@ class LoopbackAgent:
                 raise AgentError(f"{self._name} -> {remote}: {exc}") from None
         handle = XferHandle(next(self._ids))
         self._handles[handle] = XferStatus.PENDING
-        self._prepared[handle] = (fragments, remote, notif)
+        self._prepared[handle] = (fragments, remote)
         return handle
 
-    def post_prepared(self, handle: XferHandle, notif: bytes | None = None) -> None:
+    def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
         prepared = self._prepared.pop(handle, None)
         if prepared is None:
             raise AgentError(f"{self._name}: no prepared write {handle}")
-        fragments, remote, prepared_notif = prepared
-        notif = prepared_notif if notif is None else notif
+        fragments, remote = prepared
         if len(fragments):
             for src, dst, size in fragments.rows.tolist():
                 ctypes.memmove(dst, src, size)

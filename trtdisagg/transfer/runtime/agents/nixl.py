@@ -5,7 +5,7 @@ itself; callers still serialise, see `base`). Memory is registered once (DRAM fo
 VRAM for CUDA ones). A write builds a local and a remote descriptor list from the fragments,
 `initialize_xfer("WRITE", ...)`, and posts it with `transfer`; `poll` reads `check_xfer_state`.
 Blocking: construction, `register_memory`, `deregister_memory`, `add_remote`, `close`, and
-`submit_write` / `prepare_write` unless `submit_is_quick` says so (a few descriptors to a peer
+`prepare_write` unless `submit_is_quick` says so (a few descriptors to a peer
 already written to); the rest is quick.
 """
 
@@ -114,34 +114,17 @@ class NixlAgent:
         try:
             return find_region(self._regions, fragments).memory_type == "VRAM"
         except AgentError:
-            return False  # submit_write reports it
-
-    def submit_write(
-        self,
-        fragments: Fragments,
-        remote: str,
-        notif: bytes,
-        *,
-        dst_memory_type: str = "DRAM",
-        dst_device_id: int = 0,
-    ) -> XferHandle:
-        handle = self.prepare_write(
-            fragments, remote, notif, dst_memory_type=dst_memory_type, dst_device_id=dst_device_id
-        )
-        self.post_prepared(handle)
-        return handle
+            return False  # prepare_write reports it
 
     def prepare_write(
         self,
         fragments: Fragments,
         remote: str,
-        notif: bytes,
         *,
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
-        """`submit_write` but the post: both descriptor lists and the NIXL request (with its
-        notification), for `post_prepared` to start. A handle never posted is `release`d."""
+        """Both descriptor lists and the NIXL request, for `post_prepared` to start."""
         if remote not in self._remotes:
             raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
         if not len(fragments):
@@ -159,7 +142,7 @@ class NixlAgent:
                 self._agent.get_xfer_descs(local, source.memory_type),
                 self._agent.get_xfer_descs(target, dst_memory_type),
                 remote,
-                notif,
+                b"",  # (the notification is given at the post)
             )
         except Exception as exc:
             raise AgentError(f"{self._name}: write to {remote} not prepared: {exc}") from exc
@@ -168,9 +151,8 @@ class NixlAgent:
         self._targets[xfer] = remote
         return xfer
 
-    def post_prepared(self, handle: XferHandle, notif: bytes | None = None) -> None:
-        """Start a prepared write (once). Quick. NIXL takes a notification per post, which
-        replaces the one given at preparation."""
+    def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
+        """Start a prepared write (once), with its notification. Quick."""
         if handle == _DONE:
             return
         nixl_handle = self._handles.get(handle)
@@ -178,8 +160,7 @@ class NixlAgent:
             raise AgentError(f"{self._name}: no prepared write {handle}")
         remote = self._targets[handle]
         try:
-            # b"" (NIXL's default) keeps the notification given at preparation
-            state = self._agent.transfer(nixl_handle, b"" if notif is None else notif)
+            state = self._agent.transfer(nixl_handle, notif)
         except Exception as exc:
             self.release(handle)
             raise AgentError(f"{self._name}: write to {remote} not submitted: {exc}") from exc
