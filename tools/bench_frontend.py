@@ -115,7 +115,7 @@ def process_tree_cpu_s(root: int) -> float:
 def _fake_main(role: str, port: int) -> None:
     """A spawned child: one FakeWorker on `port` until killed."""
     from tests.fake_worker import FakeWorker, create_fake_app
-    from trtdisagg.coordinator.serve import bind_socket, serve_http
+    from trtdisagg.api.listen import bind_socket, serve_http
 
     async def main() -> None:
         sock = bind_socket("127.0.0.1", port, reuse_port=False)

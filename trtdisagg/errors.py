@@ -50,3 +50,8 @@ class WorkerStopped(TrtDisaggError):
     Raised at admission, so that the caller answers 503 at once instead of queueing a request
     that no step could ever run.
     """
+
+
+class StartupError(TrtDisaggError):
+    """Start-up could not complete (an address that cannot be bound, servers never healthy,
+    etcd unreachable)."""

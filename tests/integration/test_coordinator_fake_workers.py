@@ -23,8 +23,9 @@ import trio.lowlevel
 
 from tests.etcd_server import Etcd, running_etcd
 from tests.fake_worker import FakeWorker, create_fake_app, fake_tokenize, generate
+from trtdisagg.api.listen import bind_socket, serve_http
 from trtdisagg.coordinator.config import coordinator_config_from_dict
-from trtdisagg.coordinator.serve import bind_socket, serve_coordinator, serve_http
+from trtdisagg.coordinator.serve import serve_coordinator
 from trtdisagg.kv.hashing import reusable_block_hashes
 from trtdisagg.membership.etcd import open_etcd
 from trtdisagg.membership.records import WorkerRecord, worker_key

@@ -27,8 +27,8 @@ from tests.integration.test_coordinator_fake_workers import (
     register,
 )
 from trtdisagg.coordinator.config import coordinator_config_from_dict
-from trtdisagg.coordinator.placement import StartupError
 from trtdisagg.coordinator.serve import serve_coordinator
+from trtdisagg.errors import StartupError
 from trtdisagg.membership.etcd import open_etcd
 
 pytestmark = pytest.mark.timeout(60)

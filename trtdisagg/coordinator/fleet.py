@@ -29,14 +29,10 @@ from typing import Final
 
 import attrs
 
+from trtdisagg.api.listen import bind_socket
 from trtdisagg.coordinator.config import CoordinatorConfig
-from trtdisagg.coordinator.placement import StartupError
-from trtdisagg.coordinator.serve import (
-    EXIT_STARTUP_FAILED,
-    bind_socket,
-    run_service,
-    serve_coordinator,
-)
+from trtdisagg.coordinator.serve import EXIT_STARTUP_FAILED, run_service, serve_coordinator
+from trtdisagg.errors import StartupError
 
 log = logging.getLogger("trtdisagg.coordinator.fleet")
 

@@ -32,7 +32,6 @@ import trio
 
 from trtdisagg.coordinator.cluster import Cluster, ServerInfo, ServerRole
 from trtdisagg.coordinator.config import CoordinatorConfig, RouterType, normalize_url
-from trtdisagg.coordinator.placement import StartupError
 from trtdisagg.coordinator.routers import (
     Router,
     RouteRequest,
@@ -41,6 +40,7 @@ from trtdisagg.coordinator.routers import (
     parse_kv_events,
 )
 from trtdisagg.coordinator.upstream import UpstreamError, WorkerClient
+from trtdisagg.errors import StartupError
 from trtdisagg.membership.etcd import open_etcd
 from trtdisagg.membership.records import Membership, MembershipChange
 from trtdisagg.membership.watch import MemberWatch

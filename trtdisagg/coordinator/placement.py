@@ -29,10 +29,6 @@ class CoordinatorUnavailable(TrtDisaggError):
     """The coordinator cannot serve now: the cluster is not ready (HTTP 503)."""
 
 
-class StartupError(TrtDisaggError):
-    """Start-up could not complete (servers never healthy, etcd unreachable)."""
-
-
 class Placement(Protocol):
     def is_ready(self) -> bool: ...
 

@@ -27,8 +27,8 @@ import trio
 import zmq
 from prometheus_client import CollectorRegistry
 
+from trtdisagg.api.listen import bind_socket, serve_http
 from trtdisagg.config import WorkerConfig
-from trtdisagg.coordinator.serve import bind_socket, serve_http
 from trtdisagg.loop_lag import watch_loop_lag
 from trtdisagg.metrics import event_loop_lag_histogram
 from trtdisagg.worker.front.client import EngineFacts, RemoteEngine

@@ -24,8 +24,8 @@ import attrs
 import trio
 import zmq
 
+from trtdisagg.api.listen import bind_socket
 from trtdisagg.config import WorkerConfig
-from trtdisagg.coordinator.serve import bind_socket
 from trtdisagg.errors import TrtDisaggError
 from trtdisagg.worker.engine.executor import Executor
 from trtdisagg.worker.front.client import EngineFacts
