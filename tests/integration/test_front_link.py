@@ -66,24 +66,29 @@ async def linked(model: TinyModel, tmp_path: Path) -> AsyncIterator[Linked]:
     """An engine serving two fronts' worth of ids; this test is front 0."""
     executor = make_executor(model)
     endpoint = f"ipc://{tmp_path / 'engine'}"
-    server = EngineServer(executor=executor, num_fronts=2, tokenizer_json=model.tokenizer.to_json())
     router = open_socket(zmq.ROUTER)
     router.bind(endpoint)
-    server.link = Link(socket=router, on_message=server.on_message)
-    front = RemoteEngine(facts=engine_facts(executor), registry=executor.metrics.registry)
+    server = EngineServer(
+        executor=executor,
+        num_fronts=2,
+        tokenizer_json=model.tokenizer.to_json(),
+        link=Link(socket=router),
+    )
     dealer = open_socket(zmq.DEALER, identity=b"api0")
     dealer.connect(endpoint)
+    front = RemoteEngine(
+        facts=engine_facts(executor), registry=executor.metrics.registry, link=Link(socket=dealer)
+    )
     linked = Linked(executor=executor, server=server, front=front, endpoint=endpoint)
 
     def counting(frames: list[bytes]) -> None:
         linked.outputs_messages += frames[0][1:2] == bytes([Kind.OUTPUTS])
         front.on_message(frames)
 
-    front.link = Link(socket=dealer, on_message=counting)
     async with trio.open_nursery() as nursery:
         await nursery.start(executor.run)
         await nursery.start(server.run)
-        nursery.start_soon(front.link.run)
+        nursery.start_soon(front.link.run, counting)
         front.hello(0)
         with trio.fail_after(TIMEOUT_S):
             await front.connected.wait()

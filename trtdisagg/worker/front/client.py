@@ -65,7 +65,7 @@ class _Reply:
 class RemoteEngine:
     facts: EngineFacts
     registry: CollectorRegistry  # this front's own metrics, rendered after the engine's
-    link: Link | None = None  # a connected DEALER whose handler is `on_message`
+    link: Link  # a connected DEALER, pumped with `on_message`
     stopped: str | None = None
     bad_frames: int = 0
     connected: trio.Event = attrs.Factory(trio.Event)  # the engine answered HELLO
@@ -89,7 +89,6 @@ class RemoteEngine:
         return self.facts.has_test_hooks
 
     def _send(self, message: bytes) -> None:
-        assert self.link is not None
         self.link.send_nowait([message])
 
     def hello(self, index: int) -> None:

@@ -2,8 +2,8 @@
 
 The engine binds a ROUTER on `ipc://` in a private directory (mode 0700: the filesystem is the
 authentication); each front connects one DEALER. A `Link` owns its socket: one pump task
-(`run`) is the only one that waits on the socket's FD, and hands each message received to the
-owner's `on_message`, synchronously, in order. Sends are tried at once (`send_nowait`, from
+(`run(on_message)`) is the only one that waits on the socket's FD, and hands each message
+received to `on_message`, synchronously, in order. Sends are tried at once (`send_nowait`, from
 synchronous code on the Trio thread); the rare one that zmq would block is queued for the pump.
 
 pyzmq's FD is edge-triggered (as `transfer/runtime/messenger.py` explains): the pump reads until
@@ -38,10 +38,9 @@ def open_socket(kind: int, *, identity: bytes | None = None) -> _Socket:
 
 @attrs.define(eq=False, kw_only=True)
 class Link:
-    """A socket and its pump. `on_message` gets each message's frames."""
+    """A socket and its pump (`run`)."""
 
     socket: _Socket
-    on_message: Callable[[list[bytes]], None]
     _outbox: collections.deque[list[bytes]] = attrs.field(
         factory=collections.deque, alias="outbox"
     )
@@ -75,22 +74,23 @@ class Link:
             self._outbox.popleft()
         return False
 
-    def _drain(self) -> None:
+    def _drain(self, on_message: Callable[[list[bytes]], None]) -> None:
         while True:
             try:
                 frames = self.socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.on_message(frames)
+            on_message(frames)
 
-    async def run(self) -> None:
-        """The pump, until cancelled. The socket stays open (`close` closes it), so that the
-        last messages can still be sent once the pump stopped."""
+    async def run(self, on_message: Callable[[list[bytes]], None]) -> None:
+        """The pump, until cancelled: `on_message` gets each message's frames. The socket stays
+        open (`close` closes it), so that the last messages can still be sent once the pump
+        stopped."""
         fd = int(self.socket.getsockopt(zmq.FD))
         try:
             while True:
                 blocked = self._flush()
-                self._drain()
+                self._drain(on_message)
                 if self._events() & zmq.POLLIN:  # also re-arms the FD's edge
                     await trio.lowlevel.checkpoint()
                     continue

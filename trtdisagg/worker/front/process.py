@@ -82,13 +82,12 @@ def front_main(spec: FrontSpec) -> None:
 async def serve_front(spec: FrontSpec, engine_pid: int) -> None:
     registry = CollectorRegistry()
     lag = event_loop_lag_histogram(registry, name=FRONT_LOOP_LAG)
-    engine = RemoteEngine(facts=spec.facts, registry=registry)
     socket = open_socket(zmq.DEALER, identity=f"api{spec.index}".encode())
     socket.connect(spec.engine_endpoint)
-    engine.link = Link(socket=socket, on_message=engine.on_message)
+    engine = RemoteEngine(facts=spec.facts, registry=registry, link=Link(socket=socket))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_exit_with_engine, engine_pid, spec.index)
-        nursery.start_soon(engine.link.run)
+        nursery.start_soon(engine.link.run, engine.on_message)
         engine.hello(spec.index)
         with trio.fail_after(60):
             await engine.connected.wait()

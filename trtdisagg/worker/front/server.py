@@ -70,12 +70,12 @@ class FrontSink:
 
 @attrs.define(eq=False, kw_only=True)
 class EngineServer:
-    """Serves `num_fronts` fronts over `link` (a bound ROUTER whose handler is `on_message`)."""
+    """Serves `num_fronts` fronts over `link` (a bound ROUTER; `run` pumps it)."""
 
     executor: Executor
     num_fronts: int
     tokenizer_json: str  # for the engine's own grammar compiler
-    link: Link | None = None
+    link: Link
     fronts: dict[bytes, FrontBatch] = attrs.Factory(dict)
     bad_frames: int = 0
     all_serving: trio.Event = attrs.Factory(trio.Event)  # every front's port is open
@@ -93,10 +93,9 @@ class EngineServer:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The link's pump and the flusher, until cancelled."""
-        assert self.link is not None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self.link.run)
+            nursery.start_soon(self.link.run, self.on_message)
             nursery.start_soon(self._flush_forever)
             task_status.started()
 
@@ -115,7 +114,6 @@ class EngineServer:
             self.flush()
 
     def flush(self) -> None:
-        assert self.link is not None
         for batch in self._dirty:
             self.link.send_nowait([batch.identity, encode_outputs(batch.records)])
             batch.records = []
@@ -128,7 +126,6 @@ class EngineServer:
 
     def stop_fronts(self) -> None:
         """Send what is owed, then tell every front to stop (`Kind.STOP`)."""
-        assert self.link is not None
         self.flush()
         for front in self.fronts.values():
             self.link.send_nowait([front.identity, pack([Kind.STOP])])
@@ -177,7 +174,6 @@ class EngineServer:
         if not isinstance(index, int) or not 0 <= index < self.num_fronts:
             raise WireError(f"HELLO names no front of {self.num_fronts}: {index!r}")
         self.fronts[identity] = FrontBatch(identity=identity, index=index)
-        assert self.link is not None
         self.link.send_nowait([identity, pack([Kind.STATE, self.executor.stopped])])
 
     def _owns(self, front: FrontBatch, request_id: int) -> bool:
@@ -307,5 +303,4 @@ class EngineServer:
             else:
                 await engine.fail_steps(argument)
         # A malformed call is answered too (None), so that no front waits for ever.
-        assert self.link is not None
         self.link.send_nowait([front.identity, pack([Kind.REPLY, call_id, result])])

@@ -98,12 +98,14 @@ async def serve_fronts(
     try:
         port = int(reservation.getsockname()[1])
         endpoint = f"ipc://{private / 'engine'}"
-        server = EngineServer(
-            executor=executor, num_fronts=count, tokenizer_json=service.tokenizer.to_json()
-        )
         router = open_socket(zmq.ROUTER)
         router.bind(endpoint)
-        server.link = Link(socket=router, on_message=server.on_message)
+        server = EngineServer(
+            executor=executor,
+            num_fronts=count,
+            tokenizer_json=service.tokenizer.to_json(),
+            link=Link(socket=router),
+        )
         facts = engine_facts(executor)
         specs = [
             FrontSpec(
@@ -135,12 +137,12 @@ async def serve_fronts(
             host = f"[{config.host}]" if ":" in config.host else config.host
             task_status.started([f"http://{host}:{port}"])
     finally:
-        if server is not None and server.link is not None:
+        if server is not None:
             server.stop_fronts()
         if fronts is not None:  # reaping waits up to seconds: off the loop, even when cancelled
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(fronts.stop)
-        if server is not None and server.link is not None:
+        if server is not None:
             server.link.close()
         reservation.close()
         shutil.rmtree(private, ignore_errors=True)
