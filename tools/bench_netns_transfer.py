@@ -23,8 +23,9 @@ In one run, on the same two namespaces, with UCX on TCP (``UCX_TLS=tcp``, as bet
             notification (the write alone, on the one CLOCK_MONOTONIC both namespaces share).
 
 The samples alternate (which path goes first flips each time) after two warm-ups of each.
-Printed: per prompt size, the median time and rate of each path and ``raw / workers``
-(1.0: the workers add nothing to a bare NIXL write; the target is 0.8 or more).
+Printed: per prompt size, the median time and rate of each path, ``raw / workers`` (1.0: the
+workers add nothing to a bare NIXL write; the target is 0.8 or more), and the NIXL descriptors
+ctx posted per workers' transfer (from its ``trtdisagg_kv_transfer_descriptors_total``).
 """
 
 from __future__ import annotations
@@ -244,6 +245,14 @@ def _workers_sample(
     return float(perf["kv_transfer_s"]), int(perf["kv_transfer_bytes"])
 
 
+def _descriptors(client: httpx.Client, ctx_url: str) -> float:
+    """ctx's count of NIXL descriptors posted so far (`trtdisagg_kv_transfer_descriptors_total`)."""
+    for line in client.get(ctx_url + "/metrics").text.splitlines():
+        if line.startswith("trtdisagg_kv_transfer_descriptors_total "):
+            return float(line.split()[1])
+    raise RuntimeError("ctx's /metrics has no trtdisagg_kv_transfer_descriptors_total")
+
+
 def _raw_sample(
     peers: dict[str, Peer], num_bytes: int, index: int, poll_s: float
 ) -> tuple[float, float]:
@@ -280,15 +289,17 @@ def run(
             for tokens in sizes:
                 prompt = [(i * 37 + tokens) % 500 + 3 for i in range(tokens)]
                 workers_s, raw_s, raw_write_s = [], [], []
-                num_bytes = 0
+                num_bytes, descriptors = 0, 0.0
                 for i in range(iterations + 2):
                     order = ("workers", "raw") if i % 2 == 0 else ("raw", "workers")
                     for path in order:
                         index += 1
                         if path == "workers":
+                            before = _descriptors(client, urls["ctx"])
                             seconds, num_bytes = _workers_sample(client, urls, prompt)
                             if i >= 2:
                                 workers_s.append(seconds)
+                                descriptors += _descriptors(client, urls["ctx"]) - before
                         elif num_bytes:
                             seconds, write_s = _raw_sample(peers, num_bytes, index, poll_s)
                             if i >= 2:
@@ -303,6 +314,7 @@ def run(
                     "raw_write_median_s": statistics.median(raw_write_s),
                     "workers_gb_s": num_bytes / workers / 1e9, "raw_gb_s": num_bytes / raw / 1e9,
                     "ratio_raw_over_workers": raw / workers,
+                    "workers_descriptors_per_transfer": descriptors / len(workers_s),
                 }  # fmt: skip
         for peer in peers.values():
             peer.proc.stdin.write(json.dumps({"op": "stop"}) + "\n")  # type: ignore[union-attr]
@@ -342,12 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     print(f"{'tokens':>7} {'KV MiB':>8} {'workers ms':>11} {'raw ms':>8} {'raw write ms':>13} "
-          f"{'workers GB/s':>13} {'raw GB/s':>9} {'raw/workers':>12}")  # fmt: skip
+          f"{'workers GB/s':>13} {'raw GB/s':>9} {'raw/workers':>12} "
+          f"{'descriptors':>12}")  # fmt: skip
     for tokens, r in results["sizes"].items():
         print(f"{tokens:>7} {r['bytes'] / 2**20:>8.1f} {r['workers_median_s'] * 1e3:>11.2f} "
               f"{r['raw_median_s'] * 1e3:>8.2f} {r['raw_write_median_s'] * 1e3:>13.2f} "
               f"{r['workers_gb_s']:>13.3f} {r['raw_gb_s']:>9.3f} "
-              f"{r['ratio_raw_over_workers']:>12.3f}")  # fmt: skip
+              f"{r['ratio_raw_over_workers']:>12.3f} "
+              f"{r['workers_descriptors_per_transfer']:>12.1f}")  # fmt: skip
     return 0
 
 
