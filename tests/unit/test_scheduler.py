@@ -29,6 +29,7 @@ def make_scheduler(
     max_num_tokens: int = 64,
     max_seq_len: int = 1024,
     reuse: bool = True,
+    max_logit_rows: int | None = None,
 ) -> Scheduler:
     pool = BlockPool(num_blocks=num_blocks, tokens_per_block=T, enable_block_reuse=reuse)
     return Scheduler(
@@ -36,6 +37,7 @@ def make_scheduler(
         max_batch_size=max_batch_size,
         max_num_tokens=max_num_tokens,
         max_seq_len=max_seq_len,
+        max_logit_rows=max_logit_rows,
     )
 
 
@@ -184,6 +186,8 @@ def test_constructor_validates() -> None:
     pool = BlockPool(num_blocks=4, tokens_per_block=T, enable_block_reuse=True)
     with pytest.raises(ValueError, match="max_num_tokens"):
         Scheduler(pool=pool, max_batch_size=1, max_num_tokens=0, max_seq_len=8)
+    with pytest.raises(ValueError, match="max_logit_rows"):
+        Scheduler(pool=pool, max_batch_size=1, max_num_tokens=8, max_seq_len=8, max_logit_rows=0)
 
 
 # ---- policy ----
@@ -197,6 +201,21 @@ def test_chunked_prefill_splits_a_long_prompt() -> None:
     assert chunks == [(32, False), (32, False), (32, False), (4, True), (1, True)]
     assert request.finish_reason is FinishReason.LENGTH
     assert request.num_output_tokens == 2
+
+
+def test_prompt_logprobs_prefill_shares_the_logit_rows_budget_and_others_fill_the_step() -> None:
+    """Each prompt position of a request with prompt logprobs is a full-vocabulary logits row:
+    such requests' chunks share `max_logit_rows` a step, and the rest of the token budget goes
+    to requests without them (first come, first served: one waiting behind a request whose
+    rows are spent waits too)."""
+    scheduler = make_scheduler(max_num_tokens=32, max_logit_rows=10)
+    logprobs = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    wants = [attrs.evolve(make_request(prompt_len=25), sampling=logprobs) for _ in range(2)]
+    plain = make_request(prompt_len=40, max_tokens=1)
+    plans = run_to_completion(scheduler, [wants[0], plain, wants[1]])
+    assert [(i.request, i.num_new_tokens) for i in plans[0].items] == [(wants[0], 10), (plain, 22)]
+    assert max(sum(i.num_new_tokens for i in p.items if i.request in wants) for p in plans) == 10
+    assert [r.num_output_tokens for r in (*wants, plain)] == [1, 1, 1]
 
 
 def test_decodes_are_batched_with_a_prefill_chunk() -> None:

@@ -59,15 +59,23 @@ class Scheduler:
         max_batch_size: sequences per step (and RUNNING + GEN_WAITING_KV requests at once).
         max_num_tokens: tokens per step; longer prompts are prefilled in chunks.
         max_seq_len: most tokens (prompt + output) a sequence may reach.
+        max_logit_rows: budget of prompt-logprobs positions (logits rows) a step; None: no cap.
     """
 
     def __init__(
-        self, *, pool: BlockPool, max_batch_size: int, max_num_tokens: int, max_seq_len: int
+        self,
+        *,
+        pool: BlockPool,
+        max_batch_size: int,
+        max_num_tokens: int,
+        max_seq_len: int,
+        max_logit_rows: int | None = None,
     ) -> None:
+        self._max_logit_rows = max_num_tokens if max_logit_rows is None else max_logit_rows
         limits = dict(
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len
         )
-        for name, value in limits.items():
+        for name, value in (*limits.items(), ("max_logit_rows", self._max_logit_rows)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         self._pool = pool
@@ -183,19 +191,13 @@ class Scheduler:
             raise AssertionError(
                 "schedule() called before step_done() (or step_launched()) of the previous plan"
             )
-        step = StepBuilder(budget=self._max_num_tokens)
+        step = StepBuilder(budget=self._max_num_tokens, logit_rows=self._max_logit_rows)
         self._schedule_decodes(step)
         self._schedule_prefills(step)
         if not step.preempted:
             self._admit_waiting(step)
         self._plan_unlaunched = bool(step.items)
-        return StepPlan(
-            items=tuple(step.items),
-            copies=tuple(step.copies),
-            preempted=tuple(step.preempted),
-            finished=tuple(step.finished),
-            num_tokens=self._max_num_tokens - step.budget,
-        )
+        return step.plan(self._max_num_tokens)
 
     def step_done(self, plan: StepPlan) -> None:
         """The plan's forward ran (a synchronous step): ``step_launched``, ``step_finished``."""
@@ -252,11 +254,14 @@ class Scheduler:
                 continue
             if len(step.items) >= self._max_batch_size or step.budget < 1:
                 return
-            chunk = self._fit_chunk(request, min(self._remaining(request), step.budget))
+            room = step.room(request, request.num_tokens - request.num_computed_tokens)
+            if room < 1:
+                continue  # its logits rows are spent this step (prompt logprobs)
+            chunk = self._fit_chunk(request, room)
             if chunk < 1:
                 if not self._grow_or_preempt(step, request, request.num_computed_tokens + 1):
                     continue
-                chunk = self._fit_chunk(request, min(self._remaining(request), step.budget))
+                chunk = self._fit_chunk(request, room)
             if not self._pool.grow(_table(request), request.num_computed_tokens + chunk):
                 raise AssertionError(f"request {request.request_id}: fitted chunk {chunk} failed")
             step.add(request, chunk)
@@ -272,8 +277,8 @@ class Scheduler:
             reuse = request.sampling.prompt_logprobs is None
             table = self._pool.open_table(request.all_token_ids, reuse=reuse)
             num_computed = table.num_cached_tokens
-            chunk = min(request.num_tokens - num_computed, step.budget)
-            if not self._pool.grow(table, num_computed + chunk):
+            chunk = step.room(request, request.num_tokens - num_computed)
+            if chunk < 1 or not self._pool.grow(table, num_computed + chunk):
                 self._pool.release(table)
                 return  # FCFS: nothing jumps the head
             self._waiting.popleft()
@@ -313,10 +318,8 @@ class Scheduler:
 
     def _fit_chunk(self, request: Request, chunk: int) -> int:
         """``chunk`` cut down to the tokens the table can cover with the blocks available now."""
-        table = _table(request)
-        capacity = (len(table.block_ids) + self._pool.num_available_blocks) * (
-            self._pool.tokens_per_block
-        )
+        blocks = len(_table(request).block_ids) + self._pool.num_available_blocks
+        capacity = blocks * self._pool.tokens_per_block
         return max(0, min(chunk, capacity - request.num_computed_tokens))
 
     def _preempt(self, step: StepBuilder, request: Request) -> None:
@@ -488,9 +491,6 @@ class Scheduler:
 
     def _num_slots_taken(self) -> int:
         return len(self._running) + len(self._gen_waiting_kv)
-
-    def _remaining(self, request: Request) -> int:
-        return request.num_tokens - request.num_computed_tokens
 
 
 def _table(request: Request) -> BlockTable:

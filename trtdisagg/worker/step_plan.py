@@ -53,12 +53,21 @@ class SchedulerStatistics:
 class StepBuilder:
     """The plan under construction inside one ``schedule`` call."""
 
-    budget: int
+    budget: int  # tokens the step may still take, of max_num_tokens
+    # Prompt positions whose logits rows the step may still compute for prompt logprobs (each
+    # is a full-vocabulary float32 row): a long prompt that asks for them goes in smaller chunks.
+    logit_rows: int
     items: list[ScheduledItem] = attrs.field(factory=list)
     scheduled: set[int] = attrs.field(factory=set)  # request ids
     preempted: list[Request] = attrs.field(factory=list)
     finished: list[Request] = attrs.field(factory=list)
     copies: list[BlockCopy] = attrs.field(factory=list)
+
+    def room(self, request: Request, wanted: int) -> int:
+        """How many of `wanted` tokens `request`'s next prefill chunk may take in this step."""
+        if request.sampling.prompt_logprobs is None:
+            return min(wanted, self.budget)
+        return min(wanted, self.budget, self.logit_rows)
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         samples = request.num_computed_tokens + num_new_tokens == request.num_tokens
@@ -67,3 +76,14 @@ class StepBuilder:
         )
         self.scheduled.add(request.request_id)
         self.budget -= num_new_tokens
+        if request.sampling.prompt_logprobs is not None and request.is_prefilling:
+            self.logit_rows -= num_new_tokens
+
+    def plan(self, max_num_tokens: int) -> StepPlan:
+        return StepPlan(
+            items=tuple(self.items),
+            copies=tuple(self.copies),
+            preempted=tuple(self.preempted),
+            finished=tuple(self.finished),
+            num_tokens=max_num_tokens - self.budget,
+        )

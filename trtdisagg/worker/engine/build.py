@@ -51,6 +51,11 @@ log = logging.getLogger("trtdisagg.worker")
 
 ReportSink = Callable[[Sequence[RankReport]], None]
 
+# What one step may spend on prompt logprobs' logits: each prompt position that asks for them is
+# a float32 row of the whole vocabulary (twice, with its log-softmax). Unbounded, one request's
+# long prompt could take gigabytes in one step, fail it and every request in it.
+PROMPT_LOGITS_BYTES = 256 << 20
+
 
 @attrs.frozen(kw_only=True)
 class Worker:
@@ -170,6 +175,7 @@ def assemble_executor(
         max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens,
         max_seq_len=max_seq_len,
+        max_logit_rows=max(1, PROMPT_LOGITS_BYTES // (4 * runner.model.args.vocab_size)),
     )
     moves: Transceiver | None = transceiver
     if test_hooks is not None and transceiver is not None:
