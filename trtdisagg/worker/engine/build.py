@@ -54,7 +54,7 @@ ReportSink = Callable[[Sequence[RankReport]], None]
 # What one step may spend on prompt logprobs' logits: each prompt position that asks for them is
 # a float32 row of the whole vocabulary (twice, with its log-softmax). Unbounded, one request's
 # long prompt could take gigabytes in one step, fail it and every request in it.
-PROMPT_LOGITS_BYTES = 256 << 20
+PROMPT_LOGITS_BYTES = 1 << 30
 
 
 @attrs.frozen(kw_only=True)
