@@ -377,6 +377,8 @@ def test_edge_values_get_a_400_naming_the_field(
         ({"prompt": [1, 2, 99999]}, "prompt"),
         ({"prompt": [1] * MAX_SEQ_LEN}, "prompt"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop": [str(i) for i in range(17)]}, "stop"),
+        ({"stop": "x" * 257}, "stop"),
     ]
     for change, field in cases:
         r = client.post(url, json={**completion([5, 6, 7], 2), **change})

@@ -107,6 +107,8 @@ def test_supported_fields_with_refusal_examples_are_limits() -> None:
         ("completions", {"best_of": 1, "n": 2}, "best_of"),
         ("completions", {"seed": -(2**63) - 1}, "seed"),
         ("completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
+        ("completions", {"stop": ["x"] * 17}, "stop"),
+        ("chat", {"stop": "x" * 257}, "stop"),
         ("completions", {"stream": False, "stream_options": {}}, "stream_options"),
         ("completions", {"logit_bias": {"1": "x"}}, "logit_bias"),
         ("completions", {"logit_bias": {"05": 1}}, "logit_bias"),  # no two keys name one token
@@ -163,6 +165,7 @@ def test_limits_are_a_400_naming_the_field(route: str, change: dict[str, Any], f
 def test_accepted_edges() -> None:
     parse_request({"prompt": ["a"] * 64, "n": 2}, CompletionRequest)
     parse_request({"prompt": "a", "n": 128, "best_of": 128, "seed": 2**63 - 1}, CompletionRequest)
+    parse_request({"prompt": "a", "stop": ["x" * 256] * 16}, CompletionRequest)
     streamed = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
     parse_request({"prompt": "a", "max_tokens": 2**31 - 1, **streamed}, CompletionRequest)
     chat = {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 0}

@@ -104,7 +104,10 @@ def _sampling_rules() -> list[FieldRule]:
             "an int64; choice i of a prompt samples with `choice_seed(seed, i)` (see Seeds)",
         ),
         _rule(
-            "stop", SUPPORTED, "a string or a list of strings; the text ends before the stop string"
+            "stop",
+            SUPPORTED,
+            "a string or a list of up to 16 strings, each up to 256 characters; the text ends "
+            "before the stop string",
         ),
         _rule(
             "stream", SUPPORTED, "SSE chunks, choices interleaved as they produce tokens; `[DONE]`"

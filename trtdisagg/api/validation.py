@@ -28,6 +28,11 @@ MAX_TOKENS_LIMIT: Final = 2**31
 INT64: Final = (-(2**63), 2**63)
 MAX_PENALTY: Final = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
 MAX_LOGIT_BIAS: Final = 100.0  # OpenAI's bound on a logit_bias value
+MAX_STOP_STRINGS: Final = 16
+MAX_STOP_STRING_CHARS: Final = 256
+"""Bounds on ``stop``: each new piece of a choice's text is matched against every stop string,
+holding back the longest start of one (`worker.stopping`), work that grows with their number
+times their length, for every choice and token, on the loop that serves every request."""
 
 
 def validate_request(req: AnyRequest) -> None:
@@ -94,6 +99,7 @@ def _validate_sampling(req: AnyRequest) -> None:
         raise bad_request(f"seed: must be in [-2**63, 2**63), got {req.seed}", param="seed")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed with stream: true", param="stream_options")
+    _validate_stop(req.stop)
     bad_stop = next((t for t in req.stop_token_ids or () if t < 0), None)
     if bad_stop is not None:
         raise bad_request(
@@ -101,6 +107,21 @@ def _validate_sampling(req: AnyRequest) -> None:
         )
     _validate_controls(req)
     logit_bias_of(req)
+
+
+def _validate_stop(stop: str | list[str] | None) -> None:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(
+            f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop"
+        )
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise bad_request(
+            f"stop: a stop string has at most {MAX_STOP_STRING_CHARS} characters, got one of "
+            f"{longest}",
+            param="stop",
+        )
 
 
 def _validate_controls(req: AnyRequest) -> None:
