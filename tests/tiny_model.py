@@ -6,8 +6,13 @@ from __future__ import annotations
 import attrs
 
 from trtdisagg.config import KvCacheConfig, WorkerConfig
+from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.model.parallel import Parallel
+from trtdisagg.worker.engine.build import assemble_executor
+from trtdisagg.worker.engine.executor import Executor
+from trtdisagg.worker.engine.test_hooks import TestHooks
+from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.runner import ModelRunner, build_runner
 from trtdisagg.worker.tokenization import Tokenizer
 
@@ -16,6 +21,23 @@ from trtdisagg.worker.tokenization import Tokenizer
 class TinyModel:
     runner: ModelRunner
     tokenizer: Tokenizer
+
+    def executor(
+        self,
+        config: WorkerConfig,
+        *,
+        wakeup: Wakeup | None = None,
+        test_hooks: TestHooks | None = None,
+    ) -> Executor:
+        """A real executor of `config` around this runner."""
+        return assemble_executor(
+            config,
+            runner=self.runner,
+            tokenizer=self.tokenizer,
+            metrics=WorkerMetrics.create(),
+            wakeup=wakeup or Wakeup(),
+            test_hooks=test_hooks,
+        )
 
 
 def load_tiny(*, tokens_per_block: int = 16, max_tokens: int = 2048) -> TinyModel:

@@ -19,10 +19,7 @@ import zmq
 
 from tests.tiny_model import TinyModel, load_tiny
 from trtdisagg.config import KvCacheConfig, WorkerConfig
-from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.worker.engine.build import assemble_executor
 from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
-from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.front.client import RemoteEngine
 from trtdisagg.worker.front.link import Link, open_socket
 from trtdisagg.worker.front.server import EngineServer
@@ -43,13 +40,7 @@ def make_executor(model: TinyModel) -> Executor:
     config = WorkerConfig(
         max_num_tokens=256, kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=2048)
     )
-    return assemble_executor(
-        config,
-        runner=model.runner,
-        tokenizer=model.tokenizer,
-        metrics=WorkerMetrics.create(),
-        wakeup=Wakeup(),
-    )
+    return model.executor(config)
 
 
 @attrs.define(eq=False, kw_only=True)

@@ -17,8 +17,6 @@ import trio
 from tests.tiny_model import TinyModel, load_tiny
 from trtdisagg.config import KvCacheConfig, WorkerConfig
 from trtdisagg.errors import WorkerStopped
-from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.worker.engine.build import assemble_executor
 from trtdisagg.worker.engine.executor import Executor, RequestHandle, RequestOutput
 from trtdisagg.worker.engine.loop import MAX_CONSECUTIVE_STEP_FAILURES
 from trtdisagg.worker.engine.test_hooks import TestHooks
@@ -51,14 +49,7 @@ def make_executor(
             tokens_per_block=TOKENS_PER_BLOCK, max_tokens=2048, enable_block_reuse=True
         ),
     )
-    return assemble_executor(
-        config,
-        runner=model.runner,
-        tokenizer=model.tokenizer,
-        metrics=WorkerMetrics.create(),
-        wakeup=wakeup or Wakeup(),
-        test_hooks=TestHooks(),
-    )
+    return model.executor(config, wakeup=wakeup, test_hooks=TestHooks())
 
 
 def prompt(first: int) -> list[int]:

@@ -18,11 +18,8 @@ from tests.tiny_model import TinyModel
 from tests.unit.test_executor_step_failures import assert_idle, outputs
 from tests.unit.test_executor_step_failures import model as model  # the fixture
 from trtdisagg.config import KvCacheConfig, WorkerConfig
-from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.loader import resolve_model
-from trtdisagg.worker.engine.build import assemble_executor
 from trtdisagg.worker.engine.executor import Executor
-from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.request import Request, SamplingParams
 
 PROMPT = [1, *(20 + (13 * i) % 400 for i in range(40))]
@@ -49,13 +46,7 @@ def chunked_executor(model: TinyModel) -> Executor:
         max_seq_len=256,
         kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048, enable_block_reuse=True),
     )
-    return assemble_executor(
-        config,
-        runner=model.runner,
-        tokenizer=model.tokenizer,
-        metrics=WorkerMetrics.create(),
-        wakeup=Wakeup(),
-    )
+    return model.executor(config)
 
 
 def request(request_id: int, *, prompt_logprobs: int | None, seed: int = 0) -> Request:
