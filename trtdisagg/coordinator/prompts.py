@@ -79,8 +79,10 @@ class PromptTokenizer:
         return await self._load(model_path)
 
     async def _load(self, model_path: str | None) -> Any:
-        if self._tokenizer is not None or model_path is None or model_path in self._tried:
+        if self._tokenizer is not None or model_path is None:
             return self._tokenizer
+        # Callers that come while it loads wait for it (several streams resume at once when a
+        # gen stalls): each must get the tokenizer, not the None of "being loaded".
         async with self._lock:
             if self._tokenizer is not None or model_path in self._tried:
                 return self._tokenizer
