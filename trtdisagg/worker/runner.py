@@ -101,6 +101,7 @@ class ModelRunner:
     _last: LaunchedStep | None = attrs.field(default=None, alias="last")
     _last_rows: dict[int, int] = attrs.field(factory=dict, alias="last_rows")
     _finished: LaunchedStep | None = attrs.field(default=None, alias="finished")  # taken last
+    _last_lost: bool = attrs.field(default=False, alias="last_lost")  # see `lost`
 
     def execute(self, plan: StepPlan, specs: dict[int, SampleSpec]) -> StepOutput:
         """Run one step and wait for its tokens (`prepare`, `launch`, `finish`)."""
@@ -128,12 +129,18 @@ class ModelRunner:
                 logits = self._forward_items(inputs.items, patch)
             prompt = prompt_logprobs_of(logits, inputs.items) if inputs.prompt_logprobs else ()
             launched = self._sample_launch(logits, inputs.rows, specs, start, started, prompt)
-        self._last = launched
+        self._last, self._last_lost = launched, False
         # A late row is a request's own decode (choice 0): forks never run in the next step.
         self._last_rows = {
             request_id: i for i, (request_id, choice) in enumerate(launched.rows) if choice == 0
         }
         return launched
+
+    def lost(self) -> None:
+        """The step launched last raised, and a step behind it is queued already (a CPU
+        runner's host stream). That step's late rows are the failed step's requests, which fail
+        with it: they read a placeholder token and what they compute is dropped."""
+        self._last, self._last_rows, self._last_lost = None, {}, True
 
     def finish(self, launched: LaunchedStep) -> StepOutput:
         """The tokens of a launched step, once `launched.wait()` returned (or `done` is true)."""
@@ -280,6 +287,8 @@ class ModelRunner:
         if not late:
             return None
         last = self._last
+        if last is None and self._last_lost:
+            return None
         if last is None:
             raise AssertionError("a step has pending tokens, but no step was launched before it")
         try:

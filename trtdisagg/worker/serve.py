@@ -85,9 +85,7 @@ async def serve_worker(
             await nursery.start(worker.executor.run)
             binds: list[str]
             if config.api_server_count > 0:  # the HTTP API in front processes
-                binds = await nursery.start(
-                    serve_fronts, config, worker.executor, worker.service
-                )
+                binds = await nursery.start(serve_fronts, config, worker.executor, worker.service)
             else:
                 app = create_app(worker.service)
                 serve_http = functools.partial(

@@ -27,6 +27,7 @@ from trtdisagg.model.parallel import Parallel
 from trtdisagg.model.synthetic import is_synthetic
 from trtdisagg.transfer.runtime.driver import KvTransceiver
 from trtdisagg.worker.engine.executor import Executor
+from trtdisagg.worker.engine.host_stream import HostStream
 from trtdisagg.worker.engine.live import Inbox
 from trtdisagg.worker.engine.local import LocalDriver
 from trtdisagg.worker.engine.loop import StepLoop
@@ -194,7 +195,7 @@ def assemble_executor(
             wakeup=wakeup,
             transceiver=moves,
             overlaps=config.async_scheduling,
-            computes_on_launch=runner.device.type == "cpu",
+            host_stream=HostStream(lost=stepper.lost) if runner.device.type == "cpu" else None,
         )
     else:
         driver = MultiRankDriver(

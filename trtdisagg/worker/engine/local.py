@@ -1,23 +1,26 @@
 """The step driver of a one-rank worker: steps launched and finished in worker threads, transfers
 at once.
 
-Launching runs the runner's host work and kernel launches (on CPU: the whole forward) in a worker
-thread, and then, in the same thread, waits until the step launched before it has its tokens on
-the host: one trip off the Trio loop per step. With `overlaps` the loop launches step N+1 before
-it processes step N's outputs (`loop.py`); the device runs step N+1 meanwhile.
+Launching runs the runner's host work and kernel launches in a worker thread, and then, in the
+same thread, waits until the step launched before it has its tokens on the host: one trip off the
+Trio loop per step. With `overlaps` the loop launches step N+1 before it processes step N's
+outputs (`loop.py`); the device runs step N+1 meanwhile. A CPU runner's forward is its launch:
+its steps go to a `HostStream`, whose thread plays the device's part.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Protocol
 
 import attrs
 import trio
 
 from trtdisagg.transfer.protocol.sessions import TransferOutcome
-from trtdisagg.worker.engine.ports import Launched, StepFailed, Transceiver
+from trtdisagg.worker.engine.host_stream import HostStream
+from trtdisagg.worker.engine.ports import Launched, StepFailed, StepSkipped, Transceiver
 from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.launched import LaunchedStep, StepOutput
 from trtdisagg.worker.sampling import SampleSpec
@@ -46,6 +49,8 @@ class StepRunner(Protocol):
 
     def kv_ready(self) -> None: ...
 
+    def lost(self) -> None: ...
+
 
 @attrs.define(eq=False, kw_only=True)
 class LocalDriver:
@@ -53,7 +58,15 @@ class LocalDriver:
     wakeup: Wakeup
     transceiver: Transceiver | None  # None: cache_transceiver disabled (no disaggregated legs)
     overlaps: bool = True  # config `async_scheduling`
-    computes_on_launch: bool = False  # a CPU runner: its launch is the whole step
+    host_stream: HostStream | None = None  # a CPU runner's: its steps compute there
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        if self.host_stream is None:
+            yield
+            return
+        async with self.host_stream.open():
+            yield
 
     def inputs(self, plan: StepPlan) -> StepInputs:
         return self.runner.prepare(plan)
@@ -61,6 +74,16 @@ class LocalDriver:
     async def launch(
         self, inputs: StepInputs, specs: dict[int, SampleSpec], *, after: Launched | None = None
     ) -> Launched:
+        if self.host_stream is not None:
+            runner = self.runner
+            only_late = bool(inputs.late) and len(inputs.late) == len(inputs.rows)
+            step = self.host_stream.submit(
+                lambda: runner.launch(inputs, specs), only_late=only_late
+            )
+            launched = Launched(on_host=step)
+            if after is not None and after.on_host is not None:
+                await after.on_host.done.wait()
+            return launched
         previous = after.queued if after is not None else None
         launched = Launched()
 
@@ -80,6 +103,14 @@ class LocalDriver:
         return launched
 
     async def finish(self, launched: Launched) -> StepOutput:
+        if launched.on_host is not None:
+            try:
+                computed = await launched.on_host.result()
+            except StepSkipped:
+                raise
+            except Exception as exc:
+                raise _failed(exc) from exc
+            return self.runner.finish(computed)
         queued = launched.queued
         assert queued is not None, "a one-rank step that launched is queued"
         try:

@@ -12,13 +12,13 @@
 
 Asynchronous steps (`driver.overlaps`, one rank): a round launches step N+1 and then finishes
 step N (waits for its tokens, in the same trip to a worker thread, then responds), so the device
-runs step N+1 while the host processes step N's outputs. On the CPU a launch computes the whole
-step (`driver.computes_on_launch`): the Trio thread then finishes step N while the worker thread
-computes step N+1. Step N+1 was scheduled before step N's tokens were known: each request that
-samples in a step counts a pending token (`Request.pending_tokens`), the next step's decode
-row for it reads that token on the device, and a request that surely ends with it is not
-scheduled again (`Scheduler`). A request whose
-token turns out to end it (a stop token, a stop string) is still in step N+1: that step's result
+runs step N+1 while the host processes step N's outputs. On the CPU the forward is the launch: a
+host stream's thread (`host_stream.py`) computes the steps in order, step N+1 right after step N,
+while the Trio thread finishes step N and schedules step N+2. Step N+1 was scheduled before step
+N's tokens were known: each request that samples in a step counts a pending token
+(`Request.pending_tokens`), the next step's decode row for it reads that token on the device, and
+a request that surely ends with it is not scheduled again (`Scheduler`). A request whose token
+turns out to end it (a stop token, a stop string) is still in step N+1: that step's result
 for it is dropped, and its blocks are freed only once step N+1 finished (`in_flight.py`). A
 step's inputs are taken from its plan before it launches (`driver.inputs`), and the scheduler
 hears of the launch before anything runs concurrently, so requests and blocks still change only
@@ -56,14 +56,13 @@ from trtdisagg.worker.engine.ending import Ending
 from trtdisagg.worker.engine.forks import hand_over_together, start_choices
 from trtdisagg.worker.engine.live import Inbox, Live
 from trtdisagg.worker.engine.outputs import OutputProcessor, Processed, RequestOutput, Token
-from trtdisagg.worker.engine.ports import Launched, StepDriver, StepFailed
+from trtdisagg.worker.engine.ports import Launched, StepDriver, StepFailed, StepSkipped
 from trtdisagg.worker.engine.tracker import TransferTracker
 from trtdisagg.worker.grammar import allowed_tokens, allows_other_than
 from trtdisagg.worker.launched import StepOutput
 from trtdisagg.worker.request import FinishReason, Request
 from trtdisagg.worker.sampling import SampleSpec
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
-from trtdisagg.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +107,18 @@ class StepLoop:
     _in_flight: InFlight | None = attrs.field(default=None, alias="in_flight")
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        while True:
-            await self._round()
+        async with self.driver.running():
+            task_status.started()
+            while True:
+                await self._round()
 
     async def run_until_idle(self, more: Callable[[], bool] = lambda: False) -> None:
         """Rounds until no request is left, no step is in flight, no command waits and `more()`
         says no request will come (the offline engine, which has no transfers; a closed-loop
         client says `more` while it will submit, and wakes the loop when it stops)."""
-        while self.lives or self._in_flight is not None or self.inbox.has_commands or more():
-            await self._round()
+        async with self.driver.running():
+            while self.lives or self._in_flight is not None or self.inbox.has_commands or more():
+                await self._round()
 
     async def _round(self) -> None:
         self._admit()
@@ -146,39 +147,18 @@ class StepLoop:
             if item.samples:
                 item.request.pending_tokens += 1
         self._in_flight = None
-        if in_flight is not None and self.driver.computes_on_launch:
-            launched = await self._launch_finishing(inputs, specs, in_flight)
-        else:
-            # One trip to a worker thread: launch this step, then wait for the one in flight.
-            # The loop yields to the HTTP tasks once per round, and the device has this step
-            # queued while the last one's outputs are processed.
-            after = in_flight.launched if in_flight is not None else None
-            launched = await self.driver.launch(inputs, specs, after=after)
-            if in_flight is not None:
-                await self._finish(in_flight)  # its tokens are on the host: nothing waits
+        # One trip to a worker thread: launch this step, then wait for the one in flight. The
+        # loop yields to the HTTP tasks once per round, and the device (or the host stream) has
+        # this step queued while the last one's outputs are processed.
+        after = in_flight.launched if in_flight is not None else None
+        launched = await self.driver.launch(inputs, specs, after=after)
+        if in_flight is not None:
+            await self._finish(in_flight)  # its tokens are on the host: nothing waits
         if launched.failure is not None:
             self._step_failed(plan, launched.failure)
             self.scheduler.step_finished(plan)
             return
         self._in_flight = InFlight(plan=plan, launched=launched, prefill_tokens=prefill_tokens)
-
-    async def _launch_finishing(
-        self, inputs: StepInputs, specs: dict[int, SampleSpec], in_flight: InFlight
-    ) -> Launched:
-        """Launch a step that computes in the worker thread as it launches (CPU), and finish
-        the step before it meanwhile: the host processes step N's tokens while step N+1 runs,
-        as it does while a device runs it (torch ops let go of the GIL while they compute)."""
-        launched: Launched | None = None
-
-        async def launch() -> None:
-            nonlocal launched
-            launched = await self.driver.launch(inputs, specs)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(launch)
-            await self._finish(in_flight)
-        assert launched is not None
-        return launched
 
     def _may_overlap(self, in_flight: InFlight) -> bool:
         """Whether the next step may be scheduled before `in_flight`'s tokens are known."""
@@ -266,6 +246,9 @@ class StepLoop:
         plan = in_flight.plan
         try:
             out = await self.driver.finish(in_flight.launched)
+        except StepSkipped:
+            self.scheduler.step_finished(plan)
+            return
         except StepFailed as failure:
             self._step_failed(plan, failure)
             self.scheduler.step_finished(plan)

@@ -21,7 +21,8 @@ broadcast, so a step's tokens must be on rank 0's host before the next tick.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 
 import attrs
 import trio
@@ -103,7 +104,10 @@ class MultiRankDriver:
 
     # Every rank must take the same inputs at every tick: steps stay synchronous.
     overlaps: bool = attrs.field(default=False, init=False)
-    computes_on_launch: bool = attrs.field(default=False, init=False)
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        yield
 
     def inputs(self, plan: StepPlan) -> StepInputs:
         rows = tuple((item.request.request_id, item.samples) for item in plan.items)

@@ -12,16 +12,23 @@ layer may change behind them, and so that a test hook can wrap them (`test_hooks
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
 if TYPE_CHECKING:
     from trtdisagg.transfer.protocol.sessions import TransferOutcome
+    from trtdisagg.worker.engine.host_stream import HostStep
     from trtdisagg.worker.launched import LaunchedStep, StepOutput
     from trtdisagg.worker.sampling import SampleSpec
     from trtdisagg.worker.scheduler import StepPlan
     from trtdisagg.worker.step_inputs import StepInputs
+
+
+class StepSkipped(Exception):
+    """A step that was not computed: each of its requests failed with the step before it (a
+    CPU runner's host stream had it queued before that step's outcome was known)."""
 
 
 class StepFailed(Exception):
@@ -106,10 +113,12 @@ class TransferPort(Protocol):
 
 @attrs.define(eq=False, kw_only=True)
 class Launched:
-    """A step a driver launched: queued on the device (one rank), or already done (a tick of
-    a multi-rank instance), or failed at its launch. The driver's `finish` brings its output."""
+    """A step a driver launched: queued on the device (one rank) or on the host stream (one
+    CPU rank), or already done (a tick of a multi-rank instance), or failed at its launch. The
+    driver's `finish` brings its output."""
 
     queued: LaunchedStep | None = None
+    on_host: HostStep | None = None
     done: StepOutput | None = None
     failure: StepFailed | None = None  # its launch raised: only its requests are lost
     wait_failure: StepFailed | None = None  # waiting for its tokens raised (a CUDA error)
@@ -123,10 +132,8 @@ class StepDriver(TransferPort, Protocol):
         """Whether the loop may launch the next step before it finished this one (the next
         step's decode rows then read their tokens on the device)."""
 
-    @property
-    def computes_on_launch(self) -> bool:
-        """Whether a launch computes the whole step before it returns (a CPU runner): the loop
-        then finishes the step before it while this one computes, as a device would run it."""
+    def running(self) -> AbstractAsyncContextManager[None]:
+        """The driver's own machinery (a CPU runner's `HostStream`), for the loop's lifetime."""
 
     def inputs(self, plan: StepPlan) -> StepInputs:
         """The step's host-side inputs, taken from the plan before the step launches (the

@@ -222,3 +222,6 @@ class FaultyRunner:
 
     def kv_ready(self) -> None:
         self.runner.kv_ready()
+
+    def lost(self) -> None:
+        self.runner.lost()

@@ -215,4 +215,3 @@ class RemoteEngine:
             # A reader that left already asked for the abort; what still comes is dropped.
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 channel.send_nowait(output)
-

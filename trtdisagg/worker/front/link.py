@@ -41,9 +41,7 @@ class Link:
     """A socket and its pump (`run`)."""
 
     socket: _Socket
-    _outbox: collections.deque[list[bytes]] = attrs.field(
-        factory=collections.deque, alias="outbox"
-    )
+    _outbox: collections.deque[list[bytes]] = attrs.field(factory=collections.deque, alias="outbox")
     _wait_scope: trio.CancelScope | None = attrs.field(default=None, alias="wait_scope")
 
     def send_nowait(self, frames: list[bytes]) -> None:

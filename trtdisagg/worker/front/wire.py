@@ -122,9 +122,7 @@ def _logprobs_in(item: Any) -> TokenLogprobs | None:
     if item is None:
         return None
     logprob, top = item
-    return TokenLogprobs(
-        logprob=float(logprob), top=tuple((int(t), float(v)) for t, v in top)
-    )
+    return TokenLogprobs(logprob=float(logprob), top=tuple((int(t), float(v)) for t, v in top))
 
 
 def encode_output(request_id: int, output: RequestOutput) -> list[Any]:
