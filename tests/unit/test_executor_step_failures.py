@@ -14,6 +14,7 @@ import time
 import pytest
 import trio
 
+from tests.oracle import assert_greedy_match
 from tests.tiny_model import TinyModel, load_tiny
 from trtdisagg.config import KvCacheConfig, WorkerConfig
 from trtdisagg.errors import WorkerStopped
@@ -169,3 +170,47 @@ async def test_a_successful_step_resets_the_count(model: TinyModel, nursery: tri
     assert executor.stopped is None
     assert failed_steps(executor) == 2 * count
     assert_idle(executor)
+
+
+async def test_a_step_queued_behind_a_failed_one_serves_its_other_requests(
+    model: TinyModel, nursery: trio.Nursery
+) -> None:
+    """`failing`'s prompt fills the first step's token budget, so `waiting` starts in the next
+    one, next to `failing`'s decode: a step the loop queues before the first one's outcome is
+    known. The first step fails; in the next, `failing`'s row reads a placeholder for the token
+    never sampled, and `waiting` gets its tokens (those it gets alone, near-tie rule: its
+    prefill shares a batch here)."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    alone = make_executor(model, max_batch_size=1)
+    async with trio.open_nursery() as inner:
+        await inner.start(alone.run)
+        ref = await outputs(alone.submit(ask(1, prompt(1), params)))
+        inner.cancel_scope.cancel()
+    margins = [lp.top[0][1] - lp.top[1][1] for out in ref for lp in out.logprobs if lp]
+    config = WorkerConfig(
+        max_batch_size=2,
+        max_num_tokens=32,
+        max_seq_len=MAX_SEQ_LEN,
+        kv_cache_config=KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK, max_tokens=2048),
+    )
+    executor = model.executor(config, test_hooks=TestHooks())
+    await nursery.start(executor.run)
+    assert executor.test_hooks is not None
+    executor.test_hooks.step_failures = 1
+    failing = executor.submit(ask(0, [11 + i for i in range(32)], params))
+    waiting = executor.submit(ask(1, prompt(1), params))
+
+    assert failure(await outputs(failing)).startswith(INJECTED)
+    assert_greedy_match(tokens(await outputs(waiting)), tokens(ref), margins)
+    assert failed_steps(executor) == 1
+    assert executor.stopped is None
+    assert_idle(executor)
+
+
+def ask(request_id: int, prompt_ids: list[int], params: SamplingParams) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        sampling=params,
+        arrival_time=time.monotonic(),
+    )
