@@ -166,11 +166,10 @@ class Attention(nn.Module):
         """The fused projection's output [N, (Hq + 2H) D] as q [N, Hq, D], k and v [N, H, D]
         (views, or the q/k norms' outputs)."""
         assert self.qkv_weight is not None, "call fuse() first"
-        n, d = qkv.shape[0], self.head_dim
-        q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
-        q = qkv[:, :q_width].view(n, self.num_heads, d)
-        k = qkv[:, q_width : q_width + kv_width].view(n, self.num_kv_heads, d)
-        v = qkv[:, q_width + kv_width :].view(n, self.num_kv_heads, d)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        q, k, v = qkv.view(qkv.shape[0], heads + 2 * kv_heads, self.head_dim).split(
+            (heads, kv_heads, kv_heads), dim=1
+        )
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v

@@ -22,18 +22,20 @@ import torch.nn.functional as F
 
 from trtdisagg.kv.cache import KVCache, SlotIndex
 from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
-from trtdisagg.model.rope import apply_rope
 
 if TYPE_CHECKING:
     from trtdisagg.model.llama import CausalLM
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`RMSNorm.forward`: normalise in float32, scale in the activation dtype (HF's order)."""
+    """`RMSNorm.forward`: normalise in float32, scale in the activation dtype (HF's order).
+    In float32 that is `F.rms_norm`'s arithmetic, in one op instead of six."""
     dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     x32 = _float(x)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (x32 if dtype == torch.float32 else x32.to(dtype))
+    return weight * x32.to(dtype)
 
 
 @attrs.frozen(eq=False)
@@ -94,6 +96,27 @@ def decode_attention_torch(
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
+@attrs.frozen(eq=False)
+class RopeTables:
+    """`apply_rope`'s tables for one step's tokens, made once for every layer: rotating half of
+    x is rolling it by half the head dim and negating the first half of sin, so a rotation is
+    four ops, with the same arithmetic (`apply_rope`: x * cos + rotate_half(x) * sin)."""
+
+    cos: torch.Tensor  # [N, 1, D]
+    signed_sin: torch.Tensor  # [N, 1, D]: -sin on the first half, sin on the second
+    half: int
+
+    @classmethod
+    def of(cls, cos: torch.Tensor, sin: torch.Tensor) -> RopeTables:
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cls(cos=cos[:, None, :], signed_sin=signed[:, None, :], half=half)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, D] rotated."""
+        return x * self.cos + x.roll(self.half, dims=-1) * self.signed_sin
+
+
 def _float(x: torch.Tensor) -> torch.Tensor:
     # (a float32 tensor's `.float()` is still one op to dispatch)
     return x if x.dtype == torch.float32 else x.float()
@@ -115,6 +138,7 @@ class TorchOps:
     def __init__(self) -> None:
         self._slots: tuple[torch.Tensor, SlotIndex] | None = None
         self._gather: tuple[DecodeMeta, DecodeGather] | None = None
+        self._rope: tuple[torch.Tensor, RopeTables] | None = None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -145,8 +169,10 @@ class TorchOps:
     ) -> torch.Tensor:
         """Rotate q [N, Hq, D] and k [N, H, D], store k and v at their slots; return rotated q."""
         num_heads = q.shape[1]
-        rotated = apply_rope(torch.cat((q, k), dim=1), cos, sin)  # one rotation for both
-        q, k = rotated[:, :num_heads], rotated[:, num_heads:]
+        if self._rope is None or self._rope[0] is not cos:
+            self._rope = (cos, RopeTables.of(cos, sin))
+        rotated = self._rope[1].apply(torch.cat((q, k), dim=1))  # one rotation for both
+        q, k = rotated.split((num_heads, rotated.shape[1] - num_heads), dim=1)
         if self._slots is None or self._slots[0] is not slot_mapping:
             self._slots = (slot_mapping, cache.slot_index(slot_mapping))
         cache.write(layer, k, v, slot_mapping, index=self._slots[1])
