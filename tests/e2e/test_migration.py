@@ -22,6 +22,7 @@ import pytest
 import trio
 import yaml
 
+from tests.edges import wait_until
 from tests.fault_checks import Processes, held_blocks, processes, wait_all_healthy, wait_metrics
 from tests.procs import Server, free_port, metric, stop, wait_healthy
 
@@ -185,6 +186,13 @@ async def wait_idle(client: httpx.AsyncClient, server: Server, timeout: float) -
         lambda t: metric(t, "trtdisagg_requests_running") == 0 and held_blocks(t) == 0,
         "no request running, every block free", timeout,
     )  # fmt: skip
+
+
+def test_the_coordinator_loads_the_tokenizer_once_its_servers_are_up(cluster: Cluster) -> None:
+    """Before any request: a first migration (several streams resuming at once) then finds it
+    loaded, rather than loading it while the streams wait."""
+    log = cluster.coordinator.log
+    wait_until(lambda: "coordinator tokenizer loaded" in log(), 30, "the tokenizer loaded")
 
 
 async def test_without_migrations_a_stall_ends_the_stream_with_a_clean_error(

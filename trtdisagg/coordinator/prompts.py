@@ -11,7 +11,8 @@ When the tokenizer cannot be loaded (the model directory is not on this machine,
 package is not installed here) text prompts get no token ids: `kv_cache_aware` then routes by load
 alone (round robin among equals) and conditional disaggregation sends the request through ctx.
 A stream resumed on another gen (`continuation.py`) uses the tokenizer too, to carry the dead
-leg's text and stop-string state across.
+leg's text and stop-string state across. It is loaded once the servers are up (`serve.py`), so a
+first migration, when several streams resume at once, does not wait for it.
 Prompts given as token ids always work. The coordinator never rewrites the request body with
 its own token ids: the worker's tokenization stays the source of truth.
 """

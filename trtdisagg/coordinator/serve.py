@@ -88,6 +88,9 @@ async def serve_coordinator(
             nursery.start_soon(watch_loop_lag, metrics.event_loop_lag.observe)
             log.info("coordinator listening on http://%s:%d, waiting for servers", host, port)
             await nursery.start(placement.serve)
+            info = placement.model_info()
+            if info is not None:  # loaded now, not by the first request that needs it
+                nursery.start_soon(service.prompts.tokenizer, info.model_path)
             log.info("coordinator ready on http://%s:%d", host, port)
             task_status.started((host, port))
 
