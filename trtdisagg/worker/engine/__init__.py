@@ -4,6 +4,7 @@
   loop           StepLoop: admit → poll → receive → schedule → step → respond, one rank or many
   ports      ◆   the engine's edges: StepDriver, TransferPort, the Transceiver calls it makes
   local          LocalDriver: one rank, each forward in a worker thread
+  host_stream    HostStream: a CPU rank's steps, computed in order on one thread
   multi_rank     MultiRankDriver: rank 0 ticks every rank (the followers are ../ranks.py)
   tracker    ◆   TransferTracker: the transfer containers; outcomes → scheduler calls
   outputs    ◆   OutputProcessor: detokenizing, stop rules, timings, RequestOutput
