@@ -89,11 +89,7 @@ class PromptTokenizer:
                 return self._tokenizer
             self._tried.add(model_path)
             try:
-                from trtdisagg.worker.tokenization import Tokenizer
-
-                self._tokenizer = await trio.to_thread.run_sync(
-                    Tokenizer.from_dir, Path(model_path)
-                )
+                self._tokenizer = await trio.to_thread.run_sync(_load_tokenizer, Path(model_path))
             except Exception as exc:  # an absent or unreadable model dir only disables a feature
                 log.warning(
                     "no tokenizer at the coordinator (%s: %s): KV-aware routing and conditional "
@@ -104,6 +100,14 @@ class PromptTokenizer:
                 return None
             log.info("coordinator tokenizer loaded from %s", model_path)
             return self._tokenizer
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    # Imported here, in the loading thread: the import alone can hold an event loop for a
+    # second on a loaded machine, and a coordinator without the worker package still serves.
+    from trtdisagg.worker.tokenization import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)
 
 
 def _encode(tokenizer: Any, req: AnyRequest) -> list[int] | None:
