@@ -68,7 +68,7 @@ async def test_each_choice_samples_what_it_would_alone(
         assert len({tuple(t) for t in together}) > 1  # the choices really sample apart
     # Alone, each prefilled the prompt (all but its prefix-cached blocks); together, once.
     assert counter(executor, "trtdisagg_prefill_tokens_total") - prefilled <= len(PROMPT)
-    assert_idle(executor)
+    await assert_idle(executor)
 
 
 async def test_the_prompt_is_prefilled_once(model: TinyModel, nursery: trio.Nursery) -> None:
@@ -77,7 +77,7 @@ async def test_the_prompt_is_prefilled_once(model: TinyModel, nursery: trio.Nurs
     await run_group(executor, [1, 2, 3, 4], temperature=1.0, max_tokens=20)
     assert counter(executor, "trtdisagg_prefill_tokens_total") == len(PROMPT)
     assert counter(executor, "trtdisagg_prompt_tokens_total") == len(PROMPT)
-    assert_idle(executor)
+    await assert_idle(executor)
 
 
 async def test_aborting_a_group_before_its_first_token_ends_every_choice(
@@ -92,7 +92,7 @@ async def test_aborting_a_group_before_its_first_token_ends_every_choice(
     for handle in handles:
         (last,) = await outputs(handle)
         assert last.finish_reason is FinishReason.ABORT
-    assert_idle(executor)
+    await assert_idle(executor)
 
 
 async def test_a_failed_prefill_fails_every_choice(model: TinyModel, nursery: trio.Nursery) -> None:
@@ -104,4 +104,4 @@ async def test_a_failed_prefill_fails_every_choice(model: TinyModel, nursery: tr
     for handle in executor.submit_group(group):
         (last,) = await outputs(handle)
         assert last.finish_reason is FinishReason.ERROR and last.internal
-    assert_idle(executor)
+    await assert_idle(executor)

@@ -91,9 +91,15 @@ def failed_steps(executor: Executor) -> float | None:
     return executor.metrics.registry.get_sample_value("trtdisagg_step_failures_total")
 
 
-def assert_idle(executor: Executor) -> None:
-    """Nothing held: every block free or reusable (prefix cache), as when the worker started."""
+async def assert_idle(executor: Executor) -> None:
+    """Nothing held: every block free or reusable (prefix cache), as when the worker started.
+
+    Once the loop has finished every step in flight: on the CPU a failed step's successor is
+    queued already, and the failed requests' blocks come back when the loop has taken it."""
     assert executor.num_active() == 0
+    with trio.fail_after(TIMEOUT_S):
+        while executor.loop.has_step_in_flight:  # noqa: ASYNC110
+            await trio.sleep(0.001)
     stats = executor.scheduler.statistics()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     pool = stats.pool
@@ -125,7 +131,7 @@ async def test_a_failed_step_fails_only_its_requests(
     assert tokens(await outputs(submit(executor, 2))) == expected[2]  # the worker serves on
     assert failed_steps(executor) == 1
     assert executor.stopped is None
-    assert_idle(executor)
+    await assert_idle(executor)
     logged = [r for r in caplog.records if r.getMessage().startswith("model step failed")]
     assert len(logged) == 1 and logged[0].exc_info is not None  # once, with the traceback
 
@@ -151,7 +157,7 @@ async def test_failed_steps_in_a_row_stop_the_worker(
     with pytest.raises(WorkerStopped, match="InjectedStepFailure"):
         submit(executor, 99)
     assert failed_steps(executor) == MAX_CONSECUTIVE_STEP_FAILURES
-    assert_idle(executor)
+    await assert_idle(executor)
 
 
 async def test_a_successful_step_resets_the_count(model: TinyModel, nursery: trio.Nursery) -> None:
@@ -169,7 +175,7 @@ async def test_a_successful_step_resets_the_count(model: TinyModel, nursery: tri
         assert tokens(await outputs(submit(executor, first + 10))) == expected[first + 10]
     assert executor.stopped is None
     assert failed_steps(executor) == 2 * count
-    assert_idle(executor)
+    await assert_idle(executor)
 
 
 async def test_a_step_queued_behind_a_failed_one_serves_its_other_requests(
@@ -204,7 +210,7 @@ async def test_a_step_queued_behind_a_failed_one_serves_its_other_requests(
     assert_greedy_match(tokens(await outputs(waiting)), tokens(ref), margins)
     assert failed_steps(executor) == 1
     assert executor.stopped is None
-    assert_idle(executor)
+    await assert_idle(executor)
 
 
 def ask(request_id: int, prompt_ids: list[int], params: SamplingParams) -> Request:

@@ -106,6 +106,11 @@ class StepLoop:
     _failed_steps: int = attrs.field(default=0, alias="failed_steps")  # in a row
     _in_flight: InFlight | None = attrs.field(default=None, alias="in_flight")
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        """Whether a launched step's tokens are still to be taken."""
+        return self._in_flight is not None
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with self.driver.running():
             task_status.started()
