@@ -182,9 +182,7 @@ def _processes(
             path = tmp / f"{role}.yaml"
             path.write_text(yaml.safe_dump(config))
             log_path = tmp / f"{role}.log"
-            procs.append(
-                net.popen(role, [role, "--config", str(path)], log_path=log_path, env=env)
-            )
+            procs.append(net.popen(role, [role, "--config", str(path)], log_path=log_path, env=env))
             urls[role] = f"http://{host.address}:{PORT}"
         size = max(sizes) * 16384 + (1 << 20)
         peers = {}

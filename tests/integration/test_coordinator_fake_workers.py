@@ -20,6 +20,7 @@ import openai
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 
 from tests.etcd_server import Etcd, running_etcd
 from tests.fake_worker import FakeWorker, create_fake_app, fake_tokenize, generate
@@ -743,6 +744,37 @@ async def test_generation_first_ends_the_waiting_gen_leg_when_ctx_fails(
     with trio.fail_after(1):
         await gen.wait_running(0)
     assert ctx.releases == []  # an error answer holds no KV
+
+
+async def test_generation_first_runs_no_continuation_when_ctx_finished_the_request(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """ctx finishes the request at its first token (max_tokens 1) and refuses the KV to the
+    gen leg posted with it, whose stream fails before ctx's answer comes. The answer is ctx's,
+    and the failed leg is not resumed: a continuation would compute the prompt again on gen."""
+    c = await start_cluster(
+        nursery, schedule_style="generation_first", gen_knobs={"error_after": 0}
+    )
+    ctx, gen = c.ctx[0].worker, c.gen[0].worker
+    ctx.gate = trio.Event()  # ctx answers once the gen leg has failed
+    replies: list[httpx.Response] = []
+
+    async def post() -> None:
+        replies.append(await client.post(c.url + "/v1/completions", json=_body(max_tokens=1)))
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(post)
+        with trio.fail_after(2):
+            await gen.wait_bodies(1)
+            await gen.wait_running(0)  # its stream sent the error and ended
+        await trio.testing.wait_all_tasks_blocked(0.05)  # and the coordinator read it
+        assert len(gen.bodies) == 1
+        ctx.gate.set()
+    assert replies[0].status_code == 200, replies[0].text
+    assert replies[0].json()["choices"][0]["token_ids"] == _expected(_body()["prompt"], 1)
+    assert len(gen.bodies) == 1
+    text = (await client.get(c.url + "/metrics")).text
+    assert "trtdisagg_coordinator_migrations_total{" not in text
 
 
 # ---- routing by pair (pain point 11) ----

@@ -78,7 +78,7 @@ async def test_prompt_logprobs_match_transformers(
         values, ids = torch.topk(expected, TOP)
         assert [t for t, _ in entry.top] == ids.tolist()
         assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
-    assert_idle(executor)
+    await assert_idle(executor)
 
 
 async def test_a_request_asking_for_them_takes_nothing_from_the_prefix_cache(

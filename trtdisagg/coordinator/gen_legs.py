@@ -59,7 +59,13 @@ class GenLegs:
     ctx: CtxResult | None = None
     ids: AttemptIds | None = None
     """What ctx holds the KV under, released when the first leg fails before any token."""
+    ctx_answered: trio.Event | None = None
+    """generation_first: set when ctx's answer joins this one. A first leg that fails before
+    then is neither resumed nor released until it is: the failure may only be ctx finishing
+    the request itself (a stop or max_tokens at its first token), which leaves nothing to
+    resume, and the answer's owner then ends these legs."""
     relay: GenRelay | None = None
+    _ctx_released: bool = False
 
     async def first(self, body: Json, lease: Lease, *, first_token_timeout: float | None) -> Reply:
         """Open the first leg and hand it to a relay: a stream reply, or the whole answer.
@@ -101,8 +107,10 @@ class GenLegs:
         return JsonReply(body=await self._collect(self.relay))
 
     def joined(self, ctx: CtxResult, ids: AttemptIds) -> None:
-        """generation_first: ctx answered after the first leg was posted."""
+        """generation_first: ctx answered after the first leg was posted, and gen decodes."""
         self.ctx, self.ids = ctx, ids
+        if self.ctx_answered is not None:
+            self.ctx_answered.set()
         if self.relay is not None:
             ledger = self.relay.ledger
             ledger.ctx_usage = ctx.usage
@@ -158,11 +166,23 @@ class GenLegs:
         self.service.missed(failure)
 
     async def abandoned(self, relay: GenRelay) -> None:
-        if self.ctx is not None and self.ids is not None:
-            await self.service.release_ctx(self.call, self.ctx.server, self.ids)
+        await self._ctx_answer()
+        await self.release_ctx()
+
+    async def release_ctx(self) -> None:
+        """Tell ctx that no gen takes the KV it holds for this answer (once)."""
+        if self.ctx is None or self.ids is None or self._ctx_released:
+            return
+        self._ctx_released = True
+        await self.service.release_ctx(self.call, self.ctx.server, self.ids)
+
+    async def _ctx_answer(self) -> None:
+        if self.ctx_answered is not None:
+            await self.ctx_answered.wait()
 
     async def resume(self, relay: GenRelay, failure: LegFailure) -> Leg:
         """A continuation on another gen: an aggregated request for prompt + tokens sent."""
+        await self._ctx_answer()
         call, service, ledger = self.call, self.service, relay.ledger
         if ledger.num_choices > 1:
             # Each choice would continue from its own tokens: n requests of their own, no

@@ -429,7 +429,7 @@ class DisaggService:
         gen_error: list[Exception] = []
         ctx_result: list[CtxResult] = []
         ctx_error: list[Exception] = []
-        legs = GenLegs(service=self, call=call)
+        legs = GenLegs(service=self, call=call, ctx_answered=trio.Event())
 
         async def run_gen() -> None:
             try:
@@ -445,6 +445,8 @@ class DisaggService:
                 ctx_error.append(exc)
             if ctx_error or ctx_result[0].finished:
                 nursery.cancel_scope.cancel()
+            else:
+                legs.joined(ctx_result[0], ids)
         if ctx_error or ctx_result[0].finished:
             for reply in gen_result:
                 if isinstance(reply, StreamReply):
@@ -453,10 +455,9 @@ class DisaggService:
                 raise ctx_error[0]
             return self._ctx_reply(call, ctx_result[0])
         if gen_error:
-            await self.release_ctx(call, ctx_result[0].server, ids)
+            await legs.release_ctx()
             raise gen_error[0]
         reply, ctx = gen_result[0], ctx_result[0]
-        legs.joined(ctx, ids)
         if isinstance(reply, StreamReply):
             return reply
         body_out = dict(reply.body)
