@@ -97,7 +97,8 @@ class FakeWorker:
     releases: list[int] = attrs.Factory(list)
     """ctx: the transfer keys of every `/disagg/release` received, in order."""
     _stored: set[int] = attrs.Factory(set)
-    _events: list[Json] = attrs.Factory(list)
+    _events: list[Json] = attrs.Factory(list)  # every event (ids 0, 1, ...): tests are short
+    _drained: int = 0  # events a drain returned
     _event_ids: itertools.count[int] = attrs.Factory(itertools.count)
     _ctx_ids: itertools.count[int] = attrs.Factory(lambda: itertools.count(1))
     running_changed: trio.Event = attrs.Factory(trio.Event)
@@ -149,8 +150,12 @@ class FakeWorker:
         return matched * self.tokens_per_block
 
     def drain_events(self) -> list[Json]:
-        events, self._events = self._events, []
+        events = self._events[self._drained :]
+        self._drained = len(self._events)
         return events
+
+    def events_after(self, cursor: int) -> list[Json]:
+        return self._events[max(0, cursor + 1) :]
 
     def metrics_text(self) -> str:
         total = sum(self.requests.values())
@@ -223,6 +228,9 @@ def create_fake_app(worker: FakeWorker) -> QuartTrio:
 
     @app.post("/kv_cache_events")
     async def kv_cache_events() -> Response:
+        body = await request.get_json(silent=True)
+        if isinstance(body, dict) and isinstance(body.get("after"), int):
+            return as_json(worker.events_after(body["after"]))
         return as_json(worker.drain_events())
 
     @app.get("/metrics")

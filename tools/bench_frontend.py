@@ -14,10 +14,16 @@ from memory), then through the coordinator. Each request is
 `max_tokens: 1`, answered by ctx alone (DESIGN.md §2: the coordinator finishes it from ctx's
 answer and never posts the gen leg).
 
+With `--stream-tokens N` each request instead streams N tokens: ctx's first, then a gen leg
+that the coordinator relays token by token. The anchor is then the fake gen streaming the same
+N tokens straight to the client, and the figures are per streamed token: the coordinator's
+cost of relaying one (read, account, rewrite, write) against a bare server's of writing one.
+
     python tools/bench_frontend.py                       # 3000 requests, concurrency 64, 1 and 2
     python tools/bench_frontend.py --requests 500 --num-workers 1
+    python tools/bench_frontend.py --requests 256 --warmup 64 --stream-tokens 256 --num-workers 1
 
-The last line is `frontend_req_per_cpu_s=<x>` for the first layout.
+The last line is `frontend_req_per_cpu_s=<x>` for the first layout (per token when streaming).
 """
 
 from __future__ import annotations
@@ -58,18 +64,23 @@ class Run:
     wall_s: float
     latencies_s: tuple[float, ...]
     cpu_s: float | None  # the front end's CPU time (None: direct, no front end)
+    per_request: int = 1  # units counted per request: 1, or the tokens each one streams
+
+    @property
+    def units(self) -> int:
+        return self.requests * self.per_request
 
     @property
     def req_per_s(self) -> float:
-        return self.requests / self.wall_s
+        return self.units / self.wall_s
 
     @property
     def cpu_ms_per_request(self) -> float | None:
-        return None if self.cpu_s is None else 1e3 * self.cpu_s / self.requests
+        return None if self.cpu_s is None else 1e3 * self.cpu_s / self.units
 
     @property
     def req_per_cpu_s(self) -> float | None:
-        return None if not self.cpu_s else self.requests / self.cpu_s
+        return None if not self.cpu_s else self.units / self.cpu_s
 
     def percentile_ms(self, q: float) -> float:
         ordered = sorted(self.latencies_s)
@@ -79,6 +90,7 @@ class Run:
         return {
             "label": self.label,
             "requests": self.requests,
+            "per_request": self.per_request,
             "wall_s": self.wall_s,
             "req_per_s": self.req_per_s,
             "p50_ms": self.percentile_ms(50),
@@ -136,25 +148,41 @@ async def _wait_healthy(client: httpx.AsyncClient, url: str) -> None:
 
 
 async def drive(
-    url: str, *, requests: int, concurrency: int, warmup: int
+    url: str, *, requests: int, concurrency: int, warmup: int, stream_tokens: int = 0
 ) -> tuple[float, list[float]]:
-    """`warmup` then `requests` completions with `max_tokens: 1`; (wall s, latencies s)."""
+    """`warmup` then `requests` completions with `max_tokens: 1`, or streams of
+    `stream_tokens` tokens read to their end; (wall s, latencies s)."""
     from trtdisagg.coordinator.upstream import POOL_SHARDS, ShardedTransport
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     # The coordinator's own client set-up: httpcore's single pool would make this client, not
     # the front end, the bottleneck (see ShardedTransport).
     transport = ShardedTransport(shards=POOL_SHARDS, limits=limits)
-    body = {"model": "fake", "prompt": PROMPT, "max_tokens": 1}
+    body: dict[str, Any] = {"model": "fake", "prompt": PROMPT, "max_tokens": 1}
+    if stream_tokens:
+        body.update(max_tokens=stream_tokens, stream=True)
     latencies: list[float] = []
     async with httpx.AsyncClient(base_url=url, transport=transport, timeout=60) as client:
+
+        async def one() -> None:
+            if not stream_tokens:
+                r = await client.post("/v1/completions", json=body)
+                if r.status_code != 200:
+                    raise RuntimeError(f"{url}: {r.status_code} {r.text[:200]}")
+                return
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"{url}: {r.status_code} {(await r.aread())[:200]!r}")
+                last = ""
+                async for line in r.aiter_lines():
+                    last = line or last
+                if last != "data: [DONE]":
+                    raise RuntimeError(f"{url}: a stream ended without [DONE]: {last[:200]}")
 
         async def worker(count: int, keep: bool) -> None:
             for _ in range(count):
                 start = time.perf_counter()
-                r = await client.post("/v1/completions", json=body)
-                if r.status_code != 200:
-                    raise RuntimeError(f"{url}: {r.status_code} {r.text[:200]}")
+                await one()
                 if keep:
                     latencies.append(time.perf_counter() - start)
 
@@ -195,17 +223,22 @@ async def measure(args: argparse.Namespace, workdir: Path) -> list[Run]:
         async with httpx.AsyncClient(timeout=5) as probe:
             for url in urls.values():
                 await _wait_healthy(probe, url)
-        load = {"requests": args.requests, "concurrency": args.concurrency, "warmup": args.warmup}
-        await drive(urls["ctx"], requests=args.warmup, concurrency=args.concurrency, warmup=0)
-        fake_ctx = fakes[0].pid
-        assert fake_ctx is not None
-        cpu_before = process_tree_cpu_s(fake_ctx)
-        wall, latencies = await drive(urls["ctx"], **{**load, "warmup": 0})
+        tokens = args.stream_tokens
+        load = {"requests": args.requests, "concurrency": args.concurrency, "warmup": args.warmup,
+                "stream_tokens": tokens}  # fmt: skip
+        per = max(1, tokens)
+        # Streamed tokens come from gen: the anchor streams them from the fake gen directly.
+        role = "gen" if tokens else "ctx"
+        await drive(urls[role], **{**load, "requests": args.warmup, "warmup": 0})
+        fake = fakes[list(ports).index(role)].pid
+        assert fake is not None
+        cpu_before = process_tree_cpu_s(fake)
+        wall, latencies = await drive(urls[role], **{**load, "warmup": 0})
         # The fake's own CPU: a bare quart-trio + hypercorn server answering from memory, the
-        # floor any Python front end on this stack pays per request.
-        runs.append(Run(label="direct to the fake ctx (its CPU)", requests=args.requests,
+        # floor any Python front end on this stack pays per request (or streamed token).
+        runs.append(Run(label=f"direct to the fake {role} (its CPU)", requests=args.requests,
                         wall_s=wall, latencies_s=tuple(latencies),
-                        cpu_s=process_tree_cpu_s(fake_ctx) - cpu_before))  # fmt: skip
+                        cpu_s=process_tree_cpu_s(fake) - cpu_before, per_request=per))  # fmt: skip
         for num_workers in args.num_workers:
             port = free_port()
             config = workdir / f"coordinator-{num_workers}.yaml"
@@ -223,13 +256,14 @@ async def measure(args: argparse.Namespace, workdir: Path) -> list[Run]:
                 url = f"http://127.0.0.1:{port}"
                 async with httpx.AsyncClient(timeout=5) as probe:
                     await _wait_healthy(probe, url)
-                await drive(url, requests=args.warmup, concurrency=args.concurrency, warmup=0)
+                await drive(url, **{**load, "requests": args.warmup, "warmup": 0})
                 cpu_before = process_tree_cpu_s(coordinator.pid)
                 wall, latencies = await drive(url, **{**load, "warmup": 0})
                 cpu = process_tree_cpu_s(coordinator.pid) - cpu_before
                 runs.append(Run(label=f"coordinator, num_workers {num_workers}",
                                 requests=args.requests, wall_s=wall,
-                                latencies_s=tuple(latencies), cpu_s=cpu))  # fmt: skip
+                                latencies_s=tuple(latencies), cpu_s=cpu,
+                                per_request=per))  # fmt: skip
             except BaseException:
                 log.flush()
                 tail = (workdir / f"coordinator-{num_workers}.log").read_text().splitlines()[-20:]
@@ -247,8 +281,10 @@ async def measure(args: argparse.Namespace, workdir: Path) -> list[Run]:
 
 
 def report(runs: Sequence[Run]) -> str:
+    unit = "tok" if runs and runs[0].per_request > 1 else "req"
     lines = [
-        f"{'path':<36}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'CPU ms/req':>12}{'req/CPU-s':>11}"
+        f"{'path':<36}{unit + '/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'CPU ms/' + unit:>12}"
+        f"{unit + '/CPU-s':>11}"
     ]
     for run in runs:
         cpu = run.cpu_ms_per_request
@@ -261,7 +297,7 @@ def report(runs: Sequence[Run]) -> str:
     fronted = [r for r in runs[1:] if r.req_per_cpu_s is not None]
     if fronted and runs[0].cpu_ms_per_request and fronted[0].cpu_ms_per_request:
         ratio = fronted[0].cpu_ms_per_request / runs[0].cpu_ms_per_request
-        lines.append(f"front end CPU per request / bare server's: {ratio:.2f}")
+        lines.append(f"front end CPU per {unit} / bare server's: {ratio:.2f}")
     if fronted:
         lines.append(f"frontend_req_per_cpu_s={fronted[0].req_per_cpu_s:.1f}")
     return "\n".join(lines)
@@ -277,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda text: [int(n) for n in text.split(",")],
         default=[1, 2],
         help="comma-separated front-end layouts to measure (coordinator num_workers)",
+    )
+    parser.add_argument(
+        "--stream-tokens",
+        type=int,
+        default=0,
+        help="stream this many tokens per request (a relayed gen leg) instead of max_tokens 1",
     )
     parser.add_argument("--result-json", type=Path)
     parser.add_argument(

@@ -247,6 +247,37 @@ def test_metrics_show_the_engine_s_and_each_name_once(servers: Servers, http: ht
     assert metric(text, "trtdisagg_requests_total", 'role="ctx",status="ok"') > 0
 
 
+@pytest.mark.parametrize("layout", ["fronts", "reference"])
+def test_kv_event_readers_with_cursors_each_read_every_event(
+    servers: Servers, http: httpx.Client, layout: str
+) -> None:
+    """`POST /kv_cache_events {"after": id}` reads the events after a reader's own cursor; a
+    drain (no body) in between takes nothing from it. Through fronts and in one process."""
+    server = servers.fronts if layout == "fronts" else servers.reference
+    url = server.url + "/kv_cache_events"
+
+    def read(after: int) -> list[dict[str, Any]]:
+        r = http.post(url, json={"after": after})
+        assert r.status_code == 200, r.text
+        events: list[dict[str, Any]] = r.json()
+        return events
+
+    kept = read(-1)
+    cursor = kept[-1]["event_id"] if kept else -1
+    prompt = f"{layout}: " + " ".join(f"word{i}" for i in range(160))  # several full blocks
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    assert http.post(server.url + "/v1/completions", json=body).status_code == 200
+    first, again = read(cursor), read(cursor)
+    assert first and first == again and first[0]["event_id"] == cursor + 1
+    assert any(event["kind"] == "stored" for event in first)
+    assert http.post(url).status_code == 200  # a drain
+    assert read(cursor) == first
+    assert read(first[-1]["event_id"]) == []
+    for bad in ({"after": -2}, {"after": "1"}, {"since": 1}):
+        r = http.post(url, json=bad)
+        assert r.status_code == 400 and "after" in r.json()["error"]["message"], r.text
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_blocks(
     servers: Servers, http: httpx.Client
 ) -> None:

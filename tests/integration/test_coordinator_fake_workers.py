@@ -618,6 +618,39 @@ async def test_kv_cache_aware_routes_shared_prefixes_together(
     assert f"trtdisagg_router_matched_tokens_total{labels} {4 * (20.0 + 24)}" in text
 
 
+async def test_a_second_front_end_reads_the_kv_events_the_first_one_read(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """Two front ends of one fleet poll the same workers' KV events, each with its own cursor:
+    the first one's reads take nothing from the second, which starts after the prefixes were
+    placed and sends each prefix's continuations to the ctx that holds it."""
+    ctxs = [await _fake(nursery, "ctx") for _ in range(2)]
+    gens = [await _fake(nursery, "gen")]
+    # Polled at start-up and after each request served, not in the background meanwhile.
+    router = {"type": "kv_cache_aware", "events_poll_interval": 3600}
+    servers = {"urls": [f.url for f in ctxs], "router": router}
+    first = await _start_coordinator(nursery, ctxs, gens, context_servers=servers)
+    prefixes = [[p * 100 + i for i in range(24)] for p in range(1, 5)]
+    homes = []
+    for prefix in prefixes:
+        r = await client.post(first.url + "/v1/completions", json=_body(prefix))
+        assert r.status_code == 200, r.text
+        homes.append(
+            next(
+                i
+                for i, f in enumerate(first.ctx)
+                if f.worker.bodies[-1:] and f.worker.bodies[-1]["prompt"] == prefix
+            )
+        )
+    assert sorted(set(homes)) == [0, 1]
+    second = await _start_coordinator(nursery, ctxs, gens, context_servers=servers)
+    for prefix, home in zip(prefixes, homes, strict=True):
+        for tail in ([1, 2, 3], [7, 8, 9, 10, 11]):
+            r = await client.post(second.url + "/v1/completions", json=_body(prefix + tail))
+            assert r.status_code == 200, r.text
+            assert first.ctx[home].worker.bodies[-1]["prompt"] == prefix + tail
+
+
 async def test_conditional_disagg_serves_short_prompts_on_gen_alone(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:

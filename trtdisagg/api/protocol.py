@@ -84,6 +84,15 @@ class KvRelease:
 
 
 @attrs.frozen(kw_only=True)
+class KvEventsRead:
+    """`POST /kv_cache_events` with a body: the events after id `after` (-1: every event the
+    worker keeps). A reader with a cursor of its own, such as each front end of a fleet, reads
+    every event; a body-less POST drains them instead."""
+
+    after: int
+
+
+@attrs.frozen(kw_only=True)
 class ContentPart:
     type: str
     text: str | None = None

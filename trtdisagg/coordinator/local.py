@@ -6,10 +6,11 @@ Tasks (all in the nursery of `serve`):
   ``GET /health`` in parallel; a server that passes gets its ``GET /server_info`` read (again
   after each recovery, as a restart may change it) and rejoins the routers; two failed checks
   in a row, or one request that could not reach it, take it out of rotation;
-* KV event pollers (roles whose router is `kv_cache_aware`): every ``events_poll_interval``
-  drain each healthy server's ``POST /kv_cache_events`` into the router. A server is also
-  polled right after each request it served (in `finish`), so a prefix stored by one request
-  is visible to the next.
+* KV event pollers (roles whose router is `kv_cache_aware`): once before the first request is
+  placed, then every ``events_poll_interval``, read each server's ``POST /kv_cache_events``
+  after the last event id seen here (a cursor of this front end's own: the others of a fleet
+  read the same events) into the router. A server is also polled right after each request it
+  served (in `finish`), so a prefix stored by one request is visible to the next.
 
 Start-up waits until every listed server is healthy, or ``server_start_timeout``. If by then a
 role has no healthy server at all, start-up fails naming the missing servers; otherwise it logs
@@ -197,6 +198,8 @@ class LocalPlacement:
             await self._wait_for_servers()
             for role, router in self.routers.items():
                 if router.needs_kv_events:
+                    # What the workers hold already, before the first request is placed.
+                    await self._poll_kv_events_once(role)
                     nursery.start_soon(self._poll_kv_events_forever, role)
             task_status.started()
 
@@ -364,20 +367,27 @@ class LocalPlacement:
     async def _poll_kv_events_forever(self, role: ServerRole) -> None:
         interval = self.routers[role].config.events_poll_interval
         while True:
-            async with trio.open_nursery() as nursery:
-                for view in self.cluster.views(role):
-                    nursery.start_soon(self.poll_kv_events, role, view.url)
             await trio.sleep(interval)
+            await self._poll_kv_events_once(role)
+
+    async def _poll_kv_events_once(self, role: ServerRole) -> None:
+        async with trio.open_nursery() as nursery:
+            for view in self.cluster.views(role):
+                nursery.start_soon(self.poll_kv_events, role, view.url)
 
     async def poll_kv_events(self, role: ServerRole, url: str) -> None:
-        """Drain one server's KV events into its router; failures are logged, not raised."""
+        """Read one server's KV events after the last one this front end saw (a cursor of its
+        own: the other front ends of a fleet read the same events) into its router; failures
+        are logged, not raised."""
         lock = self._event_locks.setdefault(url, trio.Lock())
         async with lock:
+            last = self._last_event_id.get(url)
             try:
                 with trio.fail_after(EVENTS_TIMEOUT):
                     data = await self.client.post_for_json(
-                        url, "/kv_cache_events", limit_s=EVENTS_TIMEOUT, role=role.value
-                    )
+                        url, "/kv_cache_events", limit_s=EVENTS_TIMEOUT, role=role.value,
+                        body={"after": -1 if last is None else last},
+                    )  # fmt: skip
                 events = parse_kv_events(data)
             except (UpstreamError, ValueError, trio.TooSlowError) as exc:
                 log.debug("kv_cache_events from %s failed: %s", url, exc)
@@ -385,8 +395,10 @@ class LocalPlacement:
             if not events:
                 return
             router = self.routers[role]
-            if events[0].event_id <= self._last_event_id.get(url, -1):
-                log.info("%s restarted its KV event ids: forgetting its cached blocks", url)
+            if last is not None and events[0].event_id != last + 1:
+                # Ids from a restarted worker, or a gap: events this front end never got.
+                log.info("%s: KV events resume at id %d after %d: forgetting its cached blocks",
+                         url, events[0].event_id, last)  # fmt: skip
                 router.reset_server(url)
             self._last_event_id[url] = events[-1].event_id
             router.apply_kv_events(url, events)

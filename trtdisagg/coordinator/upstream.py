@@ -228,14 +228,20 @@ class WorkerClient:
         why = _health_reason(response.content)
         return HealthCheck(ok=False, reason=f"{reason}: {why}" if why else reason)
 
-    async def post_for_json(self, url: str, path: str, *, limit_s: float, role: str) -> object:
-        """POST without a body and return any JSON answer (``/kv_cache_events``)."""
-        return await self._json(url, path, method="POST", limit_s=limit_s, role=role)
+    async def post_for_json(
+        self, url: str, path: str, *, limit_s: float, role: str, body: object = None
+    ) -> object:
+        """POST `body` (none when None) and return any JSON answer (``/kv_cache_events``)."""
+        return await self._json(url, path, method="POST", limit_s=limit_s, role=role, body=body)
 
-    async def _json(self, url: str, path: str, *, method: str, limit_s: float, role: str) -> object:
+    async def _json(
+        self, url: str, path: str, *, method: str, limit_s: float, role: str, body: object = None
+    ) -> object:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         try:
-            response = await self.http.request(method, url + path, timeout=limit_s, headers=headers)
+            response = await self.http.request(
+                method, url + path, timeout=limit_s, headers=headers, json=body
+            )
         except httpx.TransportError as exc:
             raise UpstreamUnreachable(
                 f"{role} server {url} unreachable: {_describe(exc)}", server=url, role=role

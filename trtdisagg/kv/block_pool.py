@@ -32,38 +32,18 @@ Pure: no I/O, no torch. The executor owns the pool and is its only caller.
 from __future__ import annotations
 
 import collections
-import enum
-import itertools
 from collections.abc import Sequence
 from typing import Final
 
 import attrs
 
+from trtdisagg.kv.event_log import KvEvent, KvEventKind, KvEventLog
 from trtdisagg.kv.free_runs import FreeRuns
 from trtdisagg.kv.hashing import hash_block
 
+__all__ = ["BlockPool", "BlockTable", "KvEvent", "KvEventKind"]
+
 DEFAULT_MAX_PENDING_EVENTS: Final = 65536
-
-
-class KvEventKind(enum.Enum):
-    STORED = "stored"
-    REMOVED = "removed"
-
-
-@attrs.frozen(kw_only=True)
-class KvEvent:
-    """A change to the set of cached block hashes, for a KV-aware router.
-
-    ``block_hashes`` of a STORED event are one chain, in order; ``parent_hash`` is the hash of the
-    block before the first of them (None if the chain starts at the sequence's first block).
-    REMOVED events have no parent. ``event_id`` increases by one per event, so a consumer can
-    tell when it missed some.
-    """
-
-    kind: KvEventKind
-    block_hashes: tuple[int, ...]
-    parent_hash: int | None = None
-    event_id: int
 
 
 @attrs.frozen(kw_only=True)
@@ -116,8 +96,9 @@ class BlockPool:
         num_blocks: blocks in the pool.
         tokens_per_block: tokens per block.
         enable_block_reuse: keep computed full blocks as a prefix cache and emit KV events.
-        max_pending_events: KV events kept until ``drain_events``; older ones are dropped (and
-            counted) so that a worker nobody polls does not grow without bound.
+        max_pending_events: KV events kept (`event_log.KvEventLog`); older ones are dropped, and
+            counted when no drain returned them, so that a worker nobody polls does not grow
+            without bound.
     """
 
     def __init__(
@@ -132,8 +113,6 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
-        if max_pending_events <= 0:
-            raise ValueError(f"max_pending_events must be positive, got {max_pending_events}")
         self._num_blocks = num_blocks
         self._tokens_per_block = tokens_per_block
         self._reuse = enable_block_reuse
@@ -144,9 +123,7 @@ class BlockPool:
         self._cached: dict[int, int] = {}  # hash -> the one canonical block holding it
         self._reusable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self._num_used = 0
-        self._events: collections.deque[KvEvent] = collections.deque(maxlen=max_pending_events)
-        self._event_ids = itertools.count()
-        self._num_dropped_events = 0
+        self._events = KvEventLog(max_pending_events)
 
     @property
     def num_blocks(self) -> int:
@@ -171,7 +148,7 @@ class BlockPool:
             free_blocks=len(self._free),
             reusable_blocks=len(self._reusable),
             used_blocks=self._num_used,
-            num_dropped_events=self._num_dropped_events,
+            num_dropped_events=self._events.num_dropped,
         )
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -361,9 +338,12 @@ class BlockPool:
 
     def drain_events(self) -> list[KvEvent]:
         """KV events since the last drain, oldest first."""
-        events = list(self._events)
-        self._events.clear()
-        return events
+        return self._events.drain()
+
+    def events_after(self, cursor: int) -> list[KvEvent]:
+        """KV events after id `cursor`, oldest first, for a reader with a cursor of its own
+        (`KvEventLog.after`); drains do not change what it reads."""
+        return self._events.after(cursor)
 
     # ---- checks ----
 
@@ -451,16 +431,7 @@ class BlockPool:
             self._emit(KvEventKind.STORED, hashes, parent)
 
     def _emit(self, kind: KvEventKind, hashes: list[int], parent: int | None) -> None:
-        if len(self._events) == self._events.maxlen:
-            self._num_dropped_events += 1
-        self._events.append(
-            KvEvent(
-                kind=kind,
-                block_hashes=tuple(hashes),
-                parent_hash=parent,
-                event_id=next(self._event_ids),
-            )
-        )
+        self._events.append(kind, tuple(hashes), parent)
 
 
 def _check(condition: bool, message: str) -> None:

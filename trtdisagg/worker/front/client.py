@@ -165,8 +165,8 @@ class RemoteEngine:
             engine = b""
         return engine + generate_latest(self.registry)
 
-    async def drain_kv_events(self) -> list[dict[str, Any]]:
-        events = await self._call(Call.KV_EVENTS)
+    async def drain_kv_events(self, after: int | None = None) -> list[dict[str, Any]]:
+        events = await self._call(Call.KV_EVENTS, after)
         return events if isinstance(events, list) else []
 
     async def kv_digests(self) -> dict[int, str]:

@@ -294,7 +294,10 @@ class EngineServer:
         elif call is Call.METRICS:
             result = await engine.render_metrics()
         elif call is Call.KV_EVENTS:
-            result = await engine.drain_kv_events()
+            if argument is not None and (type(argument) is not int or argument < -1):
+                self._bad(front.identity, f"KV_EVENTS after {argument!r}")
+            else:
+                result = await engine.drain_kv_events(argument)
         elif call is Call.KV_DIGESTS:
             result = await engine.kv_digests()
         elif call is Call.FAIL_STEPS:

@@ -54,7 +54,7 @@ class Call(enum.IntEnum):
     SENDING_KEY_IN_USE = 2  # argument: transfer key → bool
     RECEIVING_KEY_IN_USE = 3  # argument: transfer key → bool
     METRICS = 4  # argument: None → bytes
-    KV_EVENTS = 5  # argument: None → list of event objects
+    KV_EVENTS = 5  # argument: None (a drain) or a cursor (an int ≥ -1) → list of event objects
     KV_DIGESTS = 6  # argument: None → {key: digest}
     FAIL_STEPS = 7  # argument: count → None
 

@@ -26,7 +26,12 @@ from trtdisagg.api.http import (
     model_not_found,
     model_object,
 )
-from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, KvRelease
+from trtdisagg.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    KvEventsRead,
+    KvRelease,
+)
 from trtdisagg.api.responses_api import ResponsesRequest, as_responses_error, chat_body
 from trtdisagg.api.responses_events import ResponseHead, ResponsesStream, response_body
 from trtdisagg.api.streaming import ResponsesBody
@@ -71,7 +76,13 @@ def create_app(service: WorkerService) -> QuartTrio:
 
     @app.post("/kv_cache_events")
     async def kv_cache_events() -> Response:
-        return json_response(await service.drain_kv_events())
+        raw = await request.get_data(cache=False, as_text=False)
+        if not raw.strip():
+            return json_response(await service.drain_kv_events())
+        read = structure_body(parse_json(raw), KvEventsRead)
+        if read.after < -1:
+            raise bad_request(f"after: must be an event id or -1, got {read.after}", param="after")
+        return json_response(await service.drain_kv_events(read.after))
 
     @app.get("/debug/kv_digests")
     async def kv_digests() -> Response:

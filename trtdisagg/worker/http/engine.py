@@ -70,8 +70,9 @@ class Engine(Protocol):
         """The Prometheus text of the engine's registry, gauges brought up to date."""
         ...
 
-    async def drain_kv_events(self) -> list[dict[str, Any]]:
-        """KV events since the last drain, as `/kv_cache_events` answers them."""
+    async def drain_kv_events(self, after: int | None = None) -> list[dict[str, Any]]:
+        """KV events as `/kv_cache_events` answers them: those since the last drain, or with
+        `after`, those after that event id (a reader's own cursor; drains do not touch it)."""
         ...
 
     async def kv_digests(self) -> dict[int, str]:
@@ -145,8 +146,9 @@ class LocalEngine:
     async def render_metrics(self) -> bytes:
         return self.executor.metrics.render(self.executor.refresh_gauges)
 
-    async def drain_kv_events(self) -> list[dict[str, Any]]:
-        return kv_events_json(self.executor.scheduler.pool.drain_events())
+    async def drain_kv_events(self, after: int | None = None) -> list[dict[str, Any]]:
+        pool = self.executor.scheduler.pool
+        return kv_events_json(pool.drain_events() if after is None else pool.events_after(after))
 
     async def kv_digests(self) -> dict[int, str]:
         hooks = self.executor.test_hooks

@@ -129,8 +129,8 @@ class WorkerService:
     async def render_metrics(self) -> bytes:
         return await self.engine.render_metrics()
 
-    async def drain_kv_events(self) -> list[dict[str, Any]]:
-        return await self.engine.drain_kv_events()
+    async def drain_kv_events(self, after: int | None = None) -> list[dict[str, Any]]:
+        return await self.engine.drain_kv_events(after)
 
     async def release_send(self, ask: KvRelease) -> bool:
         """`POST /disagg/release`: whether a context_only request held, or will hold, KV under
