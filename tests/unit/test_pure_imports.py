@@ -18,6 +18,7 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.kv.page_table",
     "trtdisagg.kv.hashing",
     "trtdisagg.kv.block_pool",
+    "trtdisagg.kv.event_log",
     "trtdisagg.kv.free_runs",
     "trtdisagg.worker.request",
     "trtdisagg.worker.scheduler",
