@@ -297,7 +297,8 @@ def report(runs: Sequence[Run]) -> str:
     fronted = [r for r in runs[1:] if r.req_per_cpu_s is not None]
     if fronted and runs[0].cpu_ms_per_request and fronted[0].cpu_ms_per_request:
         ratio = fronted[0].cpu_ms_per_request / runs[0].cpu_ms_per_request
-        lines.append(f"front end CPU per {unit} / bare server's: {ratio:.2f}")
+        what = "token" if unit == "tok" else "request"
+        lines.append(f"front end CPU per {what} / bare server's: {ratio:.2f}")
     if fronted:
         lines.append(f"frontend_req_per_cpu_s={fronted[0].req_per_cpu_s:.1f}")
     return "\n".join(lines)
