@@ -148,13 +148,25 @@ def test_fleet_of_two_shares_one_port_and_each_front_end_places_requests(
                     pids.add(r.json()["pid"])
         assert len(pids) == 2, "both front ends should answer on the shared port"
         served = counts(gen, "gen")
-        for i in range(4):  # gen alone: each front end checks gen and places requests itself
+        for i in range(8):  # gen alone: each front end checks gen and places requests itself
             with httpx.Client() as fresh:
                 r = fresh.post(coord.url + "/v1/completions", json=body(f"hello {i}"), timeout=60)
             assert r.status_code == 200, r.text
-        assert counts(gen, "gen") == served + 4
+        assert counts(gen, "gen") == served + 8
         info = httpx.get(coord.url + "/cluster_info").json()
         assert info["server_lists"]["generation"] == [gen.url]
+
+        def fleet_metric(name: str) -> float:
+            with httpx.Client() as fresh:  # whichever front end takes this connection
+                text = fresh.get(coord.url + "/metrics").text
+            ok = 'role="coordinator",status="ok"'
+            return metric(text, name, ok if name == "trtdisagg_requests_total" else "")
+
+        # The 8 requests spread over both front ends; each scrape shows the fleet's totals.
+        wait_until(lambda: fleet_metric("trtdisagg_requests_total") == 8, 5.0, "8 counted")
+        for _ in range(6):
+            assert fleet_metric("trtdisagg_requests_total") == 8
+            assert fleet_metric("trtdisagg_coordinator_local_prefill_total") == 8
 
 
 # ---- through ctx → gen: these need the KV transceiver in the workers ----

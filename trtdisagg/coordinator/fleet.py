@@ -10,7 +10,9 @@ lists or the same etcd cluster. Nothing passes between the front ends themselves
 
 The supervisor (this process, no event loop) first binds a reservation socket without
 listening: it claims the port (and resolves port 0) and receives no connections. Children are
-started with ``spawn`` and front end ``i`` mints ids with process id ``i``.
+started with ``spawn`` and front end ``i`` mints ids with process id ``i``. They count their
+metrics in files of one directory the supervisor makes (prometheus_client's multiprocess mode),
+so `/metrics`, whichever front end answers it, shows the whole fleet's counters.
 
 Supervision: SIGINT/SIGTERM stop every child (terminate, then kill after a grace period). A
 front end that exits ends the fleet with its exit code.
@@ -21,8 +23,11 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
+import shutil
 import signal
 import sys
+import tempfile
 import types
 from multiprocessing.process import BaseProcess
 from typing import Final
@@ -31,6 +36,7 @@ import attrs
 
 from trtdisagg.api.listen import bind_socket
 from trtdisagg.coordinator.config import CoordinatorConfig
+from trtdisagg.coordinator.metrics import MULTIPROCESS_DIR_ENV
 from trtdisagg.coordinator.serve import EXIT_STARTUP_FAILED, run_service, serve_coordinator
 from trtdisagg.errors import StartupError
 
@@ -83,6 +89,10 @@ def run_fleet(config: CoordinatorConfig) -> int:
     config = attrs.evolve(config, port=port)
     spawn = multiprocessing.get_context("spawn")
     fronts: list[BaseProcess] = []
+    # Set before the children start: prometheus_client picks its value store when imported.
+    metrics_dir = tempfile.mkdtemp(prefix="trtdisagg-fleet-metrics-")
+    previous_dir = os.environ.get(MULTIPROCESS_DIR_ENV)
+    os.environ[MULTIPROCESS_DIR_ENV] = metrics_dir
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for i in range(config.num_workers):
@@ -102,6 +112,11 @@ def run_fleet(config: CoordinatorConfig) -> int:
             signal.signal(signum, handler)
         _stop_all(fronts)
         reservation.close()
+        if previous_dir is None:
+            os.environ.pop(MULTIPROCESS_DIR_ENV, None)
+        else:
+            os.environ[MULTIPROCESS_DIR_ENV] = previous_dir
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def _supervise(fronts: list[BaseProcess]) -> int:

@@ -1,18 +1,25 @@
 """The coordinator's Prometheus metrics (DESIGN.md §9 names), in a per-process registry.
 
-In a fleet every front-end process counts what it served and routed itself (a scrape of the
-public port reaches one of them).
+In a fleet every front-end process counts what it served and routed itself, in files of the
+directory the supervisor names in ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess
+mode), and `render` adds them up: a scrape of the public port, whichever front end takes it,
+shows the fleet's totals.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Final
+
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from trtdisagg.metrics import CONTENT_TYPE as CONTENT_TYPE
 from trtdisagg.metrics import event_loop_lag_histogram
 
 ROLE = "coordinator"
+MULTIPROCESS_DIR_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -60,7 +67,8 @@ class CoordinatorMetrics:
                 p + "requests", "Finished client requests", ["role", "status"], registry=r
             ),
             requests_running=Gauge(
-                p + "requests_running", "Client requests in flight", registry=r
+                p + "requests_running", "Client requests in flight", registry=r,
+                multiprocess_mode="livesum",
             ),
             time_to_first_token=Histogram(
                 p + "time_to_first_token_seconds", "Arrival to first token relayed",
@@ -115,4 +123,9 @@ class CoordinatorMetrics:
         self.requests_total.labels(role=ROLE, status=status).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        directory = os.environ.get(MULTIPROCESS_DIR_ENV)
+        if directory is None:
+            return generate_latest(self.registry)
+        fleet = CollectorRegistry()
+        MultiProcessCollector(fleet, path=directory)
+        return generate_latest(fleet)
