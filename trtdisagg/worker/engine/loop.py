@@ -105,14 +105,6 @@ class StepLoop:
     stopped: str | None = None
     _failed_steps: int = attrs.field(default=0, alias="failed_steps")  # in a row
     _in_flight: InFlight | None = attrs.field(default=None, alias="in_flight")
-    # Steps launched and not yet closed: one may be being finished while `_in_flight` is
-    # already the next (or None), and its ended requests' blocks come back when it closes.
-    _open_steps: int = attrs.field(default=0, alias="open_steps")
-
-    @property
-    def has_step_in_flight(self) -> bool:
-        """Whether a launched step is not yet finished (its tokens taken, its plan closed)."""
-        return self._open_steps > 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with self.driver.running():
@@ -151,7 +143,6 @@ class StepLoop:
         self.tracker.prepare_sends(plan, self.lives)
         prefill_tokens = _prefill_tokens(plan)
         self.scheduler.step_launched(plan)
-        self._open_steps += 1
         for item in plan.items:
             if item.samples:
                 item.request.pending_tokens += 1
@@ -165,7 +156,7 @@ class StepLoop:
             await self._finish(in_flight)  # its tokens are on the host: nothing waits
         if launched.failure is not None:
             self._step_failed(plan, launched.failure)
-            self._close(plan)
+            self.scheduler.step_finished(plan)
             return
         self._in_flight = InFlight(plan=plan, launched=launched, prefill_tokens=prefill_tokens)
 
@@ -256,22 +247,18 @@ class StepLoop:
         try:
             out = await self.driver.finish(in_flight.launched)
         except StepSkipped:
-            self._close(plan)
+            self.scheduler.step_finished(plan)
             return
         except StepFailed as failure:
             self._step_failed(plan, failure)
-            self._close(plan)
+            self.scheduler.step_finished(plan)
             return
         self._failed_steps = 0
-        self._close(plan)
+        self.scheduler.step_finished(plan)
         self.metrics.steps.inc()
         self.metrics.prefill_tokens.inc(in_flight.prefill_tokens)
         self.metrics.step_device_seconds.inc(out.device_s)
         self._respond(out)
-
-    def _close(self, plan: StepPlan) -> None:
-        self.scheduler.step_finished(plan)
-        self._open_steps -= 1
 
     def _respond(self, out: StepOutput) -> None:
         now = self.clock()
@@ -366,7 +353,7 @@ class StepLoop:
         Their tokens were never sampled and their KV may be half written, so they cannot resume;
         nothing else was touched by the step. They end as an abort does (blocks freed once no
         launched step computes them, transfer state released), with the cause in their error.
-        The caller closes the plan (`_close`).
+        The caller closes the plan (`Scheduler.step_finished`).
         """
         self._failed_steps += 1
         self.metrics.step_failures.inc()
