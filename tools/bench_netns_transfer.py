@@ -325,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1024,8192", help="prompt sizes, comma-separated")
     p.add_argument("--iterations", type=int, default=8, help="measured samples per path and size")
     p.add_argument(
-        "--raw-poll-us", type=float, default=100.0,
-        help="raw NIXL: pause between polls (0: spin; on a small CPU host spinning on both sides "
-        "takes the cores the kernel's TCP needs)",
+        "--raw-poll-us", type=float, default=50.0,
+        help="raw NIXL: pause between polls (default: the workers' pump period; 0: spin; on a "
+        "small CPU host spinning on both sides takes the cores the kernel's TCP needs)",
     )  # fmt: skip
     p.add_argument(
         "--nixl-progress-thread", action=argparse.BooleanOptionalAction, default=False,

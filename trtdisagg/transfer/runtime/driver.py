@@ -49,7 +49,14 @@ from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferHandle, Xf
 from trtdisagg.transfer.runtime.collector import TransceiverStatistics, WriteTally
 from trtdisagg.transfer.runtime.control import ControlPlane, ControlRouter, DealerOpener
 from trtdisagg.transfer.runtime.messenger import open_dealer
-from trtdisagg.transfer.runtime.pump import PUMP_INTERVAL_S, AgentCalls, NotificationPump
+from trtdisagg.transfer.runtime.pump import (
+    PUMP_INTERVAL_S,
+    AgentCalls,
+    Ended,
+    NotificationPump,
+    Notifications,
+    Posted,
+)
 from trtdisagg.transfer.runtime.staging_area import StagingArea
 
 log = logging.getLogger(__name__)
@@ -63,7 +70,7 @@ TICK_S: Final = 0.01  # deadlines are looked at this often while a transfer is u
 @attrs.define(eq=False, kw_only=True)
 class _Flight:
     order: ev.WriteOrder
-    handle: XferHandle
+    handle: XferHandle | None  # None while the pump posts it
     remote: str
     posted: float
     staging_offset: int | None = None
@@ -87,7 +94,7 @@ class KvTransceiver:
     connect: DealerOpener = open_dealer
     on_write: Callable[[int, int, float], None] | None = None  # bytes, descriptors, seconds
     tracer: Callable[[int, str, float], None] | None = None
-    pump_interval_s: float | None = None  # None: PUMP_INTERVAL_S for where our KV lives
+    pump_interval_s: float = PUMP_INTERVAL_S
     max_sessions_per_peer: int = 1024  # transfers one gen instance may hold with a ctx rank
     protocol: TransferProtocol = attrs.field(init=False)
     tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
@@ -119,10 +126,7 @@ class KvTransceiver:
             router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
         )
         self._calls = AgentCalls(self.agent)
-        interval = self.pump_interval_s
-        if interval is None:
-            interval = PUMP_INTERVAL_S[self.local.page_table.layer_groups[0].pool.memory_type]
-        self._pump = NotificationPump(self._calls, self._delivered, interval)
+        self._pump = NotificationPump(self._calls, self._delivered, self.pump_interval_s)
 
     @property
     def info_endpoint(self) -> str:
@@ -308,27 +312,39 @@ class KvTransceiver:
                 self._posted(order, self._calls.now(submit), remote)
             except TransferLayerError as exc:
                 self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
+        elif order.staged is None:
+            self._post_on_pump(order, remote, notice, prepared)
         else:
-            self._spawn(self._post_in_thread, order, remote, notice, prepared)
+            self._spawn(self._stage_and_post, order, remote, notice)
 
-    async def _post_in_thread(
-        self, order: ev.WriteOrder, remote: str, notice: bytes, prepared: XferHandle | None
+    def _post_on_pump(
+        self,
+        order: ev.WriteOrder,
+        remote: str,
+        notice: bytes,
+        prepared: XferHandle | None = None,
+        staging_offset: int | None = None,
     ) -> None:
-        """A post that blocks; bounced, it first packs this rank's share into staging room,
-        then writes it in one go."""
-        offset = None
+        """A post that blocks: on the pump's thread, which polls the write right after it."""
+        self._calls.slow_call_started()
+        self._flights[order.write_id] = _Flight(
+            order=order, handle=None, remote=remote, posted=self.clock(),
+            staging_offset=staging_offset,
+        )  # fmt: skip
+        self._pump.post(
+            order.write_id, functools.partial(self._submit, order, remote, notice, prepared)
+        )
+
+    async def _stage_and_post(self, order: ev.WriteOrder, remote: str, notice: bytes) -> None:
+        """A bounced write first packs this rank's share into staging room, then writes it in
+        one go."""
+        assert self.staging is not None
         try:
-            if order.staged is not None:
-                assert self.staging is not None
-                offset, order = await self._stage(order, self.staging)
-            submit = functools.partial(self._submit, order, remote, notice, prepared)
-            handle = await self._calls.in_thread(submit)
+            offset, order = await self._stage(order, self.staging)
         except TransferLayerError as exc:
-            if offset is not None and self.staging is not None:
-                self.staging.release(offset)
             self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
             return
-        self._posted(order, handle, remote, staging_offset=offset)
+        self._post_on_pump(order, remote, notice, staging_offset=offset)
 
     async def _stage(self, order: ev.WriteOrder, staging: StagingArea) -> tuple[int, ev.WriteOrder]:
         """Reserve room and pack `order`'s share into it: the offset, and the order that
@@ -374,14 +390,25 @@ class KvTransceiver:
         self._flights[order.write_id] = flight
         self._pump.watch_write(order.write_id, handle)
 
-    def _delivered(
-        self, notifications: list[tuple[str, bytes]], ended: list[tuple[int, XferStatus]]
-    ) -> None:
-        """What the pump found: writes that ended, notifications (on the Trio thread)."""
+    def _delivered(self, posted: Posted, notifications: Notifications, ended: Ended) -> None:
+        """What the pump did and found: writes posted, writes that ended, notifications (on the
+        Trio thread)."""
         if self._nursery is None:
             return  # the service has ended
+        for write_id, handle in posted:
+            self._calls.slow_call_ended()
+            flight = self._flights[write_id]
+            if isinstance(handle, str):
+                del self._flights[write_id]
+                if flight.staging_offset is not None and self.staging is not None:
+                    self.staging.release(flight.staging_offset)
+                self._feed(ev.WriteEnded(write_id=write_id, error=handle))
+            else:
+                flight.handle = handle
+                self._trace(flight.order.key, "posted")
         for write_id, state in ended:
             flight = self._flights.pop(write_id)
+            assert flight.handle is not None, "the pump polls a write only once it is posted"
             self._release(flight.handle)
             if flight.staging_offset is not None and self.staging is not None:
                 self.staging.release(flight.staging_offset)

@@ -1,17 +1,21 @@
-"""The agent's one lock, and the one thread that polls the agent while a transfer waits.
+"""The agent's one lock, and the one thread that posts slow writes and polls the agent while a
+transfer waits.
 
 Agent calls never overlap (agents/base.py): each holds `AgentCalls.lock`. A blocking call
-(loading a peer's agent, a post that copies host memory, packing staging) runs in a worker
-thread (`in_thread`), a quick one (a post of a few descriptors, a release) on the Trio thread
-(`now`), but only while no blocking call runs (`idle`): the lock is then free or held by the pump
-for microseconds, and the loop never waits on a blocking call.
+(loading a peer's agent, packing staging) runs in a worker thread (`in_thread`), a quick one (a
+post of a few descriptors, a release) on the Trio thread (`now`), but only while no blocking call
+runs (`idle`): the lock is then free or held by the pump for microseconds, and the loop never
+waits on a blocking call.
 
 An agent says that a write ended only when polled (NIXL's UCX backend even sends a GPU write's
 notification from the poll that finds it done), and that a notification came only when asked; a
 Trio task cannot poll often enough (epoll's timeout is whole milliseconds). So one thread polls
 every `interval_s` while a write is in flight or a receive awaits its notification (else it parks
 on a `threading.Event`), and hands what it finds to the Trio thread with
-`TrioToken.run_sync_soon`, which wakes the loop at once.
+`TrioToken.run_sync_soon`, which wakes the loop at once. A post that blocks (host memory: over
+TCP it fills the socket) runs on that thread too, which then polls its write at once: from a
+worker thread, the hops there and back (and the wait for the GIL each takes) cost as much as a
+1k-token prompt's write (docs/BENCHMARKS.md, between hosts).
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Notifications = list[tuple[str, bytes]]
 Ended = list[tuple[int, XferStatus]]
+Posted = list[tuple[int, XferHandle | str]]  # a posted write's handle, or why its post failed
 
-# The pump's period while a transfer waits, by where the KV lives: a small part of the shortest
-# write that matters, since each poll costs CPU. A GPU write of hundreds of
-# MiB takes a fraction of a millisecond; a host-memory write of that size takes milliseconds.
-PUMP_INTERVAL_S = {"VRAM": 50e-6, "DRAM": 500e-6}
+# The pump's period while a transfer waits. Over TCP (peers on other hosts) UCX moves bytes
+# only while both ends progress it: the receiver's polls drain its socket, so a slow period caps
+# the write's rate (docs/BENCHMARKS.md, between hosts). The pump polls only while a write or a
+# notification is awaited, and each poll takes microseconds.
+PUMP_INTERVAL_S = 50e-6
 _PR_SET_TIMERSLACK = 29
 
 
@@ -56,6 +62,13 @@ class AgentCalls:
         """No blocking call runs: `now` waits for the pump at most."""
         return not self._slow
 
+    def slow_call_started(self) -> None:
+        """A blocking call was handed to another thread (on the Trio thread, as `now`)."""
+        self._slow += 1
+
+    def slow_call_ended(self) -> None:
+        self._slow -= 1
+
     def now(self, call: Callable[[], T]) -> T:
         """A quick call, here on the Trio thread (only while `idle`)."""
         assert not self._slow, "a blocking agent call runs: use in_thread"
@@ -64,11 +77,11 @@ class AgentCalls:
 
     async def in_thread(self, call: Callable[[], T]) -> T:
         """A blocking call, in a worker thread."""
-        self._slow += 1
+        self.slow_call_started()
         try:
             return await trio.to_thread.run_sync(self._locked, call)
         finally:
-            self._slow -= 1
+            self.slow_call_ended()
 
     def _locked(self, call: Callable[[], T]) -> T:
         with self.lock:
@@ -76,15 +89,20 @@ class AgentCalls:
 
 
 class NotificationPump:
-    """Polls the agent's writes and notifications from a thread while any is awaited."""
+    """Posts slow writes, and polls the agent's writes and notifications while any is awaited,
+    from one thread."""
 
     def __init__(
-        self, calls: AgentCalls, deliver: Callable[[Notifications, Ended], None], interval_s: float
+        self,
+        calls: AgentCalls,
+        deliver: Callable[[Posted, Notifications, Ended], None],
+        interval_s: float,
     ) -> None:
         self._calls, self._deliver, self._interval_s = calls, deliver, interval_s
         self._state = threading.Lock()  # guards what is watched, and the wake-up
         self._wakeup = threading.Event()
         self._writes: dict[int, XferHandle] = {}
+        self._posts: list[tuple[int, Callable[[], XferHandle]]] = []
         self._notices = self._stopping = False
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -95,6 +113,13 @@ class NotificationPump:
             self._writes[write_id] = handle
             if not self._wakeup.is_set():  # (set: the pump is polling, and clears it only
                 self._wakeup.set()  # under this lock once nothing is watched)
+
+    def post(self, write_id: int, submit: Callable[[], XferHandle]) -> None:
+        """Run this blocking post here (the agent's lock held), then poll its write. Its handle
+        (or its error) is delivered before its end. The caller counts it as a slow call."""
+        with self._state:
+            self._posts.append((write_id, submit))
+            self._wakeup.set()
 
     def want_notices(self, wanted: bool) -> None:
         """Drain the agent's notifications (while a receive awaits one) or not."""
@@ -123,20 +148,39 @@ class NotificationPump:
             with self._state:
                 if self._stopping:
                     return
-                writes, notices = list(self._writes.items()), self._notices
-                if not writes and not notices:
+                posts, self._posts = self._posts, []
+                if not posts and not self._writes and not self._notices:
                     self._wakeup.clear()  # under the lock: a watch made now sets it again
                     continue
+            posted = self._post(posts)
+            with self._state:
+                writes, notices = list(self._writes.items()), self._notices
             got, ended = self._poll(writes, notices)
             if ended:
                 with self._state:
                     for write_id, _ in ended:
                         del self._writes[write_id]
-            if got or ended:
+            if posted or got or ended:
                 assert self._token is not None
                 with contextlib.suppress(trio.RunFinishedError):  # (stopped first, normally)
-                    self._token.run_sync_soon(self._delivered, got, ended)
+                    self._token.run_sync_soon(self._delivered, posted, got, ended)
             time.sleep(self._interval_s)
+
+    def _post(self, posts: list[tuple[int, Callable[[], XferHandle]]]) -> Posted:
+        posted = Posted()
+        for write_id, submit in posts:
+            try:
+                with self._calls.lock:
+                    handle = submit()
+            except Exception as exc:  # a failed post fails its write, never the pump
+                if not isinstance(exc, TransferLayerError):
+                    log.exception("posting KV write %d", write_id)
+                posted.append((write_id, str(exc) or type(exc).__name__))
+                continue
+            posted.append((write_id, handle))
+            with self._state:
+                self._writes[write_id] = handle
+        return posted
 
     def _poll(
         self, writes: list[tuple[int, XferHandle]], notices: bool
@@ -154,9 +198,9 @@ class NotificationPump:
                     ended.append((write_id, state))
         return got, ended
 
-    def _delivered(self, got: Notifications, ended: Ended) -> None:
+    def _delivered(self, posted: Posted, got: Notifications, ended: Ended) -> None:
         try:  # on the Trio thread, outside any task: nothing may escape
-            self._deliver(got, ended)
+            self._deliver(posted, got, ended)
         except Exception:
             log.exception("handing the agent's news over failed")
 
