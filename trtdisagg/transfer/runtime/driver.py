@@ -33,7 +33,6 @@ from trtdisagg.security.keys import PeerLabel
 from trtdisagg.transfer.errors import ProtocolError, TransferLayerError
 from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.core import TransferProtocol
-from trtdisagg.transfer.protocol.fragments import Fragments
 from trtdisagg.transfer.protocol.gen import StagingInfo
 from trtdisagg.transfer.protocol.liveness import PeerLiveness
 from trtdisagg.transfer.protocol.rank_info import RankInfo
@@ -340,30 +339,11 @@ class KvTransceiver:
         one go."""
         assert self.staging is not None
         try:
-            offset, order = await self._stage(order, self.staging)
+            offset, order = await self.staging.stage(order, self._calls.in_thread)
         except TransferLayerError as exc:
             self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
             return
         self._post_on_pump(order, remote, notice, staging_offset=offset)
-
-    async def _stage(self, order: ev.WriteOrder, staging: StagingArea) -> tuple[int, ev.WriteOrder]:
-        """Reserve room and pack `order`'s share into it: the offset, and the order that
-        writes from it."""
-        staged = order.staged
-        assert staged is not None
-        offset = await staging.reserve(staged.num_bytes, order.deadline)
-        pack = functools.partial(
-            staging.stager.pack, offset, staged.runs, staged.block_ids,
-            first_token=staged.first_token, num_tokens=staged.num_tokens,
-        )  # fmt: skip
-        try:
-            await self._calls.in_thread(pack)
-        except TransferLayerError:
-            staging.release(offset)
-            raise
-        rows = order.fragments.rows.copy()
-        rows[:, 0] += staging.stager.address + offset
-        return offset, attrs.evolve(order, fragments=Fragments(rows))
 
     def _submit(
         self, order: ev.WriteOrder, remote: str, notice: bytes, prepared: XferHandle | None = None
@@ -481,24 +461,9 @@ class KvTransceiver:
         self._feed(ev.StagingReserved(key=key, offset=offset))
 
     async def _scatter(self, key: int, staged: ev.Staged) -> None:
-        """Copy a bounced receive into its blocks: on the GPU it is queued on the device's
-        stream, ahead of any step that reads them; from host memory it is real work, done in a
-        worker thread (the request's blocks stay held until it is reported)."""
+        """Copy a bounced receive into its blocks (which stay held until it is reported)."""
         assert self.staging is not None
-        stager, error = self.staging.stager, None
-        unpack = functools.partial(
-            stager.unpack, staged.offset, staged.block_ids,
-            first_token=staged.first_token, num_tokens=staged.num_tokens,
-        )  # fmt: skip
-        try:
-            if stager.memory_type == "VRAM":
-                unpack()
-            else:
-                await trio.to_thread.run_sync(unpack)
-        except Exception as exc:  # a failed copy fails the request, never the service
-            error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self.staging.release(staged.offset)
+        error = await self.staging.scatter(staged)
         self._feed(ev.Scattered(key=key, error=error))
 
 

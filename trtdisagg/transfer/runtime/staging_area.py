@@ -9,13 +9,16 @@ its own write or scatter is done, waiting cannot deadlock.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import functools
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
 
 from trtdisagg.transfer.errors import TransferLayerError
+from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.bounce import Stager, StagingAllocator
+from trtdisagg.transfer.protocol.fragments import Fragments
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -59,6 +62,46 @@ class StagingArea:
         finally:
             self._queue.remove(ticket)
             self._notify()  # the next in line may fit now
+
+    async def stage(
+        self, order: ev.WriteOrder, in_thread: Callable[[Callable[[], None]], Awaitable[None]]
+    ) -> tuple[int, ev.WriteOrder]:
+        """Reserve room and pack `order`'s share into it (the packing through `in_thread`, which
+        holds the agent's lock): the offset, and the order that writes from it."""
+        staged = order.staged
+        assert staged is not None
+        offset = await self.reserve(staged.num_bytes, order.deadline)
+        pack = functools.partial(
+            self.stager.pack, offset, staged.runs, staged.block_ids,
+            first_token=staged.first_token, num_tokens=staged.num_tokens,
+        )  # fmt: skip
+        try:
+            await in_thread(pack)
+        except TransferLayerError:
+            self.release(offset)
+            raise
+        rows = order.fragments.rows.copy()
+        rows[:, 0] += self.stager.address + offset
+        return offset, attrs.evolve(order, fragments=Fragments(rows))
+
+    async def scatter(self, staged: ev.Staged) -> str | None:
+        """Copy a bounced receive into its blocks and free its room; what failed, if anything.
+        On the GPU the copy is queued on the device's stream, ahead of any step that reads the
+        blocks; from host memory it is real work, done in a worker thread."""
+        unpack = functools.partial(
+            self.stager.unpack, staged.offset, staged.block_ids,
+            first_token=staged.first_token, num_tokens=staged.num_tokens,
+        )  # fmt: skip
+        try:
+            if self.stager.memory_type == "VRAM":
+                unpack()
+            else:
+                await trio.to_thread.run_sync(unpack)
+        except Exception as exc:  # a failed copy fails the request, never the service
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            self.release(staged.offset)
+        return None
 
     def release(self, offset: int) -> None:
         self.allocator.release(offset)
