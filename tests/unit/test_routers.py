@@ -19,6 +19,7 @@ from trtdisagg.coordinator.routers import (
     create_router,
     parse_kv_events,
 )
+from trtdisagg.coordinator.routers.conversation import rendezvous_choice
 from trtdisagg.kv.hashing import reusable_block_hashes
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
@@ -73,15 +74,17 @@ def test_no_servers_and_only_excluded_server() -> None:
 def test_a_server_that_cannot_pair_is_never_chosen_however_it_scores(kind: type[Router]) -> None:
     router = make(kind, A, B, C)
     prompt = list(range(1, 18))
-    router.apply_kv_events(A, _stored(reusable_block_hashes(prompt, 4)))  # A holds the prefix
-    router.select(req(1, prompt, conversation_id="c"))  # ... and the conversation
+    conversation = _ranked_first(A, [A, B, C])  # A holds the conversation ...
+    router.apply_kv_events(A, _stored(reusable_block_hashes(prompt, 4)))  # ... and the prefix
+    router.select(req(1, prompt, conversation_id=conversation))
     router.finish(1)
     if kind in (KvCacheAwareRouter, ConversationRouter):
-        assert router.select(req(2, prompt, conversation_id="c")).server == A  # A would win
+        assert router.select(req(2, prompt, conversation_id=conversation)).server == A  # A wins
         router.finish(2)
     pairing = Pairing(peer="http://ctx:1", incompatible={A: "tokens_per_block: ctx 16 vs gen 32"})
     for i in range(6):
-        assert router.select(req(3 + i, prompt, conversation_id="c"), pairing=pairing).server != A
+        chosen = router.select(req(3 + i, prompt, conversation_id=conversation), pairing=pairing)
+        assert chosen.server != A
     nowhere = Pairing(peer="http://ctx:1", incompatible=dict.fromkeys([A, B, C], "x"))
     with pytest.raises(NoServerAvailable, match=r"^no context server can exchange KV with"):
         router.select(req(9), pairing=nowhere)
@@ -233,12 +236,50 @@ def test_conversation_text_mode() -> None:
     assert router.select(RouteRequest(key=2, prompt_text=text + "More?")).server == home
 
 
-def test_conversation_sessions_are_bounded() -> None:
-    router = make(ConversationRouter, A, B, max_sessions=2)
+def test_conversation_prefix_map_is_bounded() -> None:
+    router = make(ConversationRouter, A, B, tokens_per_block=4, max_sessions=2)
     for i in range(5):
-        router.select(req(i, conversation_id=f"c{i}"))
+        router.select(req(i, [10 * i + t for t in range(1, 9)]))  # two blocks each
     assert isinstance(router, ConversationRouter)
-    assert len(router._sessions) == 2
+    assert len(router._prefixes) == 2
+
+
+def _ranked_first(url: str, urls: list[str]) -> str:
+    """A conversation id that rendezvous hashing places on `url` among `urls`."""
+    return next(c for c in (f"chat-{i}" for i in range(1000)) if rendezvous_choice(c, urls) == url)
+
+
+def test_front_ends_with_different_histories_place_a_conversation_alike() -> None:
+    """Two front ends of a fleet share no state, and each has seen other traffic: every turn of
+    a conversation still reaches one server, whichever front end it lands on."""
+    first, second = make(ConversationRouter, A, B, C), make(ConversationRouter, A, B, C)
+    for i in range(5):  # load and round-robin turns that only the second front end has seen
+        second.select(req(100 + i, [7] * 8))
+    for n in range(30):
+        conversation = f"conversation-{n}"
+        home = first.select(req(1000 + n, conversation_id=conversation)).server
+        for turn in range(3):
+            key = 2000 + 10 * n + turn
+            assert second.select(req(key, conversation_id=conversation)).server == home
+            assert first.select(req(key, conversation_id=conversation)).server == home
+        # a retry that excludes the home server goes to the same fallback on both
+        fallback = first.select(req(3000 + n, conversation_id=conversation), exclude=home).server
+        again = second.select(req(3000 + n, conversation_id=conversation), exclude=home).server
+        assert fallback == again != home
+
+
+def test_conversations_spread_evenly_and_a_joining_server_takes_only_its_share() -> None:
+    router = make(ConversationRouter, A, B, C)
+    ids = [f"c{i}" for i in range(600)]
+    before = {c: router.select(req(i, conversation_id=c)).server for i, c in enumerate(ids)}
+    for server in (A, B, C):
+        assert 150 <= list(before.values()).count(server) <= 250, server
+    D = "http://d:1"
+    router.update_servers(servers(A, B, C, D))
+    after = {c: router.select(req(10_000 + i, conversation_id=c)).server for i, c in enumerate(ids)}
+    moved = [c for c in ids if after[c] != before[c]]
+    assert all(after[c] == D for c in moved)  # nobody moves between the servers that stayed
+    assert 100 <= len(moved) <= 200  # about a quarter
 
 
 def test_parse_kv_events() -> None:

@@ -82,6 +82,7 @@ class RouterConfig:
     events_poll_interval: float = 1.0
     # conversation: implicit prefix routing above this matched fraction of the prompt's blocks.
     match_threshold: float = 0.75
+    # conversation: prompt blocks remembered for implicit routing (least recently used go)
     max_sessions: int = 100_000
 
 

@@ -2,8 +2,13 @@
 
 Priority order for one request:
 
-1. **Sticky**: a request carrying ``conversation_id`` goes where that conversation went before,
-   if that server is still healthy and not excluded.
+1. **By id**: a request carrying ``conversation_id`` goes to the candidate that ranks first for
+   that id by rendezvous hashing (the highest hash of id and server URL). Every front end of a
+   fleet, on any host, computes the same ranking from the same servers with no state to share,
+   so a conversation stays on one server whichever front end each turn reaches. A server that
+   joins takes over only the conversations it now ranks first for (about 1/N of them); one that
+   leaves, or is excluded for a retry, hands each of its conversations to that conversation's
+   next-ranked server: all front ends again agree.
 2. **Implicit prefix**: the prompt's chained block hashes are looked up in a map of hashes the
    router has placed before (a chained hash names a whole prefix, so a dict is a trie); the
    deepest hit wins when it covers at least ``match_threshold`` of the prompt's blocks.
@@ -11,12 +16,14 @@ Priority order for one request:
    ties go round robin.
 
 Without token ids the prompt text's code points are hashed instead, in blocks of
-``4 * tokens_per_block`` characters. Both maps keep at most ``max_sessions`` entries and evict
-the least recently used; a server that leaves the healthy set loses its entries.
+``4 * tokens_per_block`` characters. The prefix map keeps at most ``max_sessions`` entries and
+evicts the least recently used; a server that leaves the healthy set loses its entries. Prefix
+maps are per front end: a fleet's front ends each learn the prefixes they placed.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import ClassVar
@@ -38,7 +45,6 @@ class ConversationRouter(Router):
     ) -> None:
         super().__init__(config, role=role)
         self._hasher = hasher
-        self._sessions: OrderedDict[str, str] = OrderedDict()
         self._prefixes: OrderedDict[int, str] = OrderedDict()
 
     @property
@@ -52,7 +58,6 @@ class ConversationRouter(Router):
     def update_servers(self, servers: Sequence[ServerView]) -> None:
         super().update_servers(servers)
         alive = {s.url for s in servers}
-        self._sessions = OrderedDict((k, u) for k, u in self._sessions.items() if u in alive)
         self._prefixes = OrderedDict((k, u) for k, u in self._prefixes.items() if u in alive)
 
     def prompt_hashes(self, request: RouteRequest) -> list[int]:
@@ -64,22 +69,20 @@ class ConversationRouter(Router):
         return []
 
     def _choose(self, candidates: list[ServerView], request: RouteRequest) -> Selection:
-        by_url = {s.url: s for s in candidates}
         hashes = self.prompt_hashes(request)
-        choice = self._sticky(request, by_url) or self._implicit(hashes, by_url)
-        if choice is None:
-            least = min(self._active_tokens[s.url] for s in candidates)
-            choice = self._round_robin(
-                [s for s in candidates if self._active_tokens[s.url] == least]
+        if request.conversation_id is not None:
+            url = rendezvous_choice(request.conversation_id, [s.url for s in candidates])
+            choice = next(s for s in candidates if s.url == url)
+        else:
+            choice = self._implicit(hashes, {s.url: s for s in candidates}) or self._least_loaded(
+                candidates
             )
-        self._remember(request, hashes, choice.url)
+        self._remember(hashes, choice.url)
         return Selection(server=choice.url)
 
-    def _sticky(self, request: RouteRequest, by_url: dict[str, ServerView]) -> ServerView | None:
-        if request.conversation_id is None:
-            return None
-        url = self._sessions.get(request.conversation_id)
-        return by_url.get(url) if url is not None else None
+    def _least_loaded(self, candidates: list[ServerView]) -> ServerView:
+        least = min(self._active_tokens[s.url] for s in candidates)
+        return self._round_robin([s for s in candidates if self._active_tokens[s.url] == least])
 
     def _implicit(self, hashes: list[int], by_url: dict[str, ServerView]) -> ServerView | None:
         depth, owner = 0, None
@@ -94,15 +97,19 @@ class ConversationRouter(Router):
             return None
         return by_url[owner]
 
-    def _remember(self, request: RouteRequest, hashes: list[int], url: str) -> None:
-        limit = self.config.max_sessions
-        if request.conversation_id is not None:
-            self._sessions[request.conversation_id] = url
-            self._sessions.move_to_end(request.conversation_id)
-            while len(self._sessions) > limit:
-                self._sessions.popitem(last=False)
+    def _remember(self, hashes: list[int], url: str) -> None:
         for h in hashes:
             self._prefixes[h] = url
             self._prefixes.move_to_end(h)
-        while len(self._prefixes) > limit:
+        while len(self._prefixes) > self.config.max_sessions:
             self._prefixes.popitem(last=False)
+
+
+def rendezvous_choice(key: str, urls: Sequence[str]) -> str:
+    """The URL that ranks first for `key` (highest random weight): a keyed hash that is the same
+    in every process, unlike Python's salted `hash`."""
+    return max(urls, key=lambda url: _weight(key, url))
+
+
+def _weight(key: str, url: str) -> bytes:
+    return hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest()
