@@ -87,6 +87,7 @@ class FakeWorker:
     health_checks: int = 0  # /health requests received
     unhealthy: str | None = None  # /health answers 503 with this reason, as a stopped worker does
     kv_compat: dict[str, str | int] | None = None  # None: not published (taken as able to pair)
+    boot_id: str = "boot-1"  # what /health names; a test changes it to play a restart
     running: int = 0
     requests: Counter[str] = attrs.Factory(Counter)
     """Requests served, by request_type."""
@@ -148,6 +149,14 @@ class FakeWorker:
             event = {"event_id": next(self._event_ids), "kind": "stored", "block_hashes": new}
             self._events.append({**event, "parent_hash": None})
         return matched * self.tokens_per_block
+
+    def restart(self, boot_id: str) -> None:
+        """Come back as a new process at once: nothing cached, no events, another boot id."""
+        self.boot_id = boot_id
+        self._stored.clear()
+        self._events.clear()
+        self._drained = 0
+        self._event_ids = itertools.count()
 
     def drain_events(self) -> list[Json]:
         events = self._events[self._drained :]
@@ -220,7 +229,7 @@ def create_fake_app(worker: FakeWorker) -> QuartTrio:
             await trio.sleep_forever()
         if worker.unhealthy is not None:
             return as_json({"status": "unhealthy", "reason": worker.unhealthy}, status=503)
-        return as_json({"status": "ok"})
+        return as_json({"status": "ok", "boot_id": worker.boot_id})
 
     @app.get("/server_info")
     async def server_info() -> Response:

@@ -217,6 +217,23 @@ def test_concurrent_streams_spread_over_both_fronts(servers: Servers) -> None:
     assert set(served) == set(fronts), served  # and each front serves some of them
 
 
+def test_every_front_names_the_worker_s_one_boot_in_health(servers: Servers) -> None:
+    """A coordinator tells a restart from the boot id in /health, so a worker's fronts all name
+    the same one, whichever takes the connection (new connections spread over both)."""
+    boots, pids = set(), set()
+    fronts = fronts_of(servers.fronts)
+    for _ in range(24):
+        with httpx.Client(timeout=10, trust_env=False) as fresh:
+            with fresh.stream("GET", servers.fronts.url + "/health") as r:
+                local_port = r.extensions["network_stream"].get_extra_info("client_addr")[1]
+                pids.add(holder(fronts, local_port))
+                r.read()
+            assert r.status_code == 200
+            boots.add(r.json()["boot_id"])
+    assert pids == set(fronts), pids  # both fronts answered
+    assert len(boots) == 1 and len(boots.pop()) == 16
+
+
 def holder(pids: list[int], client_port: int) -> int | None:
     """Which of `pids` holds the server side of the TCP connection from `client_port`."""
     inodes = set()

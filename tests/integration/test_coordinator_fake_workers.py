@@ -26,6 +26,7 @@ from tests.etcd_server import Etcd, running_etcd
 from tests.fake_worker import FakeWorker, create_fake_app, fake_tokenize, generate
 from trtdisagg.api.listen import bind_socket, serve_http
 from trtdisagg.coordinator.config import coordinator_config_from_dict
+from trtdisagg.coordinator.routers.conversation import rendezvous_choice
 from trtdisagg.coordinator.serve import serve_coordinator
 from trtdisagg.kv.hashing import reusable_block_hashes
 from trtdisagg.membership.etcd import open_etcd
@@ -618,6 +619,32 @@ async def test_kv_cache_aware_routes_shared_prefixes_together(
     assert f"trtdisagg_router_matched_tokens_total{labels} {4 * (20.0 + 24)}" in text
 
 
+async def test_a_ctx_restarted_between_two_health_checks_is_known_to_hold_nothing(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """A restarted worker's KV events start over, and there may be none yet: its new boot id
+    alone tells the router that the prefixes placed there before are gone."""
+    c = await start_cluster(nursery, ctx=2, ctx_router="kv_cache_aware")
+    prefix = [100 + i for i in range(24)]
+    labels = '{role="context",router="kv_cache_aware"}'
+
+    async def matched() -> str:
+        text = (await client.get(c.url + "/metrics")).text
+        return next(line for line in text.splitlines() if line.startswith(
+            f"trtdisagg_router_matched_tokens_total{labels}"))  # fmt: skip
+
+    assert (await client.post(c.url + "/v1/completions", json=_body(prefix))).status_code == 200
+    (home,) = [f.worker for f in c.ctx if f.worker.bodies]
+    r = await client.post(c.url + "/v1/completions", json=_body([*prefix, 1, 2, 3]))
+    assert r.status_code == 200 and home.bodies[-1]["prompt"] == [*prefix, 1, 2, 3]
+    assert await matched() == f"trtdisagg_router_matched_tokens_total{labels} 20.0"
+    home.restart("boot-2")
+    await home.wait_health_checks(home.health_checks + 2)
+    r = await client.post(c.url + "/v1/completions", json=_body([*prefix, 4, 5, 6]))
+    assert r.status_code == 200
+    assert await matched() == f"trtdisagg_router_matched_tokens_total{labels} 20.0"
+
+
 async def test_a_second_front_end_reads_the_kv_events_the_first_one_read(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:
@@ -859,6 +886,29 @@ async def test_two_kv_groups_are_each_paired_only_among_themselves(
     assert all(f.worker.bodies for f in c.ctx + c.gen)  # both groups, every server of them
 
 
+async def test_a_worker_restarted_between_two_health_checks_pairs_by_its_new_settings(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """A gen restarted in place with another KV protocol, quickly enough to fail no health check:
+    /health names a new boot, so the coordinator reads its settings again and pairs no ctx of
+    the old group with it (the fake gen would answer 500 to that KV)."""
+    ctx = await _fake(nursery, "ctx", kv_compat=OLD_KV)
+    gens = [await _fake(nursery, "gen", kv_compat=OLD_KV) for _ in range(2)]
+    c = await _start_coordinator(nursery, [ctx], gens, max_retries=0)
+    for i in range(4):
+        r = await client.post(c.url + "/v1/completions", json=_body([i + 1, i + 2, i + 3]))
+        assert r.status_code == 200, r.text
+    assert all(g.worker.bodies for g in gens)
+    restarted = gens[0].worker
+    restarted.kv_compat, restarted.boot_id = NEW_KV, "boot-2"
+    served = len(restarted.bodies)
+    await restarted.wait_health_checks(restarted.health_checks + 2)
+    for i in range(6):
+        r = await client.post(c.url + "/v1/completions", json=_body([i + 7, i + 8, i + 9]))
+        assert r.status_code == 200, (i, r.text)
+    assert len(restarted.bodies) == served
+
+
 @pytest.mark.parametrize("router", ["round_robin", "load_balancing"])
 async def test_no_gen_left_to_pair_with_ctx_is_503_naming_both_and_releases_ctx(
     nursery: trio.Nursery, client: httpx.AsyncClient, router: str
@@ -906,7 +956,13 @@ async def test_a_retry_left_only_the_gen_that_failed_goes_back_to_it_not_across(
     c = await start_groups(nursery, a_gens=1, ctx_router="conversation", max_retries=1)
     a_gen = c.gen[0].worker
     a_gen.fail_status, a_gen.fail_count = 500, 1
-    r = await client.post(c.url + "/v1/completions", json=_body(conversation_id="chat-a"))
+    ctx_urls = [f.url for f in c.ctx]
+    conversation = next(  # one that the conversation router places on A's ctx
+        f"chat-{i}"
+        for i in itertools.count()
+        if rendezvous_choice(f"chat-{i}", ctx_urls) == ctx_urls[0]
+    )
+    r = await client.post(c.url + "/v1/completions", json=_body(conversation_id=conversation))
     assert r.status_code == 200, r.text
     assert c.ctx[0].worker.requests == {"context_only": 2} and c.ctx[1].worker.bodies == []
     assert len(a_gen.bodies) == 2 and c.gen[1].worker.bodies == []

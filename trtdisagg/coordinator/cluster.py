@@ -140,6 +140,7 @@ class ServerState:
     ever_healthy: bool = False
     info: ServerInfo | None = None
     last_error: str | None = None
+    boot_id: str | None = None  # from its last passing /health: another one means a restart
 
     def view(self) -> ServerView:
         info = self.info or ServerInfo()
@@ -209,13 +210,15 @@ class Cluster:
         """The servers that cannot exchange KV with `peer`, among the healthy ones."""
         return pairing_of(self.incompatible, peer)
 
-    def mark_healthy(self, url: str, info: ServerInfo) -> bool:
-        """Record a passing health check; True when the server was not healthy before."""
+    def mark_healthy(self, url: str, info: ServerInfo, boot_id: str | None = None) -> bool:
+        """Record a passing health check; True when the server was not healthy before, or its
+        info changed."""
         server = self.servers[url]
         changed = not server.healthy or server.info != info
         server.healthy = True
         server.ever_healthy = True
         server.info = info
+        server.boot_id = boot_id
         server.last_error = None
         if changed:
             self._pair()

@@ -313,7 +313,12 @@ class LocalPlacement:
         check = await self.client.is_healthy(url, limit_s=timeout)
         ok, why = check.ok, check.reason
         info = server.info
-        if ok and (not server.healthy or info is None):
+        # Restarted since the last check, without failing one: its settings may have changed
+        # (a kv_compat that no longer pairs) and its cache is empty, whatever events said.
+        restarted = (
+            ok and None not in (server.boot_id, check.boot_id) and (server.boot_id != check.boot_id)
+        )
+        if ok and (not server.healthy or info is None or restarted):
             try:
                 data = await self.client.get_json(
                     url, "/server_info", limit_s=timeout, role=role.value
@@ -328,12 +333,17 @@ class LocalPlacement:
         if ok and info is not None:
             self._misses.pop(url, None)
             was_known = server.ever_healthy
-            if self.cluster.mark_healthy(url, info):
-                if was_known:
+            changed = self.cluster.mark_healthy(url, info, check.boot_id)
+            if restarted:
+                log.info("%s server %s restarted since its last health check", role.value, url)
+                self.routers[role].reset_server(url)
+                self._last_event_id.pop(url, None)
+            if changed:
+                if was_known and not restarted:
                     log.info("%s server %s is healthy again", role.value, url)
                     self.routers[role].reset_server(url)
                     self._last_event_id.pop(url, None)
-                else:
+                elif not was_known:
                     log.info("%s server %s is healthy", role.value, url)
                 self._servers_changed(role)
             return

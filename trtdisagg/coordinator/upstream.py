@@ -140,6 +140,7 @@ class HealthCheck:
     ok: bool
     reason: str = ""  # why not healthy
     answered: bool = True  # False: no HTTP answer at all (refused, reset, timed out)
+    boot_id: str | None = None  # a healthy worker's start (None: it named none)
 
 
 def _describe(exc: httpx.TransportError) -> str:
@@ -223,7 +224,7 @@ class WorkerClient:
         except httpx.TransportError as exc:
             return HealthCheck(ok=False, reason=_describe(exc), answered=False)
         if response.status_code == 200:
-            return HealthCheck(ok=True)
+            return HealthCheck(ok=True, boot_id=_health_field(response.content, "boot_id"))
         reason = f"/health answered {response.status_code}"
         why = _health_reason(response.content)
         return HealthCheck(ok=False, reason=f"{reason}: {why}" if why else reason)
@@ -256,14 +257,20 @@ class WorkerClient:
 def _health_reason(content: bytes) -> str:
     """The `reason` a worker gives with an unhealthy answer (`{"status": "unhealthy", "reason":
     ...}`), so that the coordinator's log says why; "" when there is none."""
+    return _health_field(content, "reason") or ""
+
+
+def _health_field(content: bytes, name: str) -> str | None:
+    """A string field of a /health answer, cut to HEALTH_REASON_LIMIT; None when there is none
+    (or the answer is no JSON object, or too long to read)."""
     if len(content) > ERROR_BODY_LIMIT:
-        return ""
+        return None
     try:
         body = json.loads(content)
     except ValueError:
-        return ""
-    reason = body.get("reason") if isinstance(body, dict) else None
-    return reason[:HEALTH_REASON_LIMIT] if isinstance(reason, str) else ""
+        return None
+    value = body.get(name) if isinstance(body, dict) else None
+    return value[:HEALTH_REASON_LIMIT] if isinstance(value, str) else None
 
 
 def _check_status(status: int, content: bytes, *, url: str, role: str) -> None:

@@ -57,6 +57,7 @@ class FrontSpec:
     model_dir: Path
     ctx_info_endpoint: str | None
     ctx_instance: str | None
+    boot_id: str  # the engine's WorkerService's: one worker start, one id
 
 
 def front_main(spec: FrontSpec) -> None:
@@ -101,6 +102,7 @@ async def serve_front(spec: FrontSpec, engine_pid: int) -> None:
             max_seq_len=spec.facts.max_seq_len,
             ctx_info_endpoint=spec.ctx_info_endpoint,
             ctx_instance=spec.ctx_instance,
+            boot_id=spec.boot_id,
             ready=True,
             ids=itertools.count(spec.index, spec.count),
         )

@@ -118,6 +118,7 @@ async def serve_fronts(
                 model_dir=service.model_dir,
                 ctx_info_endpoint=service.ctx_info_endpoint,
                 ctx_instance=service.ctx_instance,
+                boot_id=service.boot_id,
             )
             for i in range(count)
         ]

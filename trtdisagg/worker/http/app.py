@@ -58,7 +58,7 @@ def create_app(service: WorkerService) -> QuartTrio:
         if stopped is not None:  # for good: its model steps kept failing (executor.py)
             return json_response({"status": "unhealthy", "reason": stopped}, status=503)
         if service.ready:
-            return json_response({"status": "ok"})
+            return json_response({"status": "ok", "boot_id": service.boot_id})
         return json_response({"status": "starting"}, status=503)
 
     @app.get("/version")

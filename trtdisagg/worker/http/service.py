@@ -81,6 +81,10 @@ class WorkerService:
     max_seq_len: int
     ready: bool = False
     started_at: float = attrs.field(factory=time.time)
+    # New at each start of the worker (its fronts share it): a coordinator that sees another
+    # value in /health knows the worker restarted between two checks, with whatever new
+    # settings and an empty cache.
+    boot_id: str = attrs.field(factory=lambda: secrets.token_hex(8))
     ctx_info_endpoint: str | None = None
     ctx_instance: str | None = None  # this worker's transceiver instance name (handoff.py)
     faults: FaultInjector | None = None  # tests only: armed by TRTDISAGG_FAULTS
