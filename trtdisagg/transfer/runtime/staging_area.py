@@ -1,9 +1,10 @@
-"""StagingArea: room in this rank's staging buffer, handed out first come, first served.
+"""StagingArea: this rank's staging buffer: its room, first come first served, and the copies.
 
 Bouncing transfers (protocol/bounce.py) reserve their bytes here before they write (ctx) or ask
-(gen). A reservation that does not fit waits in arrival order, until the transfer's deadline:
-a large one is never overtaken forever by small ones, and since every holder frees its room once
-its own write or scatter is done, waiting cannot deadlock.
+(gen); ctx packs its share into the room before the one write (`stage`), gen copies what landed
+into its blocks (`scatter`). A reservation that does not fit waits in arrival order, until the
+transfer's deadline: a large one is never overtaken forever by small ones, and since every holder
+frees its room once its own write or scatter is done, waiting cannot deadlock.
 """
 
 from __future__ import annotations
