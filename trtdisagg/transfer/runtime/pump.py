@@ -13,9 +13,9 @@ Trio task cannot poll often enough (epoll's timeout is whole milliseconds). So o
 every `interval_s` while a write is in flight or a receive awaits its notification (else it parks
 on a `threading.Event`), and hands what it finds to the Trio thread with
 `TrioToken.run_sync_soon`, which wakes the loop at once. A post that blocks (host memory: over
-TCP it fills the socket) runs on that thread too, which then polls its write at once: from a
-worker thread, the hops there and back (and the wait for the GIL each takes) cost as much as a
-1k-token prompt's write (docs/BENCHMARKS.md, between hosts).
+TCP it fills the socket) runs on that thread too, which then polls its write at once: posted from
+a worker thread, the write went unpolled during the hops back to the Trio thread and on to the
+pump (each waiting for the GIL), and over TCP an unpolled write does not move.
 """
 
 from __future__ import annotations
