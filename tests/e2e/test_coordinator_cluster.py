@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -167,6 +169,50 @@ def test_fleet_of_two_shares_one_port_and_each_front_end_places_requests(
         for _ in range(6):
             assert fleet_metric("trtdisagg_requests_total") == 8
             assert fleet_metric("trtdisagg_coordinator_local_prefill_total") == 8
+
+
+def _front_ends(supervisor: int) -> list[int]:
+    """The fleet's front-end processes: `supervisor`'s spawned children (not its resource
+    tracker)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+            if int(fields[1]) == supervisor and b"spawn_main" in cmdline:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Not exited: zombies (nobody may reap an orphan here) count as gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_fleet_supervisor_takes_its_front_ends_along(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    """A SIGKILLed supervisor cannot stop its front ends: each sees that it is gone and exits, so
+    none is left serving the port (a new fleet there would share it with them, old settings and
+    all)."""
+    with coordinator(tmp_path, workers, num_workers=2) as coord:
+        fronts = _front_ends(coord.proc.pid)
+        assert len(fronts) == 2, fronts
+        try:
+            coord.proc.kill()
+            coord.proc.wait(10)
+            wait_until(lambda: not any(_running(pid) for pid in fronts), 10, "front ends gone")
+        finally:
+            for pid in fronts:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(coord.url + "/health", timeout=2)
+        assert "its parent process" in coord.log() and "is gone; exiting" in coord.log()
 
 
 # ---- through ctx → gen: these need the KV transceiver in the workers ----

@@ -15,7 +15,8 @@ metrics in files of one directory the supervisor makes (prometheus_client's mult
 so `/metrics`, whichever front end answers it, shows the whole fleet's counters.
 
 Supervision: SIGINT/SIGTERM stop every child (terminate, then kill after a grace period). A
-front end that exits ends the fleet with its exit code.
+front end that exits ends the fleet with its exit code; a supervisor that dies (SIGKILL) takes
+its front ends with it (`orphans.py`), so none is left serving the port with the old settings.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ from multiprocessing.process import BaseProcess
 from typing import Final
 
 import attrs
+import trio
 
 from trtdisagg.api.listen import bind_socket
 from trtdisagg.coordinator.config import CoordinatorConfig
 from trtdisagg.coordinator.metrics import MULTIPROCESS_DIR_ENV
 from trtdisagg.coordinator.serve import EXIT_STARTUP_FAILED, run_service, serve_coordinator
 from trtdisagg.errors import StartupError
+from trtdisagg.orphans import exit_with_parent
 
 log = logging.getLogger("trtdisagg.coordinator.fleet")
 
@@ -63,8 +66,13 @@ def front_end_main(config: CoordinatorConfig, process_id: int) -> None:
         log.error("start-up failed: %s", exc)
         sys.exit(EXIT_STARTUP_FAILED)
 
+    supervisor = os.getppid()
+
     async def serve() -> None:
-        await serve_coordinator(config, process_id=process_id, sock=sock)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(exit_with_parent, supervisor, log, f"front end w{process_id}")
+            await serve_coordinator(config, process_id=process_id, sock=sock)
+            nursery.cancel_scope.cancel()
 
     sys.exit(run_service(serve))
 

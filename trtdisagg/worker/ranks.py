@@ -29,6 +29,7 @@ import trio
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import TrtDisaggError
 from trtdisagg.membership.records import advertised_endpoint
+from trtdisagg.orphans import exit_with_parent
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION, InstanceInfo, decode, encode
 from trtdisagg.worker.engine.ports import Transceiver
@@ -159,7 +160,7 @@ async def _follow(
         lambda: build_runner(config, model_dir, group.parallel, agree_blocks=group.agree_min)
     )
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_exit_with_parent, rank)
+        nursery.start_soon(exit_with_parent, os.getppid(), log, f"rank {rank}")  # rank 0
         transceiver: Transceiver | None = None
         writes: list[WriteRecord] = []
         digests: DigestBuffer | None = None
@@ -213,16 +214,6 @@ async def _follow(
             writes.clear()
             await trio.to_thread.run_sync(group.gather_reports, report, abandon_on_cancel=True)
         nursery.cancel_scope.cancel()
-
-
-async def _exit_with_parent(rank: int) -> None:
-    """Exit once rank 0 is gone, even if no collective is waiting to notice it."""
-    parent = os.getppid()
-    # No event exists for a parent's death; a collective would notice only when one runs.
-    while os.getppid() == parent:  # noqa: ASYNC110
-        await trio.sleep(0.5)
-    log.error("rank %d: rank 0 (pid %d) is gone; exiting", rank, parent)
-    os._exit(1)
 
 
 def _forward(runner: ModelRunner, command: StepCommand, group: RankGroup) -> None:

@@ -31,6 +31,7 @@ from trtdisagg.api.listen import bind_socket, serve_http
 from trtdisagg.config import WorkerConfig
 from trtdisagg.loop_lag import watch_loop_lag
 from trtdisagg.metrics import event_loop_lag_histogram
+from trtdisagg.orphans import exit_with_parent
 from trtdisagg.worker.front.client import EngineFacts, RemoteEngine
 from trtdisagg.worker.front.link import Link, open_socket
 from trtdisagg.worker.http.app import create_app
@@ -41,7 +42,6 @@ log = logging.getLogger("trtdisagg.worker.front")
 
 # The loop-lag histogram of a front: the engine's keeps today's name, so /metrics holds both.
 FRONT_LOOP_LAG = "trtdisagg_api_server_event_loop_lag_seconds"
-_PARENT_POLL_S = 0.5
 
 
 @attrs.frozen(kw_only=True)
@@ -87,7 +87,7 @@ async def serve_front(spec: FrontSpec, engine_pid: int) -> None:
     socket.connect(spec.engine_endpoint)
     engine = RemoteEngine(facts=spec.facts, registry=registry, link=Link(socket=socket))
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_exit_with_engine, engine_pid, spec.index)
+        nursery.start_soon(exit_with_parent, engine_pid, log, f"api server {spec.index}")
         nursery.start_soon(engine.link.run, engine.on_message)
         engine.hello(spec.index)
         with trio.fail_after(60):
@@ -115,12 +115,3 @@ async def serve_front(spec: FrontSpec, engine_pid: int) -> None:
         log.info("api server %d stopping", spec.index)
         nursery.cancel_scope.cancel()  # hypercorn lets the responses under way end first
     engine.link.close()
-
-
-async def _exit_with_engine(engine_pid: int, index: int) -> None:
-    """Exit once the engine process is gone, whatever it was doing."""
-    # No event exists for a parent's death; the link's ipc socket gives no signal either.
-    while os.getppid() == engine_pid:  # noqa: ASYNC110
-        await trio.sleep(_PARENT_POLL_S)
-    log.error("api server %d: the engine process (pid %d) is gone; exiting", index, engine_pid)
-    os._exit(1)
