@@ -21,6 +21,7 @@ its front ends with it (`orphans.py`), so none is left serving the port with the
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import types
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Final
 
 import attrs
@@ -46,6 +48,8 @@ from trtdisagg.orphans import exit_with_parent
 log = logging.getLogger("trtdisagg.coordinator.fleet")
 
 STOP_GRACE: Final = 10.0
+METRICS_DIR_PREFIX: Final = "trtdisagg-fleet-metrics-"
+METRICS_LOCK: Final = ".held"  # flocked by the supervisor while its fleet runs
 
 
 def _setup_child_logging(level: str, prefix: str) -> None:
@@ -98,9 +102,9 @@ def run_fleet(config: CoordinatorConfig) -> int:
     spawn = multiprocessing.get_context("spawn")
     fronts: list[BaseProcess] = []
     # Set before the children start: prometheus_client picks its value store when imported.
-    metrics_dir = tempfile.mkdtemp(prefix="trtdisagg-fleet-metrics-")
+    metrics_dir, held = hold_metrics_dir(Path(tempfile.gettempdir()))
     previous_dir = os.environ.get(MULTIPROCESS_DIR_ENV)
-    os.environ[MULTIPROCESS_DIR_ENV] = metrics_dir
+    os.environ[MULTIPROCESS_DIR_ENV] = str(metrics_dir)
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for i in range(config.num_workers):
@@ -125,6 +129,39 @@ def run_fleet(config: CoordinatorConfig) -> int:
         else:
             os.environ[MULTIPROCESS_DIR_ENV] = previous_dir
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        os.close(held)
+
+
+def hold_metrics_dir(parent: Path) -> tuple[Path, int]:
+    """A new directory for the fleet's metric files, and the descriptor that holds its lock until
+    the supervisor closes it or dies. The directories of fleets whose supervisor died without
+    removing its own (SIGKILL), which nobody holds, are removed first: prometheus_client's files
+    take megabytes each, and a host that restarts a killed fleet would collect them."""
+    remove_orphaned_metrics_dirs(parent)
+    path = Path(tempfile.mkdtemp(prefix=METRICS_DIR_PREFIX, dir=parent))
+    held = os.open(path / (METRICS_LOCK + ".new"), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.rename(path / (METRICS_LOCK + ".new"), path / METRICS_LOCK)  # held before it is seen
+    return path, held
+
+
+def remove_orphaned_metrics_dirs(parent: Path) -> list[Path]:
+    """Remove the fleet metrics directories under `parent` whose lock nobody holds; the removed."""
+    removed = []
+    for path in parent.glob(METRICS_DIR_PREFIX + "*"):
+        try:
+            lock = os.open(path / METRICS_LOCK, os.O_RDWR)
+        except OSError:
+            continue  # still being made, or not ours to open
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(lock)
+            continue  # its fleet runs
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(lock)
+        removed.append(path)
+    return removed
 
 
 def _supervise(fronts: list[BaseProcess]) -> int:
