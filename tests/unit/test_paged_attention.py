@@ -141,6 +141,22 @@ def test_prefill_only_and_the_default_split() -> None:
     check(torch.randn(sum(q_lens), 4, 16), cache, meta, splits=None, tol=1e-5)
 
 
+def test_splits_take_at_least_their_minimum_of_keys_and_empty_ones_are_left_out() -> None:
+    """With more splits launched than a context fills (`MIN_SPLIT_KEYS` keys each), the splits
+    past its end neither attend nor enter the combine: a context just over one split's
+    minimum, one just under, and one over two splits all match the reference."""
+    torch.manual_seed(5)
+    cache = make_pool(Layout.HND, 16, 2, 16)
+    least = paged_attention.MIN_SPLIT_KEYS.value
+    lens = [2 * least + 44, least + 1, least, 1]
+    meta = attention_meta.from_lists(
+        [1] * len(lens), lens, scattered_tables(lens, 16, cache.num_blocks), device=CPU
+    )
+    q = torch.randn(len(lens), 4, 16)
+    for splits in (2, 4, 32):
+        check(q, cache, meta, splits=splits, tol=1e-5)
+
+
 def test_decode_step_with_padding_rows() -> None:
     """A decode step as the graph staging sends it: rows with context length 0 are padding,
     attend to nothing and come out 0; the others match the reference."""

@@ -15,8 +15,8 @@ the probabilities rounded to the activation dtype before the PV product (where t
 rounds its softmax). Two kinds of program share the launch:
 
 * a short sequence (q_len <= the short tile's tokens: decode rows) takes one 16-row tile, and its
-  keys are split over NUM_SPLITS programs ("flash decoding") so that a small batch fills the chip;
-  `_combine_splits_kernel` merges the splits;
+  keys are split over up to NUM_SPLITS programs ("flash decoding") so that a small batch fills the
+  chip, each taking at least MIN_SPLIT_KEYS keys; `_combine_splits_kernel` merges the splits;
 * a longer one takes tiles of `long_rows` rows, each walking first the key blocks that every row
   of the tile sees (no mask), then the blocks on the causal diagonal. A tile finds its sequence by
   binary search over cu_q: tile t belongs to the last s with `cu_q[s] // LONG_TOKENS + s <= t`,
@@ -44,12 +44,15 @@ from trtdisagg.kv.page_table import Layout
 from trtdisagg.model.batch import AttentionMeta
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
+# Keys a split takes at least: a split of fewer keys costs more in its fixed work (q, partial
+# results, the combine) than it saves, so a short context uses fewer of the launched splits.
+MIN_SPLIT_KEYS = tl.constexpr(128)
 SHORT_ROWS = 16  # a short sequence's tile: the smallest M of a tensor-core dot
 
 # Arguments kept out of the specialisation key (see the module docstring).
 MAIN_DYNAMIC_INTS = ("num_seqs", "table_row")
 MAIN_DYNAMIC_POINTERS = ("cu_q_ptr", "kv_lens_ptr", "table_ptr")
-COMBINE_DYNAMIC_POINTERS = ("cu_q_ptr",)
+COMBINE_DYNAMIC_POINTERS = ("cu_q_ptr", "kv_lens_ptr")
 
 
 @attrs.frozen(kw_only=True)
@@ -60,7 +63,10 @@ class AttentionTiles:
     block_n: int = 64  # keys per inner iteration
     long_warps: int = 8  # warps of a launch that has long tiles
     short_warps: int = 4  # warps of a launch of short tiles only (decode steps)
-    num_stages: int = 3  # software pipelining depth of the key loop
+    num_stages: int = 3  # software pipelining depth of the key loop, with long tiles
+    # A decode program walks few key blocks, so a deeper pipeline buys no overlap, and its
+    # shared memory leaves fewer programs on each SM (docs/BENCHMARKS.md, "Decode step").
+    short_stages: int = 2
 
     def __attrs_post_init__(self) -> None:
         for name in ("long_rows", "block_n"):
@@ -215,6 +221,14 @@ def _attend_tile(
 
 
 @triton.jit
+def _split_keys(kv_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of a short sequence: whole key blocks, at least MIN_SPLIT_KEYS. The
+    splits past the context get none: they neither attend nor take part in the combine."""
+    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return tl.maximum(per_split, tl.cdiv(MIN_SPLIT_KEYS, BLOCK_N) * BLOCK_N)
+
+
+@triton.jit
 def _store_rows(out_ptr, q_offs, row_ok, acc, l_i, D: tl.constexpr, BLOCK_D: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key seen (padding): 0
@@ -270,25 +284,29 @@ def _paged_attention_kernel(
         q_len = tl.load(cu_q_ptr + seq + 1) - q_start
         if (q_len > 0) & (q_len <= SHORT_TOKENS):
             kv_len = tl.load(kv_lens_ptr + seq)
-            per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            key_lo = tl.minimum(split * per_split, kv_len)
-            key_hi = tl.minimum(key_lo + per_split, kv_len)
-            acc, m_i, l_i, q_offs, row_ok = _attend_tile(
-                q_ptr, head_ptr, table_ptr + seq.to(tl.int64) * table_row, q_start, q_len,
-                kv_len, 0, key_lo, key_hi, kv_head, q_row, s_block, s_kv, s_tok,
-                tokens_per_block, qk_scale, GROUP, D, BLOCK_D, SHORT_M, SHORT_TOKENS,
-                BLOCK_N, DOT_FP32,
-            )  # fmt: skip
-            if NUM_SPLITS == 1:
-                _store_rows(out_ptr, q_offs, row_ok, acc, l_i, D, BLOCK_D)
-            else:
-                r = tl.arange(0, SHORT_M)
-                d = tl.arange(0, BLOCK_D)
-                part = ((seq * NUM_SPLITS + split) * num_kv_heads + kv_head) * SHORT_M + r
-                part = part.to(tl.int64)
-                tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=(d < D)[None, :])
-                tl.store(part_ml_ptr + part * 2, m_i)
-                tl.store(part_ml_ptr + part * 2 + 1, l_i)
+            per_split = _split_keys(kv_len, NUM_SPLITS, BLOCK_N)
+            key_lo = split * per_split
+            if (key_lo < kv_len) | (split == 0):  # a padding row (no keys) comes out 0
+                key_hi = tl.minimum(key_lo + per_split, kv_len)
+                acc, m_i, l_i, q_offs, row_ok = _attend_tile(
+                    q_ptr, head_ptr, table_ptr + seq.to(tl.int64) * table_row, q_start, q_len,
+                    kv_len, 0, key_lo, key_hi, kv_head, q_row, s_block, s_kv, s_tok,
+                    tokens_per_block, qk_scale, GROUP, D, BLOCK_D, SHORT_M, SHORT_TOKENS,
+                    BLOCK_N, DOT_FP32,
+                )  # fmt: skip
+                if NUM_SPLITS == 1:
+                    _store_rows(out_ptr, q_offs, row_ok, acc, l_i, D, BLOCK_D)
+                else:
+                    r = tl.arange(0, SHORT_M)
+                    d = tl.arange(0, BLOCK_D)
+                    part = ((seq * NUM_SPLITS + split) * num_kv_heads + kv_head) * SHORT_M + r
+                    part = part.to(tl.int64)
+                    # Only the tile's real rows: with one token of a small GQA group, most of
+                    # the 16 are empty.
+                    row_mask = row_ok[:, None] & (d < D)[None, :]
+                    tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_mask)
+                    tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+                    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
     elif HAS_LONG:
         # Last tiles first: a sequence's later tiles see more keys, and starting the longest
         # programs first keeps the tail of the launch short.
@@ -322,6 +340,7 @@ def _combine_splits_kernel(
     part_ml_ptr,
     out_ptr,
     cu_q_ptr,
+    kv_lens_ptr,
     q_row,
     GROUP: tl.constexpr,
     D: tl.constexpr,
@@ -329,6 +348,7 @@ def _combine_splits_kernel(
     SHORT_M: tl.constexpr,
     SHORT_TOKENS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -342,17 +362,20 @@ def _combine_splits_kernel(
         q_offs = (q_start + tok).to(tl.int64) * q_row + (kv_head * GROUP + r % GROUP) * D
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
+        kv_len = tl.load(kv_lens_ptr + seq)
+        used = tl.cdiv(kv_len, _split_keys(kv_len, NUM_SPLITS, BLOCK_N))
         m = tl.full([SHORT_M], float("-inf"), tl.float32)
         ell = tl.zeros([SHORT_M], tl.float32)
         acc = tl.zeros([SHORT_M, BLOCK_D], tl.float32)
         for split in range(NUM_SPLITS):
             part = ((seq * NUM_SPLITS + split) * num_kv_heads + kv_head) * SHORT_M + r
             part = part.to(tl.int64)
-            m_s = tl.load(part_ml_ptr + part * 2, mask=row_ok, other=float("-inf"))
-            l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=row_ok, other=0.0)
+            ok = row_ok & (split < used)
+            m_s = tl.load(part_ml_ptr + part * 2, mask=ok, other=float("-inf"))
+            l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0)
             a_s = tl.load(
                 part_acc_ptr + part[:, None] * D + d[None, :],
-                mask=row_ok[:, None] & dmask[None, :],
+                mask=ok[:, None] & dmask[None, :],
                 other=0.0,
             )
             m_new = tl.maximum(m, m_s)
@@ -442,7 +465,7 @@ def paged_attention(
         BLOCK_N=tiles.block_n,
         DOT_FP32=dot_fp32,
         num_warps=tiles.long_warps if has_long else tiles.short_warps,
-        num_stages=tiles.num_stages,
+        num_stages=tiles.num_stages if has_long else tiles.short_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_kv_heads)](
@@ -450,6 +473,7 @@ def paged_attention(
             part_ml,
             out,
             meta.cu_q,
+            meta.kv_lens,
             q.stride(0),
             GROUP=group,
             D=d,
@@ -457,6 +481,7 @@ def paged_attention(
             SHORT_M=short.rows,
             SHORT_TOKENS=short.tokens,
             NUM_SPLITS=splits,
+            BLOCK_N=tiles.block_n,
             num_warps=4,
         )
     return out
