@@ -25,12 +25,8 @@ from _bench_common import LengthRange, RequestRecord
 
 from trtdisagg.coordinator.metrics import CoordinatorMetrics
 from trtdisagg.launcher import plan_cluster
-from trtdisagg.metrics import WorkerMetrics
-from trtdisagg.transfer.runtime.collector import (
-    TransceiverStatistics,
-    TransferCollector,
-    WriteTally,
-)
+from trtdisagg.metrics import TransferCollector, WorkerMetrics
+from trtdisagg.transfer.runtime.statistics import TransceiverStatistics, WriteTally
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 GPU_CONF = TOOLS.parent / "conf" / "gpu"
