@@ -21,6 +21,8 @@ group.
 from __future__ import annotations
 
 import enum
+import re
+import typing
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -34,10 +36,8 @@ from cattrs.v import format_exception
 from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 
-# 6: every write's notice says what it moved, WRITE_POSTED, WRITE_PREPARED and REQUEST_DATA as a
-# notification are gone; 7: transfer keys are random 64-bit values
-# (`disaggregated_params.transfer_key`), no longer the request's id; 8: WRITE_NOTICE is msgpack
-# like every other message
+# 7: transfer keys are random 64-bit values (`disaggregated_params.transfer_key`); 8:
+# WRITE_NOTICE is msgpack like every other message
 PROTOCOL_VERSION: Final = 8
 MAX_KEY: Final = 2**64 - 1
 
@@ -48,7 +48,7 @@ def pack_block_ids(block_ids: Sequence[int]) -> bytes:
 
 
 def unpack_block_ids(data: bytes) -> tuple[int, ...]:
-    """Inverse of `pack_block_ids`; ProtocolError on a length that is not a multiple of 8."""
+    """Inverse of `pack_block_ids`; ProtocolError on a ragged length."""
     if len(data) % 8:
         raise ProtocolError(f"packed block ids of {len(data)} bytes, not a multiple of 8")
     return tuple(np.frombuffer(data, dtype="<i8").tolist())
@@ -83,30 +83,22 @@ class ResultStatus(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class RequestInstanceInfo:
-    """gen -> ctx rank 0: send me every rank's RankInfo."""
-
     protocol_version: int
 
 
 @attrs.frozen(kw_only=True)
 class InstanceInfo:
-    """ctx rank 0 -> gen: every rank of the instance, ordered by instance_rank."""
-
     protocol_version: int
-    ranks: tuple[RankInfo, ...]
+    ranks: tuple[RankInfo, ...]  # ordered by instance_rank
 
 
 @attrs.frozen(kw_only=True)
 class RegisterPeer:
-    """gen rank -> each ctx rank, once per ctx instance: here is who I am."""
-
     info: RankInfo
 
 
 @attrs.frozen(kw_only=True)
 class RegisterAck:
-    """ctx rank -> gen rank: registration accepted, or refused with the incompatibility reason."""
-
     instance_name: str  # the acknowledging (ctx) rank
     instance_rank: int = attrs.field(validator=_non_negative)
     accepted: bool
@@ -115,12 +107,9 @@ class RegisterAck:
 
 @attrs.frozen(kw_only=True)
 class RequestData:
-    """gen rank -> ctx rank: write transfer `key`'s KV into these blocks of mine.
-
-    `block_ids[g]` holds the packed destination block ids of my layer group `g`; each list is a
-    suffix of the request's blocks `[0, ceil(num_tokens / tokens_per_block))` (a shorter list
-    skips blocks gen already has, e.g. from its prefix cache).
-    """
+    """`block_ids[g]`: the packed destination block ids of gen's layer group `g`, a suffix of
+    the request's blocks `[0, ceil(num_tokens / tokens_per_block))` (a shorter list skips
+    blocks gen already has, e.g. from its prefix cache)."""
 
     key: int = attrs.field(validator=_key)  # the transfer key
     instance_name: str  # the requesting (gen) rank
@@ -135,8 +124,6 @@ class RequestData:
 
 @attrs.frozen(kw_only=True)
 class TransferResult:
-    """ctx rank -> gen rank: the outcome of one REQUEST_DATA (also 0 bytes, also on failure)."""
-
     key: int = attrs.field(validator=_key)
     instance_name: str  # the reporting (ctx) rank
     instance_rank: int = attrs.field(validator=_non_negative)
@@ -151,23 +138,14 @@ class TransferResult:
 
 @attrs.frozen(kw_only=True)
 class Cancel:
-    """Either direction: stop transfer `key`; the sender names itself so only its peer's session
-    is touched."""
-
     key: int = attrs.field(validator=_key)
-    instance_name: str
+    instance_name: str  # the sender, so that only its peer's session is touched
     instance_rank: int = attrs.field(validator=_non_negative)
     reason: str = ""
 
 
 @attrs.frozen(kw_only=True)
 class WriteNotice:
-    """Payload of the transfer agent's notification for one write of `key` by a ctx rank.
-
-    The notification arrives only once the write's bytes have landed. It says what the write
-    moved (`num_descriptors` > 0) and carries ctx's first tokens: gen finishes that rank on it
-    alone, before the TRANSFER_RESULT that confirms it."""
-
     key: int = attrs.field(validator=_key)
     instance_name: str  # the writing (ctx) rank
     instance_rank: int = attrs.field(validator=_non_negative)
@@ -197,15 +175,10 @@ def sender_of(message: Message) -> tuple[str, int] | None:
     return (message.instance_name, message.instance_rank)
 
 
+# each class's name in upper snake case: RequestData -> "REQUEST_DATA"
 MESSAGE_TAGS: Final[dict[type, str]] = {
-    RequestInstanceInfo: "REQUEST_INSTANCE_INFO",
-    InstanceInfo: "INSTANCE_INFO",
-    RegisterPeer: "REGISTER_PEER",
-    RegisterAck: "REGISTER_ACK",
-    RequestData: "REQUEST_DATA",
-    TransferResult: "TRANSFER_RESULT",
-    Cancel: "CANCEL",
-    WriteNotice: "WRITE_NOTICE",
+    kind: re.sub(r"(?<!^)(?=[A-Z])", "_", kind.__name__).upper()
+    for kind in typing.get_args(Message)
 }
 
 
@@ -240,13 +213,8 @@ def encode(message: Message) -> bytes:
 
 
 def decode(data: bytes) -> Message:
-    """Bytes from a peer as a message.
-
-    Raises:
-        ProtocolError: for anything that is not a well-formed message of this protocol: bad
-            msgpack, trailing bytes, unknown tag, missing/extra/mistyped fields, failed validation.
-            Nothing else escapes, whatever the input.
-    """
+    """Bytes from a peer as a message; ProtocolError for anything else (bad msgpack, trailing
+    bytes, unknown tag, missing/extra/mistyped fields, failed validation), whatever the input."""
     try:
         # A union is not a `type[T]` to mypy; the tagged-union hook returns one of its members.
         message: Message = _converter.loads(data, Message)  # type: ignore[arg-type]
