@@ -1,14 +1,9 @@
 """The ctx (sender) side of the transfer protocol: push KV to the gen ranks that ask. Pure.
 
 docs/LIFECYCLE.md tells the path (ctx side, generation-first, cancellation, who may touch a
-transfer). In events: a gen rank registers (REGISTER_PEER: the registrar's compatibility gate,
-LoadAgent, REGISTER_ACK; an unregistered rank's REQUEST_DATA is refused with NOT_REGISTERED, and
-gen meets this instance again). A REQUEST_DATA that comes before its session waits in
-EarlyMessages, and has its write prepared (PrepareWrite) once the executor says where the KV will
-be (KvExpected). When the KV is ready (KvReady), each requesting gen rank gets one write
-(PostWrite), the one prepared for that very request and source or one mapped now; its end
-(WriteEnded) is answered with TRANSFER_RESULT, also for 0 bytes. A session terminal and quiescent
-is over (Sent). Every CANCEL is answered, at once or by the write in flight to its sender.
+transfer). A REQUEST_DATA that comes before its session waits in EarlyMessages, with its write
+prepared once the executor says where the KV will be (KvExpected). Every CANCEL is answered, at
+once or by the write in flight to its sender.
 """
 
 from __future__ import annotations
@@ -50,9 +45,7 @@ Out = list[ev.Effect]
 
 
 @attrs.frozen(kw_only=True)
-class _Prepared:
-    """A write prepared for `request` from `source` before the KV was ready."""
-
+class _Prepared:  # a write prepared for `request` from `source` before the KV was ready
     order: ev.WriteOrder
     request: RequestData
     source: SourceBlocks
@@ -306,7 +299,12 @@ class CtxProtocol:
                 self._write_done(session, rank, None, out)
                 continue
             self._writes[order.write_id] = (session, order)
-            out.append(ev.PostWrite(order=order, notice=self._notice(order, session.first_tokens)))
+            fragments, local = order.fragments, self.local
+            notice = WriteNotice(key=order.key, instance_name=local.instance_name,
+                                 instance_rank=local.instance_rank, num_bytes=fragments.num_bytes,
+                                 num_descriptors=len(fragments),
+                                 first_tokens=session.first_tokens)  # fmt: skip
+            out.append(ev.PostWrite(order=order, notice=encode(notice)))
 
     def _prepare(self, key: int, request: RequestData, out: Out) -> None:
         """Map and prepare the direct write of `key`'s expected KV into `request`'s blocks."""
@@ -337,14 +335,15 @@ class CtxProtocol:
             plan = self.registrar.send_plan(peer)
         except KeyError:
             raise TransferLayerError(f"gen rank {peer[0]}#{peer[1]} is gone") from None
-        staged = self._staged(request, plan, source) if request.staging_bytes else None
-        if request.staging_bytes and staged is None:
-            return None
-        if staged is not None:  # sources as offsets into the staging room, reserved later
+        staged = None
+        if not request.staging_bytes:
+            fragments = direct_fragments(plan, source, request)
+        elif (staged := self._staged(request, plan, source)) is not None:
+            # sources as offsets into the staging room, reserved later
             fragments = staged_fragments(staged.runs, src_address=0,
                                          dst_address=request.staging_address)  # fmt: skip
         else:
-            fragments = direct_fragments(plan, source, request)
+            return None
         if not len(fragments):
             return None
         pool = plan.peer.page_table.layer_groups[0].pool
@@ -373,13 +372,6 @@ class CtxProtocol:
         num_bytes = sum(run.num_bytes for run in runs)
         return ev.Staged(runs=runs, block_ids=source.block_ids[0], first_token=first,
                              num_tokens=num_tokens, num_bytes=num_bytes)  # fmt: skip
-
-    def _notice(self, order: ev.WriteOrder, first_tokens: tuple[int, ...]) -> bytes:
-        fragments, local = order.fragments, self.local
-        notice = WriteNotice(key=order.key, instance_name=local.instance_name,
-                             instance_rank=local.instance_rank, num_bytes=fragments.num_bytes,
-                             num_descriptors=len(fragments), first_tokens=first_tokens)  # fmt: skip
-        return encode(notice)
 
     def _write_done(
         self,

@@ -1,15 +1,10 @@
 """The gen (receiver) side of the transfer protocol: ask ctx for KV, see it land. Pure.
 
-docs/LIFECYCLE.md tells the path (gen side, cancellation, who may touch a transfer). In events:
-the first request to a ctx info endpoint meets the instance there (REQUEST_INSTANCE_INFO, the
-compatibility gate on every rank, REGISTER_PEER to each, their REGISTER_ACKs), kept per endpoint
-until that instance is replaced or forgotten; one that gets no answer is forgotten and the next
-request tries again. A ReceiverSession then expects one part from each overlapping ctx rank, and
-REQUEST_DATA goes to each (a bouncing receive reserves staging room first, bounce.py). It
-completes when every part landed (a write's notice, or an OK result for nothing to write):
-Received. One that fails while a ctx write may still land sends CANCEL once, reports at once with
-`blocks_held` (unless `early_failures` is off, for a multi-rank instance) and keeps its blocks
-until every expected rank answered or a second timeout passed (`quarantine_expired`).
+docs/LIFECYCLE.md tells the path (gen side, cancellation, who may touch a transfer). The first
+request to a ctx info endpoint meets the instance there (REQUEST_INSTANCE_INFO, the compatibility
+gate on every rank, REGISTER_PEER to each, their REGISTER_ACKs), kept per endpoint until that
+instance is replaced or forgotten; one that gets no answer is forgotten and the next request
+tries again.
 """
 
 from __future__ import annotations
@@ -101,12 +96,6 @@ class GenProtocol:
     # TRANSFER_RESULT came. That result, when it comes, is the ended session's.
     _results_due: dict[tuple[str, int, int], float] = attrs.Factory(dict)
     _started: dict[int, float] = attrs.Factory(dict)
-
-    def awaits_notice(self) -> bool:
-        """Whether a ctx write may land here now, and its notification come (for any session
-        held, a quarantined one too; without NIXL's progress thread, draining is also what
-        progresses a write on the receiving side)."""
-        return bool(self.receivers)
 
     def meeting(self) -> set[str]:
         """The endpoints of the rendezvous under way."""
