@@ -12,10 +12,8 @@ The executor calls these between steps; none of them waits on the network:
 
 Each call, control message, notification and write's end is an event for the pure protocol core
 (protocol/core.py); this driver carries out the effects it answers with and owns every I/O
-resource, each in one place: the sockets (control.py), the agent, its lock and the thread that
-polls it while a transfer waits (pump.py), the loaded peer agents, the prepared and posted
-writes, the staging buffer. `wake` tells the executor when there are outcomes. `tracer`, when
-given, is called with (key, stage, time) at each of `STAGES`; unset, it costs nothing.
+resource. `wake` tells the executor when there are outcomes. `tracer`, when given, is called
+with (key, stage, time) at each of `STAGES`; unset, it costs nothing.
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferHandle, Xf
 from trtdisagg.transfer.runtime.control import ControlPlane, ControlRouter, DealerOpener
 from trtdisagg.transfer.runtime.messenger import open_dealer
 from trtdisagg.transfer.runtime.pump import (
-    PUMP_INTERVAL_S,
     AgentCalls,
     Ended,
     NotificationPump,
@@ -93,7 +90,6 @@ class KvTransceiver:
     connect: DealerOpener = open_dealer
     on_write: Callable[[int, int, float], None] | None = None  # bytes, descriptors, seconds
     tracer: Callable[[int, str, float], None] | None = None
-    pump_interval_s: float = PUMP_INTERVAL_S
     max_sessions_per_peer: int = 1024  # transfers one gen instance may hold with a ctx rank
     protocol: TransferProtocol = attrs.field(init=False)
     tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
@@ -125,7 +121,7 @@ class KvTransceiver:
             router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
         )
         self._calls = AgentCalls(self.agent)
-        self._pump = NotificationPump(self._calls, self._delivered, self.pump_interval_s)
+        self._pump = NotificationPump(self._calls, self._delivered)
 
     @property
     def info_endpoint(self) -> str:
@@ -263,7 +259,9 @@ class KvTransceiver:
                     self.staging.release(offset)
                 case ev.ScatterStaged(key=key, staged=staged):
                     self._spawn(self._scatter, key, staged)
-        self._pump.want_notices(self.protocol.gen.awaits_notice())
+        # a ctx write may land, and its notification come, in any session held (a quarantined
+        # one too); without NIXL's progress thread draining also progresses a receiving write
+        self._pump.want_notices(bool(self.protocol.gen.receivers))
         if not self._ticking and self.protocol.busy():
             self._ticking = True
             self._busy.set()
@@ -308,9 +306,15 @@ class KvTransceiver:
         if order.staged is None and quick and self._calls.idle:
             submit = functools.partial(self._submit, order, remote, notice, prepared)
             try:
-                self._posted(order, self._calls.now(submit), remote)
+                handle = self._calls.now(submit)
             except TransferLayerError as exc:
                 self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
+                return
+            self._trace(order.key, "posted")
+            self._flights[order.write_id] = _Flight(
+                order=order, handle=handle, remote=remote, posted=self.clock()
+            )
+            self._pump.watch_write(order.write_id, handle)
         elif order.staged is None:
             self._post_on_pump(order, remote, notice, prepared)
         else:
@@ -357,19 +361,6 @@ class KvTransceiver:
         self.agent.post_prepared(prepared, notice)
         return prepared
 
-    def _posted(
-        self,
-        order: ev.WriteOrder,
-        handle: XferHandle,
-        remote: str,
-        staging_offset: int | None = None,
-    ) -> None:
-        self._trace(order.key, "posted")
-        flight = _Flight(order=order, handle=handle, remote=remote, posted=self.clock(),
-                         staging_offset=staging_offset)  # fmt: skip
-        self._flights[order.write_id] = flight
-        self._pump.watch_write(order.write_id, handle)
-
     def _delivered(self, posted: Posted, notifications: Notifications, ended: Ended) -> None:
         """What the pump did and found: writes posted, writes that ended, notifications (on the
         Trio thread)."""
@@ -377,21 +368,16 @@ class KvTransceiver:
             return  # the service has ended
         for write_id, handle in posted:
             self._calls.slow_call_ended()
-            flight = self._flights[write_id]
             if isinstance(handle, str):
-                del self._flights[write_id]
-                if flight.staging_offset is not None and self.staging is not None:
-                    self.staging.release(flight.staging_offset)
+                self._land(write_id)
                 self._feed(ev.WriteEnded(write_id=write_id, error=handle))
             else:
-                flight.handle = handle
-                self._trace(flight.order.key, "posted")
+                self._flights[write_id].handle = handle
+                self._trace(self._flights[write_id].order.key, "posted")
         for write_id, state in ended:
-            flight = self._flights.pop(write_id)
+            flight = self._land(write_id)
             assert flight.handle is not None, "the pump polls a write only once it is posted"
             self._release(flight.handle)
-            if flight.staging_offset is not None and self.staging is not None:
-                self.staging.release(flight.staging_offset)
             self._landed.unpark_all()
             error = None if state is XferStatus.DONE else "the agent reported an error writing it"
             if error is None:
@@ -409,6 +395,13 @@ class KvTransceiver:
             if isinstance(notice, WriteNotice):
                 self._trace(notice.key, "notice")
                 self._feed(ev.NoticeIn(notice=notice, remote=remote))
+
+    def _land(self, write_id: int) -> _Flight:
+        """Forget a write that is over, and free its staging room."""
+        flight = self._flights.pop(write_id)
+        if flight.staging_offset is not None and self.staging is not None:
+            self.staging.release(flight.staging_offset)
+        return flight
 
     def _release(self, handle: XferHandle) -> None:
         release = functools.partial(self.agent.release, handle)

@@ -70,10 +70,9 @@ class MessengerStatistics:
 
 
 class _Pump:
-    """A socket and the one task that touches it; see the module docstring. Router and Dealer
-    shape its frames."""
+    """A socket and the one task that touches it (the module docstring)."""
 
-    frames = 1
+    frames = 1  # per message: the ROUTER's have its sender's identity first
 
     def __init__(
         self,
@@ -102,10 +101,6 @@ class _Pump:
         self.warnings = LogRateLimit(lines=5, interval_s=60.0)
         self.sent = self.received = self.bad_frames = self.unroutable = 0
         self.handshakes_refused = 0
-
-    def _sender(self, frames: list[bytes]) -> Hashable:
-        """Who sent `frames`, for log lines about an unverified peer."""
-        return self.endpoint
 
     def has_room(self, count: int) -> bool:
         """Whether `count` messages would be taken now without waiting."""
@@ -196,15 +191,11 @@ class _Pump:
             self.space.unpark()
         return False
 
-    def _has_inbox_room(self) -> bool:
-        stats = self.inbox_send.statistics()
-        return stats.current_buffer_used < stats.max_buffer_size
-
     def _drain(self) -> None:
         """Receive until zmq is empty or the inbox is full (then `inbox_full`; zmq keeps the rest
         queued and `_receive` wakes us when there is room)."""
-        self.inbox_full = False
-        while self._has_inbox_room():
+        self.inbox_full, stats = False, self.inbox_send.statistics
+        while stats().current_buffer_used < stats().max_buffer_size:
             peer = None
             try:
                 if self.verifier is None:
@@ -217,7 +208,8 @@ class _Pump:
                     frames = [frame.bytes for frame in raw]
             except zmq.Again:
                 return
-            who = peer.text if peer else self._sender(frames)
+            # who sent it, for log lines: the label it proved, its identity, or where we dialled
+            who = peer.text if peer else frames[0].hex() if self.frames == 2 else self.endpoint
             if len(frames) != self.frames:
                 self.bad_frames += 1
                 self.warn(who, "dropped a %d-frame message (expected %d)", len(frames),
@@ -264,9 +256,6 @@ class Router(_Pump):
     """A bound ROUTER: receive (identity, message, peer) from DEALERs, send back by identity."""
 
     frames = 2
-
-    def _sender(self, frames: list[bytes]) -> Hashable:
-        return frames[0].hex()
 
     async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]:
         return await self._receive()

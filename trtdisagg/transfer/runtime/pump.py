@@ -1,21 +1,13 @@
 """The agent's one lock, and the one thread that posts slow writes and polls the agent while a
-transfer waits.
+transfer waits (docs/LIFECYCLE.md, "Who notices that a write ended").
 
-Agent calls never overlap (agents/base.py): each holds `AgentCalls.lock`. A blocking call
-(loading a peer's agent, packing staging) runs in a worker thread (`in_thread`), a quick one (a
-post of a few descriptors, a release) on the Trio thread (`now`), but only while no blocking call
-runs (`idle`): the lock is then free or held by the pump for microseconds, and the loop never
-waits on a blocking call.
-
-An agent says that a write ended only when polled (NIXL's UCX backend even sends a GPU write's
-notification from the poll that finds it done), and that a notification came only when asked; a
-Trio task cannot poll often enough (epoll's timeout is whole milliseconds). So one thread polls
-every `interval_s` while a write is in flight or a receive awaits its notification (else it parks
-on a `threading.Event`), and hands what it finds to the Trio thread with
-`TrioToken.run_sync_soon`, which wakes the loop at once. A post that blocks (host memory: over
-TCP it fills the socket) runs on that thread too, which then polls its write at once: posted from
-a worker thread, the write went unpolled during the hops back to the Trio thread and on to the
-pump (each waiting for the GIL), and over TCP an unpolled write does not move.
+A quick agent call runs on the Trio thread (`now`), but only while no blocking call runs
+(`idle`): the lock is then free or held by the pump for microseconds, and the loop never waits on
+a blocking call. A Trio task cannot poll the agent often enough (epoll's timeout is whole
+milliseconds), hence the thread, which parks on a `threading.Event` while nothing is awaited. A
+post that blocks runs on that thread, which polls its write at once: from a worker thread, the
+write would go unpolled during the hops to the Trio thread and on to the pump (each waiting for
+the GIL), and over TCP an unpolled write does not move.
 """
 
 from __future__ import annotations
@@ -93,12 +85,9 @@ class NotificationPump:
     from one thread."""
 
     def __init__(
-        self,
-        calls: AgentCalls,
-        deliver: Callable[[Posted, Notifications, Ended], None],
-        interval_s: float,
+        self, calls: AgentCalls, deliver: Callable[[Posted, Notifications, Ended], None]
     ) -> None:
-        self._calls, self._deliver, self._interval_s = calls, deliver, interval_s
+        self._calls, self._deliver = calls, deliver
         self._state = threading.Lock()  # guards what is watched, and the wake-up
         self._wakeup = threading.Event()
         self._writes: dict[int, XferHandle] = {}
@@ -164,7 +153,7 @@ class NotificationPump:
                 assert self._token is not None
                 with contextlib.suppress(trio.RunFinishedError):  # (stopped first, normally)
                     self._token.run_sync_soon(self._delivered, posted, got, ended)
-            time.sleep(self._interval_s)
+            time.sleep(PUMP_INTERVAL_S)
 
     def _post(self, posts: list[tuple[int, Callable[[], XferHandle]]]) -> Posted:
         posted = Posted()
