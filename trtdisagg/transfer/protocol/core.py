@@ -26,7 +26,7 @@ from trtdisagg.transfer.protocol.gen import GenProtocol, StagingInfo
 from trtdisagg.transfer.protocol.liveness import Gone, PeerLiveness
 from trtdisagg.transfer.protocol.peers import PeerRegistrar
 from trtdisagg.transfer.protocol.rank_info import RankInfo
-from trtdisagg.transfer.protocol.refusals import Refusals
+from trtdisagg.transfer.protocol.side import Out, Refusals
 from trtdisagg.transfer.protocol.wire import (
     PROTOCOL_VERSION,
     Cancel,
@@ -41,8 +41,6 @@ from trtdisagg.transfer.protocol.wire import (
 )
 
 log = logging.getLogger(__name__)
-
-Out = list[ev.Effect]
 
 
 @attrs.define(eq=False, kw_only=True)

@@ -16,17 +16,16 @@ import attrs
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
 from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.bounce import staged_fragments, staged_runs
-from trtdisagg.transfer.protocol.peers import PeerRegistrar, SendPlan, direct_fragments
+from trtdisagg.transfer.protocol.peers import SendPlan, direct_fragments
 from trtdisagg.transfer.protocol.rank_info import RankInfo
-from trtdisagg.transfer.protocol.refusals import Refusals
 from trtdisagg.transfer.protocol.sessions import (
     EarlyMessages,
     SenderSession,
     Sessions,
     SourceBlocks,
     Status,
-    TransferOutcome,
 )
+from trtdisagg.transfer.protocol.side import Out, Side
 from trtdisagg.transfer.protocol.wire import (
     NOT_REGISTERED,
     Cancel,
@@ -41,8 +40,6 @@ from trtdisagg.transfer.protocol.wire import (
 
 log = logging.getLogger(__name__)
 
-Out = list[ev.Effect]
-
 
 @attrs.frozen(kw_only=True)
 class _Prepared:  # a write prepared for `request` from `source` before the KV was ready
@@ -52,20 +49,14 @@ class _Prepared:  # a write prepared for `request` from `source` before the KV w
 
 
 @attrs.define(eq=False, kw_only=True)
-class CtxProtocol:
-    local: RankInfo
-    timeout_s: float
-    registrar: PeerRegistrar  # the peer ranks met, shared with the gen side
-    refusals: Refusals = attrs.Factory(Refusals)
+class CtxProtocol(Side):
     max_per_peer: int = 1024  # sessions and held messages of one gen instance
     senders: Sessions[SenderSession] = attrs.Factory(Sessions)
     early: EarlyMessages = attrs.field(init=False)
-    bounced: int = 0  # writes that went through staging (since start)
     _expected: dict[int, tuple[SourceBlocks, float]] = attrs.Factory(dict)  # key -> (where, until)
     _prepared: dict[int, dict[int, _Prepared]] = attrs.Factory(dict)  # key -> gen rank ->
     _writes: dict[int, tuple[SenderSession, ev.WriteOrder]] = attrs.Factory(dict)  # in flight
     _next_write: int = 1
-    _started: dict[int, float] = attrs.Factory(dict)
     # key -> until: sends cancelled here (the coordinator released the KV: no gen leg takes
     # it). A gen that asks for one later is refused at once, not held for a session that will
     # not come (keys are random per attempt: none comes back).
@@ -127,11 +118,7 @@ class CtxProtocol:
             return None
         quiescent = sender.cancel()
         self._released[key] = now + self.timeout_s
-        cancel = Cancel(key=key, instance_name=self.local.instance_name,
-                        instance_rank=self.local.instance_rank)  # fmt: skip
-        for rank in sender.requesters:
-            if (peer := self.registrar.get((sender.peer_instance or "", rank))) is not None:
-                out.append(ev.Send(endpoint=peer.control_endpoint, message=cancel))
+        self._cancel(key, sender.peer_instance or "", sender.requesters, out)
         self._settle(sender, now, out)
         return quiescent
 
@@ -399,10 +386,8 @@ class CtxProtocol:
         if self.senders.get(session.key) is not session:
             return
         del self.senders[session.key]
-        status = session.status
-        outcome = TransferOutcome(key=session.key, ok=status is Status.TRANSFERRED,
-                                  cancelled=status is Status.CANCELLED, error=session.error,
-                                  seconds=now - self._started.pop(session.key, now))  # fmt: skip
+        ok, cancelled = session.status is Status.TRANSFERRED, session.status is Status.CANCELLED
+        outcome = self._outcome(session.key, now, ok=ok, cancelled=cancelled, error=session.error)
         out += [ev.Sent(outcome=outcome), ev.WAKE]
 
     def _forget_key(self, key: int, out: Out) -> None:
@@ -425,9 +410,7 @@ class CtxProtocol:
         self, name: str, rank: int, key: int, status: ResultStatus, out: Out, **fields: Any
     ) -> None:
         """TRANSFER_RESULT to the gen rank `name#rank`, if still known."""
-        if (peer := self.registrar.get((name, rank))) is not None:
-            message = self._message(key, status, **fields)
-            out.append(ev.Send(endpoint=peer.control_endpoint, message=message))
+        self._send((name, rank), self._message(key, status, **fields), out)
 
     def _ack_cancel(self, cancel: Cancel, out: Out) -> None:
         error = "cancelled; no write in flight"

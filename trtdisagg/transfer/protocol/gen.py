@@ -10,16 +10,13 @@ tries again.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import attrs
 
 from trtdisagg.transfer.errors import PeerIncompatible
 from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.bounce import canonical_bytes
-from trtdisagg.transfer.protocol.peers import PeerRegistrar
 from trtdisagg.transfer.protocol.rank_info import RankInfo
-from trtdisagg.transfer.protocol.refusals import Refusals
 from trtdisagg.transfer.protocol.sessions import (
     RankResult,
     ReceiverSession,
@@ -27,6 +24,7 @@ from trtdisagg.transfer.protocol.sessions import (
     Status,
     TransferOutcome,
 )
+from trtdisagg.transfer.protocol.side import Out, Side
 from trtdisagg.transfer.protocol.wire import (
     NOT_REGISTERED,
     PROTOCOL_VERSION,
@@ -44,7 +42,6 @@ from trtdisagg.transfer.protocol.wire import (
 
 log = logging.getLogger(__name__)
 
-Out = list[ev.Effect]
 RENDEZVOUS_TIMEOUT_S = 5.0
 
 
@@ -77,17 +74,12 @@ class _Starting:  # a receive with no session yet: its rendezvous or staging roo
 
 
 @attrs.define(eq=False, kw_only=True)
-class GenProtocol:
-    local: RankInfo
-    timeout_s: float
-    registrar: PeerRegistrar  # the peer ranks met, shared with the ctx side
-    refusals: Refusals = attrs.Factory(Refusals)
+class GenProtocol(Side):
     early_failures: bool = True
     staging: StagingInfo | None = None
     receivers: Sessions[ReceiverSession] = attrs.Factory(Sessions)
     rendezvous: int = 0  # rendezvous started (since start)
     quarantine_expired: int = 0  # quarantines ended by the second timeout, not by ctx
-    bounced: int = 0  # receives that went through staging
     _instances: dict[str, _CtxInstance] = attrs.Factory(dict)  # by info endpoint
     _starting: dict[int, _Starting] = attrs.Factory(dict)
     _staged: dict[int, ev.Staged] = attrs.Factory(dict)
@@ -95,7 +87,6 @@ class GenProtocol:
     # (ctx instance, ctx rank, key) -> when: a session of `key` ended before that rank's
     # TRANSFER_RESULT came. That result, when it comes, is the ended session's.
     _results_due: dict[tuple[str, int, int], float] = attrs.Factory(dict)
-    _started: dict[int, float] = attrs.Factory(dict)
 
     def meeting(self) -> set[str]:
         """The endpoints of the rendezvous under way."""
@@ -411,11 +402,7 @@ class GenProtocol:
         if session.cancel_sent:
             return
         session.cancel_sent = True
-        cancel = Cancel(key=session.key, instance_name=self.local.instance_name,
-                        instance_rank=self.local.instance_rank)  # fmt: skip
-        for rank in sorted(session.expected):
-            if (peer := self.registrar.get((session.peer_instance, rank))) is not None:
-                out.append(ev.Send(endpoint=peer.control_endpoint, message=cancel))
+        self._cancel(session.key, session.peer_instance, session.expected, out)
 
     def _refused(self, instance: _CtxInstance, refusal: str, now: float, out: Out) -> None:
         """The ctx instance refused us, or we it: every request to it fails with `refusal`,
@@ -431,9 +418,6 @@ class GenProtocol:
         """`key`'s receive failed with `reason`, or was cancelled (None) before it started."""
         fields = {"error": reason} if reason is not None else {"cancelled": True}
         out += [ev.Received(outcome=self._outcome(key, now, ok=False, **fields)), ev.WAKE]
-
-    def _outcome(self, key: int, now: float, **fields: Any) -> TransferOutcome:
-        return TransferOutcome(key=key, seconds=now - self._started.pop(key, now), **fields)
 
 
 def _replaced(instance: _CtxInstance, named: str | None) -> bool:
