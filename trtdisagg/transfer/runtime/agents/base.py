@@ -96,8 +96,7 @@ class TransferAgent(Protocol):
     def remove_remote(self, name: str) -> None: ...
 
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
-        """Whether preparing and posting this write returns within about 0.1 ms, so that it
-        may run on the event loop (else it goes through a worker thread)."""
+        """Whether preparing and posting this write returns within about 0.1 ms."""
         ...
 
     def prepare_write(
