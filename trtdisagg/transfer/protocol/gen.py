@@ -268,9 +268,8 @@ class GenProtocol(Side):
                     self._fail(key, error, now, out)
 
     def forget(self, instance: str, dead: str | None, now: float, out: Out) -> list[RankInfo]:
-        """Forget the ctx instance `instance` (gone; `dead`: why, when its process ended: what
-        waits on it fails now, and its blocks are free, since it writes no more). The ranks
-        of the rendezvous dropped."""
+        """Forget the ctx instance `instance` (`dead`: why its process ended, and what waits on
+        it fails now: it writes no more); the ranks of the rendezvous dropped."""
         for session in list(self.receivers.values()):
             if dead is not None and session.peer_instance == instance:
                 session.peer_died(f"peer instance {instance} is gone: {dead}")

@@ -339,8 +339,7 @@ class KvTransceiver:
         )
 
     async def _stage_and_post(self, order: ev.WriteOrder, remote: str, notice: bytes) -> None:
-        """A bounced write first packs this rank's share into staging room, then writes it in
-        one go."""
+        """Pack this rank's share into staging room, then write it in one go."""
         assert self.staging is not None
         try:
             offset, order = await self.staging.stage(order, self._calls.in_thread)
@@ -362,8 +361,7 @@ class KvTransceiver:
         return prepared
 
     def _delivered(self, posted: Posted, notifications: Notifications, ended: Ended) -> None:
-        """What the pump did and found: writes posted, writes that ended, notifications (on the
-        Trio thread)."""
+        """What the pump did and found, on the Trio thread."""
         if self._nursery is None:
             return  # the service has ended
         for write_id, handle in posted:

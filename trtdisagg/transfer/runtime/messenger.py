@@ -346,12 +346,8 @@ async def open_dealer(
     on_link: Callable[[bool], None] | None = None,
 ) -> AsyncIterator[Dealer]:
     """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); with `secret`
-    as a CURVE client speaking for `label` (required then).
-
-    `on_link(True)` is called each time the connection comes up (its handshake succeeded), and
-    `on_link(False)` each time it goes down: it drops (the peer closed it, or its process
-    ended), it cannot be made (nothing listens there: a peer that ended before we first
-    connected), or its handshake fails (the peer holds another cluster secret)."""
+    as a CURVE client speaking for `label` (required then). `on_link(up)` is told each time the
+    link comes up or goes down (the module docstring)."""
     socket = _socket(zmq.DEALER, context, high_water_mark)
     if secret is not None:
         if label is None:
@@ -445,8 +441,7 @@ def stop_monitor(socket: _Socket) -> None:
 
 
 async def watch(monitor: _Socket, on_event: Callable[[int], None]) -> None:
-    """Call `on_event(event)` for each event of `monitor` (a PAIR socket, edge-triggered like
-    any zmq FD), until cancelled."""
+    """Call `on_event(event)` for each event of `monitor` (edge-triggered like any zmq FD)."""
     fd = int(monitor.getsockopt(zmq.FD))
     while True:
         try:
