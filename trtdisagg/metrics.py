@@ -1,29 +1,15 @@
 """Prometheus metrics (DESIGN.md §9). Each process builds its own registry: no global state.
 
-The KV transfer counters are the transceiver's (transfer/runtime/statistics.py): a worker's
-`TransferCollector` reads them at every scrape.
+The KV transfer counters are not here: the transceiver's collector serves them on the same
+registry (transfer/runtime/collector.py).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
-
-from trtdisagg.transfer.runtime.statistics import (
-    SECONDS_BUCKETS,
-    TransceiverStatistics,
-    WriteTally,
-)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -149,69 +135,3 @@ class WorkerMetrics:
         if refresh is not None:
             refresh()
         return generate_latest(self.registry)
-
-
-# Metrics read from `TransceiverStatistics` at each scrape: (field, name, kind, help).
-_READ = (
-    ("bad_frames", "control_bad_frames", "counter", "Malformed control-plane frames dropped"),
-    ("rendezvous", "kv_rendezvous", "counter", "Rendezvous round trips with ctx instances"),
-    ("early", "kv_early_messages", "gauge",
-     "Transfer keys whose REQUEST_DATA or CANCEL waits for a session"),
-    ("quarantined", "kv_quarantined_requests", "gauge",
-     "Ended (failed or cancelled) transfers whose blocks stay pinned: a write may land"),
-    ("quarantine_expired", "kv_quarantine_expired", "counter",
-     "gen blocks freed without ctx's answer, a second kv_transfer_timeout_ms late"),
-    ("connections", "control_connections", "gauge",
-     "Open control-plane connections (DEALERs) to peers"),
-    ("bounced", "kv_bounce_transfers", "counter",
-     "KV transfers through the staging (bounce) buffers, sends and receives"),
-    ("prepared_posts", "kv_prepared_writes", "counter",
-     "KV writes prepared while their prefill ran and posted when the KV was ready"),
-    ("peers_forgotten", "kv_peers_forgotten", "counter",
-     "Peer instances forgotten as gone (unanswered probes, or another instance at their "
-     "endpoint), their transfer agents unloaded"),
-    ("peers_dead", "kv_peers_dead", "counter",
-     "Peer instances forgotten because their process ended (their control connection dropped "
-     "and stayed down, or another instance took their endpoint); what waited on them failed "
-     "at once"),
-)  # fmt: skip
-_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
-
-
-class TransferCollector(Collector):
-    """The transfer metrics of one worker, read from its transceiver at each scrape."""
-
-    def __init__(self, statistics: Callable[[], TransceiverStatistics], tally: WriteTally) -> None:
-        self._statistics = statistics
-        self._tally = tally
-
-    def collect(self) -> Iterator[Metric]:
-        p, stats, tally = "trtdisagg_", self._statistics(), self._tally
-        yield CounterMetricFamily(p + "kv_transfer_bytes", "KV bytes moved", value=tally.num_bytes)
-        yield CounterMetricFamily(
-            p + "kv_transfer_descriptors", "NIXL descriptors submitted", value=tally.num_descriptors
-        )
-        bounds = (*map(str, SECONDS_BUCKETS), "+Inf")
-        cumulative = itertools.accumulate(tally.buckets)
-        yield HistogramMetricFamily(
-            p + "kv_transfer_seconds",
-            "KV transfer duration per request",
-            buckets=list(zip(bounds, cumulative)),
-            sum_value=tally.seconds_sum,
-        )
-        sessions = GaugeMetricFamily(
-            p + "kv_sessions", "Transfer sessions held by the transceiver", labels=["side"]
-        )
-        sessions.add_metric(["sender"], stats.senders)
-        sessions.add_metric(["receiver"], stats.receivers)
-        yield sessions
-        refused = CounterMetricFamily(
-            p + "control_refused", "Control messages dropped: an unauthenticated connection, a"
-            " sender that is not who it names, another peer's session, a peer over its limit",
-            labels=["reason"],
-        )  # fmt: skip
-        for reason, count in sorted(stats.refused.items()):
-            refused.add_metric([reason], count)
-        yield refused
-        for field, name, kind, doc in _READ:
-            yield _FAMILIES[kind](p + name, doc, value=getattr(stats, field))

@@ -25,8 +25,12 @@ from _bench_common import LengthRange, RequestRecord
 
 from trtdisagg.coordinator.metrics import CoordinatorMetrics
 from trtdisagg.launcher import plan_cluster
-from trtdisagg.metrics import TransferCollector, WorkerMetrics
-from trtdisagg.transfer.runtime.statistics import TransceiverStatistics, WriteTally
+from trtdisagg.metrics import WorkerMetrics
+from trtdisagg.transfer.runtime.collector import (
+    TransceiverStatistics,
+    TransferCollector,
+    WriteTally,
+)
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 GPU_CONF = TOOLS.parent / "conf" / "gpu"

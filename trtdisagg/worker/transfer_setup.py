@@ -26,7 +26,7 @@ import trio
 from trtdisagg.config import TransceiverBackend, WorkerConfig
 from trtdisagg.kv.staging import StagingBuffer
 from trtdisagg.membership.interfaces import confine_ucx_to_interface
-from trtdisagg.metrics import TransferCollector, WorkerMetrics
+from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.args import model_fingerprint
 from trtdisagg.model.parallel import pp_layer_range
 from trtdisagg.security.keys import PeerLabel
@@ -48,6 +48,7 @@ from trtdisagg.transfer.runtime.agents.base import (
     pool_regions,
 )
 from trtdisagg.transfer.runtime.agents.loopback import LoopbackFabric
+from trtdisagg.transfer.runtime.collector import TransferCollector
 from trtdisagg.transfer.runtime.control import ControlRouter, DealerOpener
 from trtdisagg.transfer.runtime.driver import KvTransceiver
 from trtdisagg.transfer.runtime.messenger import open_dealer, open_router

@@ -43,6 +43,7 @@ from trtdisagg.transfer.protocol.wire import (
     decode,
 )
 from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferHandle, XferStatus
+from trtdisagg.transfer.runtime.collector import TransceiverStatistics, WriteTally
 from trtdisagg.transfer.runtime.control import ControlPlane, ControlRouter, DealerOpener
 from trtdisagg.transfer.runtime.messenger import open_dealer
 from trtdisagg.transfer.runtime.pump import (
@@ -53,7 +54,6 @@ from trtdisagg.transfer.runtime.pump import (
     Posted,
 )
 from trtdisagg.transfer.runtime.staging_area import StagingArea
-from trtdisagg.transfer.runtime.statistics import TransceiverStatistics, WriteTally
 
 log = logging.getLogger(__name__)
 

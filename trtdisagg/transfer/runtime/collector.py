@@ -1,0 +1,129 @@
+"""The transceiver's counters, and the Prometheus collector that reads them (DESIGN.md §9).
+
+`build_transceiver` (worker/transfer_setup.py) registers one `TransferCollector` on the worker's
+registry; every scrape reads the driver's `statistics()` and its `WriteTally` then.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Iterator
+
+import attrs
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+SECONDS_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+@attrs.frozen(kw_only=True)
+class TransceiverStatistics:
+    rendezvous: int  # gen's rendezvous with ctx instances (since start)
+    senders: int
+    receivers: int
+    bad_frames: int
+    quarantined: int = 0  # sessions over (failed, cancelled) whose blocks a write may still reach
+    quarantine_expired: int = 0  # gen quarantines ended by the second timeout, not by ctx
+    early: int = 0  # transfer keys with REQUEST_DATA or CANCEL waiting for their session
+    bounced: int = 0  # transfers that went through the staging buffers (sends and receives)
+    connections: int = 0  # open DEALERs to peers' control endpoints
+    prepared: int = 0  # writes prepared before their KV was ready and not yet posted
+    prepared_posts: int = 0  # writes posted from such a preparation (since start)
+    # peer instances watched for being gone (liveness.py), and forgotten as gone
+    peers_watched: int = 0
+    peers_forgotten: int = 0
+    peers_dead: int = 0  # ... of which had ended: what waited on them failed at once
+    peer_probes: int = 0
+    # control messages dropped or refused, by reason (protocol/refusals.py, and the socket's
+    # `unauthenticated`)
+    refused: dict[str, int] = attrs.Factory(dict)
+
+
+@attrs.define(eq=False)
+class WriteTally:
+    """KV writes that ended well: bytes, descriptors, and a histogram of their seconds."""
+
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    seconds_sum: float = 0.0
+    buckets: list[int] = attrs.Factory(lambda: [0] * (len(SECONDS_BUCKETS) + 1))
+
+    def count(self, num_bytes: int, num_descriptors: int, seconds: float) -> None:
+        self.num_bytes += num_bytes
+        self.num_descriptors += num_descriptors
+        self.seconds_sum += seconds
+        self.buckets[bisect.bisect_left(SECONDS_BUCKETS, seconds)] += 1
+
+
+# Metrics read from `TransceiverStatistics` at each scrape: (field, name, kind, help).
+_READ = (
+    ("bad_frames", "control_bad_frames", "counter", "Malformed control-plane frames dropped"),
+    ("rendezvous", "kv_rendezvous", "counter", "Rendezvous round trips with ctx instances"),
+    ("early", "kv_early_messages", "gauge",
+     "Transfer keys whose REQUEST_DATA or CANCEL waits for a session"),
+    ("quarantined", "kv_quarantined_requests", "gauge",
+     "Ended (failed or cancelled) transfers whose blocks stay pinned: a write may land"),
+    ("quarantine_expired", "kv_quarantine_expired", "counter",
+     "gen blocks freed without ctx's answer, a second kv_transfer_timeout_ms late"),
+    ("connections", "control_connections", "gauge",
+     "Open control-plane connections (DEALERs) to peers"),
+    ("bounced", "kv_bounce_transfers", "counter",
+     "KV transfers through the staging (bounce) buffers, sends and receives"),
+    ("prepared_posts", "kv_prepared_writes", "counter",
+     "KV writes prepared while their prefill ran and posted when the KV was ready"),
+    ("peers_forgotten", "kv_peers_forgotten", "counter",
+     "Peer instances forgotten as gone (unanswered probes, or another instance at their "
+     "endpoint), their transfer agents unloaded"),
+    ("peers_dead", "kv_peers_dead", "counter",
+     "Peer instances forgotten because their process ended (their control connection dropped "
+     "and stayed down, or another instance took their endpoint); what waited on them failed "
+     "at once"),
+)  # fmt: skip
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+
+
+class TransferCollector(Collector):
+    """The transfer metrics of one worker, read from its transceiver at each scrape."""
+
+    def __init__(self, statistics: Callable[[], TransceiverStatistics], tally: WriteTally) -> None:
+        self._statistics = statistics
+        self._tally = tally
+
+    def collect(self) -> Iterator[Metric]:
+        p, stats, tally = "trtdisagg_", self._statistics(), self._tally
+        yield CounterMetricFamily(p + "kv_transfer_bytes", "KV bytes moved", value=tally.num_bytes)
+        yield CounterMetricFamily(
+            p + "kv_transfer_descriptors", "NIXL descriptors submitted", value=tally.num_descriptors
+        )
+        bounds = (*map(str, SECONDS_BUCKETS), "+Inf")
+        cumulative = itertools.accumulate(tally.buckets)
+        yield HistogramMetricFamily(
+            p + "kv_transfer_seconds",
+            "KV transfer duration per request",
+            buckets=list(zip(bounds, cumulative)),
+            sum_value=tally.seconds_sum,
+        )
+        sessions = GaugeMetricFamily(
+            p + "kv_sessions", "Transfer sessions held by the transceiver", labels=["side"]
+        )
+        sessions.add_metric(["sender"], stats.senders)
+        sessions.add_metric(["receiver"], stats.receivers)
+        yield sessions
+        refused = CounterMetricFamily(
+            p + "control_refused", "Control messages dropped: an unauthenticated connection, a"
+            " sender that is not who it names, another peer's session, a peer over its limit",
+            labels=["reason"],
+        )  # fmt: skip
+        for reason, count in sorted(stats.refused.items()):
+            refused.add_metric([reason], count)
+        yield refused
+        for field, name, kind, doc in _READ:
+            yield _FAMILIES[kind](p + name, doc, value=getattr(stats, field))
