@@ -135,9 +135,7 @@ class CtxProtocol(Side):
     def on_agent_loaded(self, info: RankInfo, reply_to: bytes, error: str | None, out: Out) -> bool:
         if error is not None:
             log.warning("refused gen rank %s: %s", info.label, error)
-        ack = RegisterAck(instance_name=self.local.instance_name,
-                          instance_rank=self.local.instance_rank, accepted=error is None,
-                          reason=error or "")  # fmt: skip
+        ack = RegisterAck(accepted=error is None, reason=error or "", **self._me)
         out.append(ev.Reply(reply_to=reply_to, message=ack))
         return error is None
 
@@ -258,7 +256,7 @@ class CtxProtocol(Side):
     # ---- writes ----
 
     def _accept(self, session: SenderSession, request: RequestData) -> None:
-        if (peer := self.registrar.get((request.instance_name, request.instance_rank))) is None:
+        if (peer := self.registrar.get(request.sender)) is None:
             return
         if session.expected is None:
             overlap = self.registrar.overlap(peer, peer_dp_rank=peer.dp_rank)
@@ -286,11 +284,10 @@ class CtxProtocol(Side):
                 self._write_done(session, rank, None, out)
                 continue
             self._writes[order.write_id] = (session, order)
-            fragments, local = order.fragments, self.local
-            notice = WriteNotice(key=order.key, instance_name=local.instance_name,
-                                 instance_rank=local.instance_rank, num_bytes=fragments.num_bytes,
-                                 num_descriptors=len(fragments),
-                                 first_tokens=session.first_tokens)  # fmt: skip
+            fragments = order.fragments
+            notice = WriteNotice(key=order.key, num_bytes=fragments.num_bytes,
+                                 num_descriptors=len(fragments), first_tokens=session.first_tokens,
+                                 **self._me)  # fmt: skip
             out.append(ev.PostWrite(order=order, notice=encode(notice)))
 
     def _prepare(self, key: int, request: RequestData, out: Out) -> None:
@@ -317,7 +314,7 @@ class CtxProtocol(Side):
     ) -> ev.WriteOrder | None:
         """The write of `source` into `request`'s blocks (None: this rank has nothing to write
         there). TransferLayerError or ValueError: the request does not fit."""
-        peer = (request.instance_name, request.instance_rank)
+        peer = request.sender
         try:
             plan = self.registrar.send_plan(peer)
         except KeyError:
@@ -402,9 +399,7 @@ class CtxProtocol(Side):
     # ---- messages ----
 
     def _message(self, key: int, status: ResultStatus, **fields: Any) -> TransferResult:
-        return TransferResult(key=key, instance_name=self.local.instance_name,
-                              instance_rank=self.local.instance_rank, status=status,
-                              **fields)  # fmt: skip
+        return TransferResult(key=key, status=status, **self._me, **fields)
 
     def _result(
         self, name: str, rank: int, key: int, status: ResultStatus, out: Out, **fields: Any

@@ -160,7 +160,7 @@ class GenProtocol(Side):
         """A REGISTER_ACK on the dealer to `source`; the instance now met, if this did it."""
         for instance in self._instances.values():
             rank = next((r for r in instance.ranks if r.control_endpoint == source), None)
-            if rank is None or (ack.instance_name, ack.instance_rank) != rank.key:
+            if rank is None or ack.sender != rank.key:
                 continue
             if ack.instance_rank not in instance.unacked:
                 return None
@@ -328,8 +328,7 @@ class GenProtocol(Side):
             return
         address = staged.offset + self.staging.address if staged and self.staging else 0
         request = RequestData(
-            key=key, instance_name=self.local.instance_name,
-            instance_rank=self.local.instance_rank,
+            key=key, **self._me,
             block_ids=tuple(pack_block_ids(ids) for ids in starting.ask.block_ids),
             num_tokens=starting.ask.num_tokens, staging_address=address,
             staging_bytes=staged.num_bytes if staged is not None else 0,

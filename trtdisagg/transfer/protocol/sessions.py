@@ -343,7 +343,7 @@ class EarlyMessages:
     def drop_requests_of(self, instance: str, rank: int, key: int) -> int:
         """Drop the requests held for `key` from that gen rank; how many there were."""
         held = self._requests.pop(key, [])
-        kept = [e for e in held if (e[1].instance_name, e[1].instance_rank) != (instance, rank)]
+        kept = [e for e in held if e[1].sender != (instance, rank)]
         if kept:
             self._requests[key] = kept
         return len(held) - len(kept)

@@ -63,14 +63,21 @@ class Side:
     bounced: int = 0  # transfers that went through staging (since start)
     _started: dict[int, float] = attrs.Factory(dict)  # key -> when
 
+    @property
+    def _me(self) -> dict[str, Any]:
+        """The fields that name this rank as a message's sender (wire.FromRank)."""
+        return {
+            "instance_name": self.local.instance_name,
+            "instance_rank": self.local.instance_rank,
+        }
+
     def _send(self, peer: tuple[str, int], message: Message, out: Out) -> None:
         """`message` to the peer rank `peer`, if it is still known."""
         if (info := self.registrar.get(peer)) is not None:
             out.append(ev.Send(endpoint=info.control_endpoint, message=message))
 
     def _cancel(self, key: int, instance: str, ranks: Iterable[int], out: Out) -> None:
-        cancel = Cancel(key=key, instance_name=self.local.instance_name,
-                        instance_rank=self.local.instance_rank)  # fmt: skip
+        cancel = Cancel(key=key, **self._me)
         for rank in sorted(ranks):
             self._send((instance, rank), cancel, out)
 

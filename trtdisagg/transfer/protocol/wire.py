@@ -98,22 +98,35 @@ class RegisterPeer:
 
 
 @attrs.frozen(kw_only=True)
-class RegisterAck:
-    instance_name: str  # the acknowledging (ctx) rank
+class FromRank:
+    """A message that names the rank sending it: a secured control plane checks that against
+    the rank its connection proved, and a peer's message touches only that peer's sessions."""
+
+    instance_name: str
     instance_rank: int = attrs.field(validator=_non_negative)
+
+    @property
+    def sender(self) -> tuple[str, int]:
+        return (self.instance_name, self.instance_rank)
+
+
+@attrs.frozen(kw_only=True)
+class TransferMessage(FromRank):  # ... about one transfer
+    key: int = attrs.field(validator=_key)  # the transfer key
+
+
+@attrs.frozen(kw_only=True)
+class RegisterAck(FromRank):
     accepted: bool
     reason: str = ""
 
 
 @attrs.frozen(kw_only=True)
-class RequestData:
+class RequestData(TransferMessage):
     """`block_ids[g]`: the packed destination block ids of gen's layer group `g`, a suffix of
     the request's blocks `[0, ceil(num_tokens / tokens_per_block))` (a shorter list skips
     blocks gen already has, e.g. from its prefix cache)."""
 
-    key: int = attrs.field(validator=_key)  # the transfer key
-    instance_name: str  # the requesting (gen) rank
-    instance_rank: int = attrs.field(validator=_non_negative)
     block_ids: tuple[bytes, ...] = attrs.field(validator=_packed_ids, repr=False)
     num_tokens: int = attrs.field(validator=_positive)
     # The bounce path (transfer/bounce.py): where in my staging buffer my canonical region is.
@@ -123,10 +136,7 @@ class RequestData:
 
 
 @attrs.frozen(kw_only=True)
-class TransferResult:
-    key: int = attrs.field(validator=_key)
-    instance_name: str  # the reporting (ctx) rank
-    instance_rank: int = attrs.field(validator=_non_negative)
+class TransferResult(TransferMessage):
     status: ResultStatus
     num_bytes: int = attrs.field(default=0, validator=_non_negative)
     num_descriptors: int = attrs.field(default=0, validator=_non_negative)
@@ -137,18 +147,12 @@ class TransferResult:
 
 
 @attrs.frozen(kw_only=True)
-class Cancel:
-    key: int = attrs.field(validator=_key)
-    instance_name: str  # the sender, so that only its peer's session is touched
-    instance_rank: int = attrs.field(validator=_non_negative)
+class Cancel(TransferMessage):
     reason: str = ""
 
 
 @attrs.frozen(kw_only=True)
-class WriteNotice:
-    key: int = attrs.field(validator=_key)
-    instance_name: str  # the writing (ctx) rank
-    instance_rank: int = attrs.field(validator=_non_negative)
+class WriteNotice(TransferMessage):
     num_bytes: int = attrs.field(default=0, validator=_non_negative)
     num_descriptors: int = attrs.field(default=0, validator=_non_negative)  # 0: no summary
     first_tokens: tuple[int, ...] = attrs.field(default=(), validator=_token_ids)
@@ -170,9 +174,7 @@ def sender_of(message: Message) -> tuple[str, int] | None:
     """The (instance_name, instance_rank) that `message` names as its sender, if it names one."""
     if isinstance(message, RegisterPeer):
         return message.info.key
-    if isinstance(message, RequestInstanceInfo | InstanceInfo):
-        return None
-    return (message.instance_name, message.instance_rank)
+    return message.sender if isinstance(message, FromRank) else None
 
 
 # each class's name in upper snake case: RequestData -> "REQUEST_DATA"
