@@ -46,13 +46,7 @@ from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferHandle, Xf
 from trtdisagg.transfer.runtime.collector import TransceiverStatistics, WriteTally
 from trtdisagg.transfer.runtime.control import ControlPlane, ControlRouter, DealerOpener
 from trtdisagg.transfer.runtime.messenger import open_dealer
-from trtdisagg.transfer.runtime.pump import (
-    AgentCalls,
-    Ended,
-    NotificationPump,
-    Notifications,
-    Posted,
-)
+from trtdisagg.transfer.runtime.pump import AgentPump, Ended, Notifications, Posted
 from trtdisagg.transfer.runtime.staging_area import StagingArea
 
 log = logging.getLogger(__name__)
@@ -95,8 +89,7 @@ class KvTransceiver:
     tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
     prepared_posts: int = 0  # writes posted from a preparation (since start)
     _control: ControlPlane = attrs.field(init=False)
-    _calls: AgentCalls = attrs.field(init=False)
-    _pump: NotificationPump = attrs.field(init=False)
+    _pump: AgentPump = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
     _remotes: dict[tuple[str, int], str] = attrs.Factory(dict)  # gen ranks' loaded agents
     _prepared: dict[int, XferHandle] = attrs.Factory(dict)  # by write id
@@ -120,8 +113,7 @@ class KvTransceiver:
         self._control = ControlPlane(
             router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
         )
-        self._calls = AgentCalls(self.agent)
-        self._pump = NotificationPump(self._calls, self._delivered)
+        self._pump = AgentPump(self.agent, self._delivered)
 
     @property
     def info_endpoint(self) -> str:
@@ -282,7 +274,7 @@ class KvTransceiver:
         """Prepare `order` with the agent when that is quick (a slow post goes through a
         thread anyway, where preparing first saves nothing)."""
         remote = self._remotes.get(order.peer)
-        if remote is None or not self._calls.idle:
+        if remote is None or not self._pump.idle:
             return
         if self.agent.submit_is_quick(order.fragments, remote):
             prepare = functools.partial(
@@ -290,7 +282,7 @@ class KvTransceiver:
                 dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
             )  # fmt: skip
             try:
-                self._prepared[order.write_id] = self._calls.now(prepare)
+                self._prepared[order.write_id] = self._pump.now(prepare)
             except TransferLayerError as exc:
                 log.debug("KV write %d not prepared: %s", order.key, exc)
 
@@ -303,10 +295,10 @@ class KvTransceiver:
             return
         self.prepared_posts += prepared is not None
         quick = prepared is not None or self.agent.submit_is_quick(order.fragments, remote)
-        if order.staged is None and quick and self._calls.idle:
+        if order.staged is None and quick and self._pump.idle:
             submit = functools.partial(self._submit, order, remote, notice, prepared)
             try:
-                handle = self._calls.now(submit)
+                handle = self._pump.now(submit)
             except TransferLayerError as exc:
                 self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
                 return
@@ -329,7 +321,6 @@ class KvTransceiver:
         staging_offset: int | None = None,
     ) -> None:
         """A post that blocks: on the pump's thread, which polls the write right after it."""
-        self._calls.slow_call_started()
         self._flights[order.write_id] = _Flight(
             order=order, handle=None, remote=remote, posted=self.clock(),
             staging_offset=staging_offset,
@@ -342,7 +333,7 @@ class KvTransceiver:
         """Pack this rank's share into staging room, then write it in one go."""
         assert self.staging is not None
         try:
-            offset, order = await self.staging.stage(order, self._calls.in_thread)
+            offset, order = await self.staging.stage(order, self._pump.in_thread)
         except TransferLayerError as exc:
             self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
             return
@@ -365,7 +356,6 @@ class KvTransceiver:
         if self._nursery is None:
             return  # the service has ended
         for write_id, handle in posted:
-            self._calls.slow_call_ended()
             if isinstance(handle, str):
                 self._land(write_id)
                 self._feed(ev.WriteEnded(write_id=write_id, error=handle))
@@ -403,10 +393,10 @@ class KvTransceiver:
 
     def _release(self, handle: XferHandle) -> None:
         release = functools.partial(self.agent.release, handle)
-        if self._calls.idle:
-            self._calls.now(release)
+        if self._pump.idle:
+            self._pump.now(release)
         else:
-            self._spawn(self._calls.in_thread, release)
+            self._spawn(self._pump.in_thread, release)
 
     # ---- peers' agents, staging ----
 
@@ -415,7 +405,7 @@ class KvTransceiver:
         if info.key not in self._remotes:
             try:
                 add = functools.partial(self.agent.add_remote, info.agent_metadata)
-                self._remotes[info.key] = await self._calls.in_thread(add)
+                self._remotes[info.key] = await self._pump.in_thread(add)
             except TransferLayerError as exc:
                 error = str(exc)
         self._feed(ev.AgentLoaded(info=info, reply_to=identity, error=error))
@@ -438,7 +428,7 @@ class KvTransceiver:
                 log.warning("agent %s stays loaded: a write to it never ended", name)
                 continue
             try:
-                await self._calls.in_thread(functools.partial(self.agent.remove_remote, name))
+                await self._pump.in_thread(functools.partial(self.agent.remove_remote, name))
             except TransferLayerError as exc:
                 log.warning("could not unload agent %s: %s", name, exc)
 

@@ -41,53 +41,16 @@ PUMP_INTERVAL_S = 50e-6
 _PR_SET_TIMERSLACK = 29
 
 
-class AgentCalls:
-    """The agent, and the lock that keeps its calls from overlapping."""
-
-    def __init__(self, agent: TransferAgent) -> None:
-        self.agent = agent
-        self.lock = threading.Lock()
-        self._slow = 0  # blocking calls under way (each in a worker thread)
-
-    @property
-    def idle(self) -> bool:
-        """No blocking call runs: `now` waits for the pump at most."""
-        return not self._slow
-
-    def slow_call_started(self) -> None:
-        """A blocking call was handed to another thread (on the Trio thread, as `now`)."""
-        self._slow += 1
-
-    def slow_call_ended(self) -> None:
-        self._slow -= 1
-
-    def now(self, call: Callable[[], T]) -> T:
-        """A quick call, here on the Trio thread (only while `idle`)."""
-        assert not self._slow, "a blocking agent call runs: use in_thread"
-        with self.lock:
-            return call()
-
-    async def in_thread(self, call: Callable[[], T]) -> T:
-        """A blocking call, in a worker thread."""
-        self.slow_call_started()
-        try:
-            return await trio.to_thread.run_sync(self._locked, call)
-        finally:
-            self.slow_call_ended()
-
-    def _locked(self, call: Callable[[], T]) -> T:
-        with self.lock:
-            return call()
-
-
-class NotificationPump:
-    """Posts slow writes, and polls the agent's writes and notifications while any is awaited,
-    from one thread."""
+class AgentPump:
+    """The agent and the lock that keeps its calls from overlapping; and the one thread that
+    posts slow writes, and polls the agent's writes and notifications while any is awaited."""
 
     def __init__(
-        self, calls: AgentCalls, deliver: Callable[[Posted, Notifications, Ended], None]
+        self, agent: TransferAgent, deliver: Callable[[Posted, Notifications, Ended], None]
     ) -> None:
-        self._calls, self._deliver = calls, deliver
+        self.agent, self._deliver = agent, deliver
+        self._lock = threading.Lock()  # the agent's
+        self._slow = 0  # blocking calls under way (each in a worker thread or on the pump's)
         self._state = threading.Lock()  # guards what is watched, and the wake-up
         self._wakeup = threading.Event()
         self._writes: dict[int, XferHandle] = {}
@@ -95,6 +58,29 @@ class NotificationPump:
         self._notices = self._stopping = False
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
+
+    @property
+    def idle(self) -> bool:
+        """No blocking call runs: `now` waits for the pump at most."""
+        return not self._slow
+
+    def now(self, call: Callable[[], T]) -> T:
+        """A quick call, here on the Trio thread (only while `idle`)."""
+        assert not self._slow, "a blocking agent call runs: use in_thread"
+        with self._lock:
+            return call()
+
+    async def in_thread(self, call: Callable[[], T]) -> T:
+        """A blocking call, in a worker thread."""
+        self._slow += 1
+        try:
+            return await trio.to_thread.run_sync(self._locked, call)
+        finally:
+            self._slow -= 1
+
+    def _locked(self, call: Callable[[], T]) -> T:
+        with self._lock:
+            return call()
 
     def watch_write(self, write_id: int, handle: XferHandle) -> None:
         """Poll this write until it ends; its end is delivered once."""
@@ -105,7 +91,8 @@ class NotificationPump:
 
     def post(self, write_id: int, submit: Callable[[], XferHandle]) -> None:
         """Run this blocking post here (the agent's lock held), then poll its write. Its handle
-        (or its error) is delivered before its end. The caller counts it as a slow call."""
+        (or its error) is delivered before its end."""
+        self._slow += 1  # (until it is delivered)
         with self._state:
             self._posts.append((write_id, submit))
             self._wakeup.set()
@@ -159,7 +146,7 @@ class NotificationPump:
         posted = Posted()
         for write_id, submit in posts:
             try:
-                with self._calls.lock:
+                with self._lock:
                     handle = submit()
             except Exception as exc:  # a failed post fails its write, never the pump
                 if not isinstance(exc, TransferLayerError):
@@ -174,8 +161,8 @@ class NotificationPump:
     def _poll(
         self, writes: list[tuple[int, XferHandle]], notices: bool
     ) -> tuple[Notifications, Ended]:
-        agent, ended = self._calls.agent, Ended()
-        with self._calls.lock:
+        agent, ended = self.agent, Ended()
+        with self._lock:
             got = agent.get_notifications() if notices else []
             for write_id, handle in writes:
                 try:
@@ -188,6 +175,7 @@ class NotificationPump:
         return got, ended
 
     def _delivered(self, posted: Posted, got: Notifications, ended: Ended) -> None:
+        self._slow -= len(posted)  # (on the Trio thread, as `post` counted them)
         try:  # on the Trio thread, outside any task: nothing may escape
             self._deliver(posted, got, ended)
         except Exception:
