@@ -58,9 +58,16 @@ class _CtxInstance:  # what gen knows of the ctx instance at one info endpoint
     instance_name: str | None = None  # the instance that answered, refused or not
     ranks: tuple[RankInfo, ...] = ()
     unacked: set[int] = attrs.Factory(set)  # ranks whose REGISTER_ACK is still to come
-    met: bool = False
     refusal: str | None = None
     waiting: list[int] = attrs.Factory(list)  # keys asked for meanwhile
+
+    @property
+    def met(self) -> bool:  # every rank acknowledged us
+        return bool(self.ranks) and not self.unacked and self.refusal is None
+
+    @property
+    def settled(self) -> bool:  # met or refused: no rendezvous under way
+        return self.met or self.refusal is not None
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -90,7 +97,7 @@ class GenProtocol(Side):
 
     def meeting(self) -> set[str]:
         """The endpoints of the rendezvous under way."""
-        return {e for e, i in self._instances.items() if not i.met and i.refusal is None}
+        return {e for e, i in self._instances.items() if not i.settled}
 
     def busy(self) -> bool:
         return bool(self.receivers or self._starting or self._scattering or self.meeting())
@@ -170,7 +177,6 @@ class GenProtocol(Side):
             instance.unacked.discard(ack.instance_rank)
             if instance.unacked:
                 return None
-            instance.met = True
             log.info("registered with ctx instance %s at %s", rank.instance_name, source)
             waiting, instance.waiting = instance.waiting, []
             for key in waiting:
@@ -258,7 +264,7 @@ class GenProtocol(Side):
             self._expire(session, now, out)
             self._settle(session, now, out)  # a quarantine may end by time
         for endpoint, instance in list(self._instances.items()):
-            if not instance.met and instance.refusal is None and now >= instance.deadline:
+            if not instance.settled and now >= instance.deadline:
                 del self._instances[endpoint]  # transient: the next request tries again
                 # a dead or forged endpoint must not keep a reconnecting socket
                 out.append(ev.ForgetPeer(instance=None, endpoints=(endpoint,)))
@@ -282,7 +288,7 @@ class GenProtocol(Side):
         dropped: list[RankInfo] = []
         for endpoint, met in list(self._instances.items()):
             there = any(rank.control_endpoint == rank_endpoint for rank in met.ranks)
-            if (met.met or met.refusal) and (met.instance_name == instance or there):
+            if met.settled and (met.instance_name == instance or there):
                 del self._instances[endpoint]
                 dropped += met.ranks
         return dropped
@@ -421,5 +427,4 @@ class GenProtocol(Side):
 def _replaced(instance: _CtxInstance, named: str | None) -> bool:
     """Whether the ctx met (or refused) at an endpoint is not the instance `named` there now;
     receives under way keep their sessions, keyed by instance."""
-    met = instance.met or instance.refusal is not None
-    return met and named is not None and instance.instance_name not in (None, named)
+    return instance.settled and named is not None and instance.instance_name not in (None, named)
