@@ -404,7 +404,6 @@ class CtxProtocol(Side):
     def _result(
         self, name: str, rank: int, key: int, status: ResultStatus, out: Out, **fields: Any
     ) -> None:
-        """TRANSFER_RESULT to the gen rank `name#rank`, if still known."""
         self._send((name, rank), self._message(key, status, **fields), out)
 
     def _ack_cancel(self, cancel: Cancel, out: Out) -> None:

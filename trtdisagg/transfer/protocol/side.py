@@ -36,7 +36,6 @@ class Refusals:
     _warnings: LogRateLimit = attrs.Factory(lambda: LogRateLimit(lines=5, interval_s=60.0))
 
     def refuse(self, reason: str, peer: str, now: float, message: str, *args: object) -> None:
-        """Count a message of `peer` refused for `reason`, and warn (within the limit)."""
         self.counts[reason] += 1
         self.warn(peer, now, message, *args)
 
@@ -72,7 +71,6 @@ class Side:
         }
 
     def _send(self, peer: tuple[str, int], message: Message, out: Out) -> None:
-        """`message` to the peer rank `peer`, if it is still known."""
         if (info := self.registrar.get(peer)) is not None:
             out.append(ev.Send(endpoint=info.control_endpoint, message=message))
 

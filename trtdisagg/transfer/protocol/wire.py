@@ -43,7 +43,6 @@ MAX_KEY: Final = 2**64 - 1
 
 
 def pack_block_ids(block_ids: Sequence[int]) -> bytes:
-    """Block ids as little-endian int64 bytes."""
     return np.asarray(block_ids, dtype="<i8").tobytes()
 
 

@@ -385,7 +385,6 @@ class KvTransceiver:
                 self._feed(ev.NoticeIn(notice=notice, remote=remote))
 
     def _land(self, write_id: int) -> _Flight:
-        """Forget a write that is over, and free its staging room."""
         flight = self._flights.pop(write_id)
         if flight.staging_offset is not None and self.staging is not None:
             self.staging.release(flight.staging_offset)

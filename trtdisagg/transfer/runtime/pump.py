@@ -71,7 +71,6 @@ class AgentPump:
             return call()
 
     async def in_thread(self, call: Callable[[], T]) -> T:
-        """A blocking call, in a worker thread."""
         self._slow += 1
         try:
             return await trio.to_thread.run_sync(self._locked, call)

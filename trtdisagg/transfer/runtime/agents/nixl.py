@@ -116,7 +116,6 @@ class NixlAgent(AgentBase):
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
-        """Both descriptor lists and the NIXL request, for `post_prepared` to start."""
         self._check_remote(remote)
         if not len(fragments):
             return _DONE
@@ -143,7 +142,6 @@ class NixlAgent(AgentBase):
         return xfer
 
     def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
-        """Start a prepared write (once), with its notification. Quick."""
         if handle == _DONE:
             return
         nixl_handle = self._handles.get(handle)
