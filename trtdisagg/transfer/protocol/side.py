@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 import attrs
 
@@ -28,6 +28,13 @@ log = logging.getLogger("trtdisagg.transfer.protocol")
 
 REASONS: Final = ("impersonation", "not_owner", "over_limit")
 Out = list[ev.Effect]
+
+
+class _Sender(TypedDict):
+    """The fields of a message (wire.FromRank) that name its sender."""
+
+    instance_name: str
+    instance_rank: int
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -63,7 +70,7 @@ class Side:
     _started: dict[int, float] = attrs.Factory(dict)  # key -> when
 
     @property
-    def _me(self) -> dict[str, Any]:
+    def _me(self) -> _Sender:
         """The fields that name this rank as a message's sender (wire.FromRank)."""
         return {
             "instance_name": self.local.instance_name,
