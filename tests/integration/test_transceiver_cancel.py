@@ -42,9 +42,6 @@ class StallingAgent:
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
         self.inner.register_memory(regions)
 
-    def deregister_memory(self) -> None:
-        self.inner.deregister_memory()
-
     def local_metadata(self) -> bytes:
         return self.inner.local_metadata()
 

@@ -49,9 +49,6 @@ class FaultyAgent:
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
         self._inner.register_memory(regions)
 
-    def deregister_memory(self) -> None:
-        self._inner.deregister_memory()
-
     def local_metadata(self) -> bytes:
         return self._inner.local_metadata()
 

@@ -4,16 +4,13 @@
 
 The driver (runtime/driver.py) feeds every event in (events.py) and carries out the effects, in
 order; nothing here does I/O or reads a clock. Events go to the ctx side (ctx.py: KV we send),
-the gen side (gen.py: KV we receive) and the peers' liveness (liveness.py); rank 0 answers
-REQUEST_INSTANCE_INFO with every rank's RankInfo.
+the gen side (gen.py: KV we receive) and the peers' liveness (liveness.py, docs/LIFECYCLE.md
+"Peers that are gone").
 
-Any message from a peer instance is a sign of life; a silent one is probed, and one that is gone
-(probes unanswered, another instance at its endpoint, or a control connection that dropped and
-stayed down) is forgotten by both sides (ForgetPeer); one whose process ended also fails at once
-what waits on it. On a secured control plane a ROUTER message names the rank its connection
-proved (`MessageIn.peer`); one whose own fields name another rank is dropped and counted
-(refusals.py). On a DEALER the peer is whoever answers at the endpoint we dialled; unsecured
-(loopback only), the message's word is taken.
+On a secured control plane a ROUTER message names the rank its connection proved
+(`MessageIn.peer`); one whose own fields name another rank is dropped and counted (refusals.py).
+On a DEALER the peer is whoever answers at the endpoint we dialled; unsecured (loopback only),
+the message's word is taken.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from trtdisagg.transfer.protocol.gen import GenProtocol, StagingInfo
 from trtdisagg.transfer.protocol.liveness import Gone, PeerLiveness
 from trtdisagg.transfer.protocol.peers import PeerRegistrar
 from trtdisagg.transfer.protocol.rank_info import RankInfo
-from trtdisagg.transfer.protocol.refusals import Refusals
+from trtdisagg.transfer.protocol.side import Out, Refusals
 from trtdisagg.transfer.protocol.wire import (
     PROTOCOL_VERSION,
     Cancel,
@@ -44,8 +41,6 @@ from trtdisagg.transfer.protocol.wire import (
 )
 
 log = logging.getLogger(__name__)
-
-Out = list[ev.Effect]
 
 
 @attrs.define(eq=False, kw_only=True)

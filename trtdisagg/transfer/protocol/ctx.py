@@ -1,14 +1,9 @@
 """The ctx (sender) side of the transfer protocol: push KV to the gen ranks that ask. Pure.
 
 docs/LIFECYCLE.md tells the path (ctx side, generation-first, cancellation, who may touch a
-transfer). In events: a gen rank registers (REGISTER_PEER: the registrar's compatibility gate,
-LoadAgent, REGISTER_ACK; an unregistered rank's REQUEST_DATA is refused with NOT_REGISTERED, and
-gen meets this instance again). A REQUEST_DATA that comes before its session waits in
-EarlyMessages, and has its write prepared (PrepareWrite) once the executor says where the KV will
-be (KvExpected). When the KV is ready (KvReady), each requesting gen rank gets one write
-(PostWrite), the one prepared for that very request and source or one mapped now; its end
-(WriteEnded) is answered with TRANSFER_RESULT, also for 0 bytes. A session terminal and quiescent
-is over (Sent). Every CANCEL is answered, at once or by the write in flight to its sender.
+transfer). A REQUEST_DATA that comes before its session waits in EarlyMessages, with its write
+prepared once the executor says where the KV will be (KvExpected). Every CANCEL is answered, at
+once or by the write in flight to its sender.
 """
 
 from __future__ import annotations
@@ -21,17 +16,16 @@ import attrs
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
 from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.bounce import staged_fragments, staged_runs
-from trtdisagg.transfer.protocol.peers import PeerRegistrar, SendPlan, direct_fragments
+from trtdisagg.transfer.protocol.peers import SendPlan, direct_fragments
 from trtdisagg.transfer.protocol.rank_info import RankInfo
-from trtdisagg.transfer.protocol.refusals import Refusals
 from trtdisagg.transfer.protocol.sessions import (
     EarlyMessages,
     SenderSession,
     Sessions,
     SourceBlocks,
     Status,
-    TransferOutcome,
 )
+from trtdisagg.transfer.protocol.side import Out, Side
 from trtdisagg.transfer.protocol.wire import (
     NOT_REGISTERED,
     Cancel,
@@ -46,33 +40,23 @@ from trtdisagg.transfer.protocol.wire import (
 
 log = logging.getLogger(__name__)
 
-Out = list[ev.Effect]
-
 
 @attrs.frozen(kw_only=True)
-class _Prepared:
-    """A write prepared for `request` from `source` before the KV was ready."""
-
+class _Prepared:  # a write prepared for `request` from `source` before the KV was ready
     order: ev.WriteOrder
     request: RequestData
     source: SourceBlocks
 
 
 @attrs.define(eq=False, kw_only=True)
-class CtxProtocol:
-    local: RankInfo
-    timeout_s: float
-    registrar: PeerRegistrar  # the peer ranks met, shared with the gen side
-    refusals: Refusals = attrs.Factory(Refusals)
+class CtxProtocol(Side):
     max_per_peer: int = 1024  # sessions and held messages of one gen instance
     senders: Sessions[SenderSession] = attrs.Factory(Sessions)
     early: EarlyMessages = attrs.field(init=False)
-    bounced: int = 0  # writes that went through staging (since start)
     _expected: dict[int, tuple[SourceBlocks, float]] = attrs.Factory(dict)  # key -> (where, until)
     _prepared: dict[int, dict[int, _Prepared]] = attrs.Factory(dict)  # key -> gen rank ->
     _writes: dict[int, tuple[SenderSession, ev.WriteOrder]] = attrs.Factory(dict)  # in flight
     _next_write: int = 1
-    _started: dict[int, float] = attrs.Factory(dict)
     # key -> until: sends cancelled here (the coordinator released the KV: no gen leg takes
     # it). A gen that asks for one later is refused at once, not held for a session that will
     # not come (keys are random per attempt: none comes back).
@@ -134,11 +118,7 @@ class CtxProtocol:
             return None
         quiescent = sender.cancel()
         self._released[key] = now + self.timeout_s
-        cancel = Cancel(key=key, instance_name=self.local.instance_name,
-                        instance_rank=self.local.instance_rank)  # fmt: skip
-        for rank in sender.requesters:
-            if (peer := self.registrar.get((sender.peer_instance or "", rank))) is not None:
-                out.append(ev.Send(endpoint=peer.control_endpoint, message=cancel))
+        self._cancel(key, sender.peer_instance or "", sender.requesters, out)
         self._settle(sender, now, out)
         return quiescent
 
@@ -155,9 +135,7 @@ class CtxProtocol:
     def on_agent_loaded(self, info: RankInfo, reply_to: bytes, error: str | None, out: Out) -> bool:
         if error is not None:
             log.warning("refused gen rank %s: %s", info.label, error)
-        ack = RegisterAck(instance_name=self.local.instance_name,
-                          instance_rank=self.local.instance_rank, accepted=error is None,
-                          reason=error or "")  # fmt: skip
+        ack = RegisterAck(accepted=error is None, reason=error or "", **self._me)
         out.append(ev.Reply(reply_to=reply_to, message=ack))
         return error is None
 
@@ -278,7 +256,7 @@ class CtxProtocol:
     # ---- writes ----
 
     def _accept(self, session: SenderSession, request: RequestData) -> None:
-        if (peer := self.registrar.get((request.instance_name, request.instance_rank))) is None:
+        if (peer := self.registrar.get(request.sender)) is None:
             return
         if session.expected is None:
             overlap = self.registrar.overlap(peer, peer_dp_rank=peer.dp_rank)
@@ -306,7 +284,11 @@ class CtxProtocol:
                 self._write_done(session, rank, None, out)
                 continue
             self._writes[order.write_id] = (session, order)
-            out.append(ev.PostWrite(order=order, notice=self._notice(order, session.first_tokens)))
+            fragments = order.fragments
+            notice = WriteNotice(key=order.key, num_bytes=fragments.num_bytes,
+                                 num_descriptors=len(fragments), first_tokens=session.first_tokens,
+                                 **self._me)  # fmt: skip
+            out.append(ev.PostWrite(order=order, notice=encode(notice)))
 
     def _prepare(self, key: int, request: RequestData, out: Out) -> None:
         """Map and prepare the direct write of `key`'s expected KV into `request`'s blocks."""
@@ -332,19 +314,20 @@ class CtxProtocol:
     ) -> ev.WriteOrder | None:
         """The write of `source` into `request`'s blocks (None: this rank has nothing to write
         there). TransferLayerError or ValueError: the request does not fit."""
-        peer = (request.instance_name, request.instance_rank)
+        peer = request.sender
         try:
             plan = self.registrar.send_plan(peer)
         except KeyError:
             raise TransferLayerError(f"gen rank {peer[0]}#{peer[1]} is gone") from None
-        staged = self._staged(request, plan, source) if request.staging_bytes else None
-        if request.staging_bytes and staged is None:
-            return None
-        if staged is not None:  # sources as offsets into the staging room, reserved later
+        staged = None
+        if not request.staging_bytes:
+            fragments = direct_fragments(plan, source, request)
+        elif (staged := self._staged(request, plan, source)) is not None:
+            # sources as offsets into the staging room, reserved later
             fragments = staged_fragments(staged.runs, src_address=0,
                                          dst_address=request.staging_address)  # fmt: skip
         else:
-            fragments = direct_fragments(plan, source, request)
+            return None
         if not len(fragments):
             return None
         pool = plan.peer.page_table.layer_groups[0].pool
@@ -374,13 +357,6 @@ class CtxProtocol:
         return ev.Staged(runs=runs, block_ids=source.block_ids[0], first_token=first,
                              num_tokens=num_tokens, num_bytes=num_bytes)  # fmt: skip
 
-    def _notice(self, order: ev.WriteOrder, first_tokens: tuple[int, ...]) -> bytes:
-        fragments, local = order.fragments, self.local
-        notice = WriteNotice(key=order.key, instance_name=local.instance_name,
-                             instance_rank=local.instance_rank, num_bytes=fragments.num_bytes,
-                             num_descriptors=len(fragments), first_tokens=first_tokens)  # fmt: skip
-        return encode(notice)
-
     def _write_done(
         self,
         session: SenderSession,
@@ -407,10 +383,8 @@ class CtxProtocol:
         if self.senders.get(session.key) is not session:
             return
         del self.senders[session.key]
-        status = session.status
-        outcome = TransferOutcome(key=session.key, ok=status is Status.TRANSFERRED,
-                                  cancelled=status is Status.CANCELLED, error=session.error,
-                                  seconds=now - self._started.pop(session.key, now))  # fmt: skip
+        ok, cancelled = session.status is Status.TRANSFERRED, session.status is Status.CANCELLED
+        outcome = self._outcome(session.key, now, ok=ok, cancelled=cancelled, error=session.error)
         out += [ev.Sent(outcome=outcome), ev.WAKE]
 
     def _forget_key(self, key: int, out: Out) -> None:
@@ -425,17 +399,12 @@ class CtxProtocol:
     # ---- messages ----
 
     def _message(self, key: int, status: ResultStatus, **fields: Any) -> TransferResult:
-        return TransferResult(key=key, instance_name=self.local.instance_name,
-                              instance_rank=self.local.instance_rank, status=status,
-                              **fields)  # fmt: skip
+        return TransferResult(key=key, status=status, **self._me, **fields)
 
     def _result(
         self, name: str, rank: int, key: int, status: ResultStatus, out: Out, **fields: Any
     ) -> None:
-        """TRANSFER_RESULT to the gen rank `name#rank`, if still known."""
-        if (peer := self.registrar.get((name, rank))) is not None:
-            message = self._message(key, status, **fields)
-            out.append(ev.Send(endpoint=peer.control_endpoint, message=message))
+        self._send((name, rank), self._message(key, status, **fields), out)
 
     def _ack_cancel(self, cancel: Cancel, out: Out) -> None:
         error = "cancelled; no write in flight"

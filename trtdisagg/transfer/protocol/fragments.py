@@ -49,7 +49,6 @@ class Fragments:
 
     @classmethod
     def of(cls, rows: Iterable[tuple[int, int, int]]) -> Fragments:
-        """Fragments from (source, destination, size) rows."""
         return cls(np.array(list(rows), dtype=np.int64).reshape(-1, 3))
 
     @property

@@ -1,30 +1,22 @@
 """The gen (receiver) side of the transfer protocol: ask ctx for KV, see it land. Pure.
 
-docs/LIFECYCLE.md tells the path (gen side, cancellation, who may touch a transfer). In events:
-the first request to a ctx info endpoint meets the instance there (REQUEST_INSTANCE_INFO, the
-compatibility gate on every rank, REGISTER_PEER to each, their REGISTER_ACKs), kept per endpoint
-until that instance is replaced or forgotten; one that gets no answer is forgotten and the next
-request tries again. A ReceiverSession then expects one part from each overlapping ctx rank, and
-REQUEST_DATA goes to each (a bouncing receive reserves staging room first, bounce.py). It
-completes when every part landed (a write's notice, or an OK result for nothing to write):
-Received. One that fails while a ctx write may still land sends CANCEL once, reports at once with
-`blocks_held` (unless `early_failures` is off, for a multi-rank instance) and keeps its blocks
-until every expected rank answered or a second timeout passed (`quarantine_expired`).
+docs/LIFECYCLE.md tells the path (gen side, cancellation, who may touch a transfer). The first
+request to a ctx info endpoint meets the instance there (REQUEST_INSTANCE_INFO, the compatibility
+gate on every rank, REGISTER_PEER to each, their REGISTER_ACKs), kept per endpoint until that
+instance is replaced or forgotten; one that gets no answer is forgotten and the next request
+tries again.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import attrs
 
 from trtdisagg.transfer.errors import PeerIncompatible
 from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.bounce import canonical_bytes
-from trtdisagg.transfer.protocol.peers import PeerRegistrar
 from trtdisagg.transfer.protocol.rank_info import RankInfo
-from trtdisagg.transfer.protocol.refusals import Refusals
 from trtdisagg.transfer.protocol.sessions import (
     RankResult,
     ReceiverSession,
@@ -32,6 +24,7 @@ from trtdisagg.transfer.protocol.sessions import (
     Status,
     TransferOutcome,
 )
+from trtdisagg.transfer.protocol.side import Out, Side
 from trtdisagg.transfer.protocol.wire import (
     NOT_REGISTERED,
     PROTOCOL_VERSION,
@@ -49,7 +42,6 @@ from trtdisagg.transfer.protocol.wire import (
 
 log = logging.getLogger(__name__)
 
-Out = list[ev.Effect]
 RENDEZVOUS_TIMEOUT_S = 5.0
 
 
@@ -66,9 +58,16 @@ class _CtxInstance:  # what gen knows of the ctx instance at one info endpoint
     instance_name: str | None = None  # the instance that answered, refused or not
     ranks: tuple[RankInfo, ...] = ()
     unacked: set[int] = attrs.Factory(set)  # ranks whose REGISTER_ACK is still to come
-    met: bool = False
     refusal: str | None = None
     waiting: list[int] = attrs.Factory(list)  # keys asked for meanwhile
+
+    @property
+    def met(self) -> bool:  # every rank acknowledged us
+        return bool(self.ranks) and not self.unacked and self.refusal is None
+
+    @property
+    def settled(self) -> bool:  # met or refused: no rendezvous under way
+        return self.met or self.refusal is not None
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -82,17 +81,12 @@ class _Starting:  # a receive with no session yet: its rendezvous or staging roo
 
 
 @attrs.define(eq=False, kw_only=True)
-class GenProtocol:
-    local: RankInfo
-    timeout_s: float
-    registrar: PeerRegistrar  # the peer ranks met, shared with the ctx side
-    refusals: Refusals = attrs.Factory(Refusals)
+class GenProtocol(Side):
     early_failures: bool = True
     staging: StagingInfo | None = None
     receivers: Sessions[ReceiverSession] = attrs.Factory(Sessions)
     rendezvous: int = 0  # rendezvous started (since start)
     quarantine_expired: int = 0  # quarantines ended by the second timeout, not by ctx
-    bounced: int = 0  # receives that went through staging
     _instances: dict[str, _CtxInstance] = attrs.Factory(dict)  # by info endpoint
     _starting: dict[int, _Starting] = attrs.Factory(dict)
     _staged: dict[int, ev.Staged] = attrs.Factory(dict)
@@ -100,17 +94,10 @@ class GenProtocol:
     # (ctx instance, ctx rank, key) -> when: a session of `key` ended before that rank's
     # TRANSFER_RESULT came. That result, when it comes, is the ended session's.
     _results_due: dict[tuple[str, int, int], float] = attrs.Factory(dict)
-    _started: dict[int, float] = attrs.Factory(dict)
-
-    def awaits_notice(self) -> bool:
-        """Whether a ctx write may land here now, and its notification come (for any session
-        held, a quarantined one too; without NIXL's progress thread, draining is also what
-        progresses a write on the receiving side)."""
-        return bool(self.receivers)
 
     def meeting(self) -> set[str]:
         """The endpoints of the rendezvous under way."""
-        return {e for e, i in self._instances.items() if not i.met and i.refusal is None}
+        return {e for e, i in self._instances.items() if not i.settled}
 
     def busy(self) -> bool:
         return bool(self.receivers or self._starting or self._scattering or self.meeting())
@@ -180,7 +167,7 @@ class GenProtocol:
         """A REGISTER_ACK on the dealer to `source`; the instance now met, if this did it."""
         for instance in self._instances.values():
             rank = next((r for r in instance.ranks if r.control_endpoint == source), None)
-            if rank is None or (ack.instance_name, ack.instance_rank) != rank.key:
+            if rank is None or ack.sender != rank.key:
                 continue
             if ack.instance_rank not in instance.unacked:
                 return None
@@ -190,7 +177,6 @@ class GenProtocol:
             instance.unacked.discard(ack.instance_rank)
             if instance.unacked:
                 return None
-            instance.met = True
             log.info("registered with ctx instance %s at %s", rank.instance_name, source)
             waiting, instance.waiting = instance.waiting, []
             for key in waiting:
@@ -278,7 +264,7 @@ class GenProtocol:
             self._expire(session, now, out)
             self._settle(session, now, out)  # a quarantine may end by time
         for endpoint, instance in list(self._instances.items()):
-            if not instance.met and instance.refusal is None and now >= instance.deadline:
+            if not instance.settled and now >= instance.deadline:
                 del self._instances[endpoint]  # transient: the next request tries again
                 # a dead or forged endpoint must not keep a reconnecting socket
                 out.append(ev.ForgetPeer(instance=None, endpoints=(endpoint,)))
@@ -288,9 +274,8 @@ class GenProtocol:
                     self._fail(key, error, now, out)
 
     def forget(self, instance: str, dead: str | None, now: float, out: Out) -> list[RankInfo]:
-        """Forget the ctx instance `instance` (gone; `dead`: why, when its process ended: what
-        waits on it fails now, and its blocks are free, since it writes no more). The ranks
-        of the rendezvous dropped."""
+        """Forget the ctx instance `instance` (`dead`: why its process ended, and what waits on
+        it fails now: it writes no more); the ranks of the rendezvous dropped."""
         for session in list(self.receivers.values()):
             if dead is not None and session.peer_instance == instance:
                 session.peer_died(f"peer instance {instance} is gone: {dead}")
@@ -303,7 +288,7 @@ class GenProtocol:
         dropped: list[RankInfo] = []
         for endpoint, met in list(self._instances.items()):
             there = any(rank.control_endpoint == rank_endpoint for rank in met.ranks)
-            if (met.met or met.refusal) and (met.instance_name == instance or there):
+            if met.settled and (met.instance_name == instance or there):
                 del self._instances[endpoint]
                 dropped += met.ranks
         return dropped
@@ -349,8 +334,7 @@ class GenProtocol:
             return
         address = staged.offset + self.staging.address if staged and self.staging else 0
         request = RequestData(
-            key=key, instance_name=self.local.instance_name,
-            instance_rank=self.local.instance_rank,
+            key=key, **self._me,
             block_ids=tuple(pack_block_ids(ids) for ids in starting.ask.block_ids),
             num_tokens=starting.ask.num_tokens, staging_address=address,
             staging_bytes=staged.num_bytes if staged is not None else 0,
@@ -422,11 +406,7 @@ class GenProtocol:
         if session.cancel_sent:
             return
         session.cancel_sent = True
-        cancel = Cancel(key=session.key, instance_name=self.local.instance_name,
-                        instance_rank=self.local.instance_rank)  # fmt: skip
-        for rank in sorted(session.expected):
-            if (peer := self.registrar.get((session.peer_instance, rank))) is not None:
-                out.append(ev.Send(endpoint=peer.control_endpoint, message=cancel))
+        self._cancel(session.key, session.peer_instance, session.expected, out)
 
     def _refused(self, instance: _CtxInstance, refusal: str, now: float, out: Out) -> None:
         """The ctx instance refused us, or we it: every request to it fails with `refusal`,
@@ -443,12 +423,8 @@ class GenProtocol:
         fields = {"error": reason} if reason is not None else {"cancelled": True}
         out += [ev.Received(outcome=self._outcome(key, now, ok=False, **fields)), ev.WAKE]
 
-    def _outcome(self, key: int, now: float, **fields: Any) -> TransferOutcome:
-        return TransferOutcome(key=key, seconds=now - self._started.pop(key, now), **fields)
-
 
 def _replaced(instance: _CtxInstance, named: str | None) -> bool:
     """Whether the ctx met (or refused) at an endpoint is not the instance `named` there now;
     receives under way keep their sessions, keyed by instance."""
-    met = instance.met or instance.refusal is not None
-    return met and named is not None and instance.instance_name not in (None, named)
+    return instance.settled and named is not None and instance.instance_name not in (None, named)

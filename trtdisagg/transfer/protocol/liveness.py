@@ -1,17 +1,10 @@
 """Which peer instances are gone. Pure.
 
-A loaded agent of a peer on the same node maps the peer's whole KV pool (UCX cuda_ipc), which
-stays allocated while the mapping does: a peer that exits or restarts under a new name stays
-pinned in GPU memory until its agent is unloaded. So each side watches the peers it knows:
-anything heard from one counts as alive; one silent for `idle_s` is probed (REQUEST_INSTANCE_INFO
-to its rank 0; another name answering there means it was replaced: gone at once); `misses`
-probes in a row unanswered within `answer_s`: gone; a control connection to one of its ranks
-that dropped (or could not be made) and did not come back within `relink_s`: gone (a live or
-stalled process keeps its sockets open, so this is a process that ended).
-
-A peer that is `dead` (replaced, or its connection gone) can write nothing any more, so what
-waits on it fails at once; one that only went silent may be stalled and write later, so what
-waits on it keeps its deadline and quarantine.
+docs/LIFECYCLE.md ("Peers that are gone") tells why and how: a peer silent for `idle_s` is
+probed, and gone after `misses` probes unanswered within `answer_s`; it is gone at once (`dead`)
+when another instance answers at its endpoint, or when a control connection to one of its ranks
+dropped and did not come back within `relink_s` (a live or stalled process keeps its sockets
+open). What waits on a dead peer fails at once; a silent one may be stalled and write later.
 """
 
 from __future__ import annotations

@@ -326,16 +326,9 @@ def aligned_blocks(
     tokens_per_block: int,
 ) -> tuple[IdArray, IdArray, IdArray]:
     """Pair source and destination blocks of one request: (source ids, destination ids, the
-    request's tokens in each pair's block), one array entry per pair.
-
-    Both lists are suffixes of the request's blocks `[0, ceil(num_tokens / tokens_per_block))`:
-    a shorter destination list skips blocks gen already holds. The source must hold every block
-    the destination asks for.
-
-    Raises:
-        MappingError: a list longer than the request, or a source that starts after the
-            destination.
-    """
+    request's tokens in each pair's block), one array entry per pair. Both lists are suffixes of
+    the request's blocks (wire.RequestData); MappingError: a list longer than the request, or a
+    source that starts after the destination."""
     total = -(-num_tokens // tokens_per_block)
     if len(src_blocks) > total or len(dst_blocks) > total:
         raise MappingError(

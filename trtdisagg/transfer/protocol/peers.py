@@ -23,7 +23,6 @@ import numpy as np
 
 from trtdisagg.transfer.errors import MappingError, PeerIncompatible, UnsupportedPairing
 from trtdisagg.transfer.protocol.fragments import (
-    BlockRun,
     Fragments,
     Runs,
     empty_runs,
@@ -182,31 +181,6 @@ class SendPlan:
             runs.append(view.mapper.map_blocks(src, dst, tokens).rows)
         return _combined(runs)
 
-    def run_fragments(
-        self,
-        *,
-        src_runs: Sequence[BlockRun | None],
-        dst_runs: Sequence[BlockRun | None],
-        num_tokens: int,
-    ) -> Fragments | None:
-        """`fragments` when every layer group's blocks form a run on both sides (block_runs.py)
-        and each view copies whole slots: the usual homogeneous transfer, mapped in constant
-        time. None: not that case (`fragments` maps it, or says what is wrong)."""
-        if not self.elected:
-            return None
-        runs: list[Runs] = []
-        for view in self.views:
-            if view.src_group >= len(src_runs) or view.dst_group >= len(dst_runs):
-                return None
-            src, dst = src_runs[view.src_group], dst_runs[view.dst_group]
-            if src is None or dst is None:
-                return None
-            fast = view.mapper.map_runs(src, dst, num_tokens=num_tokens)
-            if fast is None:
-                return None
-            runs.append(fast.rows)
-        return _combined(runs)
-
 
 def _combined(runs: Sequence[Runs]) -> Fragments:
     """The fragments of several views' runs, merged where they continue each other."""
@@ -216,17 +190,26 @@ def _combined(runs: Sequence[Runs]) -> Fragments:
 
 
 def direct_fragments(plan: SendPlan, source: SourceBlocks, request: RequestData) -> Fragments:
-    """The merged fragments of a direct write of the KV in `source` into `request`'s blocks."""
+    """The merged fragments of a direct write of the KV in `source` into `request`'s blocks.
+    When every layer group's blocks form a run on both sides and each view copies whole slots
+    (the usual homogeneous transfer), they are mapped in constant time, without unpacking."""
     num_tokens = min(request.num_tokens, source.num_tokens)
     dst_runs = [packed_run(ids) for ids in request.block_ids]
-    fast = plan.run_fragments(src_runs=source.runs, dst_runs=dst_runs, num_tokens=num_tokens)
-    if fast is not None:
-        return fast
-    return plan.fragments(
-        src_blocks=source.block_ids,
-        dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
-        num_tokens=num_tokens,
-    )
+    fast: list[Runs] = []
+    for view in plan.views if plan.elected else ():
+        src = source.runs[view.src_group] if view.src_group < len(source.runs) else None
+        dst = dst_runs[view.dst_group] if view.dst_group < len(dst_runs) else None
+        mapped = None
+        if src is not None and dst is not None:
+            mapped = view.mapper.map_runs(src, dst, num_tokens=num_tokens)
+        if mapped is None:  # not that case: `fragments` maps it, or says what is wrong
+            return plan.fragments(
+                src_blocks=source.block_ids,
+                dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
+                num_tokens=num_tokens,
+            )
+        fast.append(mapped.rows)
+    return _combined(fast)
 
 
 class PeerRegistrar:

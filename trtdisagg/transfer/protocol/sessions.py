@@ -32,6 +32,7 @@ from trtdisagg.transfer.protocol.fragments import BlockRun, run_of
 from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus
 
 Status = enum.Enum("Status", "INIT READY TRANSFERRING TRANSFERRED ERROR CANCELLED")
+_TERMINAL = (Status.TRANSFERRED, Status.ERROR, Status.CANCELLED)
 
 
 @attrs.frozen(kw_only=True)
@@ -74,8 +75,12 @@ class _Session:
     cancelled: bool = False
 
     @property
-    def is_terminal(self) -> bool:
+    def status(self) -> Status:
         raise NotImplementedError
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in _TERMINAL
 
     def fail(self, reason: str) -> None:
         if not self.is_terminal:
@@ -121,11 +126,6 @@ class SenderSession(_Session):
             return Status.TRANSFERRING
         ready = self.source is not None and self._requests.keys() - self._finished.keys()
         return Status.READY if ready else Status.INIT
-
-    @property
-    def is_terminal(self) -> bool:
-        done = self.expected is not None and self.expected <= self._finished.keys()
-        return self.cancelled or self.error is not None or done
 
     @property
     def is_quiescent(self) -> bool:
@@ -226,28 +226,10 @@ class ReceiverSession(_Session):
             return flag
         return Status.TRANSFERRING if self._unlanded else Status.TRANSFERRED
 
-    def _landed(self, rank: int) -> bool:
-        if self._noticed.get(rank) is not None:
-            return True  # whatever its result says later, the bytes are here
-        result = self._results.get(rank)
-        if result is None or result.status is not ResultStatus.OK:
-            return False
-        return result.num_bytes == 0 or rank in self._noticed
-
-    def _parts(self) -> list[RankResult]:
-        """What each expected rank's write moved, by rank: its result, else its notice."""
-        results, noticed = self._results, self._noticed
-        parts = (results.get(rank) or noticed.get(rank) for rank in sorted(self.expected))
-        return [part for part in parts if part is not None]
-
     @property
     def unreported(self) -> frozenset[int]:
         """Expected ctx ranks whose TRANSFER_RESULT has not come (it may still)."""
         return self.expected - self._results.keys()
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.cancelled or self.error is not None or not self._unlanded
 
     @property
     def is_quiescent(self) -> bool:
@@ -258,10 +240,12 @@ class ReceiverSession(_Session):
 
     def moved(self) -> tuple[int, int, tuple[int, ...]]:
         """(bytes, descriptors, the first generated tokens from the lowest ctx rank that sent
-        them) of every part known, in one pass (an outcome needs all three)."""
+        them) of what each expected rank's write moved: its result, else its notice."""
         num_bytes = num_descriptors = 0
         tokens: tuple[int, ...] = ()
-        for part in self._parts():
+        for rank in sorted(self.expected):
+            if (part := self._results.get(rank) or self._noticed.get(rank)) is None:
+                continue
             num_bytes += part.num_bytes
             num_descriptors += part.num_descriptors
             tokens = tokens or part.first_tokens
@@ -292,6 +276,14 @@ class ReceiverSession(_Session):
     def _settle(self, rank: int) -> None:
         if self._landed(rank):
             self._unlanded.discard(rank)
+
+    def _landed(self, rank: int) -> bool:
+        if self._noticed.get(rank) is not None:
+            return True  # whatever its result says later, the bytes are here
+        result = self._results.get(rank)
+        if result is None or result.status is not ResultStatus.OK:
+            return False
+        return result.num_bytes == 0 or rank in self._noticed
 
     def peer_died(self, reason: str) -> None:
         """The ctx instance's process ended (liveness.py): nothing of it can land any more."""
@@ -351,7 +343,7 @@ class EarlyMessages:
     def drop_requests_of(self, instance: str, rank: int, key: int) -> int:
         """Drop the requests held for `key` from that gen rank; how many there were."""
         held = self._requests.pop(key, [])
-        kept = [e for e in held if (e[1].instance_name, e[1].instance_rank) != (instance, rank)]
+        kept = [e for e in held if e[1].sender != (instance, rank)]
         if kept:
             self._requests[key] = kept
         return len(held) - len(kept)

@@ -21,6 +21,8 @@ group.
 from __future__ import annotations
 
 import enum
+import re
+import typing
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -34,21 +36,18 @@ from cattrs.v import format_exception
 from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 
-# 6: every write's notice says what it moved, WRITE_POSTED, WRITE_PREPARED and REQUEST_DATA as a
-# notification are gone; 7: transfer keys are random 64-bit values
-# (`disaggregated_params.transfer_key`), no longer the request's id; 8: WRITE_NOTICE is msgpack
-# like every other message
+# 7: transfer keys are random 64-bit values (`disaggregated_params.transfer_key`); 8:
+# WRITE_NOTICE is msgpack like every other message
 PROTOCOL_VERSION: Final = 8
 MAX_KEY: Final = 2**64 - 1
 
 
 def pack_block_ids(block_ids: Sequence[int]) -> bytes:
-    """Block ids as little-endian int64 bytes."""
     return np.asarray(block_ids, dtype="<i8").tobytes()
 
 
 def unpack_block_ids(data: bytes) -> tuple[int, ...]:
-    """Inverse of `pack_block_ids`; ProtocolError on a length that is not a multiple of 8."""
+    """Inverse of `pack_block_ids`; ProtocolError on a ragged length."""
     if len(data) % 8:
         raise ProtocolError(f"packed block ids of {len(data)} bytes, not a multiple of 8")
     return tuple(np.frombuffer(data, dtype="<i8").tolist())
@@ -83,48 +82,50 @@ class ResultStatus(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class RequestInstanceInfo:
-    """gen -> ctx rank 0: send me every rank's RankInfo."""
-
     protocol_version: int
 
 
 @attrs.frozen(kw_only=True)
 class InstanceInfo:
-    """ctx rank 0 -> gen: every rank of the instance, ordered by instance_rank."""
-
     protocol_version: int
-    ranks: tuple[RankInfo, ...]
+    ranks: tuple[RankInfo, ...]  # ordered by instance_rank
 
 
 @attrs.frozen(kw_only=True)
 class RegisterPeer:
-    """gen rank -> each ctx rank, once per ctx instance: here is who I am."""
-
     info: RankInfo
 
 
 @attrs.frozen(kw_only=True)
-class RegisterAck:
-    """ctx rank -> gen rank: registration accepted, or refused with the incompatibility reason."""
+class FromRank:
+    """A message that names the rank sending it: a secured control plane checks that against
+    the rank its connection proved, and a peer's message touches only that peer's sessions."""
 
-    instance_name: str  # the acknowledging (ctx) rank
+    instance_name: str
     instance_rank: int = attrs.field(validator=_non_negative)
+
+    @property
+    def sender(self) -> tuple[str, int]:
+        return (self.instance_name, self.instance_rank)
+
+
+@attrs.frozen(kw_only=True)
+class TransferMessage(FromRank):  # ... about one transfer
+    key: int = attrs.field(validator=_key)  # the transfer key
+
+
+@attrs.frozen(kw_only=True)
+class RegisterAck(FromRank):
     accepted: bool
     reason: str = ""
 
 
 @attrs.frozen(kw_only=True)
-class RequestData:
-    """gen rank -> ctx rank: write transfer `key`'s KV into these blocks of mine.
+class RequestData(TransferMessage):
+    """`block_ids[g]`: the packed destination block ids of gen's layer group `g`, a suffix of
+    the request's blocks `[0, ceil(num_tokens / tokens_per_block))` (a shorter list skips
+    blocks gen already has, e.g. from its prefix cache)."""
 
-    `block_ids[g]` holds the packed destination block ids of my layer group `g`; each list is a
-    suffix of the request's blocks `[0, ceil(num_tokens / tokens_per_block))` (a shorter list
-    skips blocks gen already has, e.g. from its prefix cache).
-    """
-
-    key: int = attrs.field(validator=_key)  # the transfer key
-    instance_name: str  # the requesting (gen) rank
-    instance_rank: int = attrs.field(validator=_non_negative)
     block_ids: tuple[bytes, ...] = attrs.field(validator=_packed_ids, repr=False)
     num_tokens: int = attrs.field(validator=_positive)
     # The bounce path (transfer/bounce.py): where in my staging buffer my canonical region is.
@@ -134,12 +135,7 @@ class RequestData:
 
 
 @attrs.frozen(kw_only=True)
-class TransferResult:
-    """ctx rank -> gen rank: the outcome of one REQUEST_DATA (also 0 bytes, also on failure)."""
-
-    key: int = attrs.field(validator=_key)
-    instance_name: str  # the reporting (ctx) rank
-    instance_rank: int = attrs.field(validator=_non_negative)
+class TransferResult(TransferMessage):
     status: ResultStatus
     num_bytes: int = attrs.field(default=0, validator=_non_negative)
     num_descriptors: int = attrs.field(default=0, validator=_non_negative)
@@ -150,27 +146,12 @@ class TransferResult:
 
 
 @attrs.frozen(kw_only=True)
-class Cancel:
-    """Either direction: stop transfer `key`; the sender names itself so only its peer's session
-    is touched."""
-
-    key: int = attrs.field(validator=_key)
-    instance_name: str
-    instance_rank: int = attrs.field(validator=_non_negative)
+class Cancel(TransferMessage):
     reason: str = ""
 
 
 @attrs.frozen(kw_only=True)
-class WriteNotice:
-    """Payload of the transfer agent's notification for one write of `key` by a ctx rank.
-
-    The notification arrives only once the write's bytes have landed. It says what the write
-    moved (`num_descriptors` > 0) and carries ctx's first tokens: gen finishes that rank on it
-    alone, before the TRANSFER_RESULT that confirms it."""
-
-    key: int = attrs.field(validator=_key)
-    instance_name: str  # the writing (ctx) rank
-    instance_rank: int = attrs.field(validator=_non_negative)
+class WriteNotice(TransferMessage):
     num_bytes: int = attrs.field(default=0, validator=_non_negative)
     num_descriptors: int = attrs.field(default=0, validator=_non_negative)  # 0: no summary
     first_tokens: tuple[int, ...] = attrs.field(default=(), validator=_token_ids)
@@ -192,20 +173,13 @@ def sender_of(message: Message) -> tuple[str, int] | None:
     """The (instance_name, instance_rank) that `message` names as its sender, if it names one."""
     if isinstance(message, RegisterPeer):
         return message.info.key
-    if isinstance(message, RequestInstanceInfo | InstanceInfo):
-        return None
-    return (message.instance_name, message.instance_rank)
+    return message.sender if isinstance(message, FromRank) else None
 
 
+# each class's name in upper snake case: RequestData -> "REQUEST_DATA"
 MESSAGE_TAGS: Final[dict[type, str]] = {
-    RequestInstanceInfo: "REQUEST_INSTANCE_INFO",
-    InstanceInfo: "INSTANCE_INFO",
-    RegisterPeer: "REGISTER_PEER",
-    RegisterAck: "REGISTER_ACK",
-    RequestData: "REQUEST_DATA",
-    TransferResult: "TRANSFER_RESULT",
-    Cancel: "CANCEL",
-    WriteNotice: "WRITE_NOTICE",
+    kind: re.sub(r"(?<!^)(?=[A-Z])", "_", kind.__name__).upper()
+    for kind in typing.get_args(Message)
 }
 
 
@@ -240,13 +214,8 @@ def encode(message: Message) -> bytes:
 
 
 def decode(data: bytes) -> Message:
-    """Bytes from a peer as a message.
-
-    Raises:
-        ProtocolError: for anything that is not a well-formed message of this protocol: bad
-            msgpack, trailing bytes, unknown tag, missing/extra/mistyped fields, failed validation.
-            Nothing else escapes, whatever the input.
-    """
+    """Bytes from a peer as a message; ProtocolError for anything else (bad msgpack, trailing
+    bytes, unknown tag, missing/extra/mistyped fields, failed validation), whatever the input."""
     try:
         # A union is not a `type[T]` to mypy; the tagged-union hook returns one of its members.
         message: Message = _converter.loads(data, Message)  # type: ignore[arg-type]

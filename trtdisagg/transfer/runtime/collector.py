@@ -42,7 +42,7 @@ class TransceiverStatistics:
     peers_forgotten: int = 0
     peers_dead: int = 0  # ... of which had ended: what waited on them failed at once
     peer_probes: int = 0
-    # control messages dropped or refused, by reason (protocol/refusals.py, and the socket's
+    # control messages dropped or refused, by reason (protocol/side.py, and the socket's
     # `unauthenticated`)
     refused: dict[str, int] = attrs.Factory(dict)
 

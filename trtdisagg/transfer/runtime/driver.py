@@ -12,10 +12,8 @@ The executor calls these between steps; none of them waits on the network:
 
 Each call, control message, notification and write's end is an event for the pure protocol core
 (protocol/core.py); this driver carries out the effects it answers with and owns every I/O
-resource, each in one place: the sockets (control.py), the agent, its lock and the thread that
-polls it while a transfer waits (pump.py), the loaded peer agents, the prepared and posted
-writes, the staging buffer. `wake` tells the executor when there are outcomes. `tracer`, when
-given, is called with (key, stage, time) at each of `STAGES`; unset, it costs nothing.
+resource. `wake` tells the executor when there are outcomes. `tracer`, when given, is called
+with (key, stage, time) at each of `STAGES`; unset, it costs nothing.
 """
 
 from __future__ import annotations
@@ -48,14 +46,7 @@ from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferHandle, Xf
 from trtdisagg.transfer.runtime.collector import TransceiverStatistics, WriteTally
 from trtdisagg.transfer.runtime.control import ControlPlane, ControlRouter, DealerOpener
 from trtdisagg.transfer.runtime.messenger import open_dealer
-from trtdisagg.transfer.runtime.pump import (
-    PUMP_INTERVAL_S,
-    AgentCalls,
-    Ended,
-    NotificationPump,
-    Notifications,
-    Posted,
-)
+from trtdisagg.transfer.runtime.pump import AgentPump, Ended, Notifications, Posted
 from trtdisagg.transfer.runtime.staging_area import StagingArea
 
 log = logging.getLogger(__name__)
@@ -93,14 +84,12 @@ class KvTransceiver:
     connect: DealerOpener = open_dealer
     on_write: Callable[[int, int, float], None] | None = None  # bytes, descriptors, seconds
     tracer: Callable[[int, str, float], None] | None = None
-    pump_interval_s: float = PUMP_INTERVAL_S
     max_sessions_per_peer: int = 1024  # transfers one gen instance may hold with a ctx rank
     protocol: TransferProtocol = attrs.field(init=False)
     tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
     prepared_posts: int = 0  # writes posted from a preparation (since start)
     _control: ControlPlane = attrs.field(init=False)
-    _calls: AgentCalls = attrs.field(init=False)
-    _pump: NotificationPump = attrs.field(init=False)
+    _pump: AgentPump = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
     _remotes: dict[tuple[str, int], str] = attrs.Factory(dict)  # gen ranks' loaded agents
     _prepared: dict[int, XferHandle] = attrs.Factory(dict)  # by write id
@@ -124,8 +113,7 @@ class KvTransceiver:
         self._control = ControlPlane(
             router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
         )
-        self._calls = AgentCalls(self.agent)
-        self._pump = NotificationPump(self._calls, self._delivered, self.pump_interval_s)
+        self._pump = AgentPump(self.agent, self._delivered)
 
     @property
     def info_endpoint(self) -> str:
@@ -263,7 +251,9 @@ class KvTransceiver:
                     self.staging.release(offset)
                 case ev.ScatterStaged(key=key, staged=staged):
                     self._spawn(self._scatter, key, staged)
-        self._pump.want_notices(self.protocol.gen.awaits_notice())
+        # a ctx write may land, and its notification come, in any session held (a quarantined
+        # one too); without NIXL's progress thread draining also progresses a receiving write
+        self._pump.want_notices(bool(self.protocol.gen.receivers))
         if not self._ticking and self.protocol.busy():
             self._ticking = True
             self._busy.set()
@@ -284,7 +274,7 @@ class KvTransceiver:
         """Prepare `order` with the agent when that is quick (a slow post goes through a
         thread anyway, where preparing first saves nothing)."""
         remote = self._remotes.get(order.peer)
-        if remote is None or not self._calls.idle:
+        if remote is None or not self._pump.idle:
             return
         if self.agent.submit_is_quick(order.fragments, remote):
             prepare = functools.partial(
@@ -292,7 +282,7 @@ class KvTransceiver:
                 dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
             )  # fmt: skip
             try:
-                self._prepared[order.write_id] = self._calls.now(prepare)
+                self._prepared[order.write_id] = self._pump.now(prepare)
             except TransferLayerError as exc:
                 log.debug("KV write %d not prepared: %s", order.key, exc)
 
@@ -305,12 +295,18 @@ class KvTransceiver:
             return
         self.prepared_posts += prepared is not None
         quick = prepared is not None or self.agent.submit_is_quick(order.fragments, remote)
-        if order.staged is None and quick and self._calls.idle:
+        if order.staged is None and quick and self._pump.idle:
             submit = functools.partial(self._submit, order, remote, notice, prepared)
             try:
-                self._posted(order, self._calls.now(submit), remote)
+                handle = self._pump.now(submit)
             except TransferLayerError as exc:
                 self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
+                return
+            self._trace(order.key, "posted")
+            self._flights[order.write_id] = _Flight(
+                order=order, handle=handle, remote=remote, posted=self.clock()
+            )
+            self._pump.watch_write(order.write_id, handle)
         elif order.staged is None:
             self._post_on_pump(order, remote, notice, prepared)
         else:
@@ -325,7 +321,6 @@ class KvTransceiver:
         staging_offset: int | None = None,
     ) -> None:
         """A post that blocks: on the pump's thread, which polls the write right after it."""
-        self._calls.slow_call_started()
         self._flights[order.write_id] = _Flight(
             order=order, handle=None, remote=remote, posted=self.clock(),
             staging_offset=staging_offset,
@@ -335,11 +330,10 @@ class KvTransceiver:
         )
 
     async def _stage_and_post(self, order: ev.WriteOrder, remote: str, notice: bytes) -> None:
-        """A bounced write first packs this rank's share into staging room, then writes it in
-        one go."""
+        """Pack this rank's share into staging room, then write it in one go."""
         assert self.staging is not None
         try:
-            offset, order = await self.staging.stage(order, self._calls.in_thread)
+            offset, order = await self.staging.stage(order, self._pump.in_thread)
         except TransferLayerError as exc:
             self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
             return
@@ -357,41 +351,21 @@ class KvTransceiver:
         self.agent.post_prepared(prepared, notice)
         return prepared
 
-    def _posted(
-        self,
-        order: ev.WriteOrder,
-        handle: XferHandle,
-        remote: str,
-        staging_offset: int | None = None,
-    ) -> None:
-        self._trace(order.key, "posted")
-        flight = _Flight(order=order, handle=handle, remote=remote, posted=self.clock(),
-                         staging_offset=staging_offset)  # fmt: skip
-        self._flights[order.write_id] = flight
-        self._pump.watch_write(order.write_id, handle)
-
     def _delivered(self, posted: Posted, notifications: Notifications, ended: Ended) -> None:
-        """What the pump did and found: writes posted, writes that ended, notifications (on the
-        Trio thread)."""
+        """What the pump did and found, on the Trio thread."""
         if self._nursery is None:
             return  # the service has ended
         for write_id, handle in posted:
-            self._calls.slow_call_ended()
-            flight = self._flights[write_id]
             if isinstance(handle, str):
-                del self._flights[write_id]
-                if flight.staging_offset is not None and self.staging is not None:
-                    self.staging.release(flight.staging_offset)
+                self._land(write_id)
                 self._feed(ev.WriteEnded(write_id=write_id, error=handle))
             else:
-                flight.handle = handle
-                self._trace(flight.order.key, "posted")
+                self._flights[write_id].handle = handle
+                self._trace(self._flights[write_id].order.key, "posted")
         for write_id, state in ended:
-            flight = self._flights.pop(write_id)
+            flight = self._land(write_id)
             assert flight.handle is not None, "the pump polls a write only once it is posted"
             self._release(flight.handle)
-            if flight.staging_offset is not None and self.staging is not None:
-                self.staging.release(flight.staging_offset)
             self._landed.unpark_all()
             error = None if state is XferStatus.DONE else "the agent reported an error writing it"
             if error is None:
@@ -410,12 +384,18 @@ class KvTransceiver:
                 self._trace(notice.key, "notice")
                 self._feed(ev.NoticeIn(notice=notice, remote=remote))
 
+    def _land(self, write_id: int) -> _Flight:
+        flight = self._flights.pop(write_id)
+        if flight.staging_offset is not None and self.staging is not None:
+            self.staging.release(flight.staging_offset)
+        return flight
+
     def _release(self, handle: XferHandle) -> None:
         release = functools.partial(self.agent.release, handle)
-        if self._calls.idle:
-            self._calls.now(release)
+        if self._pump.idle:
+            self._pump.now(release)
         else:
-            self._spawn(self._calls.in_thread, release)
+            self._spawn(self._pump.in_thread, release)
 
     # ---- peers' agents, staging ----
 
@@ -424,7 +404,7 @@ class KvTransceiver:
         if info.key not in self._remotes:
             try:
                 add = functools.partial(self.agent.add_remote, info.agent_metadata)
-                self._remotes[info.key] = await self._calls.in_thread(add)
+                self._remotes[info.key] = await self._pump.in_thread(add)
             except TransferLayerError as exc:
                 error = str(exc)
         self._feed(ev.AgentLoaded(info=info, reply_to=identity, error=error))
@@ -447,7 +427,7 @@ class KvTransceiver:
                 log.warning("agent %s stays loaded: a write to it never ended", name)
                 continue
             try:
-                await self._calls.in_thread(functools.partial(self.agent.remove_remote, name))
+                await self._pump.in_thread(functools.partial(self.agent.remove_remote, name))
             except TransferLayerError as exc:
                 log.warning("could not unload agent %s: %s", name, exc)
 

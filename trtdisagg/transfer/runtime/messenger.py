@@ -1,4 +1,4 @@
-"""Messenger: Trio-native ZeroMQ ROUTER (bind) and DEALER (connect); with links.py, all of zmq.
+"""Messenger: Trio-native ZeroMQ ROUTER (bind) and DEALER (connect); the only module using zmq.
 
 With a cluster secret (trtdisagg/security/) a ROUTER is a CURVE server and a DEALER a CURVE
 client of its rank's `label`; without, plain TCP (loopback only). `ZMQ_MAXMSGSIZE` caps every
@@ -15,19 +15,27 @@ consume the FD's edge, it re-reads EVENTS and wakes a waiting pump. A malformed 
 counted (`bad_frames`) and dropped with a warning limited per peer: the pump never dies of peer
 input; a reply to a gone peer is counted as `unroutable`; any other zmq error crashes the pump's
 nursery.
+
+A socket's connection events come from a monitor: a DEALER's link is up once its handshake
+succeeds (a NULL one too); down when it drops, when a connect is refused (only the first of zmq's
+retries is news) or when the handshake fails (another cluster secret: logged once).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import struct
 import time
 from collections.abc import AsyncIterator, Callable, Hashable
 from contextlib import asynccontextmanager
+from typing import Final
 
 import attrs
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from trtdisagg.ratelimit import LogRateLimit, log_limited
 from trtdisagg.security.keys import PeerLabel
@@ -41,21 +49,20 @@ from trtdisagg.security.sockets import (
 from trtdisagg.security.verify import PeerVerifier
 from trtdisagg.transfer.errors import ProtocolError
 from trtdisagg.transfer.protocol.wire import Message, decode, encode
-from trtdisagg.transfer.runtime.links import (
-    DOWN,
-    HANDSHAKE_FAILED,
-    UP,
-    LinkState,
-    open_monitor,
-    stop_monitor,
-    watch,
-)
 
 log = logging.getLogger(__name__)
 
 _RETRY_WHILE_BLOCKED_S = 0.005  # re-try a blocked send this often (ROUTER reports no edge for it)
 _Socket = zmq.Socket[bytes]
 _Context = zmq.Context[_Socket]
+UP: Final = zmq.EVENT_HANDSHAKE_SUCCEEDED
+DOWN: Final = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+HANDSHAKE_FAILED: Final = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_monitor_ids = itertools.count()
 
 
 @attrs.frozen(kw_only=True)
@@ -70,10 +77,9 @@ class MessengerStatistics:
 
 
 class _Pump:
-    """A socket and the one task that touches it; see the module docstring. Router and Dealer
-    shape its frames."""
+    """A socket and the one task that touches it (the module docstring)."""
 
-    frames = 1
+    frames = 1  # per message: the ROUTER's have its sender's identity first
 
     def __init__(
         self,
@@ -102,10 +108,6 @@ class _Pump:
         self.warnings = LogRateLimit(lines=5, interval_s=60.0)
         self.sent = self.received = self.bad_frames = self.unroutable = 0
         self.handshakes_refused = 0
-
-    def _sender(self, frames: list[bytes]) -> Hashable:
-        """Who sent `frames`, for log lines about an unverified peer."""
-        return self.endpoint
 
     def has_room(self, count: int) -> bool:
         """Whether `count` messages would be taken now without waiting."""
@@ -196,15 +198,11 @@ class _Pump:
             self.space.unpark()
         return False
 
-    def _has_inbox_room(self) -> bool:
-        stats = self.inbox_send.statistics()
-        return stats.current_buffer_used < stats.max_buffer_size
-
     def _drain(self) -> None:
         """Receive until zmq is empty or the inbox is full (then `inbox_full`; zmq keeps the rest
         queued and `_receive` wakes us when there is room)."""
-        self.inbox_full = False
-        while self._has_inbox_room():
+        self.inbox_full, stats = False, self.inbox_send.statistics
+        while stats().current_buffer_used < stats().max_buffer_size:
             peer = None
             try:
                 if self.verifier is None:
@@ -217,7 +215,8 @@ class _Pump:
                     frames = [frame.bytes for frame in raw]
             except zmq.Again:
                 return
-            who = peer.text if peer else self._sender(frames)
+            # who sent it, for log lines: the label it proved, its identity, or where we dialled
+            who = peer.text if peer else frames[0].hex() if self.frames == 2 else self.endpoint
             if len(frames) != self.frames:
                 self.bad_frames += 1
                 self.warn(who, "dropped a %d-frame message (expected %d)", len(frames),
@@ -264,9 +263,6 @@ class Router(_Pump):
     """A bound ROUTER: receive (identity, message, peer) from DEALERs, send back by identity."""
 
     frames = 2
-
-    def _sender(self, frames: list[bytes]) -> Hashable:
-        return frames[0].hex()
 
     async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]:
         return await self._receive()
@@ -350,12 +346,8 @@ async def open_dealer(
     on_link: Callable[[bool], None] | None = None,
 ) -> AsyncIterator[Dealer]:
     """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); with `secret`
-    as a CURVE client speaking for `label` (required then).
-
-    `on_link(True)` is called each time the connection comes up (its handshake succeeded), and
-    `on_link(False)` each time it goes down: it drops (the peer closed it, or its process
-    ended), it cannot be made (nothing listens there: a peer that ended before we first
-    connected), or its handshake fails (the peer holds another cluster secret)."""
+    as a CURVE client speaking for `label` (required then). `on_link(up)` is told each time the
+    link comes up or goes down (the module docstring)."""
     socket = _socket(zmq.DEALER, context, high_water_mark)
     if secret is not None:
         if label is None:
@@ -376,7 +368,7 @@ async def open_dealer(
 async def _running(
     pump: _Pump, events: int, on_event: Callable[[int], None] | None, connect: str | None = None
 ) -> AsyncIterator[None]:
-    """Run `pump` while the body runs, with `on_event` told of its socket's `events` (links.py),
+    """Run `pump` while the body runs, with `on_event` told of its socket's `events` (a monitor),
     then connect to `connect` if given (after the monitor: no event is missed). The socket is
     closed on exit; the body's own exception leaves unwrapped."""
     socket = pump.socket
@@ -402,3 +394,65 @@ async def _running(
         socket.close(linger=0)
         if monitor is not None:
             monitor.close(linger=0)
+
+
+@attrs.define(eq=False)
+class LinkState:
+    """A DEALER's events as `on_link(up)` calls, one per change."""
+
+    endpoint: str
+    on_link: Callable[[bool], None]
+    up: bool | None = None
+    refused: bool = False
+
+    def __call__(self, event: int) -> None:
+        if event & HANDSHAKE_FAILED and not self.refused:
+            self.refused = True
+            log.warning("control connection to %s: its handshake failed (wrong cluster_secret?)",
+                        self.endpoint)  # fmt: skip
+        if event & UP and self.up is not True:
+            self.up = True
+            self.on_link(True)
+        elif event & (DOWN | HANDSHAKE_FAILED) and self.up is not False:
+            self.up = False
+            self.on_link(False)
+
+
+def open_monitor(socket: _Socket, events: int) -> _Socket | None:
+    """A monitor of `events` on `socket` (open it before the socket connects, so that no event
+    is missed), or None (logged) if zmq refuses one."""
+    # a PAIR socket with an inproc name of its own: zmq's reaper may still hold pyzmq's default
+    # name for a closed socket
+    address = f"inproc://trtdisagg.monitor.{next(_monitor_ids)}"
+    try:
+        return socket.get_monitor_socket(events, addr=address)
+    except zmq.ZMQError as exc:
+        log.warning("no connection events (liveness falls back to probes): %s", exc)
+        return None
+
+
+def stop_monitor(socket: _Socket) -> None:
+    """Stop `socket`'s events before either socket closes: zmq's I/O thread blocks for good on an
+    event for a closed reader."""
+    try:
+        socket.disable_monitor()
+    except zmq.ZMQError as exc:
+        log.warning("could not stop a socket monitor: %s", exc)
+
+
+async def watch(monitor: _Socket, on_event: Callable[[int], None]) -> None:
+    """Call `on_event(event)` for each event of `monitor` (edge-triggered like any zmq FD)."""
+    fd = int(monitor.getsockopt(zmq.FD))
+    while True:
+        try:
+            frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if not int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # re-arms the edge
+                await trio.lowlevel.wait_readable(fd)
+            continue
+        try:
+            event = parse_monitor_message(frames)["event"]
+        except (ValueError, IndexError, struct.error):
+            continue  # not an event zmq would send
+        on_event(event)
+        await trio.lowlevel.checkpoint()

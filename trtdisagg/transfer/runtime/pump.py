@@ -1,21 +1,13 @@
 """The agent's one lock, and the one thread that posts slow writes and polls the agent while a
-transfer waits.
+transfer waits (docs/LIFECYCLE.md, "Who notices that a write ended").
 
-Agent calls never overlap (agents/base.py): each holds `AgentCalls.lock`. A blocking call
-(loading a peer's agent, packing staging) runs in a worker thread (`in_thread`), a quick one (a
-post of a few descriptors, a release) on the Trio thread (`now`), but only while no blocking call
-runs (`idle`): the lock is then free or held by the pump for microseconds, and the loop never
-waits on a blocking call.
-
-An agent says that a write ended only when polled (NIXL's UCX backend even sends a GPU write's
-notification from the poll that finds it done), and that a notification came only when asked; a
-Trio task cannot poll often enough (epoll's timeout is whole milliseconds). So one thread polls
-every `interval_s` while a write is in flight or a receive awaits its notification (else it parks
-on a `threading.Event`), and hands what it finds to the Trio thread with
-`TrioToken.run_sync_soon`, which wakes the loop at once. A post that blocks (host memory: over
-TCP it fills the socket) runs on that thread too, which then polls its write at once: posted from
-a worker thread, the write went unpolled during the hops back to the Trio thread and on to the
-pump (each waiting for the GIL), and over TCP an unpolled write does not move.
+A quick agent call runs on the Trio thread (`now`), but only while no blocking call runs
+(`idle`): the lock is then free or held by the pump for microseconds, and the loop never waits on
+a blocking call. A Trio task cannot poll the agent often enough (epoll's timeout is whole
+milliseconds), hence the thread, which parks on a `threading.Event` while nothing is awaited. A
+post that blocks runs on that thread, which polls its write at once: from a worker thread, the
+write would go unpolled during the hops to the Trio thread and on to the pump (each waiting for
+the GIL), and over TCP an unpolled write does not move.
 """
 
 from __future__ import annotations
@@ -49,56 +41,16 @@ PUMP_INTERVAL_S = 50e-6
 _PR_SET_TIMERSLACK = 29
 
 
-class AgentCalls:
-    """The agent, and the lock that keeps its calls from overlapping."""
-
-    def __init__(self, agent: TransferAgent) -> None:
-        self.agent = agent
-        self.lock = threading.Lock()
-        self._slow = 0  # blocking calls under way (each in a worker thread)
-
-    @property
-    def idle(self) -> bool:
-        """No blocking call runs: `now` waits for the pump at most."""
-        return not self._slow
-
-    def slow_call_started(self) -> None:
-        """A blocking call was handed to another thread (on the Trio thread, as `now`)."""
-        self._slow += 1
-
-    def slow_call_ended(self) -> None:
-        self._slow -= 1
-
-    def now(self, call: Callable[[], T]) -> T:
-        """A quick call, here on the Trio thread (only while `idle`)."""
-        assert not self._slow, "a blocking agent call runs: use in_thread"
-        with self.lock:
-            return call()
-
-    async def in_thread(self, call: Callable[[], T]) -> T:
-        """A blocking call, in a worker thread."""
-        self.slow_call_started()
-        try:
-            return await trio.to_thread.run_sync(self._locked, call)
-        finally:
-            self.slow_call_ended()
-
-    def _locked(self, call: Callable[[], T]) -> T:
-        with self.lock:
-            return call()
-
-
-class NotificationPump:
-    """Posts slow writes, and polls the agent's writes and notifications while any is awaited,
-    from one thread."""
+class AgentPump:
+    """The agent and the lock that keeps its calls from overlapping; and the one thread that
+    posts slow writes, and polls the agent's writes and notifications while any is awaited."""
 
     def __init__(
-        self,
-        calls: AgentCalls,
-        deliver: Callable[[Posted, Notifications, Ended], None],
-        interval_s: float,
+        self, agent: TransferAgent, deliver: Callable[[Posted, Notifications, Ended], None]
     ) -> None:
-        self._calls, self._deliver, self._interval_s = calls, deliver, interval_s
+        self.agent, self._deliver = agent, deliver
+        self._lock = threading.Lock()  # the agent's
+        self._slow = 0  # blocking calls under way (each in a worker thread or on the pump's)
         self._state = threading.Lock()  # guards what is watched, and the wake-up
         self._wakeup = threading.Event()
         self._writes: dict[int, XferHandle] = {}
@@ -106,6 +58,28 @@ class NotificationPump:
         self._notices = self._stopping = False
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
+
+    @property
+    def idle(self) -> bool:
+        """No blocking call runs: `now` waits for the pump at most."""
+        return not self._slow
+
+    def now(self, call: Callable[[], T]) -> T:
+        """A quick call, here on the Trio thread (only while `idle`)."""
+        assert not self._slow, "a blocking agent call runs: use in_thread"
+        with self._lock:
+            return call()
+
+    async def in_thread(self, call: Callable[[], T]) -> T:
+        self._slow += 1
+        try:
+            return await trio.to_thread.run_sync(self._locked, call)
+        finally:
+            self._slow -= 1
+
+    def _locked(self, call: Callable[[], T]) -> T:
+        with self._lock:
+            return call()
 
     def watch_write(self, write_id: int, handle: XferHandle) -> None:
         """Poll this write until it ends; its end is delivered once."""
@@ -116,7 +90,8 @@ class NotificationPump:
 
     def post(self, write_id: int, submit: Callable[[], XferHandle]) -> None:
         """Run this blocking post here (the agent's lock held), then poll its write. Its handle
-        (or its error) is delivered before its end. The caller counts it as a slow call."""
+        (or its error) is delivered before its end."""
+        self._slow += 1  # (until it is delivered)
         with self._state:
             self._posts.append((write_id, submit))
             self._wakeup.set()
@@ -164,13 +139,13 @@ class NotificationPump:
                 assert self._token is not None
                 with contextlib.suppress(trio.RunFinishedError):  # (stopped first, normally)
                     self._token.run_sync_soon(self._delivered, posted, got, ended)
-            time.sleep(self._interval_s)
+            time.sleep(PUMP_INTERVAL_S)
 
     def _post(self, posts: list[tuple[int, Callable[[], XferHandle]]]) -> Posted:
         posted = Posted()
         for write_id, submit in posts:
             try:
-                with self._calls.lock:
+                with self._lock:
                     handle = submit()
             except Exception as exc:  # a failed post fails its write, never the pump
                 if not isinstance(exc, TransferLayerError):
@@ -185,8 +160,8 @@ class NotificationPump:
     def _poll(
         self, writes: list[tuple[int, XferHandle]], notices: bool
     ) -> tuple[Notifications, Ended]:
-        agent, ended = self._calls.agent, Ended()
-        with self._calls.lock:
+        agent, ended = self.agent, Ended()
+        with self._lock:
             got = agent.get_notifications() if notices else []
             for write_id, handle in writes:
                 try:
@@ -199,6 +174,7 @@ class NotificationPump:
         return got, ended
 
     def _delivered(self, posted: Posted, got: Notifications, ended: Ended) -> None:
+        self._slow -= len(posted)  # (on the Trio thread, as `post` counted them)
         try:  # on the Trio thread, outside any task: nothing may escape
             self._deliver(posted, got, ended)
         except Exception:

@@ -16,6 +16,7 @@ preparing a few descriptors to a connected peer.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NewType, Protocol
 
@@ -87,8 +88,6 @@ class TransferAgent(Protocol):
 
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None: ...
 
-    def deregister_memory(self) -> None: ...
-
     def local_metadata(self) -> bytes: ...
 
     def add_remote(self, metadata: bytes) -> str: ...  # a peer's agent: its name (`remote`)
@@ -96,8 +95,7 @@ class TransferAgent(Protocol):
     def remove_remote(self, name: str) -> None: ...
 
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
-        """Whether preparing and posting this write returns within about 0.1 ms, so that it
-        may run on the event loop (else it goes through a worker thread)."""
+        """Whether preparing and posting this write returns within about 0.1 ms."""
         ...
 
     def prepare_write(
@@ -126,6 +124,29 @@ class TransferAgent(Protocol):
     def get_notifications(self) -> list[tuple[str, bytes]]: ...  # (remote name, payload)
 
     def close(self) -> None: ...
+
+
+class AgentBase:
+    """What both agents keep: their name, registered regions, loaded remotes and handle ids."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._regions: list[MemoryRegion] = []
+        self._remotes: set[str] = set()
+        self._ids = itertools.count(1)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def remotes(self) -> frozenset[str]:
+        """The peers loaded with `add_remote` (tests check that none are left behind)."""
+        return frozenset(self._remotes)
+
+    def _check_remote(self, remote: str) -> None:
+        if remote not in self._remotes:
+            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
 
 
 def submit_write(

@@ -11,12 +11,17 @@ for a GPU write.
 from __future__ import annotations
 
 import ctypes
-import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from trtdisagg.transfer.errors import AgentError
-from trtdisagg.transfer.runtime.agents.base import MemoryRegion, XferHandle, XferStatus, find_region
+from trtdisagg.transfer.runtime.agents.base import (
+    AgentBase,
+    MemoryRegion,
+    XferHandle,
+    XferStatus,
+    find_region,
+)
 
 if TYPE_CHECKING:
     from trtdisagg.transfer.protocol.fragments import Fragments
@@ -46,36 +51,22 @@ class LoopbackFabric:
         return agent
 
 
-class LoopbackAgent:
+class LoopbackAgent(AgentBase):
     def __init__(self, name: str, *, fabric: LoopbackFabric, notify_on_poll: bool = False) -> None:
-        self._name = name
+        super().__init__(name)
         self._fabric = fabric
         self._notify_on_poll = notify_on_poll
         self._unsent: dict[XferHandle, tuple[str, bytes]] = {}  # notify_on_poll: not polled yet
-        self._regions: list[MemoryRegion] = []
-        self._remotes: set[str] = set()
         self._notifications: list[tuple[str, bytes]] = []
         self._handles: dict[XferHandle, XferStatus] = {}
         self._prepared: dict[XferHandle, tuple[Fragments, str]] = {}
-        self._ids = itertools.count(1)
         fabric.attach(self)
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def regions(self) -> tuple[MemoryRegion, ...]:
-        return tuple(self._regions)
 
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
         for region in regions:
             if region.memory_type != "DRAM":
                 raise AgentError(f"loopback agent copies host memory only, not {region}")
         self._regions.extend(regions)
-
-    def deregister_memory(self) -> None:
-        self._regions.clear()
 
     def local_metadata(self) -> bytes:
         return self._name.encode()
@@ -102,13 +93,12 @@ class LoopbackAgent:
         dst_device_id: int = 0,
     ) -> XferHandle:
         """Check the write now; `post_prepared` copies."""
-        if remote not in self._remotes:
-            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
+        self._check_remote(remote)
         target = self._fabric.get(remote)
         if len(fragments):
             find_region(self._regions, fragments)
             try:
-                find_region(target.regions, fragments, column=1)
+                find_region(target._regions, fragments, column=1)
             except AgentError as exc:
                 raise AgentError(f"{self._name} -> {remote}: {exc}") from None
         handle = XferHandle(next(self._ids))
@@ -134,11 +124,6 @@ class LoopbackAgent:
     def num_handles(self) -> int:
         """Handles not yet released (tests check that none leak)."""
         return len(self._handles)
-
-    @property
-    def remotes(self) -> frozenset[str]:
-        """The peers loaded with `add_remote` (tests check that none are left behind)."""
-        return frozenset(self._remotes)
 
     def poll(self, handle: XferHandle) -> XferStatus:
         unsent = self._unsent.pop(handle, None)

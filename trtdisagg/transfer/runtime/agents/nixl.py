@@ -4,14 +4,13 @@ One `nixl_agent` per rank with the UCX backend and `NIXL_THREAD_SYNC_STRICT` (th
 itself; callers still serialise, see `base`). Memory is registered once (DRAM for CPU pools,
 VRAM for CUDA ones). A write builds a local and a remote descriptor list from the fragments,
 `initialize_xfer("WRITE", ...)`, and posts it with `transfer`; `poll` reads `check_xfer_state`.
-Blocking: construction, `register_memory`, `deregister_memory`, `add_remote`, `close`, and
+Blocking: construction, `register_memory`, `add_remote`, `close`, and
 `prepare_write` unless `submit_is_quick` says so (a few descriptors to a peer
 already written to); the rest is quick.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,13 @@ import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from trtdisagg.transfer.errors import AgentError
-from trtdisagg.transfer.runtime.agents.base import MemoryRegion, XferHandle, XferStatus, find_region
+from trtdisagg.transfer.runtime.agents.base import (
+    AgentBase,
+    MemoryRegion,
+    XferHandle,
+    XferStatus,
+    find_region,
+)
 
 if TYPE_CHECKING:
     from trtdisagg.transfer.protocol.fragments import Fragments
@@ -40,8 +45,9 @@ QUICK_SUBMIT_MAX_DRAM_BYTES = 1 << 20
 CUDA_IPC_CACHE_ENV = ("UCX_CUDA_IPC_CACHE", "n")
 
 
-class NixlAgent:
+class NixlAgent(AgentBase):
     def __init__(self, name: str, *, progress_thread: bool = True) -> None:
+        super().__init__(name)
         os.environ.setdefault(*CUDA_IPC_CACHE_ENV)  # read when UCX starts, in nixl_agent below
         # NIXL's progress thread spins a core while idle; without it, our own polling of
         # transfers and notifications drives progress (enough for CPU/shared-memory paths).
@@ -51,19 +57,11 @@ class NixlAgent:
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         self._agent = nixl_agent(name, config)
-        self._name = name
-        self._regions: list[MemoryRegion] = []
         self._registrations: list[Any] = []  # nixlRegDList per registered region
-        self._remotes: set[str] = set()
         # Remotes a write was posted to: their UCX connection is up, so posting is quick.
         self._connected: set[str] = set()
         self._handles: dict[XferHandle, Any] = {}  # our id -> nixl_xfer_handle
         self._targets: dict[XferHandle, str] = {}  # our id -> the remote it writes to
-        self._ids = itertools.count(1)
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
         for region in regions:
@@ -74,12 +72,6 @@ class NixlAgent:
                 raise AgentError(f"{self._name}: cannot register {region}: {exc}") from exc
             self._registrations.append(descs)
             self._regions.append(region)
-
-    def deregister_memory(self) -> None:
-        registrations, self._registrations = self._registrations, []
-        self._regions.clear()
-        for descs in registrations:
-            self._agent.deregister_memory(descs)
 
     def local_metadata(self) -> bytes:
         metadata: bytes = self._agent.get_agent_metadata()
@@ -124,9 +116,7 @@ class NixlAgent:
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
-        """Both descriptor lists and the NIXL request, for `post_prepared` to start."""
-        if remote not in self._remotes:
-            raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
+        self._check_remote(remote)
         if not len(fragments):
             return _DONE
         source = find_region(self._regions, fragments)
@@ -152,7 +142,6 @@ class NixlAgent:
         return xfer
 
     def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
-        """Start a prepared write (once), with its notification. Quick."""
         if handle == _DONE:
             return
         nixl_handle = self._handles.get(handle)
@@ -190,4 +179,7 @@ class NixlAgent:
             self.release(handle)
         for name in list(self._remotes):
             self.remove_remote(name)
-        self.deregister_memory()
+        registrations, self._registrations = self._registrations, []
+        self._regions.clear()
+        for descs in registrations:
+            self._agent.deregister_memory(descs)
