@@ -8,7 +8,7 @@ the gen side (gen.py: KV we receive) and the peers' liveness (liveness.py, docs/
 "Peers that are gone").
 
 On a secured control plane a ROUTER message names the rank its connection proved
-(`MessageIn.peer`); one whose own fields name another rank is dropped and counted (refusals.py).
+(`MessageIn.peer`); one whose own fields name another rank is dropped and counted (side.py).
 On a DEALER the peer is whoever answers at the endpoint we dialled; unsecured (loopback only),
 the message's word is taken.
 """
