@@ -13,14 +13,13 @@ import collections
 import attrs
 import torch
 
-from trtdisagg.worker.request import SamplingParams
+from trtdisagg.worker.request import MIN_TEMPERATURE, SamplingParams
 from trtdisagg.worker.sampling import (
-    MIN_TEMPERATURE,
     SampleSpec,
     TokenHistory,
-    TokenLogprobs,
     make_generator,
 )
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")

@@ -29,7 +29,7 @@ from trtdisagg.worker.engine.executor import Executor, RequestHandle
 from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.request import Request, SamplingParams
 from trtdisagg.worker.runner import ModelRunner, build_runner
-from trtdisagg.worker.sampling import TokenLogprobs
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 from trtdisagg.worker.tokenization import Tokenizer
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

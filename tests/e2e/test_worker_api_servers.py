@@ -234,6 +234,23 @@ def test_every_front_names_the_worker_s_one_boot_in_health(servers: Servers) -> 
     assert len(boots) == 1 and len(boots.pop()) == 16
 
 
+def test_a_front_process_loads_no_torch(servers: Servers) -> None:
+    """A front tokenizes, validates, compiles grammars and relays: after answers with logprobs
+    and a JSON grammar it has mapped no torch library, which would add seconds to each front's
+    start and hundreds of MiB to its memory. The engine's process has (what the check sees)."""
+    body = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "logprobs": True,
+            "top_logprobs": 2, "response_format": {"type": "json_object"}}  # fmt: skip
+    for _ in range(4):  # new connections: both fronts serve some
+        with httpx.Client(timeout=60, trust_env=False) as fresh:
+            r = fresh.post(servers.fronts.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+    fronts = fronts_of(servers.fronts)
+    assert len(fronts) == 2, fronts
+    for pid in fronts:
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
+    assert "libtorch" in Path(f"/proc/{servers.fronts.proc.pid}/maps").read_text()
+
+
 def holder(pids: list[int], client_port: int) -> int | None:
     """Which of `pids` holds the server side of the TCP connection from `client_port`."""
     inodes = set()

@@ -18,7 +18,7 @@ from trtdisagg.api.sse import DONE, SseSplitter, parse_event
 from trtdisagg.coordinator.choices import ChoiceSseMerger, merge_answers
 from trtdisagg.coordinator.split import ClientAsk
 from trtdisagg.worker.http import responses
-from trtdisagg.worker.sampling import TokenLogprobs
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 META = responses.ResponseMeta(
     response_id="cmpl-1", created=1, model="tiny", chat=False, return_token_ids=True

@@ -14,7 +14,7 @@ from trtdisagg.worker.engine.ending import Blocks, Ending
 from trtdisagg.worker.engine.live import Live
 from trtdisagg.worker.engine.outputs import OutputProcessor, Processed, RequestOutput, Token
 from trtdisagg.worker.request import FinishReason, RequestType
-from trtdisagg.worker.sampling import TokenLogprobs
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 A, B, C = (ord(c) for c in "abc")
 EOS = 2

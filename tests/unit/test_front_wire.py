@@ -23,7 +23,7 @@ from trtdisagg.worker.front.wire import (
     unpack,
 )
 from trtdisagg.worker.request import FinishReason, RequestType, SamplingParams
-from trtdisagg.worker.sampling import TokenLogprobs
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 
 def plain(token: int, **fields: object) -> RequestOutput:

@@ -77,8 +77,8 @@ def schema_grammar(schema: dict[str, Any]) -> OutputGrammar:
 
 
 def allowed(matcher: Matcher) -> list[int]:
-    (mask,) = allowed_tokens([matcher])
-    keep = allowed_mask(mask.unsqueeze(0), matcher.vocab_size)[0]
+    masks = torch.from_numpy(allowed_tokens([matcher]))
+    keep = allowed_mask(masks, matcher.vocab_size)[0]
     return torch.nonzero(keep).flatten().tolist()
 
 
@@ -146,7 +146,7 @@ def test_a_replayed_first_token_masks_the_next_as_the_sampler_would(
 
 def test_a_sampled_token_is_always_allowed(compiler: GrammarCompiler) -> None:
     matcher = compiler.compile(schema_grammar(SCHEMAS[2])).matcher()
-    (mask,) = allowed_tokens([matcher])
+    (mask,) = torch.from_numpy(allowed_tokens([matcher]))
     ok = set(allowed(matcher))
     logits = torch.randn(64, matcher.vocab_size) * 10
     for temperature in (0.0, 1.0):

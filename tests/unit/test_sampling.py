@@ -25,11 +25,11 @@ from tests.sampling_reference import (
 from trtdisagg.worker.request import Request, SamplingParams
 from trtdisagg.worker.sampling import (
     SampleSpec,
-    TokenLogprobs,
     make_generator,
     new_spec,
     sample,
 )
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 EOS = 0
 

@@ -14,7 +14,7 @@ from trtdisagg.worker.engine.live import RequestHandle
 from trtdisagg.worker.engine.outputs import RequestOutput
 from trtdisagg.worker.http.jobs import ChoiceRun
 from trtdisagg.worker.request import FinishReason, Request, SamplingParams
-from trtdisagg.worker.sampling import TokenLogprobs
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 
 @attrs.define

@@ -25,7 +25,7 @@ import attrs
 import llguidance
 import llguidance.numpy
 import numpy as np
-import torch
+import numpy.typing as npt
 
 from trtdisagg.api.grammars import OutputGrammar
 
@@ -69,22 +69,21 @@ class Matcher:
         return str(self.state.get_error())
 
 
-def allowed_tokens(matchers: Sequence[Matcher]) -> list[torch.Tensor]:
+def allowed_tokens(matchers: Sequence[Matcher]) -> npt.NDArray[np.int32]:
     """The allowed-token bitmask of each of a step's rows that has a grammar, from each
-    matcher's state after the row's previous token: int32 [ceil(vocab / 32)] each, on the
-    host (module docstring)."""
-    if not matchers:
-        return []
-    words = -(-matchers[0].vocab_size // 32)
+    matcher's state after the row's previous token: int32 [rows, ceil(vocab / 32)] (module
+    docstring). In numpy, not torch: the API's front processes compile grammars and load no
+    torch; the engine wraps the rows as tensors."""
+    words = -(-matchers[0].vocab_size // 32) if matchers else 0
     masks = np.zeros((len(matchers), words), dtype=np.int32)
     for row, matcher in enumerate(matchers):
         llguidance.numpy.fill_next_token_bitmask(matcher.state, masks, row)
-    return list(torch.from_numpy(masks).unbind(0))
+    return masks
 
 
-def allows_other_than(mask: torch.Tensor, tokens: Collection[int]) -> bool:
+def allows_other_than(mask: npt.NDArray[np.int32], tokens: Collection[int]) -> bool:
     """Whether bitmask `mask` allows some token outside `tokens`."""
-    words = mask.numpy().view(np.uint32).copy()
+    words = mask.view(np.uint32).copy()
     for token in tokens:
         if token // 32 < words.size:
             words[token // 32] &= ~np.uint32(1 << (token % 32))

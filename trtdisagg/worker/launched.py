@@ -19,7 +19,8 @@ import attrs
 import torch
 
 from trtdisagg.worker.prompt_logprobs import PromptLogprobs
-from trtdisagg.worker.sampling import PendingSample, TokenLogprobs
+from trtdisagg.worker.sampling import PendingSample
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 
 @attrs.frozen(kw_only=True)

@@ -19,7 +19,8 @@ import torch
 
 from trtdisagg.worker.rank_plan import ItemInputs
 from trtdisagg.worker.request import Request
-from trtdisagg.worker.sampling import TokenLogprobs, prompt_token_logprobs
+from trtdisagg.worker.sampling import prompt_token_logprobs
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 
 @attrs.frozen(kw_only=True)

@@ -37,7 +37,7 @@ from typing import Final
 
 import attrs
 
-from trtdisagg.errors import InvalidTransition
+from trtdisagg.errors import CapacityError, InvalidTransition
 from trtdisagg.kv.block_pool import BlockTable
 
 
@@ -94,6 +94,9 @@ def _bias_pairs(
     return tuple(sorted((int(token), float(bias)) for token, bias in pairs))
 
 
+MIN_TEMPERATURE: Final = 1e-5
+"""Below this a temperature samples greedily: logits / temperature overflows float32 and the
+softmax turns to NaN (greedy is the limit as the temperature goes to 0)."""
 MAX_PENALTY: Final = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
 MAX_LOGIT_BIAS: Final = 100.0  # OpenAI's bound on a logit_bias value
 
@@ -265,3 +268,14 @@ class Request:
                 state,
                 f"only {only_for.value} requests, this is {self.request_type.value}",
             )
+
+
+def check_fits(num_prompt_tokens: int, *, max_seq_len: int, capacity: int) -> None:
+    """Raise CapacityError when a prompt of `num_prompt_tokens` could never be served by an
+    engine of this context length and KV capacity (tokens)."""
+    if num_prompt_tokens >= max_seq_len:
+        raise CapacityError(
+            f"prompt has {num_prompt_tokens} tokens; this model's context is {max_seq_len} tokens"
+        )
+    if num_prompt_tokens + 1 > capacity:
+        raise CapacityError(f"prompt has {num_prompt_tokens} tokens; the KV cache holds {capacity}")

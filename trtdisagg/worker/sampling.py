@@ -39,7 +39,6 @@ the split, ctx samples the first token, and gen's generator for the same seed sk
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
 
 import attrs
 import numpy as np
@@ -49,16 +48,7 @@ import torch
 from trtdisagg.worker import sampling_batch
 from trtdisagg.worker.request import Request, SamplingParams
 from trtdisagg.worker.sampling_batch import is_greedy
-
-MIN_TEMPERATURE: Final = sampling_batch.MIN_TEMPERATURE
-"""Below this a temperature samples greedily: logits / temperature overflows float32 and the
-softmax turns to NaN (greedy is the limit as the temperature goes to 0)."""
-
-
-@attrs.frozen(kw_only=True)
-class TokenLogprobs:
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 
 @attrs.define(eq=False, kw_only=True)

@@ -18,12 +18,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from trtdisagg.worker.request import SamplingParams
+from trtdisagg.worker.request import MIN_TEMPERATURE, SamplingParams
 
 if TYPE_CHECKING:
     from trtdisagg.worker.sampling import SampleSpec
 
-MIN_TEMPERATURE: Final = 1e-5
 NEG_INF: Final = float("-inf")
 TOP_P_OFF: Final = 2.0
 """A row without top_p compares its cumulative mass with this: above any sum of probabilities, so

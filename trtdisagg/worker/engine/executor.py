@@ -14,7 +14,7 @@ import attrs
 import torch
 import trio
 
-from trtdisagg.errors import CapacityError, WorkerStopped
+from trtdisagg.errors import WorkerStopped
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.transfer.runtime.driver import KvTransceiver
 from trtdisagg.worker.engine.live import (
@@ -27,7 +27,7 @@ from trtdisagg.worker.engine.live import (
 from trtdisagg.worker.engine.loop import StepLoop
 from trtdisagg.worker.engine.outputs import OutputState, RequestOutput
 from trtdisagg.worker.engine.tracker import TransferTracker
-from trtdisagg.worker.request import Request
+from trtdisagg.worker.request import Request, check_fits
 from trtdisagg.worker.sampling import new_spec
 from trtdisagg.worker.scheduler import Scheduler
 from trtdisagg.worker.stopping import StopStrings
@@ -235,14 +235,3 @@ class Executor:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The loop, until cancelled (or until a step on a multi-rank instance raises)."""
         await self.loop.run(task_status=task_status)
-
-
-def check_fits(num_prompt_tokens: int, *, max_seq_len: int, capacity: int) -> None:
-    """Raise CapacityError when a prompt of `num_prompt_tokens` could never be served by an
-    engine of this context length and KV capacity (tokens)."""
-    if num_prompt_tokens >= max_seq_len:
-        raise CapacityError(
-            f"prompt has {num_prompt_tokens} tokens; this model's context is {max_seq_len} tokens"
-        )
-    if num_prompt_tokens + 1 > capacity:
-        raise CapacityError(f"prompt has {num_prompt_tokens} tokens; the KV cache holds {capacity}")

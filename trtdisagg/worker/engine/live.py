@@ -18,7 +18,8 @@ from trtdisagg.worker.request import Request
 if TYPE_CHECKING:
     from trtdisagg.worker.engine.outputs import OutputState, RequestOutput
     from trtdisagg.worker.grammar import Matcher
-    from trtdisagg.worker.sampling import SampleSpec, TokenLogprobs
+    from trtdisagg.worker.sampling import SampleSpec
+    from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 
 class OutputSink(Protocol):

@@ -408,7 +408,7 @@ def _current_spec(live: Live, num_outputs: int, allowed: torch.Tensor | None) ->
         live.spec = spec = attrs.evolve(spec, suppress=frozenset())
     if allowed is None:
         return spec
-    if spec.suppress and not allows_other_than(allowed, spec.suppress):
+    if spec.suppress and not allows_other_than(allowed.numpy(), spec.suppress):
         # The grammar allows only the end, which min_tokens holds back: the grammar wins.
         return attrs.evolve(spec, allowed=allowed, suppress=frozenset())
     return attrs.evolve(spec, allowed=allowed)
@@ -420,5 +420,5 @@ def grammar_masks(choices: Sequence[Live]) -> dict[int, torch.Tensor]:
     constrained = [(id(c), c.grammar) for c in choices if c.grammar is not None]
     if not constrained:
         return {}
-    bitmasks = allowed_tokens([matcher for _, matcher in constrained])
-    return {key: mask for (key, _), mask in zip(constrained, bitmasks, strict=True)}
+    bitmasks = torch.from_numpy(allowed_tokens([matcher for _, matcher in constrained]))
+    return {key: mask for (key, _), mask in zip(constrained, bitmasks.unbind(0), strict=True)}

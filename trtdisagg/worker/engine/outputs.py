@@ -25,7 +25,7 @@ from trtdisagg.worker.stopping import StopStrings
 
 if TYPE_CHECKING:
     from trtdisagg.worker.engine.live import Live
-    from trtdisagg.worker.sampling import TokenLogprobs
+    from trtdisagg.worker.token_logprobs import TokenLogprobs
     from trtdisagg.worker.tokenization import IncrementalDetokenizer
 
 

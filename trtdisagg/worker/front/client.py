@@ -21,7 +21,6 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from trtdisagg.errors import WorkerStopped
-from trtdisagg.worker.engine.executor import check_fits
 from trtdisagg.worker.engine.live import RequestHandle
 from trtdisagg.worker.engine.outputs import RequestOutput
 from trtdisagg.worker.front.link import Link
@@ -35,6 +34,7 @@ from trtdisagg.worker.front.wire import (
     pack,
     unpack,
 )
+from trtdisagg.worker.request import check_fits
 
 if TYPE_CHECKING:
     from trtdisagg.worker.engine.live import GenerationSource

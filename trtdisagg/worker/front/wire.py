@@ -28,7 +28,7 @@ from trtdisagg.errors import TrtDisaggError
 from trtdisagg.worker.engine.live import GenerationSource
 from trtdisagg.worker.engine.outputs import RequestOutput
 from trtdisagg.worker.request import FinishReason, RequestType, SamplingParams
-from trtdisagg.worker.sampling import TokenLogprobs
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 
 class WireError(TrtDisaggError):

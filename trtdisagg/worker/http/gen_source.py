@@ -17,7 +17,7 @@ from trtdisagg.api.protocol import DisaggregatedParams, FirstTokenLogprobs
 from trtdisagg.transfer.protocol.rank_info import is_tcp_endpoint
 from trtdisagg.worker.engine.live import GenerationSource
 from trtdisagg.worker.http.handoff import ctx_instance_of
-from trtdisagg.worker.sampling import TokenLogprobs
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 MAX_TOP_LOGPROBS: Final = 20
 

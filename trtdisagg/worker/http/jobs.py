@@ -21,12 +21,13 @@ from trtdisagg.api.fanout import ChoicePlan
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
 from trtdisagg.api.streaming import MergedBody
 from trtdisagg.api.tool_calls import ToolCall, ToolCallFormat, ToolCallParser, parse_tool_calls
-from trtdisagg.worker.engine.executor import RequestHandle, RequestOutput
+from trtdisagg.worker.engine.live import RequestHandle
+from trtdisagg.worker.engine.outputs import RequestOutput
 from trtdisagg.worker.http import responses
 from trtdisagg.worker.http.engine import Engine
 from trtdisagg.worker.http.handoff import ctx_state
 from trtdisagg.worker.request import RequestType
-from trtdisagg.worker.sampling import TokenLogprobs
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
 Json = dict[str, Any]

@@ -19,7 +19,7 @@ import attrs
 from trtdisagg.api.codec import sse_event
 from trtdisagg.api.protocol import PerfMetrics, Usage, prune
 from trtdisagg.api.tool_calls import ToolCall, ToolCallParser, tool_call_deltas
-from trtdisagg.worker.sampling import TokenLogprobs
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 TokenText = Callable[[int], str]
 Json = dict[str, Any]

@@ -38,8 +38,7 @@ from trtdisagg.worker.http import responses
 from trtdisagg.worker.http.engine import Engine
 from trtdisagg.worker.http.gen_source import generation_source
 from trtdisagg.worker.http.jobs import ChoiceRun, CtxEndpoint, Job
-from trtdisagg.worker.request import Request, RequestType, SamplingParams
-from trtdisagg.worker.sampling import MIN_TEMPERATURE
+from trtdisagg.worker.request import MIN_TEMPERATURE, Request, RequestType, SamplingParams
 from trtdisagg.worker.tokenization import Tokenizer
 
 if TYPE_CHECKING:
