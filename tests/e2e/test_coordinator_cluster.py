@@ -11,6 +11,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +25,7 @@ import pytest
 import yaml
 
 from tests.instances import running_instances
-from tests.procs import Server, free_port, metric, spawn
+from tests.procs import REPO, Server, free_port, metric, spawn
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -213,6 +215,39 @@ def test_a_killed_fleet_supervisor_takes_its_front_ends_along(
         with pytest.raises(httpx.ConnectError):
             httpx.get(coord.url + "/health", timeout=2)
         assert "its parent process" in coord.log() and "is gone; exiting" in coord.log()
+
+
+def test_front_ends_whose_supervisor_dies_while_they_start_exit_too(
+    tmp_path: Path, workers: dict[str, list[Server]]
+) -> None:
+    """The supervisor SIGKILLed as soon as it has spawned its front ends, while they still
+    import: they learn its pid from it (by the time one could ask getppid(), init is its
+    parent), so they exit once up instead of serving the port for good."""
+    port = free_port()
+    path = tmp_path / "disagg.yaml"
+    path.write_text(yaml.safe_dump({
+        "hostname": "127.0.0.1", "port": port, "num_workers": 2,
+        "context_servers": {"urls": [workers["ctx"][0].url]},
+        "generation_servers": {"urls": [s.url for s in workers["gen"]]},
+    }))  # fmt: skip
+    with open(tmp_path / "coordinator.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trtdisagg", "coordinator", "--config", str(path)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+        )  # fmt: skip
+    fronts: list[int] = []
+    try:
+        wait_until(lambda: len(_front_ends(proc.pid)) == 2, 30, "front ends spawned")
+        fronts = _front_ends(proc.pid)
+        proc.kill()
+        proc.wait(10)
+        wait_until(lambda: not any(_running(pid) for pid in fronts), 30, "front ends gone")
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for pid in fronts:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # ---- through ctx → gen: these need the KV transceiver in the workers ----

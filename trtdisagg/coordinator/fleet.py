@@ -61,16 +61,14 @@ def _setup_child_logging(level: str, prefix: str) -> None:
     )
 
 
-def front_end_main(config: CoordinatorConfig, process_id: int) -> None:
-    """Entry point of front-end process `process_id` (spawned)."""
+def front_end_main(config: CoordinatorConfig, process_id: int, supervisor: int) -> None:
+    """Entry point of front-end process `process_id` (spawned by process `supervisor`)."""
     _setup_child_logging(config.log_level, f"[coordinator-w{process_id}]")
     try:
         sock = bind_socket(config.hostname, config.port, reuse_port=True)
     except StartupError as exc:
         log.error("start-up failed: %s", exc)
         sys.exit(EXIT_STARTUP_FAILED)
-
-    supervisor = os.getppid()
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
@@ -108,7 +106,9 @@ def run_fleet(config: CoordinatorConfig) -> int:
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for i in range(config.num_workers):
-            proc = spawn.Process(target=front_end_main, args=(config, i), name=f"w{i}")
+            # Our pid, not the child's getppid() once it is up: had we died meanwhile, that
+            # would name its new parent, and it would never see us gone.
+            proc = spawn.Process(target=front_end_main, args=(config, i, os.getpid()), name=f"w{i}")
             proc.start()
             fronts.append(proc)
         log.info(

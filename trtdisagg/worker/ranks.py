@@ -83,7 +83,8 @@ def start_followers(
     for rank in range(1, config.world_size):
         process = context.Process(
             target=run_follower,
-            args=(config, model_dir, rank, port, instance_name),
+            # Our pid, as the rank's getppid() once it is up might name another parent.
+            args=(config, model_dir, rank, port, instance_name, os.getpid()),
             name=f"trtdisagg-rank{rank}",
             daemon=True,
         )
@@ -122,9 +123,9 @@ def rank_outcomes(transceiver: Transceiver | None) -> tuple[RankOutcome, ...]:
 
 
 def run_follower(
-    config: WorkerConfig, model_dir: Path, rank: int, port: int, instance_name: str
+    config: WorkerConfig, model_dir: Path, rank: int, port: int, instance_name: str, rank0: int
 ) -> None:
-    """Process entry of rank `rank` (>= 1)."""
+    """Process entry of rank `rank` (>= 1), spawned by rank 0's process (pid `rank0`)."""
     # Ctrl-C in a terminal reaches the whole process group; rank 0 alone decides when its ranks
     # stop (it terminates them), so a follower never dies first with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -135,14 +136,14 @@ def run_follower(
         stream=sys.stderr,
     )
     try:
-        trio.run(_follow, config, model_dir, rank, port, instance_name)
+        trio.run(_follow, config, model_dir, rank, port, instance_name, rank0)
     except Exception:
         log.exception("rank %d failed", rank)
         sys.exit(1)
 
 
 async def _follow(
-    config: WorkerConfig, model_dir: Path, rank: int, port: int, instance_name: str
+    config: WorkerConfig, model_dir: Path, rank: int, port: int, instance_name: str, rank0: int
 ) -> None:
     from trtdisagg.worker.transfer_setup import build_transceiver, control_secret, hold_router
 
@@ -160,7 +161,7 @@ async def _follow(
         lambda: build_runner(config, model_dir, group.parallel, agree_blocks=group.agree_min)
     )
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(exit_with_parent, os.getppid(), log, f"rank {rank}")  # rank 0
+        nursery.start_soon(exit_with_parent, rank0, log, f"rank {rank}")
         transceiver: Transceiver | None = None
         writes: list[WriteRecord] = []
         digests: DigestBuffer | None = None

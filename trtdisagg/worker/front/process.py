@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -58,6 +57,9 @@ class FrontSpec:
     ctx_info_endpoint: str | None
     ctx_instance: str | None
     boot_id: str  # the engine's WorkerService's: one worker start, one id
+    # The engine process's pid, which the front watches (its getppid() once it is up could
+    # already name another parent, had the engine died meanwhile).
+    engine_pid: int
 
 
 def front_main(spec: FrontSpec) -> None:
@@ -74,7 +76,7 @@ def front_main(spec: FrontSpec) -> None:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        trio.run(serve_front, spec, os.getppid())
+        trio.run(serve_front, spec, spec.engine_pid)
     except Exception:
         log.exception("front %d failed", spec.index)
         sys.exit(1)

@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -119,6 +120,7 @@ async def serve_fronts(
                 ctx_info_endpoint=service.ctx_info_endpoint,
                 ctx_instance=service.ctx_instance,
                 boot_id=service.boot_id,
+                engine_pid=os.getpid(),
             )
             for i in range(count)
         ]
