@@ -19,7 +19,11 @@ PARENT_POLL_S: Final = 0.5
 
 
 async def exit_with_parent(parent_pid: int, log: logging.Logger, who: str) -> None:
-    """Exit this process (code 1) once `parent_pid` is no longer its parent."""
+    """Exit this process (code 1) once `parent_pid` is no longer its parent.
+
+    The parent passes its pid at spawn: the child's own getppid(), read once it is up, would
+    already name init had the parent died during the child's start, and it would wait forever.
+    """
     while os.getppid() == parent_pid:  # noqa: ASYNC110
         await trio.sleep(PARENT_POLL_S)
     log.error("%s: its parent process (pid %d) is gone; exiting", who, parent_pid)

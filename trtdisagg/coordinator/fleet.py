@@ -106,8 +106,6 @@ def run_fleet(config: CoordinatorConfig) -> int:
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for i in range(config.num_workers):
-            # Our pid, not the child's getppid() once it is up: had we died meanwhile, that
-            # would name its new parent, and it would never see us gone.
             proc = spawn.Process(target=front_end_main, args=(config, i, os.getpid()), name=f"w{i}")
             proc.start()
             fronts.append(proc)

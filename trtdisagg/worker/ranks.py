@@ -83,7 +83,6 @@ def start_followers(
     for rank in range(1, config.world_size):
         process = context.Process(
             target=run_follower,
-            # Our pid, as the rank's getppid() once it is up might name another parent.
             args=(config, model_dir, rank, port, instance_name, os.getpid()),
             name=f"trtdisagg-rank{rank}",
             daemon=True,

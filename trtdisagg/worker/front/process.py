@@ -57,9 +57,7 @@ class FrontSpec:
     ctx_info_endpoint: str | None
     ctx_instance: str | None
     boot_id: str  # the engine's WorkerService's: one worker start, one id
-    # The engine process's pid, which the front watches (its getppid() once it is up could
-    # already name another parent, had the engine died meanwhile).
-    engine_pid: int
+    engine_pid: int  # the front exits once it is gone (orphans.py)
 
 
 def front_main(spec: FrontSpec) -> None:
@@ -76,20 +74,20 @@ def front_main(spec: FrontSpec) -> None:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        trio.run(serve_front, spec, spec.engine_pid)
+        trio.run(serve_front, spec)
     except Exception:
         log.exception("front %d failed", spec.index)
         sys.exit(1)
 
 
-async def serve_front(spec: FrontSpec, engine_pid: int) -> None:
+async def serve_front(spec: FrontSpec) -> None:
     registry = CollectorRegistry()
     lag = event_loop_lag_histogram(registry, name=FRONT_LOOP_LAG)
     socket = open_socket(zmq.DEALER, identity=f"api{spec.index}".encode())
     socket.connect(spec.engine_endpoint)
     engine = RemoteEngine(facts=spec.facts, registry=registry, link=Link(socket=socket))
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(exit_with_parent, engine_pid, log, f"api server {spec.index}")
+        nursery.start_soon(exit_with_parent, spec.engine_pid, log, f"api server {spec.index}")
         nursery.start_soon(engine.link.run, engine.on_message)
         engine.hello(spec.index)
         with trio.fail_after(60):
