@@ -19,22 +19,14 @@ Per measured iteration, in the same run, one transfer of each selected transceiv
                     `request_and_receive_async` FIRST and starts waiting for the outcome (a task
                     of the gen child, like the executor's wait); ctx waits until that
                     REQUEST_DATA sits in its transceiver's early buffer
-                    (`statistics().early >= 1`, polled, no fixed sleep); then ctx calls
-                    `prepare_send` as the executor does when the prompt's last prefill step
-                    starts (the write is prepared then), and lets that
-                    step's time pass (`--prefill-step-ms`, 10 ms; untimed, the loop running as
-                    beside a real forward); only then does ctx's KV become ready:
-                    `respond_and_send_async`, upon which ctx posts the prepared write. gen is
-                    told to report the outcome before that, so no command of the bench reaches
-                    gen during the transfer.
+                    (`statistics().early >= 1`, polled, no fixed sleep); only then does ctx's
+                    KV become ready: `respond_and_send_async`, upon which ctx maps and posts
+                    the write. gen is told to report the outcome before that, so no command of
+                    the bench reaches gen during the transfer.
                     Timed from just before that call (a CLOCK_MONOTONIC stamp in ctx) to the
                     outcome seen in gen (the moment its wait returns): the critical path a
                     generation-first request pays once prefill ends (the write, TRANSFER_RESULT
                     and the notification; the REQUEST_DATA round trip is off it).
-  generation-first-unprepared  the same without `prepare_send`: ctx maps and prepares the
-                    write only once the KV is ready (before `prepare_send` existed, and what
-                    happens when gen asks during the last prefill step). `--schedule all`
-                    runs it next to the other two.
   raw NIXL          ctx posts ONE write (a single descriptor of the same byte count, from the
                     same source range into a contiguous destination range) on the same agents,
                     with a notification; ctx spins on the write's state (its poll that finds
@@ -81,7 +73,6 @@ competes with everything else.
 
     python tools/bench_transfer.py                      # CPU, 64 MiB (512 tokens x 128 KiB)
     python tools/bench_transfer.py --schedule both      # context-first and generation-first
-    python tools/bench_transfer.py --schedule all       # and generation-first without prepare_send
     python tools/bench_transfer.py --schedule generation-first --nixl-progress-thread off
     python tools/bench_transfer.py --scatter            # gen blocks every other slot
     python tools/bench_transfer.py --model-8b --tokens 8192 --device cuda --result-json r.json
@@ -142,20 +133,16 @@ IDLE_SAMPLE_S: Final = 1.0  # how long the idle children's CPU use is sampled
 EARLY_POLL_S: Final = 1e-4  # ctx's poll for gen's early REQUEST_DATA (Trio rounds it to ~1 ms)
 CONTEXT_FIRST: Final = "context-first"
 GENERATION_FIRST: Final = "generation-first"
-UNPREPARED: Final = "generation-first-unprepared"
-SCHEDULES: Final = (CONTEXT_FIRST, GENERATION_FIRST, UNPREPARED)
+SCHEDULES: Final = (CONTEXT_FIRST, GENERATION_FIRST)
 BOTH: Final = "both"  # --schedule both: the two schedule styles, context-first's ratio last
-ALL: Final = "all"  # --schedule all: and generation-first without prepare_send
-CHOICES: Final = {BOTH: (CONTEXT_FIRST, GENERATION_FIRST), ALL: SCHEDULES}
+CHOICES: Final = {BOTH: SCHEDULES}
 TIMED: Final = {  # what each schedule's time spans (the report's row names)
     CONTEXT_FIRST: "gen call->outcome",
     GENERATION_FIRST: "ctx KV ready->gen outcome",
-    UNPREPARED: "ctx KV ready->gen outcome",
 }
 STAGE_ORIGIN: Final = {  # what each schedule's stage offsets count from
     CONTEXT_FIRST: "gen.request",
     GENERATION_FIRST: "ctx.respond",  # the bench's stamp just before respond_and_send_async
-    UNPREPARED: "ctx.respond",
 }
 
 
@@ -310,8 +297,6 @@ class BenchConfig:
     timeout_s: float = 60.0
     seed: int = 0
     progress_thread: bool = True  # NIXL's UCX progress thread (production: on)
-    # generation-first: the last prefill step, between `prepare_send` and the KV being ready
-    prefill_step_s: float = 0.01
     # ctx's next step, run in a worker thread from when its KV is ready (0: ctx idles)
     ctx_busy_s: float = 0.0
     # how long raw's two polling loops sleep between polls (0: they spin)
@@ -380,16 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="context-first: ctx's KV is ready before gen asks (timed from gen's request); "
         "generation-first: gen asks first, its REQUEST_DATA waits at ctx, then the KV becomes "
         "ready (timed from ctx's respond_and_send_async); both: each, alternating with raw "
-        "(the last line stays context-first's ratio); generation-first-unprepared: "
-        "generation-first without prepare_send; all: the three",
-    )
-    parser.add_argument(
-        "--prefill-step-ms",
-        type=float,
-        default=10.0,
-        help="generation-first: how long the last prefill step runs between prepare_send and "
-        "the KV being ready (untimed; ctx's loop runs meanwhile, as beside a real forward). An "
-        "8B model's step on an H200 takes 16 ms or more",
+        "(the last line stays context-first's ratio)",
     )
     parser.add_argument(
         "--ctx-busy-ms",
@@ -445,8 +421,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         )
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
-    if not 0 <= args.prefill_step_ms <= 10_000:
-        raise ValueError(f"--prefill-step-ms must be in [0, 10000], got {args.prefill_step_ms}")
     if not 0 <= args.ctx_busy_ms <= 10_000:
         raise ValueError(f"--ctx-busy-ms must be in [0, 10000], got {args.ctx_busy_ms}")
     if args.raw_poll_us is not None and not 0 <= args.raw_poll_us <= 10_000:
@@ -468,7 +442,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         timeout_s=args.timeout,
         seed=args.seed,
         progress_thread=args.nixl_progress_thread == "on",
-        prefill_step_s=args.prefill_step_ms / 1000,
         ctx_busy_s=args.ctx_busy_ms / 1000,
         raw_poll_s=(
             RAW_POLL_S[args.device] if args.raw_poll_us is None else args.raw_poll_us / 1e6
@@ -668,7 +641,6 @@ def format_report(doc: dict[str, Any]) -> str:
     first_pays = {  # the first transceiver transfer run (primary schedule's) pays the set-up
         CONTEXT_FIRST: " (rendezvous + connection)",
         GENERATION_FIRST: " (connection; its rendezvous is before the KV is ready, untimed)",
-        UNPREPARED: " (connection; its rendezvous is before the KV is ready, untimed)",
     }
     cold = ", ".join(
         f"{name} {_ms(sd['cold_s'])}{first_pays.get(name, '') if name == primary else ''}"
@@ -865,7 +837,6 @@ class _Side:
     async def handle(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
         handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
             "respond": self.respond,
-            "prepare": self.prepare,
             "collect": self.collect,
             "receive": self.receive,
             "receive_start": self.receive_start,
@@ -930,13 +901,6 @@ class _Side:
             with trio.fail_after(self.cfg.ctx_busy_s + self.cfg.timeout_s):
                 await self.busy.wait()
             self.busy = None
-
-    async def prepare(self, args: dict[str, Any]) -> dict[str, Any]:
-        """The prompt's last prefill step: `prepare_send` as the executor calls it when the step
-        starts, then the step's time (the forward runs in a worker thread; the loop is free)."""
-        self.transceiver.prepare_send(args["key"], [self.blocks], self.cfg.tokens)
-        await trio.sleep(self.cfg.prefill_step_s)
-        return {}
 
     async def await_early(self, args: dict[str, Any]) -> dict[str, Any]:
         """generation-first: return once gen's REQUEST_DATA waits in the early buffer."""
@@ -1371,14 +1335,12 @@ class _Run:
             self.ctx.call("respond", self.wait, key=key)
             got = self.gen.call("receive", self.wait, key=key, endpoint=endpoint)
             wall = got["elapsed_s"]
-        elif schedule in (GENERATION_FIRST, UNPREPARED):
+        elif schedule == GENERATION_FIRST:
             # Each child answers one command at a time, so this order cannot deadlock: gen's
             # request is out (and its wait running) before ctx looks for it, and ctx has
             # responded before anyone waits for the outcome.
             self.gen.call("receive_start", self.wait, key=key, endpoint=endpoint)
             self.ctx.call("await_early", self.wait, key=key)
-            if schedule == GENERATION_FIRST:
-                self.ctx.call("prepare", self.wait, key=key)  # the last prefill step starts
             # gen parks on the outcome before ctx responds: no command of ours then reaches gen
             # during the transfer (reading one wakes a thread and the loop, in the timed window;
             # the raw path's gen is likewise armed first).

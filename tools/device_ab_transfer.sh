@@ -37,7 +37,7 @@ for r in ${ROUNDS:-1}; do for t in ${SIZES:-2048}; do for v in ${VARIANTS:-base}
 done; done; done
 for t in ${ONCE:-}; do for v in ${VARIANTS:-base}; do bench "$v" "$t" 1; done; done
 for t in ${BUSY:-}; do for v in ${VARIANTS:-base}; do bench "$v" "$t" 1 --ctx-busy-ms 5; done; done
-for t in ${ALL:-}; do for v in ${VARIANTS:-base}; do SCHED=all bench "$v" "$t" 1; done; done
+for t in ${ALL:-}; do for v in ${VARIANTS:-base}; do SCHED=both bench "$v" "$t" 1; done; done
 tar -czf "$OUT/results.tgz" -C /tmp res
 if [ "${SUITE:-0}" = 1 ]; then
     PYTHONPATH=/tmp/site:$PWD timeout 240 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider \

@@ -54,7 +54,7 @@ transfer)
     for tokens in 1024 2048 8192 32768; do
         echo "=== $tokens tokens $(date +%T)" | tee -a "$OUT/transfer.txt"
         timeout 70 python3 tools/bench_transfer.py --device cuda --model-8b --tokens "$tokens" \
-            --ctx-gpu 0 --gen-gpu 1 --iterations 32 --warmup 3 --schedule all \
+            --ctx-gpu 0 --gen-gpu 1 --iterations 32 --warmup 3 --schedule both \
             --result-json "$OUT/transfer_$tokens.json" 2>&1 \
             | grep -v "UCX  WARN\|NIXL INFO" | tee -a "$OUT/transfer.txt" || true
     done

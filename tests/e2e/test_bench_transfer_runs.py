@@ -20,7 +20,7 @@ def test_a_small_run_of_every_schedule_verifies_its_bytes(tmp_path: Path) -> Non
     result = tmp_path / "bench.json"
     argv = [
         sys.executable, str(ROOT / "tools" / "bench_transfer.py"),
-        "--kv-mib", "1", "--iterations", "3", "--warmup", "1", "--schedule", "all",
+        "--kv-mib", "1", "--iterations", "3", "--warmup", "1", "--schedule", "both",
         "--ctx-busy-ms", "1", "--nixl-progress-thread", "off", "--result-json", str(result),
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=200, cwd=ROOT)
@@ -32,8 +32,4 @@ def test_a_small_run_of_every_schedule_verifies_its_bytes(tmp_path: Path) -> Non
     doc = json.loads(result.read_text())
     assert doc["verified"] is True
     assert doc["config"]["ctx_busy_s"] == pytest.approx(0.001)
-    assert set(doc["schedules"]) == {
-        "context-first",
-        "generation-first",
-        "generation-first-unprepared",
-    }
+    assert set(doc["schedules"]) == {"context-first", "generation-first"}

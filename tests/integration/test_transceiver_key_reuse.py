@@ -10,10 +10,10 @@ would write the new KV into blocks that gen freed (and gave to another request),
 call its new request done with its own blocks never written: silent KV corruption.
 
 Two KvTransceivers in one trio run (real ZMQ, loopback agent), as in
-test_transceiver_prepared.py. The fault injector reorders or holds back the message at issue;
-ctx's clock, set ahead, ages what ctx holds without waiting for it. What must hold, whatever
-the order: blocks of a request that ended are never written again, and a later use of the key
-either gets exactly its own KV (and first tokens) in its own blocks or fails.
+test_transceiver_generation_first.py. The fault injector reorders or holds back the message at
+issue; ctx's clock, set ahead, ages what ctx holds without waiting for it. What must hold,
+whatever the order: blocks of a request that ended are never written again, and a later use of
+the key either gets exactly its own KV (and first tokens) in its own blocks or fails.
 """
 
 from __future__ import annotations

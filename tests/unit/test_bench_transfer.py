@@ -219,10 +219,6 @@ def test_config_is_json_ready(tmp_path: Path) -> None:
         (["--schedule", "context-first"], ("context-first",)),
         (["--schedule", "generation-first"], ("generation-first",)),
         (["--schedule", "both"], ("context-first", "generation-first")),
-        (
-            ["--schedule", "all"],
-            ("context-first", "generation-first", "generation-first-unprepared"),
-        ),
     ],
 )
 def test_schedule_option(argv: list[str], schedules: tuple[str, ...]) -> None:

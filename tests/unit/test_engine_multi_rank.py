@@ -54,9 +54,6 @@ class RecordingTransceiver:
     ) -> None:
         self.calls.append(("send", key))
 
-    def prepare_send(self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
-        self.calls.append(("prepare", key))
-
     def abandon_send(self, key: int, reason: str) -> None:
         self.calls.append(("abandon", key))
 
@@ -116,16 +113,15 @@ async def test_transfer_work_is_done_here_at_once_and_on_the_others_at_the_next_
 ) -> None:
     driver, group, transceiver, _ = make()
     driver.receive(5, "tcp://ctx:1", [0, 1], 8, None)
-    driver.prepare(6, [2], 4)
     driver.send(6, [2], 4, [33])
-    assert transceiver.calls == [("receive", 5), ("prepare", 6), ("send", 6)]
+    assert transceiver.calls == [("receive", 5), ("send", 6)]
     assert driver.cancel(5) is False  # every rank must settle: the gated outcome says when
     assert not driver.settled(5)
     await driver.idle(has_work=False, in_flight=False)  # work waits for the others: tick now
     (command,) = group.commands
     assert [r.key for r in command.receives] == [5] and command.receives[0].block_ids == (0, 1)
     assert [(s.key, s.first_tokens) for s in command.sends] == [(6, (33,))]
-    assert [p.key for p in command.prepares] == [6] and command.cancels == (5,)
+    assert command.cancels == (5,)
     assert not command.has_forward
 
 

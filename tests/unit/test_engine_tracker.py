@@ -37,9 +37,6 @@ class RecordingPort:
     ) -> None:
         self.calls.append(("receive", key, endpoint, tuple(block_ids), num_tokens))
 
-    def prepare(self, key: int, block_ids: Sequence[int], num_tokens: int) -> None:
-        self.calls.append(("prepare", key, tuple(block_ids), num_tokens))
-
     def send(
         self, key: int, block_ids: Sequence[int], num_tokens: int, first_tokens: Sequence[int]
     ) -> None:
@@ -208,10 +205,8 @@ def test_a_context_only_request_hands_its_kv_over_and_the_send_frees_it() -> Non
     request = live.request
     scheduler.add(request)
     plan = scheduler.schedule()
-    tracker.prepare_sends(plan, {request.request_id: live})
     table = request.block_table
-    assert table is not None
-    assert port.calls == [("prepare", 8, tuple(table.block_ids), 10)]
+    assert table is not None and port.calls == []
     scheduler.step_done(plan)
     request.output_token_ids.append(33)
     tracker.settle(live, Ending.handed_over())

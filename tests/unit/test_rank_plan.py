@@ -85,7 +85,7 @@ def test_commands_and_reports_round_trip_the_wire() -> None:
         receives=(
             ReceiveCommand(key=5, endpoint="tcp://127.0.0.1:9", block_ids=(1, 2), num_tokens=7),
         ),
-        prepares=(SendCommand(key=6, block_ids=(3, 4), num_tokens=9),),
+        sends=(SendCommand(key=6, block_ids=(3, 4), num_tokens=9, first_tokens=(5,)),),
         cancels=(8,),
     )
     assert decode_command(encode_command(command)) == command

@@ -22,16 +22,13 @@ from trtdisagg.transfer.protocol.events import (
     Effect,
     Event,
     ForgetPeer,
-    KvExpected,
     KvReady,
     LoadAgent,
     MessageIn,
     NoticeIn,
     PostWrite,
-    PrepareWrite,
     ReceiveAsked,
     Received,
-    ReleasePrepared,
     Reply,
     Send,
     SendAbandoned,
@@ -83,8 +80,6 @@ class Net:
     drop: Callable[[str, Message], bool] = lambda to, message: False
     writes: dict[int, WriteOrder] = attrs.Factory(dict)  # posted, not landed
     notices: dict[int, bytes] = attrs.Factory(dict)  # the posted writes' notices, by write id
-    prepared: set[int] = attrs.Factory(set)
-    released: list[int] = attrs.Factory(list)
     sent: list[TransferOutcome] = attrs.Factory(list)
     received: list[TransferOutcome] = attrs.Factory(list)
     forgotten: list[ForgetPeer] = attrs.Factory(list)
@@ -121,10 +116,6 @@ class Net:
                     self._queue(other, MessageIn(message=message, source=endpoint))
                 case LoadAgent(info=info, reply_to=reply_to):
                     self.feed(name, AgentLoaded(info=info, reply_to=reply_to))
-                case PrepareWrite(order=order):
-                    self.prepared.add(order.write_id)
-                case ReleasePrepared(write_id=write_id):
-                    self.released.append(write_id)
                 case PostWrite(order=order, notice=notice):
                     self.writes[order.write_id], self.notices[order.write_id] = order, notice
                 case Sent(outcome=outcome):
@@ -188,35 +179,22 @@ def test_context_first_ends_on_the_notice_which_says_what_moved() -> None:
     assert not len(net.ctx.ctx.senders) and not len(net.gen.gen.receivers)
 
 
-def test_generation_first_posts_the_write_prepared_during_the_prefill() -> None:
+def test_generation_first_holds_the_request_and_writes_once_the_kv_is_ready() -> None:
     net = Net.of()
     net.ask(9)
     net.deliver()
     assert len(net.ctx.ctx.early) == 1 and not net.writes  # held until the KV is ready
-    net.feed("ctx", KvExpected(key=9, source=_source()))
-    (prepared,) = net.prepared
+    net.tick(TIMEOUT / 2)
+    assert len(net.ctx.ctx.early) == 1 and not net.writes and not net.received
     net.feed("ctx", KvReady(key=9, source=_source(), first_tokens=(3,)))
+    assert not len(net.ctx.ctx.early)
     (posted,) = net.writes.values()
-    assert posted.write_id == prepared and not net.released  # the very same write
     assert decode(net.notices[posted.write_id]) == WriteNotice(
         key=9, instance_name="ctx", instance_rank=0, num_bytes=posted.fragments.num_bytes,
         num_descriptors=1, first_tokens=(3,),
     )  # fmt: skip
     net.land()
     assert net.received[0].ok and net.received[0].first_tokens == (3,)
-
-
-def test_a_write_prepared_for_another_source_is_released_not_posted() -> None:
-    net = Net.of()
-    net.ask(9)
-    net.deliver()
-    net.feed("ctx", KvExpected(key=9, source=_source((1, 2))))
-    net.feed("ctx", KvExpected(key=9, source=_source((3, 4))))  # preempted, prefilled elsewhere
-    first, second = sorted(net.prepared)
-    assert net.released == [first]
-    net.feed("ctx", KvReady(key=9, source=_source((5, 6))))  # and elsewhere again
-    (posted,) = net.writes.values()
-    assert net.released == [first, second] and posted.write_id not in (first, second)
 
 
 def test_a_refused_registration_fails_every_request_there_naming_both_values() -> None:
@@ -430,16 +408,18 @@ def test_a_request_overtaken_by_its_cancel_is_dropped(request_first: bool) -> No
     assert not net.writes and net.sent[0].cancelled
 
 
-def test_a_write_prepared_for_a_kv_that_never_comes_is_released_at_the_deadline() -> None:
+def test_a_request_whose_kv_never_comes_is_refused_by_ctx_at_the_deadline() -> None:
     net = Net.of()
     net.ask(9)
     net.deliver()
-    net.feed("ctx", KvExpected(key=9, source=_source()))
-    (prepared,) = net.prepared
     net.tick(TIMEOUT - 0.1)
-    assert not net.released
-    net.tick(TIMEOUT)  # the prefill that was to produce the KV never ended
-    assert net.released == [prepared] and not net.ctx.ctx.prepared
+    assert len(net.ctx.ctx.early) == 1 and not net.received
+    net.now = TIMEOUT  # the prefill that was to produce the KV never ended
+    net.feed("ctx", Tick())
+    (answer,) = [e.message for to, e in net.held if isinstance(e.message, TransferResult)]
+    assert answer.status is ResultStatus.ERROR and answer.key == 9
+    assert "no request with transfer key 9" in answer.error
+    assert not len(net.ctx.ctx.early) and not net.writes
 
 
 # ---- who may touch a transfer: the sender a connection proved, the session's owner ----

@@ -2,8 +2,8 @@
 
 Only rank 0 schedules. Every step it broadcasts one `StepCommand`: the forward's inputs (each
 scheduled request's new tokens, first position and block ids) plus the transfer work it decided
-(sends to prepare and to start, receives to start, cancels). Every rank applies the same command
-to its own shard, so no rank needs scheduler state or Request objects.
+(sends and receives to start, cancels). Every rank applies the same command to its own shard,
+so no rank needs scheduler state or Request objects.
 
 Each rank then answers with a `RankReport`: the transfers its own transceiver finished (and, with
 test hooks, digests of the KV it moved). A request changes transfer state only when every rank
@@ -82,9 +82,6 @@ class StepCommand:
     items: tuple[ItemInputs, ...] = ()
     copies: tuple[BlockCopy, ...] = ()  # forks' copy-on-write, made before the forward
     sends: tuple[SendCommand, ...] = ()
-    # ctx: the KV of these will be in their blocks when this step's forward ends
-    # (`KvTransceiver.prepare_send`); applied before the forward, as rank 0 does
-    prepares: tuple[SendCommand, ...] = ()
     receives: tuple[ReceiveCommand, ...] = ()
     cancels: tuple[int, ...] = ()  # transfer keys; applied after this step's sends/receives
     stop: bool = False  # the instance is shutting down: leave the loop

@@ -223,11 +223,9 @@ def _forward(runner: ModelRunner, command: StepCommand, group: RankGroup) -> Non
 
 
 def _apply(command: StepCommand, transceiver: Transceiver | None, runner: ModelRunner) -> None:
-    """The transfer work of one command, in rank 0's order: prepares, sends, receives, cancels."""
+    """The transfer work of one command, in rank 0's order: sends, receives, cancels."""
     if transceiver is None:
         return
-    for prepare in command.prepares:
-        transceiver.prepare_send(prepare.key, [list(prepare.block_ids)], prepare.num_tokens)
     if command.sends:
         runner.kv_ready()  # the KV the last steps wrote is in memory before NIXL reads it
     for send in command.sends:

@@ -80,7 +80,7 @@ class TransferProtocol:
 
     def busy(self) -> bool:
         """Whether a transfer, or something held for one, has a deadline to watch."""
-        return bool(self.ctx.senders or self.ctx.early or self.ctx.prepared or self.gen.busy())
+        return bool(self.ctx.senders or self.ctx.early or self.gen.busy())
 
     def cancel(self, key: int, now: float) -> tuple[bool, Out]:
         """`cancel_request`: whether no write may still land in (or read from) `key`'s blocks."""
@@ -105,8 +105,6 @@ class TransferProtocol:
                 ctx.on_write_ended(write_id, error, now, out)
             case ev.KvReady(key=key, source=source, first_tokens=tokens):
                 ctx.ready(key, source, tokens, now, out)
-            case ev.KvExpected(key=key, source=source):
-                ctx.expect(key, source, now, out)
             case ev.SendAbandoned(key=key, reason=reason):
                 ctx.abandon(key, reason, out)
             case ev.ReceiveAsked():

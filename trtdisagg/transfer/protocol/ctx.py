@@ -1,9 +1,8 @@
 """The ctx (sender) side of the transfer protocol: push KV to the gen ranks that ask. Pure.
 
 docs/LIFECYCLE.md tells the path (ctx side, generation-first, cancellation, who may touch a
-transfer). A REQUEST_DATA that comes before its session waits in EarlyMessages, with its write
-prepared once the executor says where the KV will be (KvExpected). Every CANCEL is answered, at
-once or by the write in flight to its sender.
+transfer). A REQUEST_DATA that comes before its session waits in EarlyMessages until the KV is
+ready. Every CANCEL is answered, at once or by the write in flight to its sender.
 """
 
 from __future__ import annotations
@@ -41,20 +40,11 @@ from trtdisagg.transfer.protocol.wire import (
 log = logging.getLogger(__name__)
 
 
-@attrs.frozen(kw_only=True)
-class _Prepared:  # a write prepared for `request` from `source` before the KV was ready
-    order: ev.WriteOrder
-    request: RequestData
-    source: SourceBlocks
-
-
 @attrs.define(eq=False, kw_only=True)
 class CtxProtocol(Side):
     max_per_peer: int = 1024  # sessions and held messages of one gen instance
     senders: Sessions[SenderSession] = attrs.Factory(Sessions)
     early: EarlyMessages = attrs.field(init=False)
-    _expected: dict[int, tuple[SourceBlocks, float]] = attrs.Factory(dict)  # key -> (where, until)
-    _prepared: dict[int, dict[int, _Prepared]] = attrs.Factory(dict)  # key -> gen rank ->
     _writes: dict[int, tuple[SenderSession, ev.WriteOrder]] = attrs.Factory(dict)  # in flight
     _next_write: int = 1
     # key -> until: sends cancelled here (the coordinator released the KV: no gen leg takes
@@ -66,28 +56,13 @@ class CtxProtocol(Side):
         # A REQUEST_DATA whose session never appears is refused after the transfer timeout.
         self.early = EarlyMessages(ttl=self.timeout_s)
 
-    @property
-    def prepared(self) -> int:
-        return sum(map(len, self._prepared.values()))
-
     # ---- the executor's calls ----
-
-    def expect(self, key: int, source: SourceBlocks, now: float, out: Out) -> None:
-        if key in self.senders:
-            return
-        if (old := self._expected.get(key)) is not None and old[0] != source:
-            self._drop_prepared(key, out)
-        self._expected[key] = (source, now + self.timeout_s)
-        for request in self.early.peek(key):
-            self._prepare(key, request, out)
 
     def ready(
         self, key: int, source: SourceBlocks, first_tokens: tuple[int, ...], now: float, out: Out
     ) -> None:
         if key in self.senders:
             raise ValueError(f"a session for key {key} already exists")
-        if (expected := self._expected.pop(key, None)) is not None and expected[0] == source:
-            source = expected[0]  # the one the prepared writes were mapped from: runs found
         session = SenderSession(key=key, deadline=now + self.timeout_s, first_tokens=first_tokens)
         session.set_source(source)
         self.senders[key], self._started[key] = session, now
@@ -97,7 +72,6 @@ class CtxProtocol(Side):
         if canceller is not None and session.peer_instance in (None, canceller):
             session.cancel()
         self._start_writes(session, out)
-        self._drop_prepared(key, out)  # made for requests this session did not take
         self._settle(session, now, out)
 
     def abandon(self, key: int, reason: str, out: Out) -> None:
@@ -105,7 +79,6 @@ class CtxProtocol(Side):
         asks later waits as before (the key may come back with a retried request)."""
         if key in self.senders:
             return  # responded: the session's own cancel and deadline apply
-        self._forget_key(key, out)
         for request in self.early.take(key)[0]:
             error = f"the ctx request ended before its KV was ready: {reason}"
             self._result(request.instance_name, request.instance_rank, request.key,
@@ -114,7 +87,6 @@ class CtxProtocol(Side):
     def cancel(self, key: int, now: float, out: Out) -> bool | None:
         """Stop `key`'s send; whether no write may still read its blocks (None: no session)."""
         if (sender := self.senders.get(key)) is None:
-            self._forget_key(key, out)  # the request ended before its KV was ready
             return None
         quiescent = sender.cancel()
         self._released[key] = now + self.timeout_s
@@ -165,7 +137,6 @@ class CtxProtocol(Side):
             self._result(name, rank, key, ResultStatus.ERROR, out, error=error)
         elif not self._over_limit(request, now, out):
             self.early.add_request(now, request)
-            self._prepare(key, request, out)
 
     def _over_limit(self, request: RequestData, now: float, out: Out) -> bool:
         """Whether `request`'s gen instance holds `max_per_peer` sessions and messages here
@@ -212,7 +183,6 @@ class CtxProtocol(Side):
         if not self.early.drop_requests_of(name, rank, key):
             self.early.add_overtaken(now, name, rank, key)
         self.early.add_cancel(now, key, name)
-        self._forget_key(key, out)
         self._ack_cancel(cancel, out)
 
     def on_write_ended(self, write_id: int, error: str | None, now: float, out: Out) -> None:
@@ -231,12 +201,9 @@ class CtxProtocol(Side):
         for session in list(self.senders.values()):
             session.expire(now, self.timeout_s)
             self._settle(session, now, out)
-        for key in [k for k, (_, until) in self._expected.items() if now >= until]:
-            self._forget_key(key, out)  # the KV never came
         for key in [k for k, until in self._released.items() if now >= until]:
             del self._released[key]
         for stale in self.early.sweep(now):
-            self._forget_key(stale.key, out)
             error = (f"ctx has no request with transfer key {stale.key} (never prefilled here, or"
                      " already released)")  # fmt: skip
             self._result(stale.instance_name, stale.instance_rank, stale.key, ResultStatus.ERROR,
@@ -249,9 +216,6 @@ class CtxProtocol(Side):
             if dead is not None and session.peer_instance == instance:
                 session.fail(f"peer instance {instance} is gone: {dead}")
                 self._settle(session, now, out)
-        for by_rank in self._prepared.values():
-            for rank in [r for r, p in by_rank.items() if p.request.instance_name == instance]:
-                out.append(ev.ReleasePrepared(write_id=by_rank.pop(rank).order.write_id))
 
     # ---- writes ----
 
@@ -264,22 +228,15 @@ class CtxProtocol(Side):
         session.add_request(request)
 
     def _start_writes(self, session: SenderSession, out: Out) -> None:
-        source, prepared = session.source, self._prepared.get(session.key, {})
+        source = session.source
         assert source is not None
         for request in session.take_writes():
             rank = request.instance_rank
-            order: ev.WriteOrder | None
-            made = prepared.pop(rank, None)
-            if made is not None and made.source is source and made.request == request:
-                order = made.order  # posted from its preparation, under the same id
-            else:
-                if made is not None:
-                    out.append(ev.ReleasePrepared(write_id=made.order.write_id))
-                try:
-                    order = self._order(session.key, request, source, session.deadline)
-                except (TransferLayerError, ValueError) as exc:
-                    self._write_done(session, rank, f"{type(exc).__name__}: {exc}", out)
-                    continue
+            try:
+                order = self._order(session.key, request, source, session.deadline)
+            except (TransferLayerError, ValueError) as exc:
+                self._write_done(session, rank, f"{type(exc).__name__}: {exc}", out)
+                continue
             if order is None:  # nothing of this rank's share to write
                 self._write_done(session, rank, None, out)
                 continue
@@ -289,25 +246,6 @@ class CtxProtocol(Side):
                                  num_descriptors=len(fragments), first_tokens=session.first_tokens,
                                  **self._me)  # fmt: skip
             out.append(ev.PostWrite(order=order, notice=encode(notice)))
-
-    def _prepare(self, key: int, request: RequestData, out: Out) -> None:
-        """Map and prepare the direct write of `key`'s expected KV into `request`'s blocks."""
-        rank, expected = request.instance_rank, self._expected.get(key)
-        held = self._prepared.get(key, {}).get(rank)
-        if expected is None or request.staging_bytes or (held and held.request == request):
-            return
-        if held is not None:
-            out.append(ev.ReleasePrepared(write_id=self._prepared[key].pop(rank).order.write_id))
-        try:
-            order = self._order(key, request, *expected)
-        except (TransferLayerError, ValueError) as exc:
-            log.debug("KV write %d to %s#%d not prepared: %s", key, request.instance_name, rank,
-                      exc)  # fmt: skip
-            return  # the write maps it again when the KV is ready, and reports what is wrong
-        if order is not None:
-            made = _Prepared(order=order, request=request, source=expected[0])
-            self._prepared.setdefault(key, {})[rank] = made
-            out.append(ev.PrepareWrite(order=order))
 
     def _order(
         self, key: int, request: RequestData, source: SourceBlocks, deadline: float
@@ -386,15 +324,6 @@ class CtxProtocol(Side):
         ok, cancelled = session.status is Status.TRANSFERRED, session.status is Status.CANCELLED
         outcome = self._outcome(session.key, now, ok=ok, cancelled=cancelled, error=session.error)
         out += [ev.Sent(outcome=outcome), ev.WAKE]
-
-    def _forget_key(self, key: int, out: Out) -> None:
-        """No write of `key` will be made from what was expected or prepared for it."""
-        self._expected.pop(key, None)
-        self._drop_prepared(key, out)
-
-    def _drop_prepared(self, key: int, out: Out) -> None:
-        for made in self._prepared.pop(key, {}).values():
-            out.append(ev.ReleasePrepared(write_id=made.order.write_id))
 
     # ---- messages ----
 

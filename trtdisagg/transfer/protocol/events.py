@@ -19,12 +19,6 @@ from trtdisagg.transfer.protocol.wire import Message, WriteNotice
 
 
 @attrs.frozen(kw_only=True)
-class KvExpected:  # prepare_send: the KV will be in `source` once the step now starting ends
-    key: int
-    source: SourceBlocks
-
-
-@attrs.frozen(kw_only=True)
 class KvReady:  # respond_and_send_async: the KV is in `source`
     key: int
     source: SourceBlocks
@@ -104,8 +98,8 @@ class Tick:  # time passed: deadlines, probes and stale held messages are looked
 
 
 Event = (
-    KvExpected | KvReady | SendAbandoned | ReceiveAsked | MessageIn | NoticeIn
-    | LinkChanged | WriteEnded | AgentLoaded | StagingReserved | Scattered | Tick
+    KvReady | SendAbandoned | ReceiveAsked | MessageIn | NoticeIn | LinkChanged | WriteEnded
+    | AgentLoaded | StagingReserved | Scattered | Tick
 )  # fmt: skip
 
 # ---- effects ----
@@ -150,19 +144,9 @@ class WriteOrder:  # one write of ctx's KV to the gen rank `peer`
 
 
 @attrs.frozen(kw_only=True)
-class PrepareWrite:  # ctx: have the agent prepare `order`; it is posted (or released) later
-    order: WriteOrder
-
-
-@attrs.frozen(kw_only=True)
-class PostWrite:  # ctx: start `order` (from its preparation, if one was made under its id)
+class PostWrite:  # ctx: start `order`
     order: WriteOrder
     notice: bytes  # its notification: made now, since it carries ctx's first tokens
-
-
-@attrs.frozen(kw_only=True)
-class ReleasePrepared:  # ctx: the write prepared under `write_id` will never be posted
-    write_id: int
 
 
 @attrs.frozen(kw_only=True)
@@ -213,6 +197,6 @@ class Wake:  # the executor has something to look at
 WAKE = Wake()
 
 Effect = (
-    Send | Reply | PrepareWrite | PostWrite | ReleasePrepared | LoadAgent | ForgetPeer
-    | ReserveStaging | ReleaseStaging | ScatterStaged | Sent | Received | Wake
+    Send | Reply | PostWrite | LoadAgent | ForgetPeer | ReserveStaging | ReleaseStaging
+    | ScatterStaged | Sent | Received | Wake
 )  # fmt: skip

@@ -35,8 +35,6 @@ class TransceiverStatistics:
     early: int = 0  # transfer keys with REQUEST_DATA or CANCEL waiting for their session
     bounced: int = 0  # transfers that went through the staging buffers (sends and receives)
     connections: int = 0  # open DEALERs to peers' control endpoints
-    prepared: int = 0  # writes prepared before their KV was ready and not yet posted
-    prepared_posts: int = 0  # writes posted from such a preparation (since start)
     # peer instances watched for being gone (liveness.py), and forgotten as gone
     peers_watched: int = 0
     peers_forgotten: int = 0
@@ -77,8 +75,6 @@ _READ = (
      "Open control-plane connections (DEALERs) to peers"),
     ("bounced", "kv_bounce_transfers", "counter",
      "KV transfers through the staging (bounce) buffers, sends and receives"),
-    ("prepared_posts", "kv_prepared_writes", "counter",
-     "KV writes prepared while their prefill ran and posted when the KV was ready"),
     ("peers_forgotten", "kv_peers_forgotten", "counter",
      "Peer instances forgotten as gone (unanswered probes, or another instance at their "
      "endpoint), their transfer agents unloaded"),

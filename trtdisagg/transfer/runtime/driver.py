@@ -2,8 +2,7 @@
 
 The executor calls these between steps; none of them waits on the network:
 
-    ctx  prepare_send(key, blocks, num_tokens)             the last prefill chunk runs
-         respond_and_send_async(key, blocks, num_tokens, first_tokens)   the KV is ready
+    ctx  respond_and_send_async(key, blocks, num_tokens, first_tokens)   the KV is ready
          abandon_send(key, reason)                         the request ended without its KV
          check_context_transfer_status() -> outcomes       sends over: free their blocks
     gen  request_and_receive_async(key, endpoint, blocks, num_tokens)    ask ctx for the KV
@@ -87,12 +86,10 @@ class KvTransceiver:
     max_sessions_per_peer: int = 1024  # transfers one gen instance may hold with a ctx rank
     protocol: TransferProtocol = attrs.field(init=False)
     tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
-    prepared_posts: int = 0  # writes posted from a preparation (since start)
     _control: ControlPlane = attrs.field(init=False)
     _pump: AgentPump = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
     _remotes: dict[tuple[str, int], str] = attrs.Factory(dict)  # gen ranks' loaded agents
-    _prepared: dict[int, XferHandle] = attrs.Factory(dict)  # by write id
     _flights: dict[int, _Flight] = attrs.Factory(dict)  # posted writes, by write id
     _landed: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)  # a write ended
     _sent: list[TransferOutcome] = attrs.Factory(list)
@@ -120,10 +117,6 @@ class KvTransceiver:
         return self.instance[0].control_endpoint
 
     # ---- the executor's calls ----
-
-    def prepare_send(self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
-        # a gen rank that already asked (generation_first) gets its write prepared meanwhile
-        self._feed(ev.KvExpected(key=key, source=_source(block_ids, num_tokens)))
 
     def respond_and_send_async(
         self,
@@ -179,7 +172,6 @@ class KvTransceiver:
             bad_frames=self._control.bad_frames, quarantined=quarantined,
             quarantine_expired=gen.quarantine_expired, early=len(ctx.early),
             bounced=ctx.bounced + gen.bounced, connections=self._control.connections,
-            prepared=len(self._prepared), prepared_posts=self.prepared_posts,
             peers_watched=len(protocol.liveness), peers_forgotten=protocol.forgotten,
             peers_dead=protocol.dead, peer_probes=protocol.probes,
         )  # fmt: skip
@@ -230,11 +222,6 @@ class KvTransceiver:
                     self._control.reply(identity, message)
                 case ev.PostWrite(order=order, notice=notice):
                     self._post(order, notice)
-                case ev.PrepareWrite(order=order):
-                    self._prepare(order)
-                case ev.ReleasePrepared(write_id=write_id):
-                    if (handle := self._prepared.pop(write_id, None)) is not None:
-                        self._release(handle)
                 case ev.Sent(outcome=outcome) | ev.Received(outcome=outcome):
                     self._trace(outcome.key, "outcome")
                     (self._sent if isinstance(effect, ev.Sent) else self._received).append(outcome)
@@ -270,33 +257,15 @@ class KvTransceiver:
 
     # ---- writes: quick agent calls inline, blocking ones in a worker thread (pump.py) ----
 
-    def _prepare(self, order: ev.WriteOrder) -> None:
-        """Prepare `order` with the agent when that is quick (a slow post goes through a
-        thread anyway, where preparing first saves nothing)."""
-        remote = self._remotes.get(order.peer)
-        if remote is None or not self._pump.idle:
-            return
-        if self.agent.submit_is_quick(order.fragments, remote):
-            prepare = functools.partial(
-                self.agent.prepare_write, order.fragments, remote,
-                dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
-            )  # fmt: skip
-            try:
-                self._prepared[order.write_id] = self._pump.now(prepare)
-            except TransferLayerError as exc:
-                log.debug("KV write %d not prepared: %s", order.key, exc)
-
     def _post(self, order: ev.WriteOrder, notice: bytes) -> None:
         remote = self._remotes.get(order.peer)
-        prepared = self._prepared.pop(order.write_id, None)
         if remote is None:
             error = f"gen rank {order.peer[0]}#{order.peer[1]} is gone"
             self._feed(ev.WriteEnded(write_id=order.write_id, error=error))
             return
-        self.prepared_posts += prepared is not None
-        quick = prepared is not None or self.agent.submit_is_quick(order.fragments, remote)
+        quick = self.agent.submit_is_quick(order.fragments, remote)
         if order.staged is None and quick and self._pump.idle:
-            submit = functools.partial(self._submit, order, remote, notice, prepared)
+            submit = functools.partial(self._submit, order, remote, notice)
             try:
                 handle = self._pump.now(submit)
             except TransferLayerError as exc:
@@ -308,7 +277,7 @@ class KvTransceiver:
             )
             self._pump.watch_write(order.write_id, handle)
         elif order.staged is None:
-            self._post_on_pump(order, remote, notice, prepared)
+            self._post_on_pump(order, remote, notice)
         else:
             self._spawn(self._stage_and_post, order, remote, notice)
 
@@ -317,7 +286,6 @@ class KvTransceiver:
         order: ev.WriteOrder,
         remote: str,
         notice: bytes,
-        prepared: XferHandle | None = None,
         staging_offset: int | None = None,
     ) -> None:
         """A post that blocks: on the pump's thread, which polls the write right after it."""
@@ -325,9 +293,7 @@ class KvTransceiver:
             order=order, handle=None, remote=remote, posted=self.clock(),
             staging_offset=staging_offset,
         )  # fmt: skip
-        self._pump.post(
-            order.write_id, functools.partial(self._submit, order, remote, notice, prepared)
-        )
+        self._pump.post(order.write_id, functools.partial(self._submit, order, remote, notice))
 
     async def _stage_and_post(self, order: ev.WriteOrder, remote: str, notice: bytes) -> None:
         """Pack this rank's share into staging room, then write it in one go."""
@@ -339,17 +305,13 @@ class KvTransceiver:
             return
         self._post_on_pump(order, remote, notice, staging_offset=offset)
 
-    def _submit(
-        self, order: ev.WriteOrder, remote: str, notice: bytes, prepared: XferHandle | None = None
-    ) -> XferHandle:
-        """The agent calls that post `order`, from its preparation if one was made."""
-        if prepared is None:
-            prepared = self.agent.prepare_write(
-                order.fragments, remote,
-                dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
-            )  # fmt: skip
-        self.agent.post_prepared(prepared, notice)
-        return prepared
+    def _submit(self, order: ev.WriteOrder, remote: str, notice: bytes) -> XferHandle:
+        handle = self.agent.prepare_write(
+            order.fragments, remote,
+            dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
+        )  # fmt: skip
+        self.agent.post_prepared(handle, notice)
+        return handle
 
     def _delivered(self, posted: Posted, notifications: Notifications, ended: Ended) -> None:
         """What the pump did and found, on the Trio thread."""

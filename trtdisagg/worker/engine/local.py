@@ -147,9 +147,6 @@ class LocalDriver:
             key, endpoint, [list(block_ids)], num_tokens, ctx_instance=ctx_instance
         )
 
-    def prepare(self, key: int, block_ids: Sequence[int], num_tokens: int) -> None:
-        self._transfers().prepare_send(key, [list(block_ids)], num_tokens)
-
     def send(
         self, key: int, block_ids: Sequence[int], num_tokens: int, first_tokens: Sequence[int]
     ) -> None:

@@ -140,7 +140,6 @@ class StepLoop:
             return
         specs = self._specs_for(plan)
         inputs = self.driver.inputs(plan)
-        self.tracker.prepare_sends(plan, self.lives)
         prefill_tokens = _prefill_tokens(plan)
         self.scheduler.step_launched(plan)
         for item in plan.items:

@@ -57,12 +57,11 @@ class Outbox:
     """Transfer work rank 0 did since the last tick, for the other ranks to do at the next."""
 
     sends: list[SendCommand] = attrs.Factory(list)
-    prepares: list[SendCommand] = attrs.Factory(list)
     receives: list[ReceiveCommand] = attrs.Factory(list)
     cancels: list[int] = attrs.Factory(list)
 
     def __bool__(self) -> bool:
-        return bool(self.sends or self.prepares or self.receives or self.cancels)
+        return bool(self.sends or self.receives or self.cancels)
 
     def take(
         self, items: tuple[ItemInputs, ...], copies: tuple[BlockCopy, ...] = ()
@@ -71,12 +70,10 @@ class Outbox:
             items=items,
             copies=copies,
             sends=tuple(self.sends),
-            prepares=tuple(self.prepares),
             receives=tuple(self.receives),
             cancels=tuple(self.cancels),
         )
         self.sends.clear()
-        self.prepares.clear()
         self.receives.clear()
         self.cancels.clear()
         return command
@@ -206,12 +203,6 @@ class MultiRankDriver:
                 num_tokens=num_tokens,
                 ctx_instance=ctx_instance,
             )
-        )
-
-    def prepare(self, key: int, block_ids: Sequence[int], num_tokens: int) -> None:
-        self._transfers().prepare_send(key, [list(block_ids)], num_tokens)
-        self._outbox.prepares.append(
-            SendCommand(key=key, block_ids=tuple(block_ids), num_tokens=num_tokens)
         )
 
     def send(

@@ -52,10 +52,6 @@ class Transceiver(Protocol):
         first_tokens: Sequence[int] = (),
     ) -> None: ...
 
-    def prepare_send(
-        self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int
-    ) -> None: ...
-
     def abandon_send(self, key: int, reason: str) -> None: ...
 
     def check_context_transfer_status(self) -> list[TransferOutcome]: ...
@@ -87,9 +83,6 @@ class TransferPort(Protocol):
         ctx_instance: str | None,
     ) -> None:
         """gen: ask the ctx at `endpoint` to write `key`'s KV into `block_ids`."""
-
-    def prepare(self, key: int, block_ids: Sequence[int], num_tokens: int) -> None:
-        """ctx: `key`'s KV will be in `block_ids` when the step now starting ends."""
 
     def send(
         self, key: int, block_ids: Sequence[int], num_tokens: int, first_tokens: Sequence[int]

@@ -189,9 +189,6 @@ class DigestingTransceiver:
                 self._digest(outcome.key, [receive[0]], receive[1])
         return outcomes
 
-    def prepare_send(self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
-        self.inner.prepare_send(key, block_ids, num_tokens)
-
     def abandon_send(self, key: int, reason: str) -> None:
         self.inner.abandon_send(key, reason)
 

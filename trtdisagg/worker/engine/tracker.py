@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -29,7 +29,7 @@ from trtdisagg.worker.engine.ending import Blocks, Ending
 from trtdisagg.worker.engine.forks import start_choices
 from trtdisagg.worker.engine.outputs import Token
 from trtdisagg.worker.request import FinishReason, Request
-from trtdisagg.worker.scheduler import Scheduler, StepPlan
+from trtdisagg.worker.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from trtdisagg.transfer.protocol.sessions import TransferOutcome
@@ -97,18 +97,6 @@ class TransferTracker:
             )
 
     # ---- ctx: send ----
-
-    def prepare_sends(self, plan: StepPlan, lives: Mapping[int, Live]) -> None:
-        """ctx: a context_only request whose last prefill chunk is in this step has its KV in
-        its blocks when the step ends. Said now, a gen request that already asked
-        (generation_first) gets its write prepared during the forward; only the post is left
-        once the KV is ready."""
-        for item in plan.items:
-            live = lives.get(item.request.request_id)
-            table = item.request.block_table
-            if not item.samples or live is None or live.transfer_key is None or table is None:
-                continue
-            self.port.prepare(live.transfer_key, table.block_ids, item.request.num_prompt_tokens)
 
     def release_send(self, key: int) -> bool:
         """The coordinator gave up on `key`'s gen leg: stop holding its KV as a CANCEL from gen
