@@ -924,7 +924,7 @@ class _Side:
         import numpy as np
 
         from trtdisagg.transfer.protocol.fragments import Fragments
-        from trtdisagg.transfer.runtime.agents.base import XferStatus, submit_write
+        from trtdisagg.transfer.runtime.agents.base import XferStatus
 
         src = self.cache.pool.data_ptr()  # ctx blocks start at 0
         rows = np.array([[src, args["dst_address"], args["num_bytes"]]], dtype=np.int64)
@@ -935,8 +935,7 @@ class _Side:
 
         def write() -> tuple[float, float]:
             start = time.monotonic()
-            handle = submit_write(
-                self.agent,
+            handle = self.agent.submit(
                 fragments,
                 args["remote"],
                 tag,

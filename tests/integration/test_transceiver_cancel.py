@@ -6,7 +6,9 @@ sides, and no session is released; once the write completes, both sides settle.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -24,15 +26,15 @@ class StallingAgent:
     neither the bytes nor the notification land, and the initiator sees PENDING."""
 
     inner: LoopbackAgent
-    stalled: bool = True
     submitted: int = 0
-    _held: dict[XferHandle, bytes] = attrs.field(factory=dict)  # posted, not yet landed
+    _held: dict[XferHandle, Callable[[], XferHandle]] = attrs.field(factory=dict)  # not landed
+    _landed: dict[XferHandle, XferHandle] = attrs.field(factory=dict)  # -> the loopback's handle
+    _ids: Any = attrs.field(factory=lambda: itertools.count(-1, -1))  # never a loopback handle
 
     def finish(self) -> None:
         """The held writes land now (bytes, then notification)."""
-        self.stalled = False
-        for handle, notif in self._held.items():
-            self.inner.post_prepared(handle, notif)
+        for handle, submit in self._held.items():
+            self._landed[handle] = submit()
         self._held.clear()
 
     @property
@@ -54,19 +56,21 @@ class StallingAgent:
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
         return self.inner.submit_is_quick(fragments, remote)
 
-    def prepare_write(self, fragments: Fragments, remote: str, **kw: Any) -> XferHandle:
-        return self.inner.prepare_write(fragments, remote, **kw)
-
-    def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
+    def submit(self, fragments: Fragments, remote: str, notif: bytes, **kw: Any) -> XferHandle:
         self.submitted += 1
-        self._held[handle] = notif
+        handle = XferHandle(next(self._ids))
+        self._held[handle] = functools.partial(self.inner.submit, fragments, remote, notif, **kw)
+        return handle
 
     def poll(self, handle: XferHandle) -> XferStatus:
-        return XferStatus.PENDING if handle in self._held else self.inner.poll(handle)
+        if handle in self._held:
+            return XferStatus.PENDING
+        return self.inner.poll(self._landed[handle])
 
     def release(self, handle: XferHandle) -> None:
         self._held.pop(handle, None)
-        self.inner.release(handle)
+        if handle in self._landed:
+            self.inner.release(self._landed.pop(handle))
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         return self.inner.get_notifications()

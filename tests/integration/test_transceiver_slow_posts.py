@@ -29,14 +29,13 @@ class SlowPostAgent:
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
         return False
 
-    def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
+    def submit(self, fragments: Fragments, remote: str, notif: bytes, **kw: Any) -> XferHandle:
         self.post_threads.append(threading.current_thread().name)
         assert threading.get_ident() != self.loop_thread, "a slow post ran on the Trio thread"
         if self.failures:
             self.failures -= 1
-            self.inner.release(handle)
             raise AgentError("connection reset by peer")
-        self.inner.post_prepared(handle, notif)
+        return self.inner.submit(fragments, remote, notif, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

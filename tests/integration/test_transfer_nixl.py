@@ -31,7 +31,6 @@ from trtdisagg.transfer.runtime.agents.base import (
     XferHandle,
     XferStatus,
     pool_regions,
-    submit_write,
 )
 from trtdisagg.transfer.runtime.agents.nixl import NixlAgent
 
@@ -122,28 +121,12 @@ def test_in_process_write() -> None:
         fragments = _fragments(pair)
         assert len(fragments) == 2  # blocks 1-3 -> 4-6 merged, 6 -> 0
         notice = WriteNotice(key=5, instance_name="ctx", instance_rank=0)
-        status = _wait(ctx, submit_write(ctx, fragments, remote, encode(notice)))
+        status = _wait(ctx, ctx.submit(fragments, remote, encode(notice)))
         assert status is XferStatus.DONE
         assert [(n, decode(p)) for n, p in _notifications(gen)] == [("nixl-test-ctx", notice)]
         assert torch.equal(pair.dst, _expected(pair.src, pair.before))
         with pytest.raises(AgentError, match="unknown remote agent 'nobody'"):
-            submit_write(ctx, fragments, "nobody", b"")
-
-
-def test_a_prepared_write_moves_nothing_until_posted() -> None:
-    with _agent_pair("nixl-prep", seed=5) as pair:
-        ctx, gen, remote = pair.ctx, pair.gen, pair.remote
-        fragments = _fragments(pair)
-        handle = ctx.prepare_write(fragments, remote)
-        unused = ctx.prepare_write(fragments, remote)
-        assert torch.equal(pair.dst, pair.before) and gen.get_notifications() == []
-        ctx.release(unused)  # a write never posted goes back without moving anything
-        ctx.post_prepared(handle, b"prepared")
-        assert _wait(ctx, handle) is XferStatus.DONE
-        assert _notifications(gen) == [("nixl-prep-ctx", b"prepared")]
-        assert torch.equal(pair.dst, _expected(pair.src, pair.before))
-        with pytest.raises(AgentError, match="no prepared write"):
-            ctx.post_prepared(handle, b"prepared")  # released by _wait: nothing left to post
+            ctx.submit(fragments, "nobody", b"")
 
 
 async def test_write_driven_from_trio() -> None:
@@ -164,7 +147,7 @@ async def test_write_driven_from_trio() -> None:
             .fragments(src_blocks=[SRC_BLOCKS], dst_blocks=[DST_BLOCKS], num_tokens=NUM_TOKENS)
         )
         handle = await trio.to_thread.run_sync(
-            submit_write, ctx, fragments, remote, b"done", limiter=limiter
+            ctx.submit, fragments, remote, b"done", limiter=limiter
         )
         with trio.fail_after(20):
             # NIXL offers no completion event: one poller with a short sleep, as the shell does
@@ -194,7 +177,7 @@ def _child(gen_info: RankInfo, results: Any) -> None:
             .fragments(src_blocks=[SRC_BLOCKS], dst_blocks=[DST_BLOCKS], num_tokens=NUM_TOKENS)
         )
         notice = encode(WriteNotice(key=11, instance_name="ctx", instance_rank=0))
-        status = _wait(agent, submit_write(agent, fragments, remote, notice))
+        status = _wait(agent, agent.submit(fragments, remote, notice))
         results.put(("ok", status.value, fragments.num_bytes))
     except BaseException as exc:
         results.put(("error", repr(exc), 0))

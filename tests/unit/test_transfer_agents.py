@@ -20,7 +20,6 @@ from trtdisagg.transfer.runtime.agents.base import (
     XferStatus,
     make_agent,
     pool_regions,
-    submit_write,
 )
 from trtdisagg.transfer.runtime.agents.loopback import (
     QUICK_COPY_BYTES,
@@ -89,7 +88,7 @@ def test_loopback_write_through_a_mapper() -> None:
     fragments = plan.fragments(src_blocks=[[2, 3, 5]], dst_blocks=[[0, 1, 6]], num_tokens=12)
     assert len(fragments) == 2  # [2, 3] -> [0, 1] merged, [5] -> [6]
     notice = encode(WriteNotice(key=9, instance_name="ctx", instance_rank=0))
-    handle = submit_write(ctx, fragments, remote, notice)
+    handle = ctx.submit(fragments, remote, notice)
     assert ctx.poll(handle) is XferStatus.DONE
     ctx.release(handle)
     assert bytes(dst[0:1024]) == bytes(src[1024:2048])
@@ -99,32 +98,6 @@ def test_loopback_write_through_a_mapper() -> None:
     ((sender, payload),) = gen.get_notifications()
     assert sender == "ctx/0"
     assert decode(payload) == WriteNotice(key=9, instance_name="ctx", instance_rank=0)
-    assert gen.get_notifications() == []
-
-
-def test_loopback_prepared_write_copies_only_when_posted() -> None:
-    ctx, gen = _agents()
-    src = np.arange(256, dtype=np.uint8)
-    dst = np.zeros(256, dtype=np.uint8)
-    ctx.register_memory([MemoryRegion(address=int(src.ctypes.data), size=256)])
-    gen.register_memory([MemoryRegion(address=int(dst.ctypes.data), size=256)])
-    remote = ctx.add_remote(gen.local_metadata())
-    rows = np.array([[src.ctypes.data + 16, dst.ctypes.data, 64]], dtype=np.int64)
-    handle = ctx.prepare_write(Fragments(rows), remote)
-    assert ctx.poll(handle) is XferStatus.PENDING
-    assert not dst.any() and gen.get_notifications() == []
-    ctx.post_prepared(handle, b"n")
-    assert ctx.poll(handle) is XferStatus.DONE
-    assert bytes(dst[:64]) == bytes(src[16:80]) and not dst[64:].any()
-    assert gen.get_notifications() == [("ctx/0", b"n")]
-    with pytest.raises(AgentError, match="no prepared write"):
-        ctx.post_prepared(handle, b"n")  # once only
-    ctx.release(handle)
-    dropped = ctx.prepare_write(Fragments(rows), remote)
-    ctx.release(dropped)
-    assert ctx.num_handles == 0
-    with pytest.raises(AgentError, match="no prepared write"):
-        ctx.post_prepared(dropped, b"never")
     assert gen.get_notifications() == []
 
 
@@ -139,13 +112,13 @@ def test_loopback_can_notify_from_the_first_poll_that_finds_a_write_done() -> No
     gen.register_memory([MemoryRegion(address=int(dst.ctypes.data), size=64)])
     remote = ctx.add_remote(gen.local_metadata())
     rows = Fragments(np.array([[src.ctypes.data, dst.ctypes.data, 64]], dtype=np.int64))
-    handle = submit_write(ctx, rows, remote, b"polled")
+    handle = ctx.submit(rows, remote, b"polled")
     assert (dst == src).all() and gen.get_notifications() == []  # landed, not yet told
     assert ctx.poll(handle) is XferStatus.DONE
     assert gen.get_notifications() == [("ctx/0", b"polled")]
     assert ctx.poll(handle) is XferStatus.DONE and gen.get_notifications() == []  # once
     ctx.release(handle)
-    never = submit_write(ctx, rows, remote, b"never polled")
+    never = ctx.submit(rows, remote, b"never polled")
     ctx.release(never)
     assert gen.get_notifications() == [] and ctx.num_handles == 0
 
@@ -158,26 +131,26 @@ def test_loopback_refuses_out_of_bounds_and_unknown_remotes() -> None:
     gen.register_memory([MemoryRegion(address=dst.ctypes.data, size=32)])
     good = (src.ctypes.data, dst.ctypes.data, 32)
     with pytest.raises(AgentError, match="unknown remote agent 'gen/0'"):
-        submit_write(ctx, Fragments.of([good]), "gen/0", b"")
+        ctx.submit(Fragments.of([good]), "gen/0", b"")
     remote = ctx.add_remote(gen.local_metadata())
     too_long = (src.ctypes.data, dst.ctypes.data, 33)
     with pytest.raises(
         AgentError, match=r"ctx/0 -> gen/0: 1 fragments' destinations .* not inside"
     ):
-        submit_write(ctx, Fragments.of([too_long]), remote, b"")
+        ctx.submit(Fragments.of([too_long]), remote, b"")
     unregistered = (src.ctypes.data + 60, dst.ctypes.data, 8)
     with pytest.raises(AgentError, match=r"sources \[0x[0-9a-f]+, 0x[0-9a-f]+\) are not inside"):
-        submit_write(ctx, Fragments.of([unregistered]), remote, b"")
+        ctx.submit(Fragments.of([unregistered]), remote, b"")
     assert not dst.any()
     assert gen.get_notifications() == []
-    empty = submit_write(ctx, Fragments.of([]), remote, b"never sent")
+    empty = ctx.submit(Fragments.of([]), remote, b"never sent")
     assert ctx.poll(empty) is XferStatus.DONE
     assert gen.get_notifications() == []
     with pytest.raises(AgentError, match="no loopback agent 'nobody'"):
         ctx.add_remote(b"nobody")
     gen.close()
     with pytest.raises(AgentError, match="no loopback agent"):
-        submit_write(ctx, Fragments.of([good]), remote, b"")
+        ctx.submit(Fragments.of([good]), remote, b"")
 
 
 def test_registry_selects_by_config_name() -> None:
@@ -205,7 +178,7 @@ def test_submit_is_quick_follows_the_agents_own_hint() -> None:
     ctx, gen = _agents()
     small = Fragments(np.array([[0, 0, QUICK_COPY_BYTES]], dtype=np.int64))
     large = Fragments(np.array([[0, 0, QUICK_COPY_BYTES + 1]], dtype=np.int64))
-    # The loopback agent copies inside post_prepared: quick only while the copy is small.
+    # The loopback agent copies inside submit: quick only while the copy is small.
     assert ctx.submit_is_quick(small, gen.name)
     assert not ctx.submit_is_quick(large, gen.name)
     # A wrapper passes the question on.
@@ -241,7 +214,7 @@ def test_a_nixl_post_is_quick_only_to_a_connected_peer_with_few_small_descriptor
 
         one = rows(1, 4096)
         assert not ctx.submit_is_quick(one, remote)  # the first write sets up the connection
-        handle = submit_write(ctx, one, remote, b"first")
+        handle = ctx.submit(one, remote, b"first")
         while ctx.poll(handle) is XferStatus.PENDING:
             gen.get_notifications()  # no progress thread: the target progresses when polled
         ctx.release(handle)

@@ -19,7 +19,7 @@ from trtdisagg.faults.spec import (
 )
 from trtdisagg.transfer.errors import AgentError
 from trtdisagg.transfer.protocol.fragments import Fragments
-from trtdisagg.transfer.runtime.agents.base import MemoryRegion, XferStatus, submit_write
+from trtdisagg.transfer.runtime.agents.base import MemoryRegion, XferStatus
 from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
 
 
@@ -141,8 +141,8 @@ def test_faulty_agent_fails_then_stalls_submits() -> None:
     clock = _Clock()
     writer, reader, src, dst = _agents("fail_submit:1;stall_transfer:2s:1", clock)
     with pytest.raises(AgentError, match="injected fault"):
-        submit_write(writer, _one_write(src, dst), "r", b"n1")
-    handle = submit_write(writer, _one_write(src, dst), "r", b"n2")
+        writer.submit(_one_write(src, dst), "r", b"n1")
+    handle = writer.submit(_one_write(src, dst), "r", b"n2")
     assert writer.poll(handle) is XferStatus.PENDING  # held back: nothing has landed yet
     assert not dst.any() and reader.get_notifications() == []
     clock.now += 2.0
@@ -150,10 +150,20 @@ def test_faulty_agent_fails_then_stalls_submits() -> None:
     assert (dst == src).all() and reader.get_notifications() == [("w", b"n2")]
     writer.release(handle)
     dst[:] = 0
-    later = submit_write(writer, _one_write(src, dst), "r", b"n3")
+    later = writer.submit(_one_write(src, dst), "r", b"n3")
     assert writer.poll(later) is XferStatus.DONE  # the stall rule had one use
     assert (dst == src).all()
     writer.release(later)
+
+
+def test_a_stalled_write_released_before_its_stall_ends_never_lands() -> None:
+    clock = _Clock()
+    writer, reader, src, dst = _agents("stall_transfer:1s:1", clock)
+    writer.release(writer.submit(_one_write(src, dst), "r", b"cancelled"))
+    clock.now += 2.0
+    assert not dst.any() and reader.get_notifications() == []
+    later = writer.submit(_one_write(src, dst), "r", b"next")
+    assert writer.poll(later) is XferStatus.DONE and reader.get_notifications() == [("w", b"next")]
 
 
 def test_faulty_agent_drops_duplicates_and_delays_write_notices() -> None:
@@ -162,7 +172,7 @@ def test_faulty_agent_drops_duplicates_and_delays_write_notices() -> None:
         "drop:WRITE_NOTICE:1;dup:WRITE_NOTICE:1;delay:WRITE_NOTICE:300ms:1", clock
     )
     for notif in (b"a", b"b", b"c", b"d"):
-        writer.release(submit_write(writer, _one_write(src, dst), "r", notif))
+        writer.release(writer.submit(_one_write(src, dst), "r", notif))
     assert reader.get_notifications() == [("w", b"b"), ("w", b"b"), ("w", b"d")]
     clock.now += 0.2
     assert reader.get_notifications() == []

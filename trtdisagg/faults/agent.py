@@ -1,16 +1,18 @@
 """FaultyAgent: a transfer agent that injects a test's data-plane faults. Tests only.
 
-It wraps the real agent (NIXL or loopback) and asks a `FaultInjector` (spec.py) at
-two points: before each `post_prepared` (`fail_submit` releases the write and raises AgentError
-instead; `stall_transfer` holds the write back: it is posted at the first poll after the stall,
-so its bytes and notification land only then, and until then the write reads PENDING), and for
-each notification received (a WRITE_NOTICE: dropped, duplicated, or held back for a while).
+It wraps the real agent (NIXL or loopback) and asks a `FaultInjector` (spec.py) at two points:
+at each `submit` (`fail_submit` raises AgentError instead; `stall_transfer` holds the write
+back: it is submitted at the first poll after the stall, so its bytes and notification land
+only then, and until then the write reads PENDING), and for each notification received (a
+WRITE_NOTICE: dropped, duplicated, or held back for a while).
 Everything else goes straight to the wrapped agent. Same threading contract as `base`; nothing
 here blocks, so a stalled write costs the caller's polls, not a thread.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -39,7 +41,11 @@ class FaultyAgent:
         self._inner = inner
         self._faults = faults
         self._clock = clock
-        self._stalled: dict[XferHandle, tuple[float, bytes]] = {}  # -> (when to post, notif)
+        # Stalled writes: when each is submitted and how, then the wrapped agent's handle. Their
+        # own handles are negative, so that none names one of the wrapped agent's.
+        self._stalled_ids = itertools.count(-1, -1)
+        self._stalled: dict[XferHandle, tuple[float, Callable[[], XferHandle]]] = {}
+        self._submitted: dict[XferHandle, XferHandle] = {}
         self._held: list[tuple[float, str, bytes]] = []  # delayed notifications, by due time
 
     @property
@@ -61,41 +67,46 @@ class FaultyAgent:
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
         return self._inner.submit_is_quick(fragments, remote)
 
-    def prepare_write(
+    def submit(
         self,
         fragments: Fragments,
         remote: str,
+        notif: bytes,
         *,
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
-        return self._inner.prepare_write(
-            fragments, remote, dst_memory_type=dst_memory_type, dst_device_id=dst_device_id
+        submit = functools.partial(
+            self._inner.submit,
+            fragments,
+            remote,
+            notif,
+            dst_memory_type=dst_memory_type,
+            dst_device_id=dst_device_id,
         )
-
-    def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
         fault = self._faults.submit()
         if fault is not None and fault.action is FaultAction.FAIL_SUBMIT:
-            self._inner.release(handle)
-            raise AgentError(f"{self.name}: injected fault: write {handle} not submitted")
-        if fault is not None and fault.action is FaultAction.STALL_TRANSFER:
-            self._stalled[handle] = (self._clock() + fault.seconds, notif)
-        else:
-            self._inner.post_prepared(handle, notif)
+            raise AgentError(f"{self.name}: injected fault: write to {remote} not submitted")
+        if fault is None or fault.action is not FaultAction.STALL_TRANSFER:
+            return submit()
+        handle = XferHandle(next(self._stalled_ids))
+        self._stalled[handle] = (self._clock() + fault.seconds, submit)
+        return handle
 
     def poll(self, handle: XferHandle) -> XferStatus:
         stalled = self._stalled.get(handle)
         if stalled is not None:
-            until, notif = stalled
+            until, submit = stalled
             if self._clock() < until:
                 return XferStatus.PENDING
             del self._stalled[handle]
-            self._inner.post_prepared(handle, notif)
-        return self._inner.poll(handle)
+            self._submitted[handle] = submit()
+        return self._inner.poll(self._submitted.get(handle, handle))
 
     def release(self, handle: XferHandle) -> None:
-        self._stalled.pop(handle, None)  # never posted: nothing will land
-        self._inner.release(handle)
+        if self._stalled.pop(handle, None) is not None:
+            return  # never submitted: nothing landed, nothing to release
+        self._inner.release(self._submitted.pop(handle, handle))
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         now = self._clock()
@@ -114,5 +125,6 @@ class FaultyAgent:
 
     def close(self) -> None:
         self._stalled.clear()
+        self._submitted.clear()
         self._held.clear()
         self._inner.close()

@@ -306,12 +306,10 @@ class KvTransceiver:
         self._post_on_pump(order, remote, notice, staging_offset=offset)
 
     def _submit(self, order: ev.WriteOrder, remote: str, notice: bytes) -> XferHandle:
-        handle = self.agent.prepare_write(
-            order.fragments, remote,
+        return self.agent.submit(
+            order.fragments, remote, notice,
             dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
         )  # fmt: skip
-        self.agent.post_prepared(handle, notice)
-        return handle
 
     def _delivered(self, posted: Posted, notifications: Notifications, ended: Ended) -> None:
         """What the pump did and found, on the Trio thread."""

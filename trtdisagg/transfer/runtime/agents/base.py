@@ -2,15 +2,13 @@
 
 Per rank: `make_agent` (backend from `cache_transceiver_config.backend`), `register_memory` once
 (before `local_metadata()` goes into the RankInfo), `add_remote` per peer written to, then per
-write `prepare_write` -> `post_prepared` -> `poll` until DONE or ERROR -> `release`; the target
-sees the notification in `get_notifications()` once the bytes landed. Methods are synchronous;
-`register_memory`, `add_remote` and `prepare_write` may block (call them from a worker thread),
-the others return quickly. Never call one agent from two threads at once (runtime/pump.py).
+write `submit` -> `poll` until DONE or ERROR -> `release`; the target sees the notification in
+`get_notifications()` once the bytes landed. Methods are synchronous; `register_memory`,
+`add_remote` and `submit` may block (call them from a worker thread), the others return quickly.
+Never call one agent from two threads at once (runtime/pump.py).
 
-A write is prepared and posted in two calls so that ctx can prepare one while the prefill that
-produces its KV still runs, leaving only the post for when the KV is ready; and an agent says
-when a write is quick to prepare (`submit_is_quick`), since a thread hop costs more than
-preparing a few descriptors to a connected peer.
+An agent says when a write is quick to submit (`submit_is_quick`): a thread hop costs more than
+submitting a few descriptors to a connected peer.
 """
 
 from __future__ import annotations
@@ -95,26 +93,22 @@ class TransferAgent(Protocol):
     def remove_remote(self, name: str) -> None: ...
 
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
-        """Whether preparing and posting this write returns within about 0.1 ms."""
+        """Whether submitting this write returns within about 0.1 ms."""
         ...
 
-    def prepare_write(
+    def submit(
         self,
         fragments: Fragments,
         remote: str,
+        notif: bytes,
         *,
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
-        """A write of every fragment (local src -> remote dst), for `post_prepared` to start;
-        a handle never posted is `release`d. AgentError: a source outside registered memory,
-        an unknown remote, a backend refusal."""
-        ...
-
-    def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
-        """Start a prepared write (once); `notif` reaches the remote once all bytes landed (an
-        empty write is DONE at once and notifies nobody). Quick. AgentError: an unknown handle,
-        or the backend refused the post (the handle is then released)."""
+        """Start a write of every fragment (local src -> remote dst); `notif` reaches the remote
+        once all bytes landed (an empty write is DONE at once and notifies nobody). AgentError:
+        a source outside registered memory, an unknown remote, a backend refusal (nothing is
+        left to release then)."""
         ...
 
     def poll(self, handle: XferHandle) -> XferStatus: ...
@@ -147,22 +141,6 @@ class AgentBase:
     def _check_remote(self, remote: str) -> None:
         if remote not in self._remotes:
             raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
-
-
-def submit_write(
-    agent: TransferAgent,
-    fragments: Fragments,
-    remote: str,
-    notif: bytes,
-    *,
-    dst_memory_type: str = "DRAM",
-    dst_device_id: int = 0,
-) -> XferHandle:
-    """Prepare and post one write: the whole of it, when there is nothing to do in between."""
-    handle = agent.prepare_write(fragments, remote, dst_memory_type=dst_memory_type,
-                                 dst_device_id=dst_device_id)  # fmt: skip
-    agent.post_prepared(handle, notif)
-    return handle
 
 
 def make_agent(

@@ -3,7 +3,7 @@
 Agents find each other through a `LoopbackFabric` that the test (or a single-process cluster)
 passes to each: no module-level registry. A write checks its sources and destinations against
 both agents' registered memory, copies with `ctypes.memmove` and queues the notification on the
-target; it is DONE once posted. DRAM only; nothing here blocks. `notify_on_poll=True` sends the
+target; it is DONE once submitted. DRAM only; nothing here blocks. `notify_on_poll=True` sends the
 notification only from the first `poll` that finds the write done, as NIXL's UCX backend does
 for a GPU write.
 """
@@ -59,7 +59,6 @@ class LoopbackAgent(AgentBase):
         self._unsent: dict[XferHandle, tuple[str, bytes]] = {}  # notify_on_poll: not polled yet
         self._notifications: list[tuple[str, bytes]] = []
         self._handles: dict[XferHandle, XferStatus] = {}
-        self._prepared: dict[XferHandle, tuple[Fragments, str]] = {}
         fabric.attach(self)
 
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
@@ -81,44 +80,35 @@ class LoopbackAgent(AgentBase):
         self._remotes.discard(name)
 
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
-        # The copy happens in `post_prepared`: quick only while it is small (~0.1 ms).
+        # `submit` copies: quick only while the copy is small (~0.1 ms).
         return fragments.num_bytes <= QUICK_COPY_BYTES
 
-    def prepare_write(
+    def submit(
         self,
         fragments: Fragments,
         remote: str,
+        notif: bytes,
         *,
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
     ) -> XferHandle:
-        """Check the write now; `post_prepared` copies."""
         self._check_remote(remote)
         target = self._fabric.get(remote)
+        handle = XferHandle(next(self._ids))
         if len(fragments):
             find_region(self._regions, fragments)
             try:
                 find_region(target._regions, fragments, column=1)
             except AgentError as exc:
                 raise AgentError(f"{self._name} -> {remote}: {exc}") from None
-        handle = XferHandle(next(self._ids))
-        self._handles[handle] = XferStatus.PENDING
-        self._prepared[handle] = (fragments, remote)
-        return handle
-
-    def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
-        prepared = self._prepared.pop(handle, None)
-        if prepared is None:
-            raise AgentError(f"{self._name}: no prepared write {handle}")
-        fragments, remote = prepared
-        if len(fragments):
             for src, dst, size in fragments.rows.tolist():
                 ctypes.memmove(dst, src, size)
             if self._notify_on_poll:
                 self._unsent[handle] = (remote, notif)
             else:
-                self._fabric.get(remote)._notifications.append((self._name, notif))
+                target._notifications.append((self._name, notif))
         self._handles[handle] = XferStatus.DONE
+        return handle
 
     @property
     def num_handles(self) -> int:
@@ -134,7 +124,6 @@ class LoopbackAgent(AgentBase):
 
     def release(self, handle: XferHandle) -> None:
         self._handles.pop(handle, None)
-        self._prepared.pop(handle, None)
         self._unsent.pop(handle, None)  # never polled: never sent (as NIXL's)
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
@@ -143,7 +132,6 @@ class LoopbackAgent(AgentBase):
 
     def close(self) -> None:
         self._handles.clear()
-        self._prepared.clear()
         self._unsent.clear()
         self._remotes.clear()
         self._regions.clear()

@@ -4,9 +4,8 @@ One `nixl_agent` per rank with the UCX backend and `NIXL_THREAD_SYNC_STRICT` (th
 itself; callers still serialise, see `base`). Memory is registered once (DRAM for CPU pools,
 VRAM for CUDA ones). A write builds a local and a remote descriptor list from the fragments,
 `initialize_xfer("WRITE", ...)`, and posts it with `transfer`; `poll` reads `check_xfer_state`.
-Blocking: construction, `register_memory`, `add_remote`, `close`, and
-`prepare_write` unless `submit_is_quick` says so (a few descriptors to a peer
-already written to); the rest is quick.
+Blocking: construction, `register_memory`, `add_remote`, `close`, and `submit` unless
+`submit_is_quick` says so (a few descriptors to a peer already written to); the rest is quick.
 """
 
 from __future__ import annotations
@@ -61,7 +60,6 @@ class NixlAgent(AgentBase):
         # Remotes a write was posted to: their UCX connection is up, so posting is quick.
         self._connected: set[str] = set()
         self._handles: dict[XferHandle, Any] = {}  # our id -> nixl_xfer_handle
-        self._targets: dict[XferHandle, str] = {}  # our id -> the remote it writes to
 
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
         for region in regions:
@@ -106,12 +104,13 @@ class NixlAgent(AgentBase):
         try:
             return find_region(self._regions, fragments).memory_type == "VRAM"
         except AgentError:
-            return False  # prepare_write reports it
+            return False  # submit reports it
 
-    def prepare_write(
+    def submit(
         self,
         fragments: Fragments,
         remote: str,
+        notif: bytes,
         *,
         dst_memory_type: str = "DRAM",
         dst_device_id: int = 0,
@@ -132,31 +131,21 @@ class NixlAgent(AgentBase):
                 self._agent.get_xfer_descs(local, source.memory_type),
                 self._agent.get_xfer_descs(target, dst_memory_type),
                 remote,
-                b"",  # (the notification is given at the post)
             )
         except Exception as exc:
-            raise AgentError(f"{self._name}: write to {remote} not prepared: {exc}") from exc
-        xfer = XferHandle(next(self._ids))
-        self._handles[xfer] = handle
-        self._targets[xfer] = remote
-        return xfer
-
-    def post_prepared(self, handle: XferHandle, notif: bytes) -> None:
-        if handle == _DONE:
-            return
-        nixl_handle = self._handles.get(handle)
-        if nixl_handle is None:
-            raise AgentError(f"{self._name}: no prepared write {handle}")
-        remote = self._targets[handle]
+            raise AgentError(f"{self._name}: write to {remote} not initialized: {exc}") from exc
         try:
-            state = self._agent.transfer(nixl_handle, notif)
+            state = self._agent.transfer(handle, notif)
         except Exception as exc:
-            self.release(handle)
+            self._agent.release_xfer_handle(handle)
             raise AgentError(f"{self._name}: write to {remote} not submitted: {exc}") from exc
         if state == "ERR":
-            self.release(handle)
+            self._agent.release_xfer_handle(handle)
             raise AgentError(f"{self._name}: write to {remote} failed when posted")
         self._connected.add(remote)
+        xfer = XferHandle(next(self._ids))
+        self._handles[xfer] = handle
+        return xfer
 
     def poll(self, handle: XferHandle) -> XferStatus:
         if handle == _DONE:
@@ -164,7 +153,6 @@ class NixlAgent(AgentBase):
         return _STATES[self._agent.check_xfer_state(self._handles[handle])]
 
     def release(self, handle: XferHandle) -> None:
-        self._targets.pop(handle, None)
         nixl_handle = self._handles.pop(handle, None)
         if nixl_handle is not None:
             self._agent.release_xfer_handle(nixl_handle)
