@@ -201,8 +201,7 @@ class CtxProtocol(Side):
         for session in list(self.senders.values()):
             session.expire(now, self.timeout_s)
             self._settle(session, now, out)
-        for key in [k for k, until in self._released.items() if now >= until]:
-            del self._released[key]
+        self._released = {k: until for k, until in self._released.items() if now < until}
         for stale in self.early.sweep(now):
             error = (f"ctx has no request with transfer key {stale.key} (never prefilled here, or"
                      " already released)")  # fmt: skip
@@ -316,9 +315,8 @@ class CtxProtocol(Side):
 
     def _settle(self, session: SenderSession, now: float, out: Out) -> None:
         """A session over (terminal and quiescent) leaves; its outcome goes to the executor."""
-        if not (session.is_terminal and session.is_quiescent):
-            return
-        if self.senders.get(session.key) is not session:
+        over = session.is_terminal and session.is_quiescent
+        if not over or self.senders.get(session.key) is not session:
             return
         del self.senders[session.key]
         ok, cancelled = session.status is Status.TRANSFERRED, session.status is Status.CANCELLED

@@ -125,8 +125,9 @@ class KvTransceiver:
         num_tokens: int,
         first_tokens: Sequence[int] = (),
     ) -> None:
-        source, tokens = _source(block_ids, num_tokens), tuple(first_tokens)
-        self._feed(ev.KvReady(key=key, source=source, first_tokens=tokens))
+        blocks = tuple(tuple(ids) for ids in block_ids)
+        source = SourceBlocks(block_ids=blocks, num_tokens=num_tokens)
+        self._feed(ev.KvReady(key=key, source=source, first_tokens=tuple(first_tokens)))
 
     def abandon_send(self, key: int, reason: str) -> None:
         # a gen rank that already asked is refused at once (a no-op once it responded)
@@ -263,11 +264,11 @@ class KvTransceiver:
             error = f"gen rank {order.peer[0]}#{order.peer[1]} is gone"
             self._feed(ev.WriteEnded(write_id=order.write_id, error=error))
             return
-        quick = self.agent.submit_is_quick(order.fragments, remote)
-        if order.staged is None and quick and self._pump.idle:
-            submit = functools.partial(self._submit, order, remote, notice)
+        if order.staged is not None:
+            self._spawn(self._stage_and_post, order, remote, notice)
+        elif self._pump.idle and self.agent.submit_is_quick(order.fragments, remote):
             try:
-                handle = self._pump.now(submit)
+                handle = self._pump.now(functools.partial(self._submit, order, remote, notice))
             except TransferLayerError as exc:
                 self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
                 return
@@ -276,17 +277,11 @@ class KvTransceiver:
                 order=order, handle=handle, remote=remote, posted=self.clock()
             )
             self._pump.watch_write(order.write_id, handle)
-        elif order.staged is None:
-            self._post_on_pump(order, remote, notice)
         else:
-            self._spawn(self._stage_and_post, order, remote, notice)
+            self._post_on_pump(order, remote, notice)
 
     def _post_on_pump(
-        self,
-        order: ev.WriteOrder,
-        remote: str,
-        notice: bytes,
-        staging_offset: int | None = None,
+        self, order: ev.WriteOrder, remote: str, notice: bytes, staging_offset: int | None = None
     ) -> None:
         """A post that blocks: on the pump's thread, which polls the write right after it."""
         self._flights[order.write_id] = _Flight(
@@ -325,7 +320,11 @@ class KvTransceiver:
         for write_id, state in ended:
             flight = self._land(write_id)
             assert flight.handle is not None, "the pump polls a write only once it is posted"
-            self._release(flight.handle)
+            release = functools.partial(self.agent.release, flight.handle)
+            if self._pump.idle:
+                self._pump.now(release)
+            else:
+                self._spawn(self._pump.in_thread, release)
             self._landed.unpark_all()
             error = None if state is XferStatus.DONE else "the agent reported an error writing it"
             if error is None:
@@ -349,13 +348,6 @@ class KvTransceiver:
         if flight.staging_offset is not None and self.staging is not None:
             self.staging.release(flight.staging_offset)
         return flight
-
-    def _release(self, handle: XferHandle) -> None:
-        release = functools.partial(self.agent.release, handle)
-        if self._pump.idle:
-            self._pump.now(release)
-        else:
-            self._spawn(self._pump.in_thread, release)
 
     # ---- peers' agents, staging ----
 
@@ -405,7 +397,3 @@ class KvTransceiver:
         assert self.staging is not None
         error = await self.staging.scatter(staged)
         self._feed(ev.Scattered(key=key, error=error))
-
-
-def _source(block_ids: Sequence[Sequence[int]], num_tokens: int) -> SourceBlocks:
-    return SourceBlocks(block_ids=tuple(tuple(ids) for ids in block_ids), num_tokens=num_tokens)

@@ -107,7 +107,7 @@ class TransferAgent(Protocol):
     ) -> XferHandle:
         """Start a write of every fragment (local src -> remote dst); `notif` reaches the remote
         once all bytes landed (an empty write is DONE at once and notifies nobody). AgentError:
-        a source outside registered memory, an unknown remote, a backend refusal (nothing is
+        a fragment outside registered memory, an unknown remote, a backend refusal (nothing is
         left to release then)."""
         ...
 

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 _STATES = {"PROC": XferStatus.PENDING, "DONE": XferStatus.DONE, "ERR": XferStatus.ERROR}
 _DONE = XferHandle(0)  # the handle of an empty write: nothing was submitted
-# Preparing descriptors is linear in their number: up to this many, posting to a connected peer
-# costs less than the thread hop it would otherwise pay.
+# A submit is linear in the number of descriptors: up to this many, one to a connected peer costs
+# less than the thread hop it would otherwise pay.
 QUICK_SUBMIT_MAX_DESCRIPTORS = 16
 # A post from host memory may copy the bytes itself (UCX's shared-memory transports without a
 # progress thread), so from DRAM only a small write is quick; from VRAM a post only queues it.
@@ -94,9 +94,8 @@ class NixlAgent(AgentBase):
                 raise AgentError(f"{self._name}: cannot unload remote agent {name}: {exc}") from exc
 
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
-        """A few descriptors to a peer written to before (no connection set-up; descriptor
-        preparation is linear in their number), from VRAM or few bytes of DRAM. See
-        `QUICK_SUBMIT_MAX_DESCRIPTORS` and `QUICK_SUBMIT_MAX_DRAM_BYTES`."""
+        """A few descriptors to a peer written to before (no connection set-up), from VRAM or few
+        bytes of DRAM: see `QUICK_SUBMIT_MAX_DESCRIPTORS` and `QUICK_SUBMIT_MAX_DRAM_BYTES`."""
         if remote not in self._connected or len(fragments) > QUICK_SUBMIT_MAX_DESCRIPTORS:
             return False
         if fragments.num_bytes <= QUICK_SUBMIT_MAX_DRAM_BYTES:
