@@ -42,7 +42,7 @@ class StepFailed(Exception):
 
 
 class Transceiver(Protocol):
-    """The KV transceiver calls the engine makes (`transfer/transceiver.py` documents them)."""
+    """The KV transceiver calls the engine makes (`transfer/runtime/driver.py` documents them)."""
 
     def respond_and_send_async(
         self,
