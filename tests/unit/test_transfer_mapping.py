@@ -29,13 +29,18 @@ from trtdisagg.transfer.protocol.mappers import aligned_blocks
 from trtdisagg.transfer.protocol.peers import PeerRegistrar, direct_fragments
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.sessions import (
-    RankResult,
     ReceiverSession,
     SenderSession,
     SourceBlocks,
     Status,
 )
-from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, pack_block_ids
+from trtdisagg.transfer.protocol.wire import (
+    RequestData,
+    ResultStatus,
+    TransferResult,
+    WriteNotice,
+    pack_block_ids,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Topologies
@@ -319,12 +324,16 @@ def test_every_destination_byte_written_once(s: Scenario) -> None:
             assert sender.write_finished(g.instance_rank, ResultStatus.OK)
             results[rank, g.instance_rank] += 1
             num_bytes = fragments.num_bytes
-            part = RankResult(
-                status=ResultStatus.OK, num_bytes=num_bytes, num_descriptors=len(fragments)
+            sender_fields = {"key": 7, "instance_name": "ctx", "instance_rank": rank}
+            result = TransferResult(
+                status=ResultStatus.OK,
+                num_bytes=num_bytes,
+                num_descriptors=len(fragments),
+                **sender_fields,
             )
-            assert receiver.on_result(rank, part)
+            assert receiver.on_result(result)
             if num_bytes:
-                assert receiver.on_notice(rank)
+                assert receiver.on_notice(WriteNotice(**sender_fields))
         assert receiver.status is Status.TRANSFERRED
         got = sum(n for (_, gr), n in results.items() if gr == g.instance_rank)
         assert (

@@ -18,7 +18,6 @@ from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.bounce import canonical_bytes
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.sessions import (
-    RankResult,
     ReceiverSession,
     Sessions,
     Status,
@@ -111,7 +110,8 @@ class GenProtocol(Side):
             self._fail(key, f"transfer key {key} is already being received", now, out)
             return
         instance = self._instances.get(endpoint)
-        if instance is not None and _replaced(instance, ask.ctx_instance):
+        if instance and instance.settled and ask.ctx_instance not in (None, instance.instance_name):
+            # another instance answers there now (receives under way keep their sessions)
             log.info("ctx at %s is now instance %s: meeting it again", endpoint, ask.ctx_instance)
             instance = None
         if instance is None:
@@ -193,10 +193,7 @@ class GenProtocol(Side):
             return  # an ended session's, come late
         if (session := self.receivers.lookup(result.instance_name, result.key)) is not None:
             self._expire(session, now, out)  # a result past the deadline comes too late
-            part = RankResult(status=result.status, num_bytes=result.num_bytes,
-                              num_descriptors=result.num_descriptors, error=result.error,
-                              first_tokens=result.first_tokens)  # fmt: skip
-            session.on_result(result.instance_rank, part)
+            session.on_result(result)
             self._settle(session, now, out)
         elif result.key in self.receivers:
             self.refusals.not_owner("TRANSFER_RESULT", result.key, result.instance_name, now)
@@ -209,12 +206,7 @@ class GenProtocol(Side):
             return
         if (session := self.receivers.lookup(name, notice.key)) is not None:
             self._expire(session, now, out)
-            said = None
-            if notice.num_descriptors:
-                said = RankResult(status=ResultStatus.OK, num_bytes=notice.num_bytes,
-                                  num_descriptors=notice.num_descriptors,
-                                  first_tokens=notice.first_tokens)  # fmt: skip
-            session.on_notice(rank, said)
+            session.on_notice(notice)
             self._settle(session, now, out)
 
     def on_cancel(self, cancel: Cancel, now: float, out: Out) -> bool:
@@ -422,9 +414,3 @@ class GenProtocol(Side):
         """`key`'s receive failed with `reason`, or was cancelled (None) before it started."""
         fields = {"error": reason} if reason is not None else {"cancelled": True}
         out += [ev.Received(outcome=self._outcome(key, now, ok=False, **fields)), ev.WAKE]
-
-
-def _replaced(instance: _CtxInstance, named: str | None) -> bool:
-    """Whether the ctx met (or refused) at an endpoint is not the instance `named` there now;
-    receives under way keep their sessions, keyed by instance."""
-    return instance.settled and named is not None and instance.instance_name not in (None, named)
