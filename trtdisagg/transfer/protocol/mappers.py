@@ -33,15 +33,6 @@ IdArray = npt.NDArray[np.int64]  # block ids (or token counts), one per block
 
 
 @attrs.frozen(kw_only=True)
-class HeadOverlap:
-    """The heads both ranks hold, as local head indices on each side."""
-
-    src_start: int
-    dst_start: int
-    count: int
-
-
-@attrs.frozen(kw_only=True)
 class ViewGeometry:
     """Byte geometry of one pool view, derived from a page table and checked (`of`)."""
 
@@ -126,7 +117,8 @@ class Mapper:
     src: ViewGeometry
     dst: ViewGeometry
     layers: tuple[tuple[int, int], ...]  # (source local layer, destination local layer)
-    heads: HeadOverlap
+    src_heads: range  # the heads both ranks hold, as local indices on each side
+    dst_heads: range
     # Copy only the request's tokens of a partial block, where every token is a piece of its own
     # (NHD head mismatch, transpose); else whole blocks, in fewer and larger pieces.
     token_dependent: bool
@@ -190,11 +182,8 @@ class Mapper:
         if not self.token_dependent:
             num_tokens = self.src.tokens_per_block
         if (runs := self._runs.get(num_tokens)) is None:
-            heads = self.heads
-            src_heads = range(heads.src_start, heads.src_start + heads.count)
-            dst_heads = range(heads.dst_start, heads.dst_start + heads.count)
-            src = self.src.row_offsets([s for s, _ in self.layers], src_heads, num_tokens)
-            dst = self.dst.row_offsets([d for _, d in self.layers], dst_heads, num_tokens)
+            src = self.src.row_offsets([s for s, _ in self.layers], self.src_heads, num_tokens)
+            dst = self.dst.row_offsets([d for _, d in self.layers], self.dst_heads, num_tokens)
             rows = np.stack([src, dst, np.full_like(src, self.src.row_bytes)], axis=1)
             runs = self._runs[num_tokens] = merge_runs(rows)
         return runs
@@ -205,9 +194,11 @@ def select_mapper(
     src: ViewGeometry,
     dst: ViewGeometry,
     layers: Sequence[tuple[int, int]],
-    heads: HeadOverlap,
+    src_heads: range,
+    dst_heads: range,
 ) -> Mapper:
-    """The mapper for this pairing, or UnsupportedPairing naming what differs (both values)."""
+    """The mapper for this pairing, or UnsupportedPairing naming what differs (both values).
+    `src_heads` and `dst_heads`: the heads both ranks hold, as local indices on each side."""
 
     def refuse(what: str, a: object, b: object) -> UnsupportedPairing:
         return UnsupportedPairing(f"{what}: source {a} vs destination {b}")
@@ -225,21 +216,22 @@ def select_mapper(
         raise refuse("head_dim x element_bytes", src.row_bytes, dst.row_bytes)
     if len(src.entry_offsets) != len(dst.entry_offsets):
         raise refuse("entries per layer", len(src.entry_offsets), len(dst.entry_offsets))
-    if not (
-        heads.count > 0
-        and 0 <= heads.src_start <= src.num_heads - heads.count
-        and 0 <= heads.dst_start <= dst.num_heads - heads.count
-    ):
-        raise refuse(f"head overlap {heads}: local heads", src.num_heads, dst.num_heads)
+    if src_heads.stop > src.num_heads or dst_heads.stop > dst.num_heads:  # (a view's heads)
+        raise refuse(f"shared heads {src_heads} / {dst_heads}", src.num_heads, dst.num_heads)
     if src.kind is MapperKind.REPLICATED:
         if src.entry_size != dst.entry_size:
             raise refuse("replicated entry size", src.entry_size, dst.entry_size)
         # every rank holds whole entries; which one sends is decided by election (peers.py)
-        heads = HeadOverlap(src_start=0, dst_start=0, count=src.num_heads)
-    every_head = heads.count == src.num_heads == dst.num_heads
+        src_heads = dst_heads = range(src.num_heads)
+    every_head = len(src_heads) == src.num_heads == dst.num_heads
     token_dependent = transposed or (src.kind is MapperKind.NHD and not every_head)
     return Mapper(
-        src=src, dst=dst, layers=tuple(layers), heads=heads, token_dependent=token_dependent
+        src=src,
+        dst=dst,
+        layers=tuple(layers),
+        src_heads=src_heads,
+        dst_heads=dst_heads,
+        token_dependent=token_dependent,
     )
 
 

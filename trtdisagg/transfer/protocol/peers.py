@@ -30,7 +30,6 @@ from trtdisagg.transfer.protocol.fragments import (
     packed_run,
 )
 from trtdisagg.transfer.protocol.mappers import (
-    HeadOverlap,
     Mapper,
     ViewGeometry,
     aligned_blocks,
@@ -73,14 +72,9 @@ def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> tuple
     )
 
 
-def duplicate_head_factor(info: RankInfo) -> int:
-    """How many ranks of one DP group hold a copy of each KV head."""
-    return max(1, info.tp_per_dp // info.num_kv_heads)
-
-
 def is_elected(*, sender: RankInfo, receiver: RankInfo) -> bool:
     """Whether `sender` writes the heads it shares with `receiver` (one writer per head copy)."""
-    dup = duplicate_head_factor(sender)
+    dup = max(1, sender.tp_per_dp // sender.num_kv_heads)  # ranks of a DP group per head
     return sender.tp_in_dp % dup == receiver.tp_rank % dup
 
 
@@ -100,14 +94,11 @@ def map_pools(src: RankInfo, dst: RankInfo) -> tuple[ViewPair, ...]:
     group is an error); inside it, a view maps to the view with an equal `pool_role`. Unmatched
     views, and rank pairs sharing no layer or head, map to nothing. UnsupportedPairing: an
     ambiguous group match, different mapper kinds, or a mapper refusal."""
-    heads = _intersect(src.heads, dst.heads)
-    if not heads:
+    shared = _intersect(src.heads, dst.heads)
+    if not shared:
         return ()
-    head_overlap = HeadOverlap(
-        src_start=heads.start - src.heads.start,
-        dst_start=heads.start - dst.heads.start,
-        count=len(heads),
-    )
+    src_heads = range(shared.start - src.heads.start, shared.stop - src.heads.start)
+    dst_heads = range(shared.start - dst.heads.start, shared.stop - dst.heads.start)
     pairs: list[ViewPair] = []
     dst_groups = dst.page_table.layer_groups
     for gi, group in enumerate(src.page_table.layer_groups):
@@ -135,7 +126,8 @@ def map_pools(src: RankInfo, dst: RankInfo) -> tuple[ViewPair, ...]:
                 src=ViewGeometry.of(group, view),
                 dst=ViewGeometry.of(peer_group, peer_view),
                 layers=layers,
-                heads=head_overlap,
+                src_heads=src_heads,
+                dst_heads=dst_heads,
             )
             pairs.append(ViewPair(src_group=gi, dst_group=matches[0], mapper=mapper))
     return tuple(pairs)

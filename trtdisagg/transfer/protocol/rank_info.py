@@ -75,15 +75,6 @@ def head_range(num_kv_heads: int, tp_per_dp: int, tp_in_dp: int) -> range:
     return range(head, head + 1)
 
 
-def check_head_split(num_kv_heads: int, tp_per_dp: int) -> None:
-    """Raise ValueError unless `num_kv_heads` heads split evenly over `tp_per_dp` ranks."""
-    if num_kv_heads <= 0 or tp_per_dp <= 0:
-        raise ValueError(f"num_kv_heads {num_kv_heads} and tp_per_dp {tp_per_dp} must be positive")
-    if num_kv_heads % tp_per_dp and tp_per_dp % num_kv_heads:
-        raise ValueError(f"num_kv_heads {num_kv_heads} and tensor parallel size {tp_per_dp}"
-                         " do not divide")  # fmt: skip
-
-
 def make_instance_name(role: str) -> str:
     """A fresh instance name: rank 0 makes one per start and broadcasts it to its ranks."""
     return f"{role}-{uuid.uuid4().hex[:16]}"
@@ -148,7 +139,11 @@ class RankInfo:
             raise ValueError(f"instance_rank {self.instance_rank} != pp*tp+tp = {flat}")
         if len(layers) != pp or min(layers) <= 0:
             raise ValueError(f"layer_num_per_pp {layers} must hold pp_size {pp} positive counts")
-        check_head_split(self.num_kv_heads, self.tp_per_dp)
+        heads, per_dp = self.num_kv_heads, self.tp_per_dp
+        if heads <= 0 or (heads % per_dp and per_dp % heads):
+            raise ValueError(
+                f"num_kv_heads {heads} does not split over {per_dp} ranks of a DP group"
+            )
         if self.kv_heads_per_rank != len(self.heads):
             raise ValueError(
                 f"kv_heads_per_rank {self.kv_heads_per_rank} != {len(self.heads)} "
