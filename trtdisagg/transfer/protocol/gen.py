@@ -74,8 +74,7 @@ class _Starting:  # a receive with no session yet: its rendezvous or staging roo
     ask: ev.ReceiveAsked
     deadline: float
     cancelled: bool = False
-    ranks: tuple[RankInfo, ...] = ()
-    expected: tuple[int, ...] = ()
+    peers: tuple[RankInfo, ...] = ()  # the ctx ranks to ask (registrar overlap), once met
     staged: ev.Staged | None = None
 
 
@@ -290,8 +289,9 @@ class GenProtocol(Side):
     def _proceed(self, key: int, instance: _CtxInstance, now: float, out: Out) -> None:
         """`key`'s ctx instance is met: reserve staging room if it bounces, then ask."""
         starting, first = self._starting[key], instance.ranks[0]
-        starting.ranks = instance.ranks
-        starting.expected = self.registrar.overlap(first, peer_dp_rank=first.dp_rank)
+        by_rank = {rank.instance_rank: rank for rank in instance.ranks}
+        overlap = self.registrar.overlap(first, peer_dp_rank=first.dp_rank)
+        starting.peers = tuple(by_rank[rank] for rank in overlap)
         blocks, num_tokens = starting.ask.block_ids, starting.ask.num_tokens
         if self.staging is not None and len(blocks) == 1 and self._bounces(starting):
             tpb = self.local.tokens_per_block
@@ -310,10 +310,10 @@ class GenProtocol(Side):
     def _bounces(self, starting: _Starting) -> bool:
         """Whether this receive goes through staging; ctx decides the same from the same
         mapper, and both ends agreed on the settings."""
-        bounce, by_rank = self.local.bounce, {r.instance_rank: r for r in starting.ranks}
+        bounce = self.local.bounce
         return bounce.enabled and any(
-            self.registrar.send_plan(by_rank[rank].key).piece_bytes < bounce.threshold_bytes
-            for rank in starting.expected
+            self.registrar.send_plan(peer.key).piece_bytes < bounce.threshold_bytes
+            for peer in starting.peers
         )
 
     def _open(self, key: int, now: float, out: Out) -> None:
@@ -331,15 +331,13 @@ class GenProtocol(Side):
             num_tokens=starting.ask.num_tokens, staging_address=address,
             staging_bytes=staged.num_bytes if staged is not None else 0,
         )  # fmt: skip
-        session = ReceiverSession(key=key, peer_instance=starting.ranks[0].instance_name,
-                                  expected=frozenset(starting.expected),
+        session = ReceiverSession(key=key, peer_instance=starting.peers[0].instance_name,
+                                  expected=frozenset(p.instance_rank for p in starting.peers),
                                   deadline=starting.deadline)  # fmt: skip
         self.receivers[key] = session
         if staged is not None:
             self._staged[key] = staged
-        by_rank = {rank.instance_rank: rank for rank in starting.ranks}
-        for rank in sorted(starting.expected):
-            out.append(ev.Send(endpoint=by_rank[rank].control_endpoint, message=request))
+        out += [ev.Send(endpoint=p.control_endpoint, message=request) for p in starting.peers]
 
     def _settle(self, session: ReceiverSession, now: float, out: Out) -> None:
         """A terminal session ends once no ctx write can land in its blocks; until then a
@@ -348,7 +346,7 @@ class GenProtocol(Side):
         if not session.is_terminal or self.receivers.get(key) is not session:
             return
         status = session.status
-        if status is not Status.TRANSFERRED and not self.released(session, now):
+        if not self.released(session, now):
             if self.early_failures and status is Status.ERROR and not session.failure_reported:
                 session.failure_reported = True
                 failed = self._outcome(key, now, ok=False, error=session.error, blocks_held=True)

@@ -11,12 +11,6 @@ from __future__ import annotations
 
 import attrs
 
-# A live peer answers a probe within milliseconds; these leave room for a peer whose loop is
-# busy (a long prefill step's thread competes for the interpreter) and still release a dead
-# peer's GPU memory within half a minute, before a restarted worker on that GPU sizes its pool.
-PROBE_IDLE_S = 5.0
-PROBE_ANSWER_S = 5.0
-PROBE_MISSES = 3
 # A dropped connection that a live peer re-makes (zmq reconnects within ~0.1 s) against a
 # process that ended: its port refuses connections until a new process binds it.
 RELINK_S = 1.0
@@ -45,9 +39,12 @@ class _Peer:
 class PeerLiveness:
     """The peer instances one rank knows, by name, and when each was last heard from."""
 
-    idle_s: float = PROBE_IDLE_S
-    answer_s: float = PROBE_ANSWER_S
-    misses: int = PROBE_MISSES
+    # A live peer answers a probe within milliseconds; these leave room for a peer whose loop is
+    # busy (a long prefill step's thread competes for the interpreter) and still release a dead
+    # peer's GPU memory within half a minute, before a restarted worker on that GPU sizes its pool.
+    idle_s: float = 5.0
+    answer_s: float = 5.0
+    misses: int = 3
     relink_s: float = RELINK_S
     _peers: dict[str, _Peer] = attrs.field(factory=dict)
     _replaced: set[str] = attrs.field(factory=set)
@@ -143,15 +140,13 @@ class PeerLiveness:
             if name in self._replaced:
                 continue
             lost = [e for e, at in sorted(peer.down.items()) if now - at >= self.relink_s]
+            missed = peer.misses + (peer.probed is not None and now - peer.probed >= self.answer_s)
             if lost:
-                back = f"was not back within {self.relink_s:g}s"
                 # (a connection that never came up was refused: nothing listened there)
                 dropped = f"its connection to {lost[0]} dropped (or was refused)"
-                out.append(Gone(name, True, f"{dropped} and {back}"))
-                continue
-            if peer.probed is None:
-                continue
-            missed = peer.misses + (now - peer.probed >= self.answer_s)
-            if missed >= self.misses:
+                out.append(
+                    Gone(name, True, f"{dropped} and was not back within {self.relink_s:g}s")
+                )
+            elif peer.probed is not None and missed >= self.misses:
                 out.append(Gone(name, False, f"{missed} probes in a row went unanswered"))
         return out
