@@ -40,14 +40,11 @@ from trtdisagg.transfer.protocol.rank_info import (
     check_compatible,
     flat_rank,
     head_range,
+    intersect,
     layer_range,
 )
 from trtdisagg.transfer.protocol.sessions import SourceBlocks
 from trtdisagg.transfer.protocol.wire import RequestData, unpack_block_ids
-
-
-def _intersect(a: range, b: range) -> range:
-    return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
 def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> tuple[int, ...]:
@@ -59,13 +56,13 @@ def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> tuple
     pp_ranks = [
         p
         for p in range(peer.pp_size)
-        if _intersect(layer_range(peer.layer_num_per_pp, p), local.layers)
+        if intersect(layer_range(peer.layer_num_per_pp, p), local.layers)
     ]
     first = peer_dp_rank * peer.tp_per_dp
     tp_ranks = [
         first + i
         for i in range(peer.tp_per_dp)
-        if _intersect(head_range(peer.num_kv_heads, peer.tp_per_dp, i), local.heads)
+        if intersect(head_range(peer.num_kv_heads, peer.tp_per_dp, i), local.heads)
     ]
     return tuple(
         flat_rank(tp_rank=t, pp_rank=p, tp_size=peer.tp_size) for p in pp_ranks for t in tp_ranks
@@ -94,7 +91,7 @@ def map_pools(src: RankInfo, dst: RankInfo) -> tuple[ViewPair, ...]:
     group is an error); inside it, a view maps to the view with an equal `pool_role`. Unmatched
     views, and rank pairs sharing no layer or head, map to nothing. UnsupportedPairing: an
     ambiguous group match, different mapper kinds, or a mapper refusal."""
-    shared = _intersect(src.heads, dst.heads)
+    shared = intersect(src.heads, dst.heads)
     if not shared:
         return ()
     src_heads = range(shared.start - src.heads.start, shared.stop - src.heads.start)

@@ -66,6 +66,11 @@ def layer_range(layer_num_per_pp: tuple[int, ...], pp_rank: int) -> range:
     return range(start, start + layer_num_per_pp[pp_rank])
 
 
+def intersect(a: range, b: range) -> range:
+    """The ids in both of two ranges of layers or heads."""
+    return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
 def head_range(num_kv_heads: int, tp_per_dp: int, tp_in_dp: int) -> range:
     """Global KV heads held by rank `tp_in_dp` of a DP group of `tp_per_dp` ranks."""
     if num_kv_heads >= tp_per_dp:
