@@ -32,7 +32,6 @@ from trtdisagg.transfer.protocol.fragments import BlockRun, run_of
 from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, TransferResult, WriteNotice
 
 Status = enum.Enum("Status", "INIT READY TRANSFERRING TRANSFERRED ERROR CANCELLED")
-_TERMINAL = (Status.TRANSFERRED, Status.ERROR, Status.CANCELLED)
 
 
 @attrs.frozen(kw_only=True)
@@ -85,7 +84,7 @@ class _Session:
 
     @property
     def is_terminal(self) -> bool:
-        return self.status in _TERMINAL
+        return self.status in (Status.TRANSFERRED, Status.ERROR, Status.CANCELLED)
 
     def fail(self, reason: str) -> None:
         if not self.is_terminal:
