@@ -72,9 +72,8 @@ class ViewGeometry:
         pool = group.pool
         layer_extent = max(offset + size for offset, size in per_layer[0])
         slot_extent = (num_layers - 1) * pool.layer_stride_bytes + layer_extent
-        if (num_layers > 1 and layer_extent > pool.layer_stride_bytes) or (
-            slot_extent > pool.slot_bytes
-        ):
+        overruns_layer = num_layers > 1 and layer_extent > pool.layer_stride_bytes
+        if overruns_layer or slot_extent > pool.slot_bytes:
             raise UnsupportedPairing(f"{name}: entries overrun layer stride or slot")
         return cls(
             kind=view.mapper_kind,
@@ -207,11 +206,7 @@ def select_mapper(
     if src.kind is not dst.kind and not transposed:
         raise refuse("mapper kind", src.kind.value, dst.kind.value)
     if src.tokens_per_block != dst.tokens_per_block:
-        raise refuse(
-            f"tokens_per_block ({src.kind.value} needs equal)",
-            src.tokens_per_block,
-            dst.tokens_per_block,
-        )
+        raise refuse("tokens_per_block", src.tokens_per_block, dst.tokens_per_block)
     if src.row_bytes != dst.row_bytes:
         raise refuse("head_dim x element_bytes", src.row_bytes, dst.row_bytes)
     if len(src.entry_offsets) != len(dst.entry_offsets):
