@@ -66,8 +66,6 @@ class Fragments:
             return NotImplemented
         return bool(np.array_equal(self.rows, other.rows))
 
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         return f"Fragments({len(self)} fragments, {self.num_bytes} bytes)"
 

@@ -33,6 +33,7 @@ class _Peer:
     misses: int = 0
     down: dict[str, float] = attrs.field(factory=dict)  # rank endpoint -> when its link dropped
     recheck: bool = False  # probe at once (a link came back: maybe to a new process)
+    replaced: bool = False  # another instance answers at its endpoint
 
 
 @attrs.define
@@ -47,7 +48,6 @@ class PeerLiveness:
     misses: int = 3
     relink_s: float = RELINK_S
     _peers: dict[str, _Peer] = attrs.field(factory=dict)
-    _replaced: set[str] = attrs.field(factory=set)
     _links: dict[str, str] = attrs.field(factory=dict)  # rank control endpoint -> instance
 
     def __len__(self) -> int:
@@ -73,7 +73,6 @@ class PeerLiveness:
 
     def forget(self, instance: str) -> None:
         self._peers.pop(instance, None)
-        self._replaced.discard(instance)
         for endpoint in [e for e, name in self._links.items() if name == instance]:
             del self._links[endpoint]
 
@@ -105,14 +104,14 @@ class PeerLiveness:
             if name == instance:
                 self.heard(name, now)
             else:
-                self._replaced.add(name)
+                peer.replaced = True
 
     def to_probe(self, now: float) -> list[tuple[str, str]]:
         """(instance, endpoint) to probe now: silent for `idle_s`, or whose last probe went
         unanswered for `answer_s` (a miss). Each call marks them probed at `now`."""
         due = []
         for name, peer in self._peers.items():
-            if name in self._replaced:
+            if peer.replaced:
                 continue
             if peer.recheck:
                 peer.recheck = False
@@ -132,16 +131,13 @@ class PeerLiveness:
         """Instances replaced at their endpoint, whose connection to a rank dropped `relink_s`
         ago and has not come back (both dead), or that missed `misses` probes in a row (the
         last one unanswered for `answer_s`); the caller forgets them."""
-        out = [
-            Gone(name, True, "a new instance answers at its endpoint")
-            for name in sorted(self._replaced)
-        ]
+        out: list[Gone] = []
         for name, peer in self._peers.items():
-            if name in self._replaced:
-                continue
             lost = [e for e, at in sorted(peer.down.items()) if now - at >= self.relink_s]
             missed = peer.misses + (peer.probed is not None and now - peer.probed >= self.answer_s)
-            if lost:
+            if peer.replaced:
+                out.append(Gone(name, True, "a new instance answers at its endpoint"))
+            elif lost:
                 # (a connection that never came up was refused: nothing listened there)
                 dropped = f"its connection to {lost[0]} dropped (or was refused)"
                 out.append(
