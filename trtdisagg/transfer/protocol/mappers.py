@@ -91,7 +91,7 @@ class ViewGeometry:
     def row_offsets(self, layers: Sequence[int], heads: range, num_tokens: int) -> IdArray:
         """Offsets inside a slot of the rows of `heads` (local) and of tokens `[0, num_tokens)`
         in each of `layers`' entries, ordered by layer, entry, head, token."""
-        nhd = self.kind is MapperKind.NHD  # (REPLICATED entries are laid out as HND here)
+        nhd = self.kind is MapperKind.NHD  # (REPLICATED entries, copied whole, read as HND)
         head_bytes = self.row_bytes * (1 if nhd else self.tokens_per_block)
         token_bytes = self.row_bytes * (self.num_heads if nhd else 1)
         layer_starts = np.asarray(layers, dtype=np.int64) * self.layer_stride
@@ -211,7 +211,7 @@ def select_mapper(
         raise refuse("head_dim x element_bytes", src.row_bytes, dst.row_bytes)
     if len(src.entry_offsets) != len(dst.entry_offsets):
         raise refuse("entries per layer", len(src.entry_offsets), len(dst.entry_offsets))
-    if src_heads.stop > src.num_heads or dst_heads.stop > dst.num_heads:  # (a view's heads)
+    if src_heads.stop > src.num_heads or dst_heads.stop > dst.num_heads:  # a view short of heads
         raise refuse(f"shared heads {src_heads} / {dst_heads}", src.num_heads, dst.num_heads)
     if src.kind is MapperKind.REPLICATED:
         if src.entry_size != dst.entry_size:
