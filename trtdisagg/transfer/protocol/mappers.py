@@ -42,7 +42,6 @@ class ViewGeometry:
     slot_stride: int
     layer_stride: int
     entry_offsets: tuple[int, ...]  # K, V offsets inside a layer; the same for every layer
-    entry_size: int
     num_heads: int  # local heads
     tokens_per_block: int
     row_bytes: int  # one head of one token: head_dim * element_bytes
@@ -82,7 +81,6 @@ class ViewGeometry:
             slot_stride=pool.slot_stride_bytes,
             layer_stride=pool.layer_stride_bytes,
             entry_offsets=tuple(offset for offset, _ in per_layer[0]),
-            entry_size=entry_size,
             num_heads=view.num_kv_heads,
             tokens_per_block=view.tokens_per_block,
             row_bytes=row_bytes,
@@ -214,8 +212,8 @@ def select_mapper(
     if src_heads.stop > src.num_heads or dst_heads.stop > dst.num_heads:  # a view short of heads
         raise refuse(f"shared heads {src_heads} / {dst_heads}", src.num_heads, dst.num_heads)
     if src.kind is MapperKind.REPLICATED:
-        if src.entry_size != dst.entry_size:
-            raise refuse("replicated entry size", src.entry_size, dst.entry_size)
+        if src.num_heads != dst.num_heads:  # (each entry is heads x tokens x row bytes)
+            raise refuse("replicated entry heads", src.num_heads, dst.num_heads)
         # every rank holds whole entries; which one sends is decided by election (peers.py)
         src_heads = dst_heads = range(src.num_heads)
     every_head = len(src_heads) == src.num_heads == dst.num_heads
