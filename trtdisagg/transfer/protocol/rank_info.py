@@ -36,9 +36,8 @@ def is_tcp_endpoint(value: str) -> bool:
     """`tcp://host:port` with an IPv4 address, a bracketed IPv6 address or a DNS name, and a
     port in [1, 65536); nothing else."""
     head, sep, port = value.rpartition(":")
-    if not (sep and head.startswith("tcp://") and port.isdigit() and len(port) <= 5):
-        return False
-    if not 0 < int(port) < 65536:
+    digits = port.isascii() and port.isdigit() and len(port) <= 5  # isdigit alone takes "²", "٣"
+    if not (sep and head.startswith("tcp://") and digits and 0 < int(port) < 65536):
         return False
     host = head.removeprefix("tcp://")
     if host.startswith("[") and host.endswith("]"):
