@@ -94,7 +94,7 @@ def test_re_registration_with_different_info_is_refused() -> None:
     [
         ({"instance_rank": 3}, r"instance_rank 3 != pp\*tp\+tp = 0"),
         ({"tp_rank": 2}, "outside sizes"),
-        ({"num_kv_heads": 3}, "num_kv_heads 3 does not split over 2 ranks"),
+        ({"num_kv_heads": 3}, "num_kv_heads 3 do not split over a DP group's 2 ranks"),
         ({"kv_heads_per_rank": 4}, "kv_heads_per_rank 4 != 2"),
         ({"layer_num_per_pp": (2,)}, "must hold pp_size 2"),
         ({"dp_size": 2, "dp_rank": 1, "kv_heads_per_rank": 4}, "dp_rank 1 != tp_rank 0 // 1"),

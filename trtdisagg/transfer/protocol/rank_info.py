@@ -145,9 +145,7 @@ class RankInfo:
             raise ValueError(f"layer_num_per_pp {layers} must hold pp_size {pp} positive counts")
         heads, per_dp = self.num_kv_heads, self.tp_per_dp
         if heads <= 0 or (heads % per_dp and per_dp % heads):
-            raise ValueError(
-                f"num_kv_heads {heads} does not split over {per_dp} ranks of a DP group"
-            )
+            raise ValueError(f"num_kv_heads {heads} do not split over a DP group's {per_dp} ranks")
         if self.kv_heads_per_rank != len(self.heads):
             raise ValueError(
                 f"kv_heads_per_rank {self.kv_heads_per_rank} != {len(self.heads)} "
