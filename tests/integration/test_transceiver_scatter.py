@@ -17,8 +17,8 @@ import trio
 from tests.transceivers import outcome_of, rank_info
 from trtdisagg.transfer.protocol.bounce import StagedRun
 from trtdisagg.transfer.protocol.events import NoticeIn, Staged
-from trtdisagg.transfer.protocol.sessions import RankResult, ReceiverSession
-from trtdisagg.transfer.protocol.wire import ResultStatus, WriteNotice
+from trtdisagg.transfer.protocol.sessions import ReceiverSession
+from trtdisagg.transfer.protocol.wire import ResultStatus, TransferResult, WriteNotice
 from trtdisagg.transfer.runtime.agents.loopback import LoopbackAgent, LoopbackFabric
 from trtdisagg.transfer.runtime.driver import KvTransceiver
 from trtdisagg.transfer.runtime.messenger import open_router
@@ -78,7 +78,8 @@ async def test_host_scatter_runs_off_the_loop_and_holds_the_outcome_and_the_bloc
         session = ReceiverSession(
             key=KEY, peer_instance="ctx", expected=frozenset({0}), deadline=1e12
         )
-        session.on_result(0, RankResult(status=ResultStatus.OK, num_bytes=4096, num_descriptors=1))
+        ctx_rank = {"key": KEY, "instance_name": "ctx", "instance_rank": 0}
+        session.on_result(TransferResult(status=ResultStatus.OK, num_bytes=4096, **ctx_rank))
         gen.protocol.gen.receivers[KEY] = session
         gen.protocol.gen._staged[KEY] = Staged(
             offset=offset, num_bytes=4096, block_ids=(1, 2), first_token=0, num_tokens=5

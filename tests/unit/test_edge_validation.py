@@ -33,6 +33,7 @@ def test_plain_endpoints_pass(endpoint: str) -> None:
         "tcp://127.0.0.1:0", "tcp://127.0.0.1:65536", "tcp://127.0.0.1:-1", "tcp://1.2.3.4:99999",
         "tcp://127.0.0.1:5;127.0.0.1:6", "tcp://[zz]:5", "tcp://[1.2.3.4]:5", "tcp://::1:5",
         "ipc:///tmp/x", "inproc://x", "udp://127.0.0.1:5", "tcp://127.0.0.1:5/x", "tcp://a_b:5",
+        "tcp://a:\u00b2", "tcp://a:\u0663\u0664",  # digits to str.isdigit, not to zmq
     ],
 )  # fmt: skip
 def test_anything_else_is_refused(endpoint: str) -> None:

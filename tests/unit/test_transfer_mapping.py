@@ -25,24 +25,22 @@ from tests.rank_infos import make_instance
 from trtdisagg.kv.page_table import Layout, MapperKind
 from trtdisagg.transfer.errors import MappingError, PeerIncompatible
 from trtdisagg.transfer.protocol.fragments import BlockRun, packed_run
-from trtdisagg.transfer.protocol.mappers import (
-    HndHeadMismatchMapper,
-    IntactMapper,
-    NhdHeadMismatchMapper,
-    ReplicatedMapper,
-    TransposeMapper,
-    aligned_blocks,
-)
+from trtdisagg.transfer.protocol.mappers import aligned_blocks
 from trtdisagg.transfer.protocol.peers import PeerRegistrar, direct_fragments
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.sessions import (
-    RankResult,
     ReceiverSession,
     SenderSession,
     SourceBlocks,
     Status,
 )
-from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, pack_block_ids
+from trtdisagg.transfer.protocol.wire import (
+    RequestData,
+    ResultStatus,
+    TransferResult,
+    WriteNotice,
+    pack_block_ids,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Topologies
@@ -326,12 +324,16 @@ def test_every_destination_byte_written_once(s: Scenario) -> None:
             assert sender.write_finished(g.instance_rank, ResultStatus.OK)
             results[rank, g.instance_rank] += 1
             num_bytes = fragments.num_bytes
-            part = RankResult(
-                status=ResultStatus.OK, num_bytes=num_bytes, num_descriptors=len(fragments)
+            sender_fields = {"key": 7, "instance_name": "ctx", "instance_rank": rank}
+            result = TransferResult(
+                status=ResultStatus.OK,
+                num_bytes=num_bytes,
+                num_descriptors=len(fragments),
+                **sender_fields,
             )
-            assert receiver.on_result(rank, part)
+            assert receiver.on_result(result)
             if num_bytes:
-                assert receiver.on_notice(rank)
+                assert receiver.on_notice(WriteNotice(**sender_fields))
         assert receiver.status is Status.TRANSFERRED
         got = sum(n for (_, gr), n in results.items() if gr == g.instance_rank)
         assert (
@@ -408,24 +410,23 @@ def test_homogeneous_runs_are_one_fragment_each() -> None:
 
 def test_mapper_kinds_and_counts() -> None:
     ctx, gen = _pair(ctx_tp=1, gen_tp=2)  # 2 heads -> 1 head per gen rank
-    plan = PeerRegistrar(ctx[0]).register(gen[1])
-    assert isinstance(plan.views[0].mapper, HndHeadMismatchMapper)
+    assert not PeerRegistrar(ctx[0]).register(gen[1]).views[0].mapper.token_dependent
     # HND mismatch: layers x K/V fragments per block, scattered blocks do not merge
     assert len(_fragments(ctx[0], gen[1], [0, 5], [3, 9], tokens=8)) == 2 * 3 * 2
 
     ctx, gen = _pair(ctx_tp=1, gen_tp=2, layout=Layout.NHD)
-    plan = PeerRegistrar(ctx[0]).register(gen[0])
-    assert isinstance(plan.views[0].mapper, NhdHeadMismatchMapper)
+    assert PeerRegistrar(ctx[0]).register(gen[0]).views[0].mapper.token_dependent
     # NHD mismatch: layers x K/V x tokens (only the prompt's tokens of the last block)
     assert len(_fragments(ctx[0], gen[0], [0, 5], [3, 9], tokens=6)) == 3 * 2 * 6
 
     ctx, gen = _pair(ctx_tp=2, gen_tp=2)
-    assert isinstance(PeerRegistrar(ctx[1]).register(gen[1]).views[0].mapper, IntactMapper)
+    # intact: whole K/V entries, which merge into one fragment per run of blocks
+    assert len(_fragments(ctx[1], gen[1], [0, 1], [4, 5], tokens=5)) == 1
     assert PeerRegistrar(ctx[0]).register(gen[1]).views == ()  # no shared heads
 
     ctx, gen = _pair(ctx_tp=2, gen_tp=4, heads=1, kind=MapperKind.REPLICATED)
     plans = [PeerRegistrar(c).register(gen[3]) for c in ctx]
-    assert all(isinstance(p.views[0].mapper, ReplicatedMapper) for p in plans)
+    assert len(_fragments(ctx[1], gen[3], [0, 1], [4, 5], tokens=5)) == 1  # whole entries
     assert [p.elected for p in plans] == [False, True]  # gen tp 3 % 2 == ctx tp 1
 
 
@@ -438,8 +439,6 @@ def test_non_elected_duplicate_sends_nothing() -> None:
 def test_hnd_to_nhd_is_transposed_one_head_of_one_token_per_fragment() -> None:
     ctx, _ = _pair(layout=Layout.HND)
     _, gen = _pair(layout=Layout.NHD)
-    plan = PeerRegistrar(ctx[0]).register(gen[0])
-    assert all(isinstance(view.mapper, TransposeMapper) for view in plan.views)
     # Nothing is contiguous on both sides except within one head of one token.
     fragments = _fragments(ctx[0], gen[0], [0], [0], tokens=3)
     row = ctx[0].head_dim * ctx[0].element_bytes

@@ -9,7 +9,7 @@ import pytest
 
 from tests.rank_infos import make_instance
 from trtdisagg.transfer.errors import PeerIncompatible
-from trtdisagg.transfer.protocol.peers import PeerRegistrar, duplicate_head_factor, peer_overlap
+from trtdisagg.transfer.protocol.peers import PeerRegistrar, is_elected, peer_overlap
 from trtdisagg.transfer.protocol.rank_info import (
     BounceConfig,
     RankInfo,
@@ -94,7 +94,7 @@ def test_re_registration_with_different_info_is_refused() -> None:
     [
         ({"instance_rank": 3}, r"instance_rank 3 != pp\*tp\+tp = 0"),
         ({"tp_rank": 2}, "outside sizes"),
-        ({"num_kv_heads": 3}, "num_kv_heads 3 and tensor parallel size 2"),
+        ({"num_kv_heads": 3}, "num_kv_heads 3 do not split over a DP group's 2 ranks"),
         ({"kv_heads_per_rank": 4}, "kv_heads_per_rank 4 != 2"),
         ({"layer_num_per_pp": (2,)}, "must hold pp_size 2"),
         ({"dp_size": 2, "dp_rank": 1, "kv_heads_per_rank": 4}, "dp_rank 1 != tp_rank 0 // 1"),
@@ -125,8 +125,9 @@ def _instance(
 def test_head_ranges_and_duplication() -> None:
     assert [head_range(8, 4, i).start for i in range(4)] == [0, 2, 4, 6]
     assert [head_range(2, 4, i).start for i in range(4)] == [0, 0, 1, 1]
-    infos = _instance("x", tp=4, pp=1, layers=(1,), heads=2)
-    assert duplicate_head_factor(infos[0]) == 2
+    ctx = _instance("x", tp=4, pp=1, layers=(1,), heads=2)  # each head held by 2 ranks
+    gen = _instance("y", tp=2, pp=1, layers=(1,), heads=2)
+    assert [is_elected(sender=c, receiver=gen[1]) for c in ctx] == [False, True, False, True]
 
 
 def test_overlap_pp_and_tp() -> None:

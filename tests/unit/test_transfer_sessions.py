@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trtdisagg.transfer.protocol.sessions import (
     EarlyMessages,
-    RankResult,
     ReceiverSession,
     SenderSession,
     Sessions,
     SourceBlocks,
     Status,
 )
-from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, pack_block_ids
+from trtdisagg.transfer.protocol.wire import (
+    RequestData,
+    ResultStatus,
+    TransferResult,
+    WriteNotice,
+    pack_block_ids,
+)
 
 OK, ERROR = ResultStatus.OK, ResultStatus.ERROR
 
@@ -28,6 +35,14 @@ def _request(rank: int, key: int = 1) -> RequestData:
         block_ids=(pack_block_ids([rank]),),
         num_tokens=4,
     )
+
+
+def _result(rank: int, status: ResultStatus = OK, **fields: Any) -> TransferResult:
+    return TransferResult(key=1, instance_name="ctx", instance_rank=rank, status=status, **fields)
+
+
+def _notice(rank: int, **fields: Any) -> WriteNotice:
+    return WriteNotice(key=1, instance_name="ctx", instance_rank=rank, **fields)
 
 
 def _sender(expected: tuple[int, ...] = (0, 1)) -> SenderSession:
@@ -142,40 +157,38 @@ def test_receiver_happy_path_needs_results_and_notices() -> None:
     r = _receiver()
     assert r.status is Status.TRANSFERRING
     assert r.status is Status.TRANSFERRING
-    assert r.on_result(
-        0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="")
-    )  # non-elected duplicate
-    assert r.on_result(1, RankResult(status=OK, num_bytes=100, num_descriptors=2, error=""))
+    assert r.on_result(_result(0))  # non-elected duplicate
+    assert r.on_result(_result(1, num_bytes=100, num_descriptors=2))
     assert r.status is Status.TRANSFERRING  # rank 1's bytes not confirmed landed
-    assert r.on_notice(1)
+    assert r.on_notice(_notice(1))
     assert r.status is Status.TRANSFERRED
     assert r.moved()[:2] == (100, 2)
 
 
 def test_receiver_notice_may_come_first() -> None:
     r = _receiver(expected=(3,))
-    assert r.on_notice(3)
-    assert not r.on_notice(3)
-    r.on_result(3, RankResult(status=OK, num_bytes=8, num_descriptors=1, error=""))
+    assert r.on_notice(_notice(3))
+    assert not r.on_notice(_notice(3))
+    r.on_result(_result(3, num_bytes=8, num_descriptors=1))
     assert r.status is Status.TRANSFERRED
 
 
 def test_receiver_ignores_unexpected_duplicate_and_late() -> None:
     r = _receiver(expected=(0,))
-    assert not r.on_result(9, RankResult(status=OK, num_bytes=0, num_descriptors=0, error=""))
-    assert not r.on_notice(9)
-    assert r.on_result(0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error=""))
-    assert not r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="dup"))
+    assert not r.on_result(_result(9))
+    assert not r.on_notice(_notice(9))
+    assert r.on_result(_result(0))
+    assert not r.on_result(_result(0, ERROR, error="dup"))
     assert r.status is Status.TRANSFERRED
 
 
 def test_receiver_error_result_and_quiescence() -> None:
     r = _receiver()
-    r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="boom"))
+    r.on_result(_result(0, ERROR, error="boom"))
     assert r.status is Status.ERROR
     assert r.error == "ctx rank 0: error: boom"
     assert not r.is_quiescent  # rank 1 may still be writing into our blocks
-    r.on_result(1, RankResult(status=OK, num_bytes=4, num_descriptors=1, error=""))
+    r.on_result(_result(1, num_bytes=4, num_descriptors=1))
     assert r.status is Status.ERROR
     assert r.is_quiescent
 
@@ -184,7 +197,7 @@ def test_receiver_cancel() -> None:
     r = _receiver()
     r.cancel()
     assert r.status is Status.CANCELLED
-    r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="cancelled"))
+    r.on_result(_result(0, ERROR, error="cancelled"))
     assert r.status is Status.CANCELLED  # an error never overrides CANCELLED
     assert not r.expired(100.0)
 
@@ -238,10 +251,8 @@ def test_a_last_result_that_is_not_ok_fails_the_receiver(status: ResultStatus) -
     # The last expected result completes the set; with 0 bytes it needs no notice. It must
     # still fail the session, not read as TRANSFERRED (gen would decode KV that never came).
     r = _receiver(expected=(0, 1))
-    assert r.on_result(0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error=""))
-    assert r.on_result(
-        1, RankResult(status=status, num_bytes=0, num_descriptors=0, error="no submit")
-    )
+    assert r.on_result(_result(0))
+    assert r.on_result(_result(1, status, error="no submit"))
     assert r.status is Status.ERROR
     assert r.error == f"ctx rank 1: {status.value}: no submit"
     assert r.is_quiescent
@@ -260,20 +271,12 @@ def test_sender_reports_which_ranks_it_writes_to() -> None:
 def test_receiver_takes_the_first_tokens_of_the_lowest_ctx_rank_that_sent_them() -> None:
     r = _receiver(expected=(0, 1, 2))
     assert r.moved()[2] == ()
-    r.on_result(
-        2, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(7,))
-    )
+    r.on_result(_result(2, first_tokens=(7,)))
     assert r.moved()[2] == (7,)
-    r.on_result(
-        1, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="")
-    )  # a follower without them
-    r.on_result(
-        0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(5,))
-    )
+    r.on_result(_result(1))  # a follower without them
+    r.on_result(_result(0, first_tokens=(5,)))
     assert r.moved()[2] == (5,)
-    assert not r.on_result(
-        0, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="", first_tokens=(9,))
-    )
+    assert not r.on_result(_result(0, first_tokens=(9,)))
     assert r.moved()[2] == (5,)  # a duplicate result changes nothing
 
 
@@ -293,30 +296,27 @@ def test_merged_outcome_keeps_the_first_tokens_of_any_rank() -> None:
 def test_receiver_ends_on_a_write_s_notice_before_its_result() -> None:
     r = _receiver(expected=(0, 1))
     assert not r.is_quiescent
-    assert r.on_notice(0, RankResult(status=OK, num_bytes=64, num_descriptors=1, first_tokens=(5,)))
-    assert not r.on_notice(
-        0, RankResult(status=OK, num_bytes=64, num_descriptors=1, first_tokens=(5,))
-    )  # duplicate
-    assert not r.on_notice(7, RankResult(status=OK, num_bytes=1, num_descriptors=1))  # unexpected
+    assert r.on_notice(_notice(0, num_bytes=64, num_descriptors=1, first_tokens=(5,)))
+    duplicate = _notice(0, num_bytes=64, num_descriptors=1, first_tokens=(5,))
+    assert not r.on_notice(duplicate)
+    assert not r.on_notice(_notice(7, num_bytes=1, num_descriptors=1))  # unexpected
     assert r.status is Status.TRANSFERRING  # rank 1 has not written yet
     assert r.is_quiescent is False
-    r.on_result(
-        1, RankResult(status=OK, num_bytes=0, num_descriptors=0, error="")
-    )  # rank 1: nothing to move
+    r.on_result(_result(1))  # rank 1: nothing to move
     assert r.status is Status.TRANSFERRED and r.is_quiescent
     assert r.moved() == (64, 1, (5,))
     # rank 0's result comes last: it changes nothing, even an error (the bytes had landed).
-    r.on_result(0, RankResult(status=ERROR, num_bytes=64, num_descriptors=1, error="late"))
+    r.on_result(_result(0, ERROR, num_bytes=64, num_descriptors=1, error="late"))
     assert r.status is Status.TRANSFERRED and r.moved()[0] == 64
 
 
 def test_a_write_that_fails_before_its_notice_fails_the_receiver() -> None:
     r = _receiver(expected=(0,))
     assert not r.is_quiescent  # the write may still land
-    r.on_result(0, RankResult(status=ERROR, num_bytes=0, num_descriptors=0, error="write failed"))
+    r.on_result(_result(0, ERROR, error="write failed"))
     assert r.status is Status.ERROR and r.is_quiescent
     # a notice after the error result says nothing more
-    assert r.on_notice(0, RankResult(status=OK, num_bytes=64, num_descriptors=1))
+    assert r.on_notice(_notice(0, num_bytes=64, num_descriptors=1))
     assert r.status is Status.ERROR and r.moved()[0] == 0
 
 
@@ -354,15 +354,14 @@ def test_a_receiver_s_kept_status_is_always_its_derived_one(
     for kind, rank, status, num_bytes in events:
         if kind == "result":
             session.on_result(
-                rank, RankResult(status=status, num_bytes=num_bytes, num_descriptors=1, error="e")
+                _result(rank, status, num_bytes=num_bytes, num_descriptors=1, error="e")
             )
         elif kind == "summary":
             session.on_notice(
-                rank,
-                RankResult(status=OK, num_bytes=num_bytes, num_descriptors=1, first_tokens=(7,)),
+                _notice(rank, num_bytes=num_bytes, num_descriptors=1, first_tokens=(7,))
             )
         elif kind == "notice":
-            session.on_notice(rank)
+            session.on_notice(_notice(rank))
         elif kind == "fail":
             session.fail("failed")
         elif kind == "cancel":

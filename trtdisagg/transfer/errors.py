@@ -1,7 +1,4 @@
-"""Errors of the transfer layer, each carrying what it concerns (no sentinels). Pure.
-
-The executor maps them to request failures, the HTTP layer to status codes.
-"""
+"""Errors of the transfer layer, each naming what it concerns (no sentinels). Pure."""
 
 from __future__ import annotations
 
@@ -20,8 +17,6 @@ class PeerIncompatible(TransferLayerError):
 
     def __init__(self, peer: str, reason: str) -> None:
         super().__init__(f"peer {peer} is incompatible: {reason}")
-        self.peer = peer
-        self.reason = reason
 
 
 class UnsupportedPairing(TransferLayerError):

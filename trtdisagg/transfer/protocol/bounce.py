@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 
 from trtdisagg.transfer.protocol.fragments import Fragments, merge_runs
-from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.rank_info import RankInfo, intersect
 
 
 @attrs.frozen(kw_only=True)
@@ -36,26 +36,21 @@ class StagedRun:
     num_bytes: int
 
 
-def row_bytes(info: RankInfo) -> int:
-    return info.head_dim * info.element_bytes
-
-
 def canonical_bytes(receiver: RankInfo, num_tokens: int) -> int:
     """Bytes of the receiver's staged region for `num_tokens` tokens of one request."""
-    return len(receiver.layers) * 2 * len(receiver.heads) * num_tokens * row_bytes(receiver)
+    row = receiver.head_dim * receiver.element_bytes
+    return len(receiver.layers) * 2 * len(receiver.heads) * num_tokens * row
 
 
 def staged_runs(sender: RankInfo, receiver: RankInfo, *, num_tokens: int) -> tuple[StagedRun, ...]:
     """The runs `sender` contributes to `receiver`'s canonical region, in the order it packs
     them (receiver layer order, then K/V). Empty when the two share no layer or no head."""
-    heads = range(
-        max(sender.heads.start, receiver.heads.start), min(sender.heads.stop, receiver.heads.stop)
-    )
+    heads = intersect(sender.heads, receiver.heads)
     if not heads or num_tokens <= 0:
         return ()
     src_layers = {layer: i for i, layer in enumerate(sender.layers)}
     num_heads = len(receiver.heads)
-    row = row_bytes(receiver)
+    row = receiver.head_dim * receiver.element_bytes
     runs = []
     for dst_layer, layer in enumerate(receiver.layers):
         if layer not in src_layers:
@@ -88,12 +83,12 @@ def staged_fragments(runs: Sequence[StagedRun], *, src_address: int, dst_address
 
 @attrs.define(kw_only=True)
 class StagingAllocator:
-    """First-fit ranges of one staging buffer. FIFO fairness is the caller's (one queue)."""
+    """First-fit ranges of one staging buffer: the lowest gap between the ranges in use that
+    fits. FIFO fairness is the caller's (one queue)."""
 
     capacity: int
     alignment: int = 256
-    _free: list[tuple[int, int]] = attrs.field(init=False)  # (offset, size), sorted by offset
-    _used: dict[int, int] = attrs.field(init=False, factory=dict)
+    _used: dict[int, int] = attrs.field(init=False, factory=dict)  # offset -> size
 
     def __attrs_post_init__(self) -> None:
         # Sizes are rounded up to the alignment, so in a buffer with a ragged end a request of
@@ -104,38 +99,28 @@ class StagingAllocator:
                 f"staging capacity {self.capacity} is not a multiple of the alignment "
                 f"{self.alignment}"
             )
-        self._free = [(0, self.capacity)] if self.capacity > 0 else []
 
     def allocate(self, num_bytes: int) -> int | None:
         """An offset of `num_bytes` free bytes, or None while nothing that large is free."""
         if num_bytes <= 0 or num_bytes > self.capacity:
             raise ValueError(f"cannot stage {num_bytes} bytes in a buffer of {self.capacity}")
         size = -(-num_bytes // self.alignment) * self.alignment
-        for i, (offset, free) in enumerate(self._free):
-            if free >= size:
-                if free == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + size, free - size)
-                self._used[offset] = size
-                return offset
-        return None
+        start = 0  # of the gap before the next range in use
+        for offset, used in sorted(self._used.items()):
+            if offset - start >= size:
+                break
+            start = offset + used
+        if start + size > self.capacity:
+            return None
+        self._used[start] = size
+        return start
 
     def release(self, offset: int) -> None:
-        size = self._used.pop(offset)
-        self._free.append((offset, size))
-        self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for start, length in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((start, length))
-        self._free = merged
+        del self._used[offset]
 
     @property
     def free_bytes(self) -> int:
-        return sum(size for _, size in self._free)
+        return self.capacity - sum(self._used.values())
 
 
 class Stager(Protocol):

@@ -66,8 +66,6 @@ class Fragments:
             return NotImplemented
         return bool(np.array_equal(self.rows, other.rows))
 
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         return f"Fragments({len(self)} fragments, {self.num_bytes} bytes)"
 
@@ -93,12 +91,7 @@ class BlockRun:
 
 def run_of(ids: Sequence[int]) -> BlockRun | None:
     """The run `ids` form, or None (empty, or not ascending by one)."""
-    if not ids:
-        return None
-    first, count = ids[0], len(ids)
-    if ids[-1] != first + count - 1:
-        return None  # most lists that are not a run end elsewhere: no need to look further
-    return BlockRun(first, count) if list(ids) == list(range(first, first + count)) else None
+    return packed_run(np.asarray(ids, dtype="<i8").tobytes())
 
 
 def packed_run(data: bytes) -> BlockRun | None:
@@ -108,7 +101,7 @@ def packed_run(data: bytes) -> BlockRun | None:
         return None
     first = int.from_bytes(data[:8], "little", signed=True)
     if int.from_bytes(data[-8:], "little", signed=True) != first + count - 1:
-        return None
+        return None  # most lists that are not a run end elsewhere: no need to look further
     if data != np.arange(first, first + count, dtype="<i8").tobytes():
         return None
     return BlockRun(first, count)

@@ -18,7 +18,6 @@ from trtdisagg.transfer.protocol import events as ev
 from trtdisagg.transfer.protocol.bounce import canonical_bytes
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.sessions import (
-    RankResult,
     ReceiverSession,
     Sessions,
     Status,
@@ -75,8 +74,7 @@ class _Starting:  # a receive with no session yet: its rendezvous or staging roo
     ask: ev.ReceiveAsked
     deadline: float
     cancelled: bool = False
-    ranks: tuple[RankInfo, ...] = ()
-    expected: tuple[int, ...] = ()
+    peers: tuple[RankInfo, ...] = ()  # the ctx ranks to ask (registrar overlap), once met
     staged: ev.Staged | None = None
 
 
@@ -111,7 +109,8 @@ class GenProtocol(Side):
             self._fail(key, f"transfer key {key} is already being received", now, out)
             return
         instance = self._instances.get(endpoint)
-        if instance is not None and _replaced(instance, ask.ctx_instance):
+        if instance and instance.settled and ask.ctx_instance not in (None, instance.instance_name):
+            # another instance answers there now (receives under way keep their sessions)
             log.info("ctx at %s is now instance %s: meeting it again", endpoint, ask.ctx_instance)
             instance = None
         if instance is None:
@@ -193,10 +192,7 @@ class GenProtocol(Side):
             return  # an ended session's, come late
         if (session := self.receivers.lookup(result.instance_name, result.key)) is not None:
             self._expire(session, now, out)  # a result past the deadline comes too late
-            part = RankResult(status=result.status, num_bytes=result.num_bytes,
-                              num_descriptors=result.num_descriptors, error=result.error,
-                              first_tokens=result.first_tokens)  # fmt: skip
-            session.on_result(result.instance_rank, part)
+            session.on_result(result)
             self._settle(session, now, out)
         elif result.key in self.receivers:
             self.refusals.not_owner("TRANSFER_RESULT", result.key, result.instance_name, now)
@@ -209,12 +205,7 @@ class GenProtocol(Side):
             return
         if (session := self.receivers.lookup(name, notice.key)) is not None:
             self._expire(session, now, out)
-            said = None
-            if notice.num_descriptors:
-                said = RankResult(status=ResultStatus.OK, num_bytes=notice.num_bytes,
-                                  num_descriptors=notice.num_descriptors,
-                                  first_tokens=notice.first_tokens)  # fmt: skip
-            session.on_notice(rank, said)
+            session.on_notice(notice)
             self._settle(session, now, out)
 
     def on_cancel(self, cancel: Cancel, now: float, out: Out) -> bool:
@@ -298,8 +289,9 @@ class GenProtocol(Side):
     def _proceed(self, key: int, instance: _CtxInstance, now: float, out: Out) -> None:
         """`key`'s ctx instance is met: reserve staging room if it bounces, then ask."""
         starting, first = self._starting[key], instance.ranks[0]
-        starting.ranks = instance.ranks
-        starting.expected = self.registrar.overlap(first, peer_dp_rank=first.dp_rank)
+        by_rank = {rank.instance_rank: rank for rank in instance.ranks}
+        overlap = self.registrar.overlap(first, peer_dp_rank=first.dp_rank)
+        starting.peers = tuple(by_rank[rank] for rank in overlap)
         blocks, num_tokens = starting.ask.block_ids, starting.ask.num_tokens
         if self.staging is not None and len(blocks) == 1 and self._bounces(starting):
             tpb = self.local.tokens_per_block
@@ -318,10 +310,10 @@ class GenProtocol(Side):
     def _bounces(self, starting: _Starting) -> bool:
         """Whether this receive goes through staging; ctx decides the same from the same
         mapper, and both ends agreed on the settings."""
-        bounce, by_rank = self.local.bounce, {r.instance_rank: r for r in starting.ranks}
+        bounce = self.local.bounce
         return bounce.enabled and any(
-            self.registrar.send_plan(by_rank[rank].key).piece_bytes < bounce.threshold_bytes
-            for rank in starting.expected
+            self.registrar.send_plan(peer.key).piece_bytes < bounce.threshold_bytes
+            for peer in starting.peers
         )
 
     def _open(self, key: int, now: float, out: Out) -> None:
@@ -339,15 +331,13 @@ class GenProtocol(Side):
             num_tokens=starting.ask.num_tokens, staging_address=address,
             staging_bytes=staged.num_bytes if staged is not None else 0,
         )  # fmt: skip
-        session = ReceiverSession(key=key, peer_instance=starting.ranks[0].instance_name,
-                                  expected=frozenset(starting.expected),
+        session = ReceiverSession(key=key, peer_instance=starting.peers[0].instance_name,
+                                  expected=frozenset(p.instance_rank for p in starting.peers),
                                   deadline=starting.deadline)  # fmt: skip
         self.receivers[key] = session
         if staged is not None:
             self._staged[key] = staged
-        by_rank = {rank.instance_rank: rank for rank in starting.ranks}
-        for rank in sorted(starting.expected):
-            out.append(ev.Send(endpoint=by_rank[rank].control_endpoint, message=request))
+        out += [ev.Send(endpoint=p.control_endpoint, message=request) for p in starting.peers]
 
     def _settle(self, session: ReceiverSession, now: float, out: Out) -> None:
         """A terminal session ends once no ctx write can land in its blocks; until then a
@@ -356,7 +346,7 @@ class GenProtocol(Side):
         if not session.is_terminal or self.receivers.get(key) is not session:
             return
         status = session.status
-        if status is not Status.TRANSFERRED and not self.released(session, now):
+        if not self.released(session, now):
             if self.early_failures and status is Status.ERROR and not session.failure_reported:
                 session.failure_reported = True
                 failed = self._outcome(key, now, ok=False, error=session.error, blocks_held=True)
@@ -422,9 +412,3 @@ class GenProtocol(Side):
         """`key`'s receive failed with `reason`, or was cancelled (None) before it started."""
         fields = {"error": reason} if reason is not None else {"cancelled": True}
         out += [ev.Received(outcome=self._outcome(key, now, ok=False, **fields)), ev.WAKE]
-
-
-def _replaced(instance: _CtxInstance, named: str | None) -> bool:
-    """Whether the ctx met (or refused) at an endpoint is not the instance `named` there now;
-    receives under way keep their sessions, keyed by instance."""
-    return instance.settled and named is not None and instance.instance_name not in (None, named)

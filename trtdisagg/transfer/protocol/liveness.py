@@ -11,12 +11,6 @@ from __future__ import annotations
 
 import attrs
 
-# A live peer answers a probe within milliseconds; these leave room for a peer whose loop is
-# busy (a long prefill step's thread competes for the interpreter) and still release a dead
-# peer's GPU memory within half a minute, before a restarted worker on that GPU sizes its pool.
-PROBE_IDLE_S = 5.0
-PROBE_ANSWER_S = 5.0
-PROBE_MISSES = 3
 # A dropped connection that a live peer re-makes (zmq reconnects within ~0.1 s) against a
 # process that ended: its port refuses connections until a new process binds it.
 RELINK_S = 1.0
@@ -39,18 +33,21 @@ class _Peer:
     misses: int = 0
     down: dict[str, float] = attrs.field(factory=dict)  # rank endpoint -> when its link dropped
     recheck: bool = False  # probe at once (a link came back: maybe to a new process)
+    replaced: bool = False  # another instance answers at its endpoint
 
 
 @attrs.define
 class PeerLiveness:
     """The peer instances one rank knows, by name, and when each was last heard from."""
 
-    idle_s: float = PROBE_IDLE_S
-    answer_s: float = PROBE_ANSWER_S
-    misses: int = PROBE_MISSES
+    # A live peer answers a probe within milliseconds; these leave room for a peer whose loop is
+    # busy (a long prefill step's thread competes for the interpreter) and still release a dead
+    # peer's GPU memory within half a minute, before a restarted worker on that GPU sizes its pool.
+    idle_s: float = 5.0
+    answer_s: float = 5.0
+    misses: int = 3
     relink_s: float = RELINK_S
     _peers: dict[str, _Peer] = attrs.field(factory=dict)
-    _replaced: set[str] = attrs.field(factory=set)
     _links: dict[str, str] = attrs.field(factory=dict)  # rank control endpoint -> instance
 
     def __len__(self) -> int:
@@ -76,7 +73,6 @@ class PeerLiveness:
 
     def forget(self, instance: str) -> None:
         self._peers.pop(instance, None)
-        self._replaced.discard(instance)
         for endpoint in [e for e, name in self._links.items() if name == instance]:
             del self._links[endpoint]
 
@@ -108,14 +104,14 @@ class PeerLiveness:
             if name == instance:
                 self.heard(name, now)
             else:
-                self._replaced.add(name)
+                peer.replaced = True
 
     def to_probe(self, now: float) -> list[tuple[str, str]]:
         """(instance, endpoint) to probe now: silent for `idle_s`, or whose last probe went
         unanswered for `answer_s` (a miss). Each call marks them probed at `now`."""
         due = []
         for name, peer in self._peers.items():
-            if name in self._replaced:
+            if peer.replaced:
                 continue
             if peer.recheck:
                 peer.recheck = False
@@ -135,23 +131,18 @@ class PeerLiveness:
         """Instances replaced at their endpoint, whose connection to a rank dropped `relink_s`
         ago and has not come back (both dead), or that missed `misses` probes in a row (the
         last one unanswered for `answer_s`); the caller forgets them."""
-        out = [
-            Gone(name, True, "a new instance answers at its endpoint")
-            for name in sorted(self._replaced)
-        ]
+        out: list[Gone] = []
         for name, peer in self._peers.items():
-            if name in self._replaced:
-                continue
             lost = [e for e, at in sorted(peer.down.items()) if now - at >= self.relink_s]
-            if lost:
-                back = f"was not back within {self.relink_s:g}s"
+            missed = peer.misses + (peer.probed is not None and now - peer.probed >= self.answer_s)
+            if peer.replaced:
+                out.append(Gone(name, True, "a new instance answers at its endpoint"))
+            elif lost:
                 # (a connection that never came up was refused: nothing listened there)
                 dropped = f"its connection to {lost[0]} dropped (or was refused)"
-                out.append(Gone(name, True, f"{dropped} and {back}"))
-                continue
-            if peer.probed is None:
-                continue
-            missed = peer.misses + (now - peer.probed >= self.answer_s)
-            if missed >= self.misses:
+                out.append(
+                    Gone(name, True, f"{dropped} and was not back within {self.relink_s:g}s")
+                )
+            elif peer.probed is not None and missed >= self.misses:
                 out.append(Gone(name, False, f"{missed} probes in a row went unanswered"))
         return out

@@ -2,25 +2,24 @@
 
 A mapper is built once per (ctx rank view, gen rank view) pair at registration, from both page
 tables' registered sizes and the overlapping layers and heads; an unsupported pairing is refused
-there (`UnsupportedPairing`, naming both values). At request time `map_blocks` places each
-aligned block pair's runs (computed once per token count) with numpy and merges pieces that
-continue each other on BOTH sides, so a homogeneous transfer between runs of consecutive blocks
+there (`UnsupportedPairing`, naming both values). One formula serves every pairing: a row, one
+head of one token, lies at `head * head_bytes + token * token_bytes` inside a K or V entry, in
+each side's own layout (HND `[H, T, D]`, NHD `[T, H, D]`). A mapper copies the rows of the heads
+both ranks hold; rows that continue each other on BOTH sides merge, which gives per block:
+
+    same layout, every head (or REPLICATED views)   whole K/V entries
+    HND, a head subset                              one head range per layer and K/V
+    NHD, a head subset                              one head range per layer, K/V and token
+    HND on one side, NHD on the other               one head of one token per piece
+
+At request time `map_blocks` places each aligned block pair's runs (computed once per token
+count) with numpy and merges again, so a homogeneous transfer between runs of consecutive blocks
 is one fragment per run.
-
-    IntactMapper            same local heads and layout: whole K/V entries
-    ReplicatedMapper        REPLICATED views: whole entries; who sends is decided by election
-    HndHeadMismatchMapper   heads differ, HND `[H, T, D]`: one head range per layer and K/V
-    NhdHeadMismatchMapper   heads differ, NHD `[T, H, D]`: one head range per layer, K/V, token
-    TransposeMapper         HND on one side, NHD on the other: one head of one token per piece
-
-The entry size divided by heads x tokens must be a whole number of bytes and equal
-`head_dim * element_bytes` on both sides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import ClassVar
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -34,15 +33,6 @@ IdArray = npt.NDArray[np.int64]  # block ids (or token counts), one per block
 
 
 @attrs.frozen(kw_only=True)
-class HeadOverlap:
-    """The heads both ranks hold, as local head indices on each side."""
-
-    src_start: int
-    dst_start: int
-    count: int
-
-
-@attrs.frozen(kw_only=True)
 class ViewGeometry:
     """Byte geometry of one pool view, derived from a page table and checked (`of`)."""
 
@@ -52,7 +42,6 @@ class ViewGeometry:
     slot_stride: int
     layer_stride: int
     entry_offsets: tuple[int, ...]  # K, V offsets inside a layer; the same for every layer
-    entry_size: int
     num_heads: int  # local heads
     tokens_per_block: int
     row_bytes: int  # one head of one token: head_dim * element_bytes
@@ -72,25 +61,18 @@ class ViewGeometry:
         sizes = {size for _, size in per_layer[0]}
         if len(sizes) != 1:
             raise UnsupportedPairing(f"{name}: entries of different sizes {sorted(sizes)}")
-        entry_size = sizes.pop()
-        cells = view.num_kv_heads * view.tokens_per_block
-        if entry_size % cells:
+        entry_size, row_bytes = sizes.pop(), view.head_dim * view.element_bytes
+        if entry_size != view.num_kv_heads * view.tokens_per_block * row_bytes:
             raise UnsupportedPairing(
-                f"{name}: entry size {entry_size} not divisible by heads x tokens_per_block "
-                f"{view.num_kv_heads} x {view.tokens_per_block}"
-            )
-        row_bytes = entry_size // cells
-        if row_bytes != view.head_dim * view.element_bytes:
-            raise UnsupportedPairing(
-                f"{name}: {row_bytes} bytes per head per token, but head_dim x element_bytes "
-                f"is {view.head_dim} x {view.element_bytes}"
+                f"{name}: entry size {entry_size} is not heads x tokens_per_block x head_dim x "
+                f"element_bytes {view.num_kv_heads} x {view.tokens_per_block} x {view.head_dim} "
+                f"x {view.element_bytes}"
             )
         pool = group.pool
         layer_extent = max(offset + size for offset, size in per_layer[0])
         slot_extent = (num_layers - 1) * pool.layer_stride_bytes + layer_extent
-        if (num_layers > 1 and layer_extent > pool.layer_stride_bytes) or (
-            slot_extent > pool.slot_bytes
-        ):
+        overruns_layer = num_layers > 1 and layer_extent > pool.layer_stride_bytes
+        if overruns_layer or slot_extent > pool.slot_bytes:
             raise UnsupportedPairing(f"{name}: entries overrun layer stride or slot")
         return cls(
             kind=view.mapper_kind,
@@ -99,21 +81,21 @@ class ViewGeometry:
             slot_stride=pool.slot_stride_bytes,
             layer_stride=pool.layer_stride_bytes,
             entry_offsets=tuple(offset for offset, _ in per_layer[0]),
-            entry_size=entry_size,
             num_heads=view.num_kv_heads,
             tokens_per_block=view.tokens_per_block,
             row_bytes=row_bytes,
         )
 
-    @property
-    def head_bytes(self) -> int:
-        """Distance between consecutive heads inside one entry."""
-        return self.row_bytes * (self.tokens_per_block if self.kind is MapperKind.HND else 1)
-
-    @property
-    def token_bytes(self) -> int:
-        """Distance between consecutive tokens inside one entry."""
-        return self.row_bytes * (self.num_heads if self.kind is MapperKind.NHD else 1)
+    def row_offsets(self, layers: Sequence[int], heads: range, num_tokens: int) -> IdArray:
+        """Offsets inside a slot of the rows of `heads` (local) and of tokens `[0, num_tokens)`
+        in each of `layers`' entries, ordered by layer, entry, head, token."""
+        nhd = self.kind is MapperKind.NHD  # (REPLICATED entries, copied whole, read as HND)
+        head_bytes = self.row_bytes * (1 if nhd else self.tokens_per_block)
+        token_bytes = self.row_bytes * (self.num_heads if nhd else 1)
+        layer_starts = np.asarray(layers, dtype=np.int64) * self.layer_stride
+        entries = np.add.outer(layer_starts, self.entry_offsets).reshape(-1, 1, 1)
+        rows = np.asarray(heads, dtype=np.int64).reshape(-1, 1) * head_bytes
+        return (entries + rows + np.arange(num_tokens, dtype=np.int64) * token_bytes).ravel()
 
     def slot_addresses(self, blocks: Sequence[int] | IdArray) -> IdArray:
         """Start address of each block's slot; MappingError for a block outside the pool."""
@@ -126,14 +108,17 @@ class ViewGeometry:
 
 @attrs.define(eq=False, kw_only=True)
 class Mapper:
-    """Base: per-block runs from `_units`, cached per token count; `map` places and merges them."""
-
-    token_dependent: ClassVar[bool] = False  # whether a partial block has fewer units
+    """The rows of the shared heads of the shared layers, per block pair, merged and cached per
+    token count; `map_blocks` places them at the blocks' slots and merges again."""
 
     src: ViewGeometry
     dst: ViewGeometry
     layers: tuple[tuple[int, int], ...]  # (source local layer, destination local layer)
-    heads: HeadOverlap
+    src_heads: range  # the heads both ranks hold, as local indices on each side
+    dst_heads: range
+    # Copy only the request's tokens of a partial block, where every token is a piece of its own
+    # (NHD head mismatch, transpose); else whole blocks, in fewer and larger pieces.
+    token_dependent: bool
     _runs: dict[int, Runs] = attrs.field(factory=dict, init=False, repr=False)
     # (source offset, destination offset, size) when a block's runs merge into one run exactly
     # one slot stride long on both sides, so that consecutive slots' runs abut; else None.
@@ -149,22 +134,14 @@ class Mapper:
         )
         return (int(runs[0, 0]), int(runs[0, 1]), int(runs[0, 2])) if whole else None
 
-    def map_blocks(
-        self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64], tokens: IdArray
-    ) -> Fragments:
+    def map_blocks(self, src_ids: IdArray, dst_ids: IdArray, tokens: IdArray) -> Fragments:
         """Merged fragments that copy each source block (at least its first `tokens`) into its
         destination block (arrays from `aligned_blocks`), sorted by source address."""
-        if not self.token_dependent:
-            placed = self._place(self.src.tokens_per_block, src_ids, dst_ids)
-        else:
-            placed = np.concatenate(
-                [empty_runs()]
-                + [
-                    self._place(int(t), src_ids[tokens == t], dst_ids[tokens == t])
-                    for t in np.unique(tokens)
-                ]
-            )
-        return Fragments(merge_runs(placed))
+        placed = [
+            self._place(int(t), src_ids[tokens == t], dst_ids[tokens == t])
+            for t in np.unique(tokens)
+        ]
+        return Fragments(merge_runs(np.concatenate([empty_runs(), *placed])))
 
     def map_runs(self, src: BlockRun, dst: BlockRun, *, num_tokens: int) -> Fragments | None:
         """`map_blocks` for the usual case, in constant time: both block lists are runs (fresh
@@ -199,76 +176,14 @@ class Mapper:
         return int(runs[:, 2].min()) if len(runs) else 0
 
     def _block_runs(self, num_tokens: int) -> Runs:
-        runs = self._runs.get(num_tokens)
-        if runs is None:
-            units = np.array(list(self._units(num_tokens)), dtype=np.int64).reshape(-1, 3)
-            runs = self._runs[num_tokens] = merge_runs(units)
+        if not self.token_dependent:
+            num_tokens = self.src.tokens_per_block
+        if (runs := self._runs.get(num_tokens)) is None:
+            src = self.src.row_offsets([s for s, _ in self.layers], self.src_heads, num_tokens)
+            dst = self.dst.row_offsets([d for _, d in self.layers], self.dst_heads, num_tokens)
+            rows = np.stack([src, dst, np.full_like(src, self.src.row_bytes)], axis=1)
+            runs = self._runs[num_tokens] = merge_runs(rows)
         return runs
-
-    def _entry_offsets(self) -> Iterable[tuple[int, int]]:
-        """(source, destination) offsets of each overlapping layer's K and V entries."""
-        for src_layer, dst_layer in self.layers:
-            for src_entry, dst_entry in zip(self.src.entry_offsets, self.dst.entry_offsets):
-                yield (
-                    src_layer * self.src.layer_stride + src_entry,
-                    dst_layer * self.dst.layer_stride + dst_entry,
-                )
-
-    def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
-        raise NotImplementedError
-
-
-class IntactMapper(Mapper):
-    def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
-        for src_off, dst_off in self._entry_offsets():
-            yield (src_off, dst_off, self.src.entry_size)
-
-
-class ReplicatedMapper(IntactMapper):
-    """Whole entries of REPLICATED views; which rank sends is decided by election (peers.py)."""
-
-
-class HndHeadMismatchMapper(Mapper):
-    def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
-        src_head = self.heads.src_start * self.src.head_bytes
-        dst_head = self.heads.dst_start * self.dst.head_bytes
-        size = self.heads.count * self.src.head_bytes
-        for src_off, dst_off in self._entry_offsets():
-            yield (src_off + src_head, dst_off + dst_head, size)
-
-
-class NhdHeadMismatchMapper(Mapper):
-    token_dependent: ClassVar[bool] = True
-
-    def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
-        src_head = self.heads.src_start * self.src.row_bytes
-        dst_head = self.heads.dst_start * self.dst.row_bytes
-        size = self.heads.count * self.src.row_bytes
-        for src_off, dst_off in self._entry_offsets():
-            for token in range(num_tokens):
-                yield (
-                    src_off + token * self.src.token_bytes + src_head,
-                    dst_off + token * self.dst.token_bytes + dst_head,
-                    size,
-                )
-
-
-class TransposeMapper(Mapper):
-    token_dependent: ClassVar[bool] = True
-
-    def _units(self, num_tokens: int) -> Iterable[tuple[int, int, int]]:
-        # head_bytes / token_bytes follow each side's own layout, so one formula serves both
-        # directions (HND -> NHD and NHD -> HND).
-        for src_off, dst_off in self._entry_offsets():
-            for i in range(self.heads.count):
-                src_head = src_off + (self.heads.src_start + i) * self.src.head_bytes
-                dst_head = dst_off + (self.heads.dst_start + i) * self.dst.head_bytes
-                for token in range(num_tokens):
-                    yield (
-                        src_head + token * self.src.token_bytes,
-                        dst_head + token * self.dst.token_bytes,
-                        self.src.row_bytes,
-                    )
 
 
 def select_mapper(
@@ -276,9 +191,11 @@ def select_mapper(
     src: ViewGeometry,
     dst: ViewGeometry,
     layers: Sequence[tuple[int, int]],
-    heads: HeadOverlap,
+    src_heads: range,
+    dst_heads: range,
 ) -> Mapper:
-    """The mapper for this pairing, or UnsupportedPairing naming what differs (both values)."""
+    """The mapper for this pairing, or UnsupportedPairing naming what differs (both values).
+    `src_heads` and `dst_heads`: the heads both ranks hold, as local indices on each side."""
 
     def refuse(what: str, a: object, b: object) -> UnsupportedPairing:
         return UnsupportedPairing(f"{what}: source {a} vs destination {b}")
@@ -287,35 +204,28 @@ def select_mapper(
     if src.kind is not dst.kind and not transposed:
         raise refuse("mapper kind", src.kind.value, dst.kind.value)
     if src.tokens_per_block != dst.tokens_per_block:
-        raise refuse(
-            f"tokens_per_block ({src.kind.value} needs equal)",
-            src.tokens_per_block,
-            dst.tokens_per_block,
-        )
+        raise refuse("tokens_per_block", src.tokens_per_block, dst.tokens_per_block)
     if src.row_bytes != dst.row_bytes:
         raise refuse("head_dim x element_bytes", src.row_bytes, dst.row_bytes)
     if len(src.entry_offsets) != len(dst.entry_offsets):
         raise refuse("entries per layer", len(src.entry_offsets), len(dst.entry_offsets))
-    if not (
-        heads.count > 0
-        and 0 <= heads.src_start <= src.num_heads - heads.count
-        and 0 <= heads.dst_start <= dst.num_heads - heads.count
-    ):
-        raise refuse(f"head overlap {heads}: local heads", src.num_heads, dst.num_heads)
-    cls: type[Mapper]
-    if transposed:
-        cls = TransposeMapper
-    elif src.kind is MapperKind.REPLICATED:
-        if src.entry_size != dst.entry_size:
-            raise refuse("replicated entry size", src.entry_size, dst.entry_size)
-        cls = ReplicatedMapper
-    elif heads.count == src.num_heads == dst.num_heads:
-        cls = IntactMapper
-    elif src.kind is MapperKind.HND:
-        cls = HndHeadMismatchMapper
-    else:
-        cls = NhdHeadMismatchMapper
-    return cls(src=src, dst=dst, layers=tuple(layers), heads=heads)
+    if src_heads.stop > src.num_heads or dst_heads.stop > dst.num_heads:  # a view short of heads
+        raise refuse(f"shared heads {src_heads} / {dst_heads}", src.num_heads, dst.num_heads)
+    if src.kind is MapperKind.REPLICATED:
+        if src.num_heads != dst.num_heads:  # (each entry is heads x tokens x row bytes)
+            raise refuse("replicated entry heads", src.num_heads, dst.num_heads)
+        # every rank holds whole entries; which one sends is decided by election (peers.py)
+        src_heads = dst_heads = range(src.num_heads)
+    every_head = len(src_heads) == src.num_heads == dst.num_heads
+    token_dependent = transposed or (src.kind is MapperKind.NHD and not every_head)
+    return Mapper(
+        src=src,
+        dst=dst,
+        layers=tuple(layers),
+        src_heads=src_heads,
+        dst_heads=dst_heads,
+        token_dependent=token_dependent,
+    )
 
 
 def aligned_blocks(

@@ -30,7 +30,6 @@ from trtdisagg.transfer.protocol.fragments import (
     packed_run,
 )
 from trtdisagg.transfer.protocol.mappers import (
-    HeadOverlap,
     Mapper,
     ViewGeometry,
     aligned_blocks,
@@ -41,14 +40,11 @@ from trtdisagg.transfer.protocol.rank_info import (
     check_compatible,
     flat_rank,
     head_range,
+    intersect,
     layer_range,
 )
 from trtdisagg.transfer.protocol.sessions import SourceBlocks
 from trtdisagg.transfer.protocol.wire import RequestData, unpack_block_ids
-
-
-def _intersect(a: range, b: range) -> range:
-    return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
 def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> tuple[int, ...]:
@@ -60,27 +56,22 @@ def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> tuple
     pp_ranks = [
         p
         for p in range(peer.pp_size)
-        if _intersect(layer_range(peer.layer_num_per_pp, p), local.layers)
+        if intersect(layer_range(peer.layer_num_per_pp, p), local.layers)
     ]
     first = peer_dp_rank * peer.tp_per_dp
     tp_ranks = [
         first + i
         for i in range(peer.tp_per_dp)
-        if _intersect(head_range(peer.num_kv_heads, peer.tp_per_dp, i), local.heads)
+        if intersect(head_range(peer.num_kv_heads, peer.tp_per_dp, i), local.heads)
     ]
     return tuple(
         flat_rank(tp_rank=t, pp_rank=p, tp_size=peer.tp_size) for p in pp_ranks for t in tp_ranks
     )
 
 
-def duplicate_head_factor(info: RankInfo) -> int:
-    """How many ranks of one DP group hold a copy of each KV head."""
-    return max(1, info.tp_per_dp // info.num_kv_heads)
-
-
 def is_elected(*, sender: RankInfo, receiver: RankInfo) -> bool:
     """Whether `sender` writes the heads it shares with `receiver` (one writer per head copy)."""
-    dup = duplicate_head_factor(sender)
+    dup = max(1, sender.tp_per_dp // sender.num_kv_heads)  # ranks of a DP group per head
     return sender.tp_in_dp % dup == receiver.tp_rank % dup
 
 
@@ -100,14 +91,11 @@ def map_pools(src: RankInfo, dst: RankInfo) -> tuple[ViewPair, ...]:
     group is an error); inside it, a view maps to the view with an equal `pool_role`. Unmatched
     views, and rank pairs sharing no layer or head, map to nothing. UnsupportedPairing: an
     ambiguous group match, different mapper kinds, or a mapper refusal."""
-    heads = _intersect(src.heads, dst.heads)
-    if not heads:
+    shared = intersect(src.heads, dst.heads)
+    if not shared:
         return ()
-    head_overlap = HeadOverlap(
-        src_start=heads.start - src.heads.start,
-        dst_start=heads.start - dst.heads.start,
-        count=len(heads),
-    )
+    src_heads = range(shared.start - src.heads.start, shared.stop - src.heads.start)
+    dst_heads = range(shared.start - dst.heads.start, shared.stop - dst.heads.start)
     pairs: list[ViewPair] = []
     dst_groups = dst.page_table.layer_groups
     for gi, group in enumerate(src.page_table.layer_groups):
@@ -135,7 +123,8 @@ def map_pools(src: RankInfo, dst: RankInfo) -> tuple[ViewPair, ...]:
                 src=ViewGeometry.of(group, view),
                 dst=ViewGeometry.of(peer_group, peer_view),
                 layers=layers,
-                heads=head_overlap,
+                src_heads=src_heads,
+                dst_heads=dst_heads,
             )
             pairs.append(ViewPair(src_group=gi, dst_group=matches[0], mapper=mapper))
     return tuple(pairs)

@@ -36,9 +36,8 @@ def is_tcp_endpoint(value: str) -> bool:
     """`tcp://host:port` with an IPv4 address, a bracketed IPv6 address or a DNS name, and a
     port in [1, 65536); nothing else."""
     head, sep, port = value.rpartition(":")
-    if not (sep and head.startswith("tcp://") and port.isdigit() and len(port) <= 5):
-        return False
-    if not 0 < int(port) < 65536:
+    digits = port.isascii() and port.isdigit() and len(port) <= 5  # isdigit alone takes "²", "٣"
+    if not (sep and head.startswith("tcp://") and digits and 0 < int(port) < 65536):
         return False
     host = head.removeprefix("tcp://")
     if host.startswith("[") and host.endswith("]"):
@@ -66,6 +65,11 @@ def layer_range(layer_num_per_pp: tuple[int, ...], pp_rank: int) -> range:
     return range(start, start + layer_num_per_pp[pp_rank])
 
 
+def intersect(a: range, b: range) -> range:
+    """The ids in both of two ranges of layers or heads."""
+    return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
 def head_range(num_kv_heads: int, tp_per_dp: int, tp_in_dp: int) -> range:
     """Global KV heads held by rank `tp_in_dp` of a DP group of `tp_per_dp` ranks."""
     if num_kv_heads >= tp_per_dp:
@@ -73,15 +77,6 @@ def head_range(num_kv_heads: int, tp_per_dp: int, tp_in_dp: int) -> range:
         return range(tp_in_dp * per_rank, (tp_in_dp + 1) * per_rank)
     head = tp_in_dp // (tp_per_dp // num_kv_heads)
     return range(head, head + 1)
-
-
-def check_head_split(num_kv_heads: int, tp_per_dp: int) -> None:
-    """Raise ValueError unless `num_kv_heads` heads split evenly over `tp_per_dp` ranks."""
-    if num_kv_heads <= 0 or tp_per_dp <= 0:
-        raise ValueError(f"num_kv_heads {num_kv_heads} and tp_per_dp {tp_per_dp} must be positive")
-    if num_kv_heads % tp_per_dp and tp_per_dp % num_kv_heads:
-        raise ValueError(f"num_kv_heads {num_kv_heads} and tensor parallel size {tp_per_dp}"
-                         " do not divide")  # fmt: skip
 
 
 def make_instance_name(role: str) -> str:
@@ -148,7 +143,9 @@ class RankInfo:
             raise ValueError(f"instance_rank {self.instance_rank} != pp*tp+tp = {flat}")
         if len(layers) != pp or min(layers) <= 0:
             raise ValueError(f"layer_num_per_pp {layers} must hold pp_size {pp} positive counts")
-        check_head_split(self.num_kv_heads, self.tp_per_dp)
+        heads, per_dp = self.num_kv_heads, self.tp_per_dp
+        if heads <= 0 or (heads % per_dp and per_dp % heads):
+            raise ValueError(f"num_kv_heads {heads} do not split over a DP group's {per_dp} ranks")
         if self.kv_heads_per_rank != len(self.heads):
             raise ValueError(
                 f"kv_heads_per_rank {self.kv_heads_per_rank} != {len(self.heads)} "

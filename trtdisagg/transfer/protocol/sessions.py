@@ -29,10 +29,9 @@ from typing import TypeVar
 import attrs
 
 from trtdisagg.transfer.protocol.fragments import BlockRun, run_of
-from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus
+from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, TransferResult, WriteNotice
 
 Status = enum.Enum("Status", "INIT READY TRANSFERRING TRANSFERRED ERROR CANCELLED")
-_TERMINAL = (Status.TRANSFERRED, Status.ERROR, Status.CANCELLED)
 
 
 @attrs.frozen(kw_only=True)
@@ -76,11 +75,16 @@ class _Session:
 
     @property
     def status(self) -> Status:
+        if self.cancelled:
+            return Status.CANCELLED
+        return Status.ERROR if self.error is not None else self._progress()
+
+    def _progress(self) -> Status:
         raise NotImplementedError
 
     @property
     def is_terminal(self) -> bool:
-        return self.status in _TERMINAL
+        return self.status in (Status.TRANSFERRED, Status.ERROR, Status.CANCELLED)
 
     def fail(self, reason: str) -> None:
         if not self.is_terminal:
@@ -95,11 +99,6 @@ class _Session:
             self.error = f"KV transfer {self.key} timed out after {timeout_s:g}s"
         return expired
 
-    def _flag(self) -> Status | None:
-        if self.cancelled or self.error is not None:
-            return Status.CANCELLED if self.cancelled else Status.ERROR
-        return None
-
 
 @attrs.define(eq=False, kw_only=True)
 class SenderSession(_Session):
@@ -111,20 +110,17 @@ class SenderSession(_Session):
     first_tokens: tuple[int, ...] = ()  # what ctx sampled, sent along with every OK write
     _requests: dict[int, RequestData] = attrs.Factory(dict)
     _in_flight: set[int] = attrs.Factory(set)
-    _finished: dict[int, ResultStatus] = attrs.Factory(dict)
+    _finished: set[int] = attrs.Factory(set)  # gen ranks whose write ended
     # gen ranks whose REQUEST_DATA reached this session, taken or not (a CANCEL from a rank not
     # among them overtook its request, which is then dropped when it comes)
     heard: set[int] = attrs.Factory(set)
 
-    @property
-    def status(self) -> Status:
-        if (flag := self._flag()) is not None:
-            return flag
-        if self.expected is not None and self.expected <= self._finished.keys():
-            return Status.TRANSFERRED  # every finished write was OK (else the flags above)
+    def _progress(self) -> Status:
+        if self.expected is not None and self.expected <= self._finished:
+            return Status.TRANSFERRED  # every finished write was OK (else cancelled or failed)
         if self._in_flight:
             return Status.TRANSFERRING
-        ready = self.source is not None and self._requests.keys() - self._finished.keys()
+        ready = self.source is not None and self._requests.keys() - self._finished
         return Status.READY if ready else Status.INIT
 
     @property
@@ -167,7 +163,7 @@ class SenderSession(_Session):
         """Requests that can be written now (KV ready, not yet started); marks them in flight."""
         if self.source is None or self.cancelled or self.error is not None:
             return []
-        started = self._in_flight | self._finished.keys()
+        started = self._in_flight | self._finished
         ready = [r for rank, r in sorted(self._requests.items()) if rank not in started]
         self._in_flight.update(request.instance_rank for request in ready)
         return ready
@@ -177,7 +173,7 @@ class SenderSession(_Session):
         if rank not in self._in_flight:
             return False
         self._in_flight.discard(rank)
-        self._finished[rank] = status
+        self._finished.add(rank)
         if not (self.cancelled or self.error is not None):
             if status is ResultStatus.ERROR:
                 self.error = error or f"write to gen rank {rank} failed"
@@ -191,15 +187,6 @@ class SenderSession(_Session):
         return self.is_quiescent
 
 
-@attrs.frozen(kw_only=True)
-class RankResult:
-    status: ResultStatus
-    num_bytes: int
-    num_descriptors: int
-    error: str = ""
-    first_tokens: tuple[int, ...] = ()
-
-
 @attrs.define(eq=False, kw_only=True)
 class ReceiverSession(_Session):
     """gen side of one transfer key: one part expected from each overlapping ctx rank."""
@@ -210,20 +197,17 @@ class ReceiverSession(_Session):
     cancel_sent: bool = False  # CANCEL went to the expected ctx ranks (once)
     failure_reported: bool = False  # the failure went to the executor; the blocks stay pinned
     peer_dead: bool = False  # the ctx instance ended (`peer_died`): none of its writes can land
-    _results: dict[int, RankResult] = attrs.Factory(dict)
-    # ctx ranks whose write's notice came, with what it says the write moved (None: a notice
-    # that says nothing, which counts only with the rank's OK result)
-    _noticed: dict[int, RankResult | None] = attrs.Factory(dict)
+    _results: dict[int, TransferResult] = attrs.Factory(dict)
+    # ctx ranks whose write's notice came, which says what the write moved (None: a notice that
+    # says nothing, which counts only with the rank's OK result)
+    _noticed: dict[int, WriteNotice | None] = attrs.Factory(dict)
     # expected ranks whose part has not landed, kept as events come (read after every event)
     _unlanded: set[int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._unlanded = set(self.expected)
 
-    @property
-    def status(self) -> Status:
-        if (flag := self._flag()) is not None:
-            return flag
+    def _progress(self) -> Status:
         return Status.TRANSFERRING if self._unlanded else Status.TRANSFERRED
 
     @property
@@ -251,8 +235,9 @@ class ReceiverSession(_Session):
             tokens = tokens or part.first_tokens
         return num_bytes, num_descriptors, tokens
 
-    def on_result(self, rank: int, result: RankResult) -> bool:
-        """A TRANSFER_RESULT from ctx rank `rank`; False if unexpected, duplicate or late."""
+    def on_result(self, result: TransferResult) -> bool:
+        """False if its ctx rank is unexpected, or a duplicate."""
+        rank = result.instance_rank
         if rank not in self.expected or rank in self._results:
             return False
         # Judged before filing: with this result every rank may have reported, which must not
@@ -263,13 +248,15 @@ class ReceiverSession(_Session):
         self._settle(rank)
         return True
 
-    def on_notice(self, rank: int, said: RankResult | None = None) -> bool:
-        """The notification of ctx rank `rank`'s write (its bytes have landed), with what the
-        write moved (`said`); False if unexpected or a duplicate. After the rank's result, it
-        says nothing more."""
+    def on_notice(self, notice: WriteNotice) -> bool:
+        """A ctx rank's write notification: its bytes have landed. False if the rank is
+        unexpected, or a duplicate. What it says the write moved counts unless it says nothing
+        (no descriptors) or the rank's result came first."""
+        rank = notice.instance_rank
         if rank not in self.expected or rank in self._noticed:
             return False
-        self._noticed[rank] = None if rank in self._results else said
+        said = notice.num_descriptors > 0 and rank not in self._results
+        self._noticed[rank] = notice if said else None
         self._settle(rank)
         return True
 

@@ -1,12 +1,7 @@
 """What the ctx and gen sides (ctx.py, gen.py) share: the peer ranks met, and the count of peers'
-messages refused. Pure.
-
-Refusals, by reason: `impersonation`: a message names another sender than the rank its
-connection proved to be (or a write notice names a rank whose agent did not send it);
-`not_owner`: it touches another peer instance's session; `over_limit`: its gen instance holds
-`max_sessions_per_peer` transfers here. (control.py counts the sockets' `unauthenticated` and
-`handshake`.) Warnings are limited per peer, so a flood costs a few lines a minute and a count of
-what was suppressed.
+messages refused, by reason (docs/LIFECYCLE.md, "Who may touch a transfer"; control.py counts the
+sockets' `unauthenticated` and `handshake`). Warnings are limited per peer, so a flood costs a
+few lines a minute and a count of what was suppressed. Pure.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Any, Final
 import attrs
 import cattrs
 import numpy as np
-from cattrs.preconf.msgpack import MsgpackConverter, make_converter
+from cattrs.preconf.msgpack import make_converter
 from cattrs.strategies import configure_tagged_union
 from cattrs.v import format_exception
 
@@ -183,28 +183,17 @@ MESSAGE_TAGS: Final[dict[type, str]] = {
 }
 
 
-def _strict(kind: type) -> Any:
+def _exactly(value: object, kind: type) -> object:
     """A structure hook that accepts exactly `kind` (no int("5"), no bytes(5), no bool as int)."""
-
-    def hook(value: object, _type: object) -> object:
-        if type(value) is not kind:
-            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
-        return value
-
-    return hook
+    if type(value) is not kind:
+        raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+    return value
 
 
-def _make_converter() -> MsgpackConverter:
-    converter = make_converter(forbid_extra_keys=True)
-    for kind in (int, str, bytes, bool):
-        converter.register_structure_hook(kind, _strict(kind))
-    configure_tagged_union(
-        Message, converter, tag_generator=MESSAGE_TAGS.__getitem__, tag_name="type"
-    )
-    return converter
-
-
-_converter: Final = _make_converter()
+_converter: Final = make_converter(forbid_extra_keys=True)
+for _scalar in (int, str, bytes, bool):
+    _converter.register_structure_hook(_scalar, _exactly)
+configure_tagged_union(Message, _converter, tag_generator=MESSAGE_TAGS.__getitem__, tag_name="type")
 
 
 def encode(message: Message) -> bytes:
