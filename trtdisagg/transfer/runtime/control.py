@@ -59,7 +59,7 @@ class ControlPlane:
     _nursery: trio.Nursery | None = None
     _dealers: dict[str, ControlDealer] = attrs.Factory(dict)
     _scopes: dict[str, trio.CancelScope] = attrs.Factory(dict)
-    _queued: dict[str, list[Message]] = attrs.Factory(dict)  # for dealers being opened
+    _queued: dict[str, list[Message]] = attrs.Factory(dict)  # (`send`)
     _closed_bad_frames: int = 0
 
     @property
@@ -100,7 +100,8 @@ class ControlPlane:
         self.router.send_message_nowait(identity, message)
 
     def send(self, endpoint: str, message: Message) -> None:
-        """Send on the DEALER to `endpoint` now, or queue it (in order) for one being opened."""
+        """Send on the DEALER to `endpoint` now, or queue it in order (the DEALER is being opened,
+        or its outbox is full)."""
         dealer = self._dealers.get(endpoint)
         if dealer is not None and endpoint not in self._queued:
             with contextlib.suppress(trio.WouldBlock):

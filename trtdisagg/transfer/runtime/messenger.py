@@ -9,12 +9,13 @@ their `peer`, the label they proved.
 Each socket has ONE pump task, the only one that waits on its FD. pyzmq's FD is edge-triggered:
 the pump tries with NOBLOCK, and on `zmq.Again` reads `EVENTS` (which re-arms the edge) before
 it waits. Received messages are decoded (wire.py) into a bounded inbox (full: they stay queued
-in zmq). A send is tried at once when nothing is queued (`*_nowait` from synchronous code;
-trio.WouldBlock when the outbox is full), else queued in order for the pump; since a send may
-consume the FD's edge, it re-reads EVENTS and wakes a waiting pump. A malformed message is
-counted (`bad_frames`) and dropped with a warning limited per peer: the pump never dies of peer
-input; a reply to a gone peer is counted as `unroutable`; any other zmq error crashes the pump's
-nursery.
+in zmq). A DEALER's send is tried at once when nothing is queued (`*_nowait` from synchronous
+code; trio.WouldBlock when the outbox is full), else queued in order for the pump. A ROUTER never
+queues: a reply to a gone peer (`unroutable`) or to one whose zmq queue is full (`overflowed`:
+waiting for a peer that does not read would hold every other peer's replies behind it) is
+dropped and counted. Since a send may consume the FD's edge, it re-reads EVENTS and wakes a
+waiting pump. A malformed message is counted (`bad_frames`) and dropped with a warning limited
+per peer: the pump never dies of peer input; any other zmq error crashes the pump's nursery.
 
 A socket's connection events come from a monitor: a DEALER's link is up once its handshake
 succeeds (a NULL one too); down when it drops, when a connect is refused (only the first of zmq's
@@ -28,8 +29,8 @@ import itertools
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Hashable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Final
 
 import attrs
@@ -108,7 +109,6 @@ class _Pump:
             self.wait_scope.cancel()
 
     def warn(self, who: Hashable, message: str, *args: object) -> None:
-        """A warning about a peer's input, at most a few per peer and minute."""
         log_limited(log, self.warnings, who, time.monotonic(), message, *args)
 
     def flush_warnings(self) -> None:
@@ -236,8 +236,6 @@ class Router(_Pump):
     """A bound ROUTER: receive (identity, message, peer) from DEALERs, send back by identity."""
 
     frames = 2
-    # A peer that stops reading fills only its own zmq queue; waiting for it would hold every
-    # other peer's replies behind it, so its replies are dropped (and counted).
     drop_when_full = True
 
     def handshake_failed(self, _event: int) -> None:
@@ -268,12 +266,16 @@ class Dealer(_Pump):
         self._send_nowait([encode(message)])
 
 
-def _socket(kind: int, context: _Context | None, high_water_mark: int) -> _Socket:
+@contextmanager
+def _socket(kind: int, context: _Context | None, high_water_mark: int) -> Iterator[_Socket]:
     socket = (context or zmq.Context.instance()).socket(kind)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SNDHWM, high_water_mark)
-    socket.setsockopt(zmq.RCVHWM, high_water_mark)
-    return socket
+    try:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, high_water_mark)
+        socket.setsockopt(zmq.RCVHWM, high_water_mark)
+        yield socket
+    finally:
+        socket.close(linger=0)
 
 
 @asynccontextmanager
@@ -285,31 +287,24 @@ async def open_router(
     queue_size: int = 1024,
     high_water_mark: int = 1000,
 ) -> AsyncIterator[Router]:
-    """Bind a ROUTER to `bind` (port 0 or `*` = any free port; the host is used as given).
-
-    `router.endpoint` is the bound address (`tcp://127.0.0.1:43121`). With `secret` it is a CURVE
-    server, whose context must have a ZAP task running (`security.zap.serve_zap`). `queue_size`
-    bounds both the inbox and the outbox (messages); `high_water_mark` is zmq's own per-peer
-    queue limit.
-    """
-    socket = _socket(zmq.ROUTER, context, high_water_mark)
-    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    if secret is not None:
-        configure_curve_server(socket, secret)
-    else:
-        configure_unsecured(socket)
-    try:
+    """Bind a ROUTER to `bind` (port 0 or `*`: any free port; `router.endpoint` is the address
+    bound); with `secret` a CURVE server, whose context must have a ZAP task running
+    (`security.zap.serve_zap`). `queue_size` bounds the inbox (and a DEALER's outbox) in
+    messages; `high_water_mark` is zmq's own per-peer queue limit."""
+    with _socket(zmq.ROUTER, context, high_water_mark) as socket:
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if secret is not None:
+            configure_curve_server(socket, secret)
+        else:
+            configure_unsecured(socket)
         socket.bind(bind)
-    except zmq.ZMQError:
-        socket.close(linger=0)
-        raise
-    endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-    verifier = PeerVerifier(secret=secret) if secret is not None else None
-    router = Router(socket, endpoint, queue_size=queue_size, verifier=verifier)
-    # A secured ROUTER counts the handshakes it refused (peers without the cluster secret).
-    refusals = router.handshake_failed if secret is not None else None
-    async with _running(router, HANDSHAKE_FAILED, refusals):
-        yield router
+        endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        verifier = PeerVerifier(secret=secret) if secret is not None else None
+        router = Router(socket, endpoint, queue_size=queue_size, verifier=verifier)
+        # A secured ROUTER counts the handshakes it refused (peers without the cluster secret).
+        refusals = router.handshake_failed if secret is not None else None
+        async with _running(router, HANDSHAKE_FAILED, refusals):
+            yield router
 
 
 @asynccontextmanager
@@ -326,18 +321,17 @@ async def open_dealer(
     """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); with `secret`
     as a CURVE client speaking for `label` (required then). `on_link(up)` is told each time the
     link comes up or goes down (the module docstring)."""
-    socket = _socket(zmq.DEALER, context, high_water_mark)
-    if secret is None:
-        configure_unsecured(socket)
-    elif label is not None:
-        configure_curve_client(socket, secret, label)
-    else:
-        socket.close(linger=0)
-        raise ValueError("a CURVE dealer needs the label of the rank it speaks for")
-    events = LinkState(endpoint, on_link) if on_link is not None else None
-    dealer = Dealer(socket, endpoint, queue_size=queue_size, verifier=None)
-    async with _running(dealer, UP | DOWN | HANDSHAKE_FAILED, events, endpoint):
-        yield dealer
+    with _socket(zmq.DEALER, context, high_water_mark) as socket:
+        if secret is None:
+            configure_unsecured(socket)
+        elif label is None:
+            raise ValueError("a CURVE dealer needs the label of the rank it speaks for")
+        else:
+            configure_curve_client(socket, secret, label)
+        events = LinkState(endpoint, on_link) if on_link is not None else None
+        dealer = Dealer(socket, endpoint, queue_size=queue_size, verifier=None)
+        async with _running(dealer, UP | DOWN | HANDSHAKE_FAILED, events, endpoint):
+            yield dealer
 
 
 @asynccontextmanager
@@ -345,8 +339,8 @@ async def _running(
     pump: _Pump, events: int, on_event: Callable[[int], None] | None, connect: str | None = None
 ) -> AsyncIterator[None]:
     """Run `pump` while the body runs, with `on_event` told of its socket's `events`, then
-    connect to `connect` if given (once the monitor is open: no event is missed). The socket is
-    closed on exit; the body's own exception leaves unwrapped."""
+    connect to `connect` if given (once the monitor is open: no event is missed). The body's own
+    exception leaves unwrapped."""
     try:
         async with trio.open_nursery() as nursery:
             if on_event is not None:
@@ -360,8 +354,6 @@ async def _running(
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
-    finally:
-        pump.socket.close(linger=0)
 
 
 @attrs.define(eq=False)

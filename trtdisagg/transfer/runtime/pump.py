@@ -67,8 +67,7 @@ class AgentPump:
     def now(self, call: Callable[[], T]) -> T:
         """A quick call, here on the Trio thread (only while `idle`)."""
         assert not self._slow, "a blocking agent call runs: use in_thread"
-        with self._lock:
-            return call()
+        return self._locked(call)
 
     async def in_thread(self, call: Callable[[], T]) -> T:
         self._slow += 1
