@@ -195,12 +195,9 @@ class _Pump:
                 return
             # who sent it, for log lines: the label it proved, its identity, or where we dialled
             who = peer.text if peer else frames[0].hex() if self.frames == 2 else self.endpoint
-            if len(frames) != self.frames:
-                self.counts.bad_frames += 1
-                self.warn(who, "dropped a %d-frame message (expected %d)", len(frames),
-                          self.frames)  # fmt: skip
-                continue
             try:
+                if len(frames) != self.frames:
+                    raise ProtocolError(f"{len(frames)} frames, not {self.frames}")
                 message = decode(frames[-1])
             except ProtocolError as exc:
                 self.counts.bad_frames += 1
@@ -358,7 +355,8 @@ async def _running(
 
 @attrs.define(eq=False)
 class LinkState:
-    """A DEALER's events as `on_link(up)` calls, one per change."""
+    """A DEALER's events (UP, DOWN and HANDSHAKE_FAILED: all its monitor reports) as `on_link(up)`
+    calls, one per change."""
 
     endpoint: str
     on_link: Callable[[bool], None]
@@ -370,12 +368,10 @@ class LinkState:
             self.refused = True
             log.warning("control connection to %s: its handshake failed (wrong cluster_secret?)",
                         self.endpoint)  # fmt: skip
-        if event & UP and self.up is not True:
-            self.up = True
-            self.on_link(True)
-        elif event & (DOWN | HANDSHAKE_FAILED) and self.up is not False:
-            self.up = False
-            self.on_link(False)
+        up = bool(event & UP)
+        if up != self.up:
+            self.up = up
+            self.on_link(up)
 
 
 async def _watch(
