@@ -9,6 +9,7 @@ one that stalled). Suppressed warnings about peers are counted out every `WARNIN
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import trio
 
 from trtdisagg.security.keys import PeerLabel
 from trtdisagg.transfer.protocol.wire import Message
-from trtdisagg.transfer.runtime.messenger import MessengerStatistics, open_dealer
+from trtdisagg.transfer.runtime.messenger import MessengerStatistics
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,11 @@ class ControlPlane:
     router: ControlRouter
     deliver: Deliver
     on_link: Callable[[str, bool], None]
-    connect: DealerOpener = open_dealer  # (trtdisagg/faults/ wraps it when armed)
+    connect: DealerOpener  # open_dealer (trtdisagg/faults/ wraps it when armed)
     _nursery: trio.Nursery | None = None
     _dealers: dict[str, ControlDealer] = attrs.Factory(dict)
     _scopes: dict[str, trio.CancelScope] = attrs.Factory(dict)
-    _queued: dict[str, list[Message]] = attrs.Factory(dict)  # for dealers being opened
+    _queued: dict[str, list[Message]] = attrs.Factory(dict)  # (`send`)
     _closed_bad_frames: int = 0
 
     @property
@@ -99,14 +100,13 @@ class ControlPlane:
         self.router.send_message_nowait(identity, message)
 
     def send(self, endpoint: str, message: Message) -> None:
-        """Send on the DEALER to `endpoint` now, or queue it (in order) for one being opened."""
+        """Send on the DEALER to `endpoint` now, or queue it in order (the DEALER is being opened,
+        or its outbox is full)."""
         dealer = self._dealers.get(endpoint)
         if dealer is not None and endpoint not in self._queued:
-            try:
+            with contextlib.suppress(trio.WouldBlock):
                 dealer.send_message_nowait(message)
                 return
-            except trio.WouldBlock:
-                pass
         queue = self._queued.setdefault(endpoint, [])
         queue.append(message)
         if len(queue) == 1:
@@ -134,12 +134,7 @@ class ControlPlane:
         finally:
             del self._queued[endpoint]
 
-    async def _hold(
-        self,
-        endpoint: str,
-        *,
-        task_status: trio.TaskStatus[ControlDealer] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
+    async def _hold(self, endpoint: str, *, task_status: trio.TaskStatus[ControlDealer]) -> None:
         """Own the DEALER to `endpoint` until the service ends or it is dropped."""
         with trio.CancelScope() as scope:
             self._scopes[endpoint] = scope

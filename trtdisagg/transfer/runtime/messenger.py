@@ -9,12 +9,13 @@ their `peer`, the label they proved.
 Each socket has ONE pump task, the only one that waits on its FD. pyzmq's FD is edge-triggered:
 the pump tries with NOBLOCK, and on `zmq.Again` reads `EVENTS` (which re-arms the edge) before
 it waits. Received messages are decoded (wire.py) into a bounded inbox (full: they stay queued
-in zmq). A send is tried at once when nothing is queued (`*_nowait` from synchronous code;
-trio.WouldBlock when the outbox is full), else queued in order for the pump; since a send may
-consume the FD's edge, it re-reads EVENTS and wakes a waiting pump. A malformed message is
-counted (`bad_frames`) and dropped with a warning limited per peer: the pump never dies of peer
-input; a reply to a gone peer is counted as `unroutable`; any other zmq error crashes the pump's
-nursery.
+in zmq). A DEALER's send is tried at once when nothing is queued (`*_nowait` from synchronous
+code; trio.WouldBlock when the outbox is full), else queued in order for the pump. A ROUTER never
+queues: a reply to a gone peer (`unroutable`) or to one whose zmq queue is full (`overflowed`:
+waiting for a peer that does not read would hold every other peer's replies behind it) is
+dropped and counted. Since a send may consume the FD's edge, it re-reads EVENTS and wakes a
+waiting pump. A malformed message is counted (`bad_frames`) and dropped with a warning limited
+per peer: the pump never dies of peer input; any other zmq error crashes the pump's nursery.
 
 A socket's connection events come from a monitor: a DEALER's link is up once its handshake
 succeeds (a NULL one too); down when it drops, when a connect is refused (only the first of zmq's
@@ -28,8 +29,8 @@ import itertools
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Hashable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Final
 
 import attrs
@@ -65,12 +66,12 @@ HANDSHAKE_FAILED: Final = (
 _monitor_ids = itertools.count()
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class MessengerStatistics:
-    sent: int  # messages handed to zmq
-    received: int  # well-formed messages delivered
-    bad_frames: int  # dropped for a wrong frame count or an undecodable payload
-    unroutable: int  # ROUTER replies to an identity that is not connected
+    sent: int = 0  # messages handed to zmq
+    received: int = 0  # well-formed messages delivered
+    bad_frames: int = 0  # dropped for a wrong frame count or an undecodable payload
+    unroutable: int = 0  # ROUTER replies to an identity that is not connected
     overflowed: int = 0  # ROUTER replies dropped: that peer's queue was full (it does not read)
     refused: int = 0  # secured ROUTER: messages from connections that proved no member's label
     handshakes_refused: int = 0  # secured ROUTER: peers without the cluster secret, cut off
@@ -80,23 +81,14 @@ class _Pump:
     """A socket and the one task that touches it (the module docstring)."""
 
     frames = 1  # per message: the ROUTER's have its sender's identity first
+    drop_when_full = False  # a message zmq would block on is dropped (counted), never queued
 
     def __init__(
-        self,
-        socket: _Socket,
-        endpoint: str,
-        *,
-        queue_size: int,
-        verifier: PeerVerifier | None = None,
-        drop_when_full: bool = False,
+        self, socket: _Socket, endpoint: str, *, queue_size: int, verifier: PeerVerifier | None
     ) -> None:
         self.socket = socket
         self.endpoint = endpoint
         self.verifier = verifier
-        # ROUTER: a peer that stops reading fills only its own zmq queue; waiting for it would
-        # hold every other peer's replies behind it, so its replies are dropped (and counted).
-        self.drop_when_full = drop_when_full
-        self.overflowed = 0
         self.outbox: collections.deque[list[bytes]] = collections.deque()
         self.queue_size = queue_size
         self.inbox_send, self.inbox = trio.open_memory_channel[
@@ -106,8 +98,7 @@ class _Pump:
         self.wait_scope: trio.CancelScope | None = None
         self.inbox_full = False
         self.warnings = LogRateLimit(lines=5, interval_s=60.0)
-        self.sent = self.received = self.bad_frames = self.unroutable = 0
-        self.handshakes_refused = 0
+        self.counts = MessengerStatistics()  # (`refused` is the verifier's)
 
     def has_room(self, count: int) -> bool:
         """Whether `count` messages would be taken now without waiting."""
@@ -118,13 +109,7 @@ class _Pump:
             self.wait_scope.cancel()
 
     def warn(self, who: Hashable, message: str, *args: object) -> None:
-        """A warning about a peer's input, at most a few per peer and minute."""
         log_limited(log, self.warnings, who, time.monotonic(), message, *args)
-
-    def handshake_failed(self, _event: int) -> None:
-        self.handshakes_refused += 1
-        self.warn("handshake", "refused a control connection: its handshake failed (a peer"
-                  " without the cluster secret)")  # fmt: skip
 
     def flush_warnings(self) -> None:
         """Log how many warnings about quiet peers were suppressed (call it now and then)."""
@@ -135,29 +120,22 @@ class _Pump:
             self.verifier.flush_warnings(now)
 
     async def _send(self, frames: list[bytes]) -> None:
-        """Send now if nothing is queued (the fast path), else queue for the pump (in order)."""
         # Cancellation is checked before sending, but the scheduling round every async call owes
         # comes after it (as in trio's own Lock.acquire): the message leaves a round earlier.
         await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self._send_nowait(frames)
-        except trio.WouldBlock:
-            while len(self.outbox) >= self.queue_size:
-                await self.space.park()
-            self.outbox.append(frames)
-            self.wake()
-            return
+        while not self.has_room(1):
+            await self.space.park()
+        self._send_nowait(frames)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     def _send_nowait(self, frames: list[bytes]) -> None:
-        """`_send` without waiting, from synchronous code on the Trio thread that owns the
-        socket: sent now, or queued for the pump in order behind earlier messages.
-        trio.WouldBlock (nothing sent or queued) when the outbox is full."""
+        """`_send` from synchronous code on the socket's Trio thread: trio.WouldBlock (nothing
+        sent or queued) when the outbox is full."""
         if not self.outbox and self._try_send(frames):
             if self.wait_scope is not None and self._events() & zmq.POLLIN:
-                self.wake()
+                self.wake()  # the send consumed the FD's edge: the pump must look again
             return
-        if len(self.outbox) >= self.queue_size:
+        if not self.has_room(1):
             raise trio.WouldBlock
         self.outbox.append(frames)
         self.wake()
@@ -169,15 +147,15 @@ class _Pump:
         except zmq.Again:
             if not self.drop_when_full:
                 return False
-            if not self.overflowed:
+            if not self.counts.overflowed:
                 log.warning("a control-plane peer does not read its replies; dropping them")
-            self.overflowed += 1
+            self.counts.overflowed += 1
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            self.unroutable += 1
+            self.counts.unroutable += 1
         else:
-            self.sent += 1
+            self.counts.sent += 1
         return True
 
     def _events(self) -> int:
@@ -217,19 +195,16 @@ class _Pump:
                 return
             # who sent it, for log lines: the label it proved, its identity, or where we dialled
             who = peer.text if peer else frames[0].hex() if self.frames == 2 else self.endpoint
-            if len(frames) != self.frames:
-                self.bad_frames += 1
-                self.warn(who, "dropped a %d-frame message (expected %d)", len(frames),
-                          self.frames)  # fmt: skip
-                continue
             try:
+                if len(frames) != self.frames:
+                    raise ProtocolError(f"{len(frames)} frames, not {self.frames}")
                 message = decode(frames[-1])
             except ProtocolError as exc:
-                self.bad_frames += 1
+                self.counts.bad_frames += 1
                 self.warn(who, "dropped a message from %s: %s", who, exc)
                 continue
             self.inbox_send.send_nowait((frames[0] if self.frames == 2 else b"", message, peer))
-            self.received += 1
+            self.counts.received += 1
         self.inbox_full = True
 
     async def run(self) -> None:
@@ -250,19 +225,20 @@ class _Pump:
             self.wait_scope = None
 
     def statistics(self) -> MessengerStatistics:
-        verified = self.verifier.statistics() if self.verifier is not None else None
-        return MessengerStatistics(
-            sent=self.sent, received=self.received, bad_frames=self.bad_frames,
-            unroutable=self.unroutable, overflowed=self.overflowed,
-            refused=verified.refused if verified is not None else 0,
-            handshakes_refused=self.handshakes_refused,
-        )  # fmt: skip
+        refused = self.verifier.statistics().refused if self.verifier is not None else 0
+        return attrs.evolve(self.counts, refused=refused)
 
 
 class Router(_Pump):
     """A bound ROUTER: receive (identity, message, peer) from DEALERs, send back by identity."""
 
     frames = 2
+    drop_when_full = True
+
+    def handshake_failed(self, _event: int) -> None:
+        self.counts.handshakes_refused += 1
+        self.warn("handshake", "refused a control connection: its handshake failed (a peer"
+                  " without the cluster secret)")  # fmt: skip
 
     async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]:
         return await self._receive()
@@ -287,12 +263,16 @@ class Dealer(_Pump):
         self._send_nowait([encode(message)])
 
 
-def _socket(kind: int, context: _Context | None, high_water_mark: int) -> _Socket:
+@contextmanager
+def _socket(kind: int, context: _Context | None, high_water_mark: int) -> Iterator[_Socket]:
     socket = (context or zmq.Context.instance()).socket(kind)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SNDHWM, high_water_mark)
-    socket.setsockopt(zmq.RCVHWM, high_water_mark)
-    return socket
+    try:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, high_water_mark)
+        socket.setsockopt(zmq.RCVHWM, high_water_mark)
+        yield socket
+    finally:
+        socket.close(linger=0)
 
 
 @asynccontextmanager
@@ -304,33 +284,24 @@ async def open_router(
     queue_size: int = 1024,
     high_water_mark: int = 1000,
 ) -> AsyncIterator[Router]:
-    """Bind a ROUTER to `bind` (port 0 or `*` = any free port; the host is used as given).
-
-    `router.endpoint` is the bound address (`tcp://127.0.0.1:43121`). With `secret` it is a CURVE
-    server, whose context must have a ZAP task running (`security.zap.serve_zap`). `queue_size`
-    bounds both the inbox and the outbox (messages); `high_water_mark` is zmq's own per-peer
-    queue limit.
-    """
-    socket = _socket(zmq.ROUTER, context, high_water_mark)
-    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    if secret is not None:
-        configure_curve_server(socket, secret)
-    else:
-        configure_unsecured(socket)
-    address = bind[: -len(":0")] + ":*" if bind.endswith(":0") else bind
-    try:
-        socket.bind(address)
-    except zmq.ZMQError:
-        socket.close(linger=0)
-        raise
-    endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-    verifier = PeerVerifier(secret=secret) if secret is not None else None
-    router = Router(socket, endpoint, queue_size=queue_size, drop_when_full=True,
-                    verifier=verifier)  # fmt: skip
-    # A secured ROUTER counts the handshakes it refused (peers without the cluster secret).
-    refusals = router.handshake_failed if secret is not None else None
-    async with _running(router, HANDSHAKE_FAILED, refusals):
-        yield router
+    """Bind a ROUTER to `bind` (port 0 or `*`: any free port; `router.endpoint` is the address
+    bound); with `secret` a CURVE server, whose context must have a ZAP task running
+    (`security.zap.serve_zap`). `queue_size` bounds the inbox (and a DEALER's outbox) in
+    messages; `high_water_mark` is zmq's own per-peer queue limit."""
+    with _socket(zmq.ROUTER, context, high_water_mark) as socket:
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if secret is not None:
+            configure_curve_server(socket, secret)
+        else:
+            configure_unsecured(socket)
+        socket.bind(bind)
+        endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        verifier = PeerVerifier(secret=secret) if secret is not None else None
+        router = Router(socket, endpoint, queue_size=queue_size, verifier=verifier)
+        # A secured ROUTER counts the handshakes it refused (peers without the cluster secret).
+        refusals = router.handshake_failed if secret is not None else None
+        async with _running(router, HANDSHAKE_FAILED, refusals):
+            yield router
 
 
 @asynccontextmanager
@@ -339,7 +310,6 @@ async def open_dealer(
     *,
     secret: ClusterSecret | None = None,
     label: PeerLabel | None = None,
-    identity: bytes | None = None,
     context: _Context | None = None,
     queue_size: int = 1024,
     high_water_mark: int = 1000,
@@ -348,57 +318,45 @@ async def open_dealer(
     """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); with `secret`
     as a CURVE client speaking for `label` (required then). `on_link(up)` is told each time the
     link comes up or goes down (the module docstring)."""
-    socket = _socket(zmq.DEALER, context, high_water_mark)
-    if secret is not None:
-        if label is None:
-            socket.close(linger=0)
+    with _socket(zmq.DEALER, context, high_water_mark) as socket:
+        if secret is None:
+            configure_unsecured(socket)
+        elif label is None:
             raise ValueError("a CURVE dealer needs the label of the rank it speaks for")
-        configure_curve_client(socket, secret, label)
-    else:
-        configure_unsecured(socket)
-    if identity is not None:
-        socket.setsockopt(zmq.ROUTING_ID, identity)
-    events = LinkState(endpoint, on_link) if on_link is not None else None
-    dealer = Dealer(socket, endpoint, queue_size=queue_size)
-    async with _running(dealer, UP | DOWN | HANDSHAKE_FAILED, events, endpoint):
-        yield dealer
+        else:
+            configure_curve_client(socket, secret, label)
+        events = LinkState(endpoint, on_link) if on_link is not None else None
+        dealer = Dealer(socket, endpoint, queue_size=queue_size, verifier=None)
+        async with _running(dealer, UP | DOWN | HANDSHAKE_FAILED, events, endpoint):
+            yield dealer
 
 
 @asynccontextmanager
 async def _running(
     pump: _Pump, events: int, on_event: Callable[[int], None] | None, connect: str | None = None
 ) -> AsyncIterator[None]:
-    """Run `pump` while the body runs, with `on_event` told of its socket's `events` (a monitor),
-    then connect to `connect` if given (after the monitor: no event is missed). The socket is
-    closed on exit; the body's own exception leaves unwrapped."""
-    socket = pump.socket
-    monitor = open_monitor(socket, events) if on_event is not None else None
-    if connect is not None:
-        socket.connect(connect)
+    """Run `pump` while the body runs, with `on_event` told of its socket's `events`, then
+    connect to `connect` if given (once the monitor is open: no event is missed). The body's own
+    exception leaves unwrapped."""
     try:
         async with trio.open_nursery() as nursery:
+            if on_event is not None:
+                await nursery.start(_watch, pump.socket, events, on_event)
+            if connect is not None:
+                pump.socket.connect(connect)
             nursery.start_soon(pump.run)
-            if monitor is not None and on_event is not None:
-                nursery.start_soon(watch, monitor, on_event)
-            try:
-                yield
-            finally:
-                if monitor is not None:
-                    stop_monitor(socket)
-                nursery.cancel_scope.cancel()
+            yield
+            nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
-    finally:
-        socket.close(linger=0)
-        if monitor is not None:
-            monitor.close(linger=0)
 
 
 @attrs.define(eq=False)
 class LinkState:
-    """A DEALER's events as `on_link(up)` calls, one per change."""
+    """A DEALER's events (UP, DOWN and HANDSHAKE_FAILED: all its monitor reports) as `on_link(up)`
+    calls, one per change."""
 
     endpoint: str
     on_link: Callable[[bool], None]
@@ -410,49 +368,51 @@ class LinkState:
             self.refused = True
             log.warning("control connection to %s: its handshake failed (wrong cluster_secret?)",
                         self.endpoint)  # fmt: skip
-        if event & UP and self.up is not True:
-            self.up = True
-            self.on_link(True)
-        elif event & (DOWN | HANDSHAKE_FAILED) and self.up is not False:
-            self.up = False
-            self.on_link(False)
+        up = bool(event & UP)
+        if up != self.up:
+            self.up = up
+            self.on_link(up)
 
 
-def open_monitor(socket: _Socket, events: int) -> _Socket | None:
-    """A monitor of `events` on `socket` (open it before the socket connects, so that no event
-    is missed), or None (logged) if zmq refuses one."""
+async def _watch(
+    socket: _Socket,
+    events: int,
+    on_event: Callable[[int], None],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Call `on_event(event)` for each of `socket`'s `events`, read from a monitor (edge-triggered
+    like any zmq FD); started once the monitor is open, or once zmq refused one (logged)."""
     # a PAIR socket with an inproc name of its own: zmq's reaper may still hold pyzmq's default
     # name for a closed socket
     address = f"inproc://trtdisagg.monitor.{next(_monitor_ids)}"
     try:
-        return socket.get_monitor_socket(events, addr=address)
+        monitor = socket.get_monitor_socket(events, addr=address)
     except zmq.ZMQError as exc:
         log.warning("no connection events (liveness falls back to probes): %s", exc)
-        return None
-
-
-def stop_monitor(socket: _Socket) -> None:
-    """Stop `socket`'s events before either socket closes: zmq's I/O thread blocks for good on an
-    event for a closed reader."""
-    try:
-        socket.disable_monitor()
-    except zmq.ZMQError as exc:
-        log.warning("could not stop a socket monitor: %s", exc)
-
-
-async def watch(monitor: _Socket, on_event: Callable[[int], None]) -> None:
-    """Call `on_event(event)` for each event of `monitor` (edge-triggered like any zmq FD)."""
+        task_status.started()
+        return
+    task_status.started()
     fd = int(monitor.getsockopt(zmq.FD))
-    while True:
+    try:
+        while True:
+            try:
+                frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                if not int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # re-arms the edge
+                    await trio.lowlevel.wait_readable(fd)
+                continue
+            try:
+                event = parse_monitor_message(frames)["event"]
+            except (ValueError, IndexError, struct.error):
+                continue  # not an event zmq would send
+            on_event(event)
+            await trio.lowlevel.checkpoint()
+    finally:
+        # before either socket closes: zmq's I/O thread blocks for good on an event for a
+        # closed reader
         try:
-            frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
-        except zmq.Again:
-            if not int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # re-arms the edge
-                await trio.lowlevel.wait_readable(fd)
-            continue
-        try:
-            event = parse_monitor_message(frames)["event"]
-        except (ValueError, IndexError, struct.error):
-            continue  # not an event zmq would send
-        on_event(event)
-        await trio.lowlevel.checkpoint()
+            socket.disable_monitor()
+        except zmq.ZMQError as exc:
+            log.warning("could not stop a socket monitor: %s", exc)
+        monitor.close(linger=0)

@@ -51,13 +51,13 @@ class AgentPump:
         self.agent, self._deliver = agent, deliver
         self._lock = threading.Lock()  # the agent's
         self._slow = 0  # blocking calls under way (each in a worker thread or on the pump's)
-        self._state = threading.Lock()  # guards what is watched, and the wake-up
+        self._state = threading.Lock()  # guards what the Trio thread hands over, and the wake-up
         self._wakeup = threading.Event()
-        self._writes: dict[int, XferHandle] = {}
+        self._watched: list[tuple[int, XferHandle]] = []
         self._posts: list[tuple[int, Callable[[], XferHandle]]] = []
         self._notices = self._stopping = False
+        self._writes: dict[int, XferHandle] = {}  # polled: the pump thread's own
         self._thread: threading.Thread | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
 
     @property
     def idle(self) -> bool:
@@ -67,8 +67,7 @@ class AgentPump:
     def now(self, call: Callable[[], T]) -> T:
         """A quick call, here on the Trio thread (only while `idle`)."""
         assert not self._slow, "a blocking agent call runs: use in_thread"
-        with self._lock:
-            return call()
+        return self._locked(call)
 
     async def in_thread(self, call: Callable[[], T]) -> T:
         self._slow += 1
@@ -84,7 +83,7 @@ class AgentPump:
     def watch_write(self, write_id: int, handle: XferHandle) -> None:
         """Poll this write until it ends; its end is delivered once."""
         with self._state:
-            self._writes[write_id] = handle
+            self._watched.append((write_id, handle))
             if not self._wakeup.is_set():  # (set: the pump is polling, and clears it only
                 self._wakeup.set()  # under this lock once nothing is watched)
 
@@ -105,8 +104,10 @@ class AgentPump:
                     self._wakeup.set()
 
     def start(self) -> None:
-        self._token = trio.lowlevel.current_trio_token()
-        self._thread = threading.Thread(target=self._run, name="kv-notification-pump", daemon=True)
+        token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(
+            target=self._run, args=(token,), name="kv-notification-pump", daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
@@ -116,7 +117,7 @@ class AgentPump:
         if self._thread is not None:
             self._thread.join()
 
-    def _run(self) -> None:
+    def _run(self, token: trio.lowlevel.TrioToken) -> None:
         _cut_timer_slack()
         while True:
             self._wakeup.wait()
@@ -124,21 +125,17 @@ class AgentPump:
                 if self._stopping:
                     return
                 posts, self._posts = self._posts, []
-                if not posts and not self._writes and not self._notices:
+                self._writes.update(self._watched)
+                self._watched.clear()
+                notices = self._notices
+                if not posts and not self._writes and not notices:
                     self._wakeup.clear()  # under the lock: a watch made now sets it again
                     continue
             posted = self._post(posts)
-            with self._state:
-                writes, notices = list(self._writes.items()), self._notices
-            got, ended = self._poll(writes, notices)
-            if ended:
-                with self._state:
-                    for write_id, _ in ended:
-                        del self._writes[write_id]
+            got, ended = self._poll(notices)
             if posted or got or ended:
-                assert self._token is not None
                 with contextlib.suppress(trio.RunFinishedError):  # (stopped first, normally)
-                    self._token.run_sync_soon(self._delivered, posted, got, ended)
+                    token.run_sync_soon(self._delivered, posted, got, ended)
             time.sleep(PUMP_INTERVAL_S)
 
     def _post(self, posts: list[tuple[int, Callable[[], XferHandle]]]) -> Posted:
@@ -153,17 +150,14 @@ class AgentPump:
                 posted.append((write_id, str(exc) or type(exc).__name__))
                 continue
             posted.append((write_id, handle))
-            with self._state:
-                self._writes[write_id] = handle
+            self._writes[write_id] = handle
         return posted
 
-    def _poll(
-        self, writes: list[tuple[int, XferHandle]], notices: bool
-    ) -> tuple[Notifications, Ended]:
+    def _poll(self, notices: bool) -> tuple[Notifications, Ended]:
         agent, ended = self.agent, Ended()
         with self._lock:
             got = agent.get_notifications() if notices else []
-            for write_id, handle in writes:
+            for write_id, handle in self._writes.items():
                 try:
                     state = agent.poll(handle)
                 except TransferLayerError as exc:
@@ -171,6 +165,8 @@ class AgentPump:
                     state = XferStatus.ERROR
                 if state is not XferStatus.PENDING:
                     ended.append((write_id, state))
+        for write_id, _ in ended:
+            del self._writes[write_id]
         return got, ended
 
     def _delivered(self, posted: Posted, got: Notifications, ended: Ended) -> None:

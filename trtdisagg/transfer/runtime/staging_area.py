@@ -28,7 +28,7 @@ class StagingArea:
     clock: Callable[[], float]
     allocator: StagingAllocator = attrs.field(init=False)
     _queue: collections.deque[object] = attrs.Factory(collections.deque)
-    _changed: trio.Event = attrs.Factory(trio.Event)
+    _changed: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
 
     def __attrs_post_init__(self) -> None:
         self.allocator = StagingAllocator(capacity=self.stager.capacity)
@@ -54,15 +54,14 @@ class StagingArea:
                         offset = self.allocator.allocate(num_bytes)
                         if offset is not None:
                             return offset
-                    changed = self._changed
-                    await changed.wait()
+                    await self._changed.park()
             raise TransferLayerError(
                 f"no room for {num_bytes} bytes in the staging buffer before the deadline "
                 f"({self.allocator.free_bytes} of {self.capacity} free)"
             )
         finally:
             self._queue.remove(ticket)
-            self._notify()  # the next in line may fit now
+            self._changed.unpark_all()  # the next in line may fit now
 
     async def stage(
         self, order: ev.WriteOrder, in_thread: Callable[[Callable[[], None]], Awaitable[None]]
@@ -106,8 +105,4 @@ class StagingArea:
 
     def release(self, offset: int) -> None:
         self.allocator.release(offset)
-        self._notify()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.unpark_all()
