@@ -10,7 +10,8 @@
 # and carry both:  carry [".whl", ".base"]   command: BASE=.base bash tools/device_compare.sh
 #
 # Knobs: SIZES (tokens of 8B KV, 128 KiB each; default "2048 8192 32768"), ROUNDS ("1 2"),
-# TTFT=0 skips the TTFT part, TRANSFER=0 the transfer part, SUITE=1 runs the GPU suite first.
+# TTFT=0 skips the TTFT part, TRANSFER=0 the transfer part, SUITE=1 runs the GPU suite first,
+# SCHEDULE=generation_first sets the coordinator's schedule_style for the TTFT part.
 # Results: $OUT/compare.txt (the table at the end), $OUT/*.json.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -47,7 +48,9 @@ fi
 
 ttft() { # tree
     local t=$1 dir=${TREE[$1]}
-    sed "s#^log_dir: .*#log_dir: /tmp/logs_$t#" "$dir/conf/gpu/one_h200.yaml" > "/tmp/up_$t.yaml"
+    sed -e "s#^log_dir: .*#log_dir: /tmp/logs_$t#" \
+        -e "/^coordinator:/a\\  schedule_style: ${SCHEDULE:-context_first}" \
+        "$dir/conf/gpu/one_h200.yaml" > "/tmp/up_$t.yaml"
     (cd "$dir" && PYTHONPATH="/tmp/site:$dir" exec python3 -m trtdisagg up "/tmp/up_$t.yaml") \
         > "$OUT/up_$t.log" 2>&1 &
     local up=$!
