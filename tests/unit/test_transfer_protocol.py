@@ -43,7 +43,9 @@ from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.sessions import SourceBlocks, TransferOutcome
 from trtdisagg.transfer.protocol.wire import (
     NOT_REGISTERED,
+    PROTOCOL_VERSION,
     Cancel,
+    InstanceInfo,
     Message,
     RegisterPeer,
     RequestData,
@@ -208,6 +210,29 @@ def test_a_refused_registration_fails_every_request_there_naming_both_values() -
         assert not outcome.ok and outcome.error is not None
         assert "dtype: local 'bfloat16' vs peer 'float32'" in outcome.error
     assert net.gen.gen.rendezvous == 1  # the refusal is kept per endpoint
+
+
+@pytest.mark.parametrize("listed", [(0,), (1, 0), (0, 0)])
+def test_an_instance_info_without_every_rank_in_order_is_refused_and_gen_serves_on(
+    listed: tuple[int, ...],
+) -> None:
+    net = Net.of()
+    ranks = make_instance(
+        instance_name="ctx", tp_size=2, pp_size=1, layer_num_per_pp=(2,), num_kv_heads=2,
+        head_dim=8, tokens_per_block=4, num_slots=16,
+    )  # fmt: skip
+    endpoint = net.ctx.local.control_endpoint
+    forged = tuple(attrs.evolve(ranks[i], control_endpoint=endpoint) for i in listed)
+    net.drop = lambda to, message: isinstance(message, InstanceInfo)  # ctx's own answer
+    net.ask(1)
+    net.deliver()
+    info = InstanceInfo(protocol_version=PROTOCOL_VERSION, ranks=forged)
+    net.feed("gen", MessageIn(message=info, source=endpoint))
+    net.deliver()
+    (outcome,) = net.received
+    assert not outcome.ok and outcome.error is not None
+    assert f"ranks {list(listed)} are not 0..1 of a TP 2 x PP 1 instance" in outcome.error
+    assert not net.gen.gen.busy()
 
 
 def test_a_rendezvous_without_an_answer_fails_its_requests_and_drops_the_dealer() -> None:

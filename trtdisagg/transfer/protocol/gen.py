@@ -152,6 +152,9 @@ class GenProtocol(Side):
         if instance is None or instance.ranks or instance.refusal or not info.ranks:
             return  # not a rendezvous's answer (a probe's), or none we can use
         instance.instance_name = info.ranks[0].instance_name
+        if (problem := _not_one_instance(info.ranks)) is not None:
+            self._refused(instance, f"INSTANCE_INFO from {source}: {problem}", now, out)
+            return
         try:
             for rank in info.ranks:
                 self.registrar.register(rank)  # the compatibility gate on our side
@@ -412,3 +415,17 @@ class GenProtocol(Side):
         """`key`'s receive failed with `reason`, or was cancelled (None) before it started."""
         fields = {"error": reason} if reason is not None else {"cancelled": True}
         out += [ev.Received(outcome=self._outcome(key, now, ok=False, **fields)), ev.WAKE]
+
+
+def _not_one_instance(ranks: tuple[RankInfo, ...]) -> str | None:
+    """What is wrong with `ranks` as every rank of one instance, in order (None: nothing). gen
+    looks ranks up by number, so a list with one missing would fail a request later."""
+    first = ranks[0]
+    world = first.tp_size * first.pp_size
+    numbers = [rank.instance_rank for rank in ranks]
+    if numbers != list(range(world)):
+        shape = f"TP {first.tp_size} x PP {first.pp_size}"
+        return f"ranks {numbers} are not 0..{world - 1} of a {shape} instance"
+    if any(rank.instance_name != first.instance_name for rank in ranks):
+        return "its ranks name different instances"
+    return None
