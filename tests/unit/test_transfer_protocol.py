@@ -210,6 +210,29 @@ def test_a_refused_registration_fails_every_request_there_naming_both_values() -
     assert net.gen.gen.rendezvous == 1  # the refusal is kept per endpoint
 
 
+@pytest.mark.parametrize("malformed", ["a rank left out", "two instances"])
+def test_a_malformed_instance_info_is_refused_and_gen_keeps_serving(malformed: str) -> None:
+    net = Net.of()
+    (rank,) = net.ctx.instance
+    first, second = make_instance(
+        instance_name="ctx", tp_size=2, pp_size=1, layer_num_per_pp=(2,), num_kv_heads=2,
+        head_dim=8, tokens_per_block=4, num_slots=16,
+    )  # fmt: skip
+    if malformed == "a rank left out":
+        net.ctx.instance = (second,)
+    else:
+        net.ctx.instance = (first, attrs.evolve(second, instance_name="ctx-b"))
+    net.ask(1)
+    net.deliver()
+    (refused,) = net.received
+    assert not refused.ok and "INSTANCE_INFO lists ranks" in (refused.error or "")
+    assert not net.gen.gen.busy()
+    net.ctx.instance = (rank,)
+    net.ask(2)  # still answering: the refusal is kept for that endpoint
+    net.tick(1.0)
+    assert [o.key for o in net.received] == [1, 2] and not net.received[1].ok
+
+
 def test_a_rendezvous_without_an_answer_fails_its_requests_and_drops_the_dealer() -> None:
     net = Net.of()
     net.ask(1)

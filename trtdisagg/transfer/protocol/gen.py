@@ -152,7 +152,12 @@ class GenProtocol(Side):
         if instance is None or instance.ranks or instance.refusal or not info.ranks:
             return  # not a rendezvous's answer (a probe's), or none we can use
         instance.instance_name = info.ranks[0].instance_name
+        names = sorted({rank.instance_name for rank in info.ranks})
+        numbers = [rank.instance_rank for rank in info.ranks]
         try:
+            if len(names) > 1 or numbers != list(range(len(numbers))):
+                # the overlap names ctx ranks by number: every rank of one instance, in order
+                raise PeerIncompatible(source, f"INSTANCE_INFO lists ranks {numbers} of {names}")
             for rank in info.ranks:
                 self.registrar.register(rank)  # the compatibility gate on our side
         except PeerIncompatible as exc:
