@@ -90,12 +90,9 @@ class _Session:
         if not self.is_terminal:
             self.error = reason
 
-    def expired(self, now: float) -> bool:
-        return now >= self.deadline and not self.is_terminal
-
     def expire(self, now: float, timeout_s: float) -> bool:
         """Fail the session if its deadline passed; whether this did it."""
-        if expired := self.expired(now):
+        if expired := now >= self.deadline and not self.is_terminal:
             self.error = f"KV transfer {self.key} timed out after {timeout_s:g}s"
         return expired
 
