@@ -30,7 +30,7 @@ async def _trio_rtts(rounds: int) -> list[float]:
         async def echo() -> None:
             while True:
                 identity, message, _ = await router.receive_message()
-                await router.send_message(identity, message)
+                router.send_message_nowait(identity, message)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(echo)

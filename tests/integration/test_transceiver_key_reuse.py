@@ -81,7 +81,7 @@ def _held_at_ctx(pair: Pair, blocks: list[int]) -> bool:
     """ctx holds a REQUEST_DATA of KEY into gen's `blocks` (no session took it yet)."""
     return any(
         unpack_block_ids(request.block_ids[0]) == tuple(blocks)
-        for request in pair.ctx.protocol.ctx.early.peek(KEY)
+        for _, request in pair.ctx.protocol.ctx.early.requests.get(KEY, [])
     )
 
 

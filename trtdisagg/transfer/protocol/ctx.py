@@ -90,7 +90,7 @@ class CtxProtocol(Side):
             return None
         quiescent = sender.cancel()
         self._released[key] = now + self.timeout_s
-        self._cancel(key, sender.peer_instance or "", sender.requesters, out)
+        self._cancel(key, sender.peer_instance or "", sender.requests, out)
         self._settle(sender, now, out)
         return quiescent
 
@@ -164,7 +164,7 @@ class CtxProtocol(Side):
         if rank not in sender.heard:  # it overtook that rank's request, dropped when it comes
             self.early.add_overtaken(now, cancel.instance_name, rank, cancel.key)
         sender.cancel()
-        if not sender.is_writing(rank):  # else the write's result answers it
+        if rank not in sender.in_flight:  # else the write's result answers it
             self._ack_cancel(cancel, out)
         self._settle(sender, now, out)
         out.append(ev.WAKE)

@@ -189,7 +189,7 @@ class GenProtocol(Side):
     def on_result(self, result: TransferResult, source: str, now: float, out: Out) -> None:
         if result.status is ResultStatus.ERROR and result.error.startswith(NOT_REGISTERED):
             # ctx forgot us: meet it again (a new instance may answer where we met another)
-            self.forget_instance(result.instance_name, rank_endpoint=source)
+            self.forget(result.instance_name, None, now, out, rank_endpoint=source)
         due = (result.instance_name, result.instance_rank, result.key)
         if self._results_due.pop(due, None) is not None:
             return  # an ended session's, come late
@@ -267,18 +267,17 @@ class GenProtocol(Side):
                     del self._starting[key]
                     self._fail(key, error, now, out)
 
-    def forget(self, instance: str, dead: str | None, now: float, out: Out) -> list[RankInfo]:
-        """Forget the ctx instance `instance` (`dead`: why its process ended, and what waits on
-        it fails now: it writes no more); the ranks of the rendezvous dropped."""
+    def forget(
+        self, instance: str, dead: str | None, now: float, out: Out, *, rank_endpoint: str = ""
+    ) -> list[RankInfo]:
+        """Drop the rendezvous with the ctx instance `instance`, and with whichever instance has
+        a rank at `rank_endpoint`: the next request to such an endpoint meets whatever answers
+        there. `dead`: why `instance`'s process ended; what waits on it fails now (it writes no
+        more). Returns the ranks of the rendezvous dropped."""
         for session in list(self.receivers.values()):
             if dead is not None and session.peer_instance == instance:
                 session.peer_died(f"peer instance {instance} is gone: {dead}")
                 self._settle(session, now, out)
-        return self.forget_instance(instance)
-
-    def forget_instance(self, instance: str, *, rank_endpoint: str = "") -> list[RankInfo]:
-        """Drop the rendezvous with `instance`, and with whichever instance has a rank at
-        `rank_endpoint`; the next request to such an endpoint meets whatever answers there."""
         dropped: list[RankInfo] = []
         for endpoint, met in list(self._instances.items()):
             there = any(rank.control_endpoint == rank_endpoint for rank in met.ranks)

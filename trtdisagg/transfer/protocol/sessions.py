@@ -90,12 +90,9 @@ class _Session:
         if not self.is_terminal:
             self.error = reason
 
-    def expired(self, now: float) -> bool:
-        return now >= self.deadline and not self.is_terminal
-
     def expire(self, now: float, timeout_s: float) -> bool:
         """Fail the session if its deadline passed; whether this did it."""
-        if expired := self.expired(now):
+        if expired := now >= self.deadline and not self.is_terminal:
             self.error = f"KV transfer {self.key} timed out after {timeout_s:g}s"
         return expired
 
@@ -108,8 +105,8 @@ class SenderSession(_Session):
     expected: frozenset[int] | None = None  # gen ranks that will ask (registrar overlap)
     source: SourceBlocks | None = None
     first_tokens: tuple[int, ...] = ()  # what ctx sampled, sent along with every OK write
-    _requests: dict[int, RequestData] = attrs.Factory(dict)
-    _in_flight: set[int] = attrs.Factory(set)
+    requests: dict[int, RequestData] = attrs.Factory(dict)  # by gen rank
+    in_flight: set[int] = attrs.Factory(set)  # gen ranks written to now
     _finished: set[int] = attrs.Factory(set)  # gen ranks whose write ended
     # gen ranks whose REQUEST_DATA reached this session, taken or not (a CANCEL from a rank not
     # among them overtook its request, which is then dropped when it comes)
@@ -118,23 +115,15 @@ class SenderSession(_Session):
     def _progress(self) -> Status:
         if self.expected is not None and self.expected <= self._finished:
             return Status.TRANSFERRED  # every finished write was OK (else cancelled or failed)
-        if self._in_flight:
+        if self.in_flight:
             return Status.TRANSFERRING
-        ready = self.source is not None and self._requests.keys() - self._finished
+        ready = self.source is not None and self.requests.keys() - self._finished
         return Status.READY if ready else Status.INIT
 
     @property
     def is_quiescent(self) -> bool:
         """No write is in flight: the blocks may be freed once the session is terminal."""
-        return not self._in_flight
-
-    @property
-    def requesters(self) -> tuple[int, ...]:
-        """Gen ranks that sent REQUEST_DATA (whom to tell of a cancel)."""
-        return tuple(sorted(self._requests))
-
-    def is_writing(self, rank: int) -> bool:
-        return rank in self._in_flight
+        return not self.in_flight
 
     def bind(self, peer_instance: str, expected: frozenset[int]) -> None:
         """Attach the session to the gen instance that requested it first."""
@@ -154,25 +143,25 @@ class SenderSession(_Session):
         rank = request.instance_rank
         self.heard.add(rank)
         unexpected = self.expected is not None and rank not in self.expected
-        if self.is_terminal or rank in self._requests or unexpected:
+        if self.is_terminal or rank in self.requests or unexpected:
             return False
-        self._requests[rank] = request
+        self.requests[rank] = request
         return True
 
     def take_writes(self) -> list[RequestData]:
         """Requests that can be written now (KV ready, not yet started); marks them in flight."""
         if self.source is None or self.cancelled or self.error is not None:
             return []
-        started = self._in_flight | self._finished
-        ready = [r for rank, r in sorted(self._requests.items()) if rank not in started]
-        self._in_flight.update(request.instance_rank for request in ready)
+        started = self.in_flight | self._finished
+        ready = [r for rank, r in sorted(self.requests.items()) if rank not in started]
+        self.in_flight.update(request.instance_rank for request in ready)
         return ready
 
     def write_finished(self, rank: int, status: ResultStatus, error: str = "") -> bool:
         """A write to `rank` ended (or was never needed); False if it was not in flight."""
-        if rank not in self._in_flight:
+        if rank not in self.in_flight:
             return False
-        self._in_flight.discard(rank)
+        self.in_flight.discard(rank)
         self._finished.add(rank)
         if not (self.cancelled or self.error is not None):
             if status is ResultStatus.ERROR:
@@ -302,7 +291,7 @@ class EarlyMessages:
     `ttl`."""
 
     ttl: float = 120.0
-    _requests: dict[int, list[tuple[float, RequestData]]] = attrs.Factory(dict)
+    requests: dict[int, list[tuple[float, RequestData]]] = attrs.Factory(dict)  # key -> (when, _)
     _cancelled: dict[int, tuple[str, float]] = attrs.Factory(dict)  # key -> (gen instance, when)
     # (gen instance, gen rank, key) -> when: that rank's CANCEL came before its REQUEST_DATA
     # (overtaken), which is dropped when it comes rather than held for a later session of the
@@ -311,10 +300,10 @@ class EarlyMessages:
 
     def __len__(self) -> int:
         """Transfer keys with something held (requests or a cancel)."""
-        return len(self._requests.keys() | self._cancelled.keys())
+        return len(self.requests.keys() | self._cancelled.keys())
 
     def add_request(self, now: float, request: RequestData) -> None:
-        self._requests.setdefault(request.key, []).append((now, request))
+        self.requests.setdefault(request.key, []).append((now, request))
 
     def add_cancel(self, now: float, key: int, instance: str) -> None:
         self._cancelled[key] = (instance, now)
@@ -329,10 +318,10 @@ class EarlyMessages:
 
     def drop_requests_of(self, instance: str, rank: int, key: int) -> int:
         """Drop the requests held for `key` from that gen rank; how many there were."""
-        held = self._requests.pop(key, [])
+        held = self.requests.pop(key, [])
         kept = [e for e in held if e[1].sender != (instance, rank)]
         if kept:
-            self._requests[key] = kept
+            self.requests[key] = kept
         return len(held) - len(kept)
 
     def cancelled(self, key: int) -> bool:
@@ -340,7 +329,7 @@ class EarlyMessages:
 
     def held_by(self, instance: str) -> int:
         """What is held for the gen instance `instance`: requests, cancels, overtaken ones."""
-        requests = sum(r.instance_name == instance for held in self._requests.values()
+        requests = sum(r.instance_name == instance for held in self.requests.values()
                        for _, r in held)  # fmt: skip
         cancels = sum(name == instance for name, _ in self._cancelled.values())
         return requests + cancels + sum(entry[0] == instance for entry in self._overtaken)
@@ -348,28 +337,25 @@ class EarlyMessages:
     @property
     def size(self) -> int:
         """Requests, cancels and overtaken entries held, of every gen instance."""
-        requests = sum(len(held) for held in self._requests.values())
+        requests = sum(len(held) for held in self.requests.values())
         return requests + len(self._cancelled) + len(self._overtaken)
-
-    def peek(self, key: int) -> list[RequestData]:
-        return [request for _, request in self._requests.get(key, [])]
 
     def take(self, key: int) -> tuple[list[RequestData], str | None]:
         """(the requests held for `key`, the gen instance that cancelled it early, if one did);
         forgotten now."""
-        requests = [request for _, request in self._requests.pop(key, [])]
+        requests = [request for _, request in self.requests.pop(key, [])]
         cancel = self._cancelled.pop(key, None)
         return requests, cancel[0] if cancel is not None else None
 
     def sweep(self, now: float) -> list[RequestData]:
         """Drop and return the requests older than `ttl` (ctx refuses them)."""
         stale: list[RequestData] = []
-        for key, held in list(self._requests.items()):
+        for key, held in list(self.requests.items()):
             stale += [request for at, request in held if now - at >= self.ttl]
             if fresh := [(at, request) for at, request in held if now - at < self.ttl]:
-                self._requests[key] = fresh
+                self.requests[key] = fresh
             else:
-                del self._requests[key]
+                del self.requests[key]
         self._cancelled = {k: c for k, c in self._cancelled.items() if now - c[1] < self.ttl}
         self._overtaken = {e: at for e, at in self._overtaken.items() if now - at < self.ttl}
         return stale

@@ -68,8 +68,6 @@ _monitor_ids = itertools.count()
 
 @attrs.define(kw_only=True)
 class MessengerStatistics:
-    sent: int = 0  # messages handed to zmq
-    received: int = 0  # well-formed messages delivered
     bad_frames: int = 0  # dropped for a wrong frame count or an undecodable payload
     unroutable: int = 0  # ROUTER replies to an identity that is not connected
     overflowed: int = 0  # ROUTER replies dropped: that peer's queue was full (it does not read)
@@ -154,8 +152,6 @@ class _Pump:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self.counts.unroutable += 1
-        else:
-            self.counts.sent += 1
         return True
 
     def _events(self) -> int:
@@ -204,7 +200,6 @@ class _Pump:
                 self.warn(who, "dropped a message from %s: %s", who, exc)
                 continue
             self.inbox_send.send_nowait((frames[0] if self.frames == 2 else b"", message, peer))
-            self.counts.received += 1
         self.inbox_full = True
 
     async def run(self) -> None:
@@ -242,9 +237,6 @@ class Router(_Pump):
 
     async def receive_message(self) -> tuple[bytes, Message, PeerLabel | None]:
         return await self._receive()
-
-    async def send_message(self, identity: bytes, message: Message) -> None:
-        await self._send([identity, encode(message)])
 
     def send_message_nowait(self, identity: bytes, message: Message) -> None:
         self._send_nowait([identity, encode(message)])
