@@ -20,7 +20,6 @@ from trtdisagg.api.codec import to_json
 from trtdisagg.config import WorkerConfig
 from trtdisagg.loop_lag import watch_loop_lag
 from trtdisagg.membership.records import WorkerRecord, advertised_url
-from trtdisagg.membership.registration import Drain, serve_registration
 from trtdisagg.model.loader import resolve_model
 from trtdisagg.transfer.protocol.rank_info import make_instance_name
 from trtdisagg.worker.engine.build import build_worker
@@ -102,6 +101,9 @@ async def serve_worker(
                 binds[0],
             )
             if config.cluster is not None:  # etcd membership and the SIGTERM drain
+                # (imported here: its etcd client's HTTP stack is a tenth of a worker's start)
+                from trtdisagg.membership.registration import Drain, serve_registration
+
                 executor = worker.executor
                 url = advertised_url(binds[0], config.advertise_host)
                 info = to_json(worker.service.server_info())
