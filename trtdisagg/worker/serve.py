@@ -101,7 +101,7 @@ async def serve_worker(
                 binds[0],
             )
             if config.cluster is not None:  # etcd membership and the SIGTERM drain
-                # (imported here: its etcd client's HTTP stack is a tenth of a worker's start)
+                # (imported here: its etcd client's HTTP stack costs a worker's start time)
                 from trtdisagg.membership.registration import Drain, serve_registration
 
                 executor = worker.executor
