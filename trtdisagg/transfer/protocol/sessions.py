@@ -190,14 +190,10 @@ class ReceiverSession(_Session):
     # ctx ranks whose write's notice came, which says what the write moved (None: a notice that
     # says nothing, which counts only with the rank's OK result)
     _noticed: dict[int, WriteNotice | None] = attrs.Factory(dict)
-    # expected ranks whose part has not landed, kept as events come (read after every event)
-    _unlanded: set[int] = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._unlanded = set(self.expected)
 
     def _progress(self) -> Status:
-        return Status.TRANSFERRING if self._unlanded else Status.TRANSFERRED
+        landed = all(self._landed(rank) for rank in self.expected)
+        return Status.TRANSFERRED if landed else Status.TRANSFERRING
 
     @property
     def unreported(self) -> frozenset[int]:
@@ -234,7 +230,6 @@ class ReceiverSession(_Session):
         if result.status is not ResultStatus.OK and not self.is_terminal:
             self.error = f"ctx rank {rank}: {result.status.value}: {result.error}"
         self._results[rank] = result
-        self._settle(rank)
         return True
 
     def on_notice(self, notice: WriteNotice) -> bool:
@@ -246,12 +241,7 @@ class ReceiverSession(_Session):
             return False
         said = notice.num_descriptors > 0 and rank not in self._results
         self._noticed[rank] = notice if said else None
-        self._settle(rank)
         return True
-
-    def _settle(self, rank: int) -> None:
-        if self._landed(rank):
-            self._unlanded.discard(rank)
 
     def _landed(self, rank: int) -> bool:
         if self._noticed.get(rank) is not None:
