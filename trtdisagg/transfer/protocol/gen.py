@@ -135,7 +135,7 @@ class GenProtocol(Side):
             return key not in self.receivers and key not in self._scattering
         if (starting := self._starting.get(key)) is not None:
             starting.cancelled = True  # no REQUEST_DATA will go out: nothing can land
-            if not starting.peers:  # waiting for the rendezvous (else `_open` ends it)
+            if not starting.peers:  # waiting for the rendezvous (else `on_staging` ends it)
                 del self._starting[key]
                 self._fail(key, None, now, out)
         return key not in self._scattering  # a copy into the blocks may still run
@@ -226,9 +226,11 @@ class GenProtocol(Side):
         if starting is None or starting.staged is None:
             if offset is not None:
                 out.append(ev.ReleaseStaging(offset=offset))
-        elif offset is None:
+        elif offset is None or starting.cancelled:
             del self._starting[key]
-            self._fail(key, error, now, out)
+            if offset is not None:
+                out.append(ev.ReleaseStaging(offset=offset))
+            self._fail(key, error if offset is None else None, now, out)
         else:
             starting.staged = attrs.evolve(starting.staged, offset=offset)
             self._open(key, now, out)
@@ -283,9 +285,8 @@ class GenProtocol(Side):
     def _proceed(self, key: int, instance: _CtxInstance, now: float, out: Out) -> None:
         """`key`'s ctx instance is met: reserve staging room if it bounces, then ask."""
         starting, first = self._starting[key], instance.ranks[0]
-        by_rank = {rank.instance_rank: rank for rank in instance.ranks}
         overlap = self.registrar.overlap(first, peer_dp_rank=first.dp_rank)
-        starting.peers = tuple(by_rank[rank] for rank in overlap)
+        starting.peers = tuple(instance.ranks[rank] for rank in overlap)  # (ranks 0..n-1)
         blocks, num_tokens = starting.ask.block_ids, starting.ask.num_tokens
         if self.staging is not None and len(blocks) == 1 and self._bounces(starting):
             tpb = self.local.tokens_per_block
@@ -313,11 +314,6 @@ class GenProtocol(Side):
     def _open(self, key: int, now: float, out: Out) -> None:
         starting = self._starting.pop(key)
         staged = starting.staged
-        if starting.cancelled:
-            if staged is not None:
-                out.append(ev.ReleaseStaging(offset=staged.offset))
-            self._fail(key, None, now, out)
-            return
         address = staged.offset + self.staging.address if staged and self.staging else 0
         request = RequestData(
             key=key, **self._me,
