@@ -86,7 +86,7 @@ def _held_at_ctx(pair: Pair, blocks: list[int]) -> bool:
 
 
 def _cancel_held(pair: Pair) -> bool:
-    return pair.ctx.protocol.ctx.early.cancelled(KEY)
+    return KEY in pair.ctx.protocol.ctx.early.cancelled
 
 
 def _ask(pair: Pair, blocks: list[int]) -> None:

@@ -92,13 +92,13 @@ async def test_host_scatter_runs_off_the_loop_and_holds_the_outcome_and_the_bloc
         assert stager.unpacked_on != stager.loop_thread
         assert gen.cancel_request(KEY) is False  # the thread still writes into the blocks
         assert gen.check_gen_transfer_status() == []
-        assert gen.staging.allocator.free_bytes < gen.staging.capacity  # room still held
+        assert gen.staging.allocator.free_bytes < gen.staging.allocator.capacity  # room still held
 
         stager.release.set()
         outcome = await outcome_of(gen.check_gen_transfer_status)
         assert (outcome.key, outcome.ok, outcome.num_bytes) == (KEY, True, 4096)
         assert wakes  # the executor was woken to collect it
         assert gen.cancel_request(KEY) is True
-        assert gen.staging.allocator.free_bytes == gen.staging.capacity
+        assert gen.staging.allocator.free_bytes == gen.staging.allocator.capacity
         assert gen.statistics().bounced == 1
         nursery.cancel_scope.cancel()

@@ -29,17 +29,21 @@ from trtdisagg.transfer.protocol.events import (
     PostWrite,
     ReceiveAsked,
     Received,
+    ReleaseStaging,
     Reply,
+    ReserveStaging,
     Send,
     SendAbandoned,
     Sent,
+    StagingReserved,
     Tick,
     Wake,
     WriteEnded,
     WriteOrder,
 )
+from trtdisagg.transfer.protocol.gen import StagingInfo
 from trtdisagg.transfer.protocol.liveness import Gone
-from trtdisagg.transfer.protocol.rank_info import RankInfo
+from trtdisagg.transfer.protocol.rank_info import BounceConfig, RankInfo
 from trtdisagg.transfer.protocol.sessions import SourceBlocks, TransferOutcome
 from trtdisagg.transfer.protocol.wire import (
     NOT_REGISTERED,
@@ -85,6 +89,7 @@ class Net:
     sent: list[TransferOutcome] = attrs.Factory(list)
     received: list[TransferOutcome] = attrs.Factory(list)
     forgotten: list[ForgetPeer] = attrs.Factory(list)
+    staging: list[ReserveStaging | ReleaseStaging] = attrs.Factory(list)  # gen's staging room
     elsewhere: list[tuple[str, Message]] = attrs.Factory(list)  # sent to a third party
     wakes: int = 0
 
@@ -94,6 +99,18 @@ class Net:
         ctx = TransferProtocol(local=ctx_info, instance=(ctx_info,), timeout_s=TIMEOUT)
         gen = TransferProtocol(local=gen_info, instance=(gen_info,), timeout_s=TIMEOUT)
         return cls(ctx, gen)
+
+    @classmethod
+    def bouncing(cls) -> Net:
+        """Both sides bounce every transfer; gen has a staging buffer of 1 MiB at 0x9000."""
+        bounce = BounceConfig(size_mb=1, threshold_bytes=1 << 30)
+        ctx_info, gen_info = _info("ctx", bounce=bounce), _info("gen", bounce=bounce)
+        staging = StagingInfo(address=0x9000, capacity=1 << 20)
+        return cls(
+            TransferProtocol(local=ctx_info, instance=(ctx_info,), timeout_s=TIMEOUT),
+            TransferProtocol(local=gen_info, instance=(gen_info,), timeout_s=TIMEOUT,
+                             staging=staging),
+        )  # fmt: skip
 
     def side(self, name: str) -> TransferProtocol:
         return self.ctx if name == "ctx" else self.gen
@@ -126,6 +143,8 @@ class Net:
                     self.received.append(outcome)
                 case ForgetPeer():
                     self.forgotten.append(effect)
+                case ReserveStaging() | ReleaseStaging():
+                    self.staging.append(effect)
                 case Wake():
                     self.wakes += 1
 
@@ -324,7 +343,7 @@ def test_a_cancel_before_the_session_is_answered_and_starts_it_cancelled() -> No
     _, out = net.gen.cancel(5, net.now)
     net.apply("gen", out)
     net.deliver()
-    assert net.ctx.ctx.early.cancelled(5) and net.received[0].cancelled
+    assert 5 in net.ctx.ctx.early.cancelled and net.received[0].cancelled
     net.feed("ctx", KvReady(key=5, source=_source()))
     assert net.sent[0].cancelled and not net.writes
 
@@ -538,3 +557,49 @@ def test_gen_takes_results_cancels_and_notices_only_from_the_ctx_it_asked() -> N
     net.land()
     net.deliver()
     assert net.received[0].ok and net.received[0].first_tokens == (3,)
+
+
+def test_a_receive_cancelled_during_the_rendezvous_ends_at_once_and_asks_nothing() -> None:
+    net = Net.of()
+    net.ask(6)
+    assert net.gen.gen.meeting()
+    quiescent, out = net.gen.cancel(6, net.now)
+    net.apply("gen", out)
+    assert quiescent and net.received[0].cancelled and net.received[0].key == 6
+    net.deliver()  # the rendezvous completes; nothing is asked of ctx
+    assert not net.gen.gen.meeting() and not len(net.ctx.ctx.early) and len(net.received) == 1
+
+
+def test_a_bounced_receive_asks_ctx_once_its_staging_room_is_reserved() -> None:
+    net = Net.bouncing()
+    net.ask(4)
+    net.deliver()  # the rendezvous; gen reserves its room before it asks
+    (reserve,) = net.staging
+    assert isinstance(reserve, ReserveStaging) and reserve.key == 4 and not net.held
+    net.feed("gen", StagingReserved(key=4, offset=512))
+    ((_, request),) = net.held
+    assert isinstance(request.message, RequestData)
+    assert request.message.staging_address == 0x9000 + 512
+    assert request.message.staging_bytes == reserve.num_bytes
+
+
+def test_a_bounced_receive_cancelled_while_its_room_is_reserved_frees_it_and_asks_nothing() -> None:
+    net = Net.bouncing()
+    net.ask(4)
+    net.deliver()
+    quiescent, out = net.gen.cancel(4, net.now)
+    net.apply("gen", out)
+    assert quiescent and not net.received  # told once the reservation is over
+    net.feed("gen", StagingReserved(key=4, offset=512))
+    assert net.staging[1:] == [ReleaseStaging(offset=512)]
+    assert net.received[0].cancelled and not net.held  # no REQUEST_DATA went out
+
+
+def test_a_bounced_receive_without_staging_room_fails_with_why() -> None:
+    net = Net.bouncing()
+    net.ask(4)
+    net.deliver()
+    net.feed("gen", StagingReserved(key=4, offset=None, error="no room before the deadline"))
+    (outcome,) = net.received
+    assert not outcome.ok and outcome.error == "no room before the deadline"
+    assert net.staging[1:] == [] and not net.held

@@ -344,12 +344,11 @@ def _derived_status(session: ReceiverSession) -> Status:
 
 @settings(max_examples=400, deadline=None)
 @given(st.sets(st.integers(0, 2), min_size=1), _receiver_events)
-def test_a_receiver_s_kept_status_is_always_its_derived_one(
+def test_a_receiver_s_status_is_always_its_derived_one(
     expected: set[int], events: list[tuple[str, int, ResultStatus, int]]
 ) -> None:
-    """The receiver keeps which ranks have landed as events come (the shell reads every
-    session's status at every step); after any sequence of events that matches the status
-    derived from its facts."""
+    """After any sequence of events a receiver's status (and whether it is terminal, and can
+    still expire) is the one the module docstring derives from its facts."""
     session = ReceiverSession(key=1, peer_instance="ctx", expected=frozenset(expected), deadline=9)
     for kind, rank, status, num_bytes in events:
         if kind == "result":

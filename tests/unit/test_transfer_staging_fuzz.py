@@ -271,7 +271,7 @@ class Line:
 
 
 def _check_area(line: Line) -> None:
-    area, capacity = line.area, line.area.capacity
+    area, capacity = line.area, line.area.allocator.capacity
     held = [(w.offset, _aligned(w.num_bytes)) for w in line.by_state("held")]
     assert all(offset is not None for offset, _ in held)
     ranges = [(offset, size) for offset, size in held if offset is not None]
@@ -391,8 +391,8 @@ async def test_area_cancelled_waiter_leaves_nothing_and_lets_the_next_one_in() -
 
         line.release(first)
         line.release(small)
-        assert area.allocator.free_bytes == area.capacity
-        assert await area.reserve(area.capacity, trio.current_time()) == 0
+        assert area.allocator.free_bytes == area.allocator.capacity
+        assert await area.reserve(area.allocator.capacity, trio.current_time()) == 0
 
 
 async def test_area_wait_ends_at_its_deadline_naming_the_sizes(
@@ -421,7 +421,7 @@ async def test_area_wait_ends_at_its_deadline_naming_the_sizes(
         assert (small.state, small.offset) == ("held", 3 * ALIGN)
         line.release(first)
         line.release(small)
-        assert area.allocator.free_bytes == area.capacity
+        assert area.allocator.free_bytes == area.allocator.capacity
 
 
 @pytest.mark.parametrize("num_bytes", [0, -1, 4 * ALIGN + 1, 1 << 40])

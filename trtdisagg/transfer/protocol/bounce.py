@@ -48,37 +48,30 @@ def staged_runs(sender: RankInfo, receiver: RankInfo, *, num_tokens: int) -> tup
     heads = intersect(sender.heads, receiver.heads)
     if not heads or num_tokens <= 0:
         return ()
-    src_layers = {layer: i for i, layer in enumerate(sender.layers)}
-    num_heads = len(receiver.heads)
-    row = receiver.head_dim * receiver.element_bytes
-    runs = []
-    for dst_layer, layer in enumerate(receiver.layers):
-        if layer not in src_layers:
-            continue
-        for kv in (0, 1):
-            first_head = (dst_layer * 2 + kv) * num_heads + heads.start - receiver.heads.start
-            runs.append(
-                StagedRun(
-                    src_layer=src_layers[layer],
-                    kv=kv,
-                    src_head=heads.start - sender.heads.start,
-                    num_heads=len(heads),
-                    dst_offset=first_head * num_tokens * row,
-                    num_bytes=len(heads) * num_tokens * row,
-                )
-            )
-    return tuple(runs)
+    num_heads, row = len(receiver.heads), receiver.head_dim * receiver.element_bytes
+    first_head = heads.start - receiver.heads.start  # in each of gen's (layer, K/V) slabs
+    return tuple(
+        StagedRun(
+            src_layer=sender.layers.index(layer),
+            kv=kv,
+            src_head=heads.start - sender.heads.start,
+            num_heads=len(heads),
+            dst_offset=((dst_layer * 2 + kv) * num_heads + first_head) * num_tokens * row,
+            num_bytes=len(heads) * num_tokens * row,
+        )
+        for dst_layer, layer in enumerate(receiver.layers)
+        if layer in sender.layers
+        for kv in (0, 1)
+    )
 
 
 def staged_fragments(runs: Sequence[StagedRun], *, src_address: int, dst_address: int) -> Fragments:
     """The writes of packed `runs` (back to back from `src_address`) into the region at
     `dst_address`, merged where they continue each other on both sides."""
-    rows = np.zeros((len(runs), 3), dtype=np.int64)
-    offset = 0
-    for i, run in enumerate(runs):
-        rows[i] = (src_address + offset, dst_address + run.dst_offset, run.num_bytes)
-        offset += run.num_bytes
-    return Fragments(merge_runs(rows))
+    sizes = np.array([run.num_bytes for run in runs], dtype=np.int64)
+    dst = np.array([run.dst_offset for run in runs], dtype=np.int64) + dst_address
+    src = src_address + np.cumsum(sizes) - sizes  # packed back to back
+    return Fragments(merge_runs(np.stack([src, dst, sizes], axis=1)))
 
 
 @attrs.define(kw_only=True)

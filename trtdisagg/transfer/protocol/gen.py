@@ -58,7 +58,6 @@ class _CtxInstance:  # what gen knows of the ctx instance at one info endpoint
     ranks: tuple[RankInfo, ...] = ()
     unacked: set[int] = attrs.Factory(set)  # ranks whose REGISTER_ACK is still to come
     refusal: str | None = None
-    waiting: list[int] = attrs.Factory(list)  # keys asked for meanwhile
 
     @property
     def met(self) -> bool:  # every rank acknowledged us
@@ -74,7 +73,7 @@ class _Starting:  # a receive with no session yet: its rendezvous or staging roo
     ask: ev.ReceiveAsked
     deadline: float
     cancelled: bool = False
-    peers: tuple[RankInfo, ...] = ()  # the ctx ranks to ask (registrar overlap), once met
+    peers: tuple[RankInfo, ...] = ()  # the ctx ranks to ask (registrar overlap); () until met
     staged: ev.Staged | None = None
 
 
@@ -125,8 +124,6 @@ class GenProtocol(Side):
         self._starting[key] = _Starting(ask=ask, deadline=now + self.timeout_s)
         if instance.met:
             self._proceed(key, instance, now, out)
-        else:
-            instance.waiting.append(key)
 
     def cancel(self, key: int, now: float, out: Out) -> bool:
         """Stop receiving `key`; whether nothing can land in its blocks any more."""
@@ -138,9 +135,7 @@ class GenProtocol(Side):
             return key not in self.receivers and key not in self._scattering
         if (starting := self._starting.get(key)) is not None:
             starting.cancelled = True  # no REQUEST_DATA will go out: nothing can land
-            instance = self._instances.get(starting.ask.endpoint)
-            if instance is not None and key in instance.waiting:
-                instance.waiting.remove(key)
+            if not starting.peers:  # waiting for the rendezvous (else `on_staging` ends it)
                 del self._starting[key]
                 self._fail(key, None, now, out)
         return key not in self._scattering  # a copy into the blocks may still run
@@ -180,8 +175,7 @@ class GenProtocol(Side):
             if instance.unacked:
                 return None
             log.info("registered with ctx instance %s at %s", rank.instance_name, source)
-            waiting, instance.waiting = instance.waiting, []
-            for key in waiting:
+            for key in self._waiting(instance):
                 self._proceed(key, instance, now, out)
             return instance
         return None
@@ -232,9 +226,11 @@ class GenProtocol(Side):
         if starting is None or starting.staged is None:
             if offset is not None:
                 out.append(ev.ReleaseStaging(offset=offset))
-        elif offset is None:
+        elif offset is None or starting.cancelled:
             del self._starting[key]
-            self._fail(key, error, now, out)
+            if offset is not None:
+                out.append(ev.ReleaseStaging(offset=offset))
+            self._fail(key, error if offset is None else None, now, out)
         else:
             starting.staged = attrs.evolve(starting.staged, offset=offset)
             self._open(key, now, out)
@@ -263,9 +259,7 @@ class GenProtocol(Side):
                 # a dead or forged endpoint must not keep a reconnecting socket
                 out.append(ev.ForgetPeer(instance=None, endpoints=(endpoint,)))
                 error = f"cannot reach ctx at {endpoint}: no answer in {RENDEZVOUS_TIMEOUT_S:g}s"
-                for key in instance.waiting:
-                    del self._starting[key]
-                    self._fail(key, error, now, out)
+                self._fail_waiting(instance, error, now, out)
 
     def forget(
         self, instance: str, dead: str | None, now: float, out: Out, *, rank_endpoint: str = ""
@@ -291,9 +285,8 @@ class GenProtocol(Side):
     def _proceed(self, key: int, instance: _CtxInstance, now: float, out: Out) -> None:
         """`key`'s ctx instance is met: reserve staging room if it bounces, then ask."""
         starting, first = self._starting[key], instance.ranks[0]
-        by_rank = {rank.instance_rank: rank for rank in instance.ranks}
         overlap = self.registrar.overlap(first, peer_dp_rank=first.dp_rank)
-        starting.peers = tuple(by_rank[rank] for rank in overlap)
+        starting.peers = tuple(instance.ranks[rank] for rank in overlap)  # (ranks 0..n-1)
         blocks, num_tokens = starting.ask.block_ids, starting.ask.num_tokens
         if self.staging is not None and len(blocks) == 1 and self._bounces(starting):
             tpb = self.local.tokens_per_block
@@ -321,11 +314,6 @@ class GenProtocol(Side):
     def _open(self, key: int, now: float, out: Out) -> None:
         starting = self._starting.pop(key)
         staged = starting.staged
-        if starting.cancelled:
-            if staged is not None:
-                out.append(ev.ReleaseStaging(offset=staged.offset))
-            self._fail(key, None, now, out)
-            return
         address = staged.offset + self.staging.address if staged and self.staging else 0
         request = RequestData(
             key=key, **self._me,
@@ -359,7 +347,7 @@ class GenProtocol(Side):
             self._results_due.update(
                 {(session.peer_instance, r, key): now for r in session.unreported}
             )
-        if status is not Status.TRANSFERRED and not session.is_quiescent:
+        if not session.is_quiescent:  # (TRANSFERRED is quiescent: every rank's part landed)
             self.quarantine_expired += 1
             log.warning("KV transfer %d: no answer from ctx %s %gs past the deadline; blocks freed",
                         key, session.peer_instance, self.timeout_s)  # fmt: skip
@@ -386,8 +374,7 @@ class GenProtocol(Side):
         every expected rank reported (ctx answers a CANCEL at once when no write to us is in
         flight, else with that write's result), or ctx stayed silent a second timeout past the
         deadline (taken for dead)."""
-        settled = session.status is Status.TRANSFERRED or session.is_quiescent
-        return settled or now >= session.deadline + self.timeout_s
+        return session.is_quiescent or now >= session.deadline + self.timeout_s
 
     def _expire(self, session: ReceiverSession, now: float, out: Out) -> None:
         if session.expire(now, self.timeout_s):
@@ -405,10 +392,17 @@ class GenProtocol(Side):
         now and later (kept per endpoint)."""
         log.warning("refused ctx instance at %s: %s", instance.endpoint, refusal)
         instance.refusal, instance.unacked = refusal, set()
-        waiting, instance.waiting = instance.waiting, []
-        for key in waiting:
+        self._fail_waiting(instance, refusal, now, out)
+
+    def _waiting(self, instance: _CtxInstance) -> list[int]:
+        """The receives that wait for the rendezvous with `instance`, in the order asked."""
+        at = instance.endpoint
+        return [k for k, s in self._starting.items() if not s.peers and s.ask.endpoint == at]
+
+    def _fail_waiting(self, instance: _CtxInstance, reason: str, now: float, out: Out) -> None:
+        for key in self._waiting(instance):
             del self._starting[key]
-            self._fail(key, refusal, now, out)
+            self._fail(key, reason, now, out)
 
     def _fail(self, key: int, reason: str | None, now: float, out: Out) -> None:
         """`key`'s receive failed with `reason`, or was cancelled (None) before it started."""

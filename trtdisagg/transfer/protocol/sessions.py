@@ -190,14 +190,10 @@ class ReceiverSession(_Session):
     # ctx ranks whose write's notice came, which says what the write moved (None: a notice that
     # says nothing, which counts only with the rank's OK result)
     _noticed: dict[int, WriteNotice | None] = attrs.Factory(dict)
-    # expected ranks whose part has not landed, kept as events come (read after every event)
-    _unlanded: set[int] = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._unlanded = set(self.expected)
 
     def _progress(self) -> Status:
-        return Status.TRANSFERRING if self._unlanded else Status.TRANSFERRED
+        landed = all(self._landed(rank) for rank in self.expected)
+        return Status.TRANSFERRED if landed else Status.TRANSFERRING
 
     @property
     def unreported(self) -> frozenset[int]:
@@ -234,7 +230,6 @@ class ReceiverSession(_Session):
         if result.status is not ResultStatus.OK and not self.is_terminal:
             self.error = f"ctx rank {rank}: {result.status.value}: {result.error}"
         self._results[rank] = result
-        self._settle(rank)
         return True
 
     def on_notice(self, notice: WriteNotice) -> bool:
@@ -246,12 +241,7 @@ class ReceiverSession(_Session):
             return False
         said = notice.num_descriptors > 0 and rank not in self._results
         self._noticed[rank] = notice if said else None
-        self._settle(rank)
         return True
-
-    def _settle(self, rank: int) -> None:
-        if self._landed(rank):
-            self._unlanded.discard(rank)
 
     def _landed(self, rank: int) -> bool:
         if self._noticed.get(rank) is not None:
@@ -292,7 +282,7 @@ class EarlyMessages:
 
     ttl: float = 120.0
     requests: dict[int, list[tuple[float, RequestData]]] = attrs.Factory(dict)  # key -> (when, _)
-    _cancelled: dict[int, tuple[str, float]] = attrs.Factory(dict)  # key -> (gen instance, when)
+    cancelled: dict[int, tuple[str, float]] = attrs.Factory(dict)  # key -> (gen instance, when)
     # (gen instance, gen rank, key) -> when: that rank's CANCEL came before its REQUEST_DATA
     # (overtaken), which is dropped when it comes rather than held for a later session of the
     # key, whose gen blocks it does not name.
@@ -300,13 +290,13 @@ class EarlyMessages:
 
     def __len__(self) -> int:
         """Transfer keys with something held (requests or a cancel)."""
-        return len(self.requests.keys() | self._cancelled.keys())
+        return len(self.requests.keys() | self.cancelled.keys())
 
     def add_request(self, now: float, request: RequestData) -> None:
         self.requests.setdefault(request.key, []).append((now, request))
 
     def add_cancel(self, now: float, key: int, instance: str) -> None:
-        self._cancelled[key] = (instance, now)
+        self.cancelled[key] = (instance, now)
 
     def add_overtaken(self, now: float, instance: str, rank: int, key: int) -> None:
         self._overtaken[(instance, rank, key)] = now
@@ -324,27 +314,24 @@ class EarlyMessages:
             self.requests[key] = kept
         return len(held) - len(kept)
 
-    def cancelled(self, key: int) -> bool:
-        return key in self._cancelled
-
     def held_by(self, instance: str) -> int:
         """What is held for the gen instance `instance`: requests, cancels, overtaken ones."""
         requests = sum(r.instance_name == instance for held in self.requests.values()
                        for _, r in held)  # fmt: skip
-        cancels = sum(name == instance for name, _ in self._cancelled.values())
+        cancels = sum(name == instance for name, _ in self.cancelled.values())
         return requests + cancels + sum(entry[0] == instance for entry in self._overtaken)
 
     @property
     def size(self) -> int:
         """Requests, cancels and overtaken entries held, of every gen instance."""
         requests = sum(len(held) for held in self.requests.values())
-        return requests + len(self._cancelled) + len(self._overtaken)
+        return requests + len(self.cancelled) + len(self._overtaken)
 
     def take(self, key: int) -> tuple[list[RequestData], str | None]:
         """(the requests held for `key`, the gen instance that cancelled it early, if one did);
         forgotten now."""
         requests = [request for _, request in self.requests.pop(key, [])]
-        cancel = self._cancelled.pop(key, None)
+        cancel = self.cancelled.pop(key, None)
         return requests, cancel[0] if cancel is not None else None
 
     def sweep(self, now: float) -> list[RequestData]:
@@ -356,6 +343,6 @@ class EarlyMessages:
                 self.requests[key] = fresh
             else:
                 del self.requests[key]
-        self._cancelled = {k: c for k, c in self._cancelled.items() if now - c[1] < self.ttl}
+        self.cancelled = {k: c for k, c in self.cancelled.items() if now - c[1] < self.ttl}
         self._overtaken = {e: at for e, at in self._overtaken.items() if now - at < self.ttl}
         return stale

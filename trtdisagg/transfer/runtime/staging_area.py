@@ -33,17 +33,14 @@ class StagingArea:
     def __attrs_post_init__(self) -> None:
         self.allocator = StagingAllocator(capacity=self.stager.capacity)
 
-    @property
-    def capacity(self) -> int:
-        return self.stager.capacity
-
     async def reserve(self, num_bytes: int, deadline: float) -> int:
         """The offset of `num_bytes` reserved bytes; TransferLayerError at the deadline, or at
         once for a size no wait can serve (it would otherwise hold the head of the line, and
         everyone behind it, until its deadline)."""
-        if not 0 < num_bytes <= self.capacity:
+        capacity = self.allocator.capacity
+        if not 0 < num_bytes <= capacity:
             raise TransferLayerError(
-                f"cannot stage {num_bytes} bytes in a staging buffer of {self.capacity}"
+                f"cannot stage {num_bytes} bytes in a staging buffer of {capacity}"
             )
         ticket = object()
         self._queue.append(ticket)
@@ -57,7 +54,7 @@ class StagingArea:
                     await self._changed.park()
             raise TransferLayerError(
                 f"no room for {num_bytes} bytes in the staging buffer before the deadline "
-                f"({self.allocator.free_bytes} of {self.capacity} free)"
+                f"({self.allocator.free_bytes} of {capacity} free)"
             )
         finally:
             self._queue.remove(ticket)
