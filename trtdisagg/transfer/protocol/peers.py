@@ -37,7 +37,8 @@ from trtdisagg.transfer.protocol.mappers import (
 )
 from trtdisagg.transfer.protocol.rank_info import (
     RankInfo,
-    check_compatible,
+    compat_fields,
+    compat_mismatches,
     flat_rank,
     head_range,
     intersect,
@@ -212,24 +213,25 @@ class PeerRegistrar:
 
     def register(self, peer: RankInfo) -> SendPlan:
         """Admit one peer rank (idempotent for the same info) and return its send plan.
-        PeerIncompatible: the peer (or another rank of its instance) failed the gate; the same
-        error is raised again for every later registration of that instance."""
+        PeerIncompatible, naming every mismatching field (`compat_fields`) or why the pools do
+        not map: the peer (or another rank of its instance) failed the gate; the same error is
+        raised again for every later registration of that instance."""
         if (refused := self._refused.get(peer.instance_name)) is not None:
             raise refused
         if (known := self._plans.get(peer.key)) is not None:
             if known.peer != peer:
                 raise PeerIncompatible(peer.label, "registered again with a different RankInfo")
             return known
+        ours, theirs = compat_fields(self.local), compat_fields(peer)
+        mismatches = compat_mismatches(ours, theirs, names=("local", "peer"))
         try:
-            check_compatible(self.local, peer)
-            views = map_pools(self.local, peer)
-        except PeerIncompatible as exc:
-            self._refused[peer.instance_name] = exc
-            raise
+            views = () if mismatches else map_pools(self.local, peer)
         except UnsupportedPairing as exc:
-            error = PeerIncompatible(peer.label, str(exc))
+            mismatches = [str(exc)]
+        if mismatches:
+            error = PeerIncompatible(peer.label, "; ".join(mismatches))
             self._refused[peer.instance_name] = error
-            raise error from None
+            raise error
         elected = is_elected(sender=self.local, receiver=peer)
         plan = SendPlan(peer=peer, elected=elected, views=views)
         self._plans[peer.key] = plan

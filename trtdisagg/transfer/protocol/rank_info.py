@@ -1,9 +1,9 @@
-"""RankInfo: what one rank tells its peers about itself, and the compatibility gate. Pure.
+"""RankInfo: what one rank tells its peers about itself, and what two peers must share. Pure.
 
 Each rank builds one `RankInfo` at start-up (after its KV pool and agent exist) and never changes
 it. ctx rank 0 serves every rank's (INSTANCE_INFO); a gen rank sends its own (REGISTER_PEER).
-Both sides run `check_compatible` first: a mismatch is a `PeerIncompatible` at registration,
-never deep inside a request. Topology (shared with `peers.py`):
+Both sides' registrars (peers.py) compare `compat_fields` first: a mismatch is a
+`PeerIncompatible` at registration, never deep inside a request. Topology (shared with peers.py):
 
 * flat rank `instance_rank = pp_rank * tp_size + tp_rank`;
 * attention DP splits the TP ranks into `dp_size` groups of `tp_per_dp` consecutive ranks; each
@@ -27,7 +27,6 @@ from typing import Final
 import attrs
 
 from trtdisagg.kv.page_table import Layout, PageTable
-from trtdisagg.transfer.errors import PeerIncompatible
 
 _DNS_LABEL: Final = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
@@ -191,7 +190,7 @@ class RankInfo:
 
 def compat_fields(info: RankInfo) -> dict[str, str | int]:
     """What two instances must agree on to exchange KV, by name: checked at registration
-    (`check_compatible`), and published in a worker's `/server_info` (`kv_compat`) so that a
+    (peers.py), and published in a worker's `/server_info` (`kv_compat`) so that a
     coordinator can refuse a pairing before any request does. TP/PP/DP and layout (HND/NHD) may
     differ: `peers.py` maps them (or refuses a pairing)."""
     return {
@@ -219,11 +218,3 @@ def compat_mismatches(
         for key in dict.fromkeys([*a, *b])
         if a.get(key) != b.get(key)
     ]
-
-
-def check_compatible(local: RankInfo, peer: RankInfo) -> None:
-    """Raise PeerIncompatible, naming every mismatching field, unless `peer` can exchange KV
-    with `local` (`compat_fields`)."""
-    if mismatches := compat_mismatches(compat_fields(local), compat_fields(peer),
-                                       names=("local", "peer")):  # fmt: skip
-        raise PeerIncompatible(peer.label, "; ".join(mismatches))
