@@ -194,7 +194,5 @@ class TransferProtocol:
                 pass  # WRITE_NOTICE is only valid as an agent notification
 
     def _track(self, peer: RankInfo, now: float) -> None:
-        """Watch a peer rank's instance: probes go to its rank 0; any rank's link counts."""
-        if peer.instance_rank == 0:
-            self.liveness.track(peer.instance_name, peer.control_endpoint, now)
-        self.liveness.track_link(peer.instance_name, peer.control_endpoint)
+        rank0 = peer.instance_rank == 0
+        self.liveness.track(peer.instance_name, peer.control_endpoint, now, rank0=rank0)

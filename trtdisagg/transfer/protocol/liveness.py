@@ -53,23 +53,17 @@ class PeerLiveness:
     def __len__(self) -> int:
         return len(self._peers)
 
-    def __contains__(self, instance: str) -> bool:
-        return instance in self._peers
-
-    def track(self, instance: str, endpoint: str, now: float) -> None:
-        """Watch `instance`, whose rank 0 listens at `endpoint` (again: heard now)."""
-        peer = self._peers.get(instance)
-        if peer is None:
+    def track(self, instance: str, endpoint: str, now: float, *, rank0: bool = True) -> None:
+        """Watch `instance`: the control connection to `endpoint`, one of its ranks', counts
+        for it (`link`); `rank0`: probes go there (again: heard now)."""
+        self._links[endpoint] = instance
+        if not rank0:
+            return
+        if (peer := self._peers.get(instance)) is None:
             self._peers[instance] = _Peer(endpoint=endpoint, heard=now)
         else:
             peer.endpoint = endpoint
             self.heard(instance, now)
-        self._links[endpoint] = instance
-
-    def track_link(self, instance: str, endpoint: str) -> None:
-        """The control connection to `endpoint`, one of `instance`'s ranks, counts for it
-        (`link`); rank 0's, given to `track`, always does."""
-        self._links[endpoint] = instance
 
     def forget(self, instance: str) -> None:
         self._peers.pop(instance, None)
