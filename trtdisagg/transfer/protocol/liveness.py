@@ -1,10 +1,8 @@
-"""Which peer instances are gone. Pure.
+"""Which peer instances are gone (docs/LIFECYCLE.md, "Peers that are gone", tells why). Pure.
 
-docs/LIFECYCLE.md ("Peers that are gone") tells why and how: a peer silent for `idle_s` is
-probed, and gone after `misses` probes unanswered within `answer_s`; it is gone at once (`dead`)
-when another instance answers at its endpoint, or when a control connection to one of its ranks
-dropped and did not come back within `relink_s` (a live or stalled process keeps its sockets
-open). What waits on a dead peer fails at once; a silent one may be stalled and write later.
+A live or stalled process keeps its sockets open: a peer replaced at its endpoint, or whose link
+stayed down, is `dead` and what waits on it fails at once; a silent one may be stalled and write
+later.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """PeerRegistrar: who a rank exchanges KV with, and how. Pure.
 
-`register(peer_info)` once per peer rank (ctx: each REGISTER_PEER; gen: each rank of an
-INSTANCE_INFO) runs the compatibility gate, maps pools (equal `pool_role`, overlapping global
-layers) and builds the mappers, so an unsupported pairing is a `PeerIncompatible` then, never
-at request time; a refused instance stays refused until `forget`. Per request,
-`overlap(peer, peer_dp_rank=...)` names the peer ranks that share layers and heads with this one
-(gen sends REQUEST_DATA to exactly those, and ctx expects it from exactly those), and
-`send_plan(peer_key)` turns block lists into fragments on the sending side.
-
-Owner election: when the sender's KV heads are duplicated over `d = tp_per_dp / num_kv_heads > 1`
-of its ranks, the copy that receiver rank `r` needs is written only by the duplicate with
-`tp_in_dp % d == r.tp_rank % d`; the others answer with a 0-byte result, since the receiver
-counts one result per overlapping rank. Every destination byte has exactly one writer.
+`register` once per peer rank (ctx: each REGISTER_PEER; gen: each rank of an INSTANCE_INFO) runs
+the compatibility gate and builds the mappers, so an unsupported pairing is a `PeerIncompatible`
+then, never at request time. Per request, `overlap` names the peer ranks to exchange with, and a
+`SendPlan` turns block lists into fragments on the sending side.
 """
 
 from __future__ import annotations
@@ -51,7 +43,7 @@ from trtdisagg.transfer.protocol.wire import RequestData, unpack_block_ids
 def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> tuple[int, ...]:
     """The flat ranks (pp-major, sorted) of the peer's DP group `peer_dp_rank` that hold any
     layer AND any KV head that `local` holds (`peer` may be any rank of the peer instance: only
-    its sizes are read)."""
+    its sizes are read): gen sends REQUEST_DATA to exactly those, ctx expects it from those."""
     if not 0 <= peer_dp_rank < peer.dp_size:
         raise MappingError(f"peer dp rank {peer_dp_rank} outside dp_size {peer.dp_size}")
     pp_ranks = [
@@ -71,7 +63,11 @@ def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> tuple
 
 
 def is_elected(*, sender: RankInfo, receiver: RankInfo) -> bool:
-    """Whether `sender` writes the heads it shares with `receiver` (one writer per head copy)."""
+    """Whether `sender` writes the heads it shares with `receiver`. When its KV heads are
+    duplicated over `d = tp_per_dp / num_kv_heads > 1` of its ranks, receiver rank `r`'s copy is
+    written only by the duplicate with `tp_in_dp % d == r.tp_rank % d`; the others answer with a
+    0-byte result, since the receiver counts one result per overlapping rank. Every destination
+    byte has exactly one writer."""
     dup = max(1, sender.tp_per_dp // sender.num_kv_heads)  # ranks of a DP group per head
     return sender.tp_in_dp % dup == receiver.tp_rank % dup
 
@@ -245,7 +241,7 @@ class PeerRegistrar:
         return self._plans[key]  # (KeyError: never registered)
 
     def overlap(self, peer: RankInfo, *, peer_dp_rank: int) -> tuple[int, ...]:
-        """`peer_overlap(local, peer)`, cached per (peer instance, DP group)."""
+        """`peer_overlap`, cached per (peer instance, DP group)."""
         key = (peer.instance_name, peer_dp_rank)
         if (found := self._overlaps.get(key)) is None:
             found = self._overlaps[key] = peer_overlap(self.local, peer, peer_dp_rank=peer_dp_rank)

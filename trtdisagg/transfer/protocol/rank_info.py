@@ -3,13 +3,8 @@
 Each rank builds one `RankInfo` at start-up (after its KV pool and agent exist) and never changes
 it. ctx rank 0 serves every rank's (INSTANCE_INFO); a gen rank sends its own (REGISTER_PEER).
 Both sides' registrars (peers.py) compare `compat_fields` first: a mismatch is a
-`PeerIncompatible` at registration, never deep inside a request. Topology (shared with peers.py):
-
-* flat rank `instance_rank = pp_rank * tp_size + tp_rank`;
-* attention DP splits the TP ranks into `dp_size` groups of `tp_per_dp` consecutive ranks; each
-  group holds every KV head: with `K` heads and `P = tp_per_dp`, rank `i` holds `[i*K/P,
-  (i+1)*K/P)` when `K >= P`, else the single head `i // (P/K)` (`P/K` ranks hold a copy);
-* PP stage `s` holds the global layers `[sum(layer_num_per_pp[:s]), ... + layer_num_per_pp[s])`.
+`PeerIncompatible` at registration, never deep inside a request. Attention DP splits the TP
+ranks into `dp_size` groups of `tp_per_dp` consecutive ranks, each group holding every KV head.
 
 Control endpoints come from untrusted places (a client's `ctx_info_endpoint`, a peer's RankInfo)
 and zmq reads more into one than an address (`tcp://src;dst`, `*`) or raises on what it cannot
@@ -70,7 +65,9 @@ def intersect(a: range, b: range) -> range:
 
 
 def head_range(num_kv_heads: int, tp_per_dp: int, tp_in_dp: int) -> range:
-    """Global KV heads held by rank `tp_in_dp` of a DP group of `tp_per_dp` ranks."""
+    """Global KV heads held by rank `i = tp_in_dp` of a DP group of `P = tp_per_dp` ranks: with
+    `K = num_kv_heads`, `[i*K/P, (i+1)*K/P)` when `K >= P`, else the head `i // (P/K)` (`P/K`
+    ranks hold a copy)."""
     if num_kv_heads >= tp_per_dp:
         per_rank = num_kv_heads // tp_per_dp
         return range(tp_in_dp * per_rank, (tp_in_dp + 1) * per_rank)
@@ -166,10 +163,6 @@ class RankInfo:
         return f"{self.instance_name}#{self.instance_rank}"
 
     @property
-    def num_layers(self) -> int:
-        return sum(self.layer_num_per_pp)
-
-    @property
     def tp_per_dp(self) -> int:
         return self.tp_size // self.dp_size
 
@@ -201,7 +194,7 @@ def compat_fields(info: RankInfo) -> dict[str, str | int]:
         "num_kv_heads": info.num_kv_heads,
         "head_dim": info.head_dim,
         "tokens_per_block": info.tokens_per_block,
-        "num_layers": info.num_layers,
+        "num_layers": sum(info.layer_num_per_pp),
         # The bounce size shapes how KV is staged on both sides; any difference is refused.
         "kv_cache_bounce_size_mb": info.bounce.size_mb,
         "kv_cache_bounce_threshold_bytes": info.bounce.threshold_bytes,
