@@ -137,10 +137,9 @@ class TransferProtocol:
         self.dead += gone.dead
         log.warning("peer instance %s is gone (%s)", gone.instance, gone.reason)
         dead = gone.reason if gone.dead else None
-        ranks = self.registrar.ranks_of(gone.instance)
         self.ctx.forget(gone.instance, dead, now, out)
-        ranks += self.gen.forget(gone.instance, dead, now, out)
-        self.registrar.forget(gone.instance)
+        ranks = self.gen.forget(gone.instance, dead, now, out)
+        ranks += self.registrar.forget(gone.instance)  # last: what the sides send goes to its ranks
         # (not an endpoint that a rendezvous with a new instance there now uses)
         endpoints = sorted({info.control_endpoint for info in ranks} - self.gen.meeting())
         return [*out, ev.ForgetPeer(instance=gone.instance, endpoints=tuple(endpoints)), ev.WAKE]

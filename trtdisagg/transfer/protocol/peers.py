@@ -203,9 +203,10 @@ class PeerRegistrar:
 
     def __init__(self, local: RankInfo) -> None:
         self.local = local
-        self._plans: dict[tuple[str, int], SendPlan] = {}  # by peer rank: each plan names it
+        # by peer instance, then rank (plans) or DP group (overlaps)
+        self._plans: dict[str, dict[int, SendPlan]] = {}
+        self._overlaps: dict[str, dict[int, tuple[int, ...]]] = {}
         self._refused: dict[str, PeerIncompatible] = {}
-        self._overlaps: dict[tuple[str, int], tuple[int, ...]] = {}
 
     def register(self, peer: RankInfo) -> SendPlan:
         """Admit one peer rank (idempotent for the same info) and return its send plan.
@@ -214,7 +215,7 @@ class PeerRegistrar:
         raised again for every later registration of that instance."""
         if (refused := self._refused.get(peer.instance_name)) is not None:
             raise refused
-        if (known := self._plans.get(peer.key)) is not None:
+        if (known := self._plans.get(peer.instance_name, {}).get(peer.instance_rank)) is not None:
             if known.peer != peer:
                 raise PeerIncompatible(peer.label, "registered again with a different RankInfo")
             return known
@@ -230,28 +231,25 @@ class PeerRegistrar:
             raise error
         elected = is_elected(sender=self.local, receiver=peer)
         plan = SendPlan(peer=peer, elected=elected, views=views)
-        self._plans[peer.key] = plan
+        self._plans.setdefault(peer.instance_name, {})[peer.instance_rank] = plan
         return plan
 
     def get(self, key: tuple[str, int]) -> RankInfo | None:
-        plan = self._plans.get(key)
+        plan = self._plans.get(key[0], {}).get(key[1])
         return plan.peer if plan is not None else None
 
     def send_plan(self, key: tuple[str, int]) -> SendPlan:
-        return self._plans[key]  # (KeyError: never registered)
+        return self._plans[key[0]][key[1]]  # (KeyError: never registered)
 
     def overlap(self, peer: RankInfo, *, peer_dp_rank: int) -> tuple[int, ...]:
-        """`peer_overlap`, cached per (peer instance, DP group)."""
-        key = (peer.instance_name, peer_dp_rank)
-        if (found := self._overlaps.get(key)) is None:
-            found = self._overlaps[key] = peer_overlap(self.local, peer, peer_dp_rank=peer_dp_rank)
+        """`peer_overlap`, cached."""
+        cached = self._overlaps.setdefault(peer.instance_name, {})
+        if (found := cached.get(peer_dp_rank)) is None:
+            found = cached[peer_dp_rank] = peer_overlap(self.local, peer, peer_dp_rank=peer_dp_rank)
         return found
 
-    def ranks_of(self, instance_name: str) -> list[RankInfo]:
-        return [plan.peer for key, plan in self._plans.items() if key[0] == instance_name]
-
-    def forget(self, instance_name: str) -> None:
-        for table in (self._plans, self._overlaps):
-            for key in [k for k in table if k[0] == instance_name]:
-                del table[key]
+    def forget(self, instance_name: str) -> list[RankInfo]:
+        """Forget an instance (its refusal too); the ranks of it that were registered."""
+        self._overlaps.pop(instance_name, None)
         self._refused.pop(instance_name, None)
+        return [plan.peer for plan in self._plans.pop(instance_name, {}).values()]
