@@ -222,12 +222,10 @@ class CtxProtocol(Side):
         session.add_request(request)
 
     def _start_writes(self, session: SenderSession, out: Out) -> None:
-        source = session.source
-        assert source is not None
         for request in session.take_writes():
             rank = request.instance_rank
             try:
-                order = self._order(session.key, request, source, session.deadline)
+                order = self._order(session, request)
             except (TransferLayerError, ValueError) as exc:
                 self._write_done(session, rank, f"{type(exc).__name__}: {exc}", out)
                 continue
@@ -241,12 +239,11 @@ class CtxProtocol(Side):
                                  **self._me)  # fmt: skip
             out.append(ev.PostWrite(order=order, notice=encode(notice)))
 
-    def _order(
-        self, key: int, request: RequestData, source: SourceBlocks, deadline: float
-    ) -> ev.WriteOrder | None:
-        """The write of `source` into `request`'s blocks (None: this rank has nothing to write
-        there). TransferLayerError or ValueError: the request does not fit."""
-        peer = request.sender
+    def _order(self, session: SenderSession, request: RequestData) -> ev.WriteOrder | None:
+        """The write of `session`'s KV into `request`'s blocks (None: this rank has nothing to
+        write there). TransferLayerError or ValueError: the request does not fit."""
+        peer, source = request.sender, session.source
+        assert source is not None
         try:
             plan = self.registrar.send_plan(peer)
         except KeyError:
@@ -265,8 +262,9 @@ class CtxProtocol(Side):
         pool = plan.peer.page_table.layer_groups[0].pool
         write_id, self._next_write = self._next_write, self._next_write + 1
         return ev.WriteOrder(
-            write_id=write_id, key=key, peer=peer, fragments=fragments, staged=staged,
-            dst_memory_type=pool.memory_type, dst_device_id=pool.device_id, deadline=deadline,
+            write_id=write_id, key=session.key, peer=peer, fragments=fragments, staged=staged,
+            dst_memory_type=pool.memory_type, dst_device_id=pool.device_id,
+            deadline=session.deadline,
         )  # fmt: skip
 
     def _staged(
