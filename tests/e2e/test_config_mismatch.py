@@ -3,7 +3,7 @@ coordinator refuses to pair them at all (peers.md, pain point 11).
 
 dtype, tokens_per_block and model mismatches are covered by
 tests/e2e/test_disagg_transfer.py::test_incompatible_pair_is_refused_fast_with_both_values (the
-same `check_compatible` path); field by field, including every bounce case, in
+same `PeerRegistrar.register` gate); field by field, including every bounce case, in
 tests/unit/test_transfer_rank_info.py; the coordinator's pairing rules in
 tests/unit/test_coordinator_pairing.py. Here: real processes, `kv_cache_bounce_size_mb` 0 on ctx
 and 64 on gen. Nothing degrades silently:

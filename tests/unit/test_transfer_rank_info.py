@@ -13,7 +13,6 @@ from trtdisagg.transfer.protocol.peers import PeerRegistrar, is_elected, peer_ov
 from trtdisagg.transfer.protocol.rank_info import (
     BounceConfig,
     RankInfo,
-    check_compatible,
     head_range,
     make_instance_name,
 )
@@ -47,25 +46,25 @@ def _rank(**changes: Any) -> RankInfo:
 )
 def test_mismatch_names_field_and_both_values(changes: dict[str, object], message: str) -> None:
     with pytest.raises(PeerIncompatible) as info:
-        check_compatible(_rank(), _rank(**changes))
+        PeerRegistrar(_rank()).register(_rank(**changes))
     assert message in str(info.value)
     assert str(info.value).startswith("peer peer#0 is incompatible: ")
 
 
 def test_bounce_sizes_must_match_when_both_are_on() -> None:
     local = _rank(bounce=BounceConfig(size_mb=64))
-    check_compatible(local, _rank(instance_name="gen", bounce=BounceConfig(size_mb=64)))
+    PeerRegistrar(local).register(_rank(instance_name="gen", bounce=BounceConfig(size_mb=64)))
     with pytest.raises(PeerIncompatible, match="kv_cache_bounce_size_mb: local 64 vs peer 128"):
-        check_compatible(local, _rank(bounce=BounceConfig(size_mb=128)))
+        PeerRegistrar(local).register(_rank(bounce=BounceConfig(size_mb=128)))
 
 
 def test_every_mismatch_is_listed() -> None:
     with pytest.raises(PeerIncompatible, match=r"dtype: .*; head_dim: local 8 vs peer 4"):
-        check_compatible(_rank(), _rank(dtype="float16", head_dim=4))
+        PeerRegistrar(_rank()).register(_rank(dtype="float16", head_dim=4))
 
 
 def test_compatible_peer_passes() -> None:
-    check_compatible(_rank(), _rank(instance_name="other", agent_name="x"))
+    PeerRegistrar(_rank()).register(_rank(instance_name="other", agent_name="x"))
 
 
 def test_registrar_caches_a_refusal_until_forget() -> None:

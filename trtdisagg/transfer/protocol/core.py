@@ -31,7 +31,6 @@ from trtdisagg.transfer.protocol.wire import (
     PROTOCOL_VERSION,
     Cancel,
     InstanceInfo,
-    Message,
     RegisterAck,
     RegisterPeer,
     RequestData,
@@ -92,9 +91,9 @@ class TransferProtocol:
         out: Out = []
         ctx, gen = self.ctx, self.gen
         match event:
-            case ev.MessageIn(message=message, reply_to=reply_to, source=source, peer=peer):
+            case ev.MessageIn(message=message, source=source, peer=peer):
                 try:
-                    self._message(message, reply_to, source, peer, now, out)
+                    self._message(event, now, out)
                 except TransferLayerError as exc:  # peer input never takes the protocol down
                     who = peer[0] if peer else source or getattr(message, "instance_name", "?")
                     self.refusals.warn(who, now, "dropped %s: %s", type(message).__name__, exc)
@@ -138,23 +137,15 @@ class TransferProtocol:
         self.dead += gone.dead
         log.warning("peer instance %s is gone (%s)", gone.instance, gone.reason)
         dead = gone.reason if gone.dead else None
-        ranks = self.registrar.ranks_of(gone.instance)
         self.ctx.forget(gone.instance, dead, now, out)
-        ranks += self.gen.forget(gone.instance, dead, now, out)
-        self.registrar.forget(gone.instance)
+        ranks = self.gen.forget(gone.instance, dead, now, out)
+        ranks += self.registrar.forget(gone.instance)  # last: what the sides send goes to its ranks
         # (not an endpoint that a rendezvous with a new instance there now uses)
         endpoints = sorted({info.control_endpoint for info in ranks} - self.gen.meeting())
         return [*out, ev.ForgetPeer(instance=gone.instance, endpoints=tuple(endpoints)), ev.WAKE]
 
-    def _message(
-        self,
-        message: Message,
-        reply_to: bytes | None,
-        source: str,
-        peer: tuple[str, int] | None,
-        now: float,
-        out: Out,
-    ) -> None:
+    def _message(self, event: ev.MessageIn, now: float, out: Out) -> None:
+        message, reply_to, source, peer = event.message, event.reply_to, event.source, event.peer
         claimed = sender_of(message)
         if peer is not None and claimed is not None and claimed != peer:
             self.refusals.refuse("impersonation", peer[0], now,
@@ -194,7 +185,5 @@ class TransferProtocol:
                 pass  # WRITE_NOTICE is only valid as an agent notification
 
     def _track(self, peer: RankInfo, now: float) -> None:
-        """Watch a peer rank's instance: probes go to its rank 0; any rank's link counts."""
-        if peer.instance_rank == 0:
-            self.liveness.track(peer.instance_name, peer.control_endpoint, now)
-        self.liveness.track_link(peer.instance_name, peer.control_endpoint)
+        rank0 = peer.instance_rank == 0
+        self.liveness.track(peer.instance_name, peer.control_endpoint, now, rank0=rank0)

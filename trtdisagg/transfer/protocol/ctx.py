@@ -80,9 +80,7 @@ class CtxProtocol(Side):
         if key in self.senders:
             return  # responded: the session's own cancel and deadline apply
         for request in self.early.take(key)[0]:
-            error = f"the ctx request ended before its KV was ready: {reason}"
-            self._result(request.instance_name, request.instance_rank, request.key,
-                         ResultStatus.ERROR, out, error=error)  # fmt: skip
+            self._refuse(request, f"the ctx request ended before its KV was ready: {reason}", out)
 
     def cancel(self, key: int, now: float, out: Out) -> bool | None:
         """Stop `key`'s send; whether no write may still read its blocks (None: no session)."""
@@ -134,7 +132,7 @@ class CtxProtocol(Side):
             self.refusals.not_owner("REQUEST_DATA", key, name, now)
         elif key in self._released:
             error = f"ctx released the KV of transfer {key}: no gen leg takes it"
-            self._result(name, rank, key, ResultStatus.ERROR, out, error=error)
+            self._refuse(request, error, out)
         elif not self._over_limit(request, now, out):
             self.early.add_request(now, request)
 
@@ -152,8 +150,7 @@ class CtxProtocol(Side):
         error = f"gen instance {name} holds {held} transfers with this ctx rank (limit: {limit})"
         self.refusals.refuse("over_limit", name, now, "REQUEST_DATA %d refused: %s",
                              request.key, error)  # fmt: skip
-        self._result(name, request.instance_rank, request.key, ResultStatus.ERROR, out,
-                     error=error)  # fmt: skip
+        self._refuse(request, error, out)
         return True
 
     def on_cancel(self, cancel: Cancel, now: float, out: Out) -> bool:
@@ -203,10 +200,8 @@ class CtxProtocol(Side):
             self._settle(session, now, out)
         self._released = {k: until for k, until in self._released.items() if now < until}
         for stale in self.early.sweep(now):
-            error = (f"ctx has no request with transfer key {stale.key} (never prefilled here, or"
-                     " already released)")  # fmt: skip
-            self._result(stale.instance_name, stale.instance_rank, stale.key, ResultStatus.ERROR,
-                         out, error=error)  # fmt: skip
+            why = "never prefilled here, or already released"
+            self._refuse(stale, f"ctx has no request with transfer key {stale.key} ({why})", out)
 
     def forget(self, instance: str, dead: str | None, now: float, out: Out) -> None:
         """Forget the gen instance `instance` (gone; `dead`: why, when its process ended: what
@@ -227,12 +222,10 @@ class CtxProtocol(Side):
         session.add_request(request)
 
     def _start_writes(self, session: SenderSession, out: Out) -> None:
-        source = session.source
-        assert source is not None
         for request in session.take_writes():
             rank = request.instance_rank
             try:
-                order = self._order(session.key, request, source, session.deadline)
+                order = self._order(session, request)
             except (TransferLayerError, ValueError) as exc:
                 self._write_done(session, rank, f"{type(exc).__name__}: {exc}", out)
                 continue
@@ -246,12 +239,11 @@ class CtxProtocol(Side):
                                  **self._me)  # fmt: skip
             out.append(ev.PostWrite(order=order, notice=encode(notice)))
 
-    def _order(
-        self, key: int, request: RequestData, source: SourceBlocks, deadline: float
-    ) -> ev.WriteOrder | None:
-        """The write of `source` into `request`'s blocks (None: this rank has nothing to write
-        there). TransferLayerError or ValueError: the request does not fit."""
-        peer = request.sender
+    def _order(self, session: SenderSession, request: RequestData) -> ev.WriteOrder | None:
+        """The write of `session`'s KV into `request`'s blocks (None: this rank has nothing to
+        write there). TransferLayerError or ValueError: the request does not fit."""
+        peer, source = request.sender, session.source
+        assert source is not None
         try:
             plan = self.registrar.send_plan(peer)
         except KeyError:
@@ -270,8 +262,9 @@ class CtxProtocol(Side):
         pool = plan.peer.page_table.layer_groups[0].pool
         write_id, self._next_write = self._next_write, self._next_write + 1
         return ev.WriteOrder(
-            write_id=write_id, key=key, peer=peer, fragments=fragments, staged=staged,
-            dst_memory_type=pool.memory_type, dst_device_id=pool.device_id, deadline=deadline,
+            write_id=write_id, key=session.key, peer=peer, fragments=fragments, staged=staged,
+            dst_memory_type=pool.memory_type, dst_device_id=pool.device_id,
+            deadline=session.deadline,
         )  # fmt: skip
 
     def _staged(
@@ -308,9 +301,9 @@ class CtxProtocol(Side):
             status = ResultStatus.CANCELLED
         session.write_finished(rank, status, error or "")
         tokens = session.first_tokens if status is ResultStatus.OK else ()
-        self._result(session.peer_instance or "", rank, session.key, status, out,
-                     error=error or "", num_bytes=moved[0], num_descriptors=moved[1],
-                     first_tokens=tokens)  # fmt: skip
+        result = self._message(session.key, status, error=error or "", num_bytes=moved[0],
+                               num_descriptors=moved[1], first_tokens=tokens)  # fmt: skip
+        self._send((session.peer_instance or "", rank), result, out)
         out.append(ev.WAKE)
 
     def _settle(self, session: SenderSession, now: float, out: Out) -> None:
@@ -328,12 +321,11 @@ class CtxProtocol(Side):
     def _message(self, key: int, status: ResultStatus, **fields: Any) -> TransferResult:
         return TransferResult(key=key, status=status, **self._me, **fields)
 
-    def _result(
-        self, name: str, rank: int, key: int, status: ResultStatus, out: Out, **fields: Any
-    ) -> None:
-        self._send((name, rank), self._message(key, status, **fields), out)
+    def _refuse(self, request: RequestData, error: str, out: Out) -> None:
+        self._send(request.sender, self._message(request.key, ResultStatus.ERROR, error=error), out)
 
     def _ack_cancel(self, cancel: Cancel, out: Out) -> None:
         error = "cancelled; no write in flight"
-        self._result(cancel.instance_name, cancel.instance_rank, cancel.key,
-                     ResultStatus.CANCELLED, out, error=error)  # fmt: skip
+        self._send(
+            cancel.sender, self._message(cancel.key, ResultStatus.CANCELLED, error=error), out
+        )

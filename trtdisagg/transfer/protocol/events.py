@@ -1,8 +1,5 @@
-"""What the protocol core takes in (events) and gives out (effects): small frozen values. Pure.
-
-The driver (runtime/driver.py) turns whatever happens to one rank into an event: an executor
-call, a control message, a write's notification or end, a link that dropped, the clock's tick.
-`TransferProtocol.handle(event, now)` (core.py) answers with the effects to carry out, in order.
+"""What the protocol core (core.py) takes in, events, and gives out, effects: small frozen values
+that the driver (runtime/driver.py) makes and carries out. Pure.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Which peer instances are gone. Pure.
+"""Which peer instances are gone (docs/LIFECYCLE.md, "Peers that are gone", tells why). Pure.
 
-docs/LIFECYCLE.md ("Peers that are gone") tells why and how: a peer silent for `idle_s` is
-probed, and gone after `misses` probes unanswered within `answer_s`; it is gone at once (`dead`)
-when another instance answers at its endpoint, or when a control connection to one of its ranks
-dropped and did not come back within `relink_s` (a live or stalled process keeps its sockets
-open). What waits on a dead peer fails at once; a silent one may be stalled and write later.
+A live or stalled process keeps its sockets open: a peer replaced at its endpoint, or whose link
+stayed down, is `dead` and what waits on it fails at once; a silent one may be stalled and write
+later.
 """
 
 from __future__ import annotations
@@ -53,23 +51,17 @@ class PeerLiveness:
     def __len__(self) -> int:
         return len(self._peers)
 
-    def __contains__(self, instance: str) -> bool:
-        return instance in self._peers
-
-    def track(self, instance: str, endpoint: str, now: float) -> None:
-        """Watch `instance`, whose rank 0 listens at `endpoint` (again: heard now)."""
-        peer = self._peers.get(instance)
-        if peer is None:
+    def track(self, instance: str, endpoint: str, now: float, *, rank0: bool = True) -> None:
+        """Watch `instance`: the control connection to `endpoint`, one of its ranks', counts
+        for it (`link`); `rank0`: probes go there (again: heard now)."""
+        self._links[endpoint] = instance
+        if not rank0:
+            return
+        if (peer := self._peers.get(instance)) is None:
             self._peers[instance] = _Peer(endpoint=endpoint, heard=now)
         else:
             peer.endpoint = endpoint
             self.heard(instance, now)
-        self._links[endpoint] = instance
-
-    def track_link(self, instance: str, endpoint: str) -> None:
-        """The control connection to `endpoint`, one of `instance`'s ranks, counts for it
-        (`link`); rank 0's, given to `track`, always does."""
-        self._links[endpoint] = instance
 
     def forget(self, instance: str) -> None:
         self._peers.pop(instance, None)

@@ -1,17 +1,9 @@
 """PeerRegistrar: who a rank exchanges KV with, and how. Pure.
 
-`register(peer_info)` once per peer rank (ctx: each REGISTER_PEER; gen: each rank of an
-INSTANCE_INFO) runs the compatibility gate, maps pools (equal `pool_role`, overlapping global
-layers) and builds the mappers, so an unsupported pairing is a `PeerIncompatible` then, never
-at request time; a refused instance stays refused until `forget`. Per request,
-`overlap(peer, peer_dp_rank=...)` names the peer ranks that share layers and heads with this one
-(gen sends REQUEST_DATA to exactly those, and ctx expects it from exactly those), and
-`send_plan(peer_key)` turns block lists into fragments on the sending side.
-
-Owner election: when the sender's KV heads are duplicated over `d = tp_per_dp / num_kv_heads > 1`
-of its ranks, the copy that receiver rank `r` needs is written only by the duplicate with
-`tp_in_dp % d == r.tp_rank % d`; the others answer with a 0-byte result, since the receiver
-counts one result per overlapping rank. Every destination byte has exactly one writer.
+`register` once per peer rank (ctx: each REGISTER_PEER; gen: each rank of an INSTANCE_INFO) runs
+the compatibility gate and builds the mappers, so an unsupported pairing is a `PeerIncompatible`
+then, never at request time. Per request, `overlap` names the peer ranks to exchange with, and a
+`SendPlan` turns block lists into fragments on the sending side.
 """
 
 from __future__ import annotations
@@ -37,7 +29,8 @@ from trtdisagg.transfer.protocol.mappers import (
 )
 from trtdisagg.transfer.protocol.rank_info import (
     RankInfo,
-    check_compatible,
+    compat_fields,
+    compat_mismatches,
     flat_rank,
     head_range,
     intersect,
@@ -50,7 +43,7 @@ from trtdisagg.transfer.protocol.wire import RequestData, unpack_block_ids
 def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> tuple[int, ...]:
     """The flat ranks (pp-major, sorted) of the peer's DP group `peer_dp_rank` that hold any
     layer AND any KV head that `local` holds (`peer` may be any rank of the peer instance: only
-    its sizes are read)."""
+    its sizes are read): gen sends REQUEST_DATA to exactly those, ctx expects it from those."""
     if not 0 <= peer_dp_rank < peer.dp_size:
         raise MappingError(f"peer dp rank {peer_dp_rank} outside dp_size {peer.dp_size}")
     pp_ranks = [
@@ -70,7 +63,11 @@ def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> tuple
 
 
 def is_elected(*, sender: RankInfo, receiver: RankInfo) -> bool:
-    """Whether `sender` writes the heads it shares with `receiver` (one writer per head copy)."""
+    """Whether `sender` writes the heads it shares with `receiver`. When its KV heads are
+    duplicated over `d = tp_per_dp / num_kv_heads > 1` of its ranks, receiver rank `r`'s copy is
+    written only by the duplicate with `tp_in_dp % d == r.tp_rank % d`; the others answer with a
+    0-byte result, since the receiver counts one result per overlapping rank. Every destination
+    byte has exactly one writer."""
     dup = max(1, sender.tp_per_dp // sender.num_kv_heads)  # ranks of a DP group per head
     return sender.tp_in_dp % dup == receiver.tp_rank % dup
 
@@ -206,54 +203,53 @@ class PeerRegistrar:
 
     def __init__(self, local: RankInfo) -> None:
         self.local = local
-        self._plans: dict[tuple[str, int], SendPlan] = {}  # by peer rank: each plan names it
+        # by peer instance, then rank (plans) or DP group (overlaps)
+        self._plans: dict[str, dict[int, SendPlan]] = {}
+        self._overlaps: dict[str, dict[int, tuple[int, ...]]] = {}
         self._refused: dict[str, PeerIncompatible] = {}
-        self._overlaps: dict[tuple[str, int], tuple[int, ...]] = {}
 
     def register(self, peer: RankInfo) -> SendPlan:
         """Admit one peer rank (idempotent for the same info) and return its send plan.
-        PeerIncompatible: the peer (or another rank of its instance) failed the gate; the same
-        error is raised again for every later registration of that instance."""
+        PeerIncompatible, naming every mismatching field (`compat_fields`) or why the pools do
+        not map: the peer (or another rank of its instance) failed the gate; the same error is
+        raised again for every later registration of that instance."""
         if (refused := self._refused.get(peer.instance_name)) is not None:
             raise refused
-        if (known := self._plans.get(peer.key)) is not None:
+        if (known := self._plans.get(peer.instance_name, {}).get(peer.instance_rank)) is not None:
             if known.peer != peer:
                 raise PeerIncompatible(peer.label, "registered again with a different RankInfo")
             return known
+        ours, theirs = compat_fields(self.local), compat_fields(peer)
+        mismatches = compat_mismatches(ours, theirs, names=("local", "peer"))
         try:
-            check_compatible(self.local, peer)
-            views = map_pools(self.local, peer)
-        except PeerIncompatible as exc:
-            self._refused[peer.instance_name] = exc
-            raise
+            views = () if mismatches else map_pools(self.local, peer)
         except UnsupportedPairing as exc:
-            error = PeerIncompatible(peer.label, str(exc))
+            mismatches = [str(exc)]
+        if mismatches:
+            error = PeerIncompatible(peer.label, "; ".join(mismatches))
             self._refused[peer.instance_name] = error
-            raise error from None
+            raise error
         elected = is_elected(sender=self.local, receiver=peer)
         plan = SendPlan(peer=peer, elected=elected, views=views)
-        self._plans[peer.key] = plan
+        self._plans.setdefault(peer.instance_name, {})[peer.instance_rank] = plan
         return plan
 
     def get(self, key: tuple[str, int]) -> RankInfo | None:
-        plan = self._plans.get(key)
+        plan = self._plans.get(key[0], {}).get(key[1])
         return plan.peer if plan is not None else None
 
     def send_plan(self, key: tuple[str, int]) -> SendPlan:
-        return self._plans[key]  # (KeyError: never registered)
+        return self._plans[key[0]][key[1]]  # (KeyError: never registered)
 
     def overlap(self, peer: RankInfo, *, peer_dp_rank: int) -> tuple[int, ...]:
-        """`peer_overlap(local, peer)`, cached per (peer instance, DP group)."""
-        key = (peer.instance_name, peer_dp_rank)
-        if (found := self._overlaps.get(key)) is None:
-            found = self._overlaps[key] = peer_overlap(self.local, peer, peer_dp_rank=peer_dp_rank)
+        """`peer_overlap`, cached."""
+        cached = self._overlaps.setdefault(peer.instance_name, {})
+        if (found := cached.get(peer_dp_rank)) is None:
+            found = cached[peer_dp_rank] = peer_overlap(self.local, peer, peer_dp_rank=peer_dp_rank)
         return found
 
-    def ranks_of(self, instance_name: str) -> list[RankInfo]:
-        return [plan.peer for key, plan in self._plans.items() if key[0] == instance_name]
-
-    def forget(self, instance_name: str) -> None:
-        for table in (self._plans, self._overlaps):
-            for key in [k for k in table if k[0] == instance_name]:
-                del table[key]
+    def forget(self, instance_name: str) -> list[RankInfo]:
+        """Forget an instance (its refusal too); the ranks of it that were registered."""
+        self._overlaps.pop(instance_name, None)
         self._refused.pop(instance_name, None)
+        return [plan.peer for plan in self._plans.pop(instance_name, {}).values()]

@@ -1,15 +1,10 @@
-"""RankInfo: what one rank tells its peers about itself, and the compatibility gate. Pure.
+"""RankInfo: what one rank tells its peers about itself, and what two peers must share. Pure.
 
 Each rank builds one `RankInfo` at start-up (after its KV pool and agent exist) and never changes
 it. ctx rank 0 serves every rank's (INSTANCE_INFO); a gen rank sends its own (REGISTER_PEER).
-Both sides run `check_compatible` first: a mismatch is a `PeerIncompatible` at registration,
-never deep inside a request. Topology (shared with `peers.py`):
-
-* flat rank `instance_rank = pp_rank * tp_size + tp_rank`;
-* attention DP splits the TP ranks into `dp_size` groups of `tp_per_dp` consecutive ranks; each
-  group holds every KV head: with `K` heads and `P = tp_per_dp`, rank `i` holds `[i*K/P,
-  (i+1)*K/P)` when `K >= P`, else the single head `i // (P/K)` (`P/K` ranks hold a copy);
-* PP stage `s` holds the global layers `[sum(layer_num_per_pp[:s]), ... + layer_num_per_pp[s])`.
+Both sides' registrars (peers.py) compare `compat_fields` first: a mismatch is a
+`PeerIncompatible` at registration, never deep inside a request. Attention DP splits the TP
+ranks into `dp_size` groups of `tp_per_dp` consecutive ranks, each group holding every KV head.
 
 Control endpoints come from untrusted places (a client's `ctx_info_endpoint`, a peer's RankInfo)
 and zmq reads more into one than an address (`tcp://src;dst`, `*`) or raises on what it cannot
@@ -27,7 +22,6 @@ from typing import Final
 import attrs
 
 from trtdisagg.kv.page_table import Layout, PageTable
-from trtdisagg.transfer.errors import PeerIncompatible
 
 _DNS_LABEL: Final = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
@@ -71,7 +65,9 @@ def intersect(a: range, b: range) -> range:
 
 
 def head_range(num_kv_heads: int, tp_per_dp: int, tp_in_dp: int) -> range:
-    """Global KV heads held by rank `tp_in_dp` of a DP group of `tp_per_dp` ranks."""
+    """Global KV heads held by rank `i = tp_in_dp` of a DP group of `P = tp_per_dp` ranks: with
+    `K = num_kv_heads`, `[i*K/P, (i+1)*K/P)` when `K >= P`, else the head `i // (P/K)` (`P/K`
+    ranks hold a copy)."""
     if num_kv_heads >= tp_per_dp:
         per_rank = num_kv_heads // tp_per_dp
         return range(tp_in_dp * per_rank, (tp_in_dp + 1) * per_rank)
@@ -167,10 +163,6 @@ class RankInfo:
         return f"{self.instance_name}#{self.instance_rank}"
 
     @property
-    def num_layers(self) -> int:
-        return sum(self.layer_num_per_pp)
-
-    @property
     def tp_per_dp(self) -> int:
         return self.tp_size // self.dp_size
 
@@ -191,7 +183,7 @@ class RankInfo:
 
 def compat_fields(info: RankInfo) -> dict[str, str | int]:
     """What two instances must agree on to exchange KV, by name: checked at registration
-    (`check_compatible`), and published in a worker's `/server_info` (`kv_compat`) so that a
+    (peers.py), and published in a worker's `/server_info` (`kv_compat`) so that a
     coordinator can refuse a pairing before any request does. TP/PP/DP and layout (HND/NHD) may
     differ: `peers.py` maps them (or refuses a pairing)."""
     return {
@@ -202,7 +194,7 @@ def compat_fields(info: RankInfo) -> dict[str, str | int]:
         "num_kv_heads": info.num_kv_heads,
         "head_dim": info.head_dim,
         "tokens_per_block": info.tokens_per_block,
-        "num_layers": info.num_layers,
+        "num_layers": sum(info.layer_num_per_pp),
         # The bounce size shapes how KV is staged on both sides; any difference is refused.
         "kv_cache_bounce_size_mb": info.bounce.size_mb,
         "kv_cache_bounce_threshold_bytes": info.bounce.threshold_bytes,
@@ -219,11 +211,3 @@ def compat_mismatches(
         for key in dict.fromkeys([*a, *b])
         if a.get(key) != b.get(key)
     ]
-
-
-def check_compatible(local: RankInfo, peer: RankInfo) -> None:
-    """Raise PeerIncompatible, naming every mismatching field, unless `peer` can exchange KV
-    with `local` (`compat_fields`)."""
-    if mismatches := compat_mismatches(compat_fields(local), compat_fields(peer),
-                                       names=("local", "peer")):  # fmt: skip
-        raise PeerIncompatible(peer.label, "; ".join(mismatches))
