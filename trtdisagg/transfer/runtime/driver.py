@@ -59,7 +59,6 @@ TICK_S: Final = 0.01  # deadlines are looked at this often while a transfer is u
 @attrs.define(eq=False, kw_only=True)
 class _Flight:
     order: ev.WriteOrder
-    handle: XferHandle | None  # None while the pump posts it
     remote: str
     posted: float
     staging_offset: int | None = None
@@ -256,39 +255,17 @@ class KvTransceiver:
         assert self._nursery is not None, "the transceiver is not running"
         self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
 
-    # ---- writes: quick agent calls inline, blocking ones in a worker thread (pump.py) ----
+    # ---- writes: posted, polled and released by the pump (pump.py) ----
 
     def _post(self, order: ev.WriteOrder, notice: bytes) -> None:
         remote = self._remotes.get(order.peer)
         if remote is None:
             error = f"gen rank {order.peer[0]}#{order.peer[1]} is gone"
             self._feed(ev.WriteEnded(write_id=order.write_id, error=error))
-            return
-        if order.staged is not None:
+        elif order.staged is not None:
             self._spawn(self._stage_and_post, order, remote, notice)
-        elif self._pump.idle and self.agent.submit_is_quick(order.fragments, remote):
-            try:
-                handle = self._pump.now(functools.partial(self._submit, order, remote, notice))
-            except TransferLayerError as exc:
-                self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
-                return
-            self._trace(order.key, "posted")
-            self._flights[order.write_id] = _Flight(
-                order=order, handle=handle, remote=remote, posted=self.clock()
-            )
-            self._pump.watch_write(order.write_id, handle)
         else:
-            self._post_on_pump(order, remote, notice)
-
-    def _post_on_pump(
-        self, order: ev.WriteOrder, remote: str, notice: bytes, staging_offset: int | None = None
-    ) -> None:
-        """A post that blocks: on the pump's thread, which polls the write right after it."""
-        self._flights[order.write_id] = _Flight(
-            order=order, handle=None, remote=remote, posted=self.clock(),
-            staging_offset=staging_offset,
-        )  # fmt: skip
-        self._pump.post(order.write_id, functools.partial(self._submit, order, remote, notice))
+            self._fly(order, remote, notice)
 
     async def _stage_and_post(self, order: ev.WriteOrder, remote: str, notice: bytes) -> None:
         """Pack this rank's share into staging room, then write it in one go."""
@@ -298,7 +275,17 @@ class KvTransceiver:
         except TransferLayerError as exc:
             self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
             return
-        self._post_on_pump(order, remote, notice, staging_offset=offset)
+        self._fly(order, remote, notice, staging_offset=offset)
+
+    def _fly(
+        self, order: ev.WriteOrder, remote: str, notice: bytes, staging_offset: int | None = None
+    ) -> None:
+        self._flights[order.write_id] = _Flight(
+            order=order, remote=remote, posted=self.clock(), staging_offset=staging_offset
+        )
+        quick = staging_offset is None and self.agent.submit_is_quick(order.fragments, remote)
+        submit = functools.partial(self._submit, order, remote, notice)
+        self._pump.post(order.write_id, submit, quick=quick)
 
     def _submit(self, order: ev.WriteOrder, remote: str, notice: bytes) -> XferHandle:
         return self.agent.submit(
@@ -307,7 +294,7 @@ class KvTransceiver:
         )  # fmt: skip
 
     def _delivered(self, posted: Posted, notifications: Notifications, ended: Ended) -> None:
-        """What the pump did and found, on the Trio thread."""
+        """What the pump did (a quick post: at once) and found, on the Trio thread."""
         if self._nursery is None:
             return  # the service has ended
         for write_id, handle in posted:
@@ -315,17 +302,9 @@ class KvTransceiver:
                 self._land(write_id)
                 self._feed(ev.WriteEnded(write_id=write_id, error=handle))
             else:
-                self._flights[write_id].handle = handle
                 self._trace(self._flights[write_id].order.key, "posted")
         for write_id, state in ended:
             flight = self._land(write_id)
-            assert flight.handle is not None, "the pump polls a write only once it is posted"
-            release = functools.partial(self.agent.release, flight.handle)
-            if self._pump.idle:
-                self._pump.now(release)
-            else:
-                self._spawn(self._pump.in_thread, release)
-            self._landed.unpark_all()
             error = None if state is XferStatus.DONE else "the agent reported an error writing it"
             if error is None:
                 self._trace(flight.order.key, "done")
@@ -347,6 +326,7 @@ class KvTransceiver:
         flight = self._flights.pop(write_id)
         if flight.staging_offset is not None and self.staging is not None:
             self.staging.release(flight.staging_offset)
+        self._landed.unpark_all()
         return flight
 
     # ---- peers' agents, staging ----

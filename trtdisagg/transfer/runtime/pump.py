@@ -1,13 +1,14 @@
-"""The agent's one lock, and the one thread that posts slow writes and polls the agent while a
-transfer waits (docs/LIFECYCLE.md, "Who notices that a write ended").
+"""The agent's one lock, and the one thread that posts slow writes, polls the agent while a
+transfer waits and releases each write that ended (docs/LIFECYCLE.md, "Who notices that a write
+ended").
 
-A quick agent call runs on the Trio thread (`now`), but only while no blocking call runs
-(`idle`): the lock is then free or held by the pump for microseconds, and the loop never waits on
-a blocking call. A Trio task cannot poll the agent often enough (epoll's timeout is whole
-milliseconds), hence the thread, which parks on a `threading.Event` while nothing is awaited. A
-post that blocks runs on that thread, which polls its write at once: from a worker thread, the
-write would go unpolled during the hops to the Trio thread and on to the pump (each waiting for
-the GIL), and over TCP an unpolled write does not move.
+A quick post runs on the Trio thread, but only while no blocking call runs: the lock is then free
+or held by the pump for microseconds, and the loop never waits on a blocking call. A Trio task
+cannot poll the agent often enough (epoll's timeout is whole milliseconds), hence the thread, which
+parks on a `threading.Event` while nothing is awaited. A post that blocks runs on that thread,
+which polls its write at once: from a worker thread, the write would go unpolled during the hops to
+the Trio thread and on to the pump (each waiting for the GIL), and over TCP an unpolled write does
+not move.
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ _PR_SET_TIMERSLACK = 29
 
 
 class AgentPump:
-    """The agent and the lock that keeps its calls from overlapping; and the one thread that
-    posts slow writes, and polls the agent's writes and notifications while any is awaited."""
+    """The agent, its lock, and the pump's thread (the module docstring)."""
 
     def __init__(
         self, agent: TransferAgent, deliver: Callable[[Posted, Notifications, Ended], None]
@@ -59,16 +59,6 @@ class AgentPump:
         self._writes: dict[int, XferHandle] = {}  # polled: the pump thread's own
         self._thread: threading.Thread | None = None
 
-    @property
-    def idle(self) -> bool:
-        """No blocking call runs: `now` waits for the pump at most."""
-        return not self._slow
-
-    def now(self, call: Callable[[], T]) -> T:
-        """A quick call, here on the Trio thread (only while `idle`)."""
-        assert not self._slow, "a blocking agent call runs: use in_thread"
-        return self._locked(call)
-
     async def in_thread(self, call: Callable[[], T]) -> T:
         self._slow += 1
         try:
@@ -80,16 +70,18 @@ class AgentPump:
         with self._lock:
             return call()
 
-    def watch_write(self, write_id: int, handle: XferHandle) -> None:
-        """Poll this write until it ends; its end is delivered once."""
-        with self._state:
-            self._watched.append((write_id, handle))
-            if not self._wakeup.is_set():  # (set: the pump is polling, and clears it only
-                self._wakeup.set()  # under this lock once nothing is watched)
-
-    def post(self, write_id: int, submit: Callable[[], XferHandle]) -> None:
-        """Run this blocking post here (the agent's lock held), then poll its write. Its handle
-        (or its error) is delivered before its end."""
+    def post(self, write_id: int, submit: Callable[[], XferHandle], *, quick: bool) -> None:
+        """Post a write (here if `quick` and no blocking call runs, else on the pump's thread),
+        poll it until it ends, release it. Its handle (or its error) is delivered before its end:
+        a quick post's at once."""
+        if quick and not self._slow:
+            handle = self._submit(write_id, submit)
+            if not isinstance(handle, str):
+                with self._state:
+                    self._watched.append((write_id, handle))
+                    self._wakeup.set()
+            self._deliver([(write_id, handle)], [], [])
+            return
         self._slow += 1  # (until it is delivered)
         with self._state:
             self._posts.append((write_id, submit))
@@ -138,19 +130,21 @@ class AgentPump:
                     token.run_sync_soon(self._delivered, posted, got, ended)
             time.sleep(PUMP_INTERVAL_S)
 
+    def _submit(self, write_id: int, submit: Callable[[], XferHandle]) -> XferHandle | str:
+        try:
+            return self._locked(submit)
+        except Exception as exc:  # a failed post fails its write, never the pump
+            if not isinstance(exc, TransferLayerError):
+                log.exception("posting KV write %d", write_id)
+            return str(exc) or type(exc).__name__
+
     def _post(self, posts: list[tuple[int, Callable[[], XferHandle]]]) -> Posted:
         posted = Posted()
         for write_id, submit in posts:
-            try:
-                with self._lock:
-                    handle = submit()
-            except Exception as exc:  # a failed post fails its write, never the pump
-                if not isinstance(exc, TransferLayerError):
-                    log.exception("posting KV write %d", write_id)
-                posted.append((write_id, str(exc) or type(exc).__name__))
-                continue
+            handle = self._submit(write_id, submit)
+            if not isinstance(handle, str):
+                self._writes[write_id] = handle
             posted.append((write_id, handle))
-            self._writes[write_id] = handle
         return posted
 
     def _poll(self, notices: bool) -> tuple[Notifications, Ended]:
@@ -165,8 +159,11 @@ class AgentPump:
                     state = XferStatus.ERROR
                 if state is not XferStatus.PENDING:
                     ended.append((write_id, state))
-        for write_id, _ in ended:
-            del self._writes[write_id]
+            for write_id, _ in ended:
+                try:
+                    agent.release(self._writes.pop(write_id))
+                except Exception:  # (its write has ended all the same)
+                    log.exception("releasing KV write %d", write_id)
         return got, ended
 
     def _delivered(self, posted: Posted, got: Notifications, ended: Ended) -> None:
