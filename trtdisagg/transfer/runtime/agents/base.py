@@ -126,20 +126,15 @@ class AgentBase:
     def __init__(self, name: str) -> None:
         self._name = name
         self._regions: list[MemoryRegion] = []
-        self._remotes: set[str] = set()
+        self.remotes: set[str] = set()  # loaded with `add_remote` (read it, never change it)
         self._ids = itertools.count(1)
 
     @property
     def name(self) -> str:
         return self._name
 
-    @property
-    def remotes(self) -> frozenset[str]:
-        """The peers loaded with `add_remote` (tests check that none are left behind)."""
-        return frozenset(self._remotes)
-
     def _check_remote(self, remote: str) -> None:
-        if remote not in self._remotes:
+        if remote not in self.remotes:
             raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
 
 
