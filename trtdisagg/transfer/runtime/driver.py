@@ -80,11 +80,13 @@ class KvTransceiver:
     staging: StagingArea | None = None  # the bounce path (kv_cache_bounce_size_mb > 0)
     liveness: PeerLiveness = attrs.Factory(PeerLiveness)
     connect: DealerOpener = open_dealer
-    on_write: Callable[[int, int, float], None] | None = None  # bytes, descriptors, seconds
     tracer: Callable[[int, str, float], None] | None = None
     max_sessions_per_peer: int = 1024  # transfers one gen instance may hold with a ctx rank
     protocol: TransferProtocol = attrs.field(init=False)
     tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
+    # (bytes, descriptors, seconds) of each KV write, instead of `tally` (a follower rank
+    # reports its writes to rank 0, which counts them)
+    on_write: Callable[[int, int, float], None] | None = None
     _control: ControlPlane = attrs.field(init=False)
     _pump: AgentPump = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
@@ -309,9 +311,7 @@ class KvTransceiver:
             if error is None:
                 self._trace(flight.order.key, "done")
                 fragments, seconds = flight.order.fragments, self.clock() - flight.posted
-                self.tally.count(fragments.num_bytes, len(fragments), seconds)
-                if self.on_write is not None:
-                    self.on_write(fragments.num_bytes, len(fragments), seconds)
+                (self.on_write or self.tally.count)(fragments.num_bytes, len(fragments), seconds)
             self._feed(ev.WriteEnded(write_id=write_id, error=error))
         for remote, payload in notifications:
             try:
@@ -365,12 +365,12 @@ class KvTransceiver:
 
     async def _reserve(self, key: int, num_bytes: int, deadline: float) -> None:
         assert self.staging is not None
+        offset, error = None, ""
         try:
             offset = await self.staging.reserve(num_bytes, deadline)
         except TransferLayerError as exc:
-            self._feed(ev.StagingReserved(key=key, offset=None, error=str(exc)))
-            return
-        self._feed(ev.StagingReserved(key=key, offset=offset))
+            error = str(exc)
+        self._feed(ev.StagingReserved(key=key, offset=offset, error=error))
 
     async def _scatter(self, key: int, staged: ev.Staged) -> None:
         """Copy a bounced receive into its blocks (which stay held until it is reported)."""
