@@ -41,7 +41,7 @@ from trtdisagg.transfer.protocol.wire import (
     WriteNotice,
     decode,
 )
-from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferHandle, XferStatus
+from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferStatus
 from trtdisagg.transfer.runtime.collector import TransceiverStatistics, WriteTally
 from trtdisagg.transfer.runtime.control import ControlPlane, ControlRouter, DealerOpener
 from trtdisagg.transfer.runtime.messenger import open_dealer
@@ -286,14 +286,11 @@ class KvTransceiver:
             order=order, remote=remote, posted=self.clock(), staging_offset=staging_offset
         )
         quick = staging_offset is None and self.agent.submit_is_quick(order.fragments, remote)
-        submit = functools.partial(self._submit, order, remote, notice)
-        self._pump.post(order.write_id, submit, quick=quick)
-
-    def _submit(self, order: ev.WriteOrder, remote: str, notice: bytes) -> XferHandle:
-        return self.agent.submit(
-            order.fragments, remote, notice,
+        submit = functools.partial(
+            self.agent.submit, order.fragments, remote, notice,
             dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
         )  # fmt: skip
+        self._pump.post(order.write_id, submit, quick=quick)
 
     def _delivered(self, posted: Posted, notifications: Notifications, ended: Ended) -> None:
         """What the pump did (a quick post: at once) and found, on the Trio thread."""

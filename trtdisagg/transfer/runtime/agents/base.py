@@ -43,9 +43,6 @@ class MemoryRegion:  # a contiguous range of registered memory
     memory_type: str = "DRAM"  # "DRAM" | "VRAM", as NIXL names them
     device_id: int = 0
 
-    def contains(self, address: int, size: int) -> bool:
-        return self.address <= address and address + size <= self.address + self.size
-
 
 def pool_regions(page_table: PageTable) -> list[MemoryRegion]:
     """The memory to register for a page table: one region per physical pool."""
@@ -69,7 +66,7 @@ def find_region(
     start = int(rows[:, column].min())
     end = int((rows[:, column] + rows[:, 2]).max())
     for region in regions:
-        if region.contains(start, end - start):
+        if region.address <= start and end <= region.address + region.size:
             return region
     side = "source" if column == 0 else "destination"
     raise AgentError(
