@@ -296,12 +296,12 @@ class KvTransceiver:
         """What the pump did (a quick post: at once) and found, on the Trio thread."""
         if self._nursery is None:
             return  # the service has ended
-        for write_id, handle in posted:
-            if isinstance(handle, str):
-                self._land(write_id)
-                self._feed(ev.WriteEnded(write_id=write_id, error=handle))
-            else:
+        for write_id, error in posted:
+            if error is None:
                 self._trace(self._flights[write_id].order.key, "posted")
+            else:
+                self._land(write_id)
+                self._feed(ev.WriteEnded(write_id=write_id, error=error))
         for write_id, state in ended:
             flight = self._land(write_id)
             error = None if state is XferStatus.DONE else "the agent reported an error writing it"

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Notifications = list[tuple[str, bytes]]
 Ended = list[tuple[int, XferStatus]]
-Posted = list[tuple[int, XferHandle | str]]  # a posted write's handle, or why its post failed
+Posted = list[tuple[int, str | None]]  # a write posted, or why its post failed
 
 # The pump's period while a transfer waits. Over TCP (peers on other hosts) UCX moves bytes
 # only while both ends progress it: the receiver's polls drain its socket, so a slow period caps
@@ -53,10 +53,9 @@ class AgentPump:
         self._slow = 0  # blocking calls under way (each in a worker thread or on the pump's)
         self._state = threading.Lock()  # guards what the Trio thread hands over, and the wake-up
         self._wakeup = threading.Event()
-        self._watched: list[tuple[int, XferHandle]] = []
         self._posts: list[tuple[int, Callable[[], XferHandle]]] = []
         self._notices = self._stopping = False
-        self._writes: dict[int, XferHandle] = {}  # polled: the pump thread's own
+        self._writes: dict[int, XferHandle] = {}  # polled (the agent's lock guards it)
         self._thread: threading.Thread | None = None
 
     async def in_thread(self, call: Callable[[], T]) -> T:
@@ -72,15 +71,13 @@ class AgentPump:
 
     def post(self, write_id: int, submit: Callable[[], XferHandle], *, quick: bool) -> None:
         """Post a write (here if `quick` and no blocking call runs, else on the pump's thread),
-        poll it until it ends, release it. Its handle (or its error) is delivered before its end:
+        poll it until it ends, release it. Whether its post failed is delivered before its end:
         a quick post's at once."""
         if quick and not self._slow:
-            handle = self._submit(write_id, submit)
-            if not isinstance(handle, str):
-                with self._state:
-                    self._watched.append((write_id, handle))
-                    self._wakeup.set()
-            self._deliver([(write_id, handle)], [], [])
+            error = self._submit(write_id, submit)
+            with self._state:
+                self._wakeup.set()
+            self._deliver([(write_id, error)], [], [])
             return
         self._slow += 1  # (until it is delivered)
         with self._state:
@@ -117,35 +114,27 @@ class AgentPump:
                 if self._stopping:
                     return
                 posts, self._posts = self._posts, []
-                self._writes.update(self._watched)
-                self._watched.clear()
                 notices = self._notices
                 if not posts and not self._writes and not notices:
-                    self._wakeup.clear()  # under the lock: a watch made now sets it again
+                    self._wakeup.clear()  # under the lock: a post made now sets it again
                     continue
-            posted = self._post(posts)
+            posted = [(write_id, self._submit(write_id, submit)) for write_id, submit in posts]
             got, ended = self._poll(notices)
             if posted or got or ended:
                 with contextlib.suppress(trio.RunFinishedError):  # (stopped first, normally)
                     token.run_sync_soon(self._delivered, posted, got, ended)
             time.sleep(PUMP_INTERVAL_S)
 
-    def _submit(self, write_id: int, submit: Callable[[], XferHandle]) -> XferHandle | str:
+    def _submit(self, write_id: int, submit: Callable[[], XferHandle]) -> str | None:
+        """Post a write and poll it from now on; why the post failed, if it did."""
         try:
-            return self._locked(submit)
+            with self._lock:
+                self._writes[write_id] = submit()
         except Exception as exc:  # a failed post fails its write, never the pump
             if not isinstance(exc, TransferLayerError):
                 log.exception("posting KV write %d", write_id)
             return str(exc) or type(exc).__name__
-
-    def _post(self, posts: list[tuple[int, Callable[[], XferHandle]]]) -> Posted:
-        posted = Posted()
-        for write_id, submit in posts:
-            handle = self._submit(write_id, submit)
-            if not isinstance(handle, str):
-                self._writes[write_id] = handle
-            posted.append((write_id, handle))
-        return posted
+        return None
 
     def _poll(self, notices: bool) -> tuple[Notifications, Ended]:
         agent, ended = self.agent, Ended()
