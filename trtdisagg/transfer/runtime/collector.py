@@ -35,11 +35,8 @@ class TransceiverStatistics:
     early: int = 0  # transfer keys with REQUEST_DATA or CANCEL waiting for their session
     bounced: int = 0  # transfers that went through the staging buffers (sends and receives)
     connections: int = 0  # open DEALERs to peers' control endpoints
-    # peer instances watched for being gone (liveness.py), and forgotten as gone
-    peers_watched: int = 0
-    peers_forgotten: int = 0
+    peers_forgotten: int = 0  # peer instances forgotten as gone (liveness.py)
     peers_dead: int = 0  # ... of which had ended: what waited on them failed at once
-    peer_probes: int = 0
     # control messages dropped or refused, by reason (protocol/side.py, and the socket's
     # `unauthenticated`)
     refused: dict[str, int] = attrs.Factory(dict)

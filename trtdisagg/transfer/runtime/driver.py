@@ -174,8 +174,7 @@ class KvTransceiver:
             bad_frames=self._control.bad_frames, quarantined=quarantined,
             quarantine_expired=gen.quarantine_expired, early=len(ctx.early),
             bounced=ctx.bounced + gen.bounced, connections=self._control.connections,
-            peers_watched=len(protocol.liveness), peers_forgotten=protocol.forgotten,
-            peers_dead=protocol.dead, peer_probes=protocol.probes,
+            peers_forgotten=protocol.forgotten, peers_dead=protocol.dead,
         )  # fmt: skip
 
     # ---- the service ----
