@@ -55,7 +55,7 @@ async def test_an_early_request_is_written_only_once_the_kv_is_ready(pair: Pair)
     assert pair.gen_blocks(dst) == pair.ctx_blocks(src)
     assert (await outcome_of(pair.ctx.check_context_transfer_status)).ok
     assert pair.ctx.statistics().early == 0
-    await until(lambda: pair.ctx_agent.num_handles == 0, "every handle released")
+    await until(lambda: pair.ctx_agent.handles == {}, "every handle released")
 
 
 async def test_gen_finishes_on_the_notice_alone_which_carries_what_the_write_moved() -> None:

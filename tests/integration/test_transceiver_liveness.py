@@ -136,7 +136,7 @@ async def test_ctx_forgets_a_gen_that_is_gone_and_unloads_its_agent() -> None:
         await until(lambda: ctx.transceiver.statistics().peers_forgotten == 1, "forgotten")
         assert not _known_gen(ctx, gen)
         await until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
-        assert ctx.transceiver.statistics().peers_watched == 0
+        assert not ctx.transceiver.protocol.liveness
 
 
 async def test_gen_forgets_a_ctx_that_is_gone() -> None:
@@ -145,7 +145,7 @@ async def test_gen_forgets_a_ctx_that_is_gone() -> None:
         rendezvous = gen.transceiver.statistics().rendezvous
         await ctx.stop()
         await until(lambda: gen.transceiver.statistics().peers_forgotten == 1, "forgotten")
-        assert gen.transceiver.statistics().peers_watched == 0
+        assert not gen.transceiver.protocol.liveness
         assert gen.transceiver.statistics().rendezvous == rendezvous
         assert not gen.agent.remotes  # gen loads no ctx agent: it only receives
 
@@ -154,9 +154,9 @@ async def test_live_idle_peers_answer_their_probes_and_are_kept() -> None:
     async with _pair() as (ctx, gen):
         assert (await _transfer(ctx, gen, 1)).ok
         both = (ctx.transceiver, gen.transceiver)
-        await until(lambda: all(t.statistics().peer_probes >= 4 for t in both), "probes")
+        await until(lambda: all(t.protocol.probes >= 4 for t in both), "probes")
         assert [t.statistics().peers_forgotten for t in both] == [0, 0]
-        assert [t.statistics().peers_watched for t in both] == [1, 1]
+        assert [len(t.protocol.liveness) for t in both] == [1, 1]
         rendezvous = gen.transceiver.statistics().rendezvous
         assert (await _transfer(ctx, gen, 2)).ok  # no new rendezvous: nothing was forgotten
         assert gen.transceiver.statistics().rendezvous == rendezvous
@@ -219,7 +219,7 @@ async def test_a_gen_that_ends_before_ctx_ever_connected_to_it_is_found_dead() -
         await gen.stop()
         stats = ctx.transceiver.statistics
         await until(lambda: stats().peers_dead == 1, "ctx finding the gen dead")
-        assert stats().peer_probes >= 1 and stats().peers_forgotten == 1
+        assert ctx.transceiver.protocol.probes >= 1 and stats().peers_forgotten == 1
         await until(lambda: gen.agent.name not in ctx.agent.remotes, "the agent unloaded")
 
 
@@ -248,5 +248,5 @@ async def test_gen_instances_that_come_and_go_leave_ctx_no_sockets_behind() -> N
             await until(lambda i=i: stats().peers_dead == i + 1, "ctx forgetting a gen as dead")
             await until(lambda: _open_files() <= before, f"files closed after gen {i}")
             await until(lambda: not ctx.agent.remotes, f"gen {i}'s agent unloaded")
-            assert stats().peers_watched == 0
+            assert not ctx.transceiver.protocol.liveness
         nursery.cancel_scope.cancel()

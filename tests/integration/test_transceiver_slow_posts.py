@@ -75,4 +75,4 @@ async def test_a_failed_slow_post_fails_its_transfer_and_the_next_one_lands() ->
         # The pump lives on, and the agent is free for quick calls again.
         assert (await pair.transfer(2**41 + 4, [5, 6, 7], [0, 1, 2])).ok
         assert pair.gen_blocks([0, 1, 2]) == pair.ctx_blocks([5, 6, 7])
-        await until(lambda: pair.ctx_agent.num_handles == 0, "every handle released")
+        await until(lambda: pair.ctx_agent.handles == {}, "every handle released")

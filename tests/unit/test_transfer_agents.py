@@ -52,6 +52,10 @@ def test_pure_modules_import_no_io_or_torch() -> None:
     assert result.stdout.strip() == "[]"
 
 
+def _fragments(rows: list[tuple[int, int, int]]) -> Fragments:
+    return Fragments(np.array(rows, dtype=np.int64).reshape(-1, 3))
+
+
 def _agents() -> tuple[LoopbackAgent, LoopbackAgent]:
     fabric = LoopbackFabric()
     ctx = make_agent("LOOPBACK", "ctx/0", fabric=fabric)
@@ -120,7 +124,7 @@ def test_loopback_can_notify_from_the_first_poll_that_finds_a_write_done() -> No
     ctx.release(handle)
     never = ctx.submit(rows, remote, b"never polled")
     ctx.release(never)
-    assert gen.get_notifications() == [] and ctx.num_handles == 0
+    assert gen.get_notifications() == [] and ctx.handles == {}
 
 
 def test_loopback_refuses_out_of_bounds_and_unknown_remotes() -> None:
@@ -131,26 +135,26 @@ def test_loopback_refuses_out_of_bounds_and_unknown_remotes() -> None:
     gen.register_memory([MemoryRegion(address=dst.ctypes.data, size=32)])
     good = (src.ctypes.data, dst.ctypes.data, 32)
     with pytest.raises(AgentError, match="unknown remote agent 'gen/0'"):
-        ctx.submit(Fragments.of([good]), "gen/0", b"")
+        ctx.submit(_fragments([good]), "gen/0", b"")
     remote = ctx.add_remote(gen.local_metadata())
     too_long = (src.ctypes.data, dst.ctypes.data, 33)
     with pytest.raises(
         AgentError, match=r"ctx/0 -> gen/0: 1 fragments' destinations .* not inside"
     ):
-        ctx.submit(Fragments.of([too_long]), remote, b"")
+        ctx.submit(_fragments([too_long]), remote, b"")
     unregistered = (src.ctypes.data + 60, dst.ctypes.data, 8)
     with pytest.raises(AgentError, match=r"sources \[0x[0-9a-f]+, 0x[0-9a-f]+\) are not inside"):
-        ctx.submit(Fragments.of([unregistered]), remote, b"")
+        ctx.submit(_fragments([unregistered]), remote, b"")
     assert not dst.any()
     assert gen.get_notifications() == []
-    empty = ctx.submit(Fragments.of([]), remote, b"never sent")
+    empty = ctx.submit(_fragments([]), remote, b"never sent")
     assert ctx.poll(empty) is XferStatus.DONE
     assert gen.get_notifications() == []
     with pytest.raises(AgentError, match="no loopback agent 'nobody'"):
         ctx.add_remote(b"nobody")
     gen.close()
     with pytest.raises(AgentError, match="no loopback agent"):
-        ctx.submit(Fragments.of([good]), remote, b"")
+        ctx.submit(_fragments([good]), remote, b"")
 
 
 def test_registry_selects_by_config_name() -> None:
@@ -165,11 +169,11 @@ def test_registry_selects_by_config_name() -> None:
 
 
 def test_fragments() -> None:
-    fragments = Fragments.of([(10, 20, 4), (14, 30, 2)])
+    fragments = _fragments([(10, 20, 4), (14, 30, 2)])
     assert fragments.rows.tolist() == [[10, 20, 4], [14, 30, 2]]
-    assert fragments == Fragments.of([(10, 20, 4), (14, 30, 2)]) != Fragments.of([(10, 20, 4)])
+    assert fragments == _fragments([(10, 20, 4), (14, 30, 2)]) != _fragments([(10, 20, 4)])
     assert (len(fragments), fragments.num_bytes) == (2, 6)
-    assert len(Fragments.of([])) == 0
+    assert len(_fragments([])) == 0
     with pytest.raises(ValueError, match="read-only"):
         fragments.rows[0, 0] = 1
 

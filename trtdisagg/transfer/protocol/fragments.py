@@ -12,7 +12,7 @@ prompt and sits between gen's REQUEST_DATA and the post, so gen's packed list is
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -46,10 +46,6 @@ class Fragments:
         fragments.rows.flags.writeable = False
         fragments._num_bytes = size
         return fragments
-
-    @classmethod
-    def of(cls, rows: Iterable[tuple[int, int, int]]) -> Fragments:
-        return cls(np.array(list(rows), dtype=np.int64).reshape(-1, 3))
 
     @property
     def num_bytes(self) -> int:

@@ -137,11 +137,15 @@ class Mapper:
     def map_blocks(self, src_ids: IdArray, dst_ids: IdArray, tokens: IdArray) -> Fragments:
         """Merged fragments that copy each source block (at least its first `tokens`) into its
         destination block (arrays from `aligned_blocks`), sorted by source address."""
-        placed = [
-            self._place(int(t), src_ids[tokens == t], dst_ids[tokens == t])
-            for t in np.unique(tokens)
-        ]
-        return Fragments(merge_runs(np.concatenate([empty_runs(), *placed])))
+        placed = [empty_runs()]
+        for t in np.unique(tokens):  # each pair's runs, offsets inside one block, at its slots
+            runs, src, dst = self._block_runs(int(t)), src_ids[tokens == t], dst_ids[tokens == t]
+            rows = np.empty((len(src), len(runs), 3), dtype=np.int64)
+            rows[:, :, 0] = self.src.slot_addresses(src)[:, None] + runs[None, :, 0]
+            rows[:, :, 1] = self.dst.slot_addresses(dst)[:, None] + runs[None, :, 1]
+            rows[:, :, 2] = runs[None, :, 2]
+            placed.append(rows.reshape(-1, 3))
+        return Fragments(merge_runs(np.concatenate(placed)))
 
     def map_runs(self, src: BlockRun, dst: BlockRun, *, num_tokens: int) -> Fragments | None:
         """`map_blocks` for the usual case, in constant time: both block lists are runs (fresh
@@ -160,15 +164,6 @@ class Mapper:
             self.dst.base_address + dst_first * self.dst.slot_stride + span[1],
             count * span[2],
         )
-
-    def _place(self, num_tokens: int, src_ids: IdArray, dst_ids: IdArray) -> Runs:
-        """The per-block runs of `num_tokens` tokens, placed at each pair's slots."""
-        runs = self._block_runs(num_tokens)  # [k, 3], offsets inside one block
-        placed = np.empty((len(src_ids), len(runs), 3), dtype=np.int64)
-        placed[:, :, 0] = self.src.slot_addresses(src_ids)[:, None] + runs[None, :, 0]
-        placed[:, :, 1] = self.dst.slot_addresses(dst_ids)[:, None] + runs[None, :, 1]
-        placed[:, :, 2] = runs[None, :, 2]
-        return placed.reshape(-1, 3)
 
     def piece_bytes(self) -> int:
         """The smallest contiguous piece this mapper writes of a full block (after merging)."""

@@ -207,14 +207,11 @@ def decode(data: bytes) -> Message:
         # A union is not a `type[T]` to mypy; the tagged-union hook returns one of its members.
         message: Message = _converter.loads(data, Message)  # type: ignore[arg-type]
     except Exception as exc:  # untrusted input: every failure mode of msgpack/cattrs is one error
-        raise ProtocolError(f"undecodable message ({len(data)} bytes): {_describe(exc)}") from exc
+        why = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, cattrs.BaseValidationError):
+            why = "; ".join(cattrs.transform_error(exc, format_exception=_format_leaf))
+        raise ProtocolError(f"undecodable message ({len(data)} bytes): {why}") from exc
     return message
-
-
-def _describe(exc: Exception) -> str:
-    if isinstance(exc, cattrs.BaseValidationError):
-        return "; ".join(cattrs.transform_error(exc, format_exception=_format_leaf))
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _format_leaf(exc: BaseException, kind: type | None) -> str:

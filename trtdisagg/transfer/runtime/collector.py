@@ -6,17 +6,11 @@ registry; every scrape reads the driver's `statistics()` and its `WriteTally` th
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections.abc import Callable, Iterator
 
 import attrs
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 SECONDS_BUCKETS = (
@@ -35,30 +29,34 @@ class TransceiverStatistics:
     early: int = 0  # transfer keys with REQUEST_DATA or CANCEL waiting for their session
     bounced: int = 0  # transfers that went through the staging buffers (sends and receives)
     connections: int = 0  # open DEALERs to peers' control endpoints
-    # peer instances watched for being gone (liveness.py), and forgotten as gone
-    peers_watched: int = 0
-    peers_forgotten: int = 0
+    peers_forgotten: int = 0  # peer instances forgotten as gone (liveness.py)
     peers_dead: int = 0  # ... of which had ended: what waited on them failed at once
-    peer_probes: int = 0
     # control messages dropped or refused, by reason (protocol/side.py, and the socket's
     # `unauthenticated`)
     refused: dict[str, int] = attrs.Factory(dict)
 
 
-@attrs.define(eq=False)
 class WriteTally:
-    """KV writes that ended well: bytes, descriptors, and a histogram of their seconds."""
+    """KV writes that ended well: bytes, descriptors, and a histogram of their seconds (in no
+    registry: the transceiver's collector yields them)."""
 
-    num_bytes: int = 0
-    num_descriptors: int = 0
-    seconds_sum: float = 0.0
-    buckets: list[int] = attrs.Factory(lambda: [0] * (len(SECONDS_BUCKETS) + 1))
+    def __init__(self) -> None:
+        p = "trtdisagg_"
+        self.bytes = Counter(p + "kv_transfer_bytes", "KV bytes moved", registry=None)
+        self.descriptors = Counter(
+            p + "kv_transfer_descriptors", "NIXL descriptors submitted", registry=None
+        )
+        self.seconds = Histogram(
+            p + "kv_transfer_seconds",
+            "KV transfer duration per request",
+            buckets=SECONDS_BUCKETS,
+            registry=None,
+        )
 
     def count(self, num_bytes: int, num_descriptors: int, seconds: float) -> None:
-        self.num_bytes += num_bytes
-        self.num_descriptors += num_descriptors
-        self.seconds_sum += seconds
-        self.buckets[bisect.bisect_left(SECONDS_BUCKETS, seconds)] += 1
+        self.bytes.inc(num_bytes)
+        self.descriptors.inc(num_descriptors)
+        self.seconds.observe(seconds)
 
 
 # Metrics read from `TransceiverStatistics` at each scrape: (field, name, kind, help).
@@ -95,18 +93,8 @@ class TransferCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         p, stats, tally = "trtdisagg_", self._statistics(), self._tally
-        yield CounterMetricFamily(p + "kv_transfer_bytes", "KV bytes moved", value=tally.num_bytes)
-        yield CounterMetricFamily(
-            p + "kv_transfer_descriptors", "NIXL descriptors submitted", value=tally.num_descriptors
-        )
-        bounds = (*map(str, SECONDS_BUCKETS), "+Inf")
-        cumulative = itertools.accumulate(tally.buckets)
-        yield HistogramMetricFamily(
-            p + "kv_transfer_seconds",
-            "KV transfer duration per request",
-            buckets=list(zip(bounds, cumulative)),
-            sum_value=tally.seconds_sum,
-        )
+        for metric in (tally.bytes, tally.descriptors, tally.seconds):
+            yield from metric.collect()
         sessions = GaugeMetricFamily(
             p + "kv_sessions", "Transfer sessions held by the transceiver", labels=["side"]
         )

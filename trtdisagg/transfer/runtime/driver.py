@@ -41,7 +41,7 @@ from trtdisagg.transfer.protocol.wire import (
     WriteNotice,
     decode,
 )
-from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferHandle, XferStatus
+from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferStatus
 from trtdisagg.transfer.runtime.collector import TransceiverStatistics, WriteTally
 from trtdisagg.transfer.runtime.control import ControlPlane, ControlRouter, DealerOpener
 from trtdisagg.transfer.runtime.messenger import open_dealer
@@ -59,7 +59,6 @@ TICK_S: Final = 0.01  # deadlines are looked at this often while a transfer is u
 @attrs.define(eq=False, kw_only=True)
 class _Flight:
     order: ev.WriteOrder
-    handle: XferHandle | None  # None while the pump posts it
     remote: str
     posted: float
     staging_offset: int | None = None
@@ -81,11 +80,13 @@ class KvTransceiver:
     staging: StagingArea | None = None  # the bounce path (kv_cache_bounce_size_mb > 0)
     liveness: PeerLiveness = attrs.Factory(PeerLiveness)
     connect: DealerOpener = open_dealer
-    on_write: Callable[[int, int, float], None] | None = None  # bytes, descriptors, seconds
     tracer: Callable[[int, str, float], None] | None = None
     max_sessions_per_peer: int = 1024  # transfers one gen instance may hold with a ctx rank
     protocol: TransferProtocol = attrs.field(init=False)
     tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
+    # (bytes, descriptors, seconds) of each KV write, instead of `tally` (a follower rank
+    # reports its writes to rank 0, which counts them)
+    on_write: Callable[[int, int, float], None] | None = None
     _control: ControlPlane = attrs.field(init=False)
     _pump: AgentPump = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
@@ -173,8 +174,7 @@ class KvTransceiver:
             bad_frames=self._control.bad_frames, quarantined=quarantined,
             quarantine_expired=gen.quarantine_expired, early=len(ctx.early),
             bounced=ctx.bounced + gen.bounced, connections=self._control.connections,
-            peers_watched=len(protocol.liveness), peers_forgotten=protocol.forgotten,
-            peers_dead=protocol.dead, peer_probes=protocol.probes,
+            peers_forgotten=protocol.forgotten, peers_dead=protocol.dead,
         )  # fmt: skip
 
     # ---- the service ----
@@ -256,39 +256,17 @@ class KvTransceiver:
         assert self._nursery is not None, "the transceiver is not running"
         self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
 
-    # ---- writes: quick agent calls inline, blocking ones in a worker thread (pump.py) ----
+    # ---- writes: posted, polled and released by the pump (pump.py) ----
 
     def _post(self, order: ev.WriteOrder, notice: bytes) -> None:
         remote = self._remotes.get(order.peer)
         if remote is None:
             error = f"gen rank {order.peer[0]}#{order.peer[1]} is gone"
             self._feed(ev.WriteEnded(write_id=order.write_id, error=error))
-            return
-        if order.staged is not None:
+        elif order.staged is not None:
             self._spawn(self._stage_and_post, order, remote, notice)
-        elif self._pump.idle and self.agent.submit_is_quick(order.fragments, remote):
-            try:
-                handle = self._pump.now(functools.partial(self._submit, order, remote, notice))
-            except TransferLayerError as exc:
-                self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
-                return
-            self._trace(order.key, "posted")
-            self._flights[order.write_id] = _Flight(
-                order=order, handle=handle, remote=remote, posted=self.clock()
-            )
-            self._pump.watch_write(order.write_id, handle)
         else:
-            self._post_on_pump(order, remote, notice)
-
-    def _post_on_pump(
-        self, order: ev.WriteOrder, remote: str, notice: bytes, staging_offset: int | None = None
-    ) -> None:
-        """A post that blocks: on the pump's thread, which polls the write right after it."""
-        self._flights[order.write_id] = _Flight(
-            order=order, handle=None, remote=remote, posted=self.clock(),
-            staging_offset=staging_offset,
-        )  # fmt: skip
-        self._pump.post(order.write_id, functools.partial(self._submit, order, remote, notice))
+            self._fly(order, remote, notice)
 
     async def _stage_and_post(self, order: ev.WriteOrder, remote: str, notice: bytes) -> None:
         """Pack this rank's share into staging room, then write it in one go."""
@@ -298,41 +276,38 @@ class KvTransceiver:
         except TransferLayerError as exc:
             self._feed(ev.WriteEnded(write_id=order.write_id, error=str(exc)))
             return
-        self._post_on_pump(order, remote, notice, staging_offset=offset)
+        self._fly(order, remote, notice, staging_offset=offset)
 
-    def _submit(self, order: ev.WriteOrder, remote: str, notice: bytes) -> XferHandle:
-        return self.agent.submit(
-            order.fragments, remote, notice,
+    def _fly(
+        self, order: ev.WriteOrder, remote: str, notice: bytes, staging_offset: int | None = None
+    ) -> None:
+        self._flights[order.write_id] = _Flight(
+            order=order, remote=remote, posted=self.clock(), staging_offset=staging_offset
+        )
+        quick = staging_offset is None and self.agent.submit_is_quick(order.fragments, remote)
+        submit = functools.partial(
+            self.agent.submit, order.fragments, remote, notice,
             dst_memory_type=order.dst_memory_type, dst_device_id=order.dst_device_id,
         )  # fmt: skip
+        self._pump.post(order.write_id, submit, quick=quick)
 
     def _delivered(self, posted: Posted, notifications: Notifications, ended: Ended) -> None:
-        """What the pump did and found, on the Trio thread."""
+        """What the pump did (a quick post: at once) and found, on the Trio thread."""
         if self._nursery is None:
             return  # the service has ended
-        for write_id, handle in posted:
-            if isinstance(handle, str):
-                self._land(write_id)
-                self._feed(ev.WriteEnded(write_id=write_id, error=handle))
-            else:
-                self._flights[write_id].handle = handle
+        for write_id, error in posted:
+            if error is None:
                 self._trace(self._flights[write_id].order.key, "posted")
+            else:
+                self._land(write_id)
+                self._feed(ev.WriteEnded(write_id=write_id, error=error))
         for write_id, state in ended:
             flight = self._land(write_id)
-            assert flight.handle is not None, "the pump polls a write only once it is posted"
-            release = functools.partial(self.agent.release, flight.handle)
-            if self._pump.idle:
-                self._pump.now(release)
-            else:
-                self._spawn(self._pump.in_thread, release)
-            self._landed.unpark_all()
             error = None if state is XferStatus.DONE else "the agent reported an error writing it"
             if error is None:
                 self._trace(flight.order.key, "done")
                 fragments, seconds = flight.order.fragments, self.clock() - flight.posted
-                self.tally.count(fragments.num_bytes, len(fragments), seconds)
-                if self.on_write is not None:
-                    self.on_write(fragments.num_bytes, len(fragments), seconds)
+                (self.on_write or self.tally.count)(fragments.num_bytes, len(fragments), seconds)
             self._feed(ev.WriteEnded(write_id=write_id, error=error))
         for remote, payload in notifications:
             try:
@@ -347,6 +322,7 @@ class KvTransceiver:
         flight = self._flights.pop(write_id)
         if flight.staging_offset is not None and self.staging is not None:
             self.staging.release(flight.staging_offset)
+        self._landed.unpark_all()
         return flight
 
     # ---- peers' agents, staging ----
@@ -385,12 +361,12 @@ class KvTransceiver:
 
     async def _reserve(self, key: int, num_bytes: int, deadline: float) -> None:
         assert self.staging is not None
+        offset, error = None, ""
         try:
             offset = await self.staging.reserve(num_bytes, deadline)
         except TransferLayerError as exc:
-            self._feed(ev.StagingReserved(key=key, offset=None, error=str(exc)))
-            return
-        self._feed(ev.StagingReserved(key=key, offset=offset))
+            error = str(exc)
+        self._feed(ev.StagingReserved(key=key, offset=offset, error=error))
 
     async def _scatter(self, key: int, staged: ev.Staged) -> None:
         """Copy a bounced receive into its blocks (which stay held until it is reported)."""

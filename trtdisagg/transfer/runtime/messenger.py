@@ -117,18 +117,9 @@ class _Pump:
         if self.verifier is not None:
             self.verifier.flush_warnings(now)
 
-    async def _send(self, frames: list[bytes]) -> None:
-        # Cancellation is checked before sending, but the scheduling round every async call owes
-        # comes after it (as in trio's own Lock.acquire): the message leaves a round earlier.
-        await trio.lowlevel.checkpoint_if_cancelled()
-        while not self.has_room(1):
-            await self.space.park()
-        self._send_nowait(frames)
-        await trio.lowlevel.cancel_shielded_checkpoint()
-
     def _send_nowait(self, frames: list[bytes]) -> None:
-        """`_send` from synchronous code on the socket's Trio thread: trio.WouldBlock (nothing
-        sent or queued) when the outbox is full."""
+        """Send now, or queue for the pump, from synchronous code on the socket's Trio thread:
+        trio.WouldBlock (nothing sent or queued) when the outbox is full."""
         if not self.outbox and self._try_send(frames):
             if self.wait_scope is not None and self._events() & zmq.POLLIN:
                 self.wake()  # the send consumed the FD's edge: the pump must look again
@@ -249,7 +240,13 @@ class Dealer(_Pump):
         return (await self._receive())[1]
 
     async def send_message(self, message: Message) -> None:
-        await self._send([encode(message)])
+        # Cancellation is checked before sending, but the scheduling round every async call owes
+        # comes after it (as in trio's own Lock.acquire): the message leaves a round earlier.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self.has_room(1):
+            await self.space.park()
+        self._send_nowait([encode(message)])
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     def send_message_nowait(self, message: Message) -> None:
         self._send_nowait([encode(message)])

@@ -1,13 +1,14 @@
-"""The agent's one lock, and the one thread that posts slow writes and polls the agent while a
-transfer waits (docs/LIFECYCLE.md, "Who notices that a write ended").
+"""The agent's one lock, and the one thread that posts slow writes, polls the agent while a
+transfer waits and releases each write that ended (docs/LIFECYCLE.md, "Who notices that a write
+ended").
 
-A quick agent call runs on the Trio thread (`now`), but only while no blocking call runs
-(`idle`): the lock is then free or held by the pump for microseconds, and the loop never waits on
-a blocking call. A Trio task cannot poll the agent often enough (epoll's timeout is whole
-milliseconds), hence the thread, which parks on a `threading.Event` while nothing is awaited. A
-post that blocks runs on that thread, which polls its write at once: from a worker thread, the
-write would go unpolled during the hops to the Trio thread and on to the pump (each waiting for
-the GIL), and over TCP an unpolled write does not move.
+A quick post runs on the Trio thread, but only while no blocking call runs: the lock is then free
+or held by the pump for microseconds, and the loop never waits on a blocking call. A Trio task
+cannot poll the agent often enough (epoll's timeout is whole milliseconds), hence the thread, which
+parks on a `threading.Event` while nothing is awaited. A post that blocks runs on that thread,
+which polls its write at once: from a worker thread, the write would go unpolled during the hops to
+the Trio thread and on to the pump (each waiting for the GIL), and over TCP an unpolled write does
+not move.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Notifications = list[tuple[str, bytes]]
 Ended = list[tuple[int, XferStatus]]
-Posted = list[tuple[int, XferHandle | str]]  # a posted write's handle, or why its post failed
+Posted = list[tuple[int, str | None]]  # a write posted, or why its post failed
 
 # The pump's period while a transfer waits. Over TCP (peers on other hosts) UCX moves bytes
 # only while both ends progress it: the receiver's polls drain its socket, so a slow period caps
@@ -42,8 +43,7 @@ _PR_SET_TIMERSLACK = 29
 
 
 class AgentPump:
-    """The agent and the lock that keeps its calls from overlapping; and the one thread that
-    posts slow writes, and polls the agent's writes and notifications while any is awaited."""
+    """The agent, its lock, and the pump's thread (the module docstring)."""
 
     def __init__(
         self, agent: TransferAgent, deliver: Callable[[Posted, Notifications, Ended], None]
@@ -53,21 +53,10 @@ class AgentPump:
         self._slow = 0  # blocking calls under way (each in a worker thread or on the pump's)
         self._state = threading.Lock()  # guards what the Trio thread hands over, and the wake-up
         self._wakeup = threading.Event()
-        self._watched: list[tuple[int, XferHandle]] = []
         self._posts: list[tuple[int, Callable[[], XferHandle]]] = []
         self._notices = self._stopping = False
-        self._writes: dict[int, XferHandle] = {}  # polled: the pump thread's own
+        self._writes: dict[int, XferHandle] = {}  # polled (the agent's lock guards it)
         self._thread: threading.Thread | None = None
-
-    @property
-    def idle(self) -> bool:
-        """No blocking call runs: `now` waits for the pump at most."""
-        return not self._slow
-
-    def now(self, call: Callable[[], T]) -> T:
-        """A quick call, here on the Trio thread (only while `idle`)."""
-        assert not self._slow, "a blocking agent call runs: use in_thread"
-        return self._locked(call)
 
     async def in_thread(self, call: Callable[[], T]) -> T:
         self._slow += 1
@@ -80,16 +69,16 @@ class AgentPump:
         with self._lock:
             return call()
 
-    def watch_write(self, write_id: int, handle: XferHandle) -> None:
-        """Poll this write until it ends; its end is delivered once."""
-        with self._state:
-            self._watched.append((write_id, handle))
-            if not self._wakeup.is_set():  # (set: the pump is polling, and clears it only
-                self._wakeup.set()  # under this lock once nothing is watched)
-
-    def post(self, write_id: int, submit: Callable[[], XferHandle]) -> None:
-        """Run this blocking post here (the agent's lock held), then poll its write. Its handle
-        (or its error) is delivered before its end."""
+    def post(self, write_id: int, submit: Callable[[], XferHandle], *, quick: bool) -> None:
+        """Post a write (here if `quick` and no blocking call runs, else on the pump's thread),
+        poll it until it ends, release it. Whether its post failed is delivered before its end:
+        a quick post's at once."""
+        if quick and not self._slow:
+            error = self._submit(write_id, submit)
+            with self._state:
+                self._wakeup.set()
+            self._deliver([(write_id, error)], [], [])
+            return
         self._slow += 1  # (until it is delivered)
         with self._state:
             self._posts.append((write_id, submit))
@@ -125,33 +114,27 @@ class AgentPump:
                 if self._stopping:
                     return
                 posts, self._posts = self._posts, []
-                self._writes.update(self._watched)
-                self._watched.clear()
                 notices = self._notices
                 if not posts and not self._writes and not notices:
-                    self._wakeup.clear()  # under the lock: a watch made now sets it again
+                    self._wakeup.clear()  # under the lock: a post made now sets it again
                     continue
-            posted = self._post(posts)
+            posted = [(write_id, self._submit(write_id, submit)) for write_id, submit in posts]
             got, ended = self._poll(notices)
             if posted or got or ended:
                 with contextlib.suppress(trio.RunFinishedError):  # (stopped first, normally)
                     token.run_sync_soon(self._delivered, posted, got, ended)
             time.sleep(PUMP_INTERVAL_S)
 
-    def _post(self, posts: list[tuple[int, Callable[[], XferHandle]]]) -> Posted:
-        posted = Posted()
-        for write_id, submit in posts:
-            try:
-                with self._lock:
-                    handle = submit()
-            except Exception as exc:  # a failed post fails its write, never the pump
-                if not isinstance(exc, TransferLayerError):
-                    log.exception("posting KV write %d", write_id)
-                posted.append((write_id, str(exc) or type(exc).__name__))
-                continue
-            posted.append((write_id, handle))
-            self._writes[write_id] = handle
-        return posted
+    def _submit(self, write_id: int, submit: Callable[[], XferHandle]) -> str | None:
+        """Post a write and poll it from now on; why the post failed, if it did."""
+        try:
+            with self._lock:
+                self._writes[write_id] = submit()
+        except Exception as exc:  # a failed post fails its write, never the pump
+            if not isinstance(exc, TransferLayerError):
+                log.exception("posting KV write %d", write_id)
+            return str(exc) or type(exc).__name__
+        return None
 
     def _poll(self, notices: bool) -> tuple[Notifications, Ended]:
         agent, ended = self.agent, Ended()
@@ -165,8 +148,11 @@ class AgentPump:
                     state = XferStatus.ERROR
                 if state is not XferStatus.PENDING:
                     ended.append((write_id, state))
-        for write_id, _ in ended:
-            del self._writes[write_id]
+            for write_id, _ in ended:
+                try:
+                    agent.release(self._writes.pop(write_id))
+                except Exception:  # (its write has ended all the same)
+                    log.exception("releasing KV write %d", write_id)
         return got, ended
 
     def _delivered(self, posted: Posted, got: Notifications, ended: Ended) -> None:

@@ -43,9 +43,6 @@ class MemoryRegion:  # a contiguous range of registered memory
     memory_type: str = "DRAM"  # "DRAM" | "VRAM", as NIXL names them
     device_id: int = 0
 
-    def contains(self, address: int, size: int) -> bool:
-        return self.address <= address and address + size <= self.address + self.size
-
 
 def pool_regions(page_table: PageTable) -> list[MemoryRegion]:
     """The memory to register for a page table: one region per physical pool."""
@@ -69,7 +66,7 @@ def find_region(
     start = int(rows[:, column].min())
     end = int((rows[:, column] + rows[:, 2]).max())
     for region in regions:
-        if region.contains(start, end - start):
+        if region.address <= start and end <= region.address + region.size:
             return region
     side = "source" if column == 0 else "destination"
     raise AgentError(
@@ -126,20 +123,15 @@ class AgentBase:
     def __init__(self, name: str) -> None:
         self._name = name
         self._regions: list[MemoryRegion] = []
-        self._remotes: set[str] = set()
+        self.remotes: set[str] = set()  # loaded with `add_remote` (read it, never change it)
         self._ids = itertools.count(1)
 
     @property
     def name(self) -> str:
         return self._name
 
-    @property
-    def remotes(self) -> frozenset[str]:
-        """The peers loaded with `add_remote` (tests check that none are left behind)."""
-        return frozenset(self._remotes)
-
     def _check_remote(self, remote: str) -> None:
-        if remote not in self._remotes:
+        if remote not in self.remotes:
             raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
 
 

@@ -58,7 +58,7 @@ class LoopbackAgent(AgentBase):
         self._notify_on_poll = notify_on_poll
         self._unsent: dict[XferHandle, tuple[str, bytes]] = {}  # notify_on_poll: not polled yet
         self._notifications: list[tuple[str, bytes]] = []
-        self._handles: dict[XferHandle, XferStatus] = {}
+        self.handles: dict[XferHandle, XferStatus] = {}  # not yet released
         fabric.attach(self)
 
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
@@ -73,11 +73,11 @@ class LoopbackAgent(AgentBase):
     def add_remote(self, metadata: bytes) -> str:
         name = metadata.decode(errors="replace")
         self._fabric.get(name)
-        self._remotes.add(name)
+        self.remotes.add(name)
         return name
 
     def remove_remote(self, name: str) -> None:
-        self._remotes.discard(name)
+        self.remotes.discard(name)
 
     def submit_is_quick(self, fragments: Fragments, remote: str) -> bool:
         # `submit` copies: quick only while the copy is small (~0.1 ms).
@@ -107,23 +107,18 @@ class LoopbackAgent(AgentBase):
                 self._unsent[handle] = (remote, notif)
             else:
                 target._notifications.append((self._name, notif))
-        self._handles[handle] = XferStatus.DONE
+        self.handles[handle] = XferStatus.DONE
         return handle
-
-    @property
-    def num_handles(self) -> int:
-        """Handles not yet released (tests check that none leak)."""
-        return len(self._handles)
 
     def poll(self, handle: XferHandle) -> XferStatus:
         unsent = self._unsent.pop(handle, None)
         if unsent is not None:
             remote, notif = unsent
             self._fabric.get(remote)._notifications.append((self._name, notif))
-        return self._handles[handle]
+        return self.handles[handle]
 
     def release(self, handle: XferHandle) -> None:
-        self._handles.pop(handle, None)
+        self.handles.pop(handle, None)
         self._unsent.pop(handle, None)  # never polled: never sent (as NIXL's)
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
@@ -131,8 +126,8 @@ class LoopbackAgent(AgentBase):
         return notifications
 
     def close(self) -> None:
-        self._handles.clear()
+        self.handles.clear()
         self._unsent.clear()
-        self._remotes.clear()
+        self.remotes.clear()
         self._regions.clear()
         self._fabric.detach(self._name)

@@ -81,12 +81,12 @@ class NixlAgent(AgentBase):
         except Exception as exc:
             raise AgentError(f"{self._name}: cannot load remote agent: {exc}") from exc
         name = raw.decode() if isinstance(raw, bytes) else raw  # nixl 1.5 returns bytes
-        self._remotes.add(name)
+        self.remotes.add(name)
         return name
 
     def remove_remote(self, name: str) -> None:
-        if name in self._remotes:
-            self._remotes.discard(name)
+        if name in self.remotes:
+            self.remotes.discard(name)
             self._connected.discard(name)
             try:
                 self._agent.remove_remote_agent(name)
@@ -164,7 +164,7 @@ class NixlAgent(AgentBase):
         """Release every handle (aborting unfinished writes), forget remotes, deregister."""
         for handle in list(self._handles):
             self.release(handle)
-        for name in list(self._remotes):
+        for name in list(self.remotes):
             self.remove_remote(name)
         registrations, self._registrations = self._registrations, []
         self._regions.clear()
