@@ -26,6 +26,7 @@ if not isinstance(triton.language.cdiv, InterpretedFunction):
 from tests.oracle import make_cache, make_hf_checkpoint  # noqa: E402
 from trtdisagg.kv.page_table import Layout  # noqa: E402
 from trtdisagg.model import paged_attention, triton_ops  # noqa: E402
+from trtdisagg.model.gemm_library import library_for  # noqa: E402
 from trtdisagg.model.llama import CausalLM  # noqa: E402
 from trtdisagg.model.loader import load_model  # noqa: E402
 from trtdisagg.model.parallel import Parallel  # noqa: E402
@@ -135,3 +136,9 @@ def test_staging_layout_and_limits() -> None:
     again = staging.fill(items[1:])  # a refill clears what the last step left
     assert again.input_ids.tolist()[:4] == [1, 2, 3, 0]
     assert again.attention is not None and again.attention.kv_lens.tolist() == [3, 0, 0, 0]
+
+
+def test_captures_of_32_to_160_rows_prefer_cublaslt_and_others_cublas() -> None:
+    assert [library_for(rows) for rows in (1, 16, 31)] == ["cublas"] * 3
+    assert [library_for(rows) for rows in (32, 64, 96, 160)] == ["cublaslt"] * 4
+    assert [library_for(rows) for rows in (161, 256, 2048)] == ["cublas"] * 3

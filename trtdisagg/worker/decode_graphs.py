@@ -24,6 +24,7 @@ import torch
 
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.batch import DecodeMeta, ForwardBatch
+from trtdisagg.model.gemm_library import gemm_library_for
 from trtdisagg.model.llama import CausalLM
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -173,13 +174,14 @@ class DecodeGraphs:
                 batch = staging.fill(empty)  # all padding: writes nothing, attends to nothing
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self.model(batch, self.cache)
-                torch.cuda.current_stream(device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model(batch, self.cache)
+                with gemm_library_for(size):
+                    with torch.cuda.stream(side):
+                        for _ in range(2):
+                            self.model(batch, self.cache)
+                    torch.cuda.current_stream(device).wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits = self.model(batch, self.cache)
                 self._captured[size] = _Captured(staging=staging, graph=graph, logits=logits)
             torch.cuda.synchronize(device)
 

@@ -27,6 +27,7 @@ import torch
 
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.batch import AttentionMeta, ForwardBatch
+from trtdisagg.model.gemm_library import gemm_library_for
 from trtdisagg.model.llama import CausalLM
 from trtdisagg.worker.rank_plan import ItemInputs
 
@@ -183,13 +184,14 @@ class StepGraphs:
                 batch = staging.fill(())  # all padding: writes nothing, attends to nothing
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self.model(batch, self.cache, logits=False)
-                torch.cuda.current_stream(device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    last = self.model(batch, self.cache, logits=False)
+                with gemm_library_for(tokens):
+                    with torch.cuda.stream(side):
+                        for _ in range(2):
+                            self.model(batch, self.cache, logits=False)
+                    torch.cuda.current_stream(device).wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        last = self.model(batch, self.cache, logits=False)
                 self._captured[tokens] = _Captured(staging=staging, graph=graph, last=last)
             torch.cuda.synchronize(device)
         self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])

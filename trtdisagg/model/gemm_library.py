@@ -1,0 +1,31 @@
+"""Which BLAS library a captured step's weight GEMMs use, by the step's row count.
+
+On an H200 (bf16, Llama-3.1-8B weights), cuBLASLt reads the weights of a 32..160-row GEMM 4-6%
+faster than cuBLAS, and is 2% slower at 1..16 rows and at several hundred
+(`tools/bench_gemm_rows.py`, docs/BENCHMARKS.md "The engine"). The choice is made when a CUDA
+graph is captured, so a replay pays nothing for it; eager steps keep torch's default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+LT_ROWS = range(32, 161)  # rows (tokens of a step) where cuBLASLt is ahead
+
+
+def library_for(rows: int) -> str:
+    return "cublaslt" if rows in LT_ROWS else "cublas"
+
+
+@contextlib.contextmanager
+def gemm_library_for(rows: int) -> Iterator[None]:
+    """Prefer the library for `rows` while capturing a graph of that many rows."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library_for(rows))
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
