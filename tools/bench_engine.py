@@ -111,7 +111,9 @@ def workload(args: argparse.Namespace, concurrency: int) -> tuple[list[Any], lis
         vocab_size=args.vocab_size,
     )
     warm = make_requests("warmup", args.warmup, seed=args.seed + 1, **lengths)  # type: ignore[arg-type]
-    measured = make_requests("all", n, seed=args.seed, **lengths)  # type: ignore[arg-type]
+    # A prompt set of its own per concurrency: with block reuse on, a run would otherwise find
+    # the prompts of the run before it in the prefix cache and skip their prefills.
+    measured = make_requests("all", n, seed=args.seed + concurrency, **lengths)  # type: ignore[arg-type]
     return warm, measured
 
 
