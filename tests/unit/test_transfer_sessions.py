@@ -67,7 +67,6 @@ def test_sender_happy_path() -> None:
     assert s.status is Status.INIT
     assert s.take_writes() == []
     s.set_source(_src([[3, 4]], 5))
-    assert s.status is Status.READY
     assert [r.instance_rank for r in s.take_writes()] == [0]
     assert s.status is Status.TRANSFERRING
     assert not s.is_quiescent
@@ -75,7 +74,6 @@ def test_sender_happy_path() -> None:
     s.write_finished(0, OK)
     assert s.status is Status.INIT  # waiting for gen rank 1
     s.add_request(_request(1))
-    assert s.status is Status.READY
     (request,) = s.take_writes()
     s.write_finished(request.instance_rank, OK)
     assert s.status is Status.TRANSFERRED
@@ -92,7 +90,7 @@ def test_sender_ignores_duplicates_unexpected_and_late() -> None:
     s.add_request(_request(5))  # not an overlapping gen rank
     assert s.requests == {0: first} and s.requests[0] is first
     s.write_finished(0, OK)  # never in flight
-    assert s.status is Status.READY
+    assert s.status is Status.INIT
     assert s.take_writes() == [first]
     s.write_finished(0, OK)
     s.write_finished(0, ERROR, "late")  # late duplicate

@@ -6,8 +6,7 @@ Status, derived from a session's facts, first match wins:
     sender (ctx)   CANCELLED | ERROR   terminal flags (cancel, fail, a failed write)
                    TRANSFERRED         every expected gen rank's write finished OK
                    TRANSFERRING        a write is in flight
-                   READY               the KV is ready (`set_source`) and a request waits
-                   INIT                otherwise
+                   INIT                otherwise (`take_writes` says whether one can start)
     receiver (gen) CANCELLED | ERROR   terminal flags (cancel, fail, an error result)
                    TRANSFERRED         every expected ctx rank's part landed: its write's notice
                                        (which says what it moved), or its OK result with, if it
@@ -31,7 +30,7 @@ import attrs
 from trtdisagg.transfer.protocol.fragments import BlockRun, run_of
 from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, TransferResult, WriteNotice
 
-Status = enum.Enum("Status", "INIT READY TRANSFERRING TRANSFERRED ERROR CANCELLED")
+Status = enum.Enum("Status", "INIT TRANSFERRING TRANSFERRED ERROR CANCELLED")
 
 
 @attrs.frozen(kw_only=True)
@@ -115,10 +114,7 @@ class SenderSession(_Session):
     def _progress(self) -> Status:
         if self.expected is not None and self.expected <= self._finished:
             return Status.TRANSFERRED  # every finished write was OK (else cancelled or failed)
-        if self.in_flight:
-            return Status.TRANSFERRING
-        ready = self.source is not None and self.requests.keys() - self._finished
-        return Status.READY if ready else Status.INIT
+        return Status.TRANSFERRING if self.in_flight else Status.INIT
 
     @property
     def is_quiescent(self) -> bool:
