@@ -63,21 +63,19 @@ def _receiver(expected: tuple[int, ...] = (0, 1)) -> ReceiverSession:
 def test_sender_happy_path() -> None:
     s = _sender()
     assert s.status is Status.INIT
-    assert s.add_request(_request(0))
+    s.add_request(_request(0))
     assert s.status is Status.INIT
     assert s.take_writes() == []
     s.set_source(_src([[3, 4]], 5))
-    assert s.status is Status.READY
     assert [r.instance_rank for r in s.take_writes()] == [0]
     assert s.status is Status.TRANSFERRING
     assert not s.is_quiescent
     assert s.take_writes() == []  # in flight: never handed out twice
-    assert s.write_finished(0, OK)
+    s.write_finished(0, OK)
     assert s.status is Status.INIT  # waiting for gen rank 1
-    assert s.add_request(_request(1))
-    assert s.status is Status.READY
+    s.add_request(_request(1))
     (request,) = s.take_writes()
-    assert s.write_finished(request.instance_rank, OK)
+    s.write_finished(request.instance_rank, OK)
     assert s.status is Status.TRANSFERRED
     assert s.is_terminal
     assert s.is_quiescent
@@ -86,14 +84,18 @@ def test_sender_happy_path() -> None:
 def test_sender_ignores_duplicates_unexpected_and_late() -> None:
     s = _sender(expected=(0,))
     s.set_source(_src([[1]], 1))
-    assert s.add_request(_request(0))
-    assert not s.add_request(_request(0))  # duplicate
-    assert not s.add_request(_request(5))  # not an overlapping gen rank
-    assert not s.write_finished(0, OK)  # never in flight
-    s.take_writes()
-    assert s.write_finished(0, OK)
-    assert not s.write_finished(0, OK)  # late duplicate
-    assert not s.add_request(_request(0))  # after TRANSFERRED
+    first = _request(0)
+    s.add_request(first)
+    s.add_request(_request(0))  # duplicate
+    s.add_request(_request(5))  # not an overlapping gen rank
+    assert s.requests == {0: first} and s.requests[0] is first
+    s.write_finished(0, OK)  # never in flight
+    assert s.status is Status.INIT
+    assert s.take_writes() == [first]
+    s.write_finished(0, OK)
+    s.write_finished(0, ERROR, "late")  # late duplicate
+    s.add_request(_request(0))  # after TRANSFERRED
+    assert s.requests[0] is first
     assert s.status is Status.TRANSFERRED
 
 
@@ -157,28 +159,30 @@ def test_receiver_happy_path_needs_results_and_notices() -> None:
     r = _receiver()
     assert r.status is Status.TRANSFERRING
     assert r.status is Status.TRANSFERRING
-    assert r.on_result(_result(0))  # non-elected duplicate
-    assert r.on_result(_result(1, num_bytes=100, num_descriptors=2))
+    r.on_result(_result(0))  # non-elected duplicate
+    r.on_result(_result(1, num_bytes=100, num_descriptors=2))
     assert r.status is Status.TRANSFERRING  # rank 1's bytes not confirmed landed
-    assert r.on_notice(_notice(1))
+    r.on_notice(_notice(1))
     assert r.status is Status.TRANSFERRED
     assert r.moved()[:2] == (100, 2)
 
 
 def test_receiver_notice_may_come_first() -> None:
     r = _receiver(expected=(3,))
-    assert r.on_notice(_notice(3))
-    assert not r.on_notice(_notice(3))
+    r.on_notice(_notice(3))
+    r.on_notice(_notice(3, num_bytes=8, num_descriptors=1))  # duplicate: ignored
+    assert r.status is Status.TRANSFERRING and r.moved()[:2] == (0, 0)
     r.on_result(_result(3, num_bytes=8, num_descriptors=1))
     assert r.status is Status.TRANSFERRED
 
 
 def test_receiver_ignores_unexpected_duplicate_and_late() -> None:
     r = _receiver(expected=(0,))
-    assert not r.on_result(_result(9))
-    assert not r.on_notice(_notice(9))
-    assert r.on_result(_result(0))
-    assert not r.on_result(_result(0, ERROR, error="dup"))
+    r.on_result(_result(9, ERROR, error="stray"))
+    r.on_notice(_notice(9))
+    assert r.status is Status.TRANSFERRING and 9 not in r._noticed
+    r.on_result(_result(0))
+    r.on_result(_result(0, ERROR, error="dup"))
     assert r.status is Status.TRANSFERRED
 
 
@@ -251,8 +255,8 @@ def test_a_last_result_that_is_not_ok_fails_the_receiver(status: ResultStatus) -
     # The last expected result completes the set; with 0 bytes it needs no notice. It must
     # still fail the session, not read as TRANSFERRED (gen would decode KV that never came).
     r = _receiver(expected=(0, 1))
-    assert r.on_result(_result(0))
-    assert r.on_result(_result(1, status, error="no submit"))
+    r.on_result(_result(0))
+    r.on_result(_result(1, status, error="no submit"))
     assert r.status is Status.ERROR
     assert r.error == f"ctx rank 1: {status.value}: no submit"
     assert r.is_quiescent
@@ -276,7 +280,7 @@ def test_receiver_takes_the_first_tokens_of_the_lowest_ctx_rank_that_sent_them()
     r.on_result(_result(1))  # a follower without them
     r.on_result(_result(0, first_tokens=(5,)))
     assert r.moved()[2] == (5,)
-    assert not r.on_result(_result(0, first_tokens=(9,)))
+    r.on_result(_result(0, first_tokens=(9,)))
     assert r.moved()[2] == (5,)  # a duplicate result changes nothing
 
 
@@ -296,10 +300,10 @@ def test_merged_outcome_keeps_the_first_tokens_of_any_rank() -> None:
 def test_receiver_ends_on_a_write_s_notice_before_its_result() -> None:
     r = _receiver(expected=(0, 1))
     assert not r.is_quiescent
-    assert r.on_notice(_notice(0, num_bytes=64, num_descriptors=1, first_tokens=(5,)))
-    duplicate = _notice(0, num_bytes=64, num_descriptors=1, first_tokens=(5,))
-    assert not r.on_notice(duplicate)
-    assert not r.on_notice(_notice(7, num_bytes=1, num_descriptors=1))  # unexpected
+    r.on_notice(_notice(0, num_bytes=64, num_descriptors=1, first_tokens=(5,)))
+    r.on_notice(_notice(0, num_bytes=99, num_descriptors=9, first_tokens=(9,)))  # duplicate
+    r.on_notice(_notice(7, num_bytes=1, num_descriptors=1))  # unexpected
+    assert r._noticed.keys() == {0}
     assert r.status is Status.TRANSFERRING  # rank 1 has not written yet
     assert r.is_quiescent is False
     r.on_result(_result(1))  # rank 1: nothing to move
@@ -316,7 +320,8 @@ def test_a_write_that_fails_before_its_notice_fails_the_receiver() -> None:
     r.on_result(_result(0, ERROR, error="write failed"))
     assert r.status is Status.ERROR and r.is_quiescent
     # a notice after the error result says nothing more
-    assert r.on_notice(_notice(0, num_bytes=64, num_descriptors=1))
+    r.on_notice(_notice(0, num_bytes=64, num_descriptors=1))
+    assert r._noticed == {0: None}  # heard, saying nothing
     assert r.status is Status.ERROR and r.moved()[0] == 0
 
 

@@ -36,6 +36,12 @@ class StagedRun:
     num_bytes: int
 
 
+def skipped_tokens(num_tokens: int, num_blocks: int, tokens_per_block: int) -> int:
+    """The leading tokens of a request that gen holds already (prefix reuse): it asks for the
+    last `num_blocks` blocks of `num_tokens`; ctx stages and gen reserves only the rest."""
+    return (-(-num_tokens // tokens_per_block) - num_blocks) * tokens_per_block
+
+
 def canonical_bytes(receiver: RankInfo, num_tokens: int) -> int:
     """Bytes of the receiver's staged region for `num_tokens` tokens of one request."""
     row = receiver.head_dim * receiver.element_bytes

@@ -14,7 +14,7 @@ import attrs
 
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
 from trtdisagg.transfer.protocol import events as ev
-from trtdisagg.transfer.protocol.bounce import staged_fragments, staged_runs
+from trtdisagg.transfer.protocol.bounce import skipped_tokens, staged_fragments, staged_runs
 from trtdisagg.transfer.protocol.peers import SendPlan, direct_fragments
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.sessions import (
@@ -275,8 +275,9 @@ class CtxProtocol(Side):
             return None
         if len(request.block_ids) != 1 or len(source.block_ids) != 1:
             raise TransferLayerError("the bounce path moves one layer group")
-        num_tokens, tpb = min(request.num_tokens, source.num_tokens), self.local.tokens_per_block
-        first = (-(-num_tokens // tpb) - len(unpack_block_ids(request.block_ids[0]))) * tpb
+        num_tokens = min(request.num_tokens, source.num_tokens)
+        num_blocks = len(unpack_block_ids(request.block_ids[0]))
+        first = skipped_tokens(num_tokens, num_blocks, self.local.tokens_per_block)
         if not (runs := staged_runs(self.local, plan.peer, num_tokens=num_tokens - first)):
             return None
         if (needed := max(run.dst_offset + run.num_bytes for run in runs)) > request.staging_bytes:

@@ -15,7 +15,7 @@ import attrs
 
 from trtdisagg.transfer.errors import PeerIncompatible
 from trtdisagg.transfer.protocol import events as ev
-from trtdisagg.transfer.protocol.bounce import canonical_bytes
+from trtdisagg.transfer.protocol.bounce import canonical_bytes, skipped_tokens
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.sessions import (
     ReceiverSession,
@@ -289,8 +289,7 @@ class GenProtocol(Side):
         starting.peers = tuple(instance.ranks[rank] for rank in overlap)  # (ranks 0..n-1)
         blocks, num_tokens = starting.ask.block_ids, starting.ask.num_tokens
         if self.staging is not None and len(blocks) == 1 and self._bounces(starting):
-            tpb = self.local.tokens_per_block
-            skipped = (-(-num_tokens // tpb) - len(blocks[0])) * tpb  # blocks gen holds
+            skipped = skipped_tokens(num_tokens, len(blocks[0]), self.local.tokens_per_block)
             num_bytes = canonical_bytes(self.local, num_tokens - skipped)
             if num_bytes <= self.staging.capacity:
                 starting.staged = ev.Staged(offset=-1, num_bytes=num_bytes,

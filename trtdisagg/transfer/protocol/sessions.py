@@ -6,8 +6,7 @@ Status, derived from a session's facts, first match wins:
     sender (ctx)   CANCELLED | ERROR   terminal flags (cancel, fail, a failed write)
                    TRANSFERRED         every expected gen rank's write finished OK
                    TRANSFERRING        a write is in flight
-                   READY               the KV is ready (`set_source`) and a request waits
-                   INIT                otherwise
+                   INIT                otherwise (`take_writes` says whether one can start)
     receiver (gen) CANCELLED | ERROR   terminal flags (cancel, fail, an error result)
                    TRANSFERRED         every expected ctx rank's part landed: its write's notice
                                        (which says what it moved), or its OK result with, if it
@@ -15,7 +14,7 @@ Status, derived from a session's facts, first match wins:
                    TRANSFERRING        otherwise (made when its REQUEST_DATA goes out)
 
 Late or duplicate events (a second result from one rank, anything after a terminal state, a rank
-outside the expected set) are no-ops that return False. Cancellation is not quiescence: a
+outside the expected set) are no-ops. Cancellation is not quiescence: a
 sender's blocks may be freed only when no write is in flight (`is_quiescent`), a receiver's only
 when every expected rank has reported (or gen gives up on a silent ctx, gen.py).
 """
@@ -31,7 +30,7 @@ import attrs
 from trtdisagg.transfer.protocol.fragments import BlockRun, run_of
 from trtdisagg.transfer.protocol.wire import RequestData, ResultStatus, TransferResult, WriteNotice
 
-Status = enum.Enum("Status", "INIT READY TRANSFERRING TRANSFERRED ERROR CANCELLED")
+Status = enum.Enum("Status", "INIT TRANSFERRING TRANSFERRED ERROR CANCELLED")
 
 
 @attrs.frozen(kw_only=True)
@@ -115,10 +114,7 @@ class SenderSession(_Session):
     def _progress(self) -> Status:
         if self.expected is not None and self.expected <= self._finished:
             return Status.TRANSFERRED  # every finished write was OK (else cancelled or failed)
-        if self.in_flight:
-            return Status.TRANSFERRING
-        ready = self.source is not None and self.requests.keys() - self._finished
-        return Status.READY if ready else Status.INIT
+        return Status.TRANSFERRING if self.in_flight else Status.INIT
 
     @property
     def is_quiescent(self) -> bool:
@@ -138,15 +134,13 @@ class SenderSession(_Session):
         self.source = source
         source.runs  # noqa: B018 -- found now, while gen has yet to ask (context_first)
 
-    def add_request(self, request: RequestData) -> bool:
-        """Record a gen rank's REQUEST_DATA; False if terminal, unexpected or a duplicate."""
+    def add_request(self, request: RequestData) -> None:
+        """Record a gen rank's REQUEST_DATA, unless terminal, unexpected or a duplicate."""
         rank = request.instance_rank
         self.heard.add(rank)
         unexpected = self.expected is not None and rank not in self.expected
-        if self.is_terminal or rank in self.requests or unexpected:
-            return False
-        self.requests[rank] = request
-        return True
+        if not (self.is_terminal or rank in self.requests or unexpected):
+            self.requests[rank] = request
 
     def take_writes(self) -> list[RequestData]:
         """Requests that can be written now (KV ready, not yet started); marks them in flight."""
@@ -157,17 +151,16 @@ class SenderSession(_Session):
         self.in_flight.update(request.instance_rank for request in ready)
         return ready
 
-    def write_finished(self, rank: int, status: ResultStatus, error: str = "") -> bool:
-        """A write to `rank` ended (or was never needed); False if it was not in flight."""
+    def write_finished(self, rank: int, status: ResultStatus, error: str = "") -> None:
+        """A write to `rank` ended (or was never needed); ignored if it was not in flight."""
         if rank not in self.in_flight:
-            return False
+            return
         self.in_flight.discard(rank)
         self._finished.add(rank)
         if not (self.cancelled or self.error is not None):
             if status is ResultStatus.ERROR:
                 self.error = error or f"write to gen rank {rank} failed"
             self.cancelled = status is ResultStatus.CANCELLED
-        return True
 
     def cancel(self) -> bool:
         """Stop issuing writes; returns `is_quiescent` (False: a write is still in flight)."""
@@ -220,28 +213,26 @@ class ReceiverSession(_Session):
             tokens = tokens or part.first_tokens
         return num_bytes, num_descriptors, tokens
 
-    def on_result(self, result: TransferResult) -> bool:
-        """False if its ctx rank is unexpected, or a duplicate."""
+    def on_result(self, result: TransferResult) -> None:
+        """A ctx rank's TRANSFER_RESULT; ignored if the rank is unexpected, or a duplicate."""
         rank = result.instance_rank
         if rank not in self.expected or rank in self._results:
-            return False
+            return
         # Judged before filing: with this result every rank may have reported, which must not
         # read as TRANSFERRED when it is an error.
         if result.status is not ResultStatus.OK and not self.is_terminal:
             self.error = f"ctx rank {rank}: {result.status.value}: {result.error}"
         self._results[rank] = result
-        return True
 
-    def on_notice(self, notice: WriteNotice) -> bool:
-        """A ctx rank's write notification: its bytes have landed. False if the rank is
+    def on_notice(self, notice: WriteNotice) -> None:
+        """A ctx rank's write notification: its bytes have landed. Ignored if the rank is
         unexpected, or a duplicate. What it says the write moved counts unless it says nothing
         (no descriptors) or the rank's result came first."""
         rank = notice.instance_rank
         if rank not in self.expected or rank in self._noticed:
-            return False
+            return
         said = notice.num_descriptors > 0 and rank not in self._results
         self._noticed[rank] = notice if said else None
-        return True
 
     def _landed(self, rank: int) -> bool:
         if self._noticed.get(rank) is not None:
