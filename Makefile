@@ -1,8 +1,6 @@
 # Two entry points for a newcomer: `make serve` and `make test`.
 # Both create .venv on first use. torch==2.13.0 goes in first, because on a machine without
 # torch a bare `torch` requirement pulls a multi-GB CUDA build; GPU users keep their own torch.
-# --no-compile: pip would byte-compile all 14k modules (about 40 s on 2 cores); the few hundred
-# a process imports are compiled on first import instead, once.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,8 +12,8 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[dev]'
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
 serve: $(STAMP)
