@@ -38,7 +38,10 @@ system-deps:
 # so a module's cluster starts once; tests/conftest.py hands the slow modules out first.
 TEST_WORKERS ?= 2
 
+# compileall: where PYTHONDONTWRITEBYTECODE is set, every process the suite
+# starts would compile the package from source again; cached bytecode is still read.
 test: lint system-deps
+	$(PY) -m compileall -q trtdisagg tests tools
 	$(PY) -m pytest -q -p no:cacheprovider -m "not gpu" --durations=25 \
 		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
