@@ -118,6 +118,12 @@ class Net:
     def feed(self, name: str, event: Event) -> None:
         self.apply(name, self.side(name).handle(event, self.now))
 
+    def cancel(self, name: str, key: int) -> bool:
+        """`cancel_request` on one side, its effects applied: whether the blocks are free."""
+        quiescent, out = self.side(name).cancel(key, self.now)
+        self.apply(name, out)
+        return quiescent
+
     def apply(self, name: str, effects: list[Effect]) -> None:
         other = "gen" if name == "ctx" else "ctx"
         endpoint = self.side(name).local.control_endpoint
@@ -274,11 +280,7 @@ def test_cancel_is_false_on_both_sides_while_the_write_is_in_flight() -> None:
     net.ask(3)
     net.deliver()
     assert net.writes
-    gen_free, out = net.gen.cancel(3, net.now)
-    net.apply("gen", out)
-    ctx_free, out = net.ctx.cancel(3, net.now)
-    net.apply("ctx", out)
-    assert (gen_free, ctx_free) == (False, False)
+    assert (net.cancel("gen", 3), net.cancel("ctx", 3)) == (False, False)
     net.deliver()
     assert not net.sent and not net.received  # nothing is over while the write may land
     net.land(notice=False)
@@ -340,8 +342,7 @@ def test_a_cancel_before_the_session_is_answered_and_starts_it_cancelled() -> No
     net = Net.of()
     net.ask(5)
     net.deliver()
-    _, out = net.gen.cancel(5, net.now)
-    net.apply("gen", out)
+    net.cancel("gen", 5)
     net.deliver()
     assert 5 in net.ctx.ctx.early.cancelled and net.received[0].cancelled
     net.feed("ctx", KvReady(key=5, source=_source()))
@@ -563,9 +564,7 @@ def test_a_receive_cancelled_during_the_rendezvous_ends_at_once_and_asks_nothing
     net = Net.of()
     net.ask(6)
     assert net.gen.gen.meeting()
-    quiescent, out = net.gen.cancel(6, net.now)
-    net.apply("gen", out)
-    assert quiescent and net.received[0].cancelled and net.received[0].key == 6
+    assert net.cancel("gen", 6) and net.received[0].cancelled and net.received[0].key == 6
     net.deliver()  # the rendezvous completes; nothing is asked of ctx
     assert not net.gen.gen.meeting() and not len(net.ctx.ctx.early) and len(net.received) == 1
 
@@ -587,9 +586,7 @@ def test_a_bounced_receive_cancelled_while_its_room_is_reserved_frees_it_and_ask
     net = Net.bouncing()
     net.ask(4)
     net.deliver()
-    quiescent, out = net.gen.cancel(4, net.now)
-    net.apply("gen", out)
-    assert quiescent and not net.received  # told once the reservation is over
+    assert net.cancel("gen", 4) and not net.received  # told once the reservation is over
     net.feed("gen", StagingReserved(key=4, offset=512))
     assert net.staging[1:] == [ReleaseStaging(offset=512)]
     assert net.received[0].cancelled and not net.held  # no REQUEST_DATA went out
