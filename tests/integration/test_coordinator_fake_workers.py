@@ -97,6 +97,8 @@ async def start_cluster(
 
 
 _CLUSTER_NAMES = (f"fakes-{i}" for i in itertools.count())
+# /health timeout of the tests on late probes: short, so their misses come quickly.
+PROBE_TIMEOUT_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -410,12 +412,12 @@ async def test_a_serving_worker_is_not_evicted_for_a_late_health_answer(
 ) -> None:
     """An overloaded front end answers its own /health probes late. A worker that keeps
     answering real requests meanwhile stays in rotation; one that serves nothing is evicted."""
-    c = await start_cluster(nursery)
+    c = await start_cluster(nursery, health_check_timeout=PROBE_TIMEOUT_S)
     worker = c.ctx[0].worker
     worker.health_hang = True
     first = worker.health_checks
     with trio.fail_after(15):
-        # Three probes reached it: the first two have timed out (2 s each), which would evict.
+        # Three probes reached it: the first two have timed out, which would evict.
         while worker.health_checks < first + 3:
             r = await client.post(c.url + "/v1/completions", json=_body(max_tokens=1))
             assert r.status_code == 200, r.text
@@ -433,7 +435,7 @@ async def test_an_idle_worker_is_not_evicted_while_the_front_end_s_loop_stalls(
     """A stalled front end (its event loop held, as under overload) times its /health probes
     out late. A worker that gets no traffic meanwhile (a gen behind max_tokens 1 requests) is
     not evicted for that; once the loop is on time again, missed probes evict as before."""
-    c = await start_cluster(nursery)
+    c = await start_cluster(nursery, health_check_timeout=PROBE_TIMEOUT_S)
     worker = c.gen[0].worker
     worker.health_hang = True
     for _ in range(2):  # two probes in a row: two counted misses would evict
@@ -442,8 +444,8 @@ async def test_an_idle_worker_is_not_evicted_while_the_front_end_s_loop_stalls(
             while worker.health_checks == seen:  # noqa: ASYNC110
                 await trio.sleep(0.01)
         # The load this test injects, not a wait: the whole loop stalls across the probe's
-        # 2 s timeout, which then fires about half a second late.
-        time.sleep(2.5)  # noqa: ASYNC251
+        # timeout, which then fires about half a second late.
+        time.sleep(PROBE_TIMEOUT_S + 0.5)  # noqa: ASYNC251
     assert (await client.get(c.url + "/health")).status_code == 200
     with trio.fail_after(15):  # on time now: two timed-out probes evict it
         while (await client.get(c.url + "/health")).status_code != 503:  # noqa: ASYNC110

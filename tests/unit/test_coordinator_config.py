@@ -85,6 +85,7 @@ def test_defaults_and_types() -> None:
         ({"node_id": 300}, r"\$\.node_id: must be in \[0, 256\)"),
         ({"max_retries": -1}, r"\$\.max_retries"),
         ({"request_timeout": 0}, r"\$\.request_timeout: must be positive"),
+        ({"health_check_timeout": -1}, r"\$\.health_check_timeout: must be positive, got -1"),
         ({"max_migrations": -1}, r"\$\.max_migrations: must be in \[0, 8\], got -1"),
         ({"max_migrations": 9}, r"\$\.max_migrations: must be in \[0, 8\]"),
         ({"max_migrations": 1.5}, r"\$\.max_migrations: expected an integer, got a number"),

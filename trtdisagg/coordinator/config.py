@@ -27,6 +27,7 @@ Keys follow TensorRT-LLM's `disagg_config.yaml` (DESIGN.md §4)::
     max_migrations: 1             # times one choice's stream may resume on another gen
     server_start_timeout: 180     # seconds
     health_check_interval: 1.0    # seconds between /health polls of each worker
+    health_check_timeout: null    # seconds a poll waits (null: 2 x the interval, within 2..5)
     api_key: null                 # clients must send "Authorization: Bearer <key>" when set
 
 Types are checked strictly (`port: "8000"` is an error, not a cast) and every failure is a
@@ -131,6 +132,7 @@ class CoordinatorConfig:
     """Continuations of one choice's gen stream on another gen after its leg died or stalled."""
     server_start_timeout: float = 180.0
     health_check_interval: float = 1.0
+    health_check_timeout: float | None = None
     api_key: str | None = attrs.field(default=None, repr=False)  # a secret: never in a repr
     max_request_body_bytes: int = 16 * 1024 * 1024
     log_level: str = "info"
@@ -366,9 +368,11 @@ def validate(config: CoordinatorConfig) -> list[str]:
         value = getattr(config, name)
         if value is not None and value <= 0:
             errors.append(f"$.{name}: must be positive (or null: no deadline), got {value}")
-    for name in ("request_timeout", "server_start_timeout", "health_check_interval"):
-        if getattr(config, name) <= 0:
-            errors.append(f"$.{name}: must be positive, got {getattr(config, name)}")
+    durations = ("request_timeout", "server_start_timeout", "health_check_interval")
+    for name in (*durations, "health_check_timeout"):
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            errors.append(f"$.{name}: must be positive, got {value}")
     conditional = config.conditional_disagg_config
     if conditional is not None and conditional.max_local_prefill_length < 0:
         errors.append("$.conditional_disagg_config.max_local_prefill_length: must not be negative")

@@ -307,8 +307,9 @@ class LocalPlacement:
     async def _check(self, url: str) -> None:
         server = self.cluster.servers[url]
         role = server.role
-        # Generous: a CPU worker busy with a long forward can be slow to answer /health.
-        timeout = min(max(2 * self.config.health_check_interval, 2.0), 5.0)
+        timeout = self.config.health_check_timeout
+        if timeout is None:  # generous: a CPU worker in a long forward can answer /health late
+            timeout = min(max(2 * self.config.health_check_interval, 2.0), 5.0)
         started = trio.current_time()
         check = await self.client.is_healthy(url, limit_s=timeout)
         ok, why = check.ok, check.reason
