@@ -305,7 +305,7 @@ class GenProtocol(Side):
         """Whether this receive goes through staging; ctx decides the same from the same
         mapper, and both ends agreed on the settings."""
         bounce = self.local.bounce
-        return bounce.enabled and any(
+        return bounce.size_mb > 0 and any(
             self.registrar.send_plan(peer.key).piece_bytes < bounce.threshold_bytes
             for peer in starting.peers
         )
