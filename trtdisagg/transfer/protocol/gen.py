@@ -99,8 +99,6 @@ class GenProtocol(Side):
     def busy(self) -> bool:
         return bool(self.receivers or self._starting or self._scattering or self.meeting())
 
-    # ---- the executor's calls ----
-
     def ask(self, ask: ev.ReceiveAsked, now: float, out: Out) -> None:
         key, endpoint = ask.key, ask.endpoint
         self._started[key] = now
@@ -139,8 +137,6 @@ class GenProtocol(Side):
                 del self._starting[key]
                 self._fail(key, None, now, out)
         return key not in self._scattering  # a copy into the blocks may still run
-
-    # ---- ctx's messages and notifications ----
 
     def on_instance_info(self, info: InstanceInfo, source: str, now: float, out: Out) -> None:
         instance = self._instances.get(source)
@@ -219,8 +215,6 @@ class GenProtocol(Side):
         out.append(ev.WAKE)
         return True
 
-    # ---- the driver's work ----
-
     def on_staging(self, key: int, offset: int | None, error: str, now: float, out: Out) -> None:
         starting = self._starting.get(key)
         if starting is None or starting.staged is None:
@@ -244,8 +238,6 @@ class GenProtocol(Side):
             log.warning("KV transfer %d: scattering the staged KV failed: %s", key, error)
             outcome = attrs.evolve(outcome, ok=False, error=f"scattering the staged KV: {error}")
         out += [ev.Received(outcome=outcome), ev.WAKE]
-
-    # ---- time, and peers that are gone ----
 
     def tick(self, now: float, out: Out) -> None:
         due, limit = self._results_due, 2 * self.timeout_s
@@ -279,8 +271,6 @@ class GenProtocol(Side):
                 del self._instances[endpoint]
                 dropped += met.ranks
         return dropped
-
-    # ---- sessions ----
 
     def _proceed(self, key: int, instance: _CtxInstance, now: float, out: Out) -> None:
         """`key`'s ctx instance is met: reserve staging room if it bounces, then ask."""
