@@ -257,9 +257,8 @@ class GenProtocol(Side):
         self, instance: str, dead: str | None, now: float, out: Out, *, rank_endpoint: str = ""
     ) -> list[RankInfo]:
         """Drop the rendezvous with the ctx instance `instance`, and with whichever instance has
-        a rank at `rank_endpoint`: the next request to such an endpoint meets whatever answers
-        there. `dead`: why `instance`'s process ended; what waits on it fails now (it writes no
-        more). Returns the ranks of the rendezvous dropped."""
+        a rank at `rank_endpoint` (the next request there meets whoever answers); the ranks they
+        had. `dead`: why `instance`'s process ended: what waits on it fails now."""
         for session in list(self.receivers.values()):
             if dead is not None and session.peer_instance == instance:
                 session.peer_died(f"peer instance {instance} is gone: {dead}")

@@ -14,9 +14,9 @@ Status, derived from a session's facts, first match wins:
                    TRANSFERRING        otherwise (made when its REQUEST_DATA goes out)
 
 Late or duplicate events (a second result from one rank, anything after a terminal state, a rank
-outside the expected set) are no-ops. Cancellation is not quiescence: a
-sender's blocks may be freed only when no write is in flight (`is_quiescent`), a receiver's only
-when every expected rank has reported (or gen gives up on a silent ctx, gen.py).
+outside the expected set) are no-ops. Cancellation is not quiescence: a sender's blocks may be
+freed only when no write is in flight (`is_quiescent`), a receiver's only when every expected rank
+has reported (or gen gives up on a silent ctx, gen.py).
 """
 
 from __future__ import annotations

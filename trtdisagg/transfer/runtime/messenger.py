@@ -265,10 +265,9 @@ async def open_router(
     queue_size: int = 1024,
     high_water_mark: int = 1000,
 ) -> AsyncIterator[Router]:
-    """Bind a ROUTER to `bind` (port 0 or `*`: any free port; `router.endpoint` is the address
-    bound); with `secret` a CURVE server, whose context must have a ZAP task running
-    (`security.zap.serve_zap`). `queue_size` bounds the inbox (and a DEALER's outbox) in
-    messages; `high_water_mark` is zmq's own per-peer queue limit."""
+    """Bind a ROUTER to `bind` (port 0 or `*`: any free port, then read `router.endpoint`); with
+    `secret` a CURVE server, whose context must run a ZAP task (`security.zap.serve_zap`).
+    `queue_size` bounds the inbox (and a DEALER's outbox); `high_water_mark` is zmq's, per peer."""
     with _socket(zmq.ROUTER, context, high_water_mark) as socket:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if secret is not None:
@@ -298,7 +297,7 @@ async def open_dealer(
 ) -> AsyncIterator[Dealer]:
     """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); with `secret`
     as a CURVE client speaking for `label` (required then). `on_link(up)` is told each time the
-    link comes up or goes down (the module docstring)."""
+    link comes up or goes down (`LinkState`)."""
     with _socket(zmq.DEALER, context, high_water_mark) as socket:
         if secret is None:
             configure_unsecured(socket)
