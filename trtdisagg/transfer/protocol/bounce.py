@@ -57,18 +57,14 @@ def staged_runs(sender: RankInfo, receiver: RankInfo, *, num_tokens: int) -> tup
     num_heads, row = len(receiver.heads), receiver.head_dim * receiver.element_bytes
     first_head = heads.start - receiver.heads.start  # in each of gen's (layer, K/V) slabs
     return tuple(
-        StagedRun(
-            src_layer=sender.layers.index(layer),
-            kv=kv,
-            src_head=heads.start - sender.heads.start,
-            num_heads=len(heads),
-            dst_offset=((dst_layer * 2 + kv) * num_heads + first_head) * num_tokens * row,
-            num_bytes=len(heads) * num_tokens * row,
-        )
+        StagedRun(src_layer=sender.layers.index(layer), kv=kv,
+                  src_head=heads.start - sender.heads.start, num_heads=len(heads),
+                  dst_offset=((dst_layer * 2 + kv) * num_heads + first_head) * num_tokens * row,
+                  num_bytes=len(heads) * num_tokens * row)
         for dst_layer, layer in enumerate(receiver.layers)
         if layer in sender.layers
         for kv in (0, 1)
-    )
+    )  # fmt: skip
 
 
 def staged_fragments(runs: Sequence[StagedRun], *, src_address: int, dst_address: int) -> Fragments:

@@ -1,11 +1,9 @@
 """TransferProtocol: one rank's whole transfer protocol as a pure state machine.
 
-    effects = protocol.handle(event, now)
-
-The driver (runtime/driver.py) feeds every event in (events.py) and carries out the effects, in
-order; nothing here does I/O or reads a clock. Events go to the ctx side (ctx.py: KV we send),
-the gen side (gen.py: KV we receive) and the peers' liveness (liveness.py, docs/LIFECYCLE.md
-"Peers that are gone").
+The driver (runtime/driver.py) feeds every event (events.py) to `handle(event, now)` and carries
+out the effects it returns, in order; nothing here does I/O or reads a clock. Events go to the
+ctx side (ctx.py: KV we send), the gen side (gen.py: KV we receive) and the peers' liveness
+(liveness.py, docs/LIFECYCLE.md "Peers that are gone").
 
 On a secured control plane a ROUTER message names the rank its connection proved
 (`MessageIn.peer`); one whose own fields name another rank is dropped and counted (side.py).

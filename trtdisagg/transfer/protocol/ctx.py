@@ -56,8 +56,6 @@ class CtxProtocol(Side):
         # A REQUEST_DATA whose session never appears is refused after the transfer timeout.
         self.early = EarlyMessages(ttl=self.timeout_s)
 
-    # ---- the executor's calls ----
-
     def ready(
         self, key: int, source: SourceBlocks, first_tokens: tuple[int, ...], now: float, out: Out
     ) -> None:
@@ -91,8 +89,6 @@ class CtxProtocol(Side):
         self._cancel(key, sender.peer_instance or "", sender.requests, out)
         self._settle(sender, now, out)
         return quiescent
-
-    # ---- peers' messages ----
 
     def on_register(self, info: RankInfo, reply_to: bytes, out: Out) -> None:
         try:
@@ -192,8 +188,6 @@ class CtxProtocol(Side):
         self._write_done(session, order.peer[1], error, out, order)
         self._settle(session, now, out)
 
-    # ---- time, and peers that are gone ----
-
     def tick(self, now: float, out: Out) -> None:
         for session in list(self.senders.values()):
             session.expire(now, self.timeout_s)
@@ -210,8 +204,6 @@ class CtxProtocol(Side):
             if dead is not None and session.peer_instance == instance:
                 session.fail(f"peer instance {instance} is gone: {dead}")
                 self._settle(session, now, out)
-
-    # ---- writes ----
 
     def _accept(self, session: SenderSession, request: RequestData) -> None:
         if (peer := self.registrar.get(request.sender)) is None:
@@ -316,8 +308,6 @@ class CtxProtocol(Side):
         ok, cancelled = session.status is Status.TRANSFERRED, session.status is Status.CANCELLED
         outcome = self._outcome(session.key, now, ok=ok, cancelled=cancelled, error=session.error)
         out += [ev.Sent(outcome=outcome), ev.WAKE]
-
-    # ---- messages ----
 
     def _message(self, key: int, status: ResultStatus, **fields: Any) -> TransferResult:
         return TransferResult(key=key, status=status, **self._me, **fields)

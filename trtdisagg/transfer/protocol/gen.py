@@ -99,8 +99,6 @@ class GenProtocol(Side):
     def busy(self) -> bool:
         return bool(self.receivers or self._starting or self._scattering or self.meeting())
 
-    # ---- the executor's calls ----
-
     def ask(self, ask: ev.ReceiveAsked, now: float, out: Out) -> None:
         key, endpoint = ask.key, ask.endpoint
         self._started[key] = now
@@ -139,8 +137,6 @@ class GenProtocol(Side):
                 del self._starting[key]
                 self._fail(key, None, now, out)
         return key not in self._scattering  # a copy into the blocks may still run
-
-    # ---- ctx's messages and notifications ----
 
     def on_instance_info(self, info: InstanceInfo, source: str, now: float, out: Out) -> None:
         instance = self._instances.get(source)
@@ -219,8 +215,6 @@ class GenProtocol(Side):
         out.append(ev.WAKE)
         return True
 
-    # ---- the driver's work ----
-
     def on_staging(self, key: int, offset: int | None, error: str, now: float, out: Out) -> None:
         starting = self._starting.get(key)
         if starting is None or starting.staged is None:
@@ -245,8 +239,6 @@ class GenProtocol(Side):
             outcome = attrs.evolve(outcome, ok=False, error=f"scattering the staged KV: {error}")
         out += [ev.Received(outcome=outcome), ev.WAKE]
 
-    # ---- time, and peers that are gone ----
-
     def tick(self, now: float, out: Out) -> None:
         due, limit = self._results_due, 2 * self.timeout_s
         self._results_due = {d: at for d, at in due.items() if now - at <= limit}
@@ -265,9 +257,8 @@ class GenProtocol(Side):
         self, instance: str, dead: str | None, now: float, out: Out, *, rank_endpoint: str = ""
     ) -> list[RankInfo]:
         """Drop the rendezvous with the ctx instance `instance`, and with whichever instance has
-        a rank at `rank_endpoint`: the next request to such an endpoint meets whatever answers
-        there. `dead`: why `instance`'s process ended; what waits on it fails now (it writes no
-        more). Returns the ranks of the rendezvous dropped."""
+        a rank at `rank_endpoint` (the next request there meets whoever answers); the ranks they
+        had. `dead`: why `instance`'s process ended: what waits on it fails now."""
         for session in list(self.receivers.values()):
             if dead is not None and session.peer_instance == instance:
                 session.peer_died(f"peer instance {instance} is gone: {dead}")
@@ -279,8 +270,6 @@ class GenProtocol(Side):
                 del self._instances[endpoint]
                 dropped += met.ranks
         return dropped
-
-    # ---- sessions ----
 
     def _proceed(self, key: int, instance: _CtxInstance, now: float, out: Out) -> None:
         """`key`'s ctx instance is met: reserve staging room if it bounces, then ask."""
@@ -305,7 +294,7 @@ class GenProtocol(Side):
         """Whether this receive goes through staging; ctx decides the same from the same
         mapper, and both ends agreed on the settings."""
         bounce = self.local.bounce
-        return bounce.enabled and any(
+        return bounce.size_mb > 0 and any(
             self.registrar.send_plan(peer.key).piece_bytes < bounce.threshold_bytes
             for peer in starting.peers
         )

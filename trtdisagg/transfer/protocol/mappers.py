@@ -75,16 +75,12 @@ class ViewGeometry:
         if overruns_layer or slot_extent > pool.slot_bytes:
             raise UnsupportedPairing(f"{name}: entries overrun layer stride or slot")
         return cls(
-            kind=view.mapper_kind,
-            base_address=pool.base_address,
-            num_slots=pool.num_slots,
-            slot_stride=pool.slot_stride_bytes,
-            layer_stride=pool.layer_stride_bytes,
+            kind=view.mapper_kind, base_address=pool.base_address, num_slots=pool.num_slots,
+            slot_stride=pool.slot_stride_bytes, layer_stride=pool.layer_stride_bytes,
             entry_offsets=tuple(offset for offset, _ in per_layer[0]),
-            num_heads=view.num_kv_heads,
-            tokens_per_block=view.tokens_per_block,
+            num_heads=view.num_kv_heads, tokens_per_block=view.tokens_per_block,
             row_bytes=row_bytes,
-        )
+        )  # fmt: skip
 
     def row_offsets(self, layers: Sequence[int], heads: range, num_tokens: int) -> IdArray:
         """Offsets inside a slot of the rows of `heads` (local) and of tokens `[0, num_tokens)`
@@ -213,14 +209,8 @@ def select_mapper(
         src_heads = dst_heads = range(src.num_heads)
     every_head = len(src_heads) == src.num_heads == dst.num_heads
     token_dependent = transposed or (src.kind is MapperKind.NHD and not every_head)
-    return Mapper(
-        src=src,
-        dst=dst,
-        layers=tuple(layers),
-        src_heads=src_heads,
-        dst_heads=dst_heads,
-        token_dependent=token_dependent,
-    )
+    return Mapper(src=src, dst=dst, layers=tuple(layers), src_heads=src_heads,
+                  dst_heads=dst_heads, token_dependent=token_dependent)  # fmt: skip
 
 
 def aligned_blocks(

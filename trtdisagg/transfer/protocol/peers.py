@@ -117,12 +117,9 @@ def map_pools(src: RankInfo, dst: RankInfo) -> tuple[ViewPair, ...]:
             if peer_view is None:
                 continue
             mapper = select_mapper(
-                src=ViewGeometry.of(group, view),
-                dst=ViewGeometry.of(peer_group, peer_view),
-                layers=layers,
-                src_heads=src_heads,
-                dst_heads=dst_heads,
-            )
+                src=ViewGeometry.of(group, view), dst=ViewGeometry.of(peer_group, peer_view),
+                layers=layers, src_heads=src_heads, dst_heads=dst_heads,
+            )  # fmt: skip
             pairs.append(ViewPair(src_group=gi, dst_group=matches[0], mapper=mapper))
     return tuple(pairs)
 
@@ -159,11 +156,9 @@ class SendPlan:
                     f"layer groups, but the mapping uses groups {view.src_group}/{view.dst_group}"
                 )
             src, dst, tokens = aligned_blocks(
-                src_blocks[view.src_group],
-                dst_blocks[view.dst_group],
-                num_tokens=num_tokens,
-                tokens_per_block=view.mapper.src.tokens_per_block,
-            )
+                src_blocks[view.src_group], dst_blocks[view.dst_group],
+                num_tokens=num_tokens, tokens_per_block=view.mapper.src.tokens_per_block,
+            )  # fmt: skip
             runs.append(view.mapper.map_blocks(src, dst, tokens).rows)
         return _combined(runs)
 

@@ -89,10 +89,6 @@ class BounceConfig:
     # buffers (`cache_transceiver_config.kv_cache_bounce_threshold_bytes`).
     threshold_bytes: int = 16384
 
-    @property
-    def enabled(self) -> bool:
-        return self.size_mb > 0
-
 
 @attrs.frozen(kw_only=True)
 class RankInfo:

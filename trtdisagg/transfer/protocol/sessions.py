@@ -14,9 +14,9 @@ Status, derived from a session's facts, first match wins:
                    TRANSFERRING        otherwise (made when its REQUEST_DATA goes out)
 
 Late or duplicate events (a second result from one rank, anything after a terminal state, a rank
-outside the expected set) are no-ops. Cancellation is not quiescence: a
-sender's blocks may be freed only when no write is in flight (`is_quiescent`), a receiver's only
-when every expected rank has reported (or gen gives up on a silent ctx, gen.py).
+outside the expected set) are no-ops. Cancellation is not quiescence: a sender's blocks may be
+freed only when no write is in flight (`is_quiescent`), a receiver's only when every expected rank
+has reported (or gen gives up on a silent ctx, gen.py).
 """
 
 from __future__ import annotations
@@ -122,20 +122,17 @@ class SenderSession(_Session):
         return not self.in_flight
 
     def bind(self, peer_instance: str, expected: frozenset[int]) -> None:
-        """Attach the session to the gen instance that requested it first."""
         if self.peer_instance not in (None, peer_instance):
             raise ValueError(f"session {self.key} already bound to {self.peer_instance}")
         self.peer_instance, self.expected = peer_instance, expected
 
     def set_source(self, source: SourceBlocks) -> None:
-        """Prefill finished: the KV is in these blocks (once)."""
         if self.source is not None:
             raise ValueError(f"session {self.key}: source set twice")
         self.source = source
         source.runs  # noqa: B018 -- found now, while gen has yet to ask (context_first)
 
     def add_request(self, request: RequestData) -> None:
-        """Record a gen rank's REQUEST_DATA, unless terminal, unexpected or a duplicate."""
         rank = request.instance_rank
         self.heard.add(rank)
         unexpected = self.expected is not None and rank not in self.expected
@@ -190,7 +187,6 @@ class ReceiverSession(_Session):
 
     @property
     def unreported(self) -> frozenset[int]:
-        """Expected ctx ranks whose TRANSFER_RESULT has not come (it may still)."""
         return self.expected - self._results.keys()
 
     @property
@@ -214,7 +210,6 @@ class ReceiverSession(_Session):
         return num_bytes, num_descriptors, tokens
 
     def on_result(self, result: TransferResult) -> None:
-        """A ctx rank's TRANSFER_RESULT; ignored if the rank is unexpected, or a duplicate."""
         rank = result.instance_rank
         if rank not in self.expected or rank in self._results:
             return
@@ -225,9 +220,8 @@ class ReceiverSession(_Session):
         self._results[rank] = result
 
     def on_notice(self, notice: WriteNotice) -> None:
-        """A ctx rank's write notification: its bytes have landed. Ignored if the rank is
-        unexpected, or a duplicate. What it says the write moved counts unless it says nothing
-        (no descriptors) or the rank's result came first."""
+        """A ctx rank's write notification: its bytes have landed. What it says the write moved
+        counts unless it says nothing (no descriptors) or the rank's result came first."""
         rank = notice.instance_rank
         if rank not in self.expected or rank in self._noticed:
             return
@@ -306,7 +300,6 @@ class EarlyMessages:
         return len(held) - len(kept)
 
     def held_by(self, instance: str) -> int:
-        """What is held for the gen instance `instance`: requests, cancels, overtaken ones."""
         requests = sum(r.instance_name == instance for held in self.requests.values()
                        for _, r in held)  # fmt: skip
         cancels = sum(name == instance for name, _ in self.cancelled.values())
@@ -314,7 +307,7 @@ class EarlyMessages:
 
     @property
     def size(self) -> int:
-        """Requests, cancels and overtaken entries held, of every gen instance."""
+        """Entries held of every gen instance (`held_by`: one instance's)."""
         requests = sum(len(held) for held in self.requests.values())
         return requests + len(self.cancelled) + len(self._overtaken)
 

@@ -13,9 +13,6 @@ between bytes and messages; `decode` raises nothing but `ProtocolError`, whateve
     ctx agent -> gen agent    WRITE_NOTICE: the agent notification of a write, seen once its
                               bytes landed; it says what the write moved and carries ctx's first
                               tokens, so gen may finish on it before TRANSFER_RESULT comes.
-
-Block id lists travel as packed little-endian int64 (`pack_block_ids`), one `bytes` per layer
-group.
 """
 
 from __future__ import annotations
@@ -156,15 +153,9 @@ class WriteNotice(TransferMessage):
 
 
 Message = (
-    RequestInstanceInfo
-    | InstanceInfo
-    | RegisterPeer
-    | RegisterAck
-    | RequestData
-    | TransferResult
-    | Cancel
-    | WriteNotice
-)
+    RequestInstanceInfo | InstanceInfo | RegisterPeer | RegisterAck | RequestData | TransferResult
+    | Cancel | WriteNotice
+)  # fmt: skip
 
 
 def sender_of(message: Message) -> tuple[str, int] | None:

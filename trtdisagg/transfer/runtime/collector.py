@@ -43,15 +43,10 @@ class WriteTally:
     def __init__(self) -> None:
         p = "trtdisagg_"
         self.bytes = Counter(p + "kv_transfer_bytes", "KV bytes moved", registry=None)
-        self.descriptors = Counter(
-            p + "kv_transfer_descriptors", "NIXL descriptors submitted", registry=None
-        )
-        self.seconds = Histogram(
-            p + "kv_transfer_seconds",
-            "KV transfer duration per request",
-            buckets=SECONDS_BUCKETS,
-            registry=None,
-        )
+        self.descriptors = Counter(p + "kv_transfer_descriptors", "NIXL descriptors submitted",
+                                   registry=None)  # fmt: skip
+        self.seconds = Histogram(p + "kv_transfer_seconds", "KV transfer duration per request",
+                                 buckets=SECONDS_BUCKETS, registry=None)  # fmt: skip
 
     def count(self, num_bytes: int, num_descriptors: int, seconds: float) -> None:
         self.bytes.inc(num_bytes)

@@ -117,8 +117,6 @@ class KvTransceiver:
     def info_endpoint(self) -> str:
         return self.instance[0].control_endpoint
 
-    # ---- the executor's calls ----
-
     def respond_and_send_async(
         self,
         key: int,
@@ -176,8 +174,6 @@ class KvTransceiver:
             bounced=ctx.bounced + gen.bounced, connections=self._control.connections,
             peers_forgotten=protocol.forgotten, peers_dead=protocol.dead,
         )  # fmt: skip
-
-    # ---- the service ----
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._pump.start()
@@ -256,8 +252,6 @@ class KvTransceiver:
         assert self._nursery is not None, "the transceiver is not running"
         self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
 
-    # ---- writes: posted, polled and released by the pump (pump.py) ----
-
     def _post(self, order: ev.WriteOrder, notice: bytes) -> None:
         remote = self._remotes.get(order.peer)
         if remote is None:
@@ -324,8 +318,6 @@ class KvTransceiver:
             self.staging.release(flight.staging_offset)
         self._landed.unpark_all()
         return flight
-
-    # ---- peers' agents, staging ----
 
     async def _load_agent(self, info: RankInfo, identity: bytes) -> None:
         error = None

@@ -1,25 +1,17 @@
 """Messenger: Trio-native ZeroMQ ROUTER (bind) and DEALER (connect); the only module using zmq.
 
-With a cluster secret (trtdisagg/security/) a ROUTER is a CURVE server and a DEALER a CURVE
-client of its rank's `label`; without, plain TCP (loopback only). `ZMQ_MAXMSGSIZE` caps every
-frame. A secured ROUTER checks each message's connection (`PeerVerifier`) first: one that proved
-no member's label is dropped and counted (`refused`, as are failed handshakes); the others carry
-their `peer`, the label they proved.
+With a cluster secret (trtdisagg/security/) a ROUTER is a CURVE server that checks each message's
+connection first (`PeerVerifier`): one that proved no member's label is dropped and counted; a
+DEALER is a CURVE client of its rank's `label`. Without, plain TCP (loopback only).
+`ZMQ_MAXMSGSIZE` caps every frame.
 
 Each socket has ONE pump task, the only one that waits on its FD. pyzmq's FD is edge-triggered:
 the pump tries with NOBLOCK, and on `zmq.Again` reads `EVENTS` (which re-arms the edge) before
-it waits. Received messages are decoded (wire.py) into a bounded inbox (full: they stay queued
-in zmq). A DEALER's send is tried at once when nothing is queued (`*_nowait` from synchronous
-code; trio.WouldBlock when the outbox is full), else queued in order for the pump. A ROUTER never
-queues: a reply to a gone peer (`unroutable`) or to one whose zmq queue is full (`overflowed`:
-waiting for a peer that does not read would hold every other peer's replies behind it) is
-dropped and counted. Since a send may consume the FD's edge, it re-reads EVENTS and wakes a
-waiting pump. A malformed message is counted (`bad_frames`) and dropped with a warning limited
-per peer: the pump never dies of peer input; any other zmq error crashes the pump's nursery.
-
-A socket's connection events come from a monitor: a DEALER's link is up once its handshake
-succeeds (a NULL one too); down when it drops, when a connect is refused (only the first of zmq's
-retries is news) or when the handshake fails (another cluster secret: logged once).
+it waits; a send may consume the edge, so it re-reads EVENTS and wakes a waiting pump. Received
+messages are decoded (wire.py) into a bounded inbox (full: they stay queued in zmq). A DEALER
+queues a send that zmq would block on; a ROUTER drops it, counted (`overflowed`): waiting for a
+peer that does not read would hold every other peer's replies behind it. A malformed message is
+counted and dropped: the pump never dies of peer input; any other zmq error crashes its nursery.
 """
 
 from __future__ import annotations
@@ -273,10 +265,9 @@ async def open_router(
     queue_size: int = 1024,
     high_water_mark: int = 1000,
 ) -> AsyncIterator[Router]:
-    """Bind a ROUTER to `bind` (port 0 or `*`: any free port; `router.endpoint` is the address
-    bound); with `secret` a CURVE server, whose context must have a ZAP task running
-    (`security.zap.serve_zap`). `queue_size` bounds the inbox (and a DEALER's outbox) in
-    messages; `high_water_mark` is zmq's own per-peer queue limit."""
+    """Bind a ROUTER to `bind` (port 0 or `*`: any free port, then read `router.endpoint`); with
+    `secret` a CURVE server, whose context must run a ZAP task (`security.zap.serve_zap`).
+    `queue_size` bounds the inbox (and a DEALER's outbox); `high_water_mark` is zmq's, per peer."""
     with _socket(zmq.ROUTER, context, high_water_mark) as socket:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if secret is not None:
@@ -306,7 +297,7 @@ async def open_dealer(
 ) -> AsyncIterator[Dealer]:
     """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); with `secret`
     as a CURVE client speaking for `label` (required then). `on_link(up)` is told each time the
-    link comes up or goes down (the module docstring)."""
+    link comes up or goes down (`LinkState`)."""
     with _socket(zmq.DEALER, context, high_water_mark) as socket:
         if secret is None:
             configure_unsecured(socket)
@@ -344,8 +335,9 @@ async def _running(
 
 @attrs.define(eq=False)
 class LinkState:
-    """A DEALER's events (UP, DOWN and HANDSHAKE_FAILED: all its monitor reports) as `on_link(up)`
-    calls, one per change."""
+    """A DEALER's monitor events as `on_link(up)` calls, one per change: up once its handshake
+    succeeds (a NULL one too); down when it drops, when a connect is refused (only the first of
+    zmq's retries is news) or when the handshake fails (another cluster secret: logged once)."""
 
     endpoint: str
     on_link: Callable[[bool], None]

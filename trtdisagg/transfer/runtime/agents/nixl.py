@@ -50,10 +50,9 @@ class NixlAgent(AgentBase):
         os.environ.setdefault(*CUDA_IPC_CACHE_ENV)  # read when UCX starts, in nixl_agent below
         # NIXL's progress thread spins a core while idle; without it, our own polling of
         # transfers and notifications drives progress (enough for CPU/shared-memory paths).
+        strict = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         config = nixl_agent_config(
-            enable_prog_thread=progress_thread,
-            backends=["UCX"],
-            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            enable_prog_thread=progress_thread, backends=["UCX"], sync_mode=strict
         )
         self._agent = nixl_agent(name, config)
         self._registrations: list[Any] = []  # nixlRegDList per registered region
