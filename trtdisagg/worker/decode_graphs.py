@@ -16,6 +16,7 @@ model (no TP/PP collectives inside), and a block-table width fixed at capture: t
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 
@@ -24,8 +25,8 @@ import torch
 
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.batch import DecodeMeta, ForwardBatch
-from trtdisagg.model.gemm_library import gemm_library_for
 from trtdisagg.model.llama import CausalLM
+from trtdisagg.worker.graph_capture import capture_graph
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PAD_SLOT = -1
@@ -172,16 +173,8 @@ class DecodeGraphs:
                     device=device,
                 )
                 batch = staging.fill(empty)  # all padding: writes nothing, attends to nothing
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with gemm_library_for(size):
-                    with torch.cuda.stream(side):
-                        for _ in range(2):
-                            self.model(batch, self.cache)
-                    torch.cuda.current_stream(device).wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        logits = self.model(batch, self.cache)
+                forward = functools.partial(self.model, batch, self.cache)
+                graph, logits = capture_graph(forward, rows=size, pool=pool, device=device)
                 self._captured[size] = _Captured(staging=staging, graph=graph, logits=logits)
             torch.cuda.synchronize(device)
 

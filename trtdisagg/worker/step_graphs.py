@@ -20,6 +20,7 @@ bucket holds or longer block tables than its width, runs eagerly.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -27,8 +28,8 @@ import torch
 
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.batch import AttentionMeta, ForwardBatch
-from trtdisagg.model.gemm_library import gemm_library_for
 from trtdisagg.model.llama import CausalLM
+from trtdisagg.worker.graph_capture import capture_graph
 from trtdisagg.worker.rank_plan import ItemInputs
 
 PAD_SLOT = -1
@@ -182,16 +183,8 @@ class StepGraphs:
                     device=device,
                 )
                 batch = staging.fill(())  # all padding: writes nothing, attends to nothing
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with gemm_library_for(tokens):
-                    with torch.cuda.stream(side):
-                        for _ in range(2):
-                            self.model(batch, self.cache, logits=False)
-                    torch.cuda.current_stream(device).wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        last = self.model(batch, self.cache, logits=False)
+                forward = functools.partial(self.model, batch, self.cache, logits=False)
+                graph, last = capture_graph(forward, rows=tokens, pool=pool, device=device)
                 self._captured[tokens] = _Captured(staging=staging, graph=graph, last=last)
             torch.cuda.synchronize(device)
         self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
