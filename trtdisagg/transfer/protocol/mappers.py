@@ -177,14 +177,8 @@ class Mapper:
         return runs
 
 
-def select_mapper(
-    *,
-    src: ViewGeometry,
-    dst: ViewGeometry,
-    layers: Sequence[tuple[int, int]],
-    src_heads: range,
-    dst_heads: range,
-) -> Mapper:
+def select_mapper(*, src: ViewGeometry, dst: ViewGeometry, layers: Sequence[tuple[int, int]],
+                  src_heads: range, dst_heads: range) -> Mapper:  # fmt: skip
     """The mapper for this pairing, or UnsupportedPairing naming what differs (both values).
     `src_heads` and `dst_heads`: the heads both ranks hold, as local indices on each side."""
 
@@ -213,13 +207,8 @@ def select_mapper(
                   dst_heads=dst_heads, token_dependent=token_dependent)  # fmt: skip
 
 
-def aligned_blocks(
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    *,
-    num_tokens: int,
-    tokens_per_block: int,
-) -> tuple[IdArray, IdArray, IdArray]:
+def aligned_blocks(src_blocks: Sequence[int], dst_blocks: Sequence[int], *, num_tokens: int,
+                   tokens_per_block: int) -> tuple[IdArray, IdArray, IdArray]:  # fmt: skip
     """Pair source and destination blocks of one request: (source ids, destination ids, the
     request's tokens in each pair's block), one array entry per pair. Both lists are suffixes of
     the request's blocks (wire.RequestData); MappingError: a list longer than the request, or a

@@ -137,13 +137,8 @@ class SendPlan:
         """The smallest piece a direct transfer of this pairing writes (0: nothing to write)."""
         return min((view.mapper.piece_bytes() for view in self.views), default=0)
 
-    def fragments(
-        self,
-        *,
-        src_blocks: Sequence[Sequence[int]],
-        dst_blocks: Sequence[Sequence[int]],
-        num_tokens: int,
-    ) -> Fragments:
+    def fragments(self, *, src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]],
+                  num_tokens: int) -> Fragments:  # fmt: skip
         """Merged fragments for one request; `*_blocks[g]` = block ids of layer group `g`.
         MappingError: missing layer groups, or block lists that do not fit (`aligned_blocks`)."""
         if not self.elected:

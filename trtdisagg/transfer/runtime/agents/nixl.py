@@ -104,15 +104,8 @@ class NixlAgent(AgentBase):
         except AgentError:
             return False  # submit reports it
 
-    def submit(
-        self,
-        fragments: Fragments,
-        remote: str,
-        notif: bytes,
-        *,
-        dst_memory_type: str = "DRAM",
-        dst_device_id: int = 0,
-    ) -> XferHandle:
+    def submit(self, fragments: Fragments, remote: str, notif: bytes, *,
+               dst_memory_type: str = "DRAM", dst_device_id: int = 0) -> XferHandle:  # fmt: skip
         self._check_remote(remote)
         if not len(fragments):
             return _DONE
