@@ -320,9 +320,8 @@ class GenProtocol(Side):
             return
         del self.receivers[key]
         if not session.peer_dead:
-            self._results_due.update(
-                {(session.peer_instance, r, key): now for r in session.unreported}
-            )
+            due = {(session.peer_instance, r, key): now for r in session.unreported}
+            self._results_due.update(due)
         if not session.is_quiescent:  # (TRANSFERRED is quiescent: every rank's part landed)
             self.quarantine_expired += 1
             log.warning("KV transfer %d: no answer from ctx %s %gs past the deadline; blocks freed",

@@ -123,11 +123,8 @@ class Mapper:
     @_span.default
     def _slot_span(self) -> tuple[int, int, int] | None:
         runs = self._block_runs(self.src.tokens_per_block)
-        whole = (
-            not self.token_dependent
-            and len(runs) == 1
-            and int(runs[0, 2]) == self.src.slot_stride == self.dst.slot_stride
-        )
+        whole = (not self.token_dependent and len(runs) == 1
+                 and int(runs[0, 2]) == self.src.slot_stride == self.dst.slot_stride)  # fmt: skip
         return (int(runs[0, 0]), int(runs[0, 1]), int(runs[0, 2])) if whole else None
 
     def map_blocks(self, src_ids: IdArray, dst_ids: IdArray, tokens: IdArray) -> Fragments:
@@ -155,11 +152,9 @@ class Mapper:
         inside_src = 0 <= src_first <= self.src.num_slots - count
         if not (inside_src and 0 <= dst_first <= self.dst.num_slots - count):
             return None
-        return Fragments.one(
-            self.src.base_address + src_first * self.src.slot_stride + span[0],
-            self.dst.base_address + dst_first * self.dst.slot_stride + span[1],
-            count * span[2],
-        )
+        src_address = self.src.base_address + src_first * self.src.slot_stride + span[0]
+        dst_address = self.dst.base_address + dst_first * self.dst.slot_stride + span[1]
+        return Fragments.one(src_address, dst_address, count * span[2])
 
     def piece_bytes(self) -> int:
         """The smallest contiguous piece this mapper writes of a full block (after merging)."""
