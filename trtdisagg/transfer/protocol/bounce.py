@@ -130,16 +130,8 @@ class Stager(Protocol):
     @property
     def memory_type(self) -> str: ...  # "VRAM" or "DRAM"
 
-    def pack(
-        self,
-        offset: int,
-        runs: Sequence[StagedRun],
-        block_ids: Sequence[int],
-        *,
-        first_token: int,
-        num_tokens: int,
-    ) -> None: ...
+    def pack(self, offset: int, runs: Sequence[StagedRun], block_ids: Sequence[int], *,
+             first_token: int, num_tokens: int) -> None: ...  # fmt: skip
 
-    def unpack(
-        self, offset: int, block_ids: Sequence[int], *, first_token: int, num_tokens: int
-    ) -> None: ...
+    def unpack(self, offset: int, block_ids: Sequence[int], *, first_token: int,
+               num_tokens: int) -> None: ...  # fmt: skip

@@ -19,23 +19,13 @@ import attrs
 
 from trtdisagg.transfer.errors import TransferLayerError
 from trtdisagg.transfer.protocol import events as ev
+from trtdisagg.transfer.protocol import wire
 from trtdisagg.transfer.protocol.ctx import CtxProtocol
 from trtdisagg.transfer.protocol.gen import GenProtocol, StagingInfo
 from trtdisagg.transfer.protocol.liveness import Gone, PeerLiveness
 from trtdisagg.transfer.protocol.peers import PeerRegistrar
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.side import Out, Refusals
-from trtdisagg.transfer.protocol.wire import (
-    PROTOCOL_VERSION,
-    Cancel,
-    InstanceInfo,
-    RegisterAck,
-    RegisterPeer,
-    RequestData,
-    RequestInstanceInfo,
-    TransferResult,
-    sender_of,
-)
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +113,7 @@ class TransferProtocol:
                     out += self.forget(gone, now)
                 for _, endpoint in self.liveness.to_probe(now):
                     self.probes += 1
-                    probe = RequestInstanceInfo(protocol_version=PROTOCOL_VERSION)
+                    probe = wire.RequestInstanceInfo(protocol_version=wire.PROTOCOL_VERSION)
                     out.append(ev.Send(endpoint=endpoint, message=probe))
         return out
 
@@ -144,7 +134,7 @@ class TransferProtocol:
 
     def _message(self, event: ev.MessageIn, now: float, out: Out) -> None:
         message, reply_to, source, peer = event.message, event.reply_to, event.source, event.peer
-        claimed = sender_of(message)
+        claimed = wire.sender_of(message)
         if peer is not None and claimed is not None and claimed != peer:
             self.refusals.refuse("impersonation", peer[0], now,
                                  "dropped %s from %s#%d: it names %s#%d as its sender",
@@ -153,26 +143,27 @@ class TransferProtocol:
         if (sender := peer or claimed) is not None:
             self.liveness.heard(sender[0], now)
         match message:
-            case RequestInstanceInfo():
+            case wire.RequestInstanceInfo():
                 if reply_to is not None and self.local.instance_rank == 0:
-                    info = InstanceInfo(protocol_version=PROTOCOL_VERSION, ranks=self.instance)
+                    info = wire.InstanceInfo(protocol_version=wire.PROTOCOL_VERSION,
+                                             ranks=self.instance)  # fmt: skip
                     out.append(ev.Reply(reply_to=reply_to, message=info))
-            case RegisterPeer(info=info):
+            case wire.RegisterPeer(info=info):
                 if reply_to is not None:
                     self.ctx.on_register(info, reply_to, out)
-            case InstanceInfo(ranks=ranks):
+            case wire.InstanceInfo(ranks=ranks):
                 if ranks and source:  # also a probe's answer: who is at that endpoint now
                     self.liveness.answered(source, ranks[0].instance_name, now)
                 self.gen.on_instance_info(message, source, now, out)
-            case RegisterAck():
+            case wire.RegisterAck():
                 if (met := self.gen.on_ack(message, source, now, out)) is not None:
                     for rank in met.ranks:
                         self._track(rank, now)
-            case RequestData():
+            case wire.RequestData():
                 self.ctx.on_request(message, reply_to, now, out)
-            case TransferResult():
+            case wire.TransferResult():
                 self.gen.on_result(message, source, now, out)
-            case Cancel():  # ours to send, or to receive, or held for a session to come
+            case wire.Cancel():  # ours to send, or to receive, or held for a session to come
                 if self.ctx.on_cancel(message, now, out) or self.gen.on_cancel(message, now, out):
                     pass
                 elif message.key in self.ctx.senders:

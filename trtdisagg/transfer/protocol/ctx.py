@@ -14,6 +14,7 @@ import attrs
 
 from trtdisagg.transfer.errors import PeerIncompatible, TransferLayerError
 from trtdisagg.transfer.protocol import events as ev
+from trtdisagg.transfer.protocol import wire
 from trtdisagg.transfer.protocol.bounce import skipped_tokens, staged_fragments, staged_runs
 from trtdisagg.transfer.protocol.peers import SendPlan, direct_fragments
 from trtdisagg.transfer.protocol.rank_info import RankInfo
@@ -25,17 +26,6 @@ from trtdisagg.transfer.protocol.sessions import (
     Status,
 )
 from trtdisagg.transfer.protocol.side import Out, Side
-from trtdisagg.transfer.protocol.wire import (
-    NOT_REGISTERED,
-    Cancel,
-    RegisterAck,
-    RequestData,
-    ResultStatus,
-    TransferResult,
-    WriteNotice,
-    encode,
-    unpack_block_ids,
-)
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +46,8 @@ class CtxProtocol(Side):
         # A REQUEST_DATA whose session never appears is refused after the transfer timeout.
         self.early = EarlyMessages(ttl=self.timeout_s)
 
-    def ready(
-        self, key: int, source: SourceBlocks, first_tokens: tuple[int, ...], now: float, out: Out
-    ) -> None:
+    def ready(self, key: int, source: SourceBlocks, first_tokens: tuple[int, ...], now: float,
+              out: Out) -> None:  # fmt: skip
         if key in self.senders:
             raise ValueError(f"a session for key {key} already exists")
         session = SenderSession(key=key, deadline=now + self.timeout_s, first_tokens=first_tokens)
@@ -101,21 +90,21 @@ class CtxProtocol(Side):
     def on_agent_loaded(self, info: RankInfo, reply_to: bytes, error: str | None, out: Out) -> bool:
         if error is not None:
             log.warning("refused gen rank %s: %s", info.label, error)
-        ack = RegisterAck(accepted=error is None, reason=error or "", **self._me)
+        ack = wire.RegisterAck(accepted=error is None, reason=error or "", **self._me)
         out.append(ev.Reply(reply_to=reply_to, message=ack))
         return error is None
 
-    def on_request(
-        self, request: RequestData, reply_to: bytes | None, now: float, out: Out
-    ) -> None:
+    def on_request(self, request: wire.RequestData, reply_to: bytes | None, now: float,
+                   out: Out) -> None:  # fmt: skip
         name, rank, key = request.instance_name, request.instance_rank, request.key
         if self.registrar.get((name, rank)) is None:
             # Never registered, or forgotten as gone while alive: gen meets us again.
             self.refusals.warn(name, now, "REQUEST_DATA %d from unregistered gen rank %s#%d",
                                key, name, rank)  # fmt: skip
             if reply_to is not None:
-                error = f"{NOT_REGISTERED}: gen rank {name}#{rank} registers again at its next try"
-                message = self._message(key, ResultStatus.ERROR, error=error)
+                again = f"gen rank {name}#{rank} registers again at its next try"
+                error = f"{wire.NOT_REGISTERED}: {again}"
+                message = self._message(key, wire.ResultStatus.ERROR, error=error)
                 out.append(ev.Reply(reply_to=reply_to, message=message))
         elif self.early.take_overtaken(request):
             log.info("REQUEST_DATA %d came after its CANCEL: dropped", key)
@@ -132,7 +121,7 @@ class CtxProtocol(Side):
         elif not self._over_limit(request, now, out):
             self.early.add_request(now, request)
 
-    def _over_limit(self, request: RequestData, now: float, out: Out) -> bool:
+    def _over_limit(self, request: wire.RequestData, now: float, out: Out) -> bool:
         """Whether `request`'s gen instance holds `max_per_peer` sessions and messages here
         already; it is then refused at once."""
         if len(self.senders) + self.early.size < self.max_per_peer:
@@ -149,7 +138,7 @@ class CtxProtocol(Side):
         self._refuse(request, error, out)
         return True
 
-    def on_cancel(self, cancel: Cancel, now: float, out: Out) -> bool:
+    def on_cancel(self, cancel: wire.Cancel, now: float, out: Out) -> bool:
         """A gen rank's CANCEL for a session of ours; False: we have none for it."""
         if (sender := self.senders.lookup(cancel.instance_name, cancel.key)) is None:
             return False
@@ -163,7 +152,7 @@ class CtxProtocol(Side):
         out.append(ev.WAKE)
         return True
 
-    def on_stray_cancel(self, cancel: Cancel, now: float, out: Out) -> None:
+    def on_stray_cancel(self, cancel: wire.Cancel, now: float, out: Out) -> None:
         """A CANCEL that found no session, ours or gen's: answer it, and hold it for a session
         made later, which starts cancelled."""
         name, rank, key = cancel.instance_name, cancel.instance_rank, cancel.key
@@ -205,7 +194,7 @@ class CtxProtocol(Side):
                 session.fail(f"peer instance {instance} is gone: {dead}")
                 self._settle(session, now, out)
 
-    def _accept(self, session: SenderSession, request: RequestData) -> None:
+    def _accept(self, session: SenderSession, request: wire.RequestData) -> None:
         if (peer := self.registrar.get(request.sender)) is None:
             return
         if session.expected is None:
@@ -226,12 +215,12 @@ class CtxProtocol(Side):
                 continue
             self._writes[order.write_id] = (session, order)
             fragments = order.fragments
-            notice = WriteNotice(key=order.key, num_bytes=fragments.num_bytes,
-                                 num_descriptors=len(fragments), first_tokens=session.first_tokens,
-                                 **self._me)  # fmt: skip
-            out.append(ev.PostWrite(order=order, notice=encode(notice)))
+            notice = wire.WriteNotice(key=order.key, num_bytes=fragments.num_bytes,
+                                      num_descriptors=len(fragments),
+                                      first_tokens=session.first_tokens, **self._me)  # fmt: skip
+            out.append(ev.PostWrite(order=order, notice=wire.encode(notice)))
 
-    def _order(self, session: SenderSession, request: RequestData) -> ev.WriteOrder | None:
+    def _order(self, session: SenderSession, request: wire.RequestData) -> ev.WriteOrder | None:
         """The write of `session`'s KV into `request`'s blocks (None: this rank has nothing to
         write there). TransferLayerError or ValueError: the request does not fit."""
         peer, source = request.sender, session.source
@@ -259,16 +248,15 @@ class CtxProtocol(Side):
             deadline=session.deadline,
         )  # fmt: skip
 
-    def _staged(
-        self, request: RequestData, plan: SendPlan, source: SourceBlocks
-    ) -> ev.Staged | None:
+    def _staged(self, request: wire.RequestData, plan: SendPlan,
+                source: SourceBlocks) -> ev.Staged | None:  # fmt: skip
         """Bounce: the runs this rank owns of gen's canonical region (bounce.py)."""
         if not plan.elected:
             return None
         if len(request.block_ids) != 1 or len(source.block_ids) != 1:
             raise TransferLayerError("the bounce path moves one layer group")
         num_tokens = min(request.num_tokens, source.num_tokens)
-        num_blocks = len(unpack_block_ids(request.block_ids[0]))
+        num_blocks = len(wire.unpack_block_ids(request.block_ids[0]))
         first = skipped_tokens(num_tokens, num_blocks, self.local.tokens_per_block)
         if not (runs := staged_runs(self.local, plan.peer, num_tokens=num_tokens - first)):
             return None
@@ -280,20 +268,14 @@ class CtxProtocol(Side):
         return ev.Staged(runs=runs, block_ids=source.block_ids[0], first_token=first,
                              num_tokens=num_tokens, num_bytes=num_bytes)  # fmt: skip
 
-    def _write_done(
-        self,
-        session: SenderSession,
-        rank: int,
-        error: str | None,
-        out: Out,
-        order: ev.WriteOrder | None = None,
-    ) -> None:
+    def _write_done(self, session: SenderSession, rank: int, error: str | None, out: Out,
+                    order: ev.WriteOrder | None = None) -> None:  # fmt: skip
         moved = (order.fragments.num_bytes, len(order.fragments)) if order else (0, 0)
-        status = ResultStatus.OK if error is None else ResultStatus.ERROR
-        if session.cancelled and status is ResultStatus.OK and not moved[0]:
-            status = ResultStatus.CANCELLED
+        status = wire.ResultStatus.OK if error is None else wire.ResultStatus.ERROR
+        if session.cancelled and status is wire.ResultStatus.OK and not moved[0]:
+            status = wire.ResultStatus.CANCELLED
         session.write_finished(rank, status, error or "")
-        tokens = session.first_tokens if status is ResultStatus.OK else ()
+        tokens = session.first_tokens if status is wire.ResultStatus.OK else ()
         result = self._message(session.key, status, error=error or "", num_bytes=moved[0],
                                num_descriptors=moved[1], first_tokens=tokens)  # fmt: skip
         self._send((session.peer_instance or "", rank), result, out)
@@ -309,14 +291,14 @@ class CtxProtocol(Side):
         outcome = self._outcome(session.key, now, ok=ok, cancelled=cancelled, error=session.error)
         out += [ev.Sent(outcome=outcome), ev.WAKE]
 
-    def _message(self, key: int, status: ResultStatus, **fields: Any) -> TransferResult:
-        return TransferResult(key=key, status=status, **self._me, **fields)
+    def _message(self, key: int, status: wire.ResultStatus, **fields: Any) -> wire.TransferResult:
+        return wire.TransferResult(key=key, status=status, **self._me, **fields)
 
-    def _refuse(self, request: RequestData, error: str, out: Out) -> None:
-        self._send(request.sender, self._message(request.key, ResultStatus.ERROR, error=error), out)
+    def _refuse(self, request: wire.RequestData, error: str, out: Out) -> None:
+        message = self._message(request.key, wire.ResultStatus.ERROR, error=error)
+        self._send(request.sender, message, out)
 
-    def _ack_cancel(self, cancel: Cancel, out: Out) -> None:
+    def _ack_cancel(self, cancel: wire.Cancel, out: Out) -> None:
         error = "cancelled; no write in flight"
-        self._send(
-            cancel.sender, self._message(cancel.key, ResultStatus.CANCELLED, error=error), out
-        )
+        message = self._message(cancel.key, wire.ResultStatus.CANCELLED, error=error)
+        self._send(cancel.sender, message, out)

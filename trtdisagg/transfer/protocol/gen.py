@@ -15,6 +15,7 @@ import attrs
 
 from trtdisagg.transfer.errors import PeerIncompatible
 from trtdisagg.transfer.protocol import events as ev
+from trtdisagg.transfer.protocol import wire
 from trtdisagg.transfer.protocol.bounce import canonical_bytes, skipped_tokens
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.sessions import (
@@ -24,20 +25,6 @@ from trtdisagg.transfer.protocol.sessions import (
     TransferOutcome,
 )
 from trtdisagg.transfer.protocol.side import Out, Side
-from trtdisagg.transfer.protocol.wire import (
-    NOT_REGISTERED,
-    PROTOCOL_VERSION,
-    Cancel,
-    InstanceInfo,
-    RegisterAck,
-    RegisterPeer,
-    RequestData,
-    RequestInstanceInfo,
-    ResultStatus,
-    TransferResult,
-    WriteNotice,
-    pack_block_ids,
-)
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +101,7 @@ class GenProtocol(Side):
             self.rendezvous += 1
             instance = _CtxInstance(endpoint=endpoint, deadline=now + RENDEZVOUS_TIMEOUT_S)
             self._instances[endpoint] = instance
-            info = RequestInstanceInfo(protocol_version=PROTOCOL_VERSION)
+            info = wire.RequestInstanceInfo(protocol_version=wire.PROTOCOL_VERSION)
             out.append(ev.Send(endpoint=endpoint, message=info))
         if instance.refusal is not None:
             self._fail(key, instance.refusal, now, out)
@@ -138,7 +125,7 @@ class GenProtocol(Side):
                 self._fail(key, None, now, out)
         return key not in self._scattering  # a copy into the blocks may still run
 
-    def on_instance_info(self, info: InstanceInfo, source: str, now: float, out: Out) -> None:
+    def on_instance_info(self, info: wire.InstanceInfo, source: str, now: float, out: Out) -> None:
         instance = self._instances.get(source)
         if instance is None or instance.ranks or instance.refusal or not info.ranks:
             return  # not a rendezvous's answer (a probe's), or none we can use
@@ -153,10 +140,11 @@ class GenProtocol(Side):
             self._refused(instance, str(exc), now, out)
             return
         instance.ranks, instance.unacked = info.ranks, {r.instance_rank for r in info.ranks}
-        register = RegisterPeer(info=self.local)
+        register = wire.RegisterPeer(info=self.local)
         out += [ev.Send(endpoint=rank.control_endpoint, message=register) for rank in info.ranks]
 
-    def on_ack(self, ack: RegisterAck, source: str, now: float, out: Out) -> _CtxInstance | None:
+    def on_ack(self, ack: wire.RegisterAck, source: str, now: float,
+               out: Out) -> _CtxInstance | None:  # fmt: skip
         """A REGISTER_ACK on the dealer to `source`; the instance now met, if this did it."""
         for instance in self._instances.values():
             rank = next((r for r in instance.ranks if r.control_endpoint == source), None)
@@ -176,8 +164,9 @@ class GenProtocol(Side):
             return instance
         return None
 
-    def on_result(self, result: TransferResult, source: str, now: float, out: Out) -> None:
-        if result.status is ResultStatus.ERROR and result.error.startswith(NOT_REGISTERED):
+    def on_result(self, result: wire.TransferResult, source: str, now: float, out: Out) -> None:
+        failed = result.status is wire.ResultStatus.ERROR
+        if failed and result.error.startswith(wire.NOT_REGISTERED):
             # ctx forgot us: meet it again (a new instance may answer where we met another)
             self.forget(result.instance_name, None, now, out, rank_endpoint=source)
         due = (result.instance_name, result.instance_rank, result.key)
@@ -190,7 +179,7 @@ class GenProtocol(Side):
         elif result.key in self.receivers:
             self.refusals.not_owner("TRANSFER_RESULT", result.key, result.instance_name, now)
 
-    def on_notice(self, notice: WriteNotice, remote: str, now: float, out: Out) -> None:
+    def on_notice(self, notice: wire.WriteNotice, remote: str, now: float, out: Out) -> None:
         name, rank = notice.instance_name, notice.instance_rank
         if (peer := self.registrar.get((name, rank))) is not None and peer.agent_name != remote:
             why = f"WRITE_NOTICE {notice.key} from agent {remote} dropped: it names {name}#{rank}"
@@ -201,7 +190,7 @@ class GenProtocol(Side):
             session.on_notice(notice)
             self._settle(session, now, out)
 
-    def on_cancel(self, cancel: Cancel, now: float, out: Out) -> bool:
+    def on_cancel(self, cancel: wire.Cancel, now: float, out: Out) -> bool:
         """ctx cancelled a session of ours; False: we have none for it."""
         if (session := self.receivers.lookup(cancel.instance_name, cancel.key)) is None:
             if cancel.key in self.receivers:
@@ -253,9 +242,8 @@ class GenProtocol(Side):
                 error = f"cannot reach ctx at {endpoint}: no answer in {RENDEZVOUS_TIMEOUT_S:g}s"
                 self._fail_waiting(instance, error, now, out)
 
-    def forget(
-        self, instance: str, dead: str | None, now: float, out: Out, *, rank_endpoint: str = ""
-    ) -> list[RankInfo]:
+    def forget(self, instance: str, dead: str | None, now: float, out: Out, *,
+               rank_endpoint: str = "") -> list[RankInfo]:  # fmt: skip
         """Drop the rendezvous with the ctx instance `instance`, and with whichever instance has
         a rank at `rank_endpoint` (the next request there meets whoever answers); the ranks they
         had. `dead`: why `instance`'s process ended: what waits on it fails now."""
@@ -303,9 +291,9 @@ class GenProtocol(Side):
         starting = self._starting.pop(key)
         staged = starting.staged
         address = staged.offset + self.staging.address if staged and self.staging else 0
-        request = RequestData(
+        request = wire.RequestData(
             key=key, **self._me,
-            block_ids=tuple(pack_block_ids(ids) for ids in starting.ask.block_ids),
+            block_ids=tuple(wire.pack_block_ids(ids) for ids in starting.ask.block_ids),
             num_tokens=starting.ask.num_tokens, staging_address=address,
             staging_bytes=staged.num_bytes if staged is not None else 0,
         )  # fmt: skip
@@ -332,9 +320,8 @@ class GenProtocol(Side):
             return
         del self.receivers[key]
         if not session.peer_dead:
-            self._results_due.update(
-                {(session.peer_instance, r, key): now for r in session.unreported}
-            )
+            due = {(session.peer_instance, r, key): now for r in session.unreported}
+            self._results_due.update(due)
         if not session.is_quiescent:  # (TRANSFERRED is quiescent: every rank's part landed)
             self.quarantine_expired += 1
             log.warning("KV transfer %d: no answer from ctx %s %gs past the deadline; blocks freed",

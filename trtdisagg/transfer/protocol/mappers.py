@@ -123,11 +123,8 @@ class Mapper:
     @_span.default
     def _slot_span(self) -> tuple[int, int, int] | None:
         runs = self._block_runs(self.src.tokens_per_block)
-        whole = (
-            not self.token_dependent
-            and len(runs) == 1
-            and int(runs[0, 2]) == self.src.slot_stride == self.dst.slot_stride
-        )
+        whole = (not self.token_dependent and len(runs) == 1
+                 and int(runs[0, 2]) == self.src.slot_stride == self.dst.slot_stride)  # fmt: skip
         return (int(runs[0, 0]), int(runs[0, 1]), int(runs[0, 2])) if whole else None
 
     def map_blocks(self, src_ids: IdArray, dst_ids: IdArray, tokens: IdArray) -> Fragments:
@@ -155,11 +152,9 @@ class Mapper:
         inside_src = 0 <= src_first <= self.src.num_slots - count
         if not (inside_src and 0 <= dst_first <= self.dst.num_slots - count):
             return None
-        return Fragments.one(
-            self.src.base_address + src_first * self.src.slot_stride + span[0],
-            self.dst.base_address + dst_first * self.dst.slot_stride + span[1],
-            count * span[2],
-        )
+        src_address = self.src.base_address + src_first * self.src.slot_stride + span[0]
+        dst_address = self.dst.base_address + dst_first * self.dst.slot_stride + span[1]
+        return Fragments.one(src_address, dst_address, count * span[2])
 
     def piece_bytes(self) -> int:
         """The smallest contiguous piece this mapper writes of a full block (after merging)."""
@@ -177,14 +172,8 @@ class Mapper:
         return runs
 
 
-def select_mapper(
-    *,
-    src: ViewGeometry,
-    dst: ViewGeometry,
-    layers: Sequence[tuple[int, int]],
-    src_heads: range,
-    dst_heads: range,
-) -> Mapper:
+def select_mapper(*, src: ViewGeometry, dst: ViewGeometry, layers: Sequence[tuple[int, int]],
+                  src_heads: range, dst_heads: range) -> Mapper:  # fmt: skip
     """The mapper for this pairing, or UnsupportedPairing naming what differs (both values).
     `src_heads` and `dst_heads`: the heads both ranks hold, as local indices on each side."""
 
@@ -213,13 +202,8 @@ def select_mapper(
                   dst_heads=dst_heads, token_dependent=token_dependent)  # fmt: skip
 
 
-def aligned_blocks(
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    *,
-    num_tokens: int,
-    tokens_per_block: int,
-) -> tuple[IdArray, IdArray, IdArray]:
+def aligned_blocks(src_blocks: Sequence[int], dst_blocks: Sequence[int], *, num_tokens: int,
+                   tokens_per_block: int) -> tuple[IdArray, IdArray, IdArray]:  # fmt: skip
     """Pair source and destination blocks of one request: (source ids, destination ids, the
     request's tokens in each pair's block), one array entry per pair. Both lists are suffixes of
     the request's blocks (wire.RequestData); MappingError: a list longer than the request, or a

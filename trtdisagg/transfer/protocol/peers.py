@@ -46,20 +46,15 @@ def peer_overlap(local: RankInfo, peer: RankInfo, *, peer_dp_rank: int) -> tuple
     its sizes are read): gen sends REQUEST_DATA to exactly those, ctx expects it from those."""
     if not 0 <= peer_dp_rank < peer.dp_size:
         raise MappingError(f"peer dp rank {peer_dp_rank} outside dp_size {peer.dp_size}")
-    pp_ranks = [
-        p
-        for p in range(peer.pp_size)
-        if intersect(layer_range(peer.layer_num_per_pp, p), local.layers)
-    ]
+    pp_ranks = [p for p in range(peer.pp_size)
+                if intersect(layer_range(peer.layer_num_per_pp, p), local.layers)]  # fmt: skip
     first = peer_dp_rank * peer.tp_per_dp
     tp_ranks = [
-        first + i
-        for i in range(peer.tp_per_dp)
+        first + i for i in range(peer.tp_per_dp)
         if intersect(head_range(peer.num_kv_heads, peer.tp_per_dp, i), local.heads)
-    ]
-    return tuple(
-        flat_rank(tp_rank=t, pp_rank=p, tp_size=peer.tp_size) for p in pp_ranks for t in tp_ranks
-    )
+    ]  # fmt: skip
+    return tuple(flat_rank(tp_rank=t, pp_rank=p, tp_size=peer.tp_size)
+                 for p in pp_ranks for t in tp_ranks)  # fmt: skip
 
 
 def is_elected(*, sender: RankInfo, receiver: RankInfo) -> bool:
@@ -107,11 +102,8 @@ def map_pools(src: RankInfo, dst: RankInfo) -> tuple[ViewPair, ...]:
             )
         peer_group = dst_groups[matches[0]]
         peer_layers = {layer: i for i, layer in enumerate(peer_group.global_layer_ids)}
-        layers = [
-            (i, peer_layers[layer])
-            for i, layer in enumerate(group.global_layer_ids)
-            if layer in peer_layers
-        ]
+        layers = [(i, peer_layers[layer]) for i, layer in enumerate(group.global_layer_ids)
+                  if layer in peer_layers]  # fmt: skip
         for view in group.views:
             peer_view = next((v for v in peer_group.views if v.pool_role == view.pool_role), None)
             if peer_view is None:
@@ -137,13 +129,8 @@ class SendPlan:
         """The smallest piece a direct transfer of this pairing writes (0: nothing to write)."""
         return min((view.mapper.piece_bytes() for view in self.views), default=0)
 
-    def fragments(
-        self,
-        *,
-        src_blocks: Sequence[Sequence[int]],
-        dst_blocks: Sequence[Sequence[int]],
-        num_tokens: int,
-    ) -> Fragments:
+    def fragments(self, *, src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]],
+                  num_tokens: int) -> Fragments:  # fmt: skip
         """Merged fragments for one request; `*_blocks[g]` = block ids of layer group `g`.
         MappingError: missing layer groups, or block lists that do not fit (`aligned_blocks`)."""
         if not self.elected:
@@ -184,11 +171,9 @@ def direct_fragments(plan: SendPlan, source: SourceBlocks, request: RequestData)
         if src is not None and dst is not None:
             mapped = view.mapper.map_runs(src, dst, num_tokens=num_tokens)
         if mapped is None:  # not that case: `fragments` maps it, or says what is wrong
-            return plan.fragments(
-                src_blocks=source.block_ids,
-                dst_blocks=[list(unpack_block_ids(ids)) for ids in request.block_ids],
-                num_tokens=num_tokens,
-            )
+            dst_blocks = [list(unpack_block_ids(ids)) for ids in request.block_ids]
+            return plan.fragments(src_blocks=source.block_ids, dst_blocks=dst_blocks,
+                                  num_tokens=num_tokens)  # fmt: skip
         fast.append(mapped.rows)
     return _combined(fast)
 

@@ -197,9 +197,8 @@ def compat_fields(info: RankInfo) -> dict[str, str | int]:
     }
 
 
-def compat_mismatches(
-    a: Mapping[str, object], b: Mapping[str, object], *, names: tuple[str, str]
-) -> list[str]:
+def compat_mismatches(a: Mapping[str, object], b: Mapping[str, object], *,
+                      names: tuple[str, str]) -> list[str]:  # fmt: skip
     """Each field on which `a` and `b` (`compat_fields`) differ, with both values:
     `dtype: local 'float32' vs peer 'bfloat16'` for names ("local", "peer")."""
     return [

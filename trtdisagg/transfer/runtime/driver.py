@@ -29,18 +29,12 @@ import trio
 from trtdisagg.security.keys import PeerLabel
 from trtdisagg.transfer.errors import ProtocolError, TransferLayerError
 from trtdisagg.transfer.protocol import events as ev
+from trtdisagg.transfer.protocol import wire
 from trtdisagg.transfer.protocol.core import TransferProtocol
 from trtdisagg.transfer.protocol.gen import StagingInfo
 from trtdisagg.transfer.protocol.liveness import PeerLiveness
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.sessions import SourceBlocks, TransferOutcome
-from trtdisagg.transfer.protocol.wire import (
-    Message,
-    RequestData,
-    TransferResult,
-    WriteNotice,
-    decode,
-)
 from trtdisagg.transfer.runtime.agents.base import TransferAgent, XferStatus
 from trtdisagg.transfer.runtime.collector import TransceiverStatistics, WriteTally
 from trtdisagg.transfer.runtime.control import ControlPlane, ControlRouter, DealerOpener
@@ -108,22 +102,16 @@ class KvTransceiver:
             liveness=self.liveness, early_failures=self.early_failures, staging=staging,
             max_sessions_per_peer=self.max_sessions_per_peer,
         )  # fmt: skip
-        self._control = ControlPlane(
-            router=self.router, deliver=self._message, on_link=self._link, connect=self.connect
-        )
+        self._control = ControlPlane(router=self.router, deliver=self._message,
+                                     on_link=self._link, connect=self.connect)  # fmt: skip
         self._pump = AgentPump(self.agent, self._delivered)
 
     @property
     def info_endpoint(self) -> str:
         return self.instance[0].control_endpoint
 
-    def respond_and_send_async(
-        self,
-        key: int,
-        block_ids: Sequence[Sequence[int]],
-        num_tokens: int,
-        first_tokens: Sequence[int] = (),
-    ) -> None:
+    def respond_and_send_async(self, key: int, block_ids: Sequence[Sequence[int]], num_tokens: int,
+                               first_tokens: Sequence[int] = ()) -> None:  # fmt: skip
         blocks = tuple(tuple(ids) for ids in block_ids)
         source = SourceBlocks(block_ids=blocks, num_tokens=num_tokens)
         self._feed(ev.KvReady(key=key, source=source, first_tokens=tuple(first_tokens)))
@@ -132,15 +120,9 @@ class KvTransceiver:
         # a gen rank that already asked is refused at once (a no-op once it responded)
         self._feed(ev.SendAbandoned(key=key, reason=reason))
 
-    def request_and_receive_async(
-        self,
-        key: int,
-        ctx_info_endpoint: str,
-        block_ids: Sequence[Sequence[int]],
-        num_tokens: int,
-        *,
-        ctx_instance: str | None = None,
-    ) -> None:
+    def request_and_receive_async(self, key: int, ctx_info_endpoint: str,
+                                  block_ids: Sequence[Sequence[int]], num_tokens: int, *,
+                                  ctx_instance: str | None = None) -> None:  # fmt: skip
         # (`ctx_instance`, when known: another instance met at that endpoint is met again)
         self._trace(key, "request")
         blocks = tuple(tuple(ids) for ids in block_ids)
@@ -163,9 +145,8 @@ class KvTransceiver:
     def statistics(self) -> TransceiverStatistics:
         protocol, ctx, gen, now = self.protocol, self.protocol.ctx, self.protocol.gen, self.clock()
         quarantined = sum(s.is_terminal and not s.is_quiescent for s in ctx.senders.values())
-        quarantined += sum(
-            s.is_terminal and not gen.released(s, now) for s in gen.receivers.values()
-        )
+        quarantined += sum(s.is_terminal and not gen.released(s, now)
+                           for s in gen.receivers.values())  # fmt: skip
         return TransceiverStatistics(
             rendezvous=gen.rendezvous, senders=len(ctx.senders), receivers=len(gen.receivers),
             refused={**self._control.refused, **protocol.refusals.counts},
@@ -195,11 +176,11 @@ class KvTransceiver:
             self._busy = trio.Event()
             self._feed(ev.Tick())
 
-    def _message(
-        self, message: Message, reply_to: bytes | None, peer: PeerLabel | None, source: str
-    ) -> None:
-        if self.tracer is not None and isinstance(message, RequestData | TransferResult):
-            self._trace(message.key, "received" if isinstance(message, RequestData) else "result")
+    def _message(self, message: wire.Message, reply_to: bytes | None, peer: PeerLabel | None,
+                 source: str) -> None:  # fmt: skip
+        if self.tracer is not None and isinstance(message, wire.RequestData | wire.TransferResult):
+            stage = "received" if isinstance(message, wire.RequestData) else "result"
+            self._trace(message.key, stage)
         self._feed(ev.MessageIn(message=message, reply_to=reply_to, source=source,
                                 peer=peer.key if peer is not None else None))  # fmt: skip
 
@@ -272,12 +253,10 @@ class KvTransceiver:
             return
         self._fly(order, remote, notice, staging_offset=offset)
 
-    def _fly(
-        self, order: ev.WriteOrder, remote: str, notice: bytes, staging_offset: int | None = None
-    ) -> None:
-        self._flights[order.write_id] = _Flight(
-            order=order, remote=remote, posted=self.clock(), staging_offset=staging_offset
-        )
+    def _fly(self, order: ev.WriteOrder, remote: str, notice: bytes,
+             staging_offset: int | None = None) -> None:  # fmt: skip
+        self._flights[order.write_id] = _Flight(order=order, remote=remote, posted=self.clock(),
+                                                staging_offset=staging_offset)  # fmt: skip
         quick = staging_offset is None and self.agent.submit_is_quick(order.fragments, remote)
         submit = functools.partial(
             self.agent.submit, order.fragments, remote, notice,
@@ -305,10 +284,10 @@ class KvTransceiver:
             self._feed(ev.WriteEnded(write_id=write_id, error=error))
         for remote, payload in notifications:
             try:
-                notice = decode(payload)
+                notice = wire.decode(payload)
             except ProtocolError:
                 continue  # not a notification of this protocol's
-            if isinstance(notice, WriteNotice):
+            if isinstance(notice, wire.WriteNotice):
                 self._trace(notice.key, "notice")
                 self._feed(ev.NoticeIn(notice=notice, remote=remote))
 

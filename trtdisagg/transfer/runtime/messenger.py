@@ -50,11 +50,9 @@ _Socket = zmq.Socket[bytes]
 _Context = zmq.Context[_Socket]
 UP: Final = zmq.EVENT_HANDSHAKE_SUCCEEDED
 DOWN: Final = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-HANDSHAKE_FAILED: Final = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
+HANDSHAKE_FAILED: Final = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
 _monitor_ids = itertools.count()
 
 
@@ -73,9 +71,8 @@ class _Pump:
     frames = 1  # per message: the ROUTER's have its sender's identity first
     drop_when_full = False  # a message zmq would block on is dropped (counted), never queued
 
-    def __init__(
-        self, socket: _Socket, endpoint: str, *, queue_size: int, verifier: PeerVerifier | None
-    ) -> None:
+    def __init__(self, socket: _Socket, endpoint: str, *, queue_size: int,
+                 verifier: PeerVerifier | None) -> None:  # fmt: skip
         self.socket = socket
         self.endpoint = endpoint
         self.verifier = verifier
@@ -257,14 +254,9 @@ def _socket(kind: int, context: _Context | None, high_water_mark: int) -> Iterat
 
 
 @asynccontextmanager
-async def open_router(
-    bind: str = "tcp://127.0.0.1:0",
-    *,
-    secret: ClusterSecret | None = None,
-    context: _Context | None = None,
-    queue_size: int = 1024,
-    high_water_mark: int = 1000,
-) -> AsyncIterator[Router]:
+async def open_router(bind: str = "tcp://127.0.0.1:0", *, secret: ClusterSecret | None = None,
+                      context: _Context | None = None, queue_size: int = 1024,
+                      high_water_mark: int = 1000) -> AsyncIterator[Router]:  # fmt: skip
     """Bind a ROUTER to `bind` (port 0 or `*`: any free port, then read `router.endpoint`); with
     `secret` a CURVE server, whose context must run a ZAP task (`security.zap.serve_zap`).
     `queue_size` bounds the inbox (and a DEALER's outbox); `high_water_mark` is zmq's, per peer."""
@@ -286,15 +278,10 @@ async def open_router(
 
 @asynccontextmanager
 async def open_dealer(
-    endpoint: str,
-    *,
-    secret: ClusterSecret | None = None,
-    label: PeerLabel | None = None,
-    context: _Context | None = None,
-    queue_size: int = 1024,
-    high_water_mark: int = 1000,
+    endpoint: str, *, secret: ClusterSecret | None = None, label: PeerLabel | None = None,
+    context: _Context | None = None, queue_size: int = 1024, high_water_mark: int = 1000,
     on_link: Callable[[bool], None] | None = None,
-) -> AsyncIterator[Dealer]:
+) -> AsyncIterator[Dealer]:  # fmt: skip
     """Connect a DEALER to a ROUTER's `endpoint` (zmq connects in the background); with `secret`
     as a CURVE client speaking for `label` (required then). `on_link(up)` is told each time the
     link comes up or goes down (`LinkState`)."""
@@ -312,9 +299,8 @@ async def open_dealer(
 
 
 @asynccontextmanager
-async def _running(
-    pump: _Pump, events: int, on_event: Callable[[int], None] | None, connect: str | None = None
-) -> AsyncIterator[None]:
+async def _running(pump: _Pump, events: int, on_event: Callable[[int], None] | None,
+                   connect: str | None = None) -> AsyncIterator[None]:  # fmt: skip
     """Run `pump` while the body runs, with `on_event` told of its socket's `events`, then
     connect to `connect` if given (once the monitor is open: no event is missed). The body's own
     exception leaves unwrapped."""
@@ -356,12 +342,9 @@ class LinkState:
 
 
 async def _watch(
-    socket: _Socket,
-    events: int,
-    on_event: Callable[[int], None],
-    *,
+    socket: _Socket, events: int, on_event: Callable[[int], None], *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
+) -> None:  # fmt: skip
     """Call `on_event(event)` for each of `socket`'s `events`, read from a monitor (edge-triggered
     like any zmq FD); started once the monitor is open, or once zmq refused one (logged)."""
     # a PAIR socket with an inproc name of its own: zmq's reaper may still hold pyzmq's default

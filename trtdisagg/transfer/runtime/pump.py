@@ -45,9 +45,8 @@ _PR_SET_TIMERSLACK = 29
 class AgentPump:
     """The agent, its lock, and the pump's thread (the module docstring)."""
 
-    def __init__(
-        self, agent: TransferAgent, deliver: Callable[[Posted, Notifications, Ended], None]
-    ) -> None:
+    def __init__(self, agent: TransferAgent,
+                 deliver: Callable[[Posted, Notifications, Ended], None]) -> None:  # fmt: skip
         self.agent, self._deliver = agent, deliver
         self._lock = threading.Lock()  # the agent's
         self._slow = 0  # blocking calls under way (each in a worker thread or on the pump's)

@@ -50,9 +50,8 @@ def pool_regions(page_table: PageTable) -> list[MemoryRegion]:
     ]  # fmt: skip
 
 
-def find_region(
-    regions: Sequence[MemoryRegion], fragments: Fragments, *, column: int = 0
-) -> MemoryRegion:
+def find_region(regions: Sequence[MemoryRegion], fragments: Fragments, *,
+                column: int = 0) -> MemoryRegion:  # fmt: skip
     """The one region holding every fragment's source (`column=0`) or destination (`1`);
     AgentError if there is none."""
     rows = fragments.rows
@@ -86,15 +85,8 @@ class TransferAgent(Protocol):
         """Whether submitting this write returns within about 0.1 ms (a thread hop costs more
         than submitting a few descriptors to a connected peer)."""
 
-    def submit(
-        self,
-        fragments: Fragments,
-        remote: str,
-        notif: bytes,
-        *,
-        dst_memory_type: str = "DRAM",
-        dst_device_id: int = 0,
-    ) -> XferHandle:
+    def submit(self, fragments: Fragments, remote: str, notif: bytes, *,
+               dst_memory_type: str = "DRAM", dst_device_id: int = 0) -> XferHandle:  # fmt: skip
         """Start a write of every fragment (local src -> remote dst); `notif` reaches the remote
         once all bytes landed (an empty write is DONE at once and notifies nobody). AgentError:
         a fragment outside registered memory, an unknown remote, a backend refusal (nothing is
@@ -127,9 +119,8 @@ class AgentBase:
             raise AgentError(f"{self._name}: unknown remote agent {remote!r}")
 
 
-def make_agent(
-    backend: str, name: str, *, fabric: LoopbackFabric | None = None, progress_thread: bool = True
-) -> TransferAgent:
+def make_agent(backend: str, name: str, *, fabric: LoopbackFabric | None = None,
+               progress_thread: bool = True) -> TransferAgent:  # fmt: skip
     """The agent named by config (`"NIXL"`, or `"LOOPBACK"` whose agents reach one another
     through `fabric`), importing its backend only now; AgentError for another name. Blocking
     (NIXL creates its UCX context): call it from a worker thread."""

@@ -83,15 +83,8 @@ class LoopbackAgent(AgentBase):
         # `submit` copies: quick only while the copy is small (~0.1 ms).
         return fragments.num_bytes <= QUICK_COPY_BYTES
 
-    def submit(
-        self,
-        fragments: Fragments,
-        remote: str,
-        notif: bytes,
-        *,
-        dst_memory_type: str = "DRAM",
-        dst_device_id: int = 0,
-    ) -> XferHandle:
+    def submit(self, fragments: Fragments, remote: str, notif: bytes, *,
+               dst_memory_type: str = "DRAM", dst_device_id: int = 0) -> XferHandle:  # fmt: skip
         self._check_remote(remote)
         target = self._fabric.get(remote)
         handle = XferHandle(next(self._ids))

@@ -104,15 +104,8 @@ class NixlAgent(AgentBase):
         except AgentError:
             return False  # submit reports it
 
-    def submit(
-        self,
-        fragments: Fragments,
-        remote: str,
-        notif: bytes,
-        *,
-        dst_memory_type: str = "DRAM",
-        dst_device_id: int = 0,
-    ) -> XferHandle:
+    def submit(self, fragments: Fragments, remote: str, notif: bytes, *,
+               dst_memory_type: str = "DRAM", dst_device_id: int = 0) -> XferHandle:  # fmt: skip
         self._check_remote(remote)
         if not len(fragments):
             return _DONE
@@ -125,11 +118,9 @@ class NixlAgent(AgentBase):
         target[:, 0], target[:, 1], target[:, 2] = rows[:, 1], rows[:, 2], dst_device_id
         try:
             handle = self._agent.initialize_xfer(
-                "WRITE",
-                self._agent.get_xfer_descs(local, source.memory_type),
-                self._agent.get_xfer_descs(target, dst_memory_type),
-                remote,
-            )
+                "WRITE", self._agent.get_xfer_descs(local, source.memory_type),
+                self._agent.get_xfer_descs(target, dst_memory_type), remote,
+            )  # fmt: skip
         except Exception as exc:
             raise AgentError(f"{self._name}: write to {remote} not initialized: {exc}") from exc
         try:
