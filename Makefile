@@ -40,10 +40,16 @@ TEST_WORKERS ?= 2
 
 # compileall: where PYTHONDONTWRITEBYTECODE is set, every process the suite
 # starts would compile the package from source again; cached bytecode is still read.
-test: lint system-deps
+# mypy (one core, about 20 s from cold) runs beside the suite, which leaves a core idle much of
+# the time; its report follows the suite's, and either one failing fails `make test`.
+test: $(STAMP) system-deps
+	$(PY) -m ruff check trtdisagg tests tools
 	$(PY) -m compileall -q trtdisagg tests tools
+	@$(PY) -m mypy > $(VENV)/mypy.out 2>&1 & types=$$!; \
 	$(PY) -m pytest -q -p no:cacheprovider -m "not gpu" --durations=25 \
-		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; suite=$$?; \
+	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.out; \
+	test $$suite = 0 && test $$typed = 0
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache
