@@ -94,10 +94,10 @@ class Net:
     wakes: int = 0
 
     @classmethod
-    def of(cls, **gen_changes: object) -> Net:
+    def of(cls, timeout_s: float = TIMEOUT, **gen_changes: object) -> Net:
         ctx_info, gen_info = _info("ctx"), _info("gen", **gen_changes)
-        ctx = TransferProtocol(local=ctx_info, instance=(ctx_info,), timeout_s=TIMEOUT)
-        gen = TransferProtocol(local=gen_info, instance=(gen_info,), timeout_s=TIMEOUT)
+        ctx = TransferProtocol(local=ctx_info, instance=(ctx_info,), timeout_s=timeout_s)
+        gen = TransferProtocol(local=gen_info, instance=(gen_info,), timeout_s=timeout_s)
         return cls(ctx, gen)
 
     @classmethod
@@ -272,6 +272,17 @@ def test_a_rendezvous_without_an_answer_fails_its_requests_and_drops_the_dealer(
     assert net.forgotten == [ForgetPeer(instance=None, endpoints=("tcp://127.0.0.1:2001",))]
     net.ask(2)  # the next request tries again
     assert net.gen.gen.rendezvous == 2
+
+
+def test_a_rendezvous_waits_no_longer_than_a_transfer_may_take() -> None:
+    net = Net.of(timeout_s=2.0)
+    net.ask(1)
+    net.held.clear()  # ctx never answers
+    net.tick(1.9)
+    assert not net.received
+    net.tick(2.0)
+    (outcome,) = net.received
+    assert "cannot reach ctx at tcp://127.0.0.1:2001: no answer in 2s" in (outcome.error or "")
 
 
 def test_cancel_is_false_on_both_sides_while_the_write_is_in_flight() -> None:

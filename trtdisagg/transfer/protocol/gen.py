@@ -28,7 +28,7 @@ from trtdisagg.transfer.protocol.side import Out, Side
 
 log = logging.getLogger(__name__)
 
-RENDEZVOUS_TIMEOUT_S = 5.0
+RENDEZVOUS_TIMEOUT_S = 5.0  # a ctx instance's time to answer, within the transfer's own deadline
 
 
 @attrs.frozen(kw_only=True)
@@ -99,7 +99,7 @@ class GenProtocol(Side):
             instance = None
         if instance is None:
             self.rendezvous += 1
-            instance = _CtxInstance(endpoint=endpoint, deadline=now + RENDEZVOUS_TIMEOUT_S)
+            instance = _CtxInstance(endpoint=endpoint, deadline=now + self._rendezvous_s)
             self._instances[endpoint] = instance
             info = wire.RequestInstanceInfo(protocol_version=wire.PROTOCOL_VERSION)
             out.append(ev.Send(endpoint=endpoint, message=info))
@@ -228,6 +228,10 @@ class GenProtocol(Side):
             outcome = attrs.evolve(outcome, ok=False, error=f"scattering the staged KV: {error}")
         out += [ev.Received(outcome=outcome), ev.WAKE]
 
+    @property
+    def _rendezvous_s(self) -> float:
+        return min(RENDEZVOUS_TIMEOUT_S, self.timeout_s)
+
     def tick(self, now: float, out: Out) -> None:
         due, limit = self._results_due, 2 * self.timeout_s
         self._results_due = {d: at for d, at in due.items() if now - at <= limit}
@@ -239,7 +243,7 @@ class GenProtocol(Side):
                 del self._instances[endpoint]  # transient: the next request tries again
                 # a dead or forged endpoint must not keep a reconnecting socket
                 out.append(ev.ForgetPeer(instance=None, endpoints=(endpoint,)))
-                error = f"cannot reach ctx at {endpoint}: no answer in {RENDEZVOUS_TIMEOUT_S:g}s"
+                error = f"cannot reach ctx at {endpoint}: no answer in {self._rendezvous_s:g}s"
                 self._fail_waiting(instance, error, now, out)
 
     def forget(self, instance: str, dead: str | None, now: float, out: Out, *,
