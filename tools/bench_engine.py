@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated closed-loop sizes")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-requests", type=int, help="per concurrency (default: max(4c, 16))")
+    p.add_argument("--num-requests", type=int, help="per concurrency (default: max(12c, 16))")
     p.add_argument("--warmup", type=int, default=2, help="requests per concurrency, unmeasured")
     p.add_argument("--vocab-size", type=int, default=512, help="prompt ids uniform in [0, V)")
     p.add_argument(
@@ -104,7 +104,8 @@ def worker_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def workload(args: argparse.Namespace, concurrency: int) -> tuple[list[Any], list[Any]]:
-    n = args.num_requests or max(4 * concurrency, 16)
+    # 12 waves: the first (requests in step) and the last (a batch that drains) weigh little.
+    n = args.num_requests or max(12 * concurrency, 16)
     lengths = dict(
         input_len=LengthRange(args.input_len, args.input_len),
         output_len=LengthRange(args.output_len, args.output_len),
