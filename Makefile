@@ -10,10 +10,14 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
+# pip compiles what it installs one file at a time; compileall afterwards does the same work on
+# every core. Bytecode must be there before the first run: where PYTHONDONTWRITEBYTECODE is set,
+# every process would compile torch again. (pip, too, ignores the files that fail to compile.)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[dev]'
+	@$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
 	@touch $(STAMP)
 
 serve: $(STAMP)
@@ -44,7 +48,7 @@ TEST_WORKERS ?= 2
 # the time; its report follows the suite's, and either one failing fails `make test`.
 test: $(STAMP) system-deps
 	$(PY) -m ruff check trtdisagg tests tools
-	$(PY) -m compileall -q trtdisagg tests tools
+	$(PY) -m compileall -q -j 0 trtdisagg tests tools
 	@$(PY) -m mypy > $(VENV)/mypy.out 2>&1 & types=$$!; \
 	$(PY) -m pytest -q -p no:cacheprovider -m "not gpu" --durations=25 \
 		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; suite=$$?; \

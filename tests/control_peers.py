@@ -78,6 +78,15 @@ def stranger(endpoint: str, kind: Stranger, claims: PeerLabel) -> Iterator[zmq.S
         yield socket
 
 
+def offer(socket: zmq.Socket[bytes], kind: Stranger, message: Message) -> None:
+    """Send as a stranger of `kind`. A refused handshake can leave the DEALER no pipe to queue on,
+    and a send would then block for good: what cannot be queued is not sent, and that is the
+    point. The impostor finishes its handshake, so its sends always queue."""
+    flags = 0 if kind is Stranger.IMPOSTOR else zmq.NOBLOCK
+    with contextlib.suppress(zmq.Again):
+        socket.send(encode(message), flags)
+
+
 def ask(socket: zmq.Socket[bytes], message: Message) -> Message:
     socket.send(encode(message))
     return decode(socket.recv())

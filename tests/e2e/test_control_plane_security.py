@@ -42,6 +42,7 @@ from tests.control_peers import (
     ask,
     instance_info,
     member,
+    offer,
     stranger,
 )
 from tests.edges import (
@@ -159,8 +160,8 @@ def test_nixl_cannot_read_a_victim_s_kv_with_what_a_stranger_can_learn(
     assert "metadata" not in server_info and "address" not in server_info, server_info
     with contextlib.ExitStack() as strangers:
         sockets = [strangers.enter_context(stranger(endpoint, kind, CLAIMED)) for kind in Stranger]
-        for socket in sockets:
-            socket.send(encode(RequestInstanceInfo(protocol_version=PROTOCOL_VERSION)))
+        for kind, socket in zip(Stranger, sockets, strict=True):
+            offer(socket, kind, RequestInstanceInfo(protocol_version=PROTOCOL_VERSION))
         got = answers_to_each(sockets, SILENCE_MS)
     assert dict(zip(Stranger, got, strict=True)) == {kind: [] for kind in Stranger}
     # With nothing to load, there is nothing to read from.
@@ -249,13 +250,9 @@ def test_a_peer_without_the_secret_gets_nothing_and_is_counted(
             )
             for kind in Stranger:
                 socket = strangers.enter_context(stranger(endpoint, kind, CLAIMED))
-                # A refused handshake can leave the DEALER no pipe to queue on: its sends would
-                # block for good. What cannot be queued is not sent, and that is the point.
-                flags = 0 if kind is Stranger.IMPOSTOR else zmq.NOBLOCK
                 for _ in range(rounds):
                     for message in messages:
-                        with contextlib.suppress(zmq.Again):
-                            socket.send(encode(message), flags)
+                        offer(socket, kind, message)
                 sent.append((server, kind, socket))
         got = answers_to_each([socket for _, _, socket in sent], SILENCE_MS)
     heard = {(server.url, kind): replies for (server, kind, _), replies in zip(sent, got)}
