@@ -157,13 +157,22 @@ def up(tmp_path: Path, spec: dict[str, Any]) -> Iterator[tuple[subprocess.Popen[
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_default_cluster_listens_on_loopback_only_and_still_transfers(tmp_path: Path) -> None:
+def test_up_s_default_cluster_serves_on_loopback_only_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    """`make serve`'s cluster: it prints its curl line, moves KV over NIXL, binds nothing beyond
+    loopback, and Ctrl-C stops every child with exit status 0."""
     spec = {**DEFAULT_CLUSTER, "log_dir": str(tmp_path / "logs"), "stop_grace": 5}
     coordinator_port, ctx_port, gen_port = free_port(), free_port(), free_port()
     spec["coordinator"] = {**spec["coordinator"], "port": coordinator_port}
     spec["ctx"] = [{**spec["ctx"][0], "port": ctx_port}]
     spec["gen"] = [{**spec["gen"][0], "port": gen_port}]
     with up(tmp_path, spec) as (proc, out), httpx.Client(timeout=60, trust_env=False) as client:
+        text = out.read_text()
+        assert f"curl http://127.0.0.1:{coordinator_port}/v1/completions" in text
+        assert "[ctx-0] " in text and "[coordinator] " in text
+        children = {m[1] for m in re.finditer(r"started (\S+) \(pid \d+\)", text)}
+        assert children == {"ctx-0", "gen-0", "coordinator"}
+        for name in children:
+            assert (tmp_path / "logs" / f"{name}.log").stat().st_size > 0
         ctx_url = f"http://127.0.0.1:{ctx_port}"
         body = {
             **completion([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2], 6),
