@@ -92,6 +92,24 @@ def body(prompt: str | list[int], max_tokens: int = 12, **kw: Any) -> dict[str, 
             "return_token_ids": True, **kw}  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def shared_coordinator(
+    tmp_path_factory: pytest.TempPathFactory, workers: dict[str, list[Server]]
+) -> Iterator[Server]:
+    """The default coordinator over ctx-0 and gen-0, for the tests that only send it requests
+    and leave it idle (one start instead of one per test)."""
+    with coordinator(tmp_path_factory.mktemp("coordinator"), workers) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def two_ctx_coordinator(
+    tmp_path_factory: pytest.TempPathFactory, workers: dict[str, list[Server]]
+) -> Iterator[Server]:
+    with coordinator(tmp_path_factory.mktemp("coordinator2"), workers, ctx=2) as server:
+        yield server
+
+
 # ---- without the KV transceiver ----
 
 
@@ -117,21 +135,20 @@ def test_conditional_disagg_short_prompt_is_served_by_gen_alone(
 
 
 def test_bad_input_is_400_naming_the_field(
-    tmp_path: Path, workers: dict[str, list[Server]]
+    workers: dict[str, list[Server]], shared_coordinator: Server
 ) -> None:
-    with coordinator(tmp_path, workers) as coord:
-        for bad, field in (
-            ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),
-            ({"prompt": "x", "temperature": "hot"}, "temperature"),
-            ({"max_tokens": 4}, "prompt"),
-            ({"prompt": "x", "n": 129}, "n"),
-        ):
-            r = httpx.post(coord.url + "/v1/completions", json=bad)
-            assert r.status_code == 400, (bad, r.text)
-            assert field in r.json()["error"]["message"] and r.json()["error"]["param"] == field
-        r = httpx.post(coord.url + "/v1/chat/completions", json={"messages": "hi"})
-        assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
-        assert httpx.get(coord.url + "/v1/models").json()["data"][0]["id"] == "tiny"
+    for bad, field in (
+        ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"max_tokens": 4}, "prompt"),
+        ({"prompt": "x", "n": 129}, "n"),
+    ):
+        r = httpx.post(shared_coordinator.url + "/v1/completions", json=bad)
+        assert r.status_code == 400, (bad, r.text)
+        assert field in r.json()["error"]["message"] and r.json()["error"]["param"] == field
+    r = httpx.post(shared_coordinator.url + "/v1/chat/completions", json={"messages": "hi"})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert httpx.get(shared_coordinator.url + "/v1/models").json()["data"][0]["id"] == "tiny"
 
 
 def test_fleet_of_two_shares_one_port_and_each_front_end_places_requests(
@@ -254,93 +271,99 @@ def test_front_ends_whose_supervisor_dies_while_they_start_exit_too(
 
 
 def test_openai_client_through_ctx_and_gen_equals_aggregated(
-    tmp_path: Path, workers: dict[str, list[Server]]
+    workers: dict[str, list[Server]], shared_coordinator: Server
 ) -> None:
     gen = workers["gen"][0]
-    with coordinator(tmp_path, workers) as coord:
-        api = openai.OpenAI(base_url=coord.url + "/v1", api_key="unused", max_retries=0)
-        prompt = "Once upon a time there was a little robot who"
-        reference = aggregated(gen, body(prompt, 24))
-        done = api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
-        assert done.choices[0].text == reference["choices"][0]["text"]
-        assert done.usage is not None
-        assert done.usage.prompt_tokens == reference["usage"]["prompt_tokens"]
-        assert done.usage.completion_tokens == reference["usage"]["completion_tokens"]
-        assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
-        stream = api.completions.create(
-            model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
-            stream_options={"include_usage": True},
-        )  # fmt: skip
-        chunks = list(stream)
-        assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
-        assert chunks[-1].usage is not None
-        assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
-        assert chunks[-1].usage.prompt_tokens == done.usage.prompt_tokens
-        chat = api.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0
-        )
-        assert chat.choices[0].message.role == "assistant" and chat.usage is not None
-        raw = httpx.post(coord.url + "/v1/completions", json=body(prompt), timeout=60).json()
-        assert "disaggregated_params" not in raw["choices"][0]
+    api = openai.OpenAI(base_url=shared_coordinator.url + "/v1", api_key="unused", max_retries=0)
+    prompt = "Once upon a time there was a little robot who"
+    reference = aggregated(gen, body(prompt, 24))
+    done = api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    assert done.choices[0].text == reference["choices"][0]["text"]
+    assert done.usage is not None
+    assert done.usage.prompt_tokens == reference["usage"]["prompt_tokens"]
+    assert done.usage.completion_tokens == reference["usage"]["completion_tokens"]
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+    stream = api.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == done.usage.prompt_tokens
+    chat = api.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage is not None
+    raw = httpx.post(
+        shared_coordinator.url + "/v1/completions", json=body(prompt), timeout=60
+    ).json()
+    assert "disaggregated_params" not in raw["choices"][0]
 
 
 def test_32_concurrent_requests_equal_aggregated(
-    tmp_path: Path, workers: dict[str, list[Server]]
+    workers: dict[str, list[Server]], two_ctx_coordinator: Server
 ) -> None:
     gen = workers["gen"][0]
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
     bodies = [body(" ".join(words[(i * 3) % 13 :] + words[: i % 7]), 4 + i % 9) for i in range(32)]
     expected = [aggregated(gen, b)["choices"][0]["token_ids"] for b in bodies]
-    with coordinator(tmp_path, workers, ctx=2) as coord:
-        results: list[Any] = [None] * 32
+    results: list[Any] = [None] * 32
 
-        def one(i: int) -> None:
-            r = httpx.post(coord.url + "/v1/completions", json=bodies[i], timeout=120)
-            results[i] = r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text
+    def one(i: int) -> None:
+        r = httpx.post(two_ctx_coordinator.url + "/v1/completions", json=bodies[i], timeout=120)
+        results[i] = r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(150)
-        assert results == expected
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert results == expected
 
 
 def test_first_chunk_arrives_while_gen_is_still_generating(
-    tmp_path: Path, workers: dict[str, list[Server]]
+    workers: dict[str, list[Server]], shared_coordinator: Server
 ) -> None:
     gen = workers["gen"][0]
-    with coordinator(tmp_path, workers) as coord:
-        request = body("Once upon a time", 400, stream=True, ignore_eos=True)
-        with httpx.stream("POST", coord.url + "/v1/completions", json=request, timeout=60) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    assert running(gen) == 1  # gen has not finished: the chunk was not buffered
-                    break
-            for _ in lines:
-                pass
+    request = body("Once upon a time", 400, stream=True, ignore_eos=True)
+    with httpx.stream(
+        "POST", shared_coordinator.url + "/v1/completions", json=request, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                assert running(gen) == 1  # gen has not finished: the chunk was not buffered
+                break
+        for _ in lines:
+            pass
 
 
 def test_usage_prompt_and_cached_from_ctx_completion_from_gen(
-    tmp_path: Path, workers: dict[str, list[Server]]
+    workers: dict[str, list[Server]], shared_coordinator: Server
 ) -> None:
-    with coordinator(tmp_path, workers) as coord:
-        prompt = "The context server sends the cache to the generation server over a fast network"
-        first = httpx.post(coord.url + "/v1/completions", json=body(prompt, 5), timeout=60).json()
-        again = httpx.post(coord.url + "/v1/completions", json=body(prompt, 5), timeout=60).json()
-        n = len(first["prompt_token_ids"])
-        assert first["usage"]["prompt_tokens"] == n and first["usage"]["completion_tokens"] == 5
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # ctx's prefix cache
-        request = body(prompt, 5, stream=True, stream_options={"include_usage": True})
-        with httpx.stream("POST", coord.url + "/v1/completions", json=request, timeout=60) as r:
-            events = [json.loads(line[6:]) for line in r.iter_lines()
-                      if line.startswith("data: {")]  # fmt: skip
-        assert events[-1]["usage"]["completion_tokens"] == 5
-        assert events[-1]["usage"]["prompt_tokens"] == n
-        cached = again["usage"]["prompt_tokens_details"]
-        assert events[-1]["usage"]["prompt_tokens_details"] == cached  # ctx's, streamed too
+    prompt = "The context server sends the cache to the generation server over a fast network"
+    first = httpx.post(
+        shared_coordinator.url + "/v1/completions", json=body(prompt, 5), timeout=60
+    ).json()
+    again = httpx.post(
+        shared_coordinator.url + "/v1/completions", json=body(prompt, 5), timeout=60
+    ).json()
+    n = len(first["prompt_token_ids"])
+    assert first["usage"]["prompt_tokens"] == n and first["usage"]["completion_tokens"] == 5
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # ctx's prefix cache
+    request = body(prompt, 5, stream=True, stream_options={"include_usage": True})
+    with httpx.stream(
+        "POST", shared_coordinator.url + "/v1/completions", json=request, timeout=60
+    ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    assert events[-1]["usage"]["completion_tokens"] == 5
+    assert events[-1]["usage"]["prompt_tokens"] == n
+    cached = again["usage"]["prompt_tokens_details"]
+    assert events[-1]["usage"]["prompt_tokens_details"] == cached  # ctx's, streamed too
 
 
 def test_kv_cache_aware_routes_a_shared_prefix_to_the_same_ctx(
@@ -367,33 +390,35 @@ def test_kv_cache_aware_routes_a_shared_prefix_to_the_same_ctx(
 
 
 def test_round_robin_alternates_ctx_servers(
-    tmp_path: Path, workers: dict[str, list[Server]]
+    workers: dict[str, list[Server]], two_ctx_coordinator: Server
 ) -> None:
     ctxs = workers["ctx"]
-    with coordinator(tmp_path, workers, ctx=2) as coord:
-        served = []
-        for i in range(4):
-            before = [counts(s, "ctx") for s in ctxs]
-            r = httpx.post(coord.url + "/v1/completions", json=body(f"hello {i}", 3), timeout=60)
-            assert r.status_code == 200, r.text
-            served.append(next(j for j, s in enumerate(ctxs) if counts(s, "ctx") > before[j]))
-        assert served in ([0, 1, 0, 1], [1, 0, 1, 0])
+    served = []
+    for i in range(4):
+        before = [counts(s, "ctx") for s in ctxs]
+        r = httpx.post(
+            two_ctx_coordinator.url + "/v1/completions", json=body(f"hello {i}", 3), timeout=60
+        )
+        assert r.status_code == 200, r.text
+        served.append(next(j for j, s in enumerate(ctxs) if counts(s, "ctx") > before[j]))
+    assert served in ([0, 1, 0, 1], [1, 0, 1, 0])
 
 
 def test_client_disconnect_mid_stream_frees_gen_within_a_second(
-    tmp_path: Path, workers: dict[str, list[Server]]
+    workers: dict[str, list[Server]], shared_coordinator: Server
 ) -> None:
     gen = workers["gen"][0]
-    with coordinator(tmp_path, workers) as coord:
-        request = body("Once upon a time", 2000, stream=True, ignore_eos=True)
-        with httpx.stream("POST", coord.url + "/v1/completions", json=request, timeout=60) as r:
-            # Hold the iterator: a dropped one closes the connection and would hang up early.
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    break
-            assert running(gen) == 1
-        wait_until(lambda: running(gen) == 0, 1.0, "gen running 0")
+    request = body("Once upon a time", 2000, stream=True, ignore_eos=True)
+    with httpx.stream(
+        "POST", shared_coordinator.url + "/v1/completions", json=request, timeout=60
+    ) as r:
+        # Hold the iterator: a dropped one closes the connection and would hang up early.
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        assert running(gen) == 1
+    wait_until(lambda: running(gen) == 0, 1.0, "gen running 0")
 
 
 def held(server: Server) -> float:
