@@ -98,8 +98,9 @@ class CacheTransceiverConfig:
     # this goes through staging (one write per transfer). Both ends must agree.
     kv_cache_bounce_threshold_bytes: int = attrs.field(default=16384, validator=_positive)
     # NIXL's own progress thread. It spins a core even when idle; with it off, the transceiver's
-    # polling drives transfers, which suits CPU clusters where cores are scarce.
-    nixl_progress_thread: bool = True
+    # polling drives transfers, which suits CPU clusters where cores are scarce. None: on for a
+    # worker on CUDA, off on the CPU (`WorkerConfig.nixl_progress_thread`).
+    nixl_progress_thread: bool | None = None
     # A peer instance silent this long is probed; three unanswered probes this long apart mean
     # it is gone, and it is forgotten, its agents unloaded (transfer/liveness.py).
     peer_probe_ms: int = attrs.field(default=5000, validator=_positive)
@@ -201,6 +202,12 @@ class WorkerConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def nixl_progress_thread(self) -> bool:
+        """Whether this worker's NIXL agents run NIXL's progress thread."""
+        chosen = self.cache_transceiver_config.nixl_progress_thread
+        return self.device == "cuda" if chosen is None else chosen
 
 
 def _make_converter() -> cattrs.Converter:

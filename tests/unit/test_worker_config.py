@@ -38,6 +38,21 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "spins"),
+    [
+        ("device: cpu\n", False),  # an idle CPU worker must not burn a core
+        ("device: cuda\n", True),
+        ("device: cpu\ncache_transceiver_config: {nixl_progress_thread: true}\n", True),
+        ("device: cuda\ncache_transceiver_config: {nixl_progress_thread: false}\n", False),
+    ],
+)
+def test_nixl_s_progress_thread_is_on_for_cuda_unless_set(
+    tmp_path: Path, text: str, spins: bool
+) -> None:
+    assert load_worker_config(_write(tmp_path, text)).nixl_progress_thread is spins
+
+
+@pytest.mark.parametrize(
     ("text", "words"),
     [
         ("bogus: 1\n", ["bogus"]),

@@ -131,7 +131,7 @@ async def build_transceiver(
     if transfer.backend is TransceiverBackend.NIXL:
         await confine_ucx_to_interface(config.host, config.advertise_host)
     agent = await trio.to_thread.run_sync(
-        _make_agent, transfer.backend, agent_name, transfer.nixl_progress_thread
+        _make_agent, transfer.backend, agent_name, config.nixl_progress_thread
     )
     secured = functools.partial(open_dealer, secret=control_secret(config), label=label)
     connect: DealerOpener = secured
