@@ -363,14 +363,16 @@ def _combine_splits_kernel(
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
         kv_len = tl.load(kv_lens_ptr + seq)
+        # Only the splits that took keys: a short context leaves most of them empty, and a loop
+        # over all NUM_SPLITS would pay for every one.
         used = tl.cdiv(kv_len, _split_keys(kv_len, NUM_SPLITS, BLOCK_N))
         m = tl.full([SHORT_M], float("-inf"), tl.float32)
         ell = tl.zeros([SHORT_M], tl.float32)
         acc = tl.zeros([SHORT_M, BLOCK_D], tl.float32)
-        for split in range(NUM_SPLITS):
+        for split in range(0, used):
             part = ((seq * NUM_SPLITS + split) * num_kv_heads + kv_head) * SHORT_M + r
             part = part.to(tl.int64)
-            ok = row_ok & (split < used)
+            ok = row_ok
             m_s = tl.load(part_ml_ptr + part * 2, mask=ok, other=float("-inf"))
             l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0)
             a_s = tl.load(
