@@ -18,7 +18,7 @@ The floor is measured in the same run: a large device-to-device copy and a read-
 give the achieved HBM bandwidth; floor = (weight bytes read + KV bytes read per step) / bandwidth,
 also against the nominal 4.8 TB/s. Weight bytes read exclude the embedding table (a step reads
 one row per sequence). Attention alone is timed too (gather + SDPA against the Triton kernel,
-with a small tile/split sweep).
+with a small tile/split sweep), one layer's call at a time, replayed from a CUDA graph.
 
     python tools/bench_decode.py --result-json out.json
     python tools/bench_decode.py --small --device cpu      # smoke test of the code paths
@@ -359,6 +359,19 @@ def graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], obje
 # ---- attention alone ----
 
 
+def attention_ms(
+    fn: Callable[[int], object], layers: int, device: torch.device
+) -> dict[str, float]:
+    """GPU time of one layer's call `fn(layer)`. On CUDA from a graph of one call per layer:
+    launched one by one from Python, a decode attention kernel would be timed by its launch
+    (longer on the host than the kernel on the GPU), and one layer's KV called again and again
+    would be read from L2 instead of HBM."""
+    if device.type != "cuda":
+        return time_ms(lambda: fn(0), device, iters=1)
+    replay = graphed(lambda: [fn(layer) for layer in range(layers)], device)
+    return {key: value / layers for key, value in time_ms(replay, device, iters=5).items()}
+
+
 def bench_attention(
     model: CausalLM, cache: KVCache, work: Workload, sizes: list[int], device: torch.device
 ) -> list[dict[str, Any]]:
@@ -370,8 +383,8 @@ def bench_attention(
         meta = work.batch(size, batched=True).decode
         assert meta is not None
         q = torch.randn(size, heads, dim, device=device, dtype=model.dtype)
-        variants: list[tuple[str, Callable[[], object]]] = [
-            ("torch_gather_sdpa", functools.partial(decode_attention_torch, q, cache, 0, meta))
+        variants: list[tuple[str, Callable[[int], object]]] = [
+            ("torch_gather_sdpa", functools.partial(decode_attention_torch, q, cache, meta=meta))
         ]
         if ops is not None and ops.name == "triton":
             from trtdisagg.model.attention_meta import from_decode
@@ -383,12 +396,12 @@ def bench_attention(
             for splits, block_n in dict.fromkeys(configs):
                 tuned = TritonOps(AttentionTiles(block_n=block_n))
                 call = functools.partial(
-                    tuned.paged_attention, q, cache, 0, from_decode(meta), num_splits=splits
+                    tuned.paged_attention, q, cache, meta=from_decode(meta), num_splits=splits
                 )
                 variants.append((f"triton splits={splits} block_n={block_n}", call))
         for name, fn in variants:
             try:
-                t = time_ms(fn, device, iters=20 if device.type == "cuda" else 1)
+                t = attention_ms(fn, cache.num_layers, device)
             except Exception as exc:  # report and go on: one variant must not sink the run
                 rows.append({"batch": size, "variant": name, "error": repr(exc)[:300]})
                 continue
