@@ -372,12 +372,11 @@ def _combine_splits_kernel(
         for split in range(0, used):
             part = ((seq * NUM_SPLITS + split) * num_kv_heads + kv_head) * SHORT_M + r
             part = part.to(tl.int64)
-            ok = row_ok
-            m_s = tl.load(part_ml_ptr + part * 2, mask=ok, other=float("-inf"))
-            l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+            m_s = tl.load(part_ml_ptr + part * 2, mask=row_ok, other=float("-inf"))
+            l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=row_ok, other=0.0)
             a_s = tl.load(
                 part_acc_ptr + part[:, None] * D + d[None, :],
-                mask=ok[:, None] & dmask[None, :],
+                mask=row_ok[:, None] & dmask[None, :],
                 other=0.0,
             )
             m_new = tl.maximum(m, m_s)
