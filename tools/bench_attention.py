@@ -11,7 +11,7 @@ the GPU, fused Triton ops) and a KV pool of random K/V, then for each workload
 
 times, with CUDA events (warm-up first, median of --iters runs):
 
-  attn_kernel   one layer's attention: the paged attention kernel, one launch (+ combine)
+  attn_kernel   one layer's attention: the paged attention kernel, one launch
   attn_per_seq  the same through `Attention._attend_per_sequence` (SDPA per sequence)
   fwd_kernel    the whole eager forward on the Triton ops (attention through the kernel)
   fwd_per_seq   the same forward with attention per sequence

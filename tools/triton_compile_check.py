@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for module, names in (
         (triton_ops, ("_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_kernel")),
-        (paged_attention, ("_paged_attention_kernel", "_combine_splits_kernel")),
+        (paged_attention, ("_paged_attention_kernel",)),
     ):
         for name in names:
             setattr(module, name, Recorder(getattr(module, name)))

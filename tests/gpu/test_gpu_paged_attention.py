@@ -202,7 +202,7 @@ def test_no_compilation_after_warm_up(checkpoint: Path) -> None:
     eager.model.warm_up(eager.cache)
     torch.cuda.synchronize()
     warmed = compiled_variants()
-    assert warmed["paged_attention"] >= 12 and warmed["combine_splits"] >= 5, warmed
+    assert warmed["paged_attention"] >= 12, warmed
     runner_greedy(graphed, PROMPTS, NEW_TOKENS, stagger=True)
     runner_greedy(eager, PROMPTS, NEW_TOKENS, stagger=True)
     runner_greedy(eager, PROMPTS[:3], 3)  # prefill-only first step, then decode

@@ -23,5 +23,5 @@ def test_warm_up_variants_compile_for_hopper() -> None:
         [sys.executable, str(TOOL)], env=env, capture_output=True, text=True, timeout=280
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "22 variants, 0 failed or spilled" in done.stdout, done.stdout[-3000:]
+    assert "17 variants, 0 failed or spilled" in done.stdout, done.stdout[-3000:]
     assert "wgmma" in done.stdout

@@ -143,8 +143,9 @@ def test_prefill_only_and_the_default_split() -> None:
 
 def test_splits_take_at_least_their_minimum_of_keys_and_empty_ones_are_left_out() -> None:
     """With more splits launched than a context fills (`MIN_SPLIT_KEYS` keys each), the splits
-    past its end neither attend nor enter the combine: a context just over one split's
-    minimum, one just under, and one over two splits all match the reference."""
+    past its end neither attend nor wait to be merged: a context just over one split's
+    minimum, one just under, and one over two splits all match the reference. Each launch
+    leaves its arrival counters at zero, so the same launch again gives the same rows."""
     torch.manual_seed(5)
     cache = make_pool(Layout.HND, 16, 2, 16)
     least = paged_attention.MIN_SPLIT_KEYS.value
@@ -154,7 +155,9 @@ def test_splits_take_at_least_their_minimum_of_keys_and_empty_ones_are_left_out(
     )
     q = torch.randn(len(lens), 4, 16)
     for splits in (2, 4, 32):
-        check(q, cache, meta, splits=splits, tol=1e-5)
+        first = check(q, cache, meta, splits=splits, tol=1e-5)
+        assert not paged_attention._arrival_buffers[CPU].any()
+        assert torch.equal(check(q, cache, meta, splits=splits, tol=1e-5), first)
 
 
 def test_decode_step_with_padding_rows() -> None:
@@ -297,7 +300,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[Any, ...]
     recorded: list[tuple[str, tuple[Any, ...]]] = []
     for module, names in (
         (triton_ops, ("_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_kernel")),
-        (paged_attention, ("_paged_attention_kernel", "_combine_splits_kernel")),
+        (paged_attention, ("_paged_attention_kernel",)),
     ):
         for name in names:
             monkeypatch.setattr(module, name, Recorder(name, getattr(module, name), recorded))
@@ -318,14 +321,13 @@ def test_serving_meets_only_warmed_up_variants(
     for name, _ in warmed:
         by_kernel[name] = by_kernel.get(name, 0) + 1
     # norm with/without residual; rope for int32/int64 slots; attention decode-only or not,
-    # times each split count; the combine kernel for each split count above 1.
+    # times each split count.
     splits = len(paged_attention.SPLIT_CHOICES)
     assert by_kernel == {
         "_rms_norm_kernel": 2,
         "_silu_mul_kernel": 1,
         "_rope_kv_kernel": 2,
         "_paged_attention_kernel": 2 * splits,
-        "_combine_splits_kernel": splits - 1,
     }
     launches.clear()
     runner = ModelRunner(

@@ -16,7 +16,8 @@ rounds its softmax). Two kinds of program share the launch:
 
 * a short sequence (q_len <= the short tile's tokens: decode rows) takes one 16-row tile, and its
   keys are split over up to NUM_SPLITS programs ("flash decoding") so that a small batch fills the
-  chip, each taking at least MIN_SPLIT_KEYS keys; `_combine_splits_kernel` merges the splits;
+  chip, each taking at least MIN_SPLIT_KEYS keys. Each split stores its partial result and counts
+  itself in; the split that arrives last merges them, so no second launch waits on the first;
 * a longer one takes tiles of `long_rows` rows, each walking first the key blocks that every row
   of the tile sees (no mask), then the blocks on the causal diagonal. A tile finds its sequence by
   binary search over cu_q: tile t belongs to the last s with `cu_q[s] // LONG_TOKENS + s <= t`,
@@ -26,8 +27,8 @@ rounds its softmax). Two kinds of program share the launch:
 Triton compiles one variant per specialisation key: the argument types, ints equal to 1 or
 divisible by 16, pointers aligned to 16 bytes, and constexprs. What varies from step to step (the
 sequence count, the block-table width, the metadata pointers, which may be views into one packed
-buffer) is kept out of the key, so a model meets `2 x len(SPLIT_CHOICES)` variants of the main
-kernel and one combine variant per split count above 1; `warm_up` compiles them all.
+buffer) is kept out of the key, so a model meets `2 x len(SPLIT_CHOICES)` variants of the kernel;
+`warm_up` compiles them all.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ SHORT_ROWS = 16  # a short sequence's tile: the smallest M of a tensor-core dot
 # Arguments kept out of the specialisation key (see the module docstring).
 MAIN_DYNAMIC_INTS = ("num_seqs", "table_row")
 MAIN_DYNAMIC_POINTERS = ("cu_q_ptr", "kv_lens_ptr", "table_ptr")
-COMBINE_DYNAMIC_POINTERS = ("cu_q_ptr", "kv_lens_ptr")
+# Split-arrival counters kept per device; enough for 512 sequences of 8 kv heads.
+MIN_ARRIVAL_COUNTERS = 4096
+_arrival_buffers: dict[torch.device, torch.Tensor] = {}
 
 
 @attrs.frozen(kw_only=True)
@@ -239,6 +242,60 @@ def _store_rows(out_ptr, q_offs, row_ok, acc, l_i, D: tl.constexpr, BLOCK_D: tl.
     )
 
 
+@triton.jit
+def _split_rows(seq, split, kv_head, num_kv_heads, NUM_SPLITS: tl.constexpr, SHORT_M: tl.constexpr):
+    """Rows of the partial-result buffers that hold one split of one (sequence, kv head)."""
+    part = ((seq * NUM_SPLITS + split) * num_kv_heads + kv_head) * SHORT_M
+    return part.to(tl.int64) + tl.arange(0, SHORT_M)
+
+
+@triton.jit
+def _store_split(
+    part_acc_ptr, part_ml_ptr, seq, split, kv_head, num_kv_heads, row_ok, acc, m_i, l_i,
+    NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SHORT_M: tl.constexpr,
+):  # fmt: skip
+    part = _split_rows(seq, split, kv_head, num_kv_heads, NUM_SPLITS, SHORT_M)
+    d = tl.arange(0, BLOCK_D)
+    # Only the tile's real rows: with one token of a small GQA group, most of the 16 are empty.
+    tl.store(
+        part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & (d < D)[None, :]
+    )
+    tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(
+    part_acc_ptr, part_ml_ptr, out_ptr, q_offs, row_ok, seq, kv_head, num_kv_heads, used,
+    NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SHORT_M: tl.constexpr,
+):  # fmt: skip
+    """The output rows of one (sequence, kv head) from the partial results of its `used`
+    splits, read past L1: other programs wrote them."""
+    d = tl.arange(0, BLOCK_D)
+    acc_mask = row_ok[:, None] & (d < D)[None, :]
+    m = tl.full([SHORT_M], float("-inf"), tl.float32)
+    ell = tl.zeros([SHORT_M], tl.float32)
+    acc = tl.zeros([SHORT_M, BLOCK_D], tl.float32)
+    for split in range(0, used):
+        part = _split_rows(seq, split, kv_head, num_kv_heads, NUM_SPLITS, SHORT_M)
+        m_s = tl.load(
+            part_ml_ptr + part * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
+        )
+        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(
+            part_acc_ptr + part[:, None] * D + d[None, :], mask=acc_mask, other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m, m_s)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_shift)
+        beta = tl.exp2(m_s - m_shift)
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        ell = ell * alpha + l_s * beta
+        m = m_new
+    _store_rows(out_ptr, q_offs, row_ok, acc, ell, D, BLOCK_D)
+
+
 @triton.jit(
     do_not_specialize=MAIN_DYNAMIC_INTS, do_not_specialize_on_alignment=MAIN_DYNAMIC_POINTERS
 )
@@ -251,6 +308,7 @@ def _paged_attention_kernel(
     table_ptr,
     part_acc_ptr,
     part_ml_ptr,
+    arrivals_ptr,
     num_seqs,
     table_row,
     q_row,
@@ -280,11 +338,13 @@ def _paged_attention_kernel(
     if pid < short_programs:
         seq = pid // NUM_SPLITS
         split = pid % NUM_SPLITS
+        # Loaded together: none of the three waits for another.
         q_start = tl.load(cu_q_ptr + seq)
         q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+        kv_len = tl.load(kv_lens_ptr + seq)
         if (q_len > 0) & (q_len <= SHORT_TOKENS):
-            kv_len = tl.load(kv_lens_ptr + seq)
             per_split = _split_keys(kv_len, NUM_SPLITS, BLOCK_N)
+            used = tl.cdiv(kv_len, per_split)
             key_lo = split * per_split
             if (key_lo < kv_len) | (split == 0):  # a padding row (no keys) comes out 0
                 key_hi = tl.minimum(key_lo + per_split, kv_len)
@@ -294,19 +354,23 @@ def _paged_attention_kernel(
                     tokens_per_block, qk_scale, GROUP, D, BLOCK_D, SHORT_M, SHORT_TOKENS,
                     BLOCK_N, DOT_FP32,
                 )  # fmt: skip
-                if NUM_SPLITS == 1:
+                if used <= 1:
                     _store_rows(out_ptr, q_offs, row_ok, acc, l_i, D, BLOCK_D)
                 else:
-                    r = tl.arange(0, SHORT_M)
-                    d = tl.arange(0, BLOCK_D)
-                    part = ((seq * NUM_SPLITS + split) * num_kv_heads + kv_head) * SHORT_M + r
-                    part = part.to(tl.int64)
-                    # Only the tile's real rows: with one token of a small GQA group, most of
-                    # the 16 are empty.
-                    row_mask = row_ok[:, None] & (d < D)[None, :]
-                    tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_mask)
-                    tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
-                    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+                    _store_split(
+                        part_acc_ptr, part_ml_ptr, seq, split, kv_head, num_kv_heads, row_ok,
+                        acc, m_i, l_i, NUM_SPLITS, D, BLOCK_D, SHORT_M,
+                    )  # fmt: skip
+                    # Every thread's partial stores come before the arrival, which releases
+                    # them to the program that arrives last (CUTLASS's split-K semaphore).
+                    tl.debug_barrier()
+                    arrivals = arrivals_ptr + seq * num_kv_heads + kv_head
+                    if tl.atomic_add(arrivals, 1, sem="acq_rel") == used - 1:
+                        tl.store(arrivals, 0)  # ready for the next launch
+                        _merge_splits(
+                            part_acc_ptr, part_ml_ptr, out_ptr, q_offs, row_ok, seq, kv_head,
+                            num_kv_heads, used, NUM_SPLITS, D, BLOCK_D, SHORT_M,
+                        )  # fmt: skip
     elif HAS_LONG:
         # Last tiles first: a sequence's later tiles see more keys, and starting the longest
         # programs first keeps the tail of the launch short.
@@ -334,59 +398,17 @@ def _paged_attention_kernel(
             _store_rows(out_ptr, q_offs, row_ok, acc, l_i, D, BLOCK_D)
 
 
-@triton.jit(do_not_specialize_on_alignment=COMBINE_DYNAMIC_POINTERS)
-def _combine_splits_kernel(
-    part_acc_ptr,
-    part_ml_ptr,
-    out_ptr,
-    cu_q_ptr,
-    kv_lens_ptr,
-    q_row,
-    GROUP: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SHORT_M: tl.constexpr,
-    SHORT_TOKENS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    num_kv_heads = tl.num_programs(1)
-    q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    if (q_len > 0) & (q_len <= SHORT_TOKENS):
-        r = tl.arange(0, SHORT_M)
-        tok = r // GROUP
-        row_ok = (r < SHORT_TOKENS * GROUP) & (tok < q_len)
-        q_offs = (q_start + tok).to(tl.int64) * q_row + (kv_head * GROUP + r % GROUP) * D
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        kv_len = tl.load(kv_lens_ptr + seq)
-        # Only the splits that took keys: a short context leaves most of them empty, and a loop
-        # over all NUM_SPLITS would pay for every one.
-        used = tl.cdiv(kv_len, _split_keys(kv_len, NUM_SPLITS, BLOCK_N))
-        m = tl.full([SHORT_M], float("-inf"), tl.float32)
-        ell = tl.zeros([SHORT_M], tl.float32)
-        acc = tl.zeros([SHORT_M, BLOCK_D], tl.float32)
-        for split in range(0, used):
-            part = ((seq * NUM_SPLITS + split) * num_kv_heads + kv_head) * SHORT_M + r
-            part = part.to(tl.int64)
-            m_s = tl.load(part_ml_ptr + part * 2, mask=row_ok, other=float("-inf"))
-            l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=row_ok, other=0.0)
-            a_s = tl.load(
-                part_acc_ptr + part[:, None] * D + d[None, :],
-                mask=row_ok[:, None] & dmask[None, :],
-                other=0.0,
-            )
-            m_new = tl.maximum(m, m_s)
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_shift)
-            beta = tl.exp2(m_s - m_shift)
-            acc = acc * alpha[:, None] + a_s * beta[:, None]
-            ell = ell * alpha + l_s * beta
-            m = m_new
-        _store_rows(out_ptr, q_offs, row_ok, acc, ell, D, BLOCK_D)
+def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, kv head) of a launch: how many of its splits
+    have stored their partial results. The kernel zeroes each counter again as it merges."""
+    counters = _arrival_buffers.get(device)
+    if counters is not None and counters.numel() >= needed:
+        return counters
+    zeroed = torch.zeros(max(needed, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return zeroed  # the graph zeroes its own counters on each replay: correct, not shared
+    _arrival_buffers[device] = zeroed
+    return zeroed
 
 
 def head_token_strides(cache: KVCache) -> tuple[int, int]:
@@ -432,6 +454,7 @@ def paged_attention(
         part_ml = torch.empty((rows, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
+    arrivals = _arrival_counters(q.device, num_seqs * num_kv_heads)
     pool = cache.pool
     s_head, s_tok = head_token_strides(cache)
     block_d = triton.next_power_of_2(d)
@@ -445,6 +468,7 @@ def paged_attention(
         table,
         part_acc,
         part_ml,
+        arrivals,
         num_seqs,
         table.stride(0),
         q.stride(0),
@@ -468,24 +492,7 @@ def paged_attention(
         num_warps=tiles.long_warps if has_long else tiles.short_warps,
         num_stages=tiles.num_stages if has_long else tiles.short_stages,
     )
-    if splits > 1:
-        _combine_splits_kernel[(num_seqs, num_kv_heads)](
-            part_acc,
-            part_ml,
-            out,
-            meta.cu_q,
-            meta.kv_lens,
-            q.stride(0),
-            GROUP=group,
-            D=d,
-            BLOCK_D=block_d,
-            SHORT_M=short.rows,
-            SHORT_TOKENS=short.tokens,
-            NUM_SPLITS=splits,
-            BLOCK_N=tiles.block_n,
-            num_warps=4,
-        )
     return out
 
 
-KERNELS = {"paged_attention": _paged_attention_kernel, "combine_splits": _combine_splits_kernel}
+KERNELS = {"paged_attention": _paged_attention_kernel}
