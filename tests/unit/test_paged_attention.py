@@ -156,8 +156,22 @@ def test_splits_take_at_least_their_minimum_of_keys_and_empty_ones_are_left_out(
     q = torch.randn(len(lens), 4, 16)
     for splits in (2, 4, 32):
         first = check(q, cache, meta, splits=splits, tol=1e-5)
-        assert not paged_attention._arrival_buffers[CPU].any()
+        assert not paged_attention._arrival_buffers[CPU][-1].any()
         assert torch.equal(check(q, cache, meta, splits=splits, tol=1e-5), first)
+
+
+def test_outgrown_arrival_counters_stay_allocated_for_graphs_captured_on_them() -> None:
+    """A launch with more (sequence, kv head) pairs than the counters hold gets a larger zeroed
+    buffer; the one it outgrew stays referenced, since a CUDA graph may still launch on it."""
+    device = torch.device("cpu", 7)  # a key of its own: other tests' buffers stay out of it
+    first = paged_attention._arrival_counters(device, 1)
+    assert paged_attention._arrival_counters(device, first.numel()) is first
+    larger = paged_attention._arrival_counters(device, first.numel() + 1)
+    assert larger.numel() > first.numel() and not larger.any()
+    kept = paged_attention._arrival_buffers[device]
+    assert len(kept) == 2 and kept[0] is first and kept[1] is larger
+    assert paged_attention._arrival_counters(device, 1) is larger
+    del paged_attention._arrival_buffers[device]
 
 
 def test_decode_step_with_padding_rows() -> None:

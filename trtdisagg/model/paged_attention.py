@@ -53,9 +53,10 @@ SHORT_ROWS = 16  # a short sequence's tile: the smallest M of a tensor-core dot
 # Arguments kept out of the specialisation key (see the module docstring).
 MAIN_DYNAMIC_INTS = ("num_seqs", "table_row")
 MAIN_DYNAMIC_POINTERS = ("cu_q_ptr", "kv_lens_ptr", "table_ptr")
-# Split-arrival counters kept per device; enough for 512 sequences of 8 kv heads.
+# Split-arrival counters kept per device; enough for 512 sequences of 8 kv heads. A buffer
+# outgrown stays allocated: CUDA graphs captured earlier keep launching on it.
 MIN_ARRIVAL_COUNTERS = 4096
-_arrival_buffers: dict[torch.device, torch.Tensor] = {}
+_arrival_buffers: dict[torch.device, list[torch.Tensor]] = {}
 
 
 @attrs.frozen(kw_only=True)
@@ -401,13 +402,13 @@ def _paged_attention_kernel(
 def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
     """Zeroed int32 counters, one per (sequence, kv head) of a launch: how many of its splits
     have stored their partial results. The kernel zeroes each counter again as it merges."""
-    counters = _arrival_buffers.get(device)
-    if counters is not None and counters.numel() >= needed:
-        return counters
+    buffers = _arrival_buffers.setdefault(device, [])
+    if buffers and buffers[-1].numel() >= needed:
+        return buffers[-1]
     zeroed = torch.zeros(max(needed, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return zeroed  # the graph zeroes its own counters on each replay: correct, not shared
-    _arrival_buffers[device] = zeroed
+    buffers.append(zeroed)
     return zeroed
 
 
