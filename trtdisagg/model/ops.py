@@ -128,7 +128,9 @@ class TorchOps:
     Every layer of a forward passes the same batch tensors (`slot_mapping`, `DecodeMeta`): what
     the layers derive from them (the slots' blocks and offsets, the decode gather) is built at the
     first layer and kept for the others, since on the CPU a small step costs what its op
-    launches do. One runner's forwards run one at a time, so one slot each suffices.
+    launches do. One runner's forwards run one at a time, so one slot each suffices. The keys
+    are the objects themselves: a caller that refills one `slot_mapping` tensor or `DecodeMeta`
+    for another step would be served the last step's slots and gather.
     """
 
     name = "torch"
