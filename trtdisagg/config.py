@@ -166,6 +166,9 @@ class WorkerConfig:
     # per token-count bucket (0: those run eagerly).
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = attrs.field(default=2048, validator=_non_negative)
+    # CPU only, one rank: run decode steps through a torch.compile'd forward (compiled at
+    # start, cached on disk by torch), which dispatches a fraction of the eager step's ops.
+    cpu_compile: bool = False
     # Launch each step before the previous one's tokens reach the host (the loop processes a
     # step's outputs while the next one runs). Multi-rank instances always step synchronously.
     async_scheduling: bool = True

@@ -199,6 +199,7 @@ class CausalLM(nn.Module):
         hidden: torch.Tensor | None = None,
         *,
         logits: bool = True,
+        ops: TorchOps | None = None,
     ) -> torch.Tensor:
         """Run this stage's layers over the batch's new tokens.
 
@@ -208,6 +209,8 @@ class CausalLM(nn.Module):
             hidden: [N, hidden_size] from the previous stage; None on the first stage.
             logits: False stops the last stage before the output head: it returns the final
                 norm's output at `batch.logits_indices` [S, hidden_size] (for `head`).
+            ops: the fused path's operations for this call, in place of `use_ops`'s (the
+                compiled decode step's `TracedOps`); the model must be fused already.
 
         Returns:
             Last stage: float32 logits [S, vocab]; other stages: hidden states [N, hidden_size].
@@ -223,17 +226,18 @@ class CausalLM(nn.Module):
                 raise ValueError(f"pipeline stage {self.parallel.pp_rank} needs hidden states")
             x = hidden
         cos, sin = cos_sin(self._inv_freq, batch.positions, x.dtype)
+        ops = self.ops if ops is None else ops
         # Built once for all layers: the step's metadata for the paged attention kernel.
-        attention = None if self.ops is None else self.ops.prepare_attention(batch)
+        attention = None if ops is None else ops.prepare_attention(batch)
         # A decode batch attends batched, with no masks (and may carry no seqs); the paged
         # attention kernel needs none either.
         masks: tuple[torch.Tensor | None, ...] = ()
         if batch.decode is None and attention is None:
             masks = tuple(causal_mask(seq, x.device) for seq in batch.seqs)
-        if self.ops is not None:
+        if ops is not None:
             last = self._forward_fused(
                 x,
-                self.ops,
+                ops,
                 cos=cos,
                 sin=sin,
                 masks=masks,

@@ -18,7 +18,8 @@ The model runs its fused path (`CausalLM.use_ops`: Triton kernels on CUDA in bf1
 ops elsewhere). On CUDA a decode-only step (every item computes one token) is replayed from a
 CUDA graph per batch size when `cuda_graphs` is on and one fits (`decode_graphs.py`); any other
 step from a graph per token-count bucket (`step_graphs.py`); else it runs eagerly. On CPU a
-decode-only step attends batched and a mixed one per sequence. Each step sends its integer
+decode-only step attends batched (through a compiled forward when `cpu_compile` is on,
+`compiled_decode.py`) and a mixed one per sequence. Each step sends its integer
 inputs to the device in one copy, and its sampling (`sampling.py`, every row batched on the
 device) syncs the host only to copy its tokens back; a step that computes prompt logprobs
 (`prompt_logprobs.py`) reads them at its launch.
@@ -44,6 +45,7 @@ from trtdisagg.model.llama import CausalLM
 from trtdisagg.model.loader import load_model
 from trtdisagg.model.ops import select_ops
 from trtdisagg.model.parallel import Parallel
+from trtdisagg.worker.compiled_decode import CompiledDecode
 from trtdisagg.worker.decode_graphs import (
     DecodeGraphs,
     DecodeRows,
@@ -91,6 +93,8 @@ class ModelRunner:
     graphs: DecodeGraphs | None = None
     # Captured graphs of mixed and prefill steps per token-count bucket, tried first for them.
     step_graphs: StepGraphs | None = None
+    # The compiled decode forward (CPU, cpu_compile on), for decode-only steps.
+    compiled: CompiledDecode | None = None
     # Time each step's device work with CUDA events (`StepOutput.device_s`).
     time_steps: bool = True
     # The unseeded rows' random draws (seeded requests draw from their own generators).
@@ -263,6 +267,11 @@ class ModelRunner:
             logits = self.graphs.run(rows, patch)
             if logits is not None:
                 return logits
+        if self.compiled is not None and self.compiled.fits(rows):
+            batch = self.compiled.batch(rows)
+            if patch is not None:
+                patch(batch)
+            return self.compiled(batch)
         staging = DecodeStaging.allocate(
             len(rows), rows.max_blocks, tokens_per_block=self.tokens_per_block, device=self.device
         )
@@ -394,6 +403,12 @@ def build_runner(
             log.info("CUDA graphs off: they need the Triton ops and one rank (TP = PP = 1)")
         else:
             _capture_graphs(runner, config, max_seq_len=config.max_seq_len)
+    if config.cpu_compile and device.type == "cpu":
+        if not single:
+            log.info("cpu_compile off: it needs one rank (TP = PP = 1)")
+        else:
+            runner.compiled = CompiledDecode(model, cache)
+            runner.compiled.warm_up()
     return runner
 
 

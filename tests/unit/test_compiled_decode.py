@@ -1,0 +1,92 @@
+"""The CPU's compiled decode step (`cpu_compile`) gives the eager step's tokens, without compiling
+anything once warmed up.
+
+The prompts decode one at a time and three together, with contexts that cross block
+boundaries, so both compiled graphs (one sequence; several) run over many table widths; the
+blocks are handed out shuffled. The eager runner's tokens are checked against the model alone
+under the near-tie rule (`assert_greedy_match`), and the compiled runner's against the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tests.oracle import PagedGreedy, assert_greedy_match, make_cache, make_hf_checkpoint
+from tests.runner_greedy import runner_greedy
+from trtdisagg.kv.page_table import Layout
+from trtdisagg.model.batch import ForwardBatch
+from trtdisagg.model.loader import load_model
+from trtdisagg.model.ops import TorchOps
+from trtdisagg.model.parallel import Parallel
+from trtdisagg.worker.compiled_decode import CompiledDecode
+from trtdisagg.worker.runner import ModelRunner
+
+PROMPTS = [
+    [(7 * i + 3) % 300 + 7 for i in range(13)],
+    [(5 * i + 1) % 250 + 9 for i in range(3)],
+    [(11 * i + 2) % 280 + 5 for i in range(22)],
+]
+NEW_TOKENS = 12
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Each compiled runner holds its own graphs: forget them afterwards, so that tests in this
+    process never reach dynamo's limit of graphs per function."""
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("layout", "tokens_per_block"), [(Layout.HND, 4), (Layout.NHD, 3)])
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_decode_gives_the_eager_tokens(
+    tmp_path: Path, layout: Layout, tokens_per_block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_hf_checkpoint(tmp_path / "ckpt", "qwen3", num_layers=1, head_dim=32)
+
+    def runner() -> ModelRunner:
+        model = load_model(
+            path, dtype=torch.float32, device=torch.device("cpu"), parallel=Parallel()
+        )
+        model.use_ops(TorchOps())
+        cache = make_cache(model, layout, tokens_per_block, 64)
+        return ModelRunner(
+            model=model,
+            cache=cache,
+            device=cache.device,
+            tokens_per_block=tokens_per_block,
+            batched_decode=True,
+        )
+
+    compiled = runner()
+    compiled.compiled = CompiledDecode(compiled.model, compiled.cache)
+    compiled.compiled.warm_up()
+    assert not compiled.cache.pool.any(), "warm-up leaves the pool as it found it"
+    graphs = counters["stats"]["unique_graphs"]
+
+    sizes: list[int] = []
+    call = CompiledDecode.__call__
+
+    def counting(self: CompiledDecode, batch: ForwardBatch) -> torch.Tensor:
+        sizes.append(batch.num_tokens)
+        return call(self, batch)
+
+    monkeypatch.setattr(CompiledDecode, "__call__", counting)
+    together = runner_greedy(compiled, PROMPTS, NEW_TOKENS)
+    alone = [runner_greedy(compiled, [prompt], NEW_TOKENS)[0] for prompt in PROMPTS]
+    assert sizes == [3] * (NEW_TOKENS - 1) + [1] * (NEW_TOKENS - 1) * len(PROMPTS)
+    assert counters["stats"]["unique_graphs"] == graphs, "a step compiled after warm-up"
+
+    eager = runner_greedy(runner(), PROMPTS, NEW_TOKENS)
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu"), parallel=Parallel())
+    for i, prompt in enumerate(PROMPTS):
+        margins: list[float] = []
+        reference = PagedGreedy.single(model).generate(prompt, NEW_TOKENS, margins=margins)
+        assert_greedy_match(eager[i], reference, margins)
+        assert_greedy_match(together[i], reference, margins)
+        assert_greedy_match(alone[i], reference, margins)
