@@ -403,12 +403,17 @@ def build_runner(
             log.info("CUDA graphs off: they need the Triton ops and one rank (TP = PP = 1)")
         else:
             _capture_graphs(runner, config, max_seq_len=config.max_seq_len)
-    if config.cpu_compile and device.type == "cpu":
-        if not single:
-            log.info("cpu_compile off: it needs one rank (TP = PP = 1)")
+    if config.cpu_compile:
+        if device.type != "cpu" or not single:
+            log.info("cpu_compile off: it compiles CPU workers of one rank (TP = PP = 1)")
         else:
             runner.compiled = CompiledDecode(model, cache)
-            runner.compiled.warm_up()
+            try:
+                runner.compiled.warm_up()
+            except Exception as error:  # inductor needs a C++ compiler, among other things
+                raise RuntimeError(
+                    f"cpu_compile: compiling the decode step failed: {error}"
+                ) from error
     return runner
 
 
