@@ -5,6 +5,7 @@ The prompts decode one at a time and three together, with contexts that cross bl
 boundaries, so both compiled graphs (one sequence; several) run over many table widths; the
 blocks are handed out shuffled. The eager runner's tokens are checked against the model alone
 under the near-tie rule (`assert_greedy_match`), and the compiled runner's against the same.
+A late row's token (asynchronous steps) reaches the compiled step's inputs as the eager one's.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -24,7 +26,9 @@ from trtdisagg.model.loader import load_model
 from trtdisagg.model.ops import TorchOps
 from trtdisagg.model.parallel import Parallel
 from trtdisagg.worker.compiled_decode import CompiledDecode
+from trtdisagg.worker.decode_graphs import decode_rows
 from trtdisagg.worker.runner import ModelRunner
+from trtdisagg.worker.step_inputs import fill_late
 
 PROMPTS = [
     [(7 * i + 3) % 300 + 7 for i in range(13)],
@@ -81,6 +85,27 @@ def test_compiled_decode_gives_the_eager_tokens(
     alone = [runner_greedy(compiled, [prompt], NEW_TOKENS)[0] for prompt in PROMPTS]
     assert sizes == [3] * (NEW_TOKENS - 1) + [1] * (NEW_TOKENS - 1) * len(PROMPTS)
     assert counters["stats"]["unique_graphs"] == graphs, "a step compiled after warm-up"
+
+    # A late row (asynchronous steps): its token, still on the device, is written into the
+    # compiled step's inputs before the forward, as into the eager step's.
+    sizes.clear()
+    rows = decode_rows(
+        [(prompt, [], len(prompt) - 1, list(range(i * 20, i * 20 + 20)))
+         for i, prompt in enumerate(PROMPTS)],
+        tokens_per_block=tokens_per_block,
+    )  # fmt: skip
+    late = attrs.evolve(rows, token_ids=[rows.token_ids[0], 0, rows.token_ids[2]], late=(1,))
+    sampled = torch.tensor([rows.token_ids[1], 7])
+
+    def patch(batch: ForwardBatch) -> None:
+        fill_late(batch.input_ids, torch.tensor([1]), sampled, torch.tensor([0]))
+
+    with torch.inference_mode():
+        patched = compiled._decode(late, patch)
+        compiled.compiled = None
+        want = compiled._decode(rows, None)
+    assert sizes == [3]
+    torch.testing.assert_close(patched, want, rtol=1e-4, atol=1e-4)
 
     eager = runner_greedy(runner(), PROMPTS, NEW_TOKENS)
     model = load_model(path, dtype=torch.float32, device=torch.device("cpu"), parallel=Parallel())
