@@ -47,8 +47,13 @@ class CompiledDecode:
         self._ops = TracedOps()
         self._unused = torch.empty(0, dtype=torch.long)  # logits_indices: every row is a last
         torch._dynamo.mark_static(cache.pool)  # one pool: its sizes are no graph's variables
+        # Rounding as eager does: inductor otherwise keeps a fused chain of bf16 ops in float32,
+        # and greedy tokens part from the eager step's (and Hugging Face's) at near-ties.
         self._step: Callable[[ForwardBatch], torch.Tensor] = torch.compile(
-            self._forward, dynamic=True, fullgraph=True
+            self._forward,
+            dynamic=True,
+            fullgraph=True,
+            options={"emulate_precision_casts": True},
         )
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
