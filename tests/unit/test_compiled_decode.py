@@ -56,6 +56,7 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # each case compiles two graphs: tens of seconds on a cold inductor cache
 @pytest.mark.parametrize(
     ("layout", "tokens_per_block", "dtype"),
     [(Layout.HND, 4, torch.float32), (Layout.NHD, 3, torch.bfloat16)],
