@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import attrs
 import torch
@@ -96,11 +96,11 @@ def decode_attention_torch(
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-@attrs.frozen(eq=False)
-class RopeTables:
+class RopeTables(NamedTuple):
     """`apply_rope`'s tables for one step's tokens, made once for every layer: rotating half of
     x is rolling it by half the head dim and negating the first half of sin, so a rotation is
-    four ops, with the same arithmetic (`apply_rope`: x * cos + rotate_half(x) * sin)."""
+    four ops, with the same arithmetic (`apply_rope`: x * cos + rotate_half(x) * sin). (A named
+    tuple: `torch.compile` traces its construction, as it does not an attrs class's.)"""
 
     cos: torch.Tensor  # [N, 1, D]
     signed_sin: torch.Tensor  # [N, 1, D]: -sin on the first half, sin on the second

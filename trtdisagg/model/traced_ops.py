@@ -18,7 +18,7 @@ import torch
 
 from trtdisagg.kv.cache import KVCache, Layout
 from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
-from trtdisagg.model.ops import TorchOps
+from trtdisagg.model.ops import RopeTables, TorchOps
 
 
 @torch.library.custom_op("trtdisagg::write_kv_slots", mutates_args=("pool",))
@@ -60,10 +60,7 @@ class TracedOps(TorchOps):
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
         num_heads = q.shape[1]
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
-        both = torch.cat((q, k), dim=1)  # one rotation for q and k
-        rotated = both * cos[:, None, :] + both.roll(half, dims=-1) * signed_sin
+        rotated = RopeTables.of(cos, sin).apply(torch.cat((q, k), dim=1))  # q and k in one
         q, k = rotated.split((num_heads, rotated.shape[1] - num_heads), dim=1)
         write_kv_slots(
             cache.pool,
