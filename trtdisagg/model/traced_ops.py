@@ -3,8 +3,9 @@
 `TorchOps` keeps per-forward caches keyed on object identity and writes the KV pool with
 indexing assignments; neither survives tracing (a write into a graph input would be
 functionalised into a copy of the whole pool per layer). These ops derive everything from the
-batch tensors, in the graph, and store KV through `write_kv_slots`, a custom op that declares
-the pool it mutates, so the compiled step writes the new tokens' slots in place.
+batch tensors, in the graph, and store KV through `trtdisagg::write_kv_slots`, an operator
+whose schema declares the pool it mutates, so the compiled step writes the new tokens' slots in
+place.
 
 Decode attention reads the keys and values of every kv head of a layer in one gather from the
 pool (`pool[block_table, layer]`), attends with two matmuls per layer and masks the positions
@@ -20,26 +21,33 @@ from trtdisagg.kv.cache import KVCache, Layout
 from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
 from trtdisagg.model.ops import RopeTables, TorchOps
 
+# Defined through the dispatcher directly, with a CPU kernel: `torch.library.custom_op`'s Python
+# wrappers (defaults, autograd, version bumps) cost more per call than the write itself.
+_LIBRARY = torch.library.Library("trtdisagg", "DEF")
+_LIBRARY.define(
+    "write_kv_slots(Tensor(a!) pool, int layer, Tensor blocks, Tensor offsets, Tensor kv, "
+    "bool heads_first) -> ()"
+)
 
-@torch.library.custom_op("trtdisagg::write_kv_slots", mutates_args=("pool",))
-def write_kv_slots(
+
+def _write_kv_slots(
     pool: torch.Tensor,
     layer: int,
-    slots: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    tokens_per_block: int,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    kv: torch.Tensor,
     heads_first: bool,
 ) -> None:
-    """Store k and v [N, H, D] at `slots` [N] of `layer` in `pool` ([blocks, layers, 2, H, T,
-    D] when `heads_first`, else [blocks, layers, 2, T, H, D])."""
-    blocks = torch.div(slots, tokens_per_block, rounding_mode="floor")
-    offsets = slots - blocks * tokens_per_block
-    kv = torch.stack((k, v), dim=1)  # [N, 2, H, D]
+    """Store kv [N, 2, H, D] at (blocks, offsets) [N] of `layer` in `pool` ([blocks, layers, 2,
+    H, T, D] when `heads_first`, else [blocks, layers, 2, T, H, D])."""
     if heads_first:
         pool[blocks, layer, :, :, offsets] = kv
     else:
         pool[blocks, layer, :, offsets] = kv
+
+
+_LIBRARY.impl("write_kv_slots", _write_kv_slots, "CPU")
+_LIBRARY.impl("write_kv_slots", lambda *args: None, "Meta")  # tracing: nothing to compute
 
 
 class TracedOps(TorchOps):
@@ -62,13 +70,15 @@ class TracedOps(TorchOps):
         num_heads = q.shape[1]
         rotated = RopeTables.of(cos, sin).apply(torch.cat((q, k), dim=1))  # q and k in one
         q, k = rotated.split((num_heads, rotated.shape[1] - num_heads), dim=1)
-        write_kv_slots(
+        t = cache.tokens_per_block
+        slots = slot_mapping.long()
+        blocks = torch.div(slots, t, rounding_mode="floor")
+        torch.ops.trtdisagg.write_kv_slots(
             cache.pool,
             layer,
-            slot_mapping.long(),
-            k,
-            v,
-            cache.tokens_per_block,
+            blocks,
+            slots - blocks * t,
+            torch.stack((k, v), dim=1),
             cache.layout is Layout.HND,
         )
         return q
