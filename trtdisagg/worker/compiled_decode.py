@@ -33,8 +33,9 @@ from trtdisagg.worker.decode_graphs import DecodeRows
 log = logging.getLogger(__name__)
 
 MIN_WIDTH = 2  # block-table entries per sequence, at least (a width of 1 is another graph)
-# Steps of more sequences run eagerly: there the step's cost is its attention's, and the eager
-# per-head attention (library batched matmuls) beats the compiled one (docs/BENCHMARKS.md).
+# Steps of more sequences run eagerly: there the compiled gather of each layer's context (an
+# element-wise copy) costs more than the whole step gains; eager attention gathers with
+# `index_select` (docs/BENCHMARKS.md, "CPU serving").
 MAX_BATCH = 8
 
 
