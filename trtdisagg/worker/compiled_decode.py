@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 MIN_WIDTH = 2  # block-table entries per sequence, at least (a width of 1 is another graph)
 # Steps of more sequences run eagerly: there the compiled gather of each layer's context (an
-# element-wise copy) costs more than the whole step gains; eager attention gathers with
+# element-wise copy) costs more than compiling saves elsewhere, and eager attention gathers with
 # `index_select` (docs/BENCHMARKS.md, "CPU serving").
 MAX_BATCH = 8
 
