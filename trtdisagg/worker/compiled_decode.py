@@ -96,8 +96,9 @@ class CompiledDecode:
         # any model dimension of 2), and every later step would have to repeat the coincidence.
         # (`patch` is added to the config module at import: mypy cannot see it.)
         no_duck_sizing = shape_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
+        sizes = (1, 2)  # sequences: each uses 2 blocks
         with torch.inference_mode(), no_duck_sizing:
-            for n in (1, 2):
+            for n in sizes:
                 rows = DecodeRows(
                     token_ids=[0] * n,
                     positions=[t] * n,
@@ -106,7 +107,7 @@ class CompiledDecode:
                     block_tables=[[2 * i, 2 * i + 1] for i in range(n)],
                 )
                 self(self.batch(rows))
-            self.cache.pool[: 2 * n].zero_()
+            self.cache.pool[: 2 * max(sizes)].zero_()
         log.info(
             "compiled the CPU decode step (batch 1, and 2 and more) in %.1f s",
             time.perf_counter() - start,
