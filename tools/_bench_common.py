@@ -141,6 +141,8 @@ class RequestRecord:
     ok: bool
     start_s: float
     error: str | None = None
+    # The client gave up on it after its timeout; `ttft_s` is kept when its first token came.
+    abandoned: bool = False
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: tuple[float, ...] = ()

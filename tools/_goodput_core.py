@@ -85,7 +85,10 @@ CONF_SETS: Final[Mapping[str, Mapping[str, str]]] = {
 
 @attrs.frozen(kw_only=True)
 class Violations:
-    """Shares of a point's requests: failed outright, or late on TTFT, TPOT or both."""
+    """Shares of a point's requests: failed outright (`error`: the server's answer or the
+    connection failed), or late on TTFT, TPOT or both. A request abandoned past its SLO budget
+    (`Workload.request_timeout_s`) is late, not failed: on TTFT when its first token came after
+    the TTFT SLO or never, else on TPOT (the rest then cannot have kept to it)."""
 
     error: float
     ttft: float
@@ -97,6 +100,13 @@ def violations(records: Sequence[RequestRecord], slo: Slo) -> Violations:
     n = len(records) or 1
     error = ttft = tpot = both = 0
     for r in records:
+        if r.abandoned:
+            first_late = r.ttft_s is None or (
+                slo.ttft_ms is not None and r.ttft_s * 1e3 > slo.ttft_ms
+            )
+            ttft += first_late
+            tpot += not first_late
+            continue
         if not r.ok or r.ttft_s is None:
             error += 1
             continue

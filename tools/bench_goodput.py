@@ -18,7 +18,9 @@ resource ran out first (`_goodput_core.indicators`). Modes:
 Workloads (--workloads): chat, prompt U(256, 2048), output U(64, 512), TTFT <= 2 s, TPOT <= 50
 ms; long, prompt U(4k, 16k), output U(128, 512), TTFT <= 6 s, TPOT <= 50 ms. A request is
 abandoned once it can no longer meet both SLOs (TTFT SLO + (longest output - 1) x TPOT SLO,
-+ 5 s), which changes no request's verdict and bounds the drain after an overloaded point.
++ 5 s), which changes no request's verdict and bounds the drain after an overloaded point; the
+table's err/ttft/tpot/both counts it late (on TTFT without a first token in time, else TPOT),
+not as an error: errors are answers or connections that failed.
 
 Rates are requests per second over the whole cluster (--rates 4,8,12 for every workload, or
 --rates chat=4,8,12 --rates long=1,2). --budget bounds the whole run (a point that would not fit

@@ -152,6 +152,7 @@ class StreamState:
     perf: dict[str, Any] | None = None
     done: bool = False
     error: str | None = None
+    abandoned: bool = False  # given up on after the request timeout
 
     def feed(self, line: str, now: float) -> None:
         if not line.startswith("data:"):
@@ -204,6 +205,9 @@ class StreamState:
             error = "stream ended without data: [DONE]"
         if error is None and self.first_at is None:
             error = "stream carried no tokens"
+        if self.abandoned:
+            first = None if self.first_at is None else self.first_at - self.sent_at
+            return attrs.evolve(failed, error=error, abandoned=True, ttft_s=first)
         if error is not None:
             return attrs.evolve(failed, error=error)
         assert self.first_at is not None
@@ -280,6 +284,7 @@ def make_sender(
                             state.feed(line, time.perf_counter())
         except trio.TooSlowError:
             state.error = f"timeout after {config.request_timeout_s:g}s"
+            state.abandoned = True
         except (httpx.HTTPError, json.JSONDecodeError) as error:
             state.error = f"{type(error).__name__}: {error}"[:300]
         return state.record(spec, t0(), time.perf_counter())

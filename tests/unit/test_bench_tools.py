@@ -202,6 +202,12 @@ def test_stream_state_failures() -> None:
     bad.feed("data: [DONE]", 0.2)
     r = bad.record(spec, 0.0, 0.2)
     assert not r.ok and r.error is not None and "boom" in r.error and r.tpot_s is None
+    assert not r.abandoned and not cut.record(spec, 0.0, 0.2).abandoned
+    slow = bs.StreamState(sent_at=1.0, error="timeout after 5s", abandoned=True)
+    slow.feed(sse({"choices": [{"text": "a"}]}), 1.5)
+    given_up = slow.record(spec, 0.0, 6.0)
+    assert given_up.abandoned and not given_up.ok and given_up.error == "timeout after 5s"
+    assert given_up.ttft_s == pytest.approx(0.5) and given_up.tpot_s is None
 
 
 def test_stream_state_counts_tokens_without_usage() -> None:

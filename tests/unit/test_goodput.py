@@ -150,6 +150,16 @@ def test_violations_split_the_misses_by_cause() -> None:
     assert (v.error, v.ttft, v.tpot, v.both) == (0.2, 0.2, 0.2, 0.2)
 
 
+def test_a_request_abandoned_past_its_budget_is_late_not_failed() -> None:
+    def abandoned(ttft: float | None) -> RequestRecord:
+        return attrs.evolve(record(ttft, ok=False), abandoned=True, error="timeout after 7.55s")
+
+    # no first token, a late one (TTFT); the first in time, the rest too slow (TPOT)
+    records = [abandoned(None), abandoned(2.5), abandoned(0.1), record(None, ok=False)]
+    v = core.violations(records, CHAT_SLO)
+    assert (v.error, v.ttft, v.tpot, v.both) == (0.25, 0.5, 0.25, 0.0)
+
+
 # ---- /metrics ----
 
 
