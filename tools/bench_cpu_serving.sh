@@ -10,16 +10,23 @@
 #
 # PY (default .venv/bin/python) runs everything; PYTHONPATH picks the tree under test; EXTRA is
 # appended to the worker's YAML (e.g. "api_server_count: 1"); ROUNDS (default 6); results
-# (bench_serving / bench_hf_baseline JSON) go to OUT_DIR (default bench_results).
+# (bench_serving / bench_hf_baseline JSON) go to OUT_DIR (default bench_results). PIN=<cpu>
+# runs the worker (`cpu_affinity`) and HF on that CPU, and the client on the others.
 set -u
 MODEL=$1; TAG=$2; VOCAB=$3; PORT=$4; OUT=${OUT_DIR:-bench_results}
 PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT"
+ON_PIN=() ON_REST=()
+if [ -n "${PIN:-}" ]; then
+  REST=$($PY -c "import os; print(','.join(map(str, sorted(os.sched_getaffinity(0) - {$PIN}))))")
+  ON_PIN=(taskset -c "$PIN") ON_REST=(taskset -c "$REST")
+fi
 cat > "$OUT/worker-$TAG.yaml" <<YAML
 model: $MODEL
 max_batch_size: 64
 max_num_tokens: 2048
 kv_cache_config: {tokens_per_block: 32, max_tokens: 32768}
+${PIN:+cpu_affinity: [$PIN]}
 ${EXTRA:-}
 YAML
 $PY -m trtdisagg ctx --config "$OUT/worker-$TAG.yaml" --port "$PORT" > "$OUT/worker-$TAG.log" 2>&1 &
@@ -38,10 +45,10 @@ for round in $(seq 1 "${ROUNDS:-6}"); do
   for c in ${CONCURRENCY:-1 32}; do
     n=$((c * 3)); [ "$c" -eq 1 ] && n=6
     worker=$OUT/$TAG-c$c-r$round.json hf=$OUT/hf-$TAG-c$c-r$round.json
-    $PY tools/bench_serving.py --base-url "http://127.0.0.1:$PORT" --input-len 128 \
+    "${ON_REST[@]}" $PY tools/bench_serving.py --base-url "http://127.0.0.1:$PORT" --input-len 128 \
       --output-len 128 --vocab-size "$VOCAB" --concurrency "$c" --num-requests $n --warmup 2 \
       --label "$TAG-c$c" --result-json "$worker" --no-progress > /dev/null 2>&1
-    $PY tools/bench_hf_baseline.py --model-dir "$MODEL" --input-len 128 --output-len 128 \
+    "${ON_PIN[@]}" $PY tools/bench_hf_baseline.py --model-dir "$MODEL" --input-len 128 --output-len 128 \
       --vocab-size "$VOCAB" --num-requests 3 --warmup 1 --threads 1 --label "hf-$TAG" \
       --result-json "$hf" --no-progress > /dev/null 2>&1
     echo "round $round c=$c worker $(rate "$worker") tok/s, HF generate() $(rate "$hf") tok/s"

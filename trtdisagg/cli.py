@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import trio
 
 from trtdisagg.config import ConfigError, Role, load_worker_config
+from trtdisagg.cpu_affinity import CpuAffinityError, check_available, pin_process, rank_share
 from trtdisagg.security.policy import (
     SECURED_LOG,
     UNSECURED_LOOPBACK_LOG,
@@ -56,6 +57,9 @@ def _worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], rol
     p.add_argument("--max-batch-size", dest="max_batch_size", type=int)
     p.add_argument("--max-num-tokens", dest="max_num_tokens", type=int)
     p.add_argument("--cpu-threads", dest="cpu_threads", type=int)
+    p.add_argument(
+        "--cpu-affinity", dest="cpu_affinity", help='CPUs the engine runs on, e.g. "2" or "0-3,8"'
+    )
     p.add_argument("--log-level", dest="log_level")
     p.set_defaults(role=role)
 
@@ -79,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 _WORKER_KEYS = (
     "host", "advertise_host", "port", "model", "served_model_name", "device", "cuda_device",
     "dtype", "tensor_parallel_size",
-    "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "cpu_threads", "log_level",
+    "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "cpu_threads", "cpu_affinity",
+    "log_level",
 )  # fmt: skip
 
 
@@ -104,6 +109,13 @@ def _run_worker(args: argparse.Namespace) -> int:
         logging.getLogger("trtdisagg.worker").warning(UNSECURED_LOOPBACK_LOG, config.host)
     elif mode is ControlPlaneMode.CURVE:
         logging.getLogger("trtdisagg.worker").info(SECURED_LOG)
+    if config.cpu_affinity is not None:  # before any thread starts: they inherit it
+        try:
+            check_available(config.cpu_affinity)  # every rank's: they are spawned pinned
+        except CpuAffinityError as exc:
+            raise ConfigError(f"cpu_affinity: {exc}") from None
+        share = rank_share(config.cpu_affinity, 0, config.world_size)
+        pin_process(share, threads=config.cpu_threads)
     # Imported only now: a bad config is reported at once, not after loading torch.
     from trtdisagg.worker.front.supervisor import FrontDied
     from trtdisagg.worker.ranks import RankDied

@@ -15,6 +15,7 @@ import attrs
 import cattrs
 import yaml
 
+from trtdisagg.cpu_affinity import CpuAffinityError, CpuList, parse_cpu_list
 from trtdisagg.kv.page_table import Layout
 from trtdisagg.membership.records import check_cluster_name, check_etcd_url, is_wildcard_host
 from trtdisagg.security.secret import (
@@ -161,6 +162,9 @@ class WorkerConfig:
     # torch intra-op threads on CPU. Workers of one machine share its cores, and OpenMP threads
     # that spin against each other slow a step down tenfold, so the default is 1 per worker.
     cpu_threads: int = attrs.field(default=1, validator=_positive)
+    # The CPUs this worker's engine runs on (`cpu_affinity.py`): a list, or text like "0-3,8".
+    # Each rank takes an equal slice; the API fronts run on the CPUs left. None: anywhere.
+    cpu_affinity: CpuList | None = None
     # CUDA only: replay decode steps from CUDA graphs captured at start (batch sizes 1..64),
     # and mixed and prefill steps of up to cuda_graph_max_tokens tokens from graphs captured
     # per token-count bucket (0: those run eagerly).
@@ -201,6 +205,11 @@ class WorkerConfig:
             raise ConfigError(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: must be in [0, 65536), got {self.port}")
+        if self.cpu_affinity is not None and len(self.cpu_affinity) < self.world_size:
+            raise ConfigError(
+                f"cpu_affinity: lists {len(self.cpu_affinity)} CPU(s) for {self.world_size} "
+                "ranks; each rank needs one at least"
+            )
 
     @property
     def world_size(self) -> int:
@@ -213,8 +222,16 @@ class WorkerConfig:
         return self.device == "cuda" if chosen is None else chosen
 
 
+def _cpu_list(value: object, _type: object) -> CpuList:
+    try:
+        return parse_cpu_list(value)
+    except CpuAffinityError as exc:
+        raise ConfigError(f"cpu_affinity: {exc}") from None
+
+
 def _make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True)
+    converter.register_structure_hook(CpuList, _cpu_list)
     return converter
 
 

@@ -20,6 +20,7 @@ import trio
 
 from trtdisagg.api.protocol import PerfMetrics
 from trtdisagg.config import ConfigError, WorkerConfig, structure
+from trtdisagg.cpu_affinity import CpuAffinityError, check_available, pin_process
 from trtdisagg.errors import CapacityError
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.loader import resolve_model
@@ -90,6 +91,12 @@ class LLM:
                 "LLM runs one rank: tensor_parallel_size and pipeline_parallel_size must be 1 "
                 "(serve multi-rank instances with `python -m trtdisagg`)"
             )
+        if config.cpu_affinity is not None:  # this process, as a worker's engine process
+            try:
+                check_available(config.cpu_affinity)
+            except CpuAffinityError as exc:
+                raise ValueError(f"cpu_affinity: {exc}") from None
+            pin_process(config.cpu_affinity, threads=config.cpu_threads)
         model_dir = resolve_model(config.model)
         self.config = config
         self.tokenizer = Tokenizer.from_dir(model_dir)

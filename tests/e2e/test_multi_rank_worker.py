@@ -15,6 +15,7 @@ import pytest
 
 from tests.instances import running_instances
 from tests.procs import Server
+from trtdisagg.cpu_affinity import parse_cpu_list, rank_share
 from trtdisagg.model.tiny import TinySpec, write_checkpoint
 
 SPEC = TinySpec(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
@@ -74,11 +75,28 @@ def _follower(server: Server) -> int:
     raise AssertionError(f"no rank process under pid {server.proc.pid}")
 
 
+def _cpus_of_threads(pid: int) -> set[tuple[int, ...]]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        text = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
+        found.add(parse_cpu_list(text.split(":", 1)[1].strip()))
+    return found
+
+
 def test_a_dead_follower_stops_the_instance(tmp_path: Path, model: Path) -> None:
-    specs = {"tp2": ("ctx", _overrides(model, 2, 1))}
+    """(Its ranks are pinned, each to its slice of `cpu_affinity`: checked first.)"""
+    cpus = sorted(os.sched_getaffinity(0))
+    assert len(cpus) >= 2, f"two ranks pinned apart need two CPUs, this process has {cpus}"
+    specs = {"tp2": ("ctx", {**_overrides(model, 2, 1), "cpu_affinity": cpus})}
     with running_instances(tmp_path, specs) as servers:
         server = servers["tp2"]
         follower = _follower(server)
+        assert _cpus_of_threads(server.proc.pid) == {rank_share(cpus, 0, 2)}
+        assert _cpus_of_threads(follower) == {rank_share(cpus, 1, 2)}
         os.kill(follower, signal.SIGKILL)
         server.proc.wait(30)
         assert server.proc.returncode != 0

@@ -6,6 +6,7 @@ ctx worker: the default config, plus a transceiver that aggregated requests leav
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -93,4 +94,7 @@ def test_bad_prompts_are_refused_before_anything_runs() -> None:
         LLM("tiny", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="max_batch_sise"):
         LLM("tiny", max_batch_sise=4)
+    absent = max(os.sched_getaffinity(0)) + 1  # refused before this process is pinned
+    with pytest.raises(ValueError, match=f"cpu_affinity: CPU {absent} not available"):
+        LLM("tiny", cpu_affinity=[absent])
     assert llm.executor.num_active() == 0

@@ -26,10 +26,14 @@ import pytest
 from tests.edges import Cluster, running_cluster, wait_idle, wait_until
 from tests.openai_cluster import CHAT, LOGPROB_TOLERANCE, PROMPTS, by_choice, sse
 from tests.procs import Server, metric, running_worker
+from trtdisagg.cpu_affinity import parse_cpu_list
 
 pytestmark = pytest.mark.slow
 
 IDS = {"return_token_ids": True}
+# The aggregated worker's engine is pinned here (`cpu_affinity`); its fronts take the CPUs left.
+AVAILABLE = frozenset(os.sched_getaffinity(0))
+ENGINE_CPU = max(AVAILABLE)
 
 
 @attrs.frozen
@@ -45,7 +49,7 @@ def servers(
 ) -> Iterator[Servers]:
     tmp = tmp_path_factory.mktemp("api_servers")
     with (
-        running_worker(tmp, api_server_count=2) as fronts,
+        running_worker(tmp, api_server_count=2, cpu_affinity=[ENGINE_CPU]) as fronts,
         running_cluster(tmp, worker={"api_server_count": 1}) as pair,
     ):
         yield Servers(fronts=fronts, pair=pair, reference=shared_cluster[0].ctx)
@@ -249,6 +253,35 @@ def test_a_front_process_loads_no_torch(servers: Servers) -> None:
     for pid in fronts:
         assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
     assert "libtorch" in Path(f"/proc/{servers.fronts.proc.pid}/maps").read_text()
+
+
+def cpus_of_threads(pid: int) -> dict[int, tuple[int, ...]]:
+    """The CPUs each thread of process `pid` may run on, from /proc."""
+    allowed = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        text = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
+        allowed[int(task.name)] = parse_cpu_list(text.split(":", 1)[1].strip())
+    return allowed
+
+
+def test_the_engine_runs_on_its_cpu_affinity_and_its_fronts_on_the_cpus_left(
+    servers: Servers, http: httpx.Client
+) -> None:
+    """Every thread of the engine's process, the step thread among them (started when it
+    first steps, after the pinning), runs on the CPU listed; the fronts' threads do not."""
+    r = http.post(servers.fronts.url + "/v1/completions",
+                  json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})  # fmt: skip
+    assert r.status_code == 200, r.text
+    engine = cpus_of_threads(servers.fronts.proc.pid)
+    assert len(engine) > 3, engine  # the loop, the step thread, torch's and ZMQ's threads
+    assert set(engine.values()) == {(ENGINE_CPU,)}, engine
+    left = tuple(sorted(AVAILABLE - {ENGINE_CPU})) or (ENGINE_CPU,)
+    for pid in fronts_of(servers.fronts):
+        assert set(cpus_of_threads(pid).values()) == {left}, pid
 
 
 def holder(pids: list[int], client_port: int) -> int | None:

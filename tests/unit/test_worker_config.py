@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from trtdisagg.config import ConfigError, WorkerConfig, load_worker_config
+from trtdisagg.cpu_affinity import CpuList
 from trtdisagg.kv.page_table import Layout
 
 
@@ -35,6 +37,23 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     )
     assert member.cluster is not None and member.cluster.lease_ttl_s == 10
     assert member.advertise_host == "198.18.0.2"
+
+
+@pytest.mark.parametrize(
+    ("text", "override", "cpus"),
+    [
+        ("cpu_affinity: [3, 1]\n", None, (1, 3)),
+        ("cpu_affinity: 0-2,7\n", None, (0, 1, 2, 7)),
+        ("cpu_affinity: 5\n", None, (5,)),
+        ("cpu_affinity: [3]\n", "2,4-5", (2, 4, 5)),  # --cpu-affinity beats the file
+        ("port: 9001\n", None, None),
+    ],
+)
+def test_cpu_affinity_reads_a_list_or_the_kernel_s_text(
+    tmp_path: Path, text: str, override: str | None, cpus: CpuList | None
+) -> None:
+    config = load_worker_config(_write(tmp_path, text), {"cpu_affinity": override})
+    assert config.cpu_affinity == cpus
 
 
 @pytest.mark.parametrize(
@@ -73,6 +92,14 @@ def test_nixl_s_progress_thread_is_on_for_cuda_unless_set(
         ("cluster: {etcd: 'e:1', name: a/b}\n", ["cluster", "name", "a/b"]),
         ("cluster: {etcd: 'e:1', name: c, lease_ttl_s: 0}\n", ["lease_ttl_s", "positive"]),
         ("host: 0.0.0.0\ncluster: {etcd: 'e:1', name: c}\n", ["advertise_host", "required"]),
+        ("cpu_affinity: 3-1\n", ["cpu_affinity", "backwards"]),
+        ("cpu_affinity: [0, 0]\n", ["cpu_affinity", "twice"]),
+        ("cpu_affinity: []\n", ["cpu_affinity", "no CPU"]),
+        ("cpu_affinity: [-1]\n", ["cpu_affinity", "integers"]),
+        ("cpu_affinity: 0-70000\n", ["cpu_affinity", "below"]),
+        ("cpu_affinity: one\n", ["cpu_affinity", "'0-3,8'"]),
+        ("cpu_affinity: {a: 1}\n", ["cpu_affinity", "list"]),
+        ("cpu_affinity: [0]\ntensor_parallel_size: 2\n", ["cpu_affinity", "2 ranks"]),
         ("- a list\n", ["mapping"]),
         ("port: [1\n", ["not valid YAML"]),
     ],
@@ -94,3 +121,19 @@ def test_a_bad_config_fails_at_start_with_the_key(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "kv_cache_config.layout" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_cpu_this_process_may_not_use_fails_at_start_naming_it(
+    tmp_path: Path, ranks: int
+) -> None:
+    """Also when it is another rank's: rank 0 checks them all before it spawns any."""
+    absent = max(os.sched_getaffinity(0)) + 1
+    cpus = [min(os.sched_getaffinity(0)), absent][-ranks:]
+    path = _write(tmp_path, f"cpu_affinity: {cpus}\ntensor_parallel_size: {ranks}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "trtdisagg", "ctx", "--config", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert f"cpu_affinity: CPU {absent} not available to this process" in done.stderr, done.stderr

@@ -27,6 +27,7 @@ import torch
 import trio
 
 from trtdisagg.config import WorkerConfig
+from trtdisagg.cpu_affinity import pin_process, rank_share
 from trtdisagg.errors import TrtDisaggError
 from trtdisagg.membership.records import advertised_endpoint
 from trtdisagg.orphans import exit_with_parent
@@ -134,6 +135,9 @@ def run_follower(
         "%(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if config.cpu_affinity is not None:  # (rank 0 checked that every CPU listed is usable)
+        share = rank_share(config.cpu_affinity, rank, config.world_size)
+        pin_process(share, threads=config.cpu_threads)
     try:
         trio.run(_follow, config, model_dir, rank, port, instance_name, rank0)
     except Exception:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -58,12 +59,15 @@ class FrontSpec:
     ctx_instance: str | None
     boot_id: str  # the engine's WorkerService's: one worker start, one id
     engine_pid: int  # the front exits once it is gone (orphans.py)
+    cpus: frozenset[int] | None = None  # where it runs (`cpu_affinity.front_cpus`); None: anywhere
 
 
 def front_main(spec: FrontSpec) -> None:
     """Process entry of front `spec.index`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if spec.cpus is not None:  # spawned on its engine's pinned CPUs: off them, before threads
+        os.sched_setaffinity(0, spec.cpus)
     config = spec.config
     logging.basicConfig(
         level=getattr(logging, config.log_level.upper(), logging.INFO),

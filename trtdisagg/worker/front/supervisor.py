@@ -27,6 +27,7 @@ import zmq
 
 from trtdisagg.api.listen import bind_socket
 from trtdisagg.config import WorkerConfig
+from trtdisagg.cpu_affinity import front_cpus
 from trtdisagg.errors import TrtDisaggError
 from trtdisagg.worker.engine.executor import Executor
 from trtdisagg.worker.front.client import EngineFacts
@@ -121,6 +122,7 @@ async def serve_fronts(
                 ctx_instance=service.ctx_instance,
                 boot_id=service.boot_id,
                 engine_pid=os.getpid(),
+                cpus=front_cpus(config.cpu_affinity) if config.cpu_affinity else None,
             )
             for i in range(count)
         ]
