@@ -119,6 +119,11 @@ def violations(records: Sequence[RequestRecord], slo: Slo) -> Violations:
     return Violations(error=error / n, ttft=ttft / n, tpot=tpot / n, both=both / n)
 
 
+def first_failure(records: Sequence[RequestRecord]) -> str | None:
+    """The first failed answer's error: an abandoned request's timeout is a late answer."""
+    return next((r.error for r in records if not r.ok and not r.abandoned), None)
+
+
 @attrs.frozen(kw_only=True)
 class Observed:
     """What the servers' /metrics and the client's own loop showed during one point."""

@@ -16,7 +16,15 @@ import attrs
 import bench_serving as bs
 import httpx
 import trio
-from _goodput_core import Observed, Point, Workload, indicators, prefill_s, violations
+from _goodput_core import (
+    Observed,
+    Point,
+    Workload,
+    first_failure,
+    indicators,
+    prefill_s,
+    violations,
+)
 from _goodput_metrics import Scrape, observe, parse_prometheus, total
 
 
@@ -136,7 +144,7 @@ def point_of(
             tpot_p90_ms=summary.tpot_ms.p90,
             seen=measured.observed,
         ),
-        first_error=summary.first_error,
+        first_error=first_failure(records),
         run=run_id,
     )
     return point, summary

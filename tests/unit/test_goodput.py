@@ -158,6 +158,9 @@ def test_a_request_abandoned_past_its_budget_is_late_not_failed() -> None:
     records = [abandoned(None), abandoned(2.5), abandoned(0.1), record(None, ok=False)]
     v = core.violations(records, CHAT_SLO)
     assert (v.error, v.ttft, v.tpot, v.both) == (0.25, 0.5, 0.25, 0.0)
+    failed = attrs.evolve(records[3], error="HTTP 500: boom")
+    assert core.first_failure([*records[:3], failed]) == "HTTP 500: boom"
+    assert core.first_failure(records[:3]) is None
 
 
 # ---- /metrics ----
