@@ -106,6 +106,14 @@ import attrs
 import trio
 from _bench_common import percentile, read_rss_kib
 
+from trtdisagg.cpu_affinity import (
+    CpuAffinityError,
+    check_available,
+    format_cpu_list,
+    parse_cpu_list,
+    pin_process,
+)
+
 if TYPE_CHECKING:
     import torch
 
@@ -303,6 +311,9 @@ class BenchConfig:
     raw_poll_s: float = RAW_POLL_S["cpu"]
     label: str = "default"
     result_json: Path | None = None
+    # the CPUs each child runs on, as a worker's `cpu_affinity` pins its engine (None: anywhere)
+    ctx_cpus: tuple[int, ...] | None = None
+    gen_cpus: tuple[int, ...] | None = None
     # transceiver schedules measured, each against raw; the first one's ratio is the last line
     schedules: tuple[str, ...] = attrs.field(default=(CONTEXT_FIRST,), validator=_check_schedules)
 
@@ -382,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
         "spinning starves the copy",
     )
     parser.add_argument("--result-json", type=Path)
+    for role in ("ctx", "gen"):
+        parser.add_argument(
+            f"--{role}-cpus",
+            help=f'the CPUs the {role} child runs on ("1", "0-3"), as `cpu_affinity` pins a '
+            "worker: its threads' wake-ups are then cheap (default: anywhere)",
+        )
     pairing = parser.add_argument_group("pairing (heterogeneous: not yet, issue 5)")
     for flag in ("--ctx-tp", "--gen-tp", "--ctx-pp", "--gen-pp"):
         pairing.add_argument(flag, type=int, default=1)
@@ -429,8 +446,19 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--ctx-gpu/--gen-gpu need --device cuda")
     if min(args.ctx_gpu, 0 if args.gen_gpu is None else args.gen_gpu) < 0:
         raise ValueError("GPU indices must be >= 0")
+    cpus: dict[str, tuple[int, ...] | None] = {}
+    for role in ("ctx", "gen"):
+        text = getattr(args, f"{role}_cpus")
+        try:
+            cpus[role] = None if text is None else parse_cpu_list(text)
+            if text is not None:
+                check_available(cpus[role] or ())
+        except CpuAffinityError as exc:
+            raise ValueError(f"--{role}-cpus: {exc}") from None
     label = "llama-3.1-8b" if args.model_8b else "default"
     return BenchConfig(
+        ctx_cpus=cpus["ctx"],
+        gen_cpus=cpus["gen"],
         geometry=geometry,
         tokens=tokens,
         scatter=args.scatter,
@@ -655,6 +683,11 @@ def format_report(doc: dict[str, Any]) -> str:
         f" raw 1",
         f"  cold first transfer: {cold}, raw {_ms(doc['cold']['raw_s'])}",
     ]
+    if cfg.get("ctx_cpus") or cfg.get("gen_cpus"):
+        pinned = {r: cfg.get(f"{r}_cpus") for r in ("ctx", "gen")}
+        lines.append("  pinned: " + ", ".join(
+            f"{r} to CPU {format_cpu_list(c)}" for r, c in pinned.items() if c
+        ))  # fmt: skip
     if cfg.get("ctx_busy_s"):
         lines.append(
             f"  ctx busy: its next step runs {cfg['ctx_busy_s'] * 1e3:g} ms in a worker thread "
@@ -1211,6 +1244,9 @@ async def _next_command(conn: Connection) -> tuple[str, dict[str, Any]]:
 def child_main(role: str, cfg: BenchConfig, conn: Connection) -> None:
     """Entry point of a spawned child; every failure is reported on `conn` before exiting."""
     try:
+        cpus = cfg.ctx_cpus if role == "ctx" else cfg.gen_cpus
+        if cpus is not None:
+            pin_process(cpus)
         trio.run(_serve, role, cfg, conn)
         conn.send(("bye", {}))
     except BaseException as exc:

@@ -135,6 +135,13 @@ def test_model_8b_preset(tmp_path: Path) -> None:
     assert bt.parse_config(["--model-8b", "--layers", "32"]).geometry == bt.MODEL_8B
 
 
+def test_each_child_may_be_pinned_as_a_worker_s_engine() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    cfg = bt.parse_config(["--ctx-cpus", str(cpu)])
+    assert (cfg.ctx_cpus, cfg.gen_cpus) == ((cpu,), None)
+    assert bt.parse_config([]).ctx_cpus is None
+
+
 def _rejected(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit) as excinfo:
         bt.parse_config(argv)
@@ -168,6 +175,8 @@ def test_heterogeneous_pairings_are_refused_clearly(
         (["--device", "cuda", "--gen-gpu", "-1"], "GPU indices"),
         (["--ctx-tp", "0"], "parallel sizes must be >= 1"),
         (["--ctx-busy-ms", "-1"], "--ctx-busy-ms must be in [0, 10000]"),
+        (["--gen-cpus", "2-1"], "--gen-cpus: range '2-1' runs backwards"),
+        (["--ctx-cpus", str(max(os.sched_getaffinity(0)) + 1)], "not available to this process"),
         (["--raw-poll-us", "-1"], "--raw-poll-us must be in [0, 10000]"),
     ],
 )
