@@ -3,8 +3,9 @@
 A CPU worker's step thread and its event loop take turns holding the GIL (every torch op lets
 go of it), so a small step hands the GIL between the two threads many times. Between two cores
 each hand-over wakes a sleeping core; on one core it is a context switch. Pinning the engine
-process to a core therefore speeds small steps up (docs/BENCHMARKS.md, "CPU serving"), and
-keeps workers that share a machine off each other's cores.
+process to a core therefore speeds small steps up (docs/BENCHMARKS.md, "CPU serving"), as it
+does the hops of a KV transfer between the notification pump and the loop ("KV transfer", "On
+CPU"), and keeps workers that share a machine off each other's cores.
 
 The list is parsed from YAML (a list of ints, or the kernel's cpu-list text, "0-3,8") and from
 the CLI (the text). Rank r of an instance of W ranks takes the r-th of W equal slices of it; an
