@@ -205,10 +205,22 @@ class WorkerConfig:
             raise ConfigError(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: must be in [0, 65536), got {self.port}")
-        if self.cpu_affinity is not None and len(self.cpu_affinity) < self.world_size:
+        if self.cpu_affinity is not None:
+            self._check_cpu_affinity(self.cpu_affinity)
+
+    def _check_cpu_affinity(self, cpus: CpuList) -> None:
+        # NIXL's progress thread spins: on a rank's only CPU it starves that rank's own threads
+        # (a KV transfer on one H200 took 8 ms instead of 0.9: docs/BENCHMARKS.md, "On one H200").
+        spinning = (
+            self.cache_transceiver_config.backend is TransceiverBackend.NIXL
+            and self.nixl_progress_thread
+        )
+        each = 2 if spinning else 1
+        if len(cpus) < each * self.world_size:
+            why = " while NIXL's progress thread runs (it spins one)" if spinning else ""
             raise ConfigError(
-                f"cpu_affinity: lists {len(self.cpu_affinity)} CPU(s) for {self.world_size} "
-                "ranks; each rank needs one at least"
+                f"cpu_affinity: lists {len(cpus)} CPU(s) for {self.world_size} rank(s); each "
+                f"rank needs {each} at least{why}"
             )
 
     @property

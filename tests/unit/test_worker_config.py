@@ -47,6 +47,13 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         ("cpu_affinity: 5\n", None, (5,)),
         ("cpu_affinity: [3]\n", "2,4-5", (2, 4, 5)),  # --cpu-affinity beats the file
         ("port: 9001\n", None, None),
+        # one CPU a rank: enough where NIXL's progress thread is off (the CPU's default)
+        ("cpu_affinity: 0\ncache_transceiver_config: {backend: NIXL}\n", None, (0,)),
+        (
+            "device: cuda\ncpu_affinity: 0-1\ncache_transceiver_config: {backend: NIXL}\n",
+            None,
+            (0, 1),
+        ),
     ],
 )
 def test_cpu_affinity_reads_a_list_or_the_kernel_s_text(
@@ -99,7 +106,12 @@ def test_nixl_s_progress_thread_is_on_for_cuda_unless_set(
         ("cpu_affinity: 0-70000\n", ["cpu_affinity", "below"]),
         ("cpu_affinity: one\n", ["cpu_affinity", "'0-3,8'"]),
         ("cpu_affinity: {a: 1}\n", ["cpu_affinity", "list"]),
-        ("cpu_affinity: [0]\ntensor_parallel_size: 2\n", ["cpu_affinity", "2 ranks"]),
+        ("cpu_affinity: [0]\ntensor_parallel_size: 2\n", ["cpu_affinity", "2 rank(s)"]),
+        (
+            "device: cuda\ncpu_affinity: [0, 1, 2]\ntensor_parallel_size: 2\n"
+            "cache_transceiver_config: {backend: NIXL}\n",
+            ["cpu_affinity", "needs 2 at least", "progress thread"],
+        ),
         ("- a list\n", ["mapping"]),
         ("port: [1\n", ["not valid YAML"]),
     ],
