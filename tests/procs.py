@@ -22,6 +22,8 @@ import attrs
 import httpx
 import yaml
 
+from trtdisagg.cpu_affinity import parse_cpu_list
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -166,3 +168,16 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if line.startswith(prefix + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def cpus_of_threads(pid: int) -> dict[int, tuple[int, ...]]:
+    """The CPUs each thread of process `pid` may run on (its tid -> CPU ids), from /proc."""
+    allowed = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        text = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
+        allowed[int(task.name)] = parse_cpu_list(text.split(":", 1)[1].strip())
+    return allowed

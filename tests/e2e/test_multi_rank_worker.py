@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from tests.instances import running_instances
-from tests.procs import Server
-from trtdisagg.cpu_affinity import parse_cpu_list, rank_share
+from tests.procs import Server, cpus_of_threads
+from trtdisagg.cpu_affinity import rank_share
 from trtdisagg.model.tiny import TinySpec, write_checkpoint
 
 SPEC = TinySpec(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
@@ -75,18 +75,6 @@ def _follower(server: Server) -> int:
     raise AssertionError(f"no rank process under pid {server.proc.pid}")
 
 
-def _cpus_of_threads(pid: int) -> set[tuple[int, ...]]:
-    found = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-        except OSError:
-            continue  # ended meanwhile
-        text = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
-        found.add(parse_cpu_list(text.split(":", 1)[1].strip()))
-    return found
-
-
 def test_a_dead_follower_stops_the_instance(tmp_path: Path, model: Path) -> None:
     """(Its ranks are pinned, each to its slice of `cpu_affinity`: checked first.)"""
     cpus = sorted(os.sched_getaffinity(0))
@@ -95,8 +83,8 @@ def test_a_dead_follower_stops_the_instance(tmp_path: Path, model: Path) -> None
     with running_instances(tmp_path, specs) as servers:
         server = servers["tp2"]
         follower = _follower(server)
-        assert _cpus_of_threads(server.proc.pid) == {rank_share(cpus, 0, 2)}
-        assert _cpus_of_threads(follower) == {rank_share(cpus, 1, 2)}
+        assert set(cpus_of_threads(server.proc.pid).values()) == {rank_share(cpus, 0, 2)}
+        assert set(cpus_of_threads(follower).values()) == {rank_share(cpus, 1, 2)}
         os.kill(follower, signal.SIGKILL)
         server.proc.wait(30)
         assert server.proc.returncode != 0

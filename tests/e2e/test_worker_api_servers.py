@@ -25,8 +25,7 @@ import pytest
 
 from tests.edges import Cluster, running_cluster, wait_idle, wait_until
 from tests.openai_cluster import CHAT, LOGPROB_TOLERANCE, PROMPTS, by_choice, sse
-from tests.procs import Server, metric, running_worker
-from trtdisagg.cpu_affinity import parse_cpu_list
+from tests.procs import Server, cpus_of_threads, metric, running_worker
 
 pytestmark = pytest.mark.slow
 
@@ -253,19 +252,6 @@ def test_a_front_process_loads_no_torch(servers: Servers) -> None:
     for pid in fronts:
         assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
     assert "libtorch" in Path(f"/proc/{servers.fronts.proc.pid}/maps").read_text()
-
-
-def cpus_of_threads(pid: int) -> dict[int, tuple[int, ...]]:
-    """The CPUs each thread of process `pid` may run on, from /proc."""
-    allowed = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-        except OSError:
-            continue  # ended meanwhile
-        text = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
-        allowed[int(task.name)] = parse_cpu_list(text.split(":", 1)[1].strip())
-    return allowed
 
 
 def test_the_engine_runs_on_its_cpu_affinity_and_its_fronts_on_the_cpus_left(
