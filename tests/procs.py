@@ -22,8 +22,6 @@ import attrs
 import httpx
 import yaml
 
-from trtdisagg.cpu_affinity import parse_cpu_list
-
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -171,13 +169,11 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 
 def cpus_of_threads(pid: int) -> dict[int, tuple[int, ...]]:
-    """The CPUs each thread of process `pid` may run on (its tid -> CPU ids), from /proc."""
+    """The CPUs each thread of process `pid` may run on (its tid -> sorted CPU ids)."""
     allowed = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            status = (task / "status").read_text()
-        except OSError:
+            allowed[int(task.name)] = tuple(sorted(os.sched_getaffinity(int(task.name))))
+        except ProcessLookupError:
             continue  # ended meanwhile
-        text = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
-        allowed[int(task.name)] = parse_cpu_list(text.split(":", 1)[1].strip())
     return allowed

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import trio
 
 from trtdisagg.config import ConfigError, Role, load_worker_config
-from trtdisagg.cpu_affinity import CpuAffinityError, check_available, pin_process, rank_share
+from trtdisagg.cpu_affinity import CpuAffinityError, pin_engine
 from trtdisagg.security.policy import (
     SECURED_LOG,
     UNSECURED_LOOPBACK_LOG,
@@ -111,11 +111,9 @@ def _run_worker(args: argparse.Namespace) -> int:
         logging.getLogger("trtdisagg.worker").info(SECURED_LOG)
     if config.cpu_affinity is not None:  # before any thread starts: they inherit it
         try:
-            check_available(config.cpu_affinity)  # every rank's: they are spawned pinned
+            pin_engine(config.cpu_affinity, config.world_size, threads=config.cpu_threads)
         except CpuAffinityError as exc:
             raise ConfigError(f"cpu_affinity: {exc}") from None
-        share = rank_share(config.cpu_affinity, 0, config.world_size)
-        pin_process(share, threads=config.cpu_threads)
     # Imported only now: a bad config is reported at once, not after loading torch.
     from trtdisagg.worker.front.supervisor import FrontDied
     from trtdisagg.worker.ranks import RankDied

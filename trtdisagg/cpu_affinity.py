@@ -110,6 +110,13 @@ def pin_process(cpus: Sequence[int], *, threads: int = 1) -> None:
     log.info("engine pinned to CPU %s", format_cpu_list(cpus))
 
 
+def pin_engine(cpus: Sequence[int], world_size: int, *, threads: int = 1) -> None:
+    """Rank 0's process (or an offline engine's): check every rank's CPUs, then pin this
+    process to rank 0's slice. Raises CpuAffinityError before pinning anything."""
+    check_available(cpus)  # every rank's: the others are spawned from this process, pinned
+    pin_process(rank_share(cpus, 0, world_size), threads=threads)
+
+
 def front_cpus(engine: Sequence[int]) -> frozenset[int] | None:
     """Where an API front of an engine pinned to `engine` runs: the CPUs the engine's process
     could use before it was pinned, less the engine's own (all of them, if none are left).

@@ -20,7 +20,7 @@ import trio
 
 from trtdisagg.api.protocol import PerfMetrics
 from trtdisagg.config import ConfigError, WorkerConfig, structure
-from trtdisagg.cpu_affinity import CpuAffinityError, check_available, pin_process
+from trtdisagg.cpu_affinity import CpuAffinityError, pin_engine
 from trtdisagg.errors import CapacityError
 from trtdisagg.metrics import WorkerMetrics
 from trtdisagg.model.loader import resolve_model
@@ -93,10 +93,9 @@ class LLM:
             )
         if config.cpu_affinity is not None:  # this process, as a worker's engine process
             try:
-                check_available(config.cpu_affinity)
+                pin_engine(config.cpu_affinity, 1, threads=config.cpu_threads)
             except CpuAffinityError as exc:
                 raise ValueError(f"cpu_affinity: {exc}") from None
-            pin_process(config.cpu_affinity, threads=config.cpu_threads)
         model_dir = resolve_model(config.model)
         self.config = config
         self.tokenizer = Tokenizer.from_dir(model_dir)
