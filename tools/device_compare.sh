@@ -12,6 +12,9 @@
 # Knobs: SIZES (tokens of 8B KV, 128 KiB each; default "2048 8192 32768"), ROUNDS ("1 2"),
 # TTFT=0 skips the TTFT part, TRANSFER=0 the transfer part, SUITE=1 runs the GPU suite first,
 # SCHEDULE=generation_first sets the coordinator's schedule_style for the TTFT part.
+# ENGINE=1 adds tools/bench_engine.py on conf/gpu/worker.yaml (512 in / 128 out) per tree, in
+# turn for each round: ENGINE_C sets its concurrencies ("16"), ENGINE_ARGS adds arguments
+# (e.g. "--skip-http").
 # Results: $OUT/compare.txt (the table at the end), $OUT/*.json.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -44,6 +47,22 @@ if [ "${TRANSFER:-1}" = 1 ]; then
         if [ $((r % 2)) = 1 ]; then transfer new "$n" "$r"; transfer base "$n" "$r"
         else transfer base "$n" "$r"; transfer new "$n" "$r"; fi
     done; done
+fi
+
+engine() { # tree round
+    local t=$1 r=$2
+    echo "=== engine $t round=$r" >> "$OUT/compare.txt"
+    (cd "${TREE[$t]}" && PYTHONPATH="/tmp/site:${TREE[$t]}" timeout 280 python3 \
+        tools/bench_engine.py --config conf/gpu/worker.yaml --concurrency "${ENGINE_C:-16}" \
+        --input-len 512 --output-len 128 --vocab-size 32000 ${ENGINE_ARGS:-} \
+        --result-json "$OUT/engine_${t}_${r}.json" 2>&1 | grep -E "^(offline|http) " \
+        >> "$OUT/compare.txt")
+}
+if [ "${ENGINE:-0}" = 1 ]; then
+    for r in ${ROUNDS:-1 2}; do
+        if [ $((r % 2)) = 1 ]; then engine new "$r"; engine base "$r"
+        else engine base "$r"; engine new "$r"; fi
+    done
 fi
 
 ttft() { # tree
