@@ -34,6 +34,7 @@ from trtdisagg.model.parallel import Parallel
 from trtdisagg.model.rope import apply_rope
 
 DecodeAttention = Callable[[torch.Tensor, KVCache, int, DecodeMeta], torch.Tensor]
+WeightGemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, W) -> x W^T
 """Batched decode attention: q [S, heads, D] of single-token sequences -> [S, heads, D]."""
 
 
@@ -148,7 +149,7 @@ class Attention(nn.Module):
         call; without it (the torch ops) as `forward` does.
         """
         assert self.qkv_weight is not None, "call fuse() first"
-        q, k, v = self.split_qkv(F.linear(x, self.qkv_weight, self.qkv_bias))
+        q, k, v = self.split_qkv(ops.linear(x, self.qkv_weight, self.qkv_bias))
         q = ops.rope_write_kv(
             q, k, v, cos=cos, sin=sin, cache=cache, layer=layer, slot_mapping=batch.slot_mapping
         )
@@ -160,7 +161,7 @@ class Attention(nn.Module):
             out = self._attend_mixed(
                 q, ops.decode_attention, masks=masks, batch=batch, cache=cache, layer=layer
             )
-        return self._project_out(out)
+        return self._project_out(out, ops.linear)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection's output [N, (Hq + 2H) D] as q [N, Hq, D], k and v [N, H, D]
@@ -174,8 +175,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(out.reshape(out.shape[0], -1), self.o_proj.weight), self.parallel)
+    def _project_out(self, out: torch.Tensor, linear: WeightGemm = F.linear) -> torch.Tensor:
+        y = all_reduce(linear(out.reshape(out.shape[0], -1), self.o_proj.weight), self.parallel)
         if self.o_proj.bias is not None:
             y = y + self.o_proj.bias
         return y

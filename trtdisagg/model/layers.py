@@ -6,7 +6,7 @@ fills every one of them, so random initialisation would only cost time on large 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtdisagg.model.parallel import Parallel
+
+if TYPE_CHECKING:
+    from trtdisagg.model.ops import TorchOps
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -106,10 +109,8 @@ class MLP(nn.Module):
         self.up_proj.weight = nn.Parameter(fused[local:], requires_grad=False)
         self.gate_up_weight = fused
 
-    def forward_fused(
-        self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
-        """`forward` after `fuse()`: one gate/up GEMM, `silu_mul` on [N, 2I], the down GEMM."""
+    def forward_fused(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        """`forward` after `fuse()`: one gate/up GEMM, then SiLU-and-mul and the down GEMM."""
         assert self.gate_up_weight is not None, "call fuse() first"
-        h = silu_mul(F.linear(x, self.gate_up_weight))
-        return all_reduce(F.linear(h, self.down_proj.weight), self.parallel)
+        gate_up = ops.linear(x, self.gate_up_weight)
+        return all_reduce(ops.silu_mul_linear(gate_up, self.down_proj.weight), self.parallel)

@@ -98,7 +98,7 @@ class DecoderLayer(nn.Module):
         )
         norm = self.post_attention_layernorm
         h, residual = ops.add_rms_norm(attended, residual, norm.weight, norm.eps)
-        return self.mlp.forward_fused(h, ops.silu_mul), residual
+        return self.mlp.forward_fused(h, ops), residual
 
 
 class _Body(nn.Module):
@@ -258,7 +258,9 @@ class CausalLM(nn.Module):
     def head(self, last: torch.Tensor) -> torch.Tensor:
         """The output head: the final norm's output [S, hidden_size] -> float32 logits."""
         assert self.lm_head is not None, "only the last pipeline stage has the output head"
-        return self.lm_head(last).float()
+        if self.ops is None:
+            return self.lm_head(last).float()
+        return self.ops.linear(last, self.lm_head.weight).float()
 
     def _forward_fused(
         self,

@@ -157,6 +157,16 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A weight GEMM: x W^T (+ b)."""
+        return F.linear(x, weight, bias)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The MLP's down projection of `silu_mul(gate_up)`."""
+        return F.linear(self.silu_mul(gate_up), weight)
+
     def rope_write_kv(
         self,
         q: torch.Tensor,

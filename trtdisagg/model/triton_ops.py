@@ -20,15 +20,17 @@ run on CPU tensors, with dots in float32: the interpreter cannot multiply bf16 m
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 import triton  # type: ignore[import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
 from trtdisagg.kv.cache import KVCache
-from trtdisagg.model import attention_meta
+from trtdisagg.model import attention_meta, skinny_gemm
 from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
 from trtdisagg.model.ops import TorchOps
 from trtdisagg.model.paged_attention import (
@@ -41,10 +43,12 @@ from trtdisagg.model.paged_attention import (
     paged_attention,
     short_tile,
 )
+from trtdisagg.model.skinny_gemm import SkinnyGemms
 
 if TYPE_CHECKING:
     from trtdisagg.model.llama import CausalLM
 
+log = logging.getLogger(__name__)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -172,6 +176,17 @@ class TritonOps(TorchOps):
     def __init__(self, tiles: AttentionTiles | None = None) -> None:
         super().__init__()
         self.tiles = tiles or AttentionTiles()
+        self.gemms = SkinnyGemms()  # decode-sized weight GEMMs, per shape where they win
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = None if bias is not None else self.gemms.linear(x, weight)
+        return F.linear(x, weight, bias) if y is None else y
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        y = self.gemms.linear(gate_up, weight, silu_x=True)
+        return F.linear(self.silu_mul(gate_up), weight) if y is None else y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm(x, None, weight, eps)[0]
@@ -318,6 +333,24 @@ class TritonOps(TorchOps):
                 q, k, v, cos=cos, sin=sin, cache=cache, layer=0, slot_mapping=slots
             )
         self.warm_up_attention(q, cache)
+        if not _INTERPRET:  # (the interpreter times nothing worth choosing by)
+            self.choose_gemms(model)
+
+    def choose_gemms(self, model: CausalLM) -> None:
+        """Time the skinny GEMM kernel against cuBLAS for each weight shape of `model`, keeping
+        it where it wins (compiling the variants it keeps, and those it tried)."""
+        block = model.decoder_layers[0]
+        attn, mlp = block.self_attn, block.mlp
+        assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
+        if attn.qkv_bias is None:
+            self.gemms.choose(attn.qkv_weight)
+        self.gemms.choose(attn.o_proj.weight)
+        self.gemms.choose(mlp.gate_up_weight)
+        self.gemms.choose(mlp.down_proj.weight, silu_mul=self.silu_mul)
+        if model.lm_head is not None:
+            self.gemms.choose(model.lm_head.weight)
+        log.info("decode-sized weight GEMMs (n, k, silu) -> kernel, or cuBLAS (None): %s",
+                 self.gemms.chosen())  # fmt: skip
 
     def warm_up_attention(self, q: torch.Tensor, cache: KVCache) -> None:
         """Every variant of the attention kernels, for queries shaped like `q` [_, Hq, D]."""
@@ -341,6 +374,7 @@ def compiled_variants() -> dict[str, int]:
         "rms_norm": _rms_norm_kernel,
         "silu_mul": _silu_mul_kernel,
         "rope_kv": _rope_kv_kernel,
+        "skinny_gemm": skinny_gemm.KERNEL,
         **ATTENTION_KERNELS,
     }
     return {
