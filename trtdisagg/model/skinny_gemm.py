@@ -160,6 +160,8 @@ class SkinnyGemms:
     def __init__(self) -> None:
         # (n, k, silu_x, device) -> the plan, or None: cuBLAS is as fast
         self._plans: dict[tuple[int, int, bool, torch.device], _Plan | None] = {}
+        # (n, k, silu_x) -> (cuBLAS ms, the fastest configuration's ms), as `choose` timed them
+        self.timings: dict[tuple[int, int, bool], tuple[float, float]] = {}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, *, silu_x: bool = False):
         """x W^T through the kernel where it was chosen for this shape, else None."""
@@ -208,3 +210,4 @@ class SkinnyGemms:
             timed.append((time_ms(run), plan))
         best_ms, best = min(timed, key=lambda t: t[0], default=(cublas_ms, None))
         self._plans[key] = best if best_ms < cublas_ms * (1 - MIN_GAIN) else None
+        self.timings[key[:3]] = (cublas_ms, best_ms)

@@ -349,8 +349,11 @@ class TritonOps(TorchOps):
         self.gemms.choose(mlp.down_proj.weight, silu_mul=self.silu_mul)
         if model.lm_head is not None:
             self.gemms.choose(model.lm_head.weight)
-        log.info("decode-sized weight GEMMs (n, k, silu) -> kernel, or cuBLAS (None): %s",
-                 self.gemms.chosen())  # fmt: skip
+        for (n, k, silu), config in self.gemms.chosen().items():
+            cublas_ms, best_ms = self.gemms.timings[(n, k, silu)]
+            log.info("weight GEMM %dx%d%s at 16 rows: cuBLAS %.1f us, kernel %.1f us: %s", n, k,
+                     " after SiLU-and-mul" if silu else "", cublas_ms * 1e3, best_ms * 1e3,
+                     config or "cuBLAS")  # fmt: skip
 
     def warm_up_attention(self, q: torch.Tensor, cache: KVCache) -> None:
         """Every variant of the attention kernels, for queries shaped like `q` [_, Hq, D]."""
