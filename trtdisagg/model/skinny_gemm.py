@@ -33,6 +33,7 @@ MAX_ROWS: Final = 16  # rows the kernel takes (one MMA's small side)
 MIN_GAIN: Final = 0.02  # a shape keeps cuBLAS unless the kernel is this much faster
 # Program counts worth trying: at least one wave of a 132-SM GPU, at most a few.
 MIN_PROGRAMS, MAX_PROGRAMS = 100, 1100
+MAX_SHARED_BYTES: Final = 200 * 1024  # of an SM's shared memory (H100/H200: 227 KiB)
 
 
 @triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["x_ptr"])
@@ -117,7 +118,10 @@ def candidates(n: int, k: int) -> list[GemmConfig]:
         (64, 128), (128, 256), (1, 2, 4, 8), (3, 4)
     ):
         programs = triton.cdiv(n, block_n) * split_k
-        if k % (block_k * split_k) == 0 and MIN_PROGRAMS <= programs <= MAX_PROGRAMS:
+        # each pipeline stage holds a weight tile and up to two 16-row x tiles, in bf16
+        shared = stages * (block_n + 2 * MAX_ROWS) * block_k * 2
+        if (k % (block_k * split_k) == 0 and MIN_PROGRAMS <= programs <= MAX_PROGRAMS
+                and shared <= MAX_SHARED_BYTES):  # fmt: skip
             found.append(GemmConfig(block_n, block_k, split_k, stages=stages))
     return found
 
@@ -195,6 +199,7 @@ class SkinnyGemms:
         key = (n, k, silu_x, weight.device)
         if weight.device.type != "cuda" or key in self._plans or weight.stride(1) != 1:
             return
+        from triton.runtime.errors import OutOfResources  # type: ignore[import-not-found, unused-ignore]
         from triton.testing import do_bench  # type: ignore[import-not-found, unused-ignore]
 
         x = torch.randn(MAX_ROWS, 2 * k if silu_x else k, device=weight.device, dtype=weight.dtype)
@@ -207,7 +212,10 @@ class SkinnyGemms:
         for config in candidates(n, k):
             plan = _Plan.allocate(config, n, weight.device)
             run = functools.partial(launch, x, weight, plan, silu_x=silu_x)
-            timed.append((time_ms(run), plan))
+            try:
+                timed.append((time_ms(run), plan))
+            except OutOfResources:  # a GPU with less shared memory than the candidates assume
+                continue
         best_ms, best = min(timed, key=lambda t: t[0], default=(cublas_ms, None))
         self._plans[key] = best if best_ms < cublas_ms * (1 - MIN_GAIN) else None
         self.timings[key[:3]] = (cublas_ms, best_ms)
