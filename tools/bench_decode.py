@@ -13,6 +13,8 @@ random K/V, and times one decode step (every sequence at `--context` tokens) at 
                   graph replay and greedy sampling with its host sync (wall clock)
   gemm_only       just the step's weight GEMMs (and lm_head), from a CUDA graph: what cuBLAS
                   reaches on the weight reads alone
+  gemm_ops        the same through the ops' GEMMs: the skinny kernel for the shapes where the
+                  Triton ops' start-up timing chose it (at most 16 rows; SiLU-and-mul fused)
 
 The floor is measured in the same run: a large device-to-device copy and a read-only reduction
 give the achieved HBM bandwidth; floor = (weight bytes read + KV bytes read per step) / bandwidth,
@@ -58,7 +60,10 @@ from trtdisagg.worker.sampling import SampleSpec
 from trtdisagg.worker.scheduler import ScheduledItem, StepPlan
 
 NOMINAL_HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
-MODES = ("eager_per_seq", "eager_batched", "eager_fused", "graph", "runner_graph", "gemm_only")
+MODES = (
+    "eager_per_seq", "eager_batched", "eager_fused", "graph", "runner_graph", "gemm_only",
+    "gemm_ops",
+)  # fmt: skip
 
 
 def llama_8b_args() -> ModelArgs:
@@ -322,23 +327,30 @@ class Workload:
         return StepPlan(items=tuple(items), num_tokens=size), specs
 
 
-def gemm_only_fn(model: CausalLM, size: int) -> Callable[[], object]:
-    """The step's weight GEMMs alone (fused qkv, o, gate_up, down per layer; lm_head)."""
+def gemm_only_fn(model: CausalLM, size: int, ops: TorchOps | None = None) -> Callable[[], object]:
+    """The step's weight GEMMs alone (fused qkv, o, gate_up, down per layer; lm_head), on cuBLAS,
+    or through `ops` (`linear`, and `silu_mul_linear` for down: the skinny kernel where the
+    Triton ops chose it)."""
     x = torch.randn(size, model.args.hidden_size, device=model.device, dtype=model.dtype)
     layers = model.decoder_layers
     lm_head = model.lm_head
     assert lm_head is not None
+    linear = F.linear if ops is None else ops.linear
+
+    def down(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if ops is None:
+            return F.linear(gate_up[:, : weight.shape[1]], weight)
+        return ops.silu_mul_linear(gate_up, weight)
 
     def run() -> torch.Tensor:
         h = x
         for block in layers:
             attn, mlp = block.self_attn, block.mlp
             assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
-            qkv = F.linear(h, attn.qkv_weight)
-            h = F.linear(qkv[:, : attn.o_proj.weight.shape[1]], attn.o_proj.weight)
-            gate_up = F.linear(h, mlp.gate_up_weight)
-            h = F.linear(gate_up[:, : mlp.down_proj.weight.shape[1]], mlp.down_proj.weight)
-        return F.linear(h, lm_head.weight)
+            qkv = linear(h, attn.qkv_weight)
+            h = linear(qkv[:, : attn.o_proj.weight.shape[1]].contiguous(), attn.o_proj.weight)
+            h = down(linear(h, mlp.gate_up_weight), mlp.down_proj.weight)
+        return linear(h, lm_head.weight)
 
     return run
 
@@ -552,6 +564,10 @@ def main(argv: list[str] | None = None) -> int:
         cache, max_batch=max_batch, context=args.context, vocab=margs.vocab_size, seed=args.seed
     )
 
+    if on_cuda and "gemm_ops" in modes:
+        with torch.inference_mode():
+            model.warm_up(cache)  # (chooses the skinny GEMMs)
+
     graphs: DecodeGraphs | None = None
     if on_cuda and ops.graph_safe and any(m in modes for m in ("graph", "runner_graph")):
         graphs = DecodeGraphs(
@@ -636,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
                 timer = wall_ms  # type: ignore[assignment]
             elif mode == "gemm_only" and on_cuda:
                 fn = graphed(gemm_only_fn(model, size), device)
+            elif mode == "gemm_ops" and on_cuda and model.ops is not None:
+                fn = graphed(gemm_only_fn(model, size, model.ops), device)
             if fn is None:
                 continue
             try:
