@@ -13,8 +13,8 @@ random K/V, and times one decode step (every sequence at `--context` tokens) at 
                   graph replay and greedy sampling with its host sync (wall clock)
   gemm_only       just the step's weight GEMMs (and lm_head), from a CUDA graph: what cuBLAS
                   reaches on the weight reads alone
-  gemm_ops        the same through the ops' GEMMs: the skinny kernel for the shapes where the
-                  Triton ops' start-up timing chose it (at most 16 rows; SiLU-and-mul fused)
+  gemm_ops        the same through the ops' GEMMs: with --decode-gemm-kernel, the skinny kernel
+                  for the shapes where start-up timing chose it (<= 16 rows; SiLU-and-mul fused)
 
 The floor is measured in the same run: a large device-to-device copy and a read-only reduction
 give the achieved HBM bandwidth; floor = (weight bytes read + KV bytes read per step) / bandwidth,
@@ -477,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ops", choices=("auto", "torch", "triton"), default="auto", help="fused-path kernels"
     )
+    parser.add_argument(
+        "--decode-gemm-kernel",
+        action="store_true",
+        help="the worker key of that name: the skinny GEMM kernel where start-up timing chose it",
+    )
     parser.add_argument("--result-json", type=Path)
     args = parser.parse_args(argv)
 
@@ -518,13 +523,14 @@ def main(argv: list[str] | None = None) -> int:
     model = CausalLM(margs, dtype=torch.bfloat16, device=device)
     init_weights(model, args.seed)
     total_bytes, embed_bytes = param_bytes(model)
-    ops: TorchOps = select_ops(device, torch.bfloat16)
+    gemm_kernel = args.decode_gemm_kernel
+    ops: TorchOps = select_ops(device, torch.bfloat16, decode_gemm_kernel=gemm_kernel)
     if args.ops == "torch":
         ops = TorchOps()
     elif args.ops == "triton":
         from trtdisagg.model.triton_ops import TritonOps
 
-        ops = TritonOps()
+        ops = TritonOps(decode_gemm_kernel=gemm_kernel)
     model.use_ops(ops)
     if on_cuda:
         torch.cuda.empty_cache()
@@ -564,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         cache, max_batch=max_batch, context=args.context, vocab=margs.vocab_size, seed=args.seed
     )
 
-    if on_cuda and "gemm_ops" in modes:
+    if on_cuda and gemm_kernel:
         with torch.inference_mode():
             model.warm_up(cache)  # (chooses the skinny GEMMs)
 

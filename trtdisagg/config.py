@@ -8,8 +8,9 @@ never deep inside a request.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import attrs
 import cattrs
@@ -170,6 +171,9 @@ class WorkerConfig:
     # per token-count bucket (0: those run eagerly).
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = attrs.field(default=2048, validator=_non_negative)
+    # CUDA only: weight GEMMs of steps of at most 16 rows through a Triton split-K kernel, for
+    # each weight shape where it beats cuBLAS when timed at start (model/skinny_gemm.py).
+    decode_gemm_kernel: bool = False
     # CPU only, one rank: run decode steps through a torch.compile'd forward (compiled at
     # start, cached on disk by torch), which dispatches a fraction of the eager step's ops.
     cpu_compile: bool = False
@@ -241,9 +245,47 @@ def _cpu_list(value: object, _type: object) -> CpuList:
         raise ConfigError(f"cpu_affinity: {exc}") from None
 
 
+_JSON_TYPES: Final = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def type_name(value: object) -> str:
+    """What a YAML or JSON value is, in words ("an integer", "a mapping", "null")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+def scalar_hook(expected: type) -> Callable[[object, object], object]:
+    """A cattrs structure hook that takes a value of exactly `expected` (an integer, too, for a
+    float), where cattrs would convert: bool("maybe") is true and int(9001.7) is 9001."""
+
+    def hook(value: object, _type: object) -> object:
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
+            raise ConfigError(f"expected {_JSON_TYPES[expected]}, got {type_name(value)}")
+        return value
+
+    return hook
+
+
 def _make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True)
     converter.register_structure_hook(CpuList, _cpu_list)
+    for scalar in (bool, int, float, str):
+        converter.register_structure_hook(scalar, scalar_hook(scalar))
     return converter
 
 

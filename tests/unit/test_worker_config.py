@@ -28,6 +28,12 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     assert config.kv_cache_config.layout is Layout.NHD
     assert config.kv_cache_config.tokens_per_block == 16
     assert load_worker_config(None) == WorkerConfig()
+    assert not WorkerConfig().decode_gemm_kernel
+    assert load_worker_config(_write(tmp_path, "decode_gemm_kernel: true\n")).decode_gemm_kernel
+    fraction = load_worker_config(
+        _write(tmp_path, "kv_cache_config: {free_gpu_memory_fraction: 0.5}\n")
+    )
+    assert fraction.kv_cache_config.free_gpu_memory_fraction == 0.5
     assert WorkerConfig().cache_transceiver_config.peer_probe_ms == 5000
     member = load_worker_config(
         _write(
@@ -111,6 +117,17 @@ def test_nixl_s_progress_thread_is_on_for_cuda_unless_set(
             "device: cuda\ncpu_affinity: [0, 1, 2]\ntensor_parallel_size: 2\n"
             "cache_transceiver_config: {backend: NIXL}\n",
             ["cpu_affinity", "needs 2 at least", "progress thread"],
+        ),
+        # YAML's scalars are taken as typed, never converted: a quoted or fractional number
+        # for an integer, or a word for a flag, is refused rather than read as something else
+        ("cuda_graphs: maybe\n", ["$.cuda_graphs", "expected a boolean, got a string"]),
+        ("decode_gemm_kernel: 'no'\n", ["$.decode_gemm_kernel", "expected a boolean"]),
+        ("port: 9001.7\n", ["$.port", "expected an integer, got a number"]),
+        ("max_batch_size: '12'\n", ["$.max_batch_size", "expected an integer, got a string"]),
+        ("cuda_device: true\n", ["$.cuda_device", "expected an integer, got a boolean"]),
+        (
+            "kv_cache_config: {free_gpu_memory_fraction: '0.5'}\n",
+            ["$.kv_cache_config.free_gpu_memory_fraction", "expected a number"],
         ),
         ("- a list\n", ["mapping"]),
         ("port: [1\n", ["not valid YAML"]),

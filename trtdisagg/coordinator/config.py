@@ -45,7 +45,7 @@ import attrs
 import cattrs
 from cattrs.gen import make_dict_structure_fn
 
-from trtdisagg.config import ConfigError, read_yaml
+from trtdisagg.config import ConfigError, read_yaml, scalar_hook, type_name
 from trtdisagg.membership.records import check_cluster_name, check_etcd_url
 
 PHASE_TIMEOUTS: Final = (
@@ -140,45 +140,13 @@ class CoordinatorConfig:
 
 # ---- strict structuring ----
 
-_JSON_TYPES: Final = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
-
-
-def _type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return type(value).__name__
-
-
-def _scalar_hook(expected: type) -> Any:
-    def hook(value: object, _t: object) -> object:
-        ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if not ok:
-            raise TypeError(f"expected {_JSON_TYPES[expected]}, got {_type_name(value)}")
-        return value
-
-    return hook
-
 
 def _str_list(value: object, _t: object) -> list[str]:
     if not isinstance(value, list):
-        raise TypeError(f"expected a list of strings, got {_type_name(value)}")
+        raise TypeError(f"expected a list of strings, got {type_name(value)}")
     for i, item in enumerate(value):
         if not isinstance(item, str):
-            raise TypeError(f"element {i}: expected a string, got {_type_name(item)}")
+            raise TypeError(f"element {i}: expected a string, got {type_name(item)}")
     return list(value)
 
 
@@ -205,7 +173,7 @@ def _mapping_factory(converter: cattrs.Converter) -> Any:
 
         def hook(value: object, t: type) -> object:
             if not isinstance(value, dict):
-                raise TypeError(f"expected a mapping, got {_type_name(value)}")
+                raise TypeError(f"expected a mapping, got {type_name(value)}")
             return inner(value, t)
 
         return hook
@@ -216,7 +184,7 @@ def _mapping_factory(converter: cattrs.Converter) -> Any:
 def _make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True)
     for scalar in (bool, int, float, str):
-        converter.register_structure_hook(scalar, _scalar_hook(scalar))
+        converter.register_structure_hook(scalar, scalar_hook(scalar))
     converter.register_structure_hook_func(lambda t: t == list[str], _str_list)
     converter.register_structure_hook_func(_is_enum, _enum_hook)
     converter.register_structure_hook_factory(attrs.has, _mapping_factory(converter))
@@ -252,7 +220,7 @@ def _structure(data: object, source: str) -> CoordinatorConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: $: expected a mapping, got {_type_name(data)}")
+        raise ConfigError(f"{source}: $: expected a mapping, got {type_name(data)}")
     try:
         return _converter.structure(data, CoordinatorConfig)
     except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
@@ -396,7 +364,7 @@ def load_coordinator_config(
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: $: expected a mapping, got {_type_name(data)}")
+        raise ConfigError(f"{source}: $: expected a mapping, got {type_name(data)}")
     merged = {**data, **{k: v for k, v in (overrides or {}).items() if v is not None}}
     config = _structure(merged, source)
     errors = validate(config)

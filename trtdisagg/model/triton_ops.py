@@ -173,10 +173,15 @@ class TritonOps(TorchOps):
     name = "triton"
     graph_safe = True
 
-    def __init__(self, tiles: AttentionTiles | None = None) -> None:
+    def __init__(
+        self, tiles: AttentionTiles | None = None, *, decode_gemm_kernel: bool = False
+    ) -> None:
         super().__init__()
         self.tiles = tiles or AttentionTiles()
-        self.gemms = SkinnyGemms()  # decode-sized weight GEMMs, per shape where they win
+        # Decode-sized weight GEMMs through the skinny kernel, for the shapes where `warm_up`
+        # timed it faster (with `decode_gemm_kernel`), else cuBLAS.
+        self.decode_gemm_kernel = decode_gemm_kernel
+        self.gemms = SkinnyGemms()
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -333,7 +338,7 @@ class TritonOps(TorchOps):
                 q, k, v, cos=cos, sin=sin, cache=cache, layer=0, slot_mapping=slots
             )
         self.warm_up_attention(q, cache)
-        if not _INTERPRET:  # (the interpreter times nothing worth choosing by)
+        if self.decode_gemm_kernel and not _INTERPRET:  # (the interpreter times nothing)
             self.choose_gemms(model)
 
     def choose_gemms(self, model: CausalLM) -> None:
