@@ -11,8 +11,8 @@ projection the kernel reads the gate/up GEMM's output and applies SiLU-and-mul a
 with the rounding of the separate kernel (`TritonOps.silu_mul`), which then does not run.
 
 `SkinnyGemms.choose` times the candidate configurations of a weight shape against cuBLAS (with
-`triton.testing.do_bench`, which flushes L2 between runs, so weights come from HBM as in a step)
-and keeps the fastest if it beats cuBLAS by `MIN_GAIN`; CUDA only. The kernel's row count is kept
+L2 flushed before each run, so the weights come from HBM as in a step) and keeps the fastest if
+it beats cuBLAS by `MIN_GAIN`; CUDA only. The kernel's row count is kept
 out of Triton's specialisation key, so one compiled variant serves 1..16 rows.
 """
 
@@ -99,6 +99,25 @@ def _skinny_kernel(
 
 
 KERNEL: Final = _skinny_kernel
+L2_FLUSH_BYTES: Final = 256 << 20  # written before each timed run: more than any GPU's L2
+TIMED_RUNS: Final = 20
+
+
+def _median_ms(fn: Callable[[], object], flush: torch.Tensor) -> float:
+    """Median CUDA time of `fn` over TIMED_RUNS runs (after 3 untimed), each from a cold L2."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(TIMED_RUNS):
+        flush.zero_()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[TIMED_RUNS // 2]
 
 
 @attrs.frozen
@@ -200,12 +219,13 @@ class SkinnyGemms:
         if weight.device.type != "cuda" or key in self._plans or weight.stride(1) != 1:
             return
         from triton.runtime.errors import OutOfResources  # type: ignore[import-not-found, unused-ignore]
-        from triton.testing import do_bench  # type: ignore[import-not-found, unused-ignore]
 
         x = torch.randn(MAX_ROWS, 2 * k if silu_x else k, device=weight.device, dtype=weight.dtype)
 
+        flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=weight.device)
+
         def time_ms(fn: Callable[[], object]) -> float:
-            return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
+            return _median_ms(fn, flush)
 
         cublas_ms = time_ms(lambda: F.linear(silu_mul(x) if silu_mul else x, weight))
         timed = []
