@@ -183,12 +183,13 @@ class SkinnyGemms:
     def __init__(self) -> None:
         # (n, k, silu_x, device) -> the plan, or None: cuBLAS is as fast
         self._plans: dict[tuple[int, int, bool, torch.device], _Plan | None] = {}
+        self._in_use = False  # some shape has a plan (else `linear` looks nothing up)
         # (n, k, silu_x) -> (cuBLAS ms, the fastest configuration's ms), as `choose` timed them
         self.timings: dict[tuple[int, int, bool], tuple[float, float]] = {}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, *, silu_x: bool = False):
         """x W^T through the kernel where it was chosen for this shape, else None."""
-        if x.shape[0] > MAX_ROWS or x.stride(1) != 1:
+        if not self._in_use or x.shape[0] > MAX_ROWS or x.stride(1) != 1:
             return None
         plan = self._plans.get((*weight.shape, silu_x, weight.device))
         return None if plan is None else launch(x, weight, plan, silu_x=silu_x)
@@ -200,6 +201,7 @@ class SkinnyGemms:
         if k % (config.block_k * config.split_k):
             raise ValueError(f"{config} does not split K = {k} evenly")
         self._plans[(n, k, silu_x, weight.device)] = _Plan.allocate(config, n, weight.device)
+        self._in_use = True
 
     def chosen(self) -> dict[tuple[int, int, bool], GemmConfig | None]:
         return {key[:3]: None if p is None else p.config for key, p in self._plans.items()}
@@ -238,4 +240,5 @@ class SkinnyGemms:
                 continue
         best_ms, best = min(timed, key=lambda t: t[0], default=(cublas_ms, None))
         self._plans[key] = best if best_ms < cublas_ms * (1 - MIN_GAIN) else None
+        self._in_use = self._in_use or self._plans[key] is not None
         self.timings[key[:3]] = (cublas_ms, best_ms)
