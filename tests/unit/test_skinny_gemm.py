@@ -58,3 +58,18 @@ def test_unchosen_shapes_and_large_steps_stay_on_cublas() -> None:
     assert gemms.chosen() == {}
     assert gemms.linear(torch.randn(4, 64), w) is None
     assert gemms.linear(torch.randn(MAX_ROWS + 1, 64), w) is None
+
+
+def test_a_shape_put_on_the_kernel_runs_there_up_to_16_rows() -> None:
+    gemms = SkinnyGemms()
+    w = torch.randn(32, 64)
+    with pytest.raises(ValueError, match="does not split K = 64"):
+        gemms.use(w, GemmConfig(block_n=16, block_k=48, split_k=1))
+    gemms.use(w, GemmConfig(block_n=16, block_k=16, split_k=2))
+    x = torch.randn(MAX_ROWS, 64)
+    got = gemms.linear(x, w)
+    assert got is not None
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-4, atol=1e-4)
+    assert gemms.linear(torch.randn(MAX_ROWS + 1, 64), w) is None  # cuBLAS's
+    assert gemms.linear(x[:, :32], torch.randn(32, 32)) is None  # another shape
+    assert gemms.chosen() == {(32, 64, False): GemmConfig(block_n=16, block_k=16, split_k=2)}
