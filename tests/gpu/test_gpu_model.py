@@ -117,19 +117,28 @@ def test_norm_and_silu_kernels_match_torch() -> None:
 
 @pytest.mark.parametrize(("n", "k", "silu_x"), [(6144, 4096, False), (4096, 14336, True)])
 def test_skinny_gemm_kernel_matches_cublas(n: int, k: int, silu_x: bool) -> None:
-    """Every candidate configuration of a Llama-3.1-8B weight shape, at 1 and 16 rows."""
+    """Every candidate configuration of a Llama-3.1-8B weight shape that this GPU can launch
+    (`choose` skips the others too), at 1 and 16 rows."""
+    from triton.runtime.errors import OutOfResources
+
     from trtdisagg.model.skinny_gemm import _Plan, candidates, launch
 
     torch.manual_seed(2)
     weight = torch.randn(n, k, device=CUDA, dtype=BF16) * 0.02
     ref = TorchOps()
+    launched = 0
     for config in candidates(n, k):
         plan = _Plan.allocate(config, n, CUDA)
         for rows in (1, 16):
             x = torch.randn(rows, 2 * k if silu_x else k, device=CUDA, dtype=BF16)
             want = ref.silu_mul_linear(x, weight) if silu_x else ref.linear(x, weight)
-            got = launch(x, weight, plan, silu_x=silu_x)
+            try:
+                got = launch(x, weight, plan, silu_x=silu_x)
+            except OutOfResources:
+                break
+            launched += 1
             assert rel_err(got, want) < 8e-3, (config, rows)
+    assert launched >= len(candidates(n, k))  # most of them, at two row counts each
 
 
 def make_pool(layout: Layout, tpb: int, heads: int, dim: int, blocks: int = 512) -> KVCache:
