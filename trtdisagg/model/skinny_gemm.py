@@ -152,6 +152,7 @@ class _Plan:
     config: GemmConfig
     partials: torch.Tensor  # float32 [N, split_k, MAX_ROWS]
     arrivals: torch.Tensor  # int32 [programs along N], zero between launches
+    spilled: bool = False  # its compiled variant spills registers (seen at a launch)
 
     @classmethod
     def allocate(cls, config: GemmConfig, n: int, device: torch.device) -> _Plan:
@@ -169,11 +170,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, plan: _Plan, *, silu_x: bool) 
     assert rows <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     c = plan.config
-    _skinny_kernel[(triton.cdiv(n, c.block_n), c.split_k)](
+    compiled = _skinny_kernel[(triton.cdiv(n, c.block_n), c.split_k)](
         x, weight, y, plan.partials, plan.arrivals, rows, n, k, x.stride(0), weight.stride(0),
         y.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k,
         SILU_X=silu_x, num_warps=c.warps, num_stages=c.stages,
     )  # fmt: skip
+    plan.spilled = plan.spilled or getattr(compiled, "n_spills", 0) > 0  # (none interpreted)
     return y
 
 
@@ -235,9 +237,11 @@ class SkinnyGemms:
             plan = _Plan.allocate(config, n, weight.device)
             run = functools.partial(launch, x, weight, plan, silu_x=silu_x)
             try:
-                timed.append((time_ms(run), plan))
+                ms = time_ms(run)
             except OutOfResources:  # a GPU with less shared memory than the candidates assume
                 continue
+            if not plan.spilled:  # (a variant that spills registers is slow, or soon will be)
+                timed.append((ms, plan))
         best_ms, best = min(timed, key=lambda t: t[0], default=(cublas_ms, None))
         self._plans[key] = best if best_ms < cublas_ms * (1 - MIN_GAIN) else None
         self._in_use = self._in_use or self._plans[key] is not None
