@@ -12,8 +12,8 @@ with the rounding of the separate kernel (`TritonOps.silu_mul`), which then does
 
 `SkinnyGemms.choose` times the candidate configurations of a weight shape against cuBLAS (with
 L2 flushed before each run, so the weights come from HBM as in a step) and keeps the fastest if
-it beats cuBLAS by `MIN_GAIN`; CUDA only. The kernel's row count is kept
-out of Triton's specialisation key, so one compiled variant serves 1..16 rows.
+it beats cuBLAS by `MIN_GAIN`; CUDA only. The kernel's row count is kept out of Triton's
+specialisation key, so one compiled variant serves 1..16 rows.
 """
 
 from __future__ import annotations
@@ -225,19 +225,14 @@ class SkinnyGemms:
         from triton.runtime.errors import OutOfResources  # type: ignore[import-not-found, unused-ignore]
 
         x = torch.randn(MAX_ROWS, 2 * k if silu_x else k, device=weight.device, dtype=weight.dtype)
-
         flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=weight.device)
-
-        def time_ms(fn: Callable[[], object]) -> float:
-            return _median_ms(fn, flush)
-
-        cublas_ms = time_ms(lambda: F.linear(silu_mul(x) if silu_mul else x, weight))
+        cublas_ms = _median_ms(lambda: F.linear(silu_mul(x) if silu_mul else x, weight), flush)
         timed = []
         for config in candidates(n, k):
             plan = _Plan.allocate(config, n, weight.device)
             run = functools.partial(launch, x, weight, plan, silu_x=silu_x)
             try:
-                ms = time_ms(run)
+                ms = _median_ms(run, flush)
             except OutOfResources:  # a GPU with less shared memory than the candidates assume
                 continue
             if not plan.spilled:  # (a variant that spills registers is slow, or soon will be)
