@@ -34,8 +34,8 @@ from trtdisagg.model.parallel import Parallel
 from trtdisagg.model.rope import apply_rope
 
 DecodeAttention = Callable[[torch.Tensor, KVCache, int, DecodeMeta], torch.Tensor]
-WeightGemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, W) -> x W^T
 """Batched decode attention: q [S, heads, D] of single-token sequences -> [S, heads, D]."""
+WeightGemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, W) -> x W^T
 
 
 def causal_mask(seq: SeqSlice, device: torch.device) -> torch.Tensor | None:

@@ -343,7 +343,10 @@ class TritonOps(TorchOps):
 
     def choose_gemms(self, model: CausalLM) -> None:
         """Time the skinny GEMM kernel against cuBLAS for each weight shape of `model`, keeping
-        it where it wins (compiling the variants it keeps, and those it tried)."""
+        it where it wins (compiling the variants it keeps, and those it tried). Once: warm-up
+        runs again before graphs are captured."""
+        if self.gemms.timings:
+            return
         block = model.decoder_layers[0]
         attn, mlp = block.self_attn, block.mlp
         assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
