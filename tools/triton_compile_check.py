@@ -11,7 +11,7 @@ non-zero when a variant fails to compile or spills.
     python tools/triton_compile_check.py --kernels paged --long-rows 64 --block-n 128
     python tools/triton_compile_check.py --skinny           # every skinny GEMM candidate, 8B
 
-With `--skinny` a variant also fails when it needs more shared memory than an H100/H200 SM has.
+A variant also fails when it needs more shared memory than an H100/H200 SM has.
 """
 
 from __future__ import annotations
@@ -130,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         if key in seen:
             continue
         seen.add(key)
-        shown = {k: v for k, v in call_kwargs.items() if k.isupper() and "BLOCK" not in k}
         keys = ("NUM_SPLITS", "HAS_LONG", "HAS_RESIDUAL", "SPLIT_K", "SILU_X")
         shown = {
             k: v for k, v in call_kwargs.items() if k in keys or (args.skinny and "BLOCK" in k)
         }
         label = f"{name} {shown} warps={call_kwargs.get('num_warps')}"
+        if args.skinny:
+            label += f" stages={call_kwargs.get('num_stages')}"
         start = time.perf_counter()
         try:
             packed = jit._pack_args(backend, kwargs, bound, specialization, options)
