@@ -348,7 +348,7 @@ def gemm_only_fn(model: CausalLM, size: int, ops: TorchOps | None = None) -> Cal
             attn, mlp = block.self_attn, block.mlp
             assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
             qkv = linear(h, attn.qkv_weight)
-            h = linear(qkv[:, : attn.o_proj.weight.shape[1]].contiguous(), attn.o_proj.weight)
+            h = linear(qkv[:, : attn.o_proj.weight.shape[1]], attn.o_proj.weight)
             h = down(linear(h, mlp.gate_up_weight), mlp.down_proj.weight)
         return linear(h, lm_head.weight)
 
