@@ -14,8 +14,11 @@ Per run: output tok/s, TTFT and TPOT p50/p99, and the device's busy fraction ove
 part (first request's end to last submission): the step device-time counter
 (`trtdisagg_step_device_seconds_total`: CUDA events around each step's forward and sampling; on
 CPU the forward's wall time) divided by wall time, read in-process offline and from /metrics
-over HTTP. Ratios printed last: HTTP / offline throughput, TTFT p50 at concurrency 1 / (prefill
-+ decode step), TPOT p50 at concurrency 1 / decode floor (CUDA) and / decode step.
+over HTTP. Also per run, from the step counters' increase: the mean device time of a decode-only
+step and of a step that computed prompt tokens (`trtdisagg_prefill_steps_total`), and the share
+of device time in the latter. Ratios printed last: HTTP / offline throughput, TTFT p50 at
+concurrency 1 / (prefill + decode step), TPOT p50 at concurrency 1 / decode floor (CUDA) and /
+decode step.
 
     python tools/bench_engine.py --config conf/gpu/worker.yaml --concurrency 1,16,64 \\
         --input-len 512 --output-len 128 --prefill-lens 8192
@@ -122,7 +125,47 @@ def concurrencies(args: argparse.Namespace) -> list[int]:
     return [int(c) for c in args.concurrency.split(",") if c]
 
 
-def summary(records: Sequence[RequestRecord], busy: float | None) -> dict[str, Any]:
+STEP_COUNTERS = {
+    "steps": "trtdisagg_steps_total",
+    "device_s": "trtdisagg_step_device_seconds_total",
+    "prefill_steps": "trtdisagg_prefill_steps_total",
+    "prefill_device_s": "trtdisagg_prefill_step_device_seconds_total",
+}
+
+
+def parse_counters(metrics_text: str) -> dict[str, float]:
+    """STEP_COUNTERS' values in a /metrics page (0 for one it lacks)."""
+    values = dict.fromkeys(STEP_COUNTERS, 0.0)
+    names = {name: key for key, name in STEP_COUNTERS.items()}
+    for line in metrics_text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[names[name]] = float(value)
+    return values
+
+
+def step_times(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean device ms of decode-only steps and of steps with prompt tokens between two counter
+    readings, and the latter's share of the device time."""
+    d = {key: after[key] - before[key] for key in STEP_COUNTERS}
+    decode_steps = d["steps"] - d["prefill_steps"]
+    decode_s = d["device_s"] - d["prefill_device_s"]
+    return {
+        "decode_steps": decode_steps,
+        "prefill_steps": d["prefill_steps"],
+        "decode_step_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
+        "prefill_step_ms": 1e3 * d["prefill_device_s"] / d["prefill_steps"]
+        if d["prefill_steps"]
+        else None,
+        "prefill_share": d["prefill_device_s"] / d["device_s"] if d["device_s"] else None,
+    }
+
+
+def summary(
+    records: Sequence[RequestRecord],
+    busy: float | None,
+    steps: dict[str, float | None] | None = None,
+) -> dict[str, Any]:
     starts = [r.start_s for r in records]
     ends = [r.start_s + (r.e2e_s or 0.0) for r in records]
     duration = max(ends) - min(starts) if records else 0.0
@@ -136,6 +179,7 @@ def summary(records: Sequence[RequestRecord], busy: float | None) -> dict[str, A
         "ttft_ms": {"p50": s.ttft_ms.p50, "p99": s.ttft_ms.p99},
         "tpot_ms": {"p50": s.tpot_ms.p50, "p99": s.tpot_ms.p99},
         "device_busy": busy,
+        "steps": steps or {},
     }
 
 
@@ -156,12 +200,18 @@ def run_offline_phase(args: argparse.Namespace) -> dict[str, Any]:
     lens = [int(n) for n in args.prefill_lens.split(",") if n]
     probes = probe_steps(llm, args.input_len, vocab, prefill_lens=lens)
     out["probes"] = probes | probe_device(llm, args.input_len)
+    registry = llm.executor.metrics.registry
+
+    def counters() -> dict[str, float]:
+        return {k: registry.get_sample_value(n) or 0.0 for k, n in STEP_COUNTERS.items()}
+
     runs = {}
     for c in concurrencies(args):
         warm, measured = workload(args, c)
         trio.run(offline_loop, llm, warm, min(c, len(warm)))
+        before = counters()
         records, timeline = trio.run(offline_loop, llm, measured, c)
-        runs[str(c)] = summary(records, timeline.busy())
+        runs[str(c)] = summary(records, timeline.busy(), step_times(before, counters()))
     out["runs"] = runs
     return out
 
@@ -186,12 +236,11 @@ async def http_runs(args: argparse.Namespace, url: str) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=url, timeout=None) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
 
+        async def counters() -> dict[str, float]:
+            return parse_counters((await client.get("/metrics")).text)
+
         async def device_seconds() -> float:
-            text = (await client.get("/metrics")).text
-            for line in text.splitlines():
-                if line.startswith("trtdisagg_step_device_seconds_total "):
-                    return float(line.split()[1])
-            return 0.0
+            return (await counters())["device_s"]
 
         for c in concurrencies(args):
             config = BenchConfig(base_url=url, model=model, concurrency=c, progress=False)
@@ -199,10 +248,12 @@ async def http_runs(args: argparse.Namespace, url: str) -> dict[str, Any]:
             t0 = time.perf_counter()
             send = make_sender(client, config, model, lambda t0=t0: t0)
             await closed_loop(send, warm, min(c, len(warm)), device_seconds, every_s=1.0)
+            before = await counters()
             t0 = time.perf_counter()
             send = make_sender(client, config, model, lambda t0=t0: t0)
             records, timeline = await closed_loop(send, measured, c, device_seconds, every_s=0.25)
-            runs[str(c)] = summary(records, timeline.busy())
+            steps = step_times(before, await counters())
+            runs[str(c)] = summary(records, timeline.busy(), steps)
     return runs
 
 
@@ -280,17 +331,20 @@ def table(result: dict[str, Any]) -> str:
         f"bench_engine {result['label']}  model={result['config'].get('model')} "
         f"in={result['input_len']} out={result['output_len']}",
         f"{'mode':8} {'c':>4} {'tok/s':>9} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} "
-        f"{'p99':>7} {'busy':>6} {'fail':>5}",
+        f"{'p99':>7} {'busy':>6} {'fail':>5} {'decode ms':>9} {'prefill ms':>10} {'share':>6}",
     ]
     for mode in ("offline", "http"):
         runs = result.get(mode, {})
         runs = runs.get("runs", {}) if mode == "offline" else runs
         for c, r in runs.items():
+            steps = r.get("steps", {})
+            prefill_ms, share = steps.get("prefill_step_ms"), steps.get("prefill_share")
             lines.append(
                 f"{mode:8} {c:>4} {cell(r['output_tok_s']):>9} {cell(r['ttft_ms']['p50'], 2):>9} "
                 f"{cell(r['ttft_ms']['p99'], 2):>8} {cell(r['tpot_ms']['p50'], 2):>9} "
                 f"{cell(r['tpot_ms']['p99'], 2):>7} {cell(r['device_busy'], 2):>6} "
-                f"{r['failed']:>5}"
+                f"{r['failed']:>5} {cell(steps.get('decode_step_ms'), 3):>9} "
+                f"{cell(prefill_ms, 3):>10} {cell(share, 2):>6}"
             )
     for name, value in result.get("offline", {}).get("probes", {}).items():
         lines.append(f"  {name}: {value:.4g}")

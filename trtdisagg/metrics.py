@@ -52,6 +52,8 @@ class WorkerMetrics:
     step_failures: Counter
     steps: Counter
     step_device_seconds: Counter
+    prefill_steps: Counter
+    prefill_step_device_seconds: Counter
     kv_sends_released: Counter
     faults_injected: Counter
     event_loop_lag: Histogram
@@ -114,6 +116,18 @@ class WorkerMetrics:
                 p + "step_device_seconds",
                 "Device time of the model steps' forward and sampling (CUDA events; on CPU the "
                 "forward's wall time): its rate is the device's busy fraction",
+                registry=r,
+            ),
+            # Steps that carry prompt tokens cost a decode step's weight reads plus the prompt's
+            # FLOPs; the decode-only steps' mean is the rest of the two totals.
+            prefill_steps=Counter(
+                p + "prefill_steps",
+                "Model steps that computed prompt tokens (alone or beside decode rows)",
+                registry=r,
+            ),
+            prefill_step_device_seconds=Counter(
+                p + "prefill_step_device_seconds",
+                "The device time (as trtdisagg_step_device_seconds) of those steps",
                 registry=r,
             ),
             kv_sends_released=Counter(

@@ -34,6 +34,11 @@ def test_a_small_run_reports_both_paths(tmp_path: Path) -> None:
         for run in runs.values():
             assert run["completed"] == 12 and run["failed"] == 0
             assert run["output_tok_s"] > 0 and run["tpot_ms"]["p50"] > 0
+            # 12 prompts of 32 tokens, each prefilled in one step (max_num_tokens 512), then 23
+            # tokens each from decode-only steps (at most 4 rows a step).
+            steps = run["steps"]
+            assert 1 <= steps["prefill_steps"] <= 12 and steps["decode_steps"] >= 12 * 23 / 4
+            assert steps["decode_step_ms"] > 0 and 0 < steps["prefill_share"] < 1
     busy = doc["offline"]["runs"]["1"]["device_busy"]  # c=4 has too few waves for a window
     assert busy is not None and 0 < busy <= 1.05
     probes = doc["offline"]["probes"]

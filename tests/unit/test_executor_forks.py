@@ -77,6 +77,12 @@ async def test_the_prompt_is_prefilled_once(model: TinyModel, nursery: trio.Nurs
     await run_group(executor, [1, 2, 3, 4], temperature=1.0, max_tokens=20)
     assert counter(executor, "trtdisagg_prefill_tokens_total") == len(PROMPT)
     assert counter(executor, "trtdisagg_prompt_tokens_total") == len(PROMPT)
+    # Steps that computed prompt tokens are counted apart from decode-only ones, with their time.
+    prefill_steps = counter(executor, "trtdisagg_prefill_steps_total")
+    assert prefill_steps == 1  # the prompt fits one step (max_num_tokens 256)
+    assert counter(executor, "trtdisagg_steps_total") - prefill_steps >= 19  # 20 tokens each
+    busy = counter(executor, "trtdisagg_step_device_seconds_total")
+    assert 0 < counter(executor, "trtdisagg_prefill_step_device_seconds_total") < busy
     await assert_idle(executor)
 
 

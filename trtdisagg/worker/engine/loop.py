@@ -257,6 +257,9 @@ class StepLoop:
         self.metrics.steps.inc()
         self.metrics.prefill_tokens.inc(in_flight.prefill_tokens)
         self.metrics.step_device_seconds.inc(out.device_s)
+        if in_flight.prefill_tokens:
+            self.metrics.prefill_steps.inc()
+            self.metrics.prefill_step_device_seconds.inc(out.device_s)
         self._respond(out)
 
     def _respond(self, out: StepOutput) -> None:
