@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,41 +20,9 @@ import attrs
 import httpx
 import yaml
 
+from trtdisagg.free_ports import free_port
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-_HANDED_OUT: set[int] = set()
-_PORTS_BELOW_EPHEMERAL = 12000
-
-
-def _first_ephemeral_port() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range and never handed out before here.
-
-    A port the kernel picked for us (bind to 0) is an ephemeral one: until the server binds it,
-    seconds later, any client socket of any process may be given it as its local port, and the
-    server then fails with EADDRINUSE. Below that range only explicit binds take ports."""
-    high = _first_ephemeral_port()
-    low = max(1024, high - _PORTS_BELOW_EPHEMERAL)
-    rng = random.SystemRandom()
-    for _ in range(1000):
-        port = rng.randrange(low, high)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    raise RuntimeError(f"no free port in [{low}, {high})")
 
 
 @attrs.define(eq=False)

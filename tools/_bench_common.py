@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import socket
 import sys
 import time
 import zlib
@@ -162,13 +161,6 @@ class RequestRecord:
         out["itl_s"] = [round(x, 6) for x in self.itl_s]
         out["tpot_s"] = self.tpot_s
         return out
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a server a tool starts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def percentile(values: Sequence[float], q: float) -> float:

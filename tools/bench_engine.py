@@ -47,11 +47,12 @@ from _bench_common import (
     LengthRange,
     RequestRecord,
     Slo,
-    free_port,
     make_requests,
     summarize,
     write_result,
 )
+
+from trtdisagg.free_ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -45,7 +45,8 @@ import attrs
 import httpx
 import trio
 import yaml
-from _bench_common import free_port
+
+from trtdisagg.free_ports import free_port
 
 # The fake workers are the tests' (tests/fake_worker.py), imported from the repository root.
 REPO = Path(__file__).resolve().parent.parent

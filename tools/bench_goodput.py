@@ -62,6 +62,8 @@ from _goodput_core import CONF_SETS, WORKLOADS, Point, Workload, gpus_of, next_r
 from _goodput_point import Watch, bench_config, measure, point_of
 from headline import nvidia_smi, running_cluster, server_infos, worker_urls
 
+from trtdisagg.free_ports import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf" / "gpu"
 STOP_RESERVE_S = 20.0  # stopping a cluster, and writing the files
@@ -82,14 +84,14 @@ def cluster_file(stem: str, args: argparse.Namespace, run_dir: Path) -> tuple[Pa
             worker["model"] = args.model
         if args.cpu_smoke:  # others' tests may hold the file's ports here
             worker.update(
-                device="cpu", dtype="float32", max_seq_len=4096, cpu_threads=1, port=bc.free_port()
+                device="cpu", dtype="float32", max_seq_len=4096, cpu_threads=1, port=free_port()
             )
             worker["kv_cache_config"] = {"tokens_per_block": 16, "max_tokens": 32768}
             if "cache_transceiver_config" in worker:  # a progress thread would spin a core
                 transfer = {**worker["cache_transceiver_config"], "nixl_progress_thread": False}
                 worker["cache_transceiver_config"] = transfer
     if args.cpu_smoke:
-        data["coordinator"]["port"] = bc.free_port()
+        data["coordinator"]["port"] = free_port()
     path = run_dir / "cluster.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path, data

@@ -39,9 +39,10 @@ import attrs
 import httpx
 import trio
 import yaml
-from _bench_common import free_port, percentile
+from _bench_common import percentile
 
 from trtdisagg.coordinator.split import ctx_request, gen_request, parse_ctx_response
+from trtdisagg.free_ports import free_port
 
 START_TIMEOUT_S: Final = 180.0
 PATHS: Final = ("direct", "manual", "coordinator")

@@ -43,7 +43,8 @@ from typing import Any
 
 import httpx
 import yaml
-from _bench_common import free_port
+
+from trtdisagg.free_ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "tools" / "bench_serving.py"

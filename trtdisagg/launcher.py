@@ -49,7 +49,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -63,6 +62,7 @@ import yaml
 
 from trtdisagg.config import ConfigError, WorkerConfig, read_yaml, structure
 from trtdisagg.coordinator.config import coordinator_config_from_dict
+from trtdisagg.free_ports import free_port, is_free
 from trtdisagg.membership.embedded import EtcdNotInstalled, etcd_args, etcd_binary
 from trtdisagg.membership.records import check_cluster_name, check_etcd_url
 from trtdisagg.security.secret import ENV_VAR
@@ -123,10 +123,13 @@ class ClusterPlan:
     """A worker's config sets its cluster secret: none is generated for the run."""
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+def _next_free_port(host: str, after: int, used: set[int], where: str, source: str) -> int:
+    """The first port after `after` that no other process of the cluster is given and that no
+    process on this host holds now."""
+    for port in range(after + 1, 65536):
+        if port not in used and is_free(host, port):
+            return port
+    raise ConfigError(f"{source}: {where}.port: no free port after {after} on {host}")
 
 
 def _membership(data: Json, *, host: str, log_dir: Path, source: str) -> tuple[Json, Child | None]:
@@ -143,7 +146,7 @@ def _membership(data: Json, *, host: str, log_dir: Path, source: str) -> tuple[J
         binary = etcd_binary()
     except EtcdNotInstalled as exc:
         raise ConfigError(f"{source}: $.etcd: embedded: {exc}") from None
-    client_port, peer_port = _free_port(host), _free_port(host)
+    client_port, peer_port = free_port(host), free_port(host)
     args = etcd_args(
         binary, data_dir=log_dir / "etcd-data", client_port=client_port, peer_port=peer_port,
         host=host,
@@ -220,7 +223,9 @@ def plan_cluster(data: object, *, source: str, root: Path) -> tuple[ClusterPlan,
             worker = _entry(item, where=where, source=source, root=root)
             worker.setdefault("host", host)
             if "port" not in worker:
-                worker["port"] = next(p for p in range(coord_port + 1, 65536) if p not in used)
+                worker["port"] = _next_free_port(
+                    str(worker["host"]), coord_port, used, where, source
+                )
             worker["role"] = role
             if membership is not None:
                 worker.setdefault("cluster", membership)
