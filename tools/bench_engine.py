@@ -24,7 +24,9 @@ decode step.
         --input-len 512 --output-len 128 --prefill-lens 8192
     python tools/bench_engine.py --model tiny --concurrency 1,32 --input-len 128 --output-len 128
 
-The result JSON goes to --result-json, else to $OUT/bench_engine.json when $OUT is set.
+The result JSON goes to --result-json, else to $OUT/bench_engine.json when $OUT is set; the HTTP
+worker's log (its start-up choices, e.g. `decode_gemm_kernel`'s) to --worker-log, else to
+$OUT/bench_engine_worker.log when $OUT is set.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--label", default="")
     p.add_argument("--result-json", type=Path)
+    p.add_argument(
+        "--worker-log", type=Path,
+        help="the HTTP worker's log (default: $OUT/bench_engine_worker.log when OUT is set)",
+    )  # fmt: skip
     p.add_argument("--phase", choices=["offline"], help=argparse.SUPPRESS)
     p.add_argument("--phase-out", type=Path, help=argparse.SUPPRESS)
     return p
@@ -263,7 +269,9 @@ def http(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         config_path = Path(tmp) / "worker.yaml"
         config_path.write_text(yaml.safe_dump({**worker_config(args), "port": port}))
-        log_path = Path(tmp) / "worker.log"
+        log_path = args.worker_log or Path(tmp) / "worker.log"
+        if args.worker_log is None and os.environ.get("OUT"):
+            log_path = Path(os.environ["OUT"]) / "bench_engine_worker.log"
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path}
         with open(log_path, "wb") as log:

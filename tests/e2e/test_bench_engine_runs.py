@@ -28,6 +28,7 @@ def test_a_small_run_reports_both_paths(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((tmp_path / "bench_engine.json").read_text())
     assert doc["config"]["max_num_tokens"] == 512
+    assert "worker ready" in (tmp_path / "bench_engine_worker.log").read_text()
     for mode in ("offline", "http"):
         runs = doc[mode]["runs"] if mode == "offline" else doc[mode]
         assert set(runs) == {"1", "4"}
