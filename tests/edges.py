@@ -80,7 +80,10 @@ def running_cluster(
 ) -> Iterator[Cluster]:
     """ctx and gen workers (`worker` overrides both, `gen_worker` gen only) and a coordinator.
 
-    `env` is added to every process's environment, `worker_env` to the workers' only.
+    `env` is added to every process's environment, `worker_env` to the workers' only. The
+    coordinator polls health at its default interval: the suite's clusters idle most of their
+    lives, and faster polling costs CPU that the other tests wait for. Tests that need a dead
+    worker noticed quickly set `health_check_interval` in `coordinator`.
     """
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -105,7 +108,6 @@ def running_cluster(
                 "port": port,
                 "context_servers": {"urls": [servers["ctx"].url]},
                 "generation_servers": {"urls": [servers["gen"].url]},
-                "health_check_interval": 0.2,
                 "server_start_timeout": 60,
                 "request_timeout": 60,
                 **(coordinator or {}),

@@ -61,7 +61,7 @@ def generation_first_coordinator(cluster: Cluster, tmp: Path) -> Iterator[Server
         "hostname": "127.0.0.1", "port": port, "schedule_style": "generation_first",
         "context_servers": {"urls": [cluster.ctx.url]},
         "generation_servers": {"urls": [cluster.gen.url]},
-        "health_check_interval": 0.2, "request_timeout": 60,
+        "request_timeout": 60,
     }  # fmt: skip
     path = tmp / "disagg.yaml"
     path.write_text(yaml.safe_dump(config))
