@@ -9,9 +9,9 @@ python -m trtdisagg up [conf/local.yaml]
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -26,6 +26,9 @@ from trtdisagg.security.policy import (
     control_plane_mode,
 )
 from trtdisagg.security.secret import cluster_secret_of
+from trtdisagg.stop_signals import serve_until_signal
+
+log = logging.getLogger("trtdisagg")  # its stop lines: "received SIGTERM, stopping"
 
 
 def _setup_logging(level: str, prefix: str) -> None:
@@ -121,7 +124,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     died = False
     try:
-        trio.run(_until_terminated, serve_worker, config)
+        trio.run(serve_until_signal, functools.partial(serve_worker, config), log)
     except* (RankDied, FrontDied):
         died = True  # already logged, naming the process; a traceback would add nothing
     # Every service stopped and every rank was reaped in `serve_worker`. Tearing down the
@@ -131,24 +134,6 @@ def _run_worker(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if died else 0)
-
-
-async def _until_terminated(serve: object, config: object) -> None:
-    """Run a service until SIGTERM/SIGINT, then cancel it so its cleanup runs."""
-    async with trio.open_nursery() as nursery:
-
-        async def serve_then_stop() -> None:
-            await serve(config)  # type: ignore[operator]
-            nursery.cancel_scope.cancel()  # the service ended itself (a drain): so do we
-
-        nursery.start_soon(serve_then_stop)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                logging.getLogger("trtdisagg").info(
-                    "received %s, stopping", signal.Signals(signum).name
-                )
-                nursery.cancel_scope.cancel()
-                return
 
 
 def main(argv: Sequence[str] | None = None) -> int:

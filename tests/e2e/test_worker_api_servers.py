@@ -386,10 +386,14 @@ def test_a_killed_front_stops_the_worker_and_leaves_no_orphan(servers: Servers) 
 
 
 def test_stopping_the_worker_stops_its_fronts(servers: Servers) -> None:
+    """A second SIGTERM while it stops (a script or supervisor that signals again) is no kill:
+    the worker finishes stopping and exits 0."""
     server = servers.pair.ctx
     fronts = fronts_of(server)
     assert len(fronts) == 1, fronts
     server.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "received SIGTERM, stopping" in server.log(), 15, "the stop begun")
+    server.proc.send_signal(signal.SIGTERM)
     server.proc.wait(30)
-    assert server.proc.returncode == 0
+    assert server.proc.returncode == 0, server.log()[-3000:]
     wait_until(lambda: not alive(fronts[0]), 15, "the front gone")

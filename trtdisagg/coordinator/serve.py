@@ -14,7 +14,6 @@ healthy (or etcd read) → ``task_status.started(address)`` and a "ready" log.
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Final
@@ -31,6 +30,7 @@ from trtdisagg.coordinator.upstream import WorkerClient, make_http_client
 from trtdisagg.errors import StartupError
 from trtdisagg.ids import SnowflakeGenerator, derive_node_id
 from trtdisagg.loop_lag import watch_loop_lag
+from trtdisagg.stop_signals import serve_until_signal
 
 log = logging.getLogger("trtdisagg.coordinator")
 
@@ -106,21 +106,11 @@ def _first(exc: BaseException, cls: type[BaseException]) -> BaseException | None
     return None
 
 
-async def _until_signal(serve: Callable[[], Awaitable[None]]) -> None:
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("received %s, stopping", signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                return
-
-
 def run_service(serve: Callable[[], Awaitable[None]]) -> int:
     """`trio.run` one service until SIGINT/SIGTERM (0) or a start-up failure (logged, 3)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call
     try:
-        trio.run(_until_signal, serve)
+        trio.run(serve_until_signal, serve, log)
     except BaseException as exc:
         startup = _first(exc, StartupError)
         if startup is not None:
