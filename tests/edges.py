@@ -62,7 +62,7 @@ def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
         if proc.poll() is None:
             proc.terminate()
     for proc in procs:
-        stop(proc)  # already signalled: waits its grace, then kills
+        stop(proc)  # signals once more (a repeat must not cut a stop short), waits, kills
 
 
 @contextlib.contextmanager
