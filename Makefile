@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test lint venv clean system-deps
 
+# The venv and the system packages (system-deps, below) install side by side.
+MAKEFLAGS += --jobs=2
+
 venv: $(STAMP)
 
 # pip compiles what it installs one file at a time; compileall afterwards does the same work on
