@@ -13,20 +13,22 @@ MAKEFLAGS += --jobs=2
 
 venv: $(STAMP)
 
-# pip compiles what it installs one file at a time; compileall afterwards does the same work on
-# every core. Bytecode must be there before the first run: where PYTHONDONTWRITEBYTECODE is set,
-# every process would compile torch again. (pip, too, ignores the files that fail to compile.)
+# The installers leave bytecode out (pip with --no-compile, uv by default): compileall afterwards
+# does that work on every core. Bytecode must be there before the first run: where
+# PYTHONDONTWRITEBYTECODE is set, every process would compile torch again. (Files that fail to
+# compile are ignored, as pip ignores them.)
 # Left out: what no process here imports (pip, mypy's pure-Python copy, transformers' hundreds of
 # model families but the ones tests/oracle.py builds) and hypothesis, which pytest reads from
 # source to rewrite its asserts. That is a quarter of the bytes; a module left out still imports.
 NOT_IMPORTED := /(pip|mypy|mypyc|hypothesis)/|/transformers/models/(?!(auto|llama|mistral|qwen2|qwen3)/)[^/]+/
-# uv resolves and fetches the project's hundred-odd dependencies in parallel (13 s against pip's
-# 47-55 s on a 2-core machine, the same versions); pip still installs torch, since only pip reads
-# the local wheel that pip.conf's find-links point at, and takes over wherever uv fails.
+# uv resolves and fetches the project's hundred-odd dependencies in parallel, where pip takes
+# them one at a time (the same versions; docs/BENCHMARKS.md, the make test row). pip still installs
+# torch, since only pip reads the local wheel that pip.conf's find-links name, and takes over
+# wherever uv fails.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==2.13.0
-	@$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]' \
+	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]' \
 		|| $(PY) -m pip install -q --no-compile -e '.[dev]'
 	@$(PY) -m compileall -q -j 0 -x '$(NOT_IMPORTED)' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
 	@touch $(STAMP)
