@@ -14,6 +14,8 @@ Load shapes:
   --mixed                     a closed-loop stream of short-prompt, long-output requests plus a
                               Poisson stream of long-prompt requests; reported per class. The run
                               ends when the --num-requests long requests are done (or --duration).
+                              With --short-rate, the short requests arrive as a Poisson stream too
+                              (still at most --short-concurrency in flight).
 
     python tools/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 8 \\
         --num-requests 200 --input-len 512 --output-len 128 --result-json out/c8.json
@@ -101,6 +103,7 @@ class BenchConfig:
     short_input_len: LengthRange = _SHORT_INPUT_LEN
     short_output_len: LengthRange = _SHORT_OUTPUT_LEN
     short_concurrency: int = 4
+    short_rate: float | None = None  # None: the short stream is a closed loop
     long_input_len: LengthRange = _LONG_INPUT_LEN
     long_output_len: LengthRange = _LONG_OUTPUT_LEN
     long_rate: float = 0.5
@@ -394,6 +397,9 @@ async def run_measured(config: BenchConfig, send: Send, collector: Collector) ->
     short = Stream(
         requests=_requests("short", config, config.short_lengths, None),
         concurrency=config.short_concurrency,
+        arrivals=None
+        if config.short_rate is None
+        else iter_poisson_arrivals(config.short_rate, seed=config.seed, stream="arrivals/short"),
     )
     long = Stream(
         requests=_requests("long", config, config.long_lengths, config.num_requests),
@@ -494,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--short-input-len", default="64")
     p.add_argument("--short-output-len", default="256")
     p.add_argument("--short-concurrency", type=int, default=4)
+    p.add_argument(
+        "--short-rate", type=float, help="short-prompt requests per second (default: closed loop)"
+    )
     p.add_argument("--long-input-len", default="2048", help='"N" or "LO:HI"')
     p.add_argument("--long-output-len", default="16")
     p.add_argument("--long-rate", type=float, default=0.5, help="long-prompt requests per second")
@@ -524,7 +533,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         slo=Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), mixed=args.mixed,
         short_input_len=length(args.short_input_len),
         short_output_len=length(args.short_output_len), short_concurrency=args.short_concurrency,
-        long_input_len=length(args.long_input_len),
+        short_rate=args.short_rate, long_input_len=length(args.long_input_len),
         long_output_len=length(args.long_output_len), long_rate=args.long_rate,
         return_token_ids=not args.no_token_ids,
         perf_metrics=args.perf_metrics, tokenizer=args.tokenizer,

@@ -1,9 +1,9 @@
 """A long manual soak: mixed load for --duration seconds, then a leak check on every worker.
 
-The load is bench_serving's mixed mode (a closed loop of short-prompt, long-output requests plus
-Poisson long-prompt requests) at a moderate default rate, through --base-url (a coordinator, or
-one worker). After the load stops and drains, each --worker-url's /metrics must show every KV
-block either free or held by the prefix cache:
+The load is bench_serving's mixed mode (a closed loop of short-prompt, long-output requests, or
+Poisson arrivals of them with --short-rate, plus Poisson long-prompt requests) at a moderate
+default rate, through --base-url (a coordinator, or one worker). After the load stops and drains,
+each --worker-url's /metrics must show every KV block either free or held by the prefix cache:
 
     trtdisagg_kv_cache_free_blocks + trtdisagg_kv_cache_reusable_blocks
         == trtdisagg_kv_cache_total_blocks
@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--short-input-len", default="64")
     p.add_argument("--short-output-len", default="128")
     p.add_argument("--short-concurrency", type=int, default=2)
+    p.add_argument(
+        "--short-rate", type=float, help="short requests per second (default: a closed loop)"
+    )
     p.add_argument("--long-input-len", default="512:2048", help='"N" or "LO:HI"')
     p.add_argument("--long-output-len", default="16")
     p.add_argument("--long-rate", type=float, default=0.2, help="long-prompt requests per second")
@@ -160,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         slo=Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
         short_input_len=LengthRange.parse(args.short_input_len),
         short_output_len=LengthRange.parse(args.short_output_len),
-        short_concurrency=args.short_concurrency,
+        short_concurrency=args.short_concurrency, short_rate=args.short_rate,
         long_input_len=LengthRange.parse(args.long_input_len),
         long_output_len=LengthRange.parse(args.long_output_len), long_rate=args.long_rate,
         rss_pid=args.sample_rss_pid, label=args.label, progress=not args.no_progress,

@@ -298,6 +298,27 @@ async def test_cancelling_issuing_drains_in_flight(autojump_clock: trio.testing.
     assert len(collector.records) == 9
 
 
+async def test_mixed_run_paces_short_requests_at_their_rate(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """--short-rate: the short class arrives as Poisson at that rate instead of a closed loop
+    (here 2 per second, 0.5 s each, 8 slots: a closed loop would send 16 per second)."""
+    args = bs.build_parser().parse_args(
+        ["--mixed", "--short-rate", "2", "--short-concurrency", "8", "--long-rate", "0.5",
+         "--num-requests", "0", "--duration", "20"]
+    )  # fmt: skip
+    config = bs.config_from_args(args)
+    assert config.short_rate == 2.0
+    collector = bs.Collector(rss_pid=None, measuring=True)
+    log = {"in_flight": 0, "peak": 0}
+    start = trio.current_time()
+    await bs.run_measured(config, fake_sender(0.5, log), collector)
+    short = sorted(r.start_s - 0.5 - start for r in collector.records if r.cls == "short")
+    expected = [t for t in bc.poisson_arrivals(100, 2.0, seed=0, stream="arrivals/short") if t < 20]
+    assert short == pytest.approx(expected)
+    assert 25 <= len(short) <= 55  # about 40: the rate, not the slots, sets the count
+
+
 def test_collector_skips_warmup_records() -> None:
     c = bs.Collector(rss_pid=None)
     c.add(record())
