@@ -69,9 +69,10 @@ async def test_gen_finishes_on_the_notice_alone_which_carries_what_the_write_mov
         assert outcome.ok and outcome.first_tokens == (7, 9)
         assert outcome.num_bytes == len(src) * BLOCK_BYTES and outcome.num_descriptors == 1
         assert pair.gen_blocks(dst) == pair.ctx_blocks(src)
-        # gen may finish before ctx sends the result; ctx's own outcome comes after that send.
+        # gen may finish before ctx sends the result, and ctx's outcome may come before its
+        # DEALER takes the result (a send queued behind a full outbox goes out later).
         assert (await outcome_of(pair.ctx.check_context_transfer_status)).ok
-        assert pair.ctx_faults.statistics().rules[0].fired >= 1
+        await until(lambda: pair.ctx_faults.statistics().rules[0].fired >= 1, "the result dropped")
 
 
 async def test_a_gen_cancel_before_the_kv_is_ready_means_nothing_is_written(pair: Pair) -> None:
