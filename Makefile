@@ -10,17 +10,14 @@ STAMP := $(VENV)/.installed
 
 # The venv and the system packages (system-deps, below) install side by side.
 MAKEFLAGS += --jobs=2
+# Nothing compiles the dependencies ahead (the installers leave bytecode out): the first process
+# that imports a module writes its bytecode and later ones read it, so only what runs is compiled
+# (docs/BENCHMARKS.md, the make test row). Where PYTHONDONTWRITEBYTECODE is set, every process
+# the suite starts would compile torch again: it is not passed on.
+unexport PYTHONDONTWRITEBYTECODE
 
 venv: $(STAMP)
 
-# The installers leave bytecode out (pip with --no-compile, uv by default): compileall afterwards
-# does that work on every core. Bytecode must be there before the first run: where
-# PYTHONDONTWRITEBYTECODE is set, every process would compile torch again. (Files that fail to
-# compile are ignored, as pip ignores them.)
-# Left out: what no process here imports (pip, mypy's pure-Python copy, transformers' hundreds of
-# model families but the ones tests/oracle.py builds) and hypothesis, which pytest reads from
-# source to rewrite its asserts. That is a quarter of the bytes; a module left out still imports.
-NOT_IMPORTED := /(pip|mypy|mypyc|hypothesis)/|/transformers/models/(?!(auto|llama|mistral|qwen2|qwen3)/)[^/]+/
 # uv resolves and fetches the project's hundred-odd dependencies in parallel, where pip takes
 # them one at a time (the same versions; docs/BENCHMARKS.md, the make test row). pip still installs
 # torch, since only pip reads the local wheel that pip.conf's find-links name, and takes over
@@ -30,7 +27,6 @@ $(STAMP): pyproject.toml
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==2.13.0
 	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]' \
 		|| $(PY) -m pip install -q --no-compile -e '.[dev]'
-	@$(PY) -m compileall -q -j 0 -x '$(NOT_IMPORTED)' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
 	@touch $(STAMP)
 
 serve: $(STAMP)
@@ -55,10 +51,9 @@ system-deps:
 # so a module's cluster starts once; tests/conftest.py hands the slow modules out first.
 TEST_WORKERS ?= 2
 
-# compileall: where PYTHONDONTWRITEBYTECODE is set, every process the suite
-# starts would compile the package from source again; cached bytecode is still read.
-# mypy (one core, about 20 s from cold) runs beside the suite, which leaves a core idle much of
-# the time; its report follows the suite's, and either one failing fails `make test`.
+# compileall: the project's own modules compiled once on both cores, not by each of the suite's
+# first processes at the same time. mypy (one core) runs beside the suite, which leaves a core
+# idle much of the time; its report follows the suite's, and either one failing fails `make test`.
 test: $(STAMP) system-deps
 	$(PY) -m ruff check trtdisagg tests tools
 	$(PY) -m compileall -q -j 0 trtdisagg tests tools
