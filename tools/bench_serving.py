@@ -496,7 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-tpot-ms", type=float)
-    p.add_argument("--mixed", action="store_true", help="short closed loop + long Poisson stream")
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="short stream (closed loop or --short-rate) + long Poisson stream",
+    )
     p.add_argument("--short-input-len", default="64")
     p.add_argument("--short-output-len", default="256")
     p.add_argument("--short-concurrency", type=int, default=4)
