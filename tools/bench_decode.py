@@ -13,8 +13,6 @@ random K/V, and times one decode step (every sequence at `--context` tokens) at 
                   graph replay and greedy sampling with its host sync (wall clock)
   gemm_only       just the step's weight GEMMs (and lm_head), from a CUDA graph: what cuBLAS
                   reaches on the weight reads alone
-  gemm_ops        the same through the ops' GEMMs: with --decode-gemm-kernel, the skinny kernel
-                  for the shapes where start-up timing chose it (<= 16 rows; SiLU-and-mul fused)
 
 The floor is measured in the same run: a large device-to-device copy and a read-only reduction
 give the achieved HBM bandwidth; floor = (weight bytes read + KV bytes read per step) / bandwidth,
@@ -60,10 +58,7 @@ from trtdisagg.worker.sampling import SampleSpec
 from trtdisagg.worker.scheduler import ScheduledItem, StepPlan
 
 NOMINAL_HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
-MODES = (
-    "eager_per_seq", "eager_batched", "eager_fused", "graph", "runner_graph", "gemm_only",
-    "gemm_ops",
-)  # fmt: skip
+MODES = ("eager_per_seq", "eager_batched", "eager_fused", "graph", "runner_graph", "gemm_only")
 
 
 def llama_8b_args() -> ModelArgs:
@@ -327,20 +322,16 @@ class Workload:
         return StepPlan(items=tuple(items), num_tokens=size), specs
 
 
-def gemm_only_fn(model: CausalLM, size: int, ops: TorchOps | None = None) -> Callable[[], object]:
-    """The step's weight GEMMs alone (fused qkv, o, gate_up, down per layer; lm_head), on cuBLAS,
-    or through `ops` (`linear`, and `silu_mul_linear` for down: the skinny kernel where the
-    Triton ops chose it)."""
+def gemm_only_fn(model: CausalLM, size: int) -> Callable[[], object]:
+    """The step's weight GEMMs alone (fused qkv, o, gate_up, down per layer; lm_head)."""
     x = torch.randn(size, model.args.hidden_size, device=model.device, dtype=model.dtype)
     layers = model.decoder_layers
     lm_head = model.lm_head
     assert lm_head is not None
-    linear = F.linear if ops is None else ops.linear
+    linear = F.linear
 
     def down(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if ops is None:
-            return F.linear(gate_up[:, : weight.shape[1]], weight)
-        return ops.silu_mul_linear(gate_up, weight)
+        return F.linear(gate_up[:, : weight.shape[1]], weight)
 
     def run() -> torch.Tensor:
         h = x
@@ -477,11 +468,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ops", choices=("auto", "torch", "triton"), default="auto", help="fused-path kernels"
     )
-    parser.add_argument(
-        "--decode-gemm-kernel",
-        action="store_true",
-        help="the worker key of that name: the skinny GEMM kernel where start-up timing chose it",
-    )
     parser.add_argument("--result-json", type=Path)
     args = parser.parse_args(argv)
 
@@ -523,14 +509,13 @@ def main(argv: list[str] | None = None) -> int:
     model = CausalLM(margs, dtype=torch.bfloat16, device=device)
     init_weights(model, args.seed)
     total_bytes, embed_bytes = param_bytes(model)
-    gemm_kernel = args.decode_gemm_kernel
-    ops: TorchOps = select_ops(device, torch.bfloat16, decode_gemm_kernel=gemm_kernel)
+    ops: TorchOps = select_ops(device, torch.bfloat16)
     if args.ops == "torch":
         ops = TorchOps()
     elif args.ops == "triton":
         from trtdisagg.model.triton_ops import TritonOps
 
-        ops = TritonOps(decode_gemm_kernel=gemm_kernel)
+        ops = TritonOps()
     model.use_ops(ops)
     if on_cuda:
         torch.cuda.empty_cache()
@@ -569,10 +554,6 @@ def main(argv: list[str] | None = None) -> int:
     work = Workload(
         cache, max_batch=max_batch, context=args.context, vocab=margs.vocab_size, seed=args.seed
     )
-
-    if on_cuda and gemm_kernel:
-        with torch.inference_mode():
-            model.warm_up(cache)  # (chooses the skinny GEMMs)
 
     graphs: DecodeGraphs | None = None
     if on_cuda and ops.graph_safe and any(m in modes for m in ("graph", "runner_graph")):
@@ -658,8 +639,6 @@ def main(argv: list[str] | None = None) -> int:
                 timer = wall_ms  # type: ignore[assignment]
             elif mode == "gemm_only" and on_cuda:
                 fn = graphed(gemm_only_fn(model, size), device)
-            elif mode == "gemm_ops" and on_cuda and model.ops is not None:
-                fn = graphed(gemm_only_fn(model, size, model.ops), device)
             if fn is None:
                 continue
             try:

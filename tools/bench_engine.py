@@ -25,7 +25,7 @@ decode step.
     python tools/bench_engine.py --model tiny --concurrency 1,32 --input-len 128 --output-len 128
 
 The result JSON goes to --result-json, else to $OUT/bench_engine.json when $OUT is set; the HTTP
-worker's log (its start-up choices, e.g. `decode_gemm_kernel`'s) to --worker-log, else to
+worker's log to --worker-log, else to
 $OUT/bench_engine_worker.log when $OUT is set.
 """
 

@@ -9,7 +9,6 @@ non-zero when a variant fails to compile or spills.
 
     python tools/triton_compile_check.py                    # the 8B geometry, sm_90
     python tools/triton_compile_check.py --kernels paged --long-rows 64 --block-n 128
-    python tools/triton_compile_check.py --skinny           # every skinny GEMM candidate, 8B
 
 A variant also fails when it needs more shared memory than an H100/H200 SM has.
 """
@@ -30,20 +29,6 @@ import torch
 SM_SHARED_BYTES = 227 * 1024  # what one block may use on an H100/H200 SM
 
 
-def record_skinny_candidates(skinny_gemm: Any, margs: Any) -> None:
-    """Launch (into the recorder) every candidate of each 8B weight shape, as `choose` would."""
-    h, i = margs.hidden_size, margs.intermediate_size
-    qkv = (margs.num_heads + 2 * margs.num_kv_heads) * margs.head_dim
-    shapes = [(qkv, h, False), (h, h, False), (2 * i, h, False), (h, i, True)]
-    shapes += [(32000, h, False), (margs.vocab_size, h, False)]
-    for n, k, silu in shapes:
-        weight = torch.empty(n, k, dtype=torch.bfloat16)
-        x = torch.empty(skinny_gemm.MAX_ROWS, 2 * k if silu else k, dtype=torch.bfloat16)
-        for config in skinny_gemm.candidates(n, k):
-            plan = skinny_gemm._Plan.allocate(config, n, torch.device("cpu"))
-            skinny_gemm.launch(x, weight, plan, silu_x=silu)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10")
@@ -53,11 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--long-warps", type=int, default=8)
     parser.add_argument("--num-stages", type=int, default=3)
-    parser.add_argument(
-        "--skinny",
-        action="store_true",
-        help="the skinny GEMM kernel's candidates for the 8B weight shapes, instead of warm-up",
-    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter compiles nothing")
@@ -71,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from trtdisagg.kv.cache import KVCache
     from trtdisagg.kv.page_table import Layout
-    from trtdisagg.model import paged_attention, skinny_gemm, triton_ops
+    from trtdisagg.model import paged_attention, triton_ops
     from trtdisagg.model.llama import CausalLM
 
     target = GPUTarget("cuda", args.arch, 32)
@@ -88,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     for module, names in (
         (triton_ops, ("_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_kernel")),
         (paged_attention, ("_paged_attention_kernel",)),
-        (skinny_gemm, ("_skinny_kernel",)),
     ):
         for name in names:
             setattr(module, name, Recorder(getattr(module, name)))
@@ -108,11 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks=4, num_layers=1, num_kv_heads=margs.num_kv_heads, head_dim=margs.head_dim,
         tokens_per_block=32, layout=Layout.HND, dtype=torch.bfloat16, device=cpu,
     )  # fmt: skip
-    if args.skinny:
-        record_skinny_candidates(skinny_gemm, llama_8b_args())
-    else:
-        with torch.inference_mode():
-            model.warm_up(cache)
+    with torch.inference_mode():
+        model.warm_up(cache)
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     print(f"triton {triton.__version__}, target sm_{args.arch}, tiles {tiles}")
@@ -130,13 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         if key in seen:
             continue
         seen.add(key)
-        keys = ("NUM_SPLITS", "HAS_LONG", "HAS_RESIDUAL", "SPLIT_K", "SILU_X")
-        shown = {
-            k: v for k, v in call_kwargs.items() if k in keys or (args.skinny and "BLOCK" in k)
-        }
+        keys = ("NUM_SPLITS", "HAS_LONG", "HAS_RESIDUAL")
+        shown = {k: v for k, v in call_kwargs.items() if k in keys}
         label = f"{name} {shown} warps={call_kwargs.get('num_warps')}"
-        if args.skinny:
-            label += f" stages={call_kwargs.get('num_stages')}"
         start = time.perf_counter()
         try:
             packed = jit._pack_args(backend, kwargs, bound, specialization, options)

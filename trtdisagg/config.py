@@ -171,9 +171,6 @@ class WorkerConfig:
     # per token-count bucket (0: those run eagerly).
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = attrs.field(default=2048, validator=_non_negative)
-    # CUDA only: weight GEMMs of steps of at most 16 rows through a Triton split-K kernel, for
-    # each weight shape where it beats cuBLAS when timed at start (model/skinny_gemm.py).
-    decode_gemm_kernel: bool = False
     # CPU only, one rank: run decode steps through a torch.compile'd forward (compiled at
     # start, cached on disk by torch), which dispatches a fraction of the eager step's ops.
     cpu_compile: bool = False

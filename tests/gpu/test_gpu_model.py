@@ -115,32 +115,6 @@ def test_norm_and_silu_kernels_match_torch() -> None:
         assert rel_err(tri.silu_mul(gate_up), ref.silu_mul(gate_up)) < 4e-3
 
 
-@pytest.mark.parametrize(("n", "k", "silu_x"), [(6144, 4096, False), (4096, 14336, True)])
-def test_skinny_gemm_kernel_matches_cublas(n: int, k: int, silu_x: bool) -> None:
-    """Every candidate configuration of a Llama-3.1-8B weight shape that this GPU can launch
-    (`choose` skips the others too), at 1 and 16 rows."""
-    from triton.runtime.errors import OutOfResources
-
-    from trtdisagg.model.skinny_gemm import _Plan, candidates, launch
-
-    torch.manual_seed(2)
-    weight = torch.randn(n, k, device=CUDA, dtype=BF16) * 0.02
-    ref = TorchOps()
-    launched = 0
-    for config in candidates(n, k):
-        plan = _Plan.allocate(config, n, CUDA)
-        for rows in (1, 16):
-            x = torch.randn(rows, 2 * k if silu_x else k, device=CUDA, dtype=BF16)
-            want = ref.silu_mul_linear(x, weight) if silu_x else ref.linear(x, weight)
-            try:
-                got = launch(x, weight, plan, silu_x=silu_x)
-            except OutOfResources:
-                break
-            launched += 1
-            assert rel_err(got, want) < 8e-3, (config, rows)
-    assert launched >= len(candidates(n, k))  # most of them, at two row counts each
-
-
 def make_pool(layout: Layout, tpb: int, heads: int, dim: int, blocks: int = 512) -> KVCache:
     cache = KVCache(
         num_blocks=blocks,
@@ -276,19 +250,6 @@ def test_decode_step_logits_agree_across_paths(tmp_path: Path) -> None:
     with torch.inference_mode():
         graphed = graphs.run(rows)
     assert graphed is not None and graphs.replays == 1
-    from trtdisagg.model.skinny_gemm import GemmConfig
-    from trtdisagg.model.triton_ops import TritonOps
-
-    ops = model.ops
-    assert isinstance(ops, TritonOps) and model.lm_head is not None
-    block = model.decoder_layers[0]
-    assert block.self_attn.qkv_weight is not None and block.mlp.gate_up_weight is not None
-    config = GemmConfig(block_n=64, block_k=64, split_k=2)  # (these shapes are below its use)
-    for weight in (block.self_attn.qkv_weight, block.self_attn.o_proj.weight,
-                   block.mlp.gate_up_weight, model.lm_head.weight):  # fmt: skip
-        ops.gemms.use(weight, config)
-    ops.gemms.use(block.mlp.down_proj.weight, config, silu_x=True)
-    skinny = decode_with(batched=True)
     reference_err = rel_err(reference, exact)
     assert reference_err < 0.1
     errors = {
@@ -297,7 +258,6 @@ def test_decode_step_logits_agree_across_paths(tmp_path: Path) -> None:
             ("fused", fused_per_seq),
             ("batched", fused_batched),
             ("graph", graphed),
-            ("skinny GEMMs", skinny),
         ]
     }
     for name, err in errors.items():

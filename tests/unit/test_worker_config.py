@@ -28,8 +28,8 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     assert config.kv_cache_config.layout is Layout.NHD
     assert config.kv_cache_config.tokens_per_block == 16
     assert load_worker_config(None) == WorkerConfig()
-    assert not WorkerConfig().decode_gemm_kernel
-    assert load_worker_config(_write(tmp_path, "decode_gemm_kernel: true\n")).decode_gemm_kernel
+    assert not WorkerConfig().cpu_compile
+    assert load_worker_config(_write(tmp_path, "cpu_compile: true\n")).cpu_compile
     fraction = load_worker_config(
         _write(tmp_path, "kv_cache_config: {free_gpu_memory_fraction: 0.5}\n")
     )
@@ -121,7 +121,7 @@ def test_nixl_s_progress_thread_is_on_for_cuda_unless_set(
         # YAML's scalars are taken as typed, never converted: a quoted or fractional number
         # for an integer, or a word for a flag, is refused rather than read as something else
         ("cuda_graphs: maybe\n", ["$.cuda_graphs", "expected a boolean, got a string"]),
-        ("decode_gemm_kernel: 'no'\n", ["$.decode_gemm_kernel", "expected a boolean"]),
+        ("cpu_compile: 'no'\n", ["$.cpu_compile", "expected a boolean"]),
         ("port: 9001.7\n", ["$.port", "expected an integer, got a number"]),
         ("max_batch_size: '12'\n", ["$.max_batch_size", "expected an integer, got a string"]),
         ("cuda_device: true\n", ["$.cuda_device", "expected an integer, got a boolean"]),

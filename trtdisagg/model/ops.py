@@ -216,13 +216,10 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def select_ops(
-    device: torch.device, dtype: torch.dtype, *, decode_gemm_kernel: bool = False
-) -> TorchOps:
-    """Triton kernels on CUDA in half precision when Triton is installed, else plain torch.
-    `decode_gemm_kernel`: the Triton ops' decode-sized weight GEMMs (`TritonOps`)."""
+def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
+    """Triton kernels on CUDA in half precision when Triton is installed, else plain torch."""
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and triton_available():
         from trtdisagg.model.triton_ops import TritonOps
 
-        return TritonOps(decode_gemm_kernel=decode_gemm_kernel)
+        return TritonOps()
     return TorchOps()

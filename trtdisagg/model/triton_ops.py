@@ -25,12 +25,11 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 import triton  # type: ignore[import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
 from trtdisagg.kv.cache import KVCache
-from trtdisagg.model import attention_meta, skinny_gemm
+from trtdisagg.model import attention_meta
 from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
 from trtdisagg.model.ops import TorchOps
 from trtdisagg.model.paged_attention import (
@@ -43,7 +42,6 @@ from trtdisagg.model.paged_attention import (
     paged_attention,
     short_tile,
 )
-from trtdisagg.model.skinny_gemm import SkinnyGemms
 
 if TYPE_CHECKING:
     from trtdisagg.model.llama import CausalLM
@@ -173,25 +171,9 @@ class TritonOps(TorchOps):
     name = "triton"
     graph_safe = True
 
-    def __init__(
-        self, tiles: AttentionTiles | None = None, *, decode_gemm_kernel: bool = False
-    ) -> None:
+    def __init__(self, tiles: AttentionTiles | None = None) -> None:
         super().__init__()
         self.tiles = tiles or AttentionTiles()
-        # Decode-sized weight GEMMs through the skinny kernel, for the shapes where `warm_up`
-        # timed it faster (with `decode_gemm_kernel`), else cuBLAS.
-        self.decode_gemm_kernel = decode_gemm_kernel
-        self.gemms = SkinnyGemms()
-
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        y = None if bias is not None else self.gemms.linear(x, weight)
-        return F.linear(x, weight, bias) if y is None else y
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        y = self.gemms.linear(gate_up, weight, silu_x=True)
-        return F.linear(self.silu_mul(gate_up), weight) if y is None else y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm(x, None, weight, eps)[0]
@@ -338,30 +320,6 @@ class TritonOps(TorchOps):
                 q, k, v, cos=cos, sin=sin, cache=cache, layer=0, slot_mapping=slots
             )
         self.warm_up_attention(q, cache)
-        if self.decode_gemm_kernel and not _INTERPRET:  # (the interpreter times nothing)
-            self.choose_gemms(model)
-
-    def choose_gemms(self, model: CausalLM) -> None:
-        """Time the skinny GEMM kernel against cuBLAS for each weight shape of `model`, keeping
-        it where it wins (compiling the variants it keeps, and those it tried). Once: warm-up
-        runs again before graphs are captured."""
-        if self.gemms.timings:
-            return
-        block = model.decoder_layers[0]
-        attn, mlp = block.self_attn, block.mlp
-        assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
-        if attn.qkv_bias is None:
-            self.gemms.choose(attn.qkv_weight)
-        self.gemms.choose(attn.o_proj.weight)
-        self.gemms.choose(mlp.gate_up_weight)
-        self.gemms.choose(mlp.down_proj.weight, silu_mul=self.silu_mul)
-        if model.lm_head is not None:
-            self.gemms.choose(model.lm_head.weight)
-        for (n, k, silu), config in self.gemms.chosen().items():
-            cublas_ms, best_ms = self.gemms.timings[(n, k, silu)]
-            log.info("weight GEMM %dx%d%s at 16 rows: cuBLAS %.1f us, kernel %.1f us: %s", n, k,
-                     " after SiLU-and-mul" if silu else "", cublas_ms * 1e3, best_ms * 1e3,
-                     config or "cuBLAS")  # fmt: skip
 
     def warm_up_attention(self, q: torch.Tensor, cache: KVCache) -> None:
         """Every variant of the attention kernels, for queries shaped like `q` [_, Hq, D]."""
@@ -385,7 +343,6 @@ def compiled_variants() -> dict[str, int]:
         "rms_norm": _rms_norm_kernel,
         "silu_mul": _silu_mul_kernel,
         "rope_kv": _rope_kv_kernel,
-        "skinny_gemm": skinny_gemm.KERNEL,
         **ATTENTION_KERNELS,
     }
     return {

@@ -356,7 +356,7 @@ def build_runner(
     model = load_model(model_dir, dtype=dtype, device=device, parallel=parallel)
     # The fused path everywhere: one q/k/v and one gate/up GEMM per layer (on CPU, torch ops:
     # fewer calls per step than the reference modules make).
-    model.use_ops(select_ops(device, dtype, decode_gemm_kernel=config.decode_gemm_kernel))
+    model.use_ops(select_ops(device, dtype))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the unfused weights' memory, before the pool is sized
     kv = config.kv_cache_config
