@@ -26,6 +26,7 @@ from trtdisagg.security.policy import (
     control_plane_mode,
 )
 from trtdisagg.security.secret import cluster_secret_of
+from trtdisagg.startup_gc import resume_gc
 from trtdisagg.stop_signals import serve_until_signal
 
 log = logging.getLogger("trtdisagg")  # its stop lines: "received SIGTERM, stopping"
@@ -122,6 +123,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     from trtdisagg.worker.ranks import RankDied
     from trtdisagg.worker.serve import serve_worker
 
+    resume_gc()
     died = False
     try:
         trio.run(serve_until_signal, functools.partial(serve_worker, config), log)
@@ -145,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from trtdisagg.coordinator.config import load_coordinator_config
             from trtdisagg.coordinator.serve import run_coordinator
 
+            resume_gc()
             overrides = {"hostname": args.hostname, "port": args.port}
             if "TRTDISAGG_API_KEY" in os.environ:
                 overrides["api_key"] = os.environ["TRTDISAGG_API_KEY"]
@@ -154,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "up":
             from trtdisagg.launcher import run_local_cluster
 
+            resume_gc()
             _setup_logging(args.log_level, "[up]")
             return run_local_cluster(args.config)
     except ConfigError as exc:

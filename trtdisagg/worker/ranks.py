@@ -31,6 +31,7 @@ from trtdisagg.cpu_affinity import pin_process, rank_share
 from trtdisagg.errors import TrtDisaggError
 from trtdisagg.membership.records import advertised_endpoint
 from trtdisagg.orphans import exit_with_parent
+from trtdisagg.startup_gc import run_after_imports
 from trtdisagg.transfer.protocol.rank_info import RankInfo
 from trtdisagg.transfer.protocol.wire import PROTOCOL_VERSION, InstanceInfo, decode, encode
 from trtdisagg.worker.engine.ports import Transceiver
@@ -81,10 +82,11 @@ def start_followers(
 ) -> Followers:
     context = multiprocessing.get_context("spawn")
     processes: list[multiprocessing.process.BaseProcess] = []
+    rank0, entry = os.getpid(), (__name__, run_follower.__name__)
     for rank in range(1, config.world_size):
         process = context.Process(
-            target=run_follower,
-            args=(config, model_dir, rank, port, instance_name, os.getpid()),
+            target=run_after_imports,
+            args=(*entry, config, model_dir, rank, port, instance_name, rank0),
             name=f"trtdisagg-rank{rank}",
             daemon=True,
         )
