@@ -12,6 +12,7 @@ longest units do not start last and leave one worker idle.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,4 +24,25 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Whole modules move, so that none of their module-scoped fixtures is set up twice.
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)  # stable: slow modules first
+    modules = list(dict.fromkeys(item.path for item in items))
+    rank = {path: i for i, path in enumerate(_interleave_waiting(modules))}
+    items.sort(key=lambda item: (item.path not in slow, rank[item.path]))  # slow modules first
+
+
+def _interleave_waiting(modules: list[Path]) -> list[Path]:
+    """`modules` in order, but the integration modules (whose tests mostly wait: on fake peers'
+    timeouts, deadlines, handshakes) spread evenly among the unit modules (which keep a core
+    busy), so that the two xdist workers are rarely both waiting."""
+    waiting = [m for m in modules if m.parent.name == "integration"]
+    busy = [m for m in modules if m.parent.name == "unit"]
+    rest = [m for m in modules if m not in waiting and m not in busy]
+    step = len(busy) / max(len(waiting), 1)
+    slots = {int(i * step): m for i, m in enumerate(waiting)}  # distinct: step >= 1 here
+    if len(slots) < len(waiting):  # (more integration than unit modules: no spreading)
+        return rest + waiting + busy
+    mixed = []
+    for i, module in enumerate(busy):
+        if i in slots:
+            mixed.append(slots[i])
+        mixed.append(module)
+    return rest + mixed
