@@ -6,7 +6,8 @@ that use the kernels). Child processes inherit it; on CPU nothing else runs Trit
 
 Under pytest-xdist (`make test` runs `--dist loadfile --no-loadscope-reorder`), each module is one
 unit of work, handed out in collection order: modules with a `slow` test come first, so that the
-longest units do not start last and leave one worker idle.
+longest units do not start last and leave one worker idle; the integration modules, which mostly
+wait, are spread among the unit modules, which keep a core busy.
 """
 
 from __future__ import annotations
