@@ -37,10 +37,10 @@ def _interleave_waiting(modules: list[Path]) -> list[Path]:
     waiting = [m for m in modules if m.parent.name == "integration"]
     busy = [m for m in modules if m.parent.name == "unit"]
     rest = [m for m in modules if m not in waiting and m not in busy]
-    step = len(busy) / max(len(waiting), 1)
-    slots = {int(i * step): m for i, m in enumerate(waiting)}  # distinct: step >= 1 here
-    if len(slots) < len(waiting):  # (more integration than unit modules: no spreading)
+    if not waiting or len(waiting) > len(busy):  # (a run of a few modules: as collected)
         return rest + waiting + busy
+    step = len(busy) / len(waiting)
+    slots = {int(i * step): m for i, m in enumerate(waiting)}  # distinct: step >= 1
     mixed = []
     for i, module in enumerate(busy):
         if i in slots:

@@ -2,7 +2,7 @@
 
 Importing torch makes a few hundred thousand objects that live as long as the process. The
 collector, run by allocation counts, walks them again and again while they are being made (about
-a tenth of a worker's start-up CPU: docs/BENCHMARKS.md, the make test row), and every full
+a fifth of a worker's start-up CPU: docs/BENCHMARKS.md, the make test row), and every full
 collection after start-up walks them once more: a pause in the serving loop (and, in a rank of a
 multi-rank instance, in every collective it joins) that grows with what was imported.
 
