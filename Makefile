@@ -48,7 +48,8 @@ system-deps:
 
 # The suite runs on TEST_WORKERS xdist workers: run one at a time, its tests leave a core idle
 # while they wait on timeouts, child processes and start-ups. Each test file stays on one worker,
-# so a module's cluster starts once; tests/conftest.py hands the slow modules out first.
+# so a module's cluster starts once; tests/conftest.py hands the slow modules out first and
+# spreads the waiting (integration) modules among the busy (unit) ones.
 TEST_WORKERS ?= 2
 
 # compileall: the project's own modules compiled once on both cores, not by each of the suite's
