@@ -226,11 +226,13 @@ def test_meta_builders_agree_and_refuse_bad_input() -> None:
     assert meta.kv_lens.tolist() == [6, 3, 9]
     assert meta.block_table.tolist() == [[4, 9, 9], [7, 7, 7], [1, 2, 3]]
     assert meta.max_q_len == 3
+    assert meta.live.tolist() == [3]
     listed = attention_meta.from_lists(
         [1, 3, 2], [6, 3, 9], [[4, 9], [7], [1, 2, 3]], device=CPU, num_seqs=4, width=5
     )
     assert listed.cu_q.tolist() == [0, 1, 4, 6, 6]
     assert listed.kv_lens.tolist() == [6, 3, 9, 0]
+    assert listed.live.tolist() == [3]  # the fourth sequence is padding
     assert listed.block_table[:3, :3].tolist() == [[4, 9, 0], [7, 0, 0], [1, 2, 3]]
     with pytest.raises(ValueError, match="packed in order"):
         attention_meta.from_seqs([seqs[1], seqs[0]], CPU)
@@ -241,7 +243,13 @@ def test_meta_builders_agree_and_refuse_bad_input() -> None:
     with pytest.raises(ValueError, match="int32"):
         AttentionMeta(
             cu_q=torch.tensor([0, 1]), kv_lens=torch.tensor([1], dtype=torch.int32),
-            block_table=torch.zeros(1, 1, dtype=torch.int32), max_q_len=1,
+            block_table=torch.zeros(1, 1, dtype=torch.int32),
+            live=torch.ones(1, dtype=torch.int32), max_q_len=1,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="shape"):
+        AttentionMeta(
+            cu_q=listed.cu_q, kv_lens=listed.kv_lens, block_table=listed.block_table,
+            live=listed.cu_q, max_q_len=1,
         )  # fmt: skip
 
 

@@ -23,11 +23,13 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _split(packed: torch.Tensor, num_seqs: int, width: int, *, max_q_len: int) -> AttentionMeta:
+    """The meta over one packed int32 buffer: cu_q, kv_lens, live, then the table."""
     s = num_seqs
     return AttentionMeta(
         cu_q=packed[: s + 1],
         kv_lens=packed[s + 1 : 2 * s + 1],
-        block_table=packed[2 * s + 1 : 2 * s + 1 + s * width].view(s, width),
+        live=packed[2 * s + 1 : 2 * s + 2],
+        block_table=packed[2 * s + 2 : 2 * s + 2 + s * width].view(s, width),
         max_q_len=max_q_len,
     )
 
@@ -69,7 +71,7 @@ def from_lists(
         table.extend(blocks)
         table.extend([0] * (w - len(blocks)))
     table.extend([0] * (w * (s - count)))
-    host = torch.tensor(cu_q + lens + table, dtype=torch.int32)
+    host = torch.tensor(cu_q + lens + [count] + table, dtype=torch.int32)
     bound = max(q_lens, default=0) if max_q_len is None else max_q_len
     return _split(_to_device(host, device), s, w, max_q_len=bound)
 
@@ -99,13 +101,14 @@ def from_seqs(seqs: Sequence[SeqSlice], device: torch.device) -> AttentionMeta:
         offset += count
     cu_q = [seq.q_start for seq in seqs] + [position]
     lens = [seq.kv_len for seq in seqs]
-    packed = _to_device(torch.tensor(cu_q + lens + index, dtype=torch.int32), device)
+    packed = _to_device(torch.tensor(cu_q + lens + [s] + index, dtype=torch.int32), device)
     flat = torch.cat([seq.block_ids for seq in seqs]) if s > 1 else seqs[0].block_ids
-    gather = packed[2 * s + 1 :]
+    gather = packed[2 * s + 2 :]
     table = flat.index_select(0, gather).to(torch.int32).view(s, width)
     return AttentionMeta(
         cu_q=packed[: s + 1],
         kv_lens=packed[s + 1 : 2 * s + 1],
+        live=packed[2 * s + 1 : 2 * s + 2],
         block_table=table,
         max_q_len=max(seq.q_len for seq in seqs),
     )
@@ -115,9 +118,11 @@ def from_decode(meta: DecodeMeta) -> AttentionMeta:
     """A decode step (row i is sequence i's one token); runs inside a CUDA graph capture too."""
     s = meta.block_table.shape[0]
     device = meta.block_table.device
+    cu_q = torch.arange(s + 1, dtype=torch.int32, device=device)
     return AttentionMeta(
-        cu_q=torch.arange(s + 1, dtype=torch.int32, device=device),
+        cu_q=cu_q,
         kv_lens=meta.context_lens.to(torch.int32),
+        live=cu_q[s:],  # every row counts (a padding row has context length 0)
         block_table=meta.block_table.to(torch.int32),
         max_q_len=1,
     )

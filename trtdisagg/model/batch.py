@@ -64,18 +64,24 @@ class AttentionMeta:
     in the first `ceil(kv_lens[s] / tokens_per_block)` entries of `block_table[s]`. Padding
     sequences have q_len 0 (`cu_q` repeats its last value); tokens past `cu_q[S]` are padding
     too, and their attention output is left unwritten. A sequence with kv_len 0 attends to
-    nothing (output 0).
+    nothing (output 0). Only the first `live[0]` sequences may be real: a size bucket pads a step
+    of a few sequences to dozens, and the kernel's programs for the padding stop at once.
     """
 
     cu_q: torch.Tensor  # int32 [S + 1], non-decreasing, cu_q[0] == 0
     kv_lens: torch.Tensor  # int32 [S], each >= q_len of its sequence
     block_table: torch.Tensor  # int32 [S, W], row stride may exceed W; entries past use unread
+    live: torch.Tensor  # int32 [1]: sequences past live[0] are padding (q_len 0)
     max_q_len: int  # host-side bound on every q_len: it decides whether long tiles launch
 
     def __attrs_post_init__(self) -> None:
-        for name in ("cu_q", "kv_lens", "block_table"):
+        for name in ("cu_q", "kv_lens", "block_table", "live"):
             if getattr(self, name).dtype != torch.int32:
                 raise ValueError(f"AttentionMeta.{name} must be int32")
+        if self.live.shape != (1,):
+            raise ValueError(
+                f"AttentionMeta.live must have shape [1], got {tuple(self.live.shape)}"
+            )
         num_seqs = self.kv_lens.shape[0]
         if self.cu_q.shape != (num_seqs + 1,) or self.block_table.shape[0] != num_seqs:
             raise ValueError(

@@ -21,8 +21,9 @@ rounds its softmax). Two kinds of program share the launch:
 * a longer one takes tiles of `long_rows` rows, each walking first the key blocks that every row
   of the tile sees (no mask), then the blocks on the causal diagonal. A tile finds its sequence by
   binary search over cu_q: tile t belongs to the last s with `cu_q[s] // LONG_TOKENS + s <= t`,
-  which bounds the tile count by `N // LONG_TOKENS + S` without a tile map. Tiles launch last
-  first, so the programs that see the most keys start earliest.
+  which bounds the tile count by `N // LONG_TOKENS + S` without a tile map; S and N count the
+  live sequences and their tokens, so a padded step's spare programs stop at once. Tiles launch
+  last first, so the programs that see the most keys start earliest.
 
 Triton compiles one variant per specialisation key: the argument types, ints equal to 1 or
 divisible by 16, pointers aligned to 16 bytes, and constexprs. What varies from step to step (the
@@ -43,6 +44,7 @@ import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.kv.page_table import Layout
 from trtdisagg.model.batch import AttentionMeta
+from trtdisagg.model.dependent_launch import await_previous, dependent_launch
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
 # Keys a split takes at least: a split of fewer keys costs more in its fixed work (q, partial
@@ -52,7 +54,7 @@ SHORT_ROWS = 16  # a short sequence's tile: the smallest M of a tensor-core dot
 
 # Arguments kept out of the specialisation key (see the module docstring).
 MAIN_DYNAMIC_INTS = ("num_seqs", "table_row")
-MAIN_DYNAMIC_POINTERS = ("cu_q_ptr", "kv_lens_ptr", "table_ptr")
+MAIN_DYNAMIC_POINTERS = ("cu_q_ptr", "kv_lens_ptr", "table_ptr", "live_ptr")
 # Split-arrival counters kept per device; enough for 512 sequences of 8 kv heads. A buffer
 # outgrown stays allocated: CUDA graphs captured earlier keep launching on it.
 MIN_ARRIVAL_COUNTERS = 4096
@@ -307,6 +309,7 @@ def _paged_attention_kernel(
     cu_q_ptr,
     kv_lens_ptr,
     table_ptr,
+    live_ptr,
     part_acc_ptr,
     part_ml_ptr,
     arrivals_ptr,
@@ -330,7 +333,9 @@ def _paged_attention_kernel(
     HAS_LONG: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    await_previous(DEPENDENT)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1)
@@ -373,30 +378,32 @@ def _paged_attention_kernel(
                             num_kv_heads, used, NUM_SPLITS, D, BLOCK_D, SHORT_M,
                         )  # fmt: skip
     elif HAS_LONG:
-        # Last tiles first: a sequence's later tiles see more keys, and starting the longest
-        # programs first keeps the tail of the launch short.
-        tile = tl.num_programs(0) - 1 - pid
-        lo = tl.full([], 0, tl.int32)
-        hi = lo + num_seqs
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            first_tile = tl.load(cu_q_ptr + mid) // LONG_TOKENS + mid
-            go_right = first_tile <= tile
-            lo = tl.where(go_right, mid, lo)
-            hi = tl.where(go_right, hi, mid)
-        seq = lo
-        q_start = tl.load(cu_q_ptr + seq)
-        q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-        tok0 = (tile - (q_start // LONG_TOKENS + seq)) * LONG_TOKENS
-        if (q_len > SHORT_TOKENS) & (tok0 < q_len):
-            kv_len = tl.load(kv_lens_ptr + seq)
-            acc, m_i, l_i, q_offs, row_ok = _attend_tile(
-                q_ptr, head_ptr, table_ptr + seq.to(tl.int64) * table_row, q_start, q_len,
-                kv_len, tok0, 0, kv_len, kv_head, q_row, s_block, s_kv, s_tok,
-                tokens_per_block, qk_scale, GROUP, D, BLOCK_D, LONG_M, LONG_TOKENS, BLOCK_N,
-                DOT_FP32,
-            )  # fmt: skip
-            _store_rows(out_ptr, q_offs, row_ok, acc, l_i, D, BLOCK_D)
+        # The first `live_tiles` long programs take the live sequences' tiles, last tile first.
+        live = tl.load(live_ptr)
+        live_tiles = tl.load(cu_q_ptr + num_seqs) // LONG_TOKENS + live  # padding adds no token
+        tile = live_tiles - 1 - (pid - short_programs)
+        if tile >= 0:
+            lo = tl.full([], 0, tl.int32)
+            hi = lo + live
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                first_tile = tl.load(cu_q_ptr + mid) // LONG_TOKENS + mid
+                go_right = first_tile <= tile
+                lo = tl.where(go_right, mid, lo)
+                hi = tl.where(go_right, hi, mid)
+            seq = lo
+            q_start = tl.load(cu_q_ptr + seq)
+            q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+            tok0 = (tile - (q_start // LONG_TOKENS + seq)) * LONG_TOKENS
+            if (q_len > SHORT_TOKENS) & (tok0 < q_len):
+                kv_len = tl.load(kv_lens_ptr + seq)
+                acc, m_i, l_i, q_offs, row_ok = _attend_tile(
+                    q_ptr, head_ptr, table_ptr + seq.to(tl.int64) * table_row, q_start, q_len,
+                    kv_len, tok0, 0, kv_len, kv_head, q_row, s_block, s_kv, s_tok,
+                    tokens_per_block, qk_scale, GROUP, D, BLOCK_D, LONG_M, LONG_TOKENS, BLOCK_N,
+                    DOT_FP32,
+                )  # fmt: skip
+                _store_rows(out_ptr, q_offs, row_ok, acc, l_i, D, BLOCK_D)
 
 
 def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
@@ -460,39 +467,18 @@ def paged_attention(
     s_head, s_tok = head_token_strides(cache)
     block_d = triton.next_power_of_2(d)
     table = meta.block_table
+    dependent = dependent_launch(q.device)
     _paged_attention_kernel[(programs, num_kv_heads)](
-        q,
-        pool.select(1, layer),
-        out,
-        meta.cu_q,
-        meta.kv_lens,
-        table,
-        part_acc,
-        part_ml,
-        arrivals,
-        num_seqs,
-        table.stride(0),
-        q.stride(0),
-        pool.stride(0),
-        pool.stride(2),
-        s_head,
-        s_tok,
-        cache.tokens_per_block,
-        d**-0.5 * 1.4426950408889634,
-        GROUP=group,
-        D=d,
-        BLOCK_D=block_d,
-        SHORT_M=short.rows,
-        SHORT_TOKENS=short.tokens,
-        NUM_SPLITS=splits,
-        LONG_M=long.rows,
-        LONG_TOKENS=long.tokens,
-        HAS_LONG=has_long,
-        BLOCK_N=tiles.block_n,
-        DOT_FP32=dot_fp32,
+        q, pool.select(1, layer), out, meta.cu_q, meta.kv_lens, table, meta.live, part_acc,
+        part_ml, arrivals, num_seqs, table.stride(0), q.stride(0), pool.stride(0),
+        pool.stride(2), s_head, s_tok, cache.tokens_per_block, d**-0.5 * 1.4426950408889634,
+        GROUP=group, D=d, BLOCK_D=block_d, SHORT_M=short.rows, SHORT_TOKENS=short.tokens,
+        NUM_SPLITS=splits, LONG_M=long.rows, LONG_TOKENS=long.tokens, HAS_LONG=has_long,
+        BLOCK_N=tiles.block_n, DOT_FP32=dot_fp32, DEPENDENT=dependent,
         num_warps=tiles.long_warps if has_long else tiles.short_warps,
         num_stages=tiles.num_stages if has_long else tiles.short_stages,
-    )
+        launch_pdl=dependent,
+    )  # fmt: skip
     return out
 
 

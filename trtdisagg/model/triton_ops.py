@@ -31,6 +31,7 @@ import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model import attention_meta
 from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
+from trtdisagg.model.dependent_launch import await_previous, dependent_launch
 from trtdisagg.model.ops import TorchOps
 from trtdisagg.model.paged_attention import (
     KERNELS as ATTENTION_KERNELS,
@@ -65,7 +66,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    await_previous(DEPENDENT)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -83,7 +86,10 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, gu_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gu_ptr, out_ptr, n_cols, gu_stride, out_stride, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr
+):
+    await_previous(DEPENDENT)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -121,7 +127,9 @@ def _rope_kv_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    await_previous(DEPENDENT)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -193,6 +201,7 @@ class TritonOps(TorchOps):
         out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
         summed = None if residual is None else torch.empty_like(out)
         block = triton.next_power_of_2(cols)
+        dependent = dependent_launch(x.device)
         _rms_norm_kernel[(rows,)](
             x,
             residual if residual is not None else x,
@@ -207,7 +216,9 @@ class TritonOps(TorchOps):
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            DEPENDENT=dependent,
             num_warps=_norm_warps(block),
+            launch_pdl=dependent,
         )
         return out, summed
 
@@ -217,9 +228,11 @@ class TritonOps(TorchOps):
         assert gate_up.stride(1) == 1
         out = torch.empty((rows, cols), dtype=gate_up.dtype, device=gate_up.device)
         block = 1024
+        dependent = dependent_launch(gate_up.device)
         _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
-            gate_up, out, cols, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
-        )
+            gate_up, out, cols, gate_up.stride(0), out.stride(0), BLOCK=block,
+            DEPENDENT=dependent, num_warps=4, launch_pdl=dependent,
+        )  # fmt: skip
         return out
 
     def rope_write_kv(
@@ -244,6 +257,7 @@ class TritonOps(TorchOps):
             return q_out
         pool = cache.pool
         s_head, s_tok = head_token_strides(cache)
+        dependent = dependent_launch(q.device)
         _rope_kv_kernel[(n,)](
             q,
             k,
@@ -268,7 +282,9 @@ class TritonOps(TorchOps):
             BLOCK_HQ=triton.next_power_of_2(num_heads),
             BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
             BLOCK_D=triton.next_power_of_2(d),
+            DEPENDENT=dependent,
             num_warps=4,
+            launch_pdl=dependent,
         )
         return q_out
 

@@ -5,10 +5,10 @@ smallest bucket that holds its tokens and replayed from that bucket's graph, so 
 costs its FLOPs, not its kernel launches. `StepStaging` holds a bucket's inputs in one int32
 buffer (pinned on the host, one copy to the device): per token its id, position and KV slot; per
 sequence the row of its last token and its paged attention metadata (`AttentionMeta`: offsets,
-lengths, a block table of fixed width). Padding tokens have slot -1 (they write no KV) and
-padding sequences q_len 0 and kv_len 0 (they attend to nothing and are never read back). The
-paged attention kernel reads every length from device memory and its grid depends only on the
-bucket, so one graph serves every step of the bucket.
+lengths, a block table of fixed width), and how many sequences are real. Padding tokens have
+slot -1 (they write no KV) and padding sequences q_len 0 and kv_len 0 (they attend to nothing
+and are never read back). The paged attention kernel reads every length from device memory and
+its grid depends only on the bucket, so one graph serves every step of the bucket.
 
 A graph ends at the final norm of each sequence's last token ([S, hidden], `CausalLM.forward`
 with `logits=False`); the output head runs after the replay on the step's own sequences, so the
@@ -54,7 +54,7 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
 class StepStaging:
     """Host and device buffers of one bucket: `tokens` tokens, `seqs` sequences of at most
     `width` blocks. Layout (int32): ids, positions, slots ([tokens] each), last-token rows
-    [seqs], cu_q [seqs + 1], kv_lens [seqs], block table [seqs, width]."""
+    [seqs], cu_q [seqs + 1], kv_lens [seqs], live [1], block table [seqs, width]."""
 
     tokens: int
     seqs: int
@@ -69,7 +69,7 @@ class StepStaging:
     def allocate(
         cls, tokens: int, seqs: int, width: int, *, tokens_per_block: int, device: torch.device
     ) -> StepStaging:
-        size = 3 * tokens + 3 * seqs + 1 + seqs * width
+        size = 3 * tokens + 3 * seqs + 2 + seqs * width
         on_cuda = device.type == "cuda"
         host = torch.zeros(size, dtype=torch.int32, pin_memory=on_cuda)
         dev = torch.zeros(size, dtype=torch.int32, device=device) if on_cuda else host
@@ -78,7 +78,8 @@ class StepStaging:
         attention = AttentionMeta(
             cu_q=dev[meta : meta + s + 1],
             kv_lens=dev[meta + s + 1 : meta + 2 * s + 1],
-            block_table=dev[meta + 2 * s + 1 :].view(s, width),
+            live=dev[meta + 2 * s + 1 : meta + 2 * s + 2],
+            block_table=dev[meta + 2 * s + 2 :].view(s, width),
             max_q_len=tokens,  # every step of the bucket launches the same kernel variant
         )
         batch = ForwardBatch(
@@ -120,7 +121,8 @@ class StepStaging:
         meta = 3 * n + s
         h[: meta + 2 * s + 1] = 0
         h[2 * n : 3 * n] = PAD_SLOT
-        table = h[meta + 2 * s + 1 :].reshape(s, w)
+        h[meta + 2 * s + 1] = len(items)
+        table = h[meta + 2 * s + 2 :].reshape(s, w)
         row = 0
         for i, item in enumerate(items):
             q_len, start = len(item.token_ids), item.start
@@ -137,7 +139,7 @@ class StepStaging:
             table[i, : len(blocks)] = blocks
         h[meta + len(items) + 1 : meta + s + 1] = row  # padding sequences: q_len 0
         if self.device_buffer is not self.host:
-            used = meta + 2 * s + 1 + len(items) * w  # padding rows of the table are never read
+            used = meta + 2 * s + 2 + len(items) * w  # padding rows of the table are never read
             self.device_buffer[:used].copy_(self.host[:used], non_blocking=True)
             event = torch.cuda.Event()
             event.record()
