@@ -29,6 +29,7 @@ from trtdisagg.worker.sampling import (
     new_spec,
     sample,
 )
+from trtdisagg.worker.sampling_batch import argmax_in_parts
 from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 EOS = 0
@@ -389,3 +390,21 @@ def test_new_spec_suppresses_eos_only_with_min_tokens_and_without_ignore_eos() -
 
     assert suppress(min_tokens=2) == {EOS}
     assert suppress() == suppress(min_tokens=2, ignore_eos=True) == frozenset()
+
+
+@FAST
+@given(
+    st.integers(1, 5),
+    st.sampled_from([1, 2, 8, 64]),
+    st.integers(1, 9),
+    st.lists(st.integers(-3, 3), min_size=1, max_size=4),
+)
+def test_argmax_in_parts_is_the_first_maximum(
+    rows: int, parts: int, size: int, values: list[int]
+) -> None:
+    """Logits drawn from a few integers tie often, within a part and across parts."""
+    width = parts * size
+    generator = torch.Generator().manual_seed(rows * 1000 + width)
+    pick = torch.randint(len(values), (rows, width), generator=generator)
+    x = torch.tensor(values, dtype=torch.float32)[pick]
+    assert argmax_in_parts(x, parts).tolist() == x.argmax(dim=-1).tolist()

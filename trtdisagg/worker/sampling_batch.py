@@ -10,6 +10,7 @@ what each means, is `sampling.py`'s docstring.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -228,7 +229,7 @@ def sample_rows(
     host = HostRows.gather(specs, width)
     plain = not (host.writes or host.any_penalty or host.any_random)
     if plain and rows is None and host.max_logprobs < 0:
-        return logits.argmax(dim=-1), host.top_logprobs  # plain greedy: nothing to send
+        return argmax_rows(logits), host.top_logprobs  # plain greedy: nothing to send
     dev = upload(host, rows, logits.device)
     if dev.rows is not None:
         x = logits.index_select(0, dev.rows).float()
@@ -245,6 +246,25 @@ def sample_rows(
         x = penalize(x, dev, with_prompt=bool(host.prompt_index))
     tokens = choose(x, host, dev, generator)
     return pack(tokens, logprobs, host.max_logprobs), host.top_logprobs
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the first of equal maxima. On CUDA in two passes over vocabulary parts:
+    one pass over [S, V] reduces each row in one block, leaving most SMs idle for a few rows."""
+    parts = math.gcd(x.shape[-1], 64)
+    if x.device.type != "cuda" or parts < 8 or not x.is_contiguous():
+        return x.argmax(dim=-1)
+    return argmax_in_parts(x, parts)
+
+
+def argmax_in_parts(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """`x.argmax(-1)` of [S, V] as the first part holding the row maximum (`parts` divides V),
+    then the first maximum within that part."""
+    rows, width = x.shape
+    size = width // parts
+    values, within = x.view(rows, parts, size).max(dim=-1)
+    part = values.argmax(dim=-1, keepdim=True)
+    return (part * size + within.gather(1, part)).squeeze(1)
 
 
 def allowed_mask(words: torch.Tensor, width: int) -> torch.Tensor:
@@ -276,7 +296,7 @@ def choose(
     x: torch.Tensor, host: HostRows, dev: DeviceRows, generator: torch.Generator | None
 ) -> torch.Tensor:
     """Greedy rows: the argmax; the others: temperature, min_p, top_k, top_p, then the race."""
-    greedy = x.argmax(dim=-1) if host.any_greedy else None
+    greedy = argmax_rows(x) if host.any_greedy else None
     if not host.any_random:
         assert greedy is not None
         return greedy
