@@ -1,11 +1,12 @@
 # mypy: disable-error-code="no-untyped-def"
 """Programmatic dependent launch for our Triton kernels (Hopper and later).
 
-A decode step is some 370 short kernels, and every boundary between two of them costs the next
-kernel's launch while the SMs drain. Launched as a dependent (`launch_pdl`), a kernel's programs
-are scheduled while the kernel before it finishes; each first waits in `await_previous` until
-that kernel's writes are visible, then lets the kernel after it be scheduled in turn. Nothing
-is read before the wait, so the results are those of a plain launch.
+A decode step is hundreds of short kernels, and every boundary between two of them costs the
+next kernel's launch while the SMs drain. Launched as a dependent (`launch_pdl`), a kernel's
+programs are scheduled while the kernel before it finishes; each first waits in
+`await_previous` until that kernel's writes are visible, then lets the kernel after it be
+scheduled in turn. Nothing is read before the wait, so the results are those of a plain launch.
+The gain: docs/BENCHMARKS.md, "Decode step".
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 @functools.lru_cache(maxsize=16)
 def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as dependents (CUDA compute capability 9.0 and up;
+    """Whether kernels on `device` launch as dependents (NVIDIA, compute capability 9.0 and up;
     never under the interpreter)."""
-    if _INTERPRET or device.type != "cuda":
+    if _INTERPRET or device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
