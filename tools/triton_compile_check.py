@@ -4,8 +4,10 @@ need not have, and print each variant's resource report.
 No GPU is needed: the warm-up runs on CPU tensors with the kernels replaced by recorders, and each
 recorded launch goes through Triton's own binder and compiler for the target (sm_90 by default),
 the way a launch on that GPU would. For each variant: registers, spilled bytes (LOCAL), shared
-memory, and which matrix instructions the PTX uses (wgmma on Hopper, mma.sync otherwise). Exits
-non-zero when a variant fails to compile or spills.
+memory, which matrix instructions the PTX uses (wgmma on Hopper, mma.sync otherwise), and
+whether it waits for the kernel before it (`griddepcontrol.wait`: from sm_90 on, kernels launch
+as dependents, `model/dependent_launch.py`, which a CPU launch never asks for). Exits non-zero
+when a variant fails to compile or spills.
 
     python tools/triton_compile_check.py                    # the 8B geometry, sm_90
     python tools/triton_compile_check.py --kernels paged --long-rows 64 --block-n 128
@@ -93,12 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     print(f"triton {triton.__version__}, target sm_{args.arch}, tiles {tiles}")
     seen: set[tuple[str, str, str]] = set()
-    failures = 0
+    failures = dependents = 0
     for jit, call_args, call_kwargs in launches:
         name = jit.fn.__name__
         if args.kernels not in name:
             continue
         kwargs = dict(call_kwargs, debug=False)
+        if "DEPENDENT" in kwargs:  # as `dependent_launch` decides on a GPU of this target
+            kwargs["DEPENDENT"] = kwargs["launch_pdl"] = args.arch >= 90
         kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
         binder = create_function_from_signature(jit.signature, jit.params, backend)
         bound, specialization, options = binder(*call_args, **kwargs)
@@ -140,14 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         if spilled or compiled.metadata.shared > SM_SHARED_BYTES:
             failures += 1
         ptx = compiled.asm.get("ptx", "")
+        waits = ptx.count("griddepcontrol.wait")
+        dependents += bool(waits and compiled.metadata.launch_pdl)
         print(
             f"{label:70s} regs {fields.get('REG', '?'):>3s} spill {spilled} "
             f"smem {compiled.metadata.shared:6d} wgmma {ptx.count('wgmma.mma_async'):3d} "
-            f"mma.sync {ptx.count('mma.sync'):3d} ({seconds:.1f} s)"
+            f"mma.sync {ptx.count('mma.sync'):3d} waits {waits} ({seconds:.1f} s)"
         )
         if args.max_variants and len(seen) >= args.max_variants:
             break
-    print(f"{len(seen)} variants, {failures} failed or spilled")
+    print(f"{len(seen)} variants, {failures} failed or spilled, {dependents} launch as dependents")
     return 1 if failures or not seen else 0
 
 
