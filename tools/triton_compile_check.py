@@ -54,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     from trtdisagg.kv.cache import KVCache
     from trtdisagg.kv.page_table import Layout
     from trtdisagg.model import paged_attention, triton_ops
+    from trtdisagg.model.dependent_launch import MIN_CAPABILITY
     from trtdisagg.model.llama import CausalLM
 
     target = GPUTarget("cuda", args.arch, 32)
+    dependent = divmod(args.arch, 10) >= MIN_CAPABILITY
     backend = make_backend(target)
     launches: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
 
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         kwargs = dict(call_kwargs, debug=False)
         if "DEPENDENT" in kwargs:  # as `dependent_launch` decides on a GPU of this target
-            kwargs["DEPENDENT"] = kwargs["launch_pdl"] = args.arch >= 90
+            kwargs["DEPENDENT"] = kwargs["launch_pdl"] = dependent
         kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
         binder = create_function_from_signature(jit.signature, jit.params, backend)
         bound, specialization, options = binder(*call_args, **kwargs)

@@ -18,16 +18,19 @@ import torch
 import triton  # type: ignore[import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute: Hopper and later
+
+# Triton's interpreter (CPU tensors) compiles nothing; triton_ops reads this flag too.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=16)
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` launch as dependents (NVIDIA, compute capability 9.0 and up;
     never under the interpreter)."""
-    if _INTERPRET or device.type != "cuda" or torch.version.hip is not None:
+    if INTERPRET or device.type != "cuda" or torch.version.hip is not None:
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
 
 
 @triton.jit

@@ -21,7 +21,6 @@ run on CPU tensors, with dots in float32: the interpreter cannot multiply bf16 m
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +30,7 @@ import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 from trtdisagg.kv.cache import KVCache
 from trtdisagg.model import attention_meta
 from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
-from trtdisagg.model.dependent_launch import await_previous, dependent_launch
+from trtdisagg.model.dependent_launch import INTERPRET, await_previous, dependent_launch
 from trtdisagg.model.ops import TorchOps
 from trtdisagg.model.paged_attention import (
     KERNELS as ATTENTION_KERNELS,
@@ -48,7 +47,6 @@ if TYPE_CHECKING:
     from trtdisagg.model.llama import CausalLM
 
 log = logging.getLogger(__name__)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -301,7 +299,7 @@ class TritonOps(TorchOps):
         num_splits: int | None = None,
     ) -> torch.Tensor:
         return paged_attention(
-            q, cache, layer, meta, tiles=self.tiles, dot_fp32=_INTERPRET, num_splits=num_splits
+            q, cache, layer, meta, tiles=self.tiles, dot_fp32=INTERPRET, num_splits=num_splits
         )
 
     def decode_attention(
