@@ -7,6 +7,7 @@ the GPU, fused Triton ops) and a KV pool of random K/V, then for each workload
   prefill_512   one 512-token prompt (concurrency 1)
   prefill_8k    one 8,192-token prompt
   mixed         64 decode rows at --context tokens next to one 512-token prompt chunk
+  mixed_16      15 decode rows next to a 497-token chunk (concurrency 16, 512 tokens a step)
   decode_64     64 decode rows at --context tokens
 
 times, with CUDA events (warm-up first, median of --iters runs):
@@ -18,8 +19,9 @@ times, with CUDA events (warm-up first, median of --iters runs):
 
 The 8k forward's rate counts 2 x parameters x tokens plus causal attention FLOPs
 (4 x head_dim x heads x layers x n(n+1)/2) and is set against a bf16 matmul measured in the same
-run (8192^3, random inputs). A tile sweep of the kernel on the 8k prompt and the split counts
-on decode_64 follow; the compiled-variant count is checked to stay flat after warm-up.
+run (8192^3, random inputs). A sweep of the long tiles (`TILE_SWEEP`) on the prompts and mixed
+steps, and of the split counts on decode_64, follow; the compiled-variant count is checked to
+stay flat after warm-up.
 
     python tools/bench_attention.py                     # one H200: prints a table last
     python tools/bench_attention.py --small --device cpu --no-sweep   # smoke test (interpreter)
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_512": [(512 // scale, 512 // scale)],
         "prefill_8k": [(8192 // scale, 8192 // scale)],
         "mixed": [(1, context)] * (64 // scale) + [(512 // scale, 512 // scale)],
+        # concurrency 16 with max_num_tokens 512: 15 decode rows beside a new prompt's chunk
+        "mixed_16": [(1, context)] * (15 // scale) + [(497 // scale, 497 // scale)],
         "decode_64": [(1, context)] * (64 // scale),
     }
     report: dict[str, Any] = {
@@ -265,30 +269,31 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep: list[dict[str, Any]] = []
     if not args.no_sweep:
-        q8k = torch.randn(n, margs.num_heads, margs.head_dim, device=device, dtype=torch.bfloat16)
-        meta8k = batches["prefill_8k"].attention
-        assert meta8k is not None
-        for long_rows, block_n, warps, stages in (
-            (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-            (64, 32, 4, 4), (128, 64, 8, 2), (64, 128, 4, 2), (128, 64, 8, 4),
-        ):  # fmt: skip
+        for long_rows, block_n, warps, stages in TILE_SWEEP:
             tiles = AttentionTiles(
                 long_rows=long_rows, block_n=block_n, long_warps=warps, num_stages=stages
             )
             label = f"rows={long_rows} block_n={block_n} warps={warps} stages={stages}"
-            try:
-                with torch.inference_mode():
-                    t = time_ms(
-                        lambda tiles=tiles: TritonOps(tiles).paged_attention(q8k, cache, 0, meta8k),
-                        device, iters=iters,
-                    )  # fmt: skip
-            except Exception as exc:  # one variant failing (e.g. out of shared memory) is data
-                sweep.append(
-                    {"what": "prefill_8k tiles", "config": label, "error": repr(exc)[:300]}
-                )
-                continue
-            rate = attn_flops_layer / (t["ms"] / 1e3)
-            sweep.append({"what": "prefill_8k tiles", "config": label, **t, "flops_per_s": rate})
+            if tiles == AttentionTiles():
+                label += " (default)"
+            for name in ("prefill_512", "mixed_16", "mixed", "prefill_8k"):
+                what = f"{name} tiles"
+                meta = batches[name].attention
+                assert meta is not None
+                q = torch.randn(batches[name].num_tokens, margs.num_heads, margs.head_dim,
+                                device=device, dtype=torch.bfloat16)  # fmt: skip
+                try:
+                    with torch.inference_mode():
+                        run = TritonOps(tiles).paged_attention
+                        t = time_ms(lambda run=run, q=q, m=meta: run(q, cache, 0, m), device,
+                                    iters=iters)  # fmt: skip
+                except Exception as exc:  # one variant failing (out of shared memory) is data
+                    sweep.append({"what": what, "config": label, "error": repr(exc)[:300]})
+                    continue
+                row = {"what": what, "config": label, **t}
+                if name == "prefill_8k":
+                    row["flops_per_s"] = attn_flops_layer / (t["ms"] / 1e3)
+                sweep.append(row)
         meta64 = batches["decode_64"].attention
         assert meta64 is not None
         q64 = torch.randn(meta64.num_seqs, margs.num_heads, margs.head_dim, device=device,
@@ -304,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     save(report, args.result_json)
     print_table(report)
     return 0
+
+
+# Long-tile configs of the sweep: (rows, block_n, warps, stages); the default is among them.
+TILE_SWEEP = (
+    (64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 3),
+    (128, 32, 8, 3), (64, 128, 4, 2),
+)  # fmt: skip
 
 
 def save(report: dict[str, Any], path: Path | None) -> None:

@@ -36,10 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10")
     parser.add_argument("--kernels", default="", help="only kernels whose name contains this")
     parser.add_argument("--max-variants", type=int, default=0, help="stop after this many")
-    parser.add_argument("--long-rows", type=int, default=128)
-    parser.add_argument("--block-n", type=int, default=64)
-    parser.add_argument("--long-warps", type=int, default=8)
-    parser.add_argument("--num-stages", type=int, default=3)
+    # tile options (unset: AttentionTiles' defaults, what serving runs)
+    for option in ("--long-rows", "--block-n", "--long-warps", "--num-stages"):
+        parser.add_argument(option, type=int)
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter compiles nothing")
@@ -80,12 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     margs = attrs.evolve(llama_8b_args(), num_layers=1, intermediate_size=256, vocab_size=256)
     cpu = torch.device("cpu")
     model = CausalLM(margs, dtype=torch.bfloat16, device=cpu)
-    tiles = paged_attention.AttentionTiles(
-        long_rows=args.long_rows,
-        block_n=args.block_n,
-        long_warps=args.long_warps,
-        num_stages=args.num_stages,
-    )
+    chosen = {name: getattr(args, name) for name in ("long_rows", "block_n", "long_warps",
+                                                      "num_stages")}  # fmt: skip
+    tiles = paged_attention.AttentionTiles(**{k: v for k, v in chosen.items() if v is not None})
     model.use_ops(triton_ops.TritonOps(tiles))
     cache = KVCache(
         num_blocks=4, num_layers=1, num_kv_heads=margs.num_kv_heads, head_dim=margs.head_dim,

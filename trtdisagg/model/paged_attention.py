@@ -65,11 +65,15 @@ _arrival_buffers: dict[torch.device, list[torch.Tensor]] = {}
 class AttentionTiles:
     """Tile sizes and launch options of the attention kernel (fixed per process)."""
 
-    long_rows: int = 128  # rows (query token x group head) of a long sequence's tile
+    # A long sequence's tile: rows (query token x group head), warps and pipeline depth. Small
+    # tiles keep several programs on each SM: a step's prompt of a few hundred tokens has few
+    # tiles, each walking few key blocks, so latency, not the dots, bounds it; an 8k prompt runs
+    # as fast as with 128-row tiles of 8 warps (docs/BENCHMARKS.md, "Attention tiles").
+    long_rows: int = 64
     block_n: int = 64  # keys per inner iteration
-    long_warps: int = 8  # warps of a launch that has long tiles
+    long_warps: int = 4  # warps of a launch that has long tiles
     short_warps: int = 4  # warps of a launch of short tiles only (decode steps)
-    num_stages: int = 3  # software pipelining depth of the key loop, with long tiles
+    num_stages: int = 2  # software pipelining depth of the key loop, with long tiles
     # A decode program walks few key blocks, so a deeper pipeline buys no overlap, and its
     # shared memory leaves fewer programs on each SM (docs/BENCHMARKS.md, "Decode step").
     short_stages: int = 2
