@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             label = f"rows={long_rows} block_n={block_n} warps={warps} stages={stages}"
             if tiles == AttentionTiles():
                 label += " (default)"
+            run = TritonOps(tiles).paged_attention
             for name in ("prefill_512", "mixed_16", "mixed", "prefill_8k"):
                 what = f"{name} tiles"
                 meta = batches[name].attention
@@ -284,7 +285,6 @@ def main(argv: list[str] | None = None) -> int:
                                 device=device, dtype=torch.bfloat16)  # fmt: skip
                 try:
                     with torch.inference_mode():
-                        run = TritonOps(tiles).paged_attention
                         t = time_ms(lambda run=run, q=q, m=meta: run(q, cache, 0, m), device,
                                     iters=iters)  # fmt: skip
                 except Exception as exc:  # one variant failing (out of shared memory) is data
