@@ -11,6 +11,7 @@ when a variant fails to compile or spills.
 
     python tools/triton_compile_check.py                    # the 8B geometry, sm_90
     python tools/triton_compile_check.py --kernels paged --long-rows 64 --block-n 128
+    python tools/triton_compile_check.py --kernels paged --sass-dir /tmp/sass   # + SASS, PTX
 
 A variant also fails when it needs more shared memory than an H100/H200 SM has.
 """
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -36,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10")
     parser.add_argument("--kernels", default="", help="only kernels whose name contains this")
     parser.add_argument("--max-variants", type=int, default=0, help="stop after this many")
+    parser.add_argument(
+        "--sass-dir", type=Path, help="write each variant's SASS and PTX here (to read its loops)"
+    )
     # tile options (unset: AttentionTiles' defaults, what serving runs)
     for option in ("--long-rows", "--block-n", "--long-warps", "--num-stages"):
         parser.add_argument(option, type=int)
@@ -142,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         if spilled or compiled.metadata.shared > SM_SHARED_BYTES:
             failures += 1
         ptx = compiled.asm.get("ptx", "")
+        if args.sass_dir is not None and "cubin" in compiled.asm:
+            stem = f"{len(seen):02d}_" + re.sub(r"[^\w=-]+", "_", label).strip("_")
+            _write_listings(args.sass_dir / stem, compiled.asm["cubin"], ptx, cuobjdump)
         waits = ptx.count("griddepcontrol.wait")
         dependents += bool(waits and compiled.metadata.launch_pdl)
         print(
@@ -153,6 +162,19 @@ def main(argv: list[str] | None = None) -> int:
             break
     print(f"{len(seen)} variants, {failures} failed or spilled, {dependents} launch as dependents")
     return 1 if failures or not seen else 0
+
+
+def _write_listings(stem: Path, cubin: bytes, ptx: str, cuobjdump: str) -> None:
+    """A variant's SASS and PTX as `stem`.sass and `stem`.ptx."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        sass = subprocess.run(
+            [cuobjdump, "-sass", file.name], capture_output=True, text=True, check=True
+        ).stdout
+    stem.with_name(stem.name + ".sass").write_text(sass)
+    stem.with_name(stem.name + ".ptx").write_text(ptx)
 
 
 if __name__ == "__main__":
