@@ -50,6 +50,7 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.api.responses_api",
     "trtdisagg.api.responses_events",
     "trtdisagg.api.sse",
+    "trtdisagg.api.unknown_fields",
     "trtdisagg.ratelimit",
     "trtdisagg.security.secret",
     "trtdisagg.security.limits",

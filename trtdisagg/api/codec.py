@@ -29,6 +29,7 @@ from trtdisagg.api.responses_api import (
     chat_body,
     responses_input,
 )
+from trtdisagg.api.unknown_fields import UnknownFields
 from trtdisagg.api.validation import single_prompt, validate_request
 
 __all__ = [
@@ -263,6 +264,16 @@ _RULES: Final[dict[type, dict[str, FieldRule]]] = {
     ChatCompletionRequest: CHAT,
     ResponsesRequest: RESPONSES,
 }
+_ROUTES: Final[dict[type, str]] = {
+    CompletionRequest: "/v1/completions",
+    ChatCompletionRequest: "/v1/chat/completions",
+    ResponsesRequest: "/v1/responses",
+}
+_KNOWN: Final[dict[type, frozenset[str]]] = {
+    cls: frozenset(rules) | {field.name for field in attrs.fields(cls)}
+    for cls, rules in _RULES.items()
+}
+_unknown = UnknownFields()
 
 
 def parse_request(body: object, cls: type[R]) -> R:
@@ -272,6 +283,7 @@ def parse_request(body: object, cls: type[R]) -> R:
     req = structure_body(body, cls)
     assert isinstance(body, dict)  # structure_body refuses anything else
     check_fields(body, _RULES[cls])
+    _unknown.note(body, _KNOWN[cls], _ROUTES[cls])
     if isinstance(req, CompletionRequest | ChatCompletionRequest):
         validate_request(req)
     else:  # a Responses request is served as the chat request it becomes: check that one
