@@ -92,10 +92,12 @@ def kv2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
 
 @pytest.fixture(scope="module")
 def kv_other(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Group]]:
-    """4 kv heads (one model) and 1 kv head (duplicated under TP2), started together."""
+    """4 kv heads (one model) and 1 kv head (duplicated under TP2), started together. They are
+    the other architectures too: Qwen3 (q and k normed per head) and Qwen2 (biased q, k, v,
+    whose duplicated kv head duplicates its bias)."""
     tmp = tmp_path_factory.mktemp("kv_other")
-    kv4 = attrs.evolve(BASE, num_kv_heads=4)
-    kv1 = attrs.evolve(BASE, num_kv_heads=1)
+    kv4 = attrs.evolve(BASE, num_kv_heads=4, arch="qwen3")
+    kv1 = attrs.evolve(BASE, num_kv_heads=1, arch="qwen2")
     with (
         _group(
             tmp, "kv4", kv4, {"ctx_tp2": ("ctx", {"tp": 2}), "gen_pp2": ("gen", {"pp": 2})}
@@ -250,10 +252,17 @@ async def test_split_equals_aggregated_tp1_exactly(kv2: Group) -> None:
         ("kv1", "ctx_tp2", "gen_tp2"),
     ],
 )
-async def test_other_kv_head_counts(
+async def test_other_kv_head_counts_and_architectures(
     kv_other: dict[str, Group], model: str, ctx_name: str, gen_name: str
 ) -> None:
-    await _check_pairing(kv_other[model], ctx_name, gen_name, seed=len(model) + len(gen_name))
+    group = kv_other[model]
+    await _check_pairing(group, ctx_name, gen_name, seed=len(model) + len(gen_name))
+    # Not only HF's tokens under the near-tie rule: exactly what gen serves on its own.
+    ctx, gen = group.servers[ctx_name], group.servers[gen_name]
+    prompt = _prompts(5)[1]
+    async with httpx.AsyncClient(timeout=60) as client:
+        split, _ = await _split(client, ctx, gen, prompt)
+        assert split == await _tokens(client, gen.url, _body(prompt))
 
 
 @pytest.mark.parametrize("schedule", ["context_first", "generation_first"])
