@@ -48,13 +48,16 @@ class CompiledDecode:
         self._ops = TracedOps()
         self._unused = torch.empty(0, dtype=torch.long)  # logits_indices: every row is a last
         torch._dynamo.mark_static(cache.pool)  # one pool: its sizes are no graph's variables
-        # Rounding as eager does: inductor otherwise keeps a fused chain of bf16 ops in float32,
-        # and greedy tokens part from the eager step's (and Hugging Face's) at near-ties.
+        # emulate_precision_casts: rounding as eager does (inductor otherwise keeps a fused chain
+        # of bf16 ops in float32, and greedy tokens part from the eager step's and Hugging
+        # Face's at near-ties). cpp_wrapper: the graph's calls are made from C++, not from a
+        # Python wrapper, which a step this small pays for; and each graph is one C++ file to
+        # compile, not one per kernel (docs/BENCHMARKS.md, "CPU serving").
         self._step: Callable[[ForwardBatch], torch.Tensor] = torch.compile(
             self._forward,
             dynamic=True,
             fullgraph=True,
-            options={"emulate_precision_casts": True},
+            options={"emulate_precision_casts": True, "cpp_wrapper": True},
         )
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
