@@ -60,6 +60,7 @@ def _worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], rol
     p.add_argument("--pp", dest="pipeline_parallel_size", type=int)
     p.add_argument("--max-batch-size", dest="max_batch_size", type=int)
     p.add_argument("--max-num-tokens", dest="max_num_tokens", type=int)
+    p.add_argument("--prefill-chunk-tokens", dest="prefill_chunk_tokens", type=int)
     p.add_argument("--cpu-threads", dest="cpu_threads", type=int)
     p.add_argument(
         "--cpu-affinity", dest="cpu_affinity", help='CPUs the engine runs on, e.g. "2" or "0-3,8"'
@@ -87,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 _WORKER_KEYS = (
     "host", "advertise_host", "port", "model", "served_model_name", "device", "cuda_device",
     "dtype", "tensor_parallel_size",
-    "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "cpu_threads", "cpu_affinity",
-    "log_level",
+    "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "prefill_chunk_tokens",
+    "cpu_threads", "cpu_affinity", "log_level",
 )  # fmt: skip
 
 

@@ -157,6 +157,10 @@ class WorkerConfig:
     pipeline_parallel_size: int = attrs.field(default=1, validator=_positive)
     max_batch_size: int = attrs.field(default=64, validator=_positive)
     max_num_tokens: int = attrs.field(default=8192, validator=_positive)
+    # While requests decode, a step takes at most this many tokens (its decode rows included) per
+    # prompt in prefill or waiting, up to max_num_tokens: a lone prompt rides on the decode steps
+    # in small chunks that slow them less (`worker/step_plan.py`). None: max_num_tokens always.
+    prefill_chunk_tokens: int | None = None
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache_config: KvCacheConfig = attrs.Factory(KvCacheConfig)
     cache_transceiver_config: CacheTransceiverConfig = attrs.Factory(CacheTransceiverConfig)
@@ -208,6 +212,12 @@ class WorkerConfig:
             raise ConfigError(f"port: must be in [0, 65536), got {self.port}")
         if self.cpu_affinity is not None:
             self._check_cpu_affinity(self.cpu_affinity)
+        chunk = self.prefill_chunk_tokens
+        if chunk is not None and chunk <= self.max_batch_size:
+            raise ConfigError(
+                f"prefill_chunk_tokens: must exceed max_batch_size ({self.max_batch_size}), so "
+                f"a chunk fits beside a full batch of decode rows; got {chunk}"
+            )
 
     def _check_cpu_affinity(self, cpus: CpuList) -> None:
         # NIXL's progress thread spins: on a rank's only CPU it starves that rank's own threads

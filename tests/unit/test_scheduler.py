@@ -30,6 +30,7 @@ def make_scheduler(
     max_seq_len: int = 1024,
     reuse: bool = True,
     max_logit_rows: int | None = None,
+    prefill_chunk_tokens: int | None = None,
 ) -> Scheduler:
     pool = BlockPool(num_blocks=num_blocks, tokens_per_block=T, enable_block_reuse=reuse)
     return Scheduler(
@@ -38,6 +39,7 @@ def make_scheduler(
         max_num_tokens=max_num_tokens,
         max_seq_len=max_seq_len,
         max_logit_rows=max_logit_rows,
+        prefill_chunk_tokens=prefill_chunk_tokens,
     )
 
 
@@ -137,7 +139,7 @@ def check_plan(scheduler: Scheduler, plan: StepPlan) -> None:
     ids = [item.request.request_id for item in plan.items]
     assert len(ids) == len(set(ids))
     assert plan.num_tokens == sum(item.num_new_tokens for item in plan.items)
-    assert plan.num_tokens <= scheduler._max_num_tokens
+    assert plan.num_tokens <= scheduler._budget.max_num_tokens
     assert len(plan.items) <= scheduler._max_batch_size
     assert all(item.num_new_tokens >= 1 for item in plan.items)
     for item in plan.items:
@@ -775,3 +777,77 @@ def test_mixed_disaggregated_workload_never_deadlocks(
         else:
             assert request.finish_reason is FinishReason.STOP
             assert request.num_output_tokens == 5
+
+
+# ---- prefill chunks beside decodes ----
+
+
+def _decoding(scheduler: Scheduler, count: int) -> list[Request]:
+    """`count` requests past their one-token prompts, each holding its first output."""
+    requests = [make_request(prompt_len=1, max_tokens=100) for _ in range(count)]
+    for request in requests:
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    scheduler.step_done(plan)
+    for request in requests:
+        request.output_token_ids.append(7)
+    return requests
+
+
+def test_prefill_chunk_tokens_caps_a_step_per_prompt_only_while_requests_decode() -> None:
+    scheduler = make_scheduler(num_blocks=256, max_num_tokens=64, prefill_chunk_tokens=16)
+    alone = make_request(prompt_len=40)
+    scheduler.add(alone)
+    assert scheduler.schedule().num_tokens == 40  # nothing decodes: the whole budget
+
+    scheduler = make_scheduler(num_blocks=256, max_num_tokens=64, prefill_chunk_tokens=16)
+    decoding = _decoding(scheduler, 3)
+    first = make_request(prompt_len=40)
+    scheduler.add(first)
+    plan = scheduler.schedule()  # one prompt: 16 tokens in all, 3 of them decode rows
+    assert [(i.request, i.num_new_tokens) for i in plan.items] == [
+        *((r, 1) for r in decoding),
+        (first, 13),
+    ]
+    scheduler.step_done(plan)
+    for request in decoding:
+        request.output_token_ids.append(7)
+    second, third = make_request(prompt_len=40), make_request(prompt_len=40)
+    scheduler.add(second)
+    scheduler.add(third)
+    plan = scheduler.schedule()  # three prompts: 48 tokens
+    assert plan.num_tokens == 48
+    assert [(i.request, i.num_new_tokens) for i in plan.items[3:]] == [
+        (first, 27),
+        (second, 18),
+    ]
+
+
+def test_prefill_chunk_tokens_must_exceed_the_batch() -> None:
+    with pytest.raises(ValueError, match="prefill_chunk_tokens must exceed max_batch_size"):
+        make_scheduler(max_batch_size=8, prefill_chunk_tokens=8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    specs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 6)), min_size=1, max_size=8),
+    chunk=st.integers(7, 40),
+    max_num_tokens=st.integers(1, 40),
+)
+def test_any_workload_with_prefill_chunks_gives_the_reference_outputs(
+    specs: list[tuple[int, int]], chunk: int, max_num_tokens: int
+) -> None:
+    def build() -> list[Request]:
+        return [
+            make_request(prompt=list(range(3, 3 + n)), max_tokens=m, request_id=i)
+            for i, (n, m) in enumerate(specs)
+        ]
+
+    reference = build()
+    run_to_completion(make_scheduler(num_blocks=128), reference, check=False)
+    requests = build()
+    scheduler = make_scheduler(
+        num_blocks=128, max_batch_size=6, max_num_tokens=max_num_tokens, prefill_chunk_tokens=chunk
+    )
+    run_to_completion(scheduler, requests)
+    assert outputs(requests) == outputs(reference)

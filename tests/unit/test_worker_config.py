@@ -94,6 +94,8 @@ def test_nixl_s_progress_thread_is_on_for_cuda_unless_set(
         ("device: tpu\n", ["device", "tpu"]),
         ("dtype: int8\n", ["dtype", "int8"]),
         ("max_batch_size: 0\n", ["max_batch_size", "positive"]),
+        ("prefill_chunk_tokens: 64\n", ["prefill_chunk_tokens", "exceed max_batch_size (64)"]),
+        ("prefill_chunk_tokens: '256'\n", ["$.prefill_chunk_tokens", "expected an integer"]),
         ("cache_transceiver_config: {backend: RDMA}\n", ["cache_transceiver_config.backend"]),
         (
             "cache_transceiver_config: {peer_probe_ms: 0}\n",

@@ -1,7 +1,7 @@
 """The scheduler: which requests run in the next forward step, and with how many tokens.
 
-Continuous batching with chunked prefill. Each step carries at most ``max_num_tokens`` tokens and
-``max_batch_size`` sequences, picked in this order:
+Continuous batching with chunked prefill. Each step carries at most ``max_num_tokens`` tokens
+(fewer while requests decode: ``StepBudget``) and ``max_batch_size`` sequences, in this order:
 
 1. RUNNING requests that decode, one token each, in admission order. A decode that cannot get a
    block preempts the most recently admitted RUNNING request not yet scheduled this step
@@ -15,24 +15,19 @@ Continuous batching with chunked prefill. Each step carries at most ``max_num_to
    blocks stays at the head, and nothing behind it is admitted (no starvation). Nothing is
    admitted in a step that preempted: those blocks were freed for the running requests.
 
-A chunk that reaches a request's last token samples: that step produces the request's next token.
-A request whose prompt serves ``n`` choices samples ``n`` first tokens in that step; then ``fork``
-starts the other choices from its KV, sharing its blocks. A shared block is copied for the one that
-writes it (copy-on-write: the plan's ``copies``, made before its forward), so choices never write
-into each other's KV; only a prompt's last, partly filled block is ever copied.
-GEN_WAITING_KV and CTX_SENDING requests hold blocks that a peer writes or reads; they are never
-scheduled nor preempted, but they do count against ``max_batch_size`` (GEN_WAITING_KV, since it
-will decode) and against the pool.
+A chunk that reaches a request's last token samples: that step produces the request's next token
+(``n`` of them for a prompt of ``n`` choices, which ``fork`` then starts: shared blocks, copied
+for the one that writes them).
+GEN_WAITING_KV and CTX_SENDING requests hold blocks that a peer writes or reads: never scheduled
+nor preempted, they count against the pool (and GEN_WAITING_KV, to decode, against batch slots).
 
-Calling protocol (the engine loop): ``plan = schedule()``, then ``step_launched(plan)`` once its
-forward is queued and ``step_finished(plan)`` once it ran (``step_done`` does both), before the
-next ``schedule``; then each sampled token is appended and the requests that are done are
-``finish``ed or ``hold_for_transfer``ed; ``plan.finished`` (LENGTH) is answered too. A token of a
-step still in flight counts in its request's ``pending_tokens``: the next plan decodes from it,
-and a request that surely ends with it (a context_only request's first token, its
-``max_tokens``-th, the context's last) is not scheduled again. A request ended while a launched
-step computes it keeps its blocks until that step finished (``in_flight.py``); preemption frees
-at once, since the step in flight writes them before any later step (one device stream).
+Calling protocol (the engine loop): ``plan = schedule()``, ``step_launched(plan)`` once its forward
+is queued, ``step_finished(plan)`` once it ran (``step_done``: both), before the next ``schedule``;
+then sampled tokens are appended, requests that are done ``finish``ed or ``hold_for_transfer``ed,
+and ``plan.finished`` (LENGTH) answered. A token still in flight counts in ``pending_tokens``: the
+next plan decodes from it, and a request that surely ends with it is not scheduled again. A
+request ended while a launched step computes it keeps its blocks until that step finished
+(``in_flight.py``); preemption frees at once (the step in flight writes them first: one stream).
 
 Pure: no I/O. See ``request`` for the request lifecycle and ``kv.block_pool`` for blocks.
 """
@@ -44,6 +39,7 @@ from collections.abc import Sequence
 
 from trtdisagg.errors import CapacityError, InvalidTransition
 from trtdisagg.kv.block_pool import BlockCopy, BlockPool, BlockTable
+from trtdisagg.worker import step_plan
 from trtdisagg.worker.in_flight import InFlight
 from trtdisagg.worker.request import FinishReason, Request, RequestState, RequestType
 from trtdisagg.worker.step_plan import ScheduledItem, SchedulerStatistics, StepBuilder, StepPlan
@@ -60,6 +56,7 @@ class Scheduler:
         max_num_tokens: tokens per step; longer prompts are prefilled in chunks.
         max_seq_len: most tokens (prompt + output) a sequence may reach.
         max_logit_rows: budget of prompt-logprobs positions (logits rows) a step; None: no cap.
+        prefill_chunk_tokens: a step's tokens per prompt while requests decode (``StepBudget``).
     """
 
     def __init__(
@@ -70,17 +67,19 @@ class Scheduler:
         max_num_tokens: int,
         max_seq_len: int,
         max_logit_rows: int | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> None:
-        self._max_logit_rows = max_num_tokens if max_logit_rows is None else max_logit_rows
-        limits = dict(
-            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len
+        self._budget = step_plan.StepBudget(
+            max_num_tokens=max_num_tokens,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            max_batch_size=max_batch_size,
         )
-        for name, value in (*limits.items(), ("max_logit_rows", self._max_logit_rows)):
+        self._max_logit_rows = max_num_tokens if max_logit_rows is None else max_logit_rows
+        for name, value in (("max_seq_len", max_seq_len), ("max_logit_rows", self._max_logit_rows)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         self._pool = pool
         self._max_batch_size = max_batch_size
-        self._max_num_tokens = max_num_tokens
         self._max_seq_len = max_seq_len
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []  # admission order: the last is the first victim
@@ -191,13 +190,14 @@ class Scheduler:
             raise AssertionError(
                 "schedule() called before step_done() (or step_launched()) of the previous plan"
             )
-        step = StepBuilder(budget=self._max_num_tokens, logit_rows=self._max_logit_rows)
+        budget = self._budget.tokens(self._running, num_waiting=len(self._waiting))
+        step = StepBuilder(budget=budget, logit_rows=self._max_logit_rows)
         self._schedule_decodes(step)
         self._schedule_prefills(step)
         if not step.preempted:
             self._admit_waiting(step)
         self._plan_unlaunched = bool(step.items)
-        return step.plan(self._max_num_tokens)
+        return step.plan(budget)
 
     def step_done(self, plan: StepPlan) -> None:
         """The plan's forward ran (a synchronous step): ``step_launched``, ``step_finished``."""

@@ -6,6 +6,8 @@ plan goes back to the scheduler (`Scheduler.step_done`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
 from trtdisagg.kv.block_pool import BlockCopy, BlockPoolStatistics
@@ -47,6 +49,35 @@ class SchedulerStatistics:
     num_ctx_sending: int
     num_preemptions: int  # since start
     pool: BlockPoolStatistics
+
+
+@attrs.frozen(kw_only=True)
+class StepBudget:
+    """Tokens a step may take: `max_num_tokens`; but while requests decode, with
+    `prefill_chunk_tokens`, at most that many (the decode rows included) per prompt in prefill or
+    waiting. One prompt then rides on the decode steps in small chunks, which lengthen those
+    steps less than one large chunk does, while a queue of prompts still gets the whole budget."""
+
+    max_num_tokens: int = attrs.field(validator=attrs.validators.gt(0))
+    prefill_chunk_tokens: int | None
+    max_batch_size: int = attrs.field(validator=attrs.validators.gt(0))
+
+    def __attrs_post_init__(self) -> None:
+        chunk = self.prefill_chunk_tokens
+        if chunk is not None and chunk <= self.max_batch_size:
+            raise ValueError(  # a chunk must fit beside a full batch of decode rows
+                f"prefill_chunk_tokens must exceed max_batch_size ({self.max_batch_size}), "
+                f"got {chunk}"
+            )
+
+    def tokens(self, running: Sequence[Request], *, num_waiting: int) -> int:
+        if self.prefill_chunk_tokens is None:
+            return self.max_num_tokens
+        prefilling = sum(r.is_prefilling for r in running)
+        prompts = prefilling + num_waiting
+        if prefilling == len(running) or not prompts:  # nothing decodes, or nothing to prefill
+            return self.max_num_tokens
+        return min(self.max_num_tokens, self.prefill_chunk_tokens * prompts)
 
 
 @attrs.define(eq=False, kw_only=True)

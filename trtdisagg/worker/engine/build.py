@@ -175,6 +175,7 @@ def assemble_executor(
         pool=pool,
         max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
         max_seq_len=max_seq_len,
         max_logit_rows=max(1, PROMPT_LOGITS_BYTES // (4 * runner.model.args.vocab_size)),
     )
