@@ -158,8 +158,8 @@ class WorkerConfig:
     max_batch_size: int = attrs.field(default=64, validator=_positive)
     max_num_tokens: int = attrs.field(default=8192, validator=_positive)
     # While requests decode, a step takes at most this many tokens (its decode rows included) per
-    # prompt in prefill or waiting, up to max_num_tokens: a lone prompt rides on the decode steps
-    # in small chunks that slow them less (`worker/step_plan.py`). None: max_num_tokens always.
+    # prompt waiting to be admitted (at least one), up to max_num_tokens: prompts ride on the
+    # decode steps in small chunks that slow them less (`worker/step_plan.py`). None: off.
     prefill_chunk_tokens: int | None = None
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache_config: KvCacheConfig = attrs.Factory(KvCacheConfig)

@@ -794,7 +794,7 @@ def _decoding(scheduler: Scheduler, count: int) -> list[Request]:
     return requests
 
 
-def test_prefill_chunk_tokens_caps_a_step_per_prompt_only_while_requests_decode() -> None:
+def test_prefill_chunk_tokens_caps_a_step_per_waiting_prompt_only_while_requests_decode() -> None:
     scheduler = make_scheduler(num_blocks=256, max_num_tokens=64, prefill_chunk_tokens=16)
     alone = make_request(prompt_len=40)
     scheduler.add(alone)
@@ -804,7 +804,7 @@ def test_prefill_chunk_tokens_caps_a_step_per_prompt_only_while_requests_decode(
     decoding = _decoding(scheduler, 3)
     first = make_request(prompt_len=40)
     scheduler.add(first)
-    plan = scheduler.schedule()  # one prompt: 16 tokens in all, 3 of them decode rows
+    plan = scheduler.schedule()  # one prompt waits: 16 tokens in all, 3 of them decode rows
     assert [(i.request, i.num_new_tokens) for i in plan.items] == [
         *((r, 1) for r in decoding),
         (first, 13),
@@ -815,12 +815,14 @@ def test_prefill_chunk_tokens_caps_a_step_per_prompt_only_while_requests_decode(
     second, third = make_request(prompt_len=40), make_request(prompt_len=40)
     scheduler.add(second)
     scheduler.add(third)
-    plan = scheduler.schedule()  # three prompts: 48 tokens
-    assert plan.num_tokens == 48
-    assert [(i.request, i.num_new_tokens) for i in plan.items[3:]] == [
-        (first, 27),
-        (second, 18),
-    ]
+    plan = scheduler.schedule()  # two prompts wait to be admitted: 32 tokens
+    assert plan.num_tokens == 32
+    assert [(i.request, i.num_new_tokens) for i in plan.items[3:]] == [(first, 27), (second, 2)]
+    scheduler.step_done(plan)
+    for request in (*decoding, first):
+        request.output_token_ids.append(7)
+    plan = scheduler.schedule()  # one waits, one is in prefill: 16 again
+    assert [(i.request, i.num_new_tokens) for i in plan.items[4:]] == [(second, 12)]
 
 
 def test_prefill_chunk_tokens_must_exceed_the_batch() -> None:

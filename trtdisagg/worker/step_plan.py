@@ -54,9 +54,10 @@ class SchedulerStatistics:
 @attrs.frozen(kw_only=True)
 class StepBudget:
     """Tokens a step may take: `max_num_tokens`; but while requests decode, with
-    `prefill_chunk_tokens`, at most that many (the decode rows included) per prompt in prefill or
-    waiting. One prompt then rides on the decode steps in small chunks, which lengthen those
-    steps less than one large chunk does, while a queue of prompts still gets the whole budget."""
+    `prefill_chunk_tokens`, at most that many (the decode rows included) per prompt waiting to be
+    admitted, at least one. A prompt then rides on the decode steps in small chunks, which
+    lengthen those steps less than one large chunk does, while a queue of prompts raises the
+    budget back towards `max_num_tokens` (prefill must keep up with arrivals)."""
 
     max_num_tokens: int = attrs.field(validator=attrs.validators.gt(0))
     prefill_chunk_tokens: int | None
@@ -74,10 +75,9 @@ class StepBudget:
         if self.prefill_chunk_tokens is None:
             return self.max_num_tokens
         prefilling = sum(r.is_prefilling for r in running)
-        prompts = prefilling + num_waiting
-        if prefilling == len(running) or not prompts:  # nothing decodes, or nothing to prefill
-            return self.max_num_tokens
-        return min(self.max_num_tokens, self.prefill_chunk_tokens * prompts)
+        if prefilling == len(running) or not (prefilling or num_waiting):
+            return self.max_num_tokens  # nothing decodes, or nothing to prefill
+        return min(self.max_num_tokens, self.prefill_chunk_tokens * max(1, num_waiting))
 
 
 @attrs.define(eq=False, kw_only=True)
