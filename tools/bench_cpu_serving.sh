@@ -29,7 +29,8 @@ kv_cache_config: {tokens_per_block: 32, max_tokens: 32768}
 ${PIN:+cpu_affinity: [$PIN]}
 ${EXTRA:-}
 YAML
-$PY -m trtdisagg ctx --config "$OUT/worker-$TAG.yaml" --port "$PORT" > "$OUT/worker-$TAG.log" 2>&1 &
+# -P: the current directory (a checkout) does not go before PYTHONPATH on sys.path.
+$PY -P -m trtdisagg ctx --config "$OUT/worker-$TAG.yaml" --port "$PORT" > "$OUT/worker-$TAG.log" 2>&1 &
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null' EXIT
 for _ in $(seq 1 120); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 1; done

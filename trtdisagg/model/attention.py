@@ -223,29 +223,25 @@ class Attention(nn.Module):
                 group = self.num_heads // self.num_kv_heads
                 keys = keys.repeat_interleave(group, dim=0)
                 values = values.repeat_interleave(group, dim=0)
+            # SDPA's fused (flash) kernels, on CUDA and on the CPU, take 4-D inputs only: with
+            # [heads, q_len, D] it falls back to its math kernel, which materialises
+            # [heads, q_len, kv_len] scores (gigabytes for an 8k chunk of an 8B model; on the
+            # CPU a 2048-token prompt of `tiny` prefilled several times slower: docs/BENCHMARKS.md,
+            # "CPU serving"). On CUDA the flash kernel takes no explicit mask either, but a
+            # lower-right causal bias, the same mask as `mask` (and as is_causal when q_len ==
+            # kv_len): its causal mode is lower-right. The CPU's takes the bool mask.
+            queries = q[rows].transpose(0, 1)[None]  # [1, heads, q_len, D]
             if q.is_cuda:
-                # SDPA's fused (flash) kernels take 4-D inputs only, and no explicit mask: with
-                # [heads, q_len, D] or a bool mask it falls back to its math kernel, which
-                # materialises [heads, q_len, kv_len] scores: gigabytes for an 8k chunk of a long
-                # prompt of an 8B model, and a prefill several times slower than the flash
-                # kernel's. A lower-right causal bias is the same mask as `mask` (and as
-                # is_causal when q_len == kv_len) and runs in the flash kernel, whose causal
-                # mode is lower-right.
+                causal = _causal_lower_right(seq.q_len, seq.kv_len) if seq.q_len > 1 else None
                 attended = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1)[None],  # [1, heads, q_len, D]
-                    keys[None],
-                    values[None],
-                    attn_mask=_causal_lower_right(seq.q_len, seq.kv_len) if seq.q_len > 1 else None,
-                )[0]
+                    queries, keys[None], values[None], attn_mask=causal
+                )
             else:
                 attended = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1),  # [heads, q_len, D]
-                    keys,
-                    values,
-                    attn_mask=mask,
-                    is_causal=mask is None and seq.q_len > 1,
-                )
-            out[rows] = attended.transpose(0, 1)
+                    queries, keys[None], values[None],
+                    attn_mask=mask, is_causal=mask is None and seq.q_len > 1,
+                )  # fmt: skip
+            out[rows] = attended[0].transpose(0, 1)
 
 
 def _concat_into_views(
