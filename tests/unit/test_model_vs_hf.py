@@ -165,3 +165,24 @@ def test_tiny_sharded_tied_qwen3_matches_hf(tmp_path: Path) -> None:
     ours = PagedGreedy.single(load(path), layout=Layout.NHD).generate(PROMPT, 10)
     ref, margins = hf_greedy(path, PROMPT, 10)
     assert_greedy_match(ours, ref, margins)
+
+
+def test_cpu_prefill_attention_gives_sdpa_the_inputs_of_its_fused_kernel(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SDPA's fused CPU kernel takes 4-D inputs only: on [heads, q, D] it falls back to the math
+    kernel, which materialises every score (a 2048-token prompt of `tiny` prefilled 6-7x slower:
+    docs/BENCHMARKS.md). Both prefill cases go through it: a whole prompt (causal) and a chunk
+    after computed keys (an explicit mask)."""
+    shapes: list[tuple[int, ...]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        shapes.append(tuple(q.shape))
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    tokens = PagedGreedy.single(load(llama)).generate(PROMPT, 2, chunks=(16,))
+    assert len(tokens) == 2
+    assert {len(shape) for shape in shapes} == {4}
+    assert {shape[2] for shape in shapes} >= {16, len(PROMPT) - 16}  # both chunks' queries
