@@ -227,7 +227,7 @@ class Attention(nn.Module):
             # [heads, q_len, D] it falls back to its math kernel, which materialises
             # [heads, q_len, kv_len] scores (gigabytes for an 8k chunk of an 8B model; on the
             # CPU a 2048-token prompt of `tiny` prefilled several times slower: docs/BENCHMARKS.md,
-            # "CPU serving"). On CUDA the flash kernel takes no explicit mask either, but a
+            # "Prefill on the CPU"). On CUDA the flash kernel takes no explicit mask either, but a
             # lower-right causal bias, the same mask as `mask` (and as is_causal when q_len ==
             # kv_len): its causal mode is lower-right. The CPU's takes the bool mask.
             queries = q[rows].transpose(0, 1)[None]  # [1, heads, q_len, D]
