@@ -9,7 +9,7 @@ reused between launches), median of --iters replays, and set against the K/V byt
 Contexts are spread evenly over --context LO:HI, as in a closed loop of 512-token prompts and 128
 output tokens (512:640). Per batch: every split count the kernel is compiled for, with the
 default tiles; then, with --tiles, every (keys per iteration, warps, pipeline stages) of the
-short tile at the default split count and at the fastest one.
+short tile at the default split count and at the fastest one (or at each of --tile-splits).
 
     python tools/bench_decode_attention.py --batches 1,16,64 --context 512:640 --tiles
     MIN_SPLIT_KEYS=64 python tools/bench_decode_attention.py     # the kernel's split floor
@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", default="512:640", help="LO:HI tokens, spread evenly")
     parser.add_argument("--tiles", action="store_true", help="sweep the short tile too")
+    parser.add_argument(
+        "--tile-splits", help="comma-separated split counts of the tile sweep (default: the "
+        "default split count and the fastest one)",
+    )  # fmt: skip
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--result-json", type=Path)
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = 2 if args.small else 32
     lo, hi = (int(x) for x in args.context.split(":"))
     batches = [int(b) for b in args.batches.split(",")]
+    tile_splits = [int(s) for s in args.tile_splits.split(",")] if args.tile_splits else []
     tpb = args.tokens_per_block
     cache = KVCache(
         num_blocks=max(batches) * -(-hi // tpb) + 8, num_layers=layers, num_kv_heads=KV_HEADS,
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         fastest = min(by_split, key=lambda s: by_split[s])
         for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
             tiles = AttentionTiles(block_n=block_n, short_warps=warps, short_stages=stages)
-            for splits in sorted({default_splits, fastest}):
+            for splits in tile_splits or sorted({default_splits, fastest}):
                 record(tiles, splits)
 
     for batch in batches:

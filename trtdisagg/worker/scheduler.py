@@ -16,8 +16,7 @@ Continuous batching with chunked prefill. Each step carries at most ``max_num_to
    admitted in a step that preempted: those blocks were freed for the running requests.
 
 A chunk that reaches a request's last token samples: that step produces the request's next token
-(``n`` of them for a prompt of ``n`` choices, which ``fork`` then starts: shared blocks, copied
-for the one that writes them).
+(``n`` of them for ``n`` choices, which ``fork`` starts: shared blocks, copied on write).
 GEN_WAITING_KV and CTX_SENDING requests hold blocks that a peer writes or reads: never scheduled
 nor preempted, they count against the pool (and GEN_WAITING_KV, to decode, against batch slots).
 
