@@ -15,6 +15,7 @@ import pytest
 import trio
 import zmq
 
+from tests.fault_checks import wait_metrics
 from tests.instances import running_instances
 from tests.oracle import assert_greedy_match, hf_greedy
 from tests.procs import Server, metric, running_worker
@@ -278,6 +279,63 @@ async def test_generation_first_gen_is_refused_at_once_when_ctx_sends_no_kv(
         assert elapsed < min(1.0, TIMEOUT_MS / 1000 / 2), elapsed  # not the deadline
         await _wait_idle(client, gen)
         await _wait_idle(client, ctx)
+
+
+async def test_a_client_hanging_up_on_ctx_mid_prefill_refuses_the_waiting_gen_at_once(
+    pair: tuple[Server, Server],
+) -> None:
+    """gen asked first; ctx's client hangs up while its prompt is still prefilling (a prompt of
+    many steps at the test budget of 256 tokens a step). ctx aborts the request between two
+    chunks, and gen's request fails within a second, naming the abort, not at
+    kv_transfer_timeout_ms; both workers end idle (peers.md, pain point 1)."""
+    ctx, gen = pair
+    key = 2**50 + 7300
+    body = _body(_prompt(random.Random(6), 4000), 4)
+    gen_body = {**body, "disaggregated_params": {
+        "request_type": "generation_only", "schedule_style": "generation_first",
+        "disagg_request_id": key, "ctx_request_id": key, "ctx_info_endpoint": _info_endpoint(ctx),
+    }}  # fmt: skip
+    ctx_body = {**body, "disaggregated_params": {
+        "request_type": "context_only", "disagg_request_id": key,
+    }}  # fmt: skip
+    async with httpx.AsyncClient(timeout=60) as client:
+        before = (await client.get(ctx.url + "/metrics")).text
+        refused: list[httpx.Response] = []
+
+        async def run_gen() -> None:
+            refused.append(await client.post(gen.url + "/v1/completions", json=gen_body))
+
+        hang_up = trio.CancelScope()
+
+        async def run_ctx() -> None:
+            with hang_up:
+                await client.post(ctx.url + "/v1/completions", json=ctx_body)
+                raise AssertionError("ctx answered before its client hung up")
+
+        def prefilling(text: str) -> bool:
+            return metric(text, "trtdisagg_requests_running") >= 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_gen)
+            await wait_metrics(  # gen's REQUEST_DATA waits at ctx
+                client, ctx, lambda t: metric(t, "trtdisagg_kv_early_messages") >= 1, "early", 10
+            )
+            nursery.start_soon(run_ctx)
+            await wait_metrics(client, ctx, prefilling, "ctx prefilling", 10)
+            hung_up = time.monotonic()
+            hang_up.cancel()
+        elapsed = time.monotonic() - hung_up
+        (g,) = refused
+        assert g.status_code == 502, g.text
+        message = g.json()["error"]["message"]
+        assert "ctx request ended before its KV was ready: it was aborted" in message, message
+        assert elapsed < min(1.0, TIMEOUT_MS / 1000 / 2), elapsed  # not the deadline
+        after = await _wait_idle(client, ctx)
+        await _wait_idle(client, gen)
+        aborted = 'role="ctx",status="aborted"'
+        assert metric(after, "trtdisagg_requests_total", aborted) == (
+            metric(before, "trtdisagg_requests_total", aborted) + 1
+        )
 
 
 async def test_rendezvous_once_and_one_descriptor_per_run(pair: tuple[Server, Server]) -> None:
