@@ -15,7 +15,7 @@ import pytest
 import trio
 import zmq
 
-from tests.fault_checks import wait_metrics
+from tests.fault_checks import SLACK_S, is_idle, wait_metrics
 from tests.instances import running_instances
 from tests.oracle import assert_greedy_match, hf_greedy
 from tests.procs import Server, metric, running_worker
@@ -336,6 +336,31 @@ async def test_a_client_hanging_up_on_ctx_mid_prefill_refuses_the_waiting_gen_at
         assert metric(after, "trtdisagg_requests_total", aborted) == (
             metric(before, "trtdisagg_requests_total", aborted) + 1
         )
+
+
+async def test_kv_no_gen_asks_for_is_pinned_until_the_deadline_then_freed_and_counted(
+    pair: tuple[Server, Server],
+) -> None:
+    """A client talks to ctx directly (context_only) and no gen ever asks for the KV, nor does
+    anyone release it: ctx pins the blocks until kv_transfer_timeout_ms, not longer, frees them
+    then and counts the failed send (peers.md, pain point 16: no block stranded for minutes)."""
+    ctx, _ = pair
+    body = _body(_prompt(random.Random(8), 40), 4)
+    ctx_body = {**body, "disaggregated_params": {"request_type": "context_only"}}
+    async with httpx.AsyncClient(timeout=60) as client:
+        before = (await client.get(ctx.url + "/metrics")).text
+        started = time.monotonic()  # the deadline counts from later: when the KV is ready
+        r = await client.post(ctx.url + "/v1/completions", json=ctx_body)
+        assert r.status_code == 200, r.text
+        pinned = (await client.get(ctx.url + "/metrics")).text
+        assert metric(pinned, "trtdisagg_kv_sessions", 'side="sender"') == 1
+        assert metric(pinned, "trtdisagg_kv_cache_free_blocks") < metric(
+            before, "trtdisagg_kv_cache_free_blocks"
+        )
+        after = await wait_metrics(client, ctx, is_idle, "ctx idle", TIMEOUT_MS / 1000 + SLACK_S)
+        assert time.monotonic() - started >= TIMEOUT_MS / 1000, "freed before the deadline"
+        failures = "trtdisagg_kv_transfer_failures_total"
+        assert metric(after, failures) == metric(before, failures) + 1
 
 
 async def test_rendezvous_once_and_one_descriptor_per_run(pair: tuple[Server, Server]) -> None:
