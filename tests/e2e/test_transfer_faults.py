@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -231,3 +231,49 @@ async def test_fault_routes_read_and_replace_the_plan(pair: tuple[Server, Server
                       {"rule": "stall_transfer:1000ms", "fired": 0}],
         }  # fmt: skip
         await set_faults(client, ctx, "none")
+
+
+async def test_saturated_peers_answer_each_other_s_probes_and_keep_each_other(
+    pair: tuple[Server, Server],
+) -> None:
+    """Both workers run full batches of their own requests (peers.md, pain point 17: lease
+    heartbeats starved at batch 128). Liveness runs on the control plane, beside the step loop,
+    so each still answers the other's probes within peer_probe_ms: probes go out while the
+    batches run, neither worker forgets the other, and the next transfer needs no new
+    rendezvous."""
+    ctx, gen = pair
+    rng = random.Random(17)
+    probes, forgotten = "trtdisagg_kv_peer_probes_total", "trtdisagg_kv_peers_forgotten_total"
+    async with httpx.AsyncClient(timeout=60) as client:
+        await assert_exact_transfer(client, ctx, gen, rng)  # each knows the other
+        before = {s.url: (await client.get(s.url + "/metrics")).text for s in pair}
+
+        async def load(server: Server) -> None:
+            while True:
+                body = completion([rng.randrange(10, 500) for _ in range(100)], 64)
+                r = await client.post(server.url + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+
+        def probed_while_busy(server: Server) -> Callable[[str], bool]:
+            def check(text: str) -> bool:
+                sent = metric(text, probes) - metric(before[server.url], probes)
+                return sent >= 4 and metric(text, "trtdisagg_requests_running") >= 16
+
+            return check
+
+        async with trio.open_nursery() as nursery:
+            for server in pair:
+                for _ in range(24):
+                    nursery.start_soon(load, server)
+            # A peer that misses three probes in a row is forgotten and probed no more: a fourth
+            # probe means the three before it were answered, within peer_probe_ms each.
+            for server in pair:
+                await wait_metrics(client, server, probed_while_busy(server), "probes", 30)
+            nursery.cancel_scope.cancel()
+        for server in pair:
+            text = await wait_metrics(client, server, is_idle, "idle", SLACK_S + 10)
+            assert metric(text, forgotten) == metric(before[server.url], forgotten), server.url
+        rendezvous = "trtdisagg_kv_rendezvous_total"
+        await assert_exact_transfer(client, ctx, gen, rng)
+        after = (await client.get(gen.url + "/metrics")).text
+        assert metric(after, rendezvous) == metric(before[gen.url], rendezvous)

@@ -29,6 +29,7 @@ class TransceiverStatistics:
     early: int = 0  # transfer keys with REQUEST_DATA or CANCEL waiting for their session
     bounced: int = 0  # transfers that went through the staging buffers (sends and receives)
     connections: int = 0  # open DEALERs to peers' control endpoints
+    probes: int = 0  # liveness probes sent to silent peer instances (liveness.py)
     peers_forgotten: int = 0  # peer instances forgotten as gone (liveness.py)
     peers_dead: int = 0  # ... of which had ended: what waited on them failed at once
     # control messages dropped or refused, by reason (protocol/side.py, and the socket's
@@ -68,6 +69,8 @@ _READ = (
      "Open control-plane connections (DEALERs) to peers"),
     ("bounced", "kv_bounce_transfers", "counter",
      "KV transfers through the staging (bounce) buffers, sends and receives"),
+    ("probes", "kv_peer_probes", "counter",
+     "Liveness probes sent to peer instances silent for peer_probe_ms"),
     ("peers_forgotten", "kv_peers_forgotten", "counter",
      "Peer instances forgotten as gone (unanswered probes, or another instance at their "
      "endpoint), their transfer agents unloaded"),

@@ -153,7 +153,7 @@ class KvTransceiver:
             bad_frames=self._control.bad_frames, quarantined=quarantined,
             quarantine_expired=gen.quarantine_expired, early=len(ctx.early),
             bounced=ctx.bounced + gen.bounced, connections=self._control.connections,
-            peers_forgotten=protocol.forgotten, peers_dead=protocol.dead,
+            probes=protocol.probes, peers_forgotten=protocol.forgotten, peers_dead=protocol.dead,
         )  # fmt: skip
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
