@@ -13,7 +13,10 @@ instance is idle with all its blocks back.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -417,3 +420,68 @@ async def test_parallel_workers_serve_tp1_tokens_concurrently(kv2: Group) -> Non
     for body, ref in list(zip(bodies, reference))[:4]:
         hf, margins = hf_greedy(kv2.model, body["prompt"], body["max_tokens"])
         assert_greedy_match(ref, hf, margins)
+
+
+def _followers(rank0: subprocess.Popen[bytes]) -> list[int]:
+    """The pids of an instance's follower ranks: rank 0's spawned children (not the resource
+    tracker that `spawn` may start beside them)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue  # it ended meanwhile
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == rank0.pid and b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_one_rank_of_a_tp2_ctx_dying_fails_the_waiting_gen_at_once(bounce: Group) -> None:
+    """gen asked a TP2 ctx first (generation-first), then ctx's second rank dies alone
+    (SIGKILL), its first rank alive. gen's control link to the dead rank stays down, so the
+    whole instance is gone for gen: the request fails at once (not at its 20 s deadline) and
+    frees its blocks, and gen goes on serving; the ctx instance stops, as it cannot serve
+    without a rank (peers.md, pain point 3). The last test of `bounce`: its ctx does not come
+    back."""
+    ctx, gen = bounce.servers["ctx_tp2"], bounce.servers["gen_tp1_nhd"]
+    key = 2**50 + 3303
+    prompt = [random.Random(33).randrange(10, 500) for _ in range(40)]
+    gen_body = _body(prompt, disaggregated_params={
+        "request_type": "generation_only", "schedule_style": "generation_first",
+        "disagg_request_id": key, "ctx_request_id": key,
+    })  # fmt: skip
+    (follower,) = _followers(ctx.proc)
+    async with httpx.AsyncClient(timeout=60) as client:
+        info = (await client.get(ctx.url + "/server_info")).json()
+        gen_body["disaggregated_params"]["ctx_info_endpoint"] = info["disaggregated_params"][
+            "ctx_info_endpoint"
+        ]
+        refused: list[httpx.Response] = []
+
+        async def run_gen() -> None:
+            refused.append(await client.post(gen.url + "/v1/completions", json=gen_body))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_gen)
+            with trio.fail_after(10):  # gen's REQUEST_DATA waits at ctx
+                while True:
+                    text = (await client.get(ctx.url + "/metrics")).text
+                    if metric(text, "trtdisagg_kv_early_messages") >= 1:
+                        break
+                    await trio.sleep(0.02)  # polling an observable gauge, bounded above
+            killed = time.monotonic()
+            os.kill(follower, signal.SIGKILL)
+        elapsed = time.monotonic() - killed
+        (g,) = refused
+        assert g.status_code == 502, g.text
+        assert "is gone" in g.json()["error"]["message"], g.text
+        assert elapsed < TRANSFER["kv_transfer_timeout_ms"] / 1000 / 2, elapsed
+        await _wait_idle(client, gen)
+        assert await _tokens(client, gen.url, _body(prompt)) != []  # gen serves on
+    # The instance stops on its own.
+    assert await trio.to_thread.run_sync(ctx.proc.wait, 15) != 0
+    assert "rank 1" in ctx.log() and "stopping the instance" in ctx.log()
