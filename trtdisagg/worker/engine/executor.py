@@ -217,7 +217,8 @@ class Executor:
         """Bring the gauges up to date (before `/metrics` renders them)."""
         stats = self.scheduler.statistics()
         self.metrics.requests_running.set(stats.num_running)
-        self.metrics.requests_waiting.set(stats.num_waiting)
+        # Queued: for a prefill (or a recompute), or, on gen, for blocks to receive KV into.
+        self.metrics.requests_waiting.set(stats.num_waiting + self.tracker.awaiting_blocks)
         pool = stats.pool
         self.metrics.kv_total_blocks.set(pool.total_blocks)
         self.metrics.kv_free_blocks.set(pool.free_blocks)

@@ -78,6 +78,11 @@ class TransferTracker:
             raise ValueError(f"request {live.request_id} has no KV source: not generation_only")
         self._waiting.append(live)
 
+    @property
+    def awaiting_blocks(self) -> int:
+        """gen requests queued until the pool has blocks for their KV."""
+        return len(self._waiting)
+
     def start_receives(self) -> None:
         """Give waiting gen requests blocks, first come first served, and ask ctx for their KV."""
         while self._waiting:
