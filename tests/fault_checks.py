@@ -126,6 +126,32 @@ async def wait_metrics(
     return text
 
 
+async def gen_asks_first(
+    client: httpx.AsyncClient,
+    nursery: trio.Nursery,
+    gen: Server,
+    ctx: Server,
+    body: dict[str, Any],
+) -> list[httpx.Response]:
+    """Send gen's generation-first request `body` in `nursery`, and return once its
+    REQUEST_DATA waits at `ctx`; gen's answer is in the returned list when the request ends."""
+    answers: list[httpx.Response] = []
+
+    async def ask() -> None:
+        answers.append(await client.post(gen.url + "/v1/completions", json=body))
+
+    nursery.start_soon(ask)
+    await request_data_waiting(client, ctx)
+    return answers
+
+
+async def request_data_waiting(client: httpx.AsyncClient, ctx: Server) -> None:
+    """Until a generation-first gen's REQUEST_DATA waits at `ctx` for its request."""
+    await wait_metrics(
+        client, ctx, lambda t: metric(t, "trtdisagg_kv_early_messages") >= 1, "REQUEST_DATA", 10
+    )
+
+
 async def same_kv_landed(
     client: httpx.AsyncClient, ctx: Server, gen: Server, before: set[str]
 ) -> set[str]:

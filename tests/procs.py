@@ -134,6 +134,22 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
+def children(pid: int) -> list[int]:
+    """The pids of process `pid`'s children, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            found.append(int(entry.name))
+    return found
+
+
 def cpus_of_threads(pid: int) -> dict[int, tuple[int, ...]]:
     """The CPUs each thread of process `pid` may run on (its tid -> sorted CPU ids)."""
     allowed = {}

@@ -15,7 +15,7 @@ import pytest
 import trio
 import zmq
 
-from tests.fault_checks import SLACK_S, is_idle, wait_metrics
+from tests.fault_checks import SLACK_S, gen_asks_first, is_idle, request_data_waiting, wait_metrics
 from tests.instances import running_instances
 from tests.oracle import assert_greedy_match, hf_greedy
 from tests.procs import Server, metric, running_worker
@@ -100,6 +100,20 @@ def _body(prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
             "return_token_ids": True, **extra}  # fmt: skip
 
 
+def _generation_first_bodies(
+    ctx: Server, key: int, body: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """gen's generation-first request for transfer `key` from `ctx`, and ctx's context_only one."""
+    gen_body = {**body, "disaggregated_params": {
+        "request_type": "generation_only", "schedule_style": "generation_first",
+        "disagg_request_id": key, "ctx_request_id": key, "ctx_info_endpoint": _info_endpoint(ctx),
+    }}  # fmt: skip
+    ctx_body = {**body, "disaggregated_params": {
+        "request_type": "context_only", "disagg_request_id": key,
+    }}  # fmt: skip
+    return gen_body, ctx_body
+
+
 def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(10, 500) for _ in range(n)]
 
@@ -172,13 +186,8 @@ async def _generation_first(
 ) -> tuple[list[int], list[int]]:
     """generation_only posted first, without a first token; context_only only once gen's
     REQUEST_DATA waits at ctx. (gen's tokens, ctx's tokens)."""
-    endpoint = _info_endpoint(ctx)
-    gen_body = {**body, "disaggregated_params": {
-        "request_type": "generation_only", "schedule_style": "generation_first",
-        "disagg_request_id": key, "ctx_request_id": key, "ctx_info_endpoint": endpoint,
-    }}  # fmt: skip
-    ctx_params = {"request_type": "context_only", "disagg_request_id": key}
-    ctx_body = {**body, "stream": False, "disaggregated_params": ctx_params}
+    gen_body, ctx_body = _generation_first_bodies(ctx, key, body)
+    ctx_body["stream"] = False
     gen_tokens: list[int] = []
 
     async def run_gen() -> None:
@@ -186,12 +195,7 @@ async def _generation_first(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_gen)
-        with trio.fail_after(10):  # gen asked before ctx has even seen the request
-            while True:
-                text = (await client.get(ctx.url + "/metrics")).text
-                if metric(text, "trtdisagg_kv_early_messages") >= 1:
-                    break
-                await trio.sleep(0.02)  # polling an observable gauge, bounded above
+        await request_data_waiting(client, ctx)  # gen asked before ctx has seen the request
         r = await client.post(ctx.url + "/v1/completions", json=ctx_body)
         assert r.status_code == 200, r.text
         ctx_tokens = list(r.json()["choices"][0]["token_ids"])
@@ -238,33 +242,15 @@ async def test_generation_first_gen_is_refused_at_once_when_ctx_sends_no_kv(
     (peers.md, pain point 1: a prefill-side end must free the decode slot in under a second)."""
     ctx, gen = pair
     key = 2**50 + 7200 + (ending == "step_failure")
-    body = _body(_prompt(random.Random(5), 24), 6)
-    gen_body = {**body, "disaggregated_params": {
-        "request_type": "generation_only", "schedule_style": "generation_first",
-        "disagg_request_id": key, "ctx_request_id": key, "ctx_info_endpoint": _info_endpoint(ctx),
-    }}  # fmt: skip
-    ctx_body = {**body, "disaggregated_params": {
-        "request_type": "context_only", "disagg_request_id": key,
-    }}  # fmt: skip
+    gen_body, ctx_body = _generation_first_bodies(ctx, key, _body(_prompt(random.Random(5), 24), 6))
     if ending == "first_token":
         ctx_body["max_tokens"] = 1
         ctx_status, reason = 200, "it finished at its first token"
     else:
         ctx_status, reason = 500, "it failed"
     async with httpx.AsyncClient(timeout=60) as client:
-        refused: list[httpx.Response] = []
-
-        async def run_gen() -> None:
-            refused.append(await client.post(gen.url + "/v1/completions", json=gen_body))
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_gen)
-            with trio.fail_after(10):  # gen's REQUEST_DATA waits at ctx
-                while True:
-                    text = (await client.get(ctx.url + "/metrics")).text
-                    if metric(text, "trtdisagg_kv_early_messages") >= 1:
-                        break
-                    await trio.sleep(0.02)  # polling an observable gauge, bounded above
+            refused = await gen_asks_first(client, nursery, gen, ctx, gen_body)
             if ending == "step_failure":
                 armed = await client.post(ctx.url + "/debug/step_failures", json={"count": 1})
                 assert armed.status_code == 200, armed.text
@@ -289,22 +275,11 @@ async def test_a_client_hanging_up_on_ctx_mid_prefill_refuses_the_waiting_gen_at
     chunks, and gen's request fails within a second, naming the abort, not at
     kv_transfer_timeout_ms; both workers end idle (peers.md, pain point 1)."""
     ctx, gen = pair
-    key = 2**50 + 7300
-    body = _body(_prompt(random.Random(6), 4000), 4)
-    gen_body = {**body, "disaggregated_params": {
-        "request_type": "generation_only", "schedule_style": "generation_first",
-        "disagg_request_id": key, "ctx_request_id": key, "ctx_info_endpoint": _info_endpoint(ctx),
-    }}  # fmt: skip
-    ctx_body = {**body, "disaggregated_params": {
-        "request_type": "context_only", "disagg_request_id": key,
-    }}  # fmt: skip
+    gen_body, ctx_body = _generation_first_bodies(
+        ctx, 2**50 + 7300, _body(_prompt(random.Random(6), 4000), 4)
+    )
     async with httpx.AsyncClient(timeout=60) as client:
         before = (await client.get(ctx.url + "/metrics")).text
-        refused: list[httpx.Response] = []
-
-        async def run_gen() -> None:
-            refused.append(await client.post(gen.url + "/v1/completions", json=gen_body))
-
         hang_up = trio.CancelScope()
 
         async def run_ctx() -> None:
@@ -316,10 +291,7 @@ async def test_a_client_hanging_up_on_ctx_mid_prefill_refuses_the_waiting_gen_at
             return metric(text, "trtdisagg_requests_running") >= 1
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_gen)
-            await wait_metrics(  # gen's REQUEST_DATA waits at ctx
-                client, ctx, lambda t: metric(t, "trtdisagg_kv_early_messages") >= 1, "early", 10
-            )
+            refused = await gen_asks_first(client, nursery, gen, ctx, gen_body)
             nursery.start_soon(run_ctx)
             await wait_metrics(client, ctx, prefilling, "ctx prefilling", 10)
             hung_up = time.monotonic()

@@ -28,9 +28,10 @@ import pytest
 import trio
 import yaml
 
+from tests.fault_checks import gen_asks_first
 from tests.instances import running_instances
 from tests.oracle import assert_greedy_match, hf_greedy
-from tests.procs import Server, free_port, metric, spawn
+from tests.procs import Server, children, free_port, metric, spawn
 from trtdisagg.model.tiny import TinySpec, write_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -426,17 +427,13 @@ def _followers(rank0: subprocess.Popen[bytes]) -> list[int]:
     """The pids of an instance's follower ranks: rank 0's spawned children (not the resource
     tracker that `spawn` may start beside them)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in children(rank0.pid):
         try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue  # it ended meanwhile
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == rank0.pid and b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            found.append(int(entry.name))
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            found.append(pid)
     return found
 
 
@@ -460,19 +457,8 @@ async def test_one_rank_of_a_tp2_ctx_dying_fails_the_waiting_gen_at_once(bounce:
         gen_body["disaggregated_params"]["ctx_info_endpoint"] = info["disaggregated_params"][
             "ctx_info_endpoint"
         ]
-        refused: list[httpx.Response] = []
-
-        async def run_gen() -> None:
-            refused.append(await client.post(gen.url + "/v1/completions", json=gen_body))
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_gen)
-            with trio.fail_after(10):  # gen's REQUEST_DATA waits at ctx
-                while True:
-                    text = (await client.get(ctx.url + "/metrics")).text
-                    if metric(text, "trtdisagg_kv_early_messages") >= 1:
-                        break
-                    await trio.sleep(0.02)  # polling an observable gauge, bounded above
+            refused = await gen_asks_first(client, nursery, gen, ctx, gen_body)
             killed = time.monotonic()
             os.kill(follower, signal.SIGKILL)
         elapsed = time.monotonic() - killed

@@ -25,7 +25,7 @@ import pytest
 
 from tests.edges import Cluster, running_cluster, wait_idle, wait_until
 from tests.openai_cluster import CHAT, LOGPROB_TOLERANCE, PROMPTS, by_choice, sse
-from tests.procs import Server, cpus_of_threads, metric, running_worker
+from tests.procs import Server, children, cpus_of_threads, metric, running_worker
 
 pytestmark = pytest.mark.slow
 
@@ -61,21 +61,6 @@ def http() -> Iterator[httpx.Client]:
 
 
 # ---- processes and their sockets, from /proc ----
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # gone meanwhile
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid:
-            found.append(int(entry.name))
-    return found
 
 
 def sockets_of(pid: int) -> set[str]:
