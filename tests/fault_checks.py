@@ -37,7 +37,14 @@ class Processes:
     tmp: Path
     started: list[Server] = attrs.Factory(list)
 
-    def start_worker(self, role: str, port: int, *, timeout_s: float = TIMEOUT_S) -> Server:
+    def start_worker(
+        self,
+        role: str,
+        port: int,
+        *,
+        timeout_s: float = TIMEOUT_S,
+        kv_cache_config: dict[str, Any] | None = None,
+    ) -> Server:
         transfer = {
             "backend": "NIXL",
             "kv_transfer_timeout_ms": int(timeout_s * 1000),
@@ -45,7 +52,10 @@ class Processes:
             "peer_probe_ms": PEER_PROBE_MS,
         }
         config = self.tmp / f"{role}-{port}.yaml"
-        config.write_text(yaml.safe_dump(worker_config(cache_transceiver_config=transfer)))
+        overrides: dict[str, Any] = {"cache_transceiver_config": transfer}
+        if kv_cache_config is not None:
+            overrides["kv_cache_config"] = kv_cache_config
+        config.write_text(yaml.safe_dump(worker_config(**overrides)))
         args = [role, "--config", str(config), "--port", str(port)]
         return self.start(args, port, f"{role}-{port}-{len(self.started)}.log")
 

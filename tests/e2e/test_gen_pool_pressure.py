@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 import trio
-import yaml
 
-from tests.fault_checks import ENV, SLACK_S, digests, is_idle, processes, wait_all_healthy
-from tests.fault_checks import wait_metrics as wait_for
-from tests.procs import Server, free_port, metric, worker_config
+from tests.fault_checks import (
+    ENV,
+    SLACK_S,
+    digests,
+    is_idle,
+    processes,
+    wait_all_healthy,
+    wait_metrics,
+)
+from tests.procs import Server, free_port, metric
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,27 +32,17 @@ GEN_POOL_TOKENS = 512  # 32 blocks of 16: about four of these requests at once
 REQUESTS = 64
 CLIENTS = 16
 MAX_TOKENS = 32
-TIMEOUT_MS = 20_000  # ctx keeps a request's KV this long for a gen that waits for blocks
-
-
-def _worker(procs: Any, role: str, pool_tokens: int) -> Server:
-    port = free_port()
-    transfer = {"backend": "NIXL", "kv_transfer_timeout_ms": TIMEOUT_MS,
-                "nixl_progress_thread": False}  # fmt: skip
-    config = worker_config(
-        kv_cache_config={"max_tokens": pool_tokens}, cache_transceiver_config=transfer
-    )
-    path = procs.tmp / f"{role}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return procs.start([role, "--config", str(path), "--port", str(port)], port, f"{role}.log")
+TIMEOUT_S = 20.0  # ctx keeps a request's KV this long for a gen that waits for blocks
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
     assert ENV["TRTDISAGG_TEST_HOOKS"] == "1"  # KV digests on both sides
     with processes(tmp_path_factory.mktemp("pressure")) as procs:
-        ctx = _worker(procs, "ctx", 16384)
-        gen = _worker(procs, "gen", GEN_POOL_TOKENS)
+        ctx = procs.start_worker("ctx", free_port(), timeout_s=TIMEOUT_S)
+        gen = procs.start_worker(
+            "gen", free_port(), timeout_s=TIMEOUT_S, kv_cache_config={"max_tokens": GEN_POOL_TOKENS}
+        )
         wait_all_healthy(ctx, gen)
         yield ctx, gen
 
@@ -100,4 +95,4 @@ async def test_a_full_gen_pool_delays_requests_and_loses_none(pair: tuple[Server
         for key in keys:
             assert gen_digests[key] == ctx_digests[key], key
         for server in pair:
-            await wait_for(client, server, is_idle, "idle", SLACK_S)
+            await wait_metrics(client, server, is_idle, "idle", SLACK_S)

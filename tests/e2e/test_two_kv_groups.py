@@ -11,7 +11,6 @@ succeeds, and each group's gen takes exactly the requests its own ctx prefilled.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.edges import wait_until
 from tests.instances import running_instances
 from tests.procs import Server, free_port, metric, spawn
 
@@ -55,12 +55,12 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
 def _incompatible_pairs(url: str, expected: int) -> dict[tuple[str, str], str]:
     """The coordinator's (ctx, gen) pairs that cannot exchange KV, with why, once its health
     checks have met every server (the pairs are found there)."""
-    deadline = time.monotonic() + 20
-    while True:
-        pairs = httpx.get(url + "/cluster_info", timeout=10).json()["incompatible_pairs"]
-        if len(pairs) >= expected or time.monotonic() > deadline:
-            return {(p["context"], p["generation"]): p["reason"] for p in pairs}
-        time.sleep(0.05)  # polling an observable state, bounded above
+
+    def pairs() -> list[dict[str, str]]:
+        return list(httpx.get(url + "/cluster_info", timeout=10).json()["incompatible_pairs"])
+
+    wait_until(lambda: len(pairs()) >= expected, 20, "the coordinator's incompatible pairs")
+    return {(p["context"], p["generation"]): p["reason"] for p in pairs()}
 
 
 def _served(server: Server, role: str) -> float:
