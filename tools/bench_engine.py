@@ -237,10 +237,10 @@ def offline(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 
 async def http_runs(args: argparse.Namespace, url: str) -> dict[str, Any]:
     from _engine_offline import closed_loop
-    from bench_serving import BenchConfig, make_sender
+    from bench_serving import BenchConfig, load_client, make_sender
 
     runs = {}
-    async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+    async with load_client(url) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
 
         async def counters() -> dict[str, float]:

@@ -429,13 +429,26 @@ async def resolve_model(client: httpx.AsyncClient, config: BenchConfig) -> str:
     return str(response.json()["data"][0]["id"])
 
 
+def load_client(
+    base_url: str, *, api_key: str | None = None, request_timeout_s: float | None = None
+) -> httpx.AsyncClient:
+    """The client every load generator here uses: one kept-alive connection per stream.
+
+    httpx keeps 20 connections alive by default: at a higher concurrency each wave of requests
+    would reconnect the rest, and their setup would count in TTFT.
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(request_timeout_s, connect=30.0)
+    return httpx.AsyncClient(
+        base_url=base_url, headers=headers, limits=limits, timeout=timeout, trust_env=False
+    )
+
+
 async def run_benchmark(config: BenchConfig) -> RunResult:
     """Warm up, then run the measured phase; return its records (warm-up excluded)."""
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(config.request_timeout_s, connect=30.0)
-    client = httpx.AsyncClient(
-        base_url=config.base_url, headers=headers, limits=limits, timeout=timeout, trust_env=False
+    client = load_client(
+        config.base_url, api_key=config.api_key, request_timeout_s=config.request_timeout_s
     )
     async with client:
         model = await resolve_model(client, config)
