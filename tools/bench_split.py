@@ -41,7 +41,7 @@ import trio
 import yaml
 from _bench_common import percentile
 
-from trtdisagg.coordinator.split import ctx_request, gen_request, parse_ctx_response
+from trtdisagg.coordinator.split import AttemptIds, ctx_request, gen_request, parse_ctx_response
 from trtdisagg.free_ports import free_port
 
 START_TIMEOUT_S: Final = 180.0
@@ -101,7 +101,8 @@ async def manual_split(
     client: httpx.AsyncClient, ctx: str, gen: str, body: dict[str, Any], key: int
 ) -> list[int]:
     """What the coordinator does for a context_first request, done by this client."""
-    answer = await completion(client, ctx, ctx_request(body, key))
+    ids = AttemptIds(request_id=key, transfer_key=key)
+    answer = await completion(client, ctx, ctx_request(body, ids))
     result = parse_ctx_response(answer, server=ctx)
     if result.finished:
         raise RuntimeError("ctx finished the request itself: use --output-len > 1")

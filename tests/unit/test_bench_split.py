@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -31,3 +34,31 @@ def test_the_differences_are_taken_per_prompt_not_between_percentiles() -> None:
 def test_bad_arguments_are_refused_with_the_rule() -> None:
     with pytest.raises(SystemExit):
         bench_split.main(["--output-len", "1"])  # ctx would finish the request itself
+
+
+async def test_the_client_side_split_asks_ctx_for_the_kv_and_hands_its_params_to_gen() -> None:
+    """The split the tool does by hand speaks the coordinator's protocol (built with its own
+    `coordinator.split` helpers): a context_only leg under the given key, then a generation_only
+    leg carrying ctx's params and prompt ids."""
+    seen: dict[str, dict[str, Any]] = {}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen[request.url.host] = body
+        if request.url.host == "ctx":
+            params = {**body["disaggregated_params"], "ctx_request_id": 7}
+            choice = {"index": 0, "finish_reason": None, "disaggregated_params": params}
+            return httpx.Response(200, json={"choices": [choice], "prompt_token_ids": [5, 6]})
+        choice = {"index": 0, "finish_reason": "length", "token_ids": [9, 8]}
+        return httpx.Response(200, json={"choices": [choice]})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        body = {"prompt": "hi", "max_tokens": 2}
+        tokens = await bench_split.manual_split(client, "http://ctx", "http://gen", body, key=42)
+    assert tokens == [9, 8]
+    ctx_params = seen["ctx"]["disaggregated_params"]
+    assert ctx_params["request_type"] == "context_only" and ctx_params["transfer_key"] == 42
+    gen_params = seen["gen"]["disaggregated_params"]
+    assert gen_params["request_type"] == "generation_only"
+    assert gen_params["transfer_key"] == 42 and gen_params["ctx_request_id"] == 7
+    assert seen["gen"]["prompt_token_ids"] == [5, 6]
