@@ -49,7 +49,7 @@ def context() -> Iterator[Callable[[int], Socket]]:
 
 
 def curve_router(
-    make: Callable[[int], Socket], secret: bytes, public: bytes, **opts: object
+    make: Callable[[int], Socket], secret: bytes, public: bytes, **opts: int | bytes
 ) -> tuple[Socket, str]:
     router = make(zmq.ROUTER)
     router.curve_server = True

@@ -32,6 +32,7 @@ Full results go to `$OUT/bench_attention.json` when OUT is set (and to --result-
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -171,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def batch_for(seqs: list[tuple[int, int]]) -> ForwardBatch:
         nonlocal order
-        tables, ids, positions, slots, slices, last = [], [], [], [], [], []
+        tables: list[list[int]] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        slices: list[SeqSlice] = []
+        last: list[int] = []
         for q_len, kv_len in seqs:
             count = -(-kv_len // tpb)
             table, order = order[:count], order[count:]
@@ -285,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                                 device=device, dtype=torch.bfloat16)  # fmt: skip
                 try:
                     with torch.inference_mode():
-                        t = time_ms(lambda run=run, q=q, m=meta: run(q, cache, 0, m), device,
+                        t = time_ms(functools.partial(run, q, cache, 0, meta), device,
                                     iters=iters)  # fmt: skip
                 except Exception as exc:  # one variant failing (out of shared memory) is data
                     sweep.append({"what": what, "config": label, "error": repr(exc)[:300]})
@@ -299,11 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         q64 = torch.randn(meta64.num_seqs, margs.num_heads, margs.head_dim, device=device,
                           dtype=torch.bfloat16)  # fmt: skip
         for splits in SPLIT_CHOICES:
+            attend = functools.partial(
+                ops.paged_attention, q64, cache, 0, meta64, num_splits=splits
+            )
             with torch.inference_mode():
-                t = time_ms(
-                    lambda s=splits: ops.paged_attention(q64, cache, 0, meta64, num_splits=s),
-                    device, iters=iters,
-                )  # fmt: skip
+                t = time_ms(attend, device, iters=iters)
             sweep.append({"what": "decode_64 splits", "config": f"splits={splits}", **t})
     report["sweep"] = sweep
     save(report, args.result_json)

@@ -48,7 +48,7 @@ def _receiver(conn: Connection, count: int, progress_thread: bool) -> None:
     from nixl._api import nixl_agent, nixl_agent_config
 
     agent = nixl_agent("hop-rx", nixl_agent_config(enable_prog_thread=progress_thread))
-    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     conn.send((agent.get_agent_metadata(), port))
     agent.add_remote_agent(conn.recv())
@@ -88,7 +88,7 @@ def measure(
         raw = agent.add_remote_agent(metadata)
         remote = raw.decode() if isinstance(raw, bytes) else raw
         agent.make_connection(remote)
-        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         dealer.connect(f"tcp://127.0.0.1:{port}")
         calls: dict[str, list[float]] = {"zmq": [], "nixl": []}
         for i in range(warmup + count):

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,10 +121,10 @@ def workload(args: argparse.Namespace, concurrency: int) -> tuple[list[Any], lis
         output_len=LengthRange(args.output_len, args.output_len),
         vocab_size=args.vocab_size,
     )
-    warm = make_requests("warmup", args.warmup, seed=args.seed + 1, **lengths)  # type: ignore[arg-type]
+    warm = make_requests("warmup", args.warmup, seed=args.seed + 1, **lengths)
     # A prompt set of its own per concurrency: with block reuse on, a run would otherwise find
     # the prompts of the run before it in the prefix cache and skip their prefills.
-    measured = make_requests("all", n, seed=args.seed + concurrency, **lengths)  # type: ignore[arg-type]
+    measured = make_requests("all", n, seed=args.seed + concurrency, **lengths)
     return warm, measured
 
 
@@ -235,6 +235,11 @@ def offline(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 # ---- http ----
 
 
+def started_at(t0: float) -> Callable[[], float]:
+    """A run's start, for `make_sender` (which reads it when it stamps a record)."""
+    return lambda: t0
+
+
 async def http_runs(args: argparse.Namespace, url: str) -> dict[str, Any]:
     from _engine_offline import closed_loop
     from bench_serving import BenchConfig, load_client, make_sender
@@ -252,12 +257,10 @@ async def http_runs(args: argparse.Namespace, url: str) -> dict[str, Any]:
         for c in concurrencies(args):
             config = BenchConfig(base_url=url, model=model, concurrency=c, progress=False)
             warm, measured = workload(args, c)
-            t0 = time.perf_counter()
-            send = make_sender(client, config, model, lambda t0=t0: t0)
+            send = make_sender(client, config, model, started_at(time.perf_counter()))
             await closed_loop(send, warm, min(c, len(warm)), device_seconds, every_s=1.0)
             before = await counters()
-            t0 = time.perf_counter()
-            send = make_sender(client, config, model, lambda t0=t0: t0)
+            send = make_sender(client, config, model, started_at(time.perf_counter()))
             records, timeline = await closed_loop(send, measured, c, device_seconds, every_s=0.25)
             steps = step_times(before, await counters())
             runs[str(c)] = summary(records, timeline.busy(), steps)

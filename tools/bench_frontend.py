@@ -231,15 +231,16 @@ async def measure(args: argparse.Namespace, workdir: Path) -> list[Run]:
         # Streamed tokens come from gen: the anchor streams them from the fake gen directly.
         role = "gen" if tokens else "ctx"
         await drive(urls[role], **{**load, "requests": args.warmup, "warmup": 0})
-        fake = fakes[list(ports).index(role)].pid
-        assert fake is not None
-        cpu_before = process_tree_cpu_s(fake)
+        fake_pid = fakes[list(ports).index(role)].pid
+        assert fake_pid is not None
+        cpu_before = process_tree_cpu_s(fake_pid)
         wall, latencies = await drive(urls[role], **{**load, "warmup": 0})
         # The fake's own CPU: a bare quart-trio + hypercorn server answering from memory, the
         # floor any Python front end on this stack pays per request (or streamed token).
+        cpu_s = process_tree_cpu_s(fake_pid) - cpu_before
         runs.append(Run(label=f"direct to the fake {role} (its CPU)", requests=args.requests,
-                        wall_s=wall, latencies_s=tuple(latencies),
-                        cpu_s=process_tree_cpu_s(fake) - cpu_before, per_request=per))  # fmt: skip
+                        wall_s=wall, latencies_s=tuple(latencies), cpu_s=cpu_s,
+                        per_request=per))  # fmt: skip
         for num_workers in args.num_workers:
             port = free_port()
             config = workdir / f"coordinator-{num_workers}.yaml"

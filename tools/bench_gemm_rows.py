@@ -13,6 +13,7 @@ tokens costs more than a decode step (docs/BENCHMARKS.md, "The engine").
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 
 import torch
@@ -70,7 +71,8 @@ def main() -> None:
         for library in ("cublas", "cublaslt"):
             torch.backends.cuda.preferred_blas_library(library)
             for layout, weights in (("row", row), ("col", col)):
-                cells.append(f"{library}/{layout} {graph_ms(lambda w=weights: step(w)):8.3f}")
+                ms = graph_ms(functools.partial(step, weights))
+                cells.append(f"{library}/{layout} {ms:8.3f}")
         torch.backends.cuda.preferred_blas_library("cublas")
         print(f"M={m:5d} ms  " + "  ".join(cells), flush=True)
 

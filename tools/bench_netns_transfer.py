@@ -104,8 +104,8 @@ def raw_peer(side: str, size: int) -> None:
             _next_notif(agent, cmd["notif"].encode(), float(cmd["poll_s"]))
             _say({"asked": asked, "seen": time.monotonic()})
         elif cmd["op"] == "check":  # gen: the bytes that landed are ctx's
-            n = int(cmd["bytes"])
-            _say({"ok": bool((buffer[:n] == 7).all())})
+            landed = int(cmd["bytes"])
+            _say({"ok": bool((buffer[:landed] == 7).all())})
         elif cmd["op"] == "stop":
             return
 
@@ -315,8 +315,8 @@ def run(
                     "workers_descriptors_per_transfer": descriptors / len(workers_s),
                 }  # fmt: skip
         for peer in peers.values():
-            peer.proc.stdin.write(json.dumps({"op": "stop"}) + "\n")  # type: ignore[union-attr]
-            peer.proc.stdin.flush()  # type: ignore[union-attr]
+            peer.proc.stdin.write(json.dumps({"op": "stop"}) + "\n")
+            peer.proc.stdin.flush()
     return results
 
 

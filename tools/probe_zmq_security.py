@@ -115,7 +115,7 @@ def probe_zap_consultation() -> None:
                     if handler:
                         sockets["zap"] = make(zmq.ROUTER)
                         sockets["zap"].bind(ZAP)
-                    opts: dict[str, object] = {"ZAP_ENFORCE_DOMAIN": enforce}
+                    opts: dict[str, int | bytes] = {"ZAP_ENFORCE_DOMAIN": enforce}
                     if domain:
                         opts["ZAP_DOMAIN"] = domain
                     sockets["router"], endpoint = curve_router(make, ss, sp, **opts)
@@ -381,7 +381,7 @@ def probe_costs() -> None:
         dealer.connect(f"tcp://127.0.0.1:{port}")
         for _ in range(n):
             dealer.send(b"m" * 100)
-        while router.getsockopt(zmq.EVENTS) & zmq.POLLIN == 0:
+        while not int(router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             router.poll(100)
         time.sleep(0.5)  # let all n arrive: this measures receiving, not the network
         start = time.perf_counter()

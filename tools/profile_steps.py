@@ -122,20 +122,21 @@ def split_kinds(steps: Sequence[Step], prompt_factor: float) -> dict[str, list[S
 
 def by_family(steps: Sequence[Step]) -> list[tuple[str, float, float]]:
     """(family, kernel µs per step, calls per step), largest time first."""
-    time_us: collections.Counter[str] = collections.Counter()
+    time_us: collections.defaultdict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
     for step in steps:
         for event in step.events:
             time_us[family(event.name)] += event.duration_us
             calls[family(event.name)] += 1
     n = len(steps)
-    return [(name, total / n, calls[name] / n) for name, total in time_us.most_common()]
+    largest = sorted(time_us.items(), key=lambda item: item[1], reverse=True)
+    return [(name, total / n, calls[name] / n) for name, total in largest]
 
 
 def gaps(events: Sequence[Event], at_least_us: float) -> list[tuple[str, str, float, int]]:
     """Idle time between consecutive device events, summed by (before, after) family pair:
     (before, after, total µs, count), largest first."""
-    total: collections.Counter[tuple[str, str]] = collections.Counter()
+    total: collections.defaultdict[tuple[str, str], float] = collections.defaultdict(float)
     count: collections.Counter[tuple[str, str]] = collections.Counter()
     for a, b in itertools.pairwise(events):
         gap = b.start_us - a.end_us
@@ -143,7 +144,8 @@ def gaps(events: Sequence[Event], at_least_us: float) -> list[tuple[str, str, fl
             key = (family(a.name), family(b.name))
             total[key] += gap
             count[key] += 1
-    return [(a, b, us, count[(a, b)]) for (a, b), us in total.most_common()]
+    largest = sorted(total.items(), key=lambda item: item[1], reverse=True)
+    return [(a, b, us, count[(a, b)]) for (a, b), us in largest]
 
 
 def report(events: Sequence[Event], prompt_factor: float, gap_us: float) -> str:

@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench_decode import llama_8b_args
     from triton import knobs
     from triton.backends.compiler import GPUTarget  # type: ignore[import-not-found, unused-ignore]
-    from triton.compiler.compiler import ASTSource, make_backend  # type: ignore[import-not-found]
-    from triton.runtime.jit import create_function_from_signature  # type: ignore[import-not-found]
+    from triton.compiler.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
     from trtdisagg.kv.cache import KVCache
     from trtdisagg.kv.page_table import Layout
