@@ -432,7 +432,7 @@ async def resolve_model(client: httpx.AsyncClient, config: BenchConfig) -> str:
 def load_client(
     base_url: str, *, api_key: str | None = None, request_timeout_s: float | None = None
 ) -> httpx.AsyncClient:
-    """The client every load generator here uses: one kept-alive connection per stream.
+    """The load's client (here and in bench_engine): one kept-alive connection per stream.
 
     httpx keeps 20 connections alive by default: at a higher concurrency each wave of requests
     would reconnect the rest, and their setup would count in TTFT.
