@@ -3,7 +3,8 @@
 On an H200 (bf16, Llama-3.1-8B weights), cuBLASLt reads the weights of a 32..160-row GEMM up to
 6% faster than cuBLAS (4-6% at 32..96 rows), and is 2-3% slower at 1..16 rows and at 272
 (`tools/bench_gemm_rows.py`, docs/BENCHMARKS.md "The engine"). The choice is made when a CUDA
-graph is captured, so a replay pays nothing for it; eager steps keep torch's default.
+graph is captured, so a replay pays nothing for it; eager steps keep torch's default. It is the
+default that `gemm_plan`'s timings at start-up refine per weight shape for steps of few rows.
 """
 
 from __future__ import annotations

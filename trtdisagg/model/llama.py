@@ -25,6 +25,7 @@ from trtdisagg.kv.cache import KVCache
 from trtdisagg.model.args import ModelArgs
 from trtdisagg.model.attention import Attention, causal_mask
 from trtdisagg.model.batch import AttentionMeta, ForwardBatch
+from trtdisagg.model.gemm_plan import WeightGemms
 from trtdisagg.model.layers import MLP, Embedding, Linear, RMSNorm
 from trtdisagg.model.ops import TorchOps
 from trtdisagg.model.parallel import Parallel
@@ -178,6 +179,29 @@ class CausalLM(nn.Module):
         after `use_ops`."""
         if self.ops is not None:
             self.ops.warm_up(self, cache)
+
+    def weight_gemms(self) -> list[WeightGemms]:
+        """This stage's weight GEMMs, each with every layer's weight, for
+        `TorchOps.plan_gemms` (empty before `use_ops` fused them): the fused ops give the o and
+        down projections' inputs spare rows."""
+        layers = self.decoder_layers
+        qkv = tuple(w for b in layers if (w := b.self_attn.qkv_weight) is not None)
+        gate_up = tuple(w for b in layers if (w := b.mlp.gate_up_weight) is not None)
+        if not layers or len(qkv) < len(layers) or len(gate_up) < len(layers):
+            return []
+        gemms = [
+            WeightGemms("qkv", qkv, spare_input=False),
+            WeightGemms(
+                "o_proj", tuple(b.self_attn.o_proj.weight for b in layers), spare_input=True
+            ),
+            WeightGemms("gate_up", gate_up, spare_input=False),
+            WeightGemms(
+                "down_proj", tuple(b.mlp.down_proj.weight for b in layers), spare_input=True
+            ),
+        ]
+        if self.lm_head is not None:
+            gemms.append(WeightGemms("lm_head", (self.lm_head.weight,), spare_input=False))
+        return gemms
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import attrs
@@ -24,6 +25,7 @@ from trtdisagg.kv.cache import KVCache, SlotIndex
 from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
 
 if TYPE_CHECKING:
+    from trtdisagg.model.gemm_plan import WeightGemms
     from trtdisagg.model.llama import CausalLM
 
 
@@ -163,9 +165,12 @@ class TorchOps:
         """A weight GEMM: x W^T (+ b)."""
         return F.linear(x, weight, bias)
 
+    def plan_gemms(self, gemms: Sequence[WeightGemms], rows: Sequence[int]) -> None:
+        """Choose how the weight GEMMs of small steps run, by timing them (CUDA ops only)."""
+
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The MLP's down projection of `silu_mul(gate_up)`."""
-        return F.linear(self.silu_mul(gate_up), weight)
+        return self.linear(self.silu_mul(gate_up), weight)
 
     def rope_write_kv(
         self,

@@ -440,17 +440,19 @@ def paged_attention(
     tiles: AttentionTiles,
     dot_fp32: bool,
     num_splits: int | None = None,
+    alloc_rows: int = 0,
 ) -> torch.Tensor:
     """q [N, Hq, D] (dense) -> [N, Hq, D]: every sequence of `meta` attends its keys in `cache`.
 
     Rows of tokens past `cu_q[S]` (padding) are left unwritten. `num_splits` overrides the key
     split of short sequences (for tuning); `dot_fp32` runs the dots in float32 (the interpreter
-    cannot multiply bf16 matrices).
+    cannot multiply bf16 matrices). The output is the first N rows of max(N, `alloc_rows`)
+    allocated, so that the o projection may run at more rows (`gemm_plan`).
     """
     n, num_heads, d = q.shape
     if not q.is_contiguous():
         raise ValueError("q must be dense: [N, heads, head_dim] contiguous")
-    out = torch.empty_like(q)
+    out = q.new_empty((max(n, alloc_rows), num_heads, d))[:n]
     num_seqs = meta.num_seqs
     if n == 0 or num_seqs == 0:
         return out

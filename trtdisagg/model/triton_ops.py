@@ -21,6 +21,7 @@ run on CPU tensors, with dots in float32: the interpreter cannot multiply bf16 m
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +32,7 @@ from trtdisagg.kv.cache import KVCache
 from trtdisagg.model import attention_meta
 from trtdisagg.model.batch import AttentionMeta, DecodeMeta, ForwardBatch
 from trtdisagg.model.dependent_launch import INTERPRET, await_previous, dependent_launch
+from trtdisagg.model.gemm_plan import GemmPlan, WeightGemms, planned_linear, tune
 from trtdisagg.model.ops import TorchOps
 from trtdisagg.model.paged_attention import (
     KERNELS as ATTENTION_KERNELS,
@@ -180,6 +182,19 @@ class TritonOps(TorchOps):
     def __init__(self, tiles: AttentionTiles | None = None) -> None:
         super().__init__()
         self.tiles = tiles or AttentionTiles()
+        self.gemm_plan = GemmPlan()  # torch's own choices until `plan_gemms`
+
+    def plan_gemms(self, gemms: Sequence[WeightGemms], rows: Sequence[int]) -> None:
+        """Time the weight GEMMs of steps of `rows` rows and run them as the timings say from
+        now on (`trtdisagg.model.gemm_plan`); call it before capturing graphs of such steps."""
+        device = gemms[0].weights[0].device if gemms else torch.device("cpu")
+        if device.type == "cuda" and not INTERPRET:
+            self.gemm_plan = tune(gemms, rows, device)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return planned_linear(self.gemm_plan, x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm(x, None, weight, eps)[0]
@@ -224,7 +239,9 @@ class TritonOps(TorchOps):
         rows, width = gate_up.shape
         cols = width // 2
         assert gate_up.stride(1) == 1
-        out = torch.empty((rows, cols), dtype=gate_up.dtype, device=gate_up.device)
+        # Spare rows: the down projection may run at more rows than the step has (gemm_plan).
+        alloc = self.gemm_plan.alloc_rows(rows)
+        out = torch.empty((alloc, cols), dtype=gate_up.dtype, device=gate_up.device)[:rows]
         block = 1024
         dependent = dependent_launch(gate_up.device)
         _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
@@ -299,8 +316,9 @@ class TritonOps(TorchOps):
         num_splits: int | None = None,
     ) -> torch.Tensor:
         return paged_attention(
-            q, cache, layer, meta, tiles=self.tiles, dot_fp32=INTERPRET, num_splits=num_splits
-        )
+            q, cache, layer, meta, tiles=self.tiles, dot_fp32=INTERPRET, num_splits=num_splits,
+            alloc_rows=self.gemm_plan.alloc_rows(q.shape[0]),
+        )  # fmt: skip
 
     def decode_attention(
         self, q: torch.Tensor, cache: KVCache, layer: int, meta: DecodeMeta

@@ -425,19 +425,25 @@ def _capture_graphs(runner: ModelRunner, config: WorkerConfig, *, max_seq_len: i
         max_seq_len or model.args.max_position_embeddings, cache.tokens_per_block, cache.num_blocks
     )
     device = cache.device
+    batch_sizes = graph_batch_sizes(config.max_batch_size)
+    buckets = token_buckets(min(config.cuda_graph_max_tokens, config.max_num_tokens))
+    start = time.perf_counter()
+    if model.ops is not None:
+        with torch.inference_mode():
+            model.ops.plan_gemms(model.weight_gemms(), rows=(*batch_sizes, *buckets))
+        log.info("timed the weight GEMMs of small steps in %.1f s", time.perf_counter() - start)
     torch.cuda.synchronize(device)
     free_before = torch.cuda.mem_get_info(device)[0]
     start = time.perf_counter()
     graphs = DecodeGraphs(
         model=model,
         cache=cache,
-        batch_sizes=graph_batch_sizes(config.max_batch_size),
+        batch_sizes=batch_sizes,
         max_blocks_per_seq=width,
     )
     graphs.capture()
     runner.graphs = graphs
     decode_s = time.perf_counter() - start
-    buckets = token_buckets(min(config.cuda_graph_max_tokens, config.max_num_tokens))
     if buckets:
         steps = StepGraphs(
             model=model,
