@@ -14,36 +14,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from trtdisagg.model.gemm_library import blas_library
+from trtdisagg.model.gemm_plan import graph_seconds
+
 LAYERS = 32
+REPLAYS = 9  # the median of these is printed
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-
-
-def graph_ms(fn: Callable[[], object], replays: int = 9) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[replays // 2]
 
 
 def main() -> None:
@@ -69,11 +49,10 @@ def main() -> None:
 
         cells = []
         for library in ("cublas", "cublaslt"):
-            torch.backends.cuda.preferred_blas_library(library)
             for layout, weights in (("row", row), ("col", col)):
-                ms = graph_ms(functools.partial(step, weights))
+                with blas_library(library):
+                    ms = 1e3 * graph_seconds(functools.partial(step, weights), device, REPLAYS)
                 cells.append(f"{library}/{layout} {ms:8.3f}")
-        torch.backends.cuda.preferred_blas_library("cublas")
         print(f"M={m:5d} ms  " + "  ".join(cells), flush=True)
 
 

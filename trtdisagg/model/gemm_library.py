@@ -22,11 +22,19 @@ def library_for(rows: int) -> str:
 
 
 @contextlib.contextmanager
-def gemm_library_for(rows: int) -> Iterator[None]:
-    """Prefer the library for `rows` while capturing a graph of that many rows."""
+def blas_library(name: str) -> Iterator[None]:
+    """Prefer BLAS library `name` ("cublas" or "cublaslt") for the GEMMs launched inside."""
     before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(library_for(rows))
+    if str(before).rsplit(".", 1)[-1].lower() == name:  # "_BlasBackend.Cublas"
+        yield
+        return
+    torch.backends.cuda.preferred_blas_library(name)
     try:
         yield
     finally:
         torch.backends.cuda.preferred_blas_library(before)
+
+
+def gemm_library_for(rows: int) -> contextlib.AbstractContextManager[None]:
+    """Prefer the library for `rows` while capturing a graph of that many rows."""
+    return blas_library(library_for(rows))

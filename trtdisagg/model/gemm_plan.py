@@ -13,16 +13,15 @@ the step's rows) by `MIN_GAIN`; replays of the graphs then pay nothing for it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-from trtdisagg.model.gemm_library import library_for
+from trtdisagg.model.gemm_library import blas_library, library_for
 
 log = logging.getLogger(__name__)
 
@@ -105,19 +104,6 @@ def planned_linear(
         return F.linear(wider, weight, bias)[:rows]
 
 
-@contextlib.contextmanager
-def blas_library(name: str) -> Iterator[None]:
-    before = torch.backends.cuda.preferred_blas_library()
-    if str(before).rsplit(".", 1)[-1].lower() == name:  # "_BlasBackend.Cublas"
-        yield
-        return
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
-
-
 def tune(gemms: Sequence[WeightGemms], rows: Sequence[int], device: torch.device) -> GemmPlan:
     """Time every candidate of every (row count up to `MAX_TUNED_ROWS`, weight shape) on
     `device` and keep what beats the default (the module docstring). Call it in inference mode
@@ -133,7 +119,7 @@ def tune(gemms: Sequence[WeightGemms], rows: Sequence[int], device: torch.device
             run_rows = [m, *(r for r in RUN_ROWS if r > m)] if spare else [m]
             x = torch.randn(max(run_rows), shape[1], dtype=gemm.weights[0].dtype, device=device)
             times = {
-                GemmChoice(library, r): _graph_seconds(x[:r], gemm.weights, library, device)
+                GemmChoice(library, r): _gemm_seconds(x[:r], gemm.weights, library, device)
                 for library in LIBRARIES
                 for r in run_rows
             }
@@ -152,33 +138,39 @@ def tune(gemms: Sequence[WeightGemms], rows: Sequence[int], device: torch.device
     return GemmPlan(best=best, best_unpadded=best_unpadded)
 
 
-def _graph_seconds(
+def _gemm_seconds(
     x: torch.Tensor, weights: Sequence[torch.Tensor], library: str, device: torch.device
 ) -> float:
-    """Seconds per GEMM of x by each weight in turn, replayed from a CUDA graph (the weights of
-    all layers together exceed the L2 cache, as in a step)."""
+    """Seconds per GEMM of x by each weight in turn, on `library` (the weights of all layers
+    together exceed the L2 cache, as in a step)."""
 
     def run() -> None:
         for weight in weights:
             F.linear(x, weight)
 
+    with blas_library(library):
+        return graph_seconds(run, device) / len(weights)
+
+
+def graph_seconds(run: Callable[[], object], device: torch.device,
+                  replays: int = TIMED_REPLAYS) -> float:  # fmt: skip
+    """Median seconds of a replay of `run` captured in a CUDA graph."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with blas_library(library):
-        with torch.cuda.stream(side):
-            run()  # cuBLAS's first call on a stream may not be captured
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+    with torch.cuda.stream(side):
+        run()  # cuBLAS's first call on a stream may not be captured
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
     graph.replay()
     times = []
-    for _ in range(TIMED_REPLAYS):
+    for _ in range(replays):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(weights))
+        times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
