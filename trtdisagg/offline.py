@@ -1,4 +1,5 @@
-"""The offline engine: `LLM(model, **worker_config).generate(prompts, sampling_params)`.
+"""The offline engine: `LLM(model, **worker_config).generate(prompts, sampling_params)`, and
+`.chat(conversations, sampling_params)` for chat messages.
 
 The same engine as a worker's (`build_runner`, `assemble_executor`: the scheduler, the step loop,
 the runner, the output processor), without HTTP and without a transceiver. `generate` puts every
@@ -6,6 +7,8 @@ prompt into the executor's inbox at once and runs the loop until each request is
 (`StepLoop.run_until_idle`) inside a `trio.run` of its own, so it blocks and returns the
 requests' outputs in the prompts' order. Keyword arguments are worker config keys (DESIGN.md §4;
 `device="cuda"`, `dtype="bfloat16"`, `max_batch_size=...`), checked as a config file's are.
+`chat` reads each conversation as the HTTP chat route reads `messages` (the same checks, the
+same chat-template rendering), so its prompt tokens equal the route's.
 
 One rank only: tensor- and pipeline-parallel instances serve through `python -m trtdisagg`.
 """
@@ -13,12 +16,16 @@ One rank only: tensor- and pipeline-parallel instances serve through `python -m 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import trio
 
-from trtdisagg.api.protocol import PerfMetrics
+from trtdisagg.api.chat import chat_messages, chat_tools
+from trtdisagg.api.codec import parse_request
+from trtdisagg.api.errors import ApiError
+from trtdisagg.api.protocol import ChatCompletionRequest, PerfMetrics
 from trtdisagg.config import ConfigError, WorkerConfig, structure
 from trtdisagg.cpu_affinity import CpuAffinityError, pin_engine
 from trtdisagg.errors import CapacityError
@@ -31,11 +38,12 @@ from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.request import Request, SamplingParams
 from trtdisagg.worker.runner import ModelRunner, build_runner
 from trtdisagg.worker.token_logprobs import TokenLogprobs
-from trtdisagg.worker.tokenization import Tokenizer
+from trtdisagg.worker.tokenization import Tokenizer, TokenizerError
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 Prompt = str | Sequence[int]
+Conversation = Sequence[Mapping[str, Any]]  # OpenAI chat messages: {"role": ..., "content": ...}
 
 
 @attrs.frozen(kw_only=True)
@@ -129,31 +137,99 @@ class LLM:
                 `max_tokens` longer than the model's context, or mismatched lengths.
         """
         batch = _as_batch(prompts)
-        params = _params_for(batch, sampling_params)
-        requests = [self._request(i, p, sp) for i, (p, sp) in enumerate(zip(batch, params))]
-        return trio.run(self._run, batch, requests)
+        encoded = [self._encode(i, prompt) for i, prompt in enumerate(batch)]
+        texts = [prompt if isinstance(prompt, str) else None for prompt in batch]
+        return self._generate("prompts", texts, encoded, sampling_params)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a reply to each conversation (one list of messages, or a list of them),
+        rendered with the model's chat template as `/v1/chat/completions` renders `messages`
+        (with `tools`, OpenAI tool objects, given to the template). Each output's `prompt` is
+        the rendered text. `sampling_params` as for `generate`.
+
+        Raises:
+            ValueError: a malformed message or tool (named as `conversations[i].messages[j]`),
+                no chat template, or any reason `generate` gives.
+        """
+        conversations = _as_conversations(messages)
+        rendered = [
+            self._render(i, conversation, add_generation_prompt, tools)
+            for i, conversation in enumerate(conversations)
+        ]
+        encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in rendered]
+        for i, ids in enumerate(encoded):
+            self._check_ids(f"conversations[{i}]", ids)
+        return self._generate("conversations", list(rendered), encoded, sampling_params)
+
+    def _generate(
+        self,
+        what: str,
+        texts: Sequence[str | None],
+        encoded: Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[RequestOutput]:
+        """Run one request per prompt (`what`: how errors name the prompts)."""
+        params = _params_for(what, len(encoded), sampling_params)
+        requests = [
+            self._request(f"{what}[{i}]", ids, sp)
+            for i, (ids, sp) in enumerate(zip(encoded, params, strict=True))
+        ]
+        return trio.run(self._run, texts, requests)
 
     async def _run(
-        self, prompts: Sequence[Prompt], requests: Sequence[Request]
+        self, texts: Sequence[str | None], requests: Sequence[Request]
     ) -> list[RequestOutput]:
         handles = [self.executor.submit(request) for request in requests]
         await self.executor.loop.run_until_idle()
-        return [
-            self._collect(prompt, handle) for prompt, handle in zip(prompts, handles, strict=True)
-        ]
+        return [self._collect(text, handle) for text, handle in zip(texts, handles, strict=True)]
 
-    def _request(self, index: int, prompt: Prompt, params: SamplingParams) -> Request:
+    def _render(
+        self,
+        index: int,
+        conversation: Conversation,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> str:
+        """One conversation as the chat route reads and renders it."""
+        where = f"conversations[{index}]"
+        body: dict[str, Any] = {"messages": conversation}
+        if tools is not None:
+            body["tools"] = tools
+        try:
+            req = parse_request(body, ChatCompletionRequest)
+        except ApiError as exc:
+            raise ValueError(f"{where}.{exc.message}") from None
+        try:
+            return self.tokenizer.apply_chat_template(
+                chat_messages(req.messages or []),
+                add_generation_prompt=add_generation_prompt,
+                tools=chat_tools(req),
+            )
+        except TokenizerError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+    def _encode(self, index: int, prompt: Prompt) -> list[int]:
         where = f"prompts[{index}]"
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._check_ids(where, ids)
+        return ids
+
+    def _check_ids(self, where: str, ids: Sequence[int]) -> None:
         if not ids:
             raise ValueError(f"{where}: must not be empty")
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"{where}: token id {bad} outside the vocabulary [0, {vocab})")
+
+    def _request(self, where: str, ids: list[int], params: SamplingParams) -> Request:
         if len(ids) + params.max_tokens > self.max_seq_len:
             raise ValueError(
                 f"{where}: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
@@ -172,7 +248,7 @@ class LLM:
             raise ValueError(f"{where}: {exc}") from None
         return request
 
-    def _collect(self, prompt: Prompt, handle: RequestHandle) -> RequestOutput:
+    def _collect(self, text: str | None, handle: RequestHandle) -> RequestOutput:
         tokens: list[int] = []
         texts: list[str] = []
         logprobs: list[TokenLogprobs | None] = []
@@ -202,7 +278,7 @@ class LLM:
         )
         return RequestOutput(
             request_id=request.request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
+            prompt=text,
             prompt_token_ids=tuple(request.prompt_token_ids),
             outputs=(completion,),
             perf=perf,
@@ -225,17 +301,30 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return [ids] if ids else batch
 
 
+def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
+    """One conversation (a list of message mappings) or a list of them, as a list of them."""
+    if isinstance(messages, str | bytes | Mapping):
+        raise ValueError("messages: a list of messages, or a list of such lists")
+    listed = list(messages)
+    if not listed:
+        raise ValueError("messages: must not be empty")
+    if all(isinstance(item, Mapping) for item in listed):
+        return [listed]  # type: ignore[list-item]  # (one conversation, its messages)
+    if any(isinstance(item, Mapping) for item in listed):
+        raise ValueError("messages: messages and conversations mixed in one list")
+    return listed  # type: ignore[return-value]
+
+
 def _params_for(
-    prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+    what: str, count: int, params: SamplingParams | Sequence[SamplingParams] | None
 ) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams(max_tokens=16)] * len(prompts)
+        return [SamplingParams(max_tokens=16)] * count
     if isinstance(params, SamplingParams):
-        return [params] * len(prompts)
+        return [params] * count
     listed = list(params)
-    if len(listed) != len(prompts):
+    if len(listed) != count:
         raise ValueError(
-            f"sampling_params: {len(listed)} given for {len(prompts)} prompts (give one, or "
-            "one per prompt)"
+            f"sampling_params: {len(listed)} given for {count} {what} (give one, or one each)"
         )
     return listed

@@ -1,7 +1,8 @@
 """The offline engine (`from trtdisagg import LLM, SamplingParams`) against a worker process over
 HTTP with the same config: the same greedy tokens, text and finish reasons, for prompts given
-as text and as token ids, several at once (tiny model, CPU). The worker is the session's shared
-ctx worker: the default config, plus a transceiver that aggregated requests leave unused."""
+as text and as token ids, several at once, and for chat conversations against the chat route
+(tiny model, CPU). The worker is the session's shared ctx worker: the default config, plus a
+transceiver that aggregated requests leave unused."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from tests.edges import Cluster
 from tests.procs import Server, worker_config
+from trtdisagg import LLM
 
 PROMPTS: list[str | list[int]] = [
     "The quick brown fox",
@@ -23,11 +25,26 @@ PROMPTS: list[str | list[int]] = [
     [(11 * i + 5) % 500 + 1 for i in range(150)],  # prefilled in chunks next to decodes
 ]
 MAX_TOKENS = [12, 20, 5, 9]
+CONVERSATIONS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "Hi"}],
+    [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Name a colour"},
+        {"role": "assistant", "content": "Blue"},
+        {"role": "user", "content": [{"type": "text", "text": "Another"}]},  # as content parts
+    ],
+]
 
 
 @pytest.fixture(scope="module")
 def worker(shared_cluster: tuple[Cluster, httpx.Client]) -> Server:
     return shared_cluster[0].ctx
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    config = worker_config()
+    return LLM(config.pop("model"), **config)
 
 
 def http_tokens(url: str, prompt: str | list[int], max_tokens: int, *, stream: bool) -> Any:
@@ -58,11 +75,9 @@ def http_tokens(url: str, prompt: str | list[int], max_tokens: int, *, stream: b
         return tokens, text, reason
 
 
-def test_offline_greedy_tokens_equal_the_workers(worker: Server, tmp_path: Path) -> None:
-    from trtdisagg import LLM, SamplingParams
+def test_offline_greedy_tokens_equal_the_workers(worker: Server, llm: LLM, tmp_path: Path) -> None:
+    from trtdisagg import SamplingParams
 
-    config = worker_config()
-    llm = LLM(config.pop("model"), **config)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     outputs = llm.generate(PROMPTS, params)
     assert [o.prompt for o in outputs] == [p if isinstance(p, str) else None for p in PROMPTS]
@@ -79,6 +94,41 @@ def test_offline_greedy_tokens_equal_the_workers(worker: Server, tmp_path: Path)
     assert again.logprobs is not None and all(lp is not None for lp in again.logprobs)
 
 
+def test_chat_prompts_and_greedy_replies_equal_the_chat_route_s(worker: Server, llm: LLM) -> None:
+    from transformers import AutoTokenizer
+
+    from trtdisagg import SamplingParams
+    from trtdisagg.model.loader import resolve_model
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = llm.chat(CONVERSATIONS, params)
+    assert len(outputs) == len(CONVERSATIONS)
+    with httpx.Client(timeout=60) as client:
+        for i, (messages, out) in enumerate(zip(CONVERSATIONS, outputs, strict=True)):
+            body = {"messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}  # fmt: skip
+            r = client.post(worker.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            answer = r.json()
+            choice = answer["choices"][0]
+            assert list(out.prompt_token_ids) == answer["prompt_token_ids"], i
+            assert list(out.token_ids) == choice["token_ids"], i
+            assert out.text == choice["message"]["content"], i
+            assert out.finish_reason == choice["finish_reason"] == "length"
+    # The prompt is the model's chat template, rendered as transformers renders it.
+    hf = AutoTokenizer.from_pretrained(resolve_model("tiny"))
+    expected = hf.apply_chat_template(
+        CONVERSATIONS[0], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert list(outputs[0].prompt_token_ids) == list(expected)
+    assert outputs[0].prompt == hf.apply_chat_template(
+        CONVERSATIONS[0], add_generation_prompt=True, tokenize=False
+    )
+    # One conversation alone (a list of messages) is one output, the same reply.
+    (alone,) = llm.chat(CONVERSATIONS[1], params)
+    assert alone.token_ids == outputs[1].token_ids
+
+
 def test_bad_prompts_are_refused_before_anything_runs() -> None:
     from trtdisagg import LLM, SamplingParams
 
@@ -90,6 +140,17 @@ def test_bad_prompts_are_refused_before_anything_runs() -> None:
         llm.generate([[1] * 60], SamplingParams(max_tokens=8))
     with pytest.raises(ValueError, match="2 given for 1 prompts"):
         llm.generate("x", [SamplingParams(max_tokens=1)] * 2)
+    user = {"role": "user", "content": "x"}
+    with pytest.raises(ValueError, match=r"conversations\[1\]\.messages\[0\]\.role"):
+        llm.chat([[user], [{"content": "x"}]])
+    with pytest.raises(ValueError, match="messages: must not be empty"):
+        llm.chat([])
+    with pytest.raises(ValueError, match=r"conversations\[0\]\.messages: must not be empty"):
+        llm.chat([[]])
+    with pytest.raises(ValueError, match="messages and conversations mixed"):
+        llm.chat([user, [user]])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"conversations\[0\]: \d+ prompt tokens \+ max_tokens"):
+        llm.chat([{"role": "user", "content": "y" * 60}], SamplingParams(max_tokens=8))
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM("tiny", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="max_batch_sise"):
