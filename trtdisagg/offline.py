@@ -25,6 +25,7 @@ import trio
 from trtdisagg.api.chat import chat_messages, chat_tools
 from trtdisagg.api.codec import parse_request
 from trtdisagg.api.errors import ApiError
+from trtdisagg.api.fanout import choice_seed
 from trtdisagg.api.protocol import ChatCompletionRequest, PerfMetrics
 from trtdisagg.config import ConfigError, WorkerConfig, structure
 from trtdisagg.cpu_affinity import CpuAffinityError, pin_engine
@@ -59,8 +60,8 @@ class CompletionOutput:
 
 @attrs.frozen(kw_only=True)
 class RequestOutput:
-    """One prompt's result: its tokens and its generated sequence(s) (vLLM's shape), with the
-    first sequence's fields at the top level for convenience."""
+    """One prompt's result: its tokens and its generated sequences (`n` of them, by `index`:
+    vLLM's shape), with the first sequence's fields at the top level for convenience."""
 
     request_id: int
     prompt: str | None  # None when the prompt was given as token ids
@@ -127,32 +128,39 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        n: int = 1,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string, a list of token ids, or a list of either) and
         return their outputs in order. `sampling_params` is one for all or one per prompt;
         None is `SamplingParams(max_tokens=16)` (temperature 1). Blocks until all are done.
 
+        `n` samples of each prompt (its output's `outputs`, by `index`) fork from one prefill,
+        as the HTTP routes' `n` do; with a `seed`, sample i samples with `choice_seed(seed, i)`
+        (`api/fanout.py`), so sample 0 equals the answer with `n=1`.
+
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt with
-                `max_tokens` longer than the model's context, or mismatched lengths.
+                `max_tokens` longer than the model's context, mismatched lengths, or `n` < 1.
         """
         batch = _as_batch(prompts)
         encoded = [self._encode(i, prompt) for i, prompt in enumerate(batch)]
         texts = [prompt if isinstance(prompt, str) else None for prompt in batch]
-        return self._generate("prompts", texts, encoded, sampling_params)
+        return self._generate("prompts", texts, encoded, sampling_params, n)
 
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        n: int = 1,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to each conversation (one list of messages, or a list of them),
         rendered with the model's chat template as `/v1/chat/completions` renders `messages`
         (with `tools`, OpenAI tool objects, given to the template). Each output's `prompt` is
-        the rendered text. `sampling_params` as for `generate`.
+        the rendered text. `sampling_params` and `n` as for `generate`.
 
         Raises:
             ValueError: a malformed message or tool (named as `conversations[i].messages[j]`),
@@ -166,7 +174,7 @@ class LLM:
         encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in rendered]
         for i, ids in enumerate(encoded):
             self._check_ids(f"conversations[{i}]", ids)
-        return self._generate("conversations", list(rendered), encoded, sampling_params)
+        return self._generate("conversations", list(rendered), encoded, sampling_params, n)
 
     def _generate(
         self,
@@ -174,21 +182,24 @@ class LLM:
         texts: Sequence[str | None],
         encoded: Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        n: int,
     ) -> list[RequestOutput]:
-        """Run one request per prompt (`what`: how errors name the prompts)."""
+        """Run `n` requests per prompt (`what`: how errors name the prompts)."""
+        if n < 1:
+            raise ValueError(f"n: must be at least 1, got {n}")
         params = _params_for(what, len(encoded), sampling_params)
-        requests = [
-            self._request(f"{what}[{i}]", ids, sp)
+        groups = [
+            self._group(f"{what}[{i}]", ids, sp, n)
             for i, (ids, sp) in enumerate(zip(encoded, params, strict=True))
         ]
-        return trio.run(self._run, texts, requests)
+        return trio.run(self._run, texts, groups)
 
     async def _run(
-        self, texts: Sequence[str | None], requests: Sequence[Request]
+        self, texts: Sequence[str | None], groups: Sequence[list[Request]]
     ) -> list[RequestOutput]:
-        handles = [self.executor.submit(request) for request in requests]
+        handles = [self.executor.submit_group(group) for group in groups]
         await self.executor.loop.run_until_idle()
-        return [self._collect(text, handle) for text, handle in zip(texts, handles, strict=True)]
+        return [self._collect(text, group) for text, group in zip(texts, handles, strict=True)]
 
     def _render(
         self,
@@ -229,60 +240,73 @@ class LLM:
         if bad is not None:
             raise ValueError(f"{where}: token id {bad} outside the vocabulary [0, {vocab})")
 
-    def _request(self, where: str, ids: list[int], params: SamplingParams) -> Request:
+    def _group(self, where: str, ids: list[int], params: SamplingParams, n: int) -> list[Request]:
+        """One prompt's `n` requests (one per sample), checked to fit."""
         if len(ids) + params.max_tokens > self.max_seq_len:
             raise ValueError(
                 f"{where}: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                 f"the model's context of {self.max_seq_len} tokens"
             )
-        self._next_id += 1
-        request = Request(
-            request_id=self._next_id,
-            prompt_token_ids=ids,
-            sampling=params,
-            arrival_time=time.monotonic(),
-        )
+        group = []
+        for i in range(n):
+            self._next_id += 1
+            seed = None if params.seed is None else choice_seed(params.seed, i)
+            group.append(
+                Request(
+                    request_id=self._next_id,
+                    prompt_token_ids=ids,
+                    sampling=attrs.evolve(params, seed=seed),
+                    arrival_time=time.monotonic(),
+                )
+            )
         try:
-            self.executor.check_fits(request)
+            self.executor.check_fits(group[0])
         except CapacityError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        return request
+        return group
 
-    def _collect(self, text: str | None, handle: RequestHandle) -> RequestOutput:
-        tokens: list[int] = []
-        texts: list[str] = []
-        logprobs: list[TokenLogprobs | None] = []
-        reason = None
-        perf = None
-        while True:
-            try:
-                out = handle.outputs.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-            tokens.extend(out.token_ids)
-            texts.append(out.text)
-            logprobs.extend(out.logprobs)
-            if out.finish_reason is not None:
-                reason = out.finish_reason.value
-                perf = out.perf
-            if out.error is not None:
-                raise RuntimeError(f"request {handle.request.request_id} failed: {out.error}")
-        request = handle.request
-        wants = request.sampling.logprobs is not None
-        completion = CompletionOutput(
-            index=0,
-            text="".join(texts),
-            token_ids=tuple(tokens),
-            logprobs=tuple(logprobs) if wants else None,
-            finish_reason=reason,
-        )
+    def _collect(self, text: str | None, handles: Sequence[RequestHandle]) -> RequestOutput:
+        """One prompt's output: its samples' tokens, and the first sample's timings."""
+        completions, perfs = zip(*(_sample(i, h) for i, h in enumerate(handles)), strict=True)
+        leader = handles[0].request
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=leader.request_id,
             prompt=text,
-            prompt_token_ids=tuple(request.prompt_token_ids),
-            outputs=(completion,),
-            perf=perf,
+            prompt_token_ids=tuple(leader.prompt_token_ids),
+            outputs=completions,
+            perf=perfs[0],
         )
+
+
+def _sample(index: int, handle: RequestHandle) -> tuple[CompletionOutput, PerfMetrics | None]:
+    """A finished request's sequence, from what its channel holds, and its timings."""
+    tokens: list[int] = []
+    texts: list[str] = []
+    logprobs: list[TokenLogprobs | None] = []
+    reason = None
+    perf = None
+    while True:
+        try:
+            out = handle.outputs.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+        tokens.extend(out.token_ids)
+        texts.append(out.text)
+        logprobs.extend(out.logprobs)
+        if out.finish_reason is not None:
+            reason = out.finish_reason.value
+            perf = out.perf
+        if out.error is not None:
+            raise RuntimeError(f"request {handle.request.request_id} failed: {out.error}")
+    wants = handle.request.sampling.logprobs is not None
+    completion = CompletionOutput(
+        index=index,
+        text="".join(texts),
+        token_ids=tuple(tokens),
+        logprobs=tuple(logprobs) if wants else None,
+        finish_reason=reason,
+    )
+    return completion, perf
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -129,6 +129,30 @@ def test_chat_prompts_and_greedy_replies_equal_the_chat_route_s(worker: Server, 
     assert alone.token_ids == outputs[1].token_ids
 
 
+def test_n_seeded_samples_equal_the_route_s_choices(worker: Server, llm: LLM) -> None:
+    from trtdisagg import SamplingParams
+
+    prompts = ["The quick brown fox", [(5 * i + 2) % 500 + 1 for i in range(30)]]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    outputs = llm.generate(prompts, params, n=3)
+    with httpx.Client(timeout=60) as client:
+        for prompt, out in zip(prompts, outputs, strict=True):
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 3,
+                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            r = client.post(worker.url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+            assert [o.index for o in out.outputs] == [0, 1, 2]
+            assert [list(o.token_ids) for o in out.outputs] == [c["token_ids"] for c in choices]
+            assert [o.text for o in out.outputs] == [c["text"] for c in choices]
+    samples = {o.token_ids for o in outputs[0].outputs}
+    assert len(samples) == 3, "three seeds, three different samples"
+    (alone,) = llm.generate(prompts[0], params)  # sample 0 is the answer with n=1
+    assert alone.outputs == outputs[0].outputs[:1]
+    (chat,) = llm.chat(CONVERSATIONS[0], params, n=2)
+    assert [o.index for o in chat.outputs] == [0, 1]
+
+
 def test_bad_prompts_are_refused_before_anything_runs() -> None:
     from trtdisagg import LLM, SamplingParams
 
@@ -140,6 +164,8 @@ def test_bad_prompts_are_refused_before_anything_runs() -> None:
         llm.generate([[1] * 60], SamplingParams(max_tokens=8))
     with pytest.raises(ValueError, match="2 given for 1 prompts"):
         llm.generate("x", [SamplingParams(max_tokens=1)] * 2)
+    with pytest.raises(ValueError, match="n: must be at least 1, got 0"):
+        llm.generate("x", n=0)
     user = {"role": "user", "content": "x"}
     with pytest.raises(ValueError, match=r"conversations\[1\]\.messages\[0\]\.role"):
         llm.chat([[user], [{"content": "x"}]])
