@@ -8,7 +8,8 @@ prompt into the executor's inbox at once and runs the loop until each request is
 requests' outputs in the prompts' order. Keyword arguments are worker config keys (DESIGN.md §4;
 `device="cuda"`, `dtype="bfloat16"`, `max_batch_size=...`), checked as a config file's are.
 `chat` reads each conversation as the HTTP chat route reads `messages` (the same checks, the
-same chat-template rendering), so its prompt tokens equal the route's.
+same chat-template rendering), so its prompt tokens equal the route's; `n` and
+`structured_outputs` are the routes' fields of those names, checked and applied as they are.
 
 One rank only: tensor- and pipeline-parallel instances serve through `python -m trtdisagg`.
 """
@@ -26,7 +27,8 @@ from trtdisagg.api.chat import chat_messages, chat_tools
 from trtdisagg.api.codec import parse_request
 from trtdisagg.api.errors import ApiError
 from trtdisagg.api.fanout import choice_seed
-from trtdisagg.api.protocol import ChatCompletionRequest, PerfMetrics
+from trtdisagg.api.grammars import output_grammar
+from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
 from trtdisagg.config import ConfigError, WorkerConfig, structure
 from trtdisagg.cpu_affinity import CpuAffinityError, pin_engine
 from trtdisagg.errors import CapacityError
@@ -36,6 +38,7 @@ from trtdisagg.model.parallel import Parallel
 from trtdisagg.worker.engine.build import assemble_executor
 from trtdisagg.worker.engine.executor import Executor, RequestHandle
 from trtdisagg.worker.engine.wakeup import Wakeup
+from trtdisagg.worker.grammar import GrammarCompiler, GrammarError, GrammarTemplate
 from trtdisagg.worker.request import Request, SamplingParams
 from trtdisagg.worker.runner import ModelRunner, build_runner
 from trtdisagg.worker.token_logprobs import TokenLogprobs
@@ -119,6 +122,7 @@ class LLM:
             wakeup=Wakeup(),
         )
         self._next_id = 0
+        self._grammars: GrammarCompiler | None = None  # made by the first constrained call
 
     @property
     def max_seq_len(self) -> int:
@@ -130,6 +134,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         n: int = 1,
+        structured_outputs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string, a list of token ids, or a list of either) and
         return their outputs in order. `sampling_params` is one for all or one per prompt;
@@ -139,14 +144,19 @@ class LLM:
         as the HTTP routes' `n` do; with a `seed`, sample i samples with `choice_seed(seed, i)`
         (`api/fanout.py`), so sample 0 equals the answer with `n=1`.
 
+        `structured_outputs` constrains every output as the routes' field of that name does:
+        exactly one of `{"json": schema, "regex": ..., "choice": [...], "grammar": ...}`.
+
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt with
-                `max_tokens` longer than the model's context, mismatched lengths, or `n` < 1.
+                `max_tokens` longer than the model's context, mismatched lengths, `n` < 1, or a
+                constraint that is malformed or that llguidance refuses.
         """
         batch = _as_batch(prompts)
         encoded = [self._encode(i, prompt) for i, prompt in enumerate(batch)]
         texts = [prompt if isinstance(prompt, str) else None for prompt in batch]
-        return self._generate("prompts", texts, encoded, sampling_params, n)
+        grammar = self._grammar(structured_outputs)
+        return self._generate("prompts", texts, encoded, sampling_params, n, grammar)
 
     def chat(
         self,
@@ -154,13 +164,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         n: int = 1,
+        structured_outputs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to each conversation (one list of messages, or a list of them),
         rendered with the model's chat template as `/v1/chat/completions` renders `messages`
         (with `tools`, OpenAI tool objects, given to the template). Each output's `prompt` is
-        the rendered text. `sampling_params` and `n` as for `generate`.
+        the rendered text. `sampling_params`, `n` and `structured_outputs` as for `generate`.
 
         Raises:
             ValueError: a malformed message or tool (named as `conversations[i].messages[j]`),
@@ -174,7 +185,8 @@ class LLM:
         encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in rendered]
         for i, ids in enumerate(encoded):
             self._check_ids(f"conversations[{i}]", ids)
-        return self._generate("conversations", list(rendered), encoded, sampling_params, n)
+        grammar = self._grammar(structured_outputs)
+        return self._generate("conversations", list(rendered), encoded, sampling_params, n, grammar)
 
     def _generate(
         self,
@@ -183,6 +195,7 @@ class LLM:
         encoded: Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         n: int,
+        grammar: GrammarTemplate | None,
     ) -> list[RequestOutput]:
         """Run `n` requests per prompt (`what`: how errors name the prompts)."""
         if n < 1:
@@ -192,14 +205,39 @@ class LLM:
             self._group(f"{what}[{i}]", ids, sp, n)
             for i, (ids, sp) in enumerate(zip(encoded, params, strict=True))
         ]
-        return trio.run(self._run, texts, groups)
+        return trio.run(self._run, texts, groups, grammar)
 
     async def _run(
-        self, texts: Sequence[str | None], groups: Sequence[list[Request]]
+        self,
+        texts: Sequence[str | None],
+        groups: Sequence[list[Request]],
+        grammar: GrammarTemplate | None,
     ) -> list[RequestOutput]:
-        handles = [self.executor.submit_group(group) for group in groups]
+        handles = [self.executor.submit_group(group, grammar=grammar) for group in groups]
         await self.executor.loop.run_until_idle()
         return [self._collect(text, group) for text, group in zip(texts, handles, strict=True)]
+
+    def _grammar(self, structured_outputs: Mapping[str, Any] | None) -> GrammarTemplate | None:
+        """`structured_outputs` checked as the routes check it, compiled (llguidance)."""
+        if structured_outputs is None:
+            return None
+        try:
+            wanted = output_grammar(
+                CompletionRequest(structured_outputs=dict(structured_outputs)), None
+            )
+        except ApiError as exc:
+            raise ValueError(exc.message) from None
+        assert wanted is not None  # (a structured_outputs given is one grammar or a 400)
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                tokenizer_json=self.tokenizer.to_json(),
+                vocab_size=self.executor.vocab_size,
+                eos_token_ids=sorted(self.tokenizer.eos_token_ids),
+            )
+        try:
+            return self._grammars.compile(wanted)
+        except GrammarError as exc:
+            raise ValueError(f"{wanted.field}: {exc}") from None
 
     def _render(
         self,

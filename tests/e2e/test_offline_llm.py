@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,49 @@ def test_n_seeded_samples_equal_the_route_s_choices(worker: Server, llm: LLM) ->
     assert [o.index for o in chat.outputs] == [0, 1]
 
 
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"choice": ["yes", "no", "maybe"]},
+        {"regex": "[0-9]{3}-[a-z]{2}"},
+        {
+            "json": {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"],
+                "additionalProperties": False,
+            }
+        },
+    ],
+    ids=["choice", "regex", "json"],
+)
+def test_structured_outputs_follow_the_constraint_as_the_route_s(
+    worker: Server, llm: LLM, constraint: dict[str, Any]
+) -> None:
+    from trtdisagg import SamplingParams
+
+    prompts = ["Answer:", [(3 * i + 1) % 500 + 1 for i in range(20)]]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outputs = llm.generate(prompts, params, structured_outputs=constraint)
+    with httpx.Client(timeout=60) as client:
+        for prompt, out in zip(prompts, outputs, strict=True):
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                    "structured_outputs": constraint, "return_token_ids": True}  # fmt: skip
+            r = client.post(worker.url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert (list(out.token_ids), out.text) == (choice["token_ids"], choice["text"])
+            assert out.finish_reason == choice["finish_reason"] == "stop", out.text
+            if "choice" in constraint:
+                assert out.text in constraint["choice"]
+            elif "regex" in constraint:
+                assert re.fullmatch(constraint["regex"], out.text)
+            else:
+                assert isinstance(json.loads(out.text)["ok"], bool)
+    (chat,) = llm.chat(CONVERSATIONS[0], params, structured_outputs=constraint)
+    assert chat.finish_reason == "stop"
+
+
 def test_bad_prompts_are_refused_before_anything_runs() -> None:
     from trtdisagg import LLM, SamplingParams
 
@@ -166,6 +210,10 @@ def test_bad_prompts_are_refused_before_anything_runs() -> None:
         llm.generate("x", [SamplingParams(max_tokens=1)] * 2)
     with pytest.raises(ValueError, match="n: must be at least 1, got 0"):
         llm.generate("x", n=0)
+    with pytest.raises(ValueError, match="structured_outputs: expected exactly one of"):
+        llm.generate("x", structured_outputs={"json": {}, "regex": "a"})
+    with pytest.raises(ValueError, match="structured_outputs: "):
+        llm.generate("x", structured_outputs={"regex": "("})  # llguidance refuses it
     user = {"role": "user", "content": "x"}
     with pytest.raises(ValueError, match=r"conversations\[1\]\.messages\[0\]\.role"):
         llm.chat([[user], [{"content": "x"}]])
