@@ -71,6 +71,9 @@ class RequestOutput:
     prompt_token_ids: tuple[int, ...]
     outputs: tuple[CompletionOutput, ...]
     perf: PerfMetrics | None = None  # queue, prefill, first token and decode times
+    # With `SamplingParams.prompt_logprobs`: one entry per prompt token, each given the tokens
+    # before it; the first token has none (None), as in vLLM.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     @property
     def text(self) -> str:
@@ -305,24 +308,34 @@ class LLM:
 
     def _collect(self, text: str | None, handles: Sequence[RequestHandle]) -> RequestOutput:
         """One prompt's output: its samples' tokens, and the first sample's timings."""
-        completions, perfs = zip(*(_sample(i, h) for i, h in enumerate(handles)), strict=True)
+        samples = [_sample(i, h) for i, h in enumerate(handles)]
         leader = handles[0].request
+        prompt_logprobs = samples[0].prompt_logprobs
         return RequestOutput(
             request_id=leader.request_id,
             prompt=text,
             prompt_token_ids=tuple(leader.prompt_token_ids),
-            outputs=completions,
-            perf=perfs[0],
+            outputs=tuple(sample.completion for sample in samples),
+            perf=samples[0].perf,
+            prompt_logprobs=None if prompt_logprobs is None else (None, *prompt_logprobs),
         )
 
 
-def _sample(index: int, handle: RequestHandle) -> tuple[CompletionOutput, PerfMetrics | None]:
-    """A finished request's sequence, from what its channel holds, and its timings."""
+@attrs.frozen(kw_only=True)
+class _Sample:
+    completion: CompletionOutput
+    perf: PerfMetrics | None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None  # from the prompt's second token on
+
+
+def _sample(index: int, handle: RequestHandle) -> _Sample:
+    """A finished request's sequence, timings and prompt logprobs, from its channel."""
     tokens: list[int] = []
     texts: list[str] = []
     logprobs: list[TokenLogprobs | None] = []
     reason = None
     perf = None
+    prompt_logprobs = None
     while True:
         try:
             out = handle.outputs.receive_nowait()
@@ -331,6 +344,8 @@ def _sample(index: int, handle: RequestHandle) -> tuple[CompletionOutput, PerfMe
         tokens.extend(out.token_ids)
         texts.append(out.text)
         logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = out.prompt_logprobs
         if out.finish_reason is not None:
             reason = out.finish_reason.value
             perf = out.perf
@@ -344,7 +359,7 @@ def _sample(index: int, handle: RequestHandle) -> tuple[CompletionOutput, PerfMe
         logprobs=tuple(logprobs) if wants else None,
         finish_reason=reason,
     )
-    return completion, perf
+    return _Sample(completion=completion, perf=perf, prompt_logprobs=prompt_logprobs)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -154,6 +154,29 @@ def test_n_seeded_samples_equal_the_route_s_choices(worker: Server, llm: LLM) ->
     assert [o.index for o in chat.outputs] == [0, 1]
 
 
+def test_prompt_logprobs_equal_the_route_s_echoed_ones(worker: Server, llm: LLM) -> None:
+    from trtdisagg import SamplingParams
+
+    prompt = [(13 * i + 4) % 500 + 1 for i in range(24)]
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2, logprobs=2)
+    (out,) = llm.generate(prompt, params)
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+    assert out.prompt_logprobs[0] is None  # nothing comes before the first token
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2}
+    r = httpx.post(worker.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    echoed = r.json()["choices"][0]["logprobs"]["token_logprobs"][: len(prompt)]
+    assert echoed[0] is None
+    ours = [lp.logprob for lp in out.prompt_logprobs[1:] if lp is not None]
+    assert ours == pytest.approx(echoed[1:], abs=1e-5)
+    for token, lp in zip(prompt[1:], out.prompt_logprobs[1:], strict=True):
+        assert lp is not None and len(lp.top) == 2 and lp.logprob <= lp.top[0][1] + 1e-6
+        if token in dict(lp.top):  # the prompt's token among the top: the same logprob
+            assert dict(lp.top)[token] == pytest.approx(lp.logprob, abs=1e-6)
+    (plain,) = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    assert plain.prompt_logprobs is None and plain.token_ids == out.token_ids
+
+
 @pytest.mark.parametrize(
     "constraint",
     [
