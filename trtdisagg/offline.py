@@ -8,8 +8,8 @@ prompt into the executor's inbox at once and runs the loop until each request is
 requests' outputs in the prompts' order. Keyword arguments are worker config keys (DESIGN.md §4;
 `device="cuda"`, `dtype="bfloat16"`, `max_batch_size=...`), checked as a config file's are.
 `chat` reads each conversation as the HTTP chat route reads `messages` (the same checks, the
-same chat-template rendering), so its prompt tokens equal the route's; `n` and
-`structured_outputs` are the routes' fields of those names, checked and applied as they are.
+same chat-template rendering), so its prompt tokens equal the route's. `n` (no upper bound
+here) and `structured_outputs` work as the routes' fields of those names.
 
 One rank only: tensor- and pipeline-parallel instances serve through `python -m trtdisagg`.
 """
