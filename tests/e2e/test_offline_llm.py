@@ -128,6 +128,16 @@ def test_chat_prompts_and_greedy_replies_equal_the_chat_route_s(worker: Server, 
     # One conversation alone (a list of messages) is one output, the same reply.
     (alone,) = llm.chat(CONVERSATIONS[1], params)
     assert alone.token_ids == outputs[1].token_ids
+    # Tools reach the template as the route gives them to it.
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    (with_tools,) = llm.chat(CONVERSATIONS[0], params, tools=tools)
+    assert with_tools.prompt is not None and "get_weather" in with_tools.prompt
+    body = {"messages": CONVERSATIONS[0], "tools": tools, "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    r = httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert list(with_tools.prompt_token_ids) == r.json()["prompt_token_ids"]
 
 
 def test_n_seeded_samples_equal_the_route_s_choices(worker: Server, llm: LLM) -> None:
@@ -244,6 +254,8 @@ def test_bad_prompts_are_refused_before_anything_runs() -> None:
         llm.chat([])
     with pytest.raises(ValueError, match=r"conversations\[0\]\.messages: must not be empty"):
         llm.chat([[]])
+    with pytest.raises(ValueError, match=r"conversations\[0\]\.tools\[0\]"):
+        llm.chat([user], tools=[{"type": "function"}])  # no function
     with pytest.raises(ValueError, match="messages and conversations mixed"):
         llm.chat([user, [user]])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"conversations\[0\]: \d+ prompt tokens \+ max_tokens"):
