@@ -10,14 +10,16 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
 from tests.edges import Cluster
 from tests.procs import Server, worker_config
-from trtdisagg import LLM
+
+if TYPE_CHECKING:  # (the offline engine imports torch: at first use, not at collection)
+    from trtdisagg import LLM
 
 PROMPTS: list[str | list[int]] = [
     "The quick brown fox",
@@ -44,6 +46,8 @@ def worker(shared_cluster: tuple[Cluster, httpx.Client]) -> Server:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
+    from trtdisagg import LLM
+
     config = worker_config()
     return LLM(config.pop("model"), **config)
 
