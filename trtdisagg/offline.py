@@ -117,13 +117,7 @@ class LLM:
         self.runner: ModelRunner = build_runner(
             config, model_dir, Parallel(device_index=config.cuda_device)
         )
-        self.executor: Executor = assemble_executor(
-            config,
-            runner=self.runner,
-            tokenizer=self.tokenizer,
-            metrics=WorkerMetrics.create(),
-            wakeup=Wakeup(),
-        )
+        self.executor: Executor = self._new_executor()
         self._next_id = 0
         self._grammars: GrammarCompiler | None = None  # made by the first constrained call
 
@@ -208,7 +202,23 @@ class LLM:
             self._group(f"{what}[{i}]", ids, sp, n)
             for i, (ids, sp) in enumerate(zip(encoded, params, strict=True))
         ]
-        return trio.run(self._run, texts, groups, grammar)
+        try:
+            return trio.run(self._run, texts, groups, grammar)
+        except BaseException:
+            # A call that raised (Ctrl-C, say) may have left the step loop mid-round: requests
+            # half ended, blocks held for a step whose end was never taken. The next call gets
+            # a fresh engine on the same model and KV cache instead of inheriting them.
+            self.executor = self._new_executor()
+            raise
+
+    def _new_executor(self) -> Executor:
+        return assemble_executor(
+            self.config,
+            runner=self.runner,
+            tokenizer=self.tokenizer,
+            metrics=WorkerMetrics.create(),
+            wakeup=Wakeup(),
+        )
 
     async def _run(
         self,

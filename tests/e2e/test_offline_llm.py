@@ -234,6 +234,39 @@ def test_structured_outputs_follow_the_constraint_as_the_route_s(
     assert chat.finish_reason == "stop"
 
 
+def test_an_interrupted_call_leaves_the_engine_idle_and_reusable(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trio
+
+    from trtdisagg import SamplingParams
+    from trtdisagg.worker.engine.loop import StepLoop
+
+    prompt = [(7 * i + 3) % 500 + 1 for i in range(16)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (before,) = llm.generate(prompt, greedy)
+    run_until_idle = StepLoop.run_until_idle
+    live_at_interrupt: list[int] = []
+
+    async def interrupted_once(loop: StepLoop, *args: Any) -> None:
+        if live_at_interrupt:  # later calls
+            return await run_until_idle(loop, *args)
+        with trio.move_on_after(0.3):  # Ctrl-C while the batch is being generated
+            await run_until_idle(loop, *args)
+        live_at_interrupt.append(llm.executor.num_active())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StepLoop, "run_until_idle", interrupted_once)
+    long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt] * 4, long)
+    assert live_at_interrupt == [4]  # interrupted mid-way: every request still running
+    assert llm.executor.num_active() == 0  # nothing left to run
+    assert llm.executor.scheduler.pool.statistics().used_blocks == 0
+    (after,) = llm.generate(prompt, greedy)
+    assert after.token_ids == before.token_ids
+
+
 def test_bad_prompts_are_refused_before_anything_runs() -> None:
     from trtdisagg import LLM, SamplingParams
 
