@@ -204,11 +204,15 @@ class LLM:
         ]
         try:
             return trio.run(self._run, texts, groups, grammar)
-        except BaseException:
+        except BaseException as exc:
             # A call that raised (Ctrl-C, say) may have left the step loop mid-round: requests
             # half ended, blocks held for a step whose end was never taken. The next call gets
             # a fresh engine on the same model and KV cache instead of inheriting them.
             self.executor = self._new_executor()
+            if isinstance(exc, BaseExceptionGroup):  # Ctrl-C inside the loop's nurseries
+                interrupt, rest = exc.split(KeyboardInterrupt)
+                if interrupt is not None and rest is None:
+                    raise KeyboardInterrupt from None  # what `except KeyboardInterrupt` catches
             raise
 
     def _new_executor(self) -> Executor:
