@@ -174,6 +174,9 @@ class PlanSpy:
     def kv_ready(self) -> None:
         self.runner.kv_ready()
 
+    def lost(self) -> None:
+        self.runner.lost()
+
 
 async def generate(
     runner: ModelRunner, tokenizer: Tokenizer, asks: list[Ask], *, overlap: bool

@@ -13,6 +13,7 @@ import attrs
 import pytest
 
 from tests.engine_parts import gen_live, make_live, make_scheduler, outcome
+from trtdisagg.transfer.protocol.sessions import TransferOutcome
 from trtdisagg.worker.engine.ending import Blocks, Ending
 from trtdisagg.worker.engine.tracker import (
     EARLY_RELEASE_S,
@@ -51,6 +52,9 @@ class RecordingPort:
 
     def settled(self, key: int) -> bool:
         return self.quiet
+
+    def outcomes(self) -> tuple[list[TransferOutcome], list[TransferOutcome]]:
+        return [], []  # (the tests hand the tracker its outcomes themselves)
 
     def named(self, name: str) -> list[tuple[Any, ...]]:
         return [call for call in self.calls if call[0] == name]

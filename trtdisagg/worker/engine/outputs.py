@@ -14,7 +14,7 @@ lengths seen here include it; a token still in flight (`pending_tokens`) does no
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
@@ -26,7 +26,16 @@ from trtdisagg.worker.stopping import StopStrings
 if TYPE_CHECKING:
     from trtdisagg.worker.engine.live import Live
     from trtdisagg.worker.token_logprobs import TokenLogprobs
-    from trtdisagg.worker.tokenization import IncrementalDetokenizer
+
+
+class Detokenizer(Protocol):
+    """One request's text as its tokens come (`tokenization.IncrementalDetokenizer`)."""
+
+    def add(self, token_id: int) -> str:
+        """The text this token completes (a partial character is held back)."""
+
+    def flush(self) -> str:
+        """The text held back, at the end."""
 
 
 @attrs.frozen(kw_only=True)
@@ -73,7 +82,7 @@ class RequestOutput:
 class OutputState:
     """One request's text and timings so far."""
 
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Detokenizer
     stops: StopStrings
     first_scheduled: float | None = None
     first_token: float | None = None
