@@ -240,6 +240,7 @@ def test_an_interrupted_call_leaves_the_engine_idle_and_reusable(
     import trio
 
     from trtdisagg import SamplingParams
+    from trtdisagg.worker.engine.executor import Executor, RequestHandle
     from trtdisagg.worker.engine.loop import StepLoop
 
     prompt = [(7 * i + 3) % 500 + 1 for i in range(16)]
@@ -251,12 +252,25 @@ def test_an_interrupted_call_leaves_the_engine_idle_and_reusable(
     async def interrupted_once(loop: StepLoop, *args: Any) -> None:
         if live_at_interrupt:  # later calls
             return await run_until_idle(loop, *args)
-        with trio.move_on_after(0.3):  # Ctrl-C while the batch is being generated
-            await run_until_idle(loop, *args)
+        async with trio.open_nursery() as nursery:  # Ctrl-C once every request is under way
+            nursery.start_soon(run_until_idle, loop, *args)
+            for handle in handles:
+                received = 0
+                while received < 8:
+                    received += len((await handle.outputs.receive()).token_ids)
+            nursery.cancel_scope.cancel()
         live_at_interrupt.append(llm.executor.num_active())
         # as a real Ctrl-C comes out of the step loop: from inside its nurseries
         raise BaseExceptionGroup("Exceptions from Trio nursery", [KeyboardInterrupt()])
 
+    handles: list[RequestHandle] = []
+    submit_group = Executor.submit_group
+
+    def recording(executor: Executor, *args: Any, **kwargs: Any) -> list[RequestHandle]:
+        handles.extend(submit_group(executor, *args, **kwargs))
+        return handles[-len(args[0]) :]
+
+    monkeypatch.setattr(Executor, "submit_group", recording)
     monkeypatch.setattr(StepLoop, "run_until_idle", interrupted_once)
     long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
     with pytest.raises(KeyboardInterrupt):  # itself, as `except KeyboardInterrupt` expects
