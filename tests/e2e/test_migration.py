@@ -287,6 +287,70 @@ async def test_a_gen_stopped_for_10s_costs_no_stream_more_than_the_deadline_and_
         await wait_idle(client, cluster.gens[1], 10)
 
 
+async def test_a_stream_s_first_token_is_ctx_s_out_before_gen_answers(
+    cluster: Cluster, undisturbed: list[Streamed]
+) -> None:
+    """A stream's first token goes out as soon as ctx answers: with its gen stopped the client
+    has that token, and only it; once the gen runs again the stream completes, token for token
+    and character for character the undisturbed run."""
+    held = cluster.gens[0]
+    coordinator = cluster.start_coordinator(
+        "lead", health_check_interval=3600, gen_first_token_timeout=60,
+        generation_servers={"urls": [held.url]},
+    )  # fmt: skip
+    reference = undisturbed[0]
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            out = Streamed()
+            held.proc.send_signal(signal.SIGSTOP)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read_stream, client, coordinator.url, body(0), out)
+                    await wait_tokens([out], 1)
+                    assert out.tokens == reference.tokens[:1]  # ctx's: gen cannot run
+                    assert reference.text.startswith(out.text)
+                    held.proc.send_signal(signal.SIGCONT)
+            finally:
+                held.proc.send_signal(signal.SIGCONT)
+            assert_whole(out, reference)
+    finally:
+        cluster.procs.started.remove(coordinator)
+        stop(coordinator.proc)
+
+
+async def test_a_first_leg_silent_after_ctx_s_token_went_out_is_resumed_whole(
+    cluster: Cluster, undisturbed: list[Streamed]
+) -> None:
+    """ctx's token went out, then the gen the first leg went to stays silent past
+    gen_first_token_timeout: the answer resumes on the other gen from the prompt and that token,
+    whole; ctx frees the KV that no gen took, and the silent gen its blocks once it runs."""
+    silent, other = cluster.gens
+    coordinator = cluster.start_coordinator(  # round robin: its first gen is the first listed
+        "lead-resumed", health_check_interval=3600, gen_first_token_timeout=RETRY_S,
+        generation_servers={"urls": [silent.url, other.url], "router": {"type": "round_robin"}},
+    )  # fmt: skip
+    released = "trtdisagg_kv_sends_released_total"
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            released_before = await counter(client, cluster.ctx, released, "")
+            out = Streamed()
+            silent.proc.send_signal(signal.SIGSTOP)
+            try:
+                await read_stream(client, coordinator.url, body(1), out)
+            finally:
+                silent.proc.send_signal(signal.SIGCONT)
+            assert_whole(out, undisturbed[1])
+            name, deadline = "trtdisagg_coordinator_migrations_total", 'reason="deadline"'
+            assert await counter(client, coordinator, name, deadline) == 1
+            # released by the coordinator, not left to ctx's kv_transfer_timeout
+            assert await counter(client, cluster.ctx, released, "") == released_before + 1
+            await wait_idle(client, cluster.ctx, 10)
+            await wait_idle(client, silent, 10)
+    finally:
+        cluster.procs.started.remove(coordinator)
+        stop(coordinator.proc)
+
+
 async def test_kill_9_of_a_gen_while_8_streams_decode_loses_and_repeats_no_token(
     cluster: Cluster, undisturbed: list[Streamed]
 ) -> None:

@@ -195,3 +195,93 @@ def test_an_answer_of_several_choices_keeps_each_apart() -> None:
     assert first["finish_reason"] == "stop" and second["finish_reason"] == "tool_calls"
     made = {k: v for k, v in call.items() if k != "index"}
     assert second["message"] == {"role": "assistant", "content": None, "tool_calls": [made]}
+
+
+CTX_HEAD = {"id": "cmpl-ctx", "object": "text_completion", "created": 3, "model": "tiny"}
+
+
+def completion_logprobs(tokens: list[str], offsets: list[int]) -> dict[str, Any]:
+    return {"tokens": tokens, "token_logprobs": [-0.5] * len(tokens),
+            "top_logprobs": [{t: -0.5} for t in tokens], "text_offset": offsets}  # fmt: skip
+
+
+def test_ctx_s_first_token_leads_and_gen_s_repeat_of_it_is_cut() -> None:
+    ledger = Ledger(ask=ask(return_token_ids=True, include_usage=True, logprobs=True),
+                    ctx_usage=usage(5, 1), prompt_token_ids=[1, 2, 3, 4, 5])  # fmt: skip
+    answer = {**CTX_HEAD, "choices": [{"index": 0, "text": " a", "finish_reason": None,
+              "logprobs": completion_logprobs([" a"], [0])}]}  # fmt: skip
+    (lead,) = ledger.lead_with(answer, 10)
+    assert lead == {**CTX_HEAD, "prompt_token_ids": [1, 2, 3, 4, 5], "choices": [{
+        "index": 0, "text": " a", "token_ids": [10], "finish_reason": None,
+        "logprobs": completion_logprobs([" a"], [0])}]}  # fmt: skip
+    # gen's first event repeats ctx's token, here joined with the next one
+    both = {"index": 0, "text": " a b", "token_ids": [10, 11], "finish_reason": None,
+            "logprobs": completion_logprobs([" a", " b"], [0, 2])}  # fmt: skip
+    (out,) = ledger.gen_event({**OTHER_HEAD, "choices": [both], "prompt_token_ids": [1, 2, 3]})
+    assert out == {**CTX_HEAD, "choices": [{
+        "index": 0, "text": " b", "token_ids": [11], "finish_reason": None,
+        "logprobs": completion_logprobs([" b"], [2])}]}  # fmt: skip
+    ledger.gen_event(chunk(" c", [12], finish="length", head=OTHER_HEAD))
+    (closing,) = ledger.gen_event(tail(3, head=OTHER_HEAD))
+    assert closing == {**CTX_HEAD, "choices": [], "usage": usage(5, 3)}
+    assert ledger.token_ids == [10, 11, 12] and ledger.text == " a b c"
+    assert ledger.gen_tokens == 3  # gen's leg sent every one of them
+    whole = ledger.choices[0]
+    assert [lp["text_offset"] for lp in whole.logprobs] == [[0], [2]]  # (" c" had none)
+
+
+def test_in_chat_the_lead_is_a_role_chunk_then_the_token_and_gen_s_repeats_vanish() -> None:
+    ledger = Ledger(ask=ask(chat=True))
+    answer = {"id": "chatcmpl-ctx", "object": "chat.completion", "created": 3, "model": "tiny",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                           "logprobs": None, "finish_reason": None}]}  # fmt: skip
+    role, token = ledger.lead_with(answer, 7)
+    head = {**CHAT_HEAD, "id": "chatcmpl-ctx", "created": 3}
+    empty = {"index": 0, "logprobs": None, "finish_reason": None}
+    assert role == {**head, "choices": [{**empty, "delta": {"role": "assistant", "content": ""}}]}
+    assert token == {**head, "choices": [{**empty, "delta": {"content": "Hi"}}]}
+
+    def delta(content: str, ids: list[int], **extra: Any) -> dict[str, Any]:
+        choice = {"index": 0, "logprobs": None, "finish_reason": None, "token_ids": ids,
+                  "delta": {**extra, "content": content}}  # fmt: skip
+        return {**CHAT_HEAD, "choices": [choice]}
+
+    assert ledger.gen_event(delta("", [], role="assistant")) == []  # the client has the role
+    assert ledger.gen_event(delta("Hi", [7])) == []  # and the token
+    (out,) = ledger.gen_event(delta(" there", [8]))
+    assert out["id"] == "chatcmpl-ctx" and out["choices"][0]["delta"] == {"content": " there"}
+    assert ledger.text == "Hi there" and ledger.token_ids == [7, 8]
+
+
+def test_text_ctx_held_back_or_gen_split_differently_is_cut_once() -> None:
+    held = Ledger(ask=ask())  # ctx's token ends in part of a character: no text yet
+    held.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": ""}]}, 200)
+    assert held.gen_event(chunk("", [200])) == []
+    assert choices(held.gen_event(chunk("\u00e9", [201])))[0]["text"] == "\u00e9"
+    split = Ledger(ask=ask())
+    split.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": "ab"}]}, 5)
+    assert split.gen_event(chunk("a", [5])) == []  # gen gave part of it with the token
+    assert choices(split.gen_event(chunk("bc", [6])))[0]["text"] == "c"
+    assert split.text == "abc"
+
+
+@pytest.mark.parametrize(
+    ("gen_text", "gen_ids", "error"),
+    [(" a", [11], "first token [11] is not ctx's [10]"), (" x", [10], "first text")],
+)
+def test_a_first_leg_that_does_not_repeat_ctx_s_token_is_an_error(
+    gen_text: str, gen_ids: list[int], error: str
+) -> None:
+    ledger = Ledger(ask=ask())
+    ledger.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": " a"}]}, 10)
+    with pytest.raises(StreamError, match=error.replace("[", r"\[").replace("]", r"\]")):
+        ledger.gen_event(chunk(gen_text, gen_ids))
+
+
+def test_a_continuation_after_the_lead_starts_after_ctx_s_token() -> None:
+    ledger = Ledger(ask=ask(return_token_ids=True))
+    ledger.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": " a"}]}, 10)
+    ledger.start_continuation(None)  # the first leg failed before it repeated the token
+    (out,) = ledger.gen_event(chunk(" b", [11], head=OTHER_HEAD))
+    assert out["choices"][0]["text"] == " b" and out["choices"][0]["token_ids"] == [11]
+    assert ledger.token_ids == [10, 11] and ledger.gen_tokens == 1

@@ -12,6 +12,7 @@ from trtdisagg.coordinator.split import (
     AttemptIds,
     ClientAsk,
     UpstreamProtocolError,
+    ahead_token,
     answer_as_sse,
     client_disagg_request_id,
     ctx_answer,
@@ -205,3 +206,48 @@ def test_phase_clock() -> None:
     merged = clock.merged(ctx=None, gen={"first_token_s": 0.2, "decode_s": 0.4}, now=1.0)
     assert merged["gen_first_token_s"] == 0.2 and merged["decode_s"] == 0.4
     assert "ctx_s" not in merged
+
+
+def test_a_stream_of_one_choice_leads_with_ctx_s_first_token() -> None:
+    ctx = parse_ctx_response(ctx_body(), server="http://ctx")
+    assert ahead_token(CLIENT, ClientAsk.of(CLIENT, chat=False), ctx) == 42
+    chat_client = {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+        "tools": [{"type": "function"}], "tool_choice": "none",
+    }  # fmt: skip
+    chat_ctx = ctx_body()
+    chat_ctx["choices"][0]["message"] = {"role": "assistant", "content": " the"}
+    del chat_ctx["choices"][0]["text"]
+    chat = parse_ctx_response(chat_ctx, server="http://ctx")
+    assert ahead_token(chat_client, ClientAsk.of(chat_client, chat=True), chat) == 42
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"stream": False},  # a whole answer: nothing to stream early
+        {"echo": True},  # the echo goes first
+        {"prompt_logprobs": 1},
+        {"n": 2},  # more choices: a failed leg could not be resumed
+        {"best_of": 3},
+        {"stream_options": {"continuous_usage_stats": True}},
+        {"tools": [{"type": "function"}]},  # tool-call parsing may hold the text
+        {"disaggregated_params": {"request_type": "context_only"}},
+    ],
+)
+def test_what_keeps_the_first_token_for_gen_s_leg(change: dict[str, Any]) -> None:
+    body = {**CLIENT, **change}
+    ctx = parse_ctx_response(ctx_body(), server="http://ctx")
+    assert ahead_token(body, ClientAsk.of(body, chat=False), ctx) is None
+
+
+def test_no_lead_from_a_ctx_answer_without_one_token_and_its_text() -> None:
+    client_ask = ClientAsk.of(CLIENT, chat=False)
+    two = ctx_body()
+    two["choices"][0]["disaggregated_params"]["first_gen_tokens"] = [42, 43]
+    no_text = ctx_body()
+    del no_text["choices"][0]["text"]
+    for answer in (two, no_text):
+        assert ahead_token(CLIENT, client_ask, parse_ctx_response(answer, server="x")) is None
+    chat_ask = ClientAsk.of({**CLIENT, "messages": []}, chat=True)  # a text, not a message
+    assert ahead_token(CLIENT, chat_ask, parse_ctx_response(ctx_body(), server="x")) is None

@@ -10,11 +10,13 @@ failures are the relay's: the answer is resumed from what was relayed (``max_mig
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
+import httpx
 import trio
 
 from trtdisagg.coordinator.cluster import ServerRole
@@ -33,7 +35,7 @@ from trtdisagg.coordinator.resume import (
     LegFailure,
     RequestTimeout,
 )
-from trtdisagg.coordinator.split import AttemptIds, CtxResult, gen_stream_request
+from trtdisagg.coordinator.split import AttemptIds, CtxResult, ahead_token, gen_stream_request
 from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected, UpstreamUnreachable
 
 if TYPE_CHECKING:
@@ -70,19 +72,28 @@ class GenLegs:
     async def first(self, body: Json, lease: Lease, *, first_token_timeout: float | None) -> Reply:
         """Open the first leg and hand it to a relay: a stream reply, or the whole answer.
 
+        A stream that may start with ctx's first token (`split.ahead_token`) starts with it at
+        once, and its relay posts the leg: a leg that fails then is the relay's to resume, as
+        one that fails after its first token.
+
         Raises:
             what opening raises (UpstreamError, DeadlineMissed: the service retries);
             for a whole answer, what ended it (`AnswerFailed.cause`).
         """
-        call, service = self.call, self.service
+        call, service, ctx = self.call, self.service, self.ctx
         call.clock.gen_start = trio.current_time()
-        try:
-            leg = await self._open(lease, gen_stream_request(body), first_token_timeout)
-        except DeadlineMissed as exc:
-            self.missed(exc)
-            raise
+        ahead = ahead_token(call.raw, call.ask, ctx) if ctx is not None else None
+        if ahead is not None:  # posted by the relay's first read, after ctx's token went out
+            opener = functools.partial(self._post, lease, gen_stream_request(body))
+            leg = Leg(response=None, opener=opener, lease=lease, posted=call.clock.gen_start,
+                      first_token_timeout=first_token_timeout)  # fmt: skip
+        else:
+            try:
+                leg = await self._open(lease, gen_stream_request(body), first_token_timeout)
+            except DeadlineMissed as exc:
+                self.missed(exc)
+                raise
         lease.handed_off = True  # the relay owns it now, and releases it when the answer ends
-        ctx = self.ctx
         prompt_ids = call.route.prompt_token_ids
         if ctx is not None and ctx.prompt_token_ids:
             prompt_ids = tuple(ctx.prompt_token_ids)  # the worker's own tokenization
@@ -102,6 +113,9 @@ class GenLegs:
             resumer=self,
             on_first_token=self._first_token,
         )
+        if ahead is not None:
+            assert ctx is not None
+            self.relay.lead(ledger.lead_with(ctx.body, ahead))
         if call.ask.stream:
             return StreamReply(body=RelayBody(relay=self.relay, finish=self._finish))
         return JsonReply(body=await self._collect(self.relay))
@@ -146,9 +160,7 @@ class GenLegs:
         posted = trio.current_time()
         due = math.inf if timeout is None else posted + timeout
         with trio.move_on_at(min(due, call.deadline)) as scope:
-            response = await self.service.client.open_stream(
-                lease.server, call.endpoint.path, body, role=GEN.value, headers=call.headers
-            )
+            response = await self._post(lease, body)
         if scope.cancelled_caught:
             if trio.current_time() >= call.deadline:
                 raise RequestTimeout("request did not finish within request_timeout")
@@ -159,6 +171,12 @@ class GenLegs:
                 phase=GEN_FIRST_TOKEN,
             )
         return Leg(response=response, lease=lease, posted=posted, first_token_timeout=timeout)
+
+    async def _post(self, lease: Lease, body: Json) -> httpx.Response:
+        call = self.call
+        return await self.service.client.open_stream(
+            lease.server, call.endpoint.path, body, role=GEN.value, headers=call.headers
+        )
 
     # ---- the relay's Resumer ----
 

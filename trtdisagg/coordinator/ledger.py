@@ -80,6 +80,10 @@ class ChoiceLedger:
     logprob_chars: int = 0  # completions: text_offset of the next logprobs entry
     leg_chars: int = 0  # logprob_chars when the current leg started
     opened: bool = False  # a chunk went out (chat: the role)
+    # ctx's first token and its text, streamed ahead of the first leg (`Ledger.lead_with`),
+    # which repeats them: what of them it has not repeated yet, to be cut from its events
+    ahead_ids: list[int] = attrs.Factory(list)
+    ahead_text: str = ""
 
     @property
     def text(self) -> str:
@@ -99,6 +103,7 @@ class Ledger:
     head: Json | None = None
     leg: int = 0  # 0: the first leg; k: the k-th continuation
     gen_perf: Json | None = None
+    gen_tokens: int = 0  # tokens gen's legs sent (the ones cut as already relayed too)
     usage: Json | None = None  # the client's usage, once gen's usage chunk came
     choices: list[ChoiceLedger] = attrs.field(
         default=attrs.Factory(
@@ -151,6 +156,42 @@ class Ledger:
         choice = self.choices[0]
         choice.leg_chars = choice.logprob_chars
         choice.replay = replay
+        choice.ahead_ids, choice.ahead_text = [], ""  # a continuation starts after them
+
+    def lead_with(self, answer: Json, token: int) -> list[Json]:
+        """ctx's first token as the first events of an answer of one choice, streamed before
+        its first leg is even posted: gen's leg repeats the token (and its text and logprobs),
+        and that is cut from its events (`_cut_ahead`). `answer` is ctx's whole answer
+        (`ahead_token` checked it)."""
+        chat = self.ask.chat
+        whole = answer["choices"][0]
+        text = whole["message"]["content"] if chat else whole["text"]
+        self.head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
+        self.head["object"] = "chat.completion.chunk" if chat else "text_completion"
+        state = self.choices[0]
+        state.ahead_ids, state.ahead_text = [token], text
+        state.token_ids.append(token)
+        if text:
+            state.texts.append(text)
+        state.opened = True
+        choice: Json = {"index": 0, "logprobs": self._logprobs_of(whole.get("logprobs"), 1, state)}
+        choice["finish_reason"] = None
+        choices = [choice]
+        if chat:  # the role in a chunk of its own, as a worker sends it
+            role = {"index": 0, "logprobs": None, "finish_reason": None,
+                    "delta": {"role": "assistant", "content": ""}}  # fmt: skip
+            choices.insert(0, role)
+            choice["delta"] = {"content": text}
+        else:
+            choice["text"] = text
+        if self.ask.return_token_ids:
+            for one in choices:
+                one["token_ids"] = [token] if one is choice else []
+        events = [{**self.head, "choices": [one]} for one in choices]
+        if self.ask.return_token_ids and self.prompt_token_ids is not None:
+            events[0]["prompt_token_ids"] = self.prompt_token_ids  # in the first, as a worker's
+            self._prompt_ids_sent = True
+        return events
 
     # ---- events ----
 
@@ -193,9 +234,13 @@ class Ledger:
         self._prompt_ids(out)
         raw_ids = choice.pop("token_ids", None) or []
         ids = [t for t in raw_ids if isinstance(t, int)]
+        self.gen_tokens += len(ids)
         worker_finish = choice.get("finish_reason")
         delta = dict(choice.get("delta") or {}) if self.ask.chat else None
         worker_text = (delta or {}).get("content") if self.ask.chat else choice.get("text")
+        skip = 0
+        if state.ahead_ids or state.ahead_text:
+            ids, worker_text, skip = _cut_ahead(state, ids, worker_text or "")
         if state.replay is None:
             text, finish, kept = worker_text or "", worker_finish, len(ids)
         else:
@@ -207,7 +252,7 @@ class Ledger:
         elif text:
             state.texts.append(text)
         state.token_ids += ids
-        logprobs = self._logprobs_of(choice.get("logprobs"), kept, state)
+        logprobs = self._logprobs_of(choice.get("logprobs"), kept, state, skip=skip)
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish
         if self.ask.return_token_ids:
@@ -254,18 +299,22 @@ class Ledger:
             self._prompt_ids_sent = True
             out["prompt_token_ids"] = self.prompt_token_ids if self.leg else given
 
-    def _logprobs_of(self, logprobs: object, kept: int, state: ChoiceLedger) -> Json | None:
-        """A chunk's logprobs; cut to its first `kept` tokens when the coordinator ended the
-        text inside the chunk (a continuation's stop string). Uncut, they may lead with an
-        echoed prompt's entries."""
+    def _logprobs_of(
+        self, logprobs: object, kept: int, state: ChoiceLedger, *, skip: int = 0
+    ) -> Json | None:
+        """A chunk's logprobs, without the entries of its first `skip` tokens (ctx's, already
+        relayed); cut to its first `kept` tokens when the coordinator ended the text inside the
+        chunk (a continuation's stop string). Uncut, they may lead with an echoed prompt's
+        entries."""
         if not isinstance(logprobs, dict):
             return None
-        cut = kept if state.replay is not None else None
+        cut = skip + kept if state.replay is not None else None
         if self.ask.chat:
             content = logprobs.get("content")
-            out = {**logprobs, "content": list(content)[:cut] if isinstance(content, list) else []}
+            kept_entries = list(content)[skip:cut] if isinstance(content, list) else []
+            out = {**logprobs, "content": kept_entries}
         else:
-            out = {k: list(v)[:cut] if isinstance(v, list) else v for k, v in logprobs.items()}
+            out = {k: list(v)[skip:cut] if isinstance(v, list) else v for k, v in logprobs.items()}
             offsets = out.get("text_offset")
             if isinstance(offsets, list):
                 out["text_offset"] = [o + state.leg_chars for o in offsets if isinstance(o, int)]
@@ -374,3 +423,28 @@ class Ledger:
             key: [v for lp in state.logprobs for v in lp.get(key) or ()]
             for key in COMPLETION_LOGPROB_LISTS
         }
+
+
+def _cut_ahead(state: ChoiceLedger, ids: list[int], text: str) -> tuple[list[int], str, int]:
+    """A first-leg event without what the client already has from ctx's answer (its first
+    token, that token's text): the ids and text left, and how many ids were cut. gen repeats
+    ctx's token first, with the same text (the same detokenizer and stop strings run on both),
+    possibly joined with later tokens in one event.
+
+    Raises:
+        StreamError: gen's first token or text is not ctx's.
+    """
+    cut = min(len(ids), len(state.ahead_ids))
+    if ids[:cut] != state.ahead_ids[:cut]:
+        message = f"gen's first token {ids[:cut]} is not ctx's {state.ahead_ids[:cut]}"
+        raise StreamError({"error": {"message": message, "code": 502}})
+    del state.ahead_ids[:cut]
+    ahead = state.ahead_text
+    if text.startswith(ahead):
+        text, state.ahead_text = text[len(ahead) :], ""
+    elif ahead.startswith(text):
+        text, state.ahead_text = "", ahead[len(text) :]
+    else:
+        message = f"gen's first text {text!r} is not ctx's {ahead!r}"
+        raise StreamError({"error": {"message": message, "code": 502}})
+    return ids[cut:], text, cut

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final, Protocol
 
 import attrs
@@ -35,7 +35,7 @@ from trtdisagg.api.sse import DONE, SseSplitter, parse_event
 from trtdisagg.coordinator.ledger import Ledger, StreamError
 from trtdisagg.coordinator.placement import CoordinatorUnavailable, Lease
 from trtdisagg.coordinator.routers import NoServerAvailable
-from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected
+from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected, UpstreamUnreachable
 from trtdisagg.errors import TrtDisaggError
 
 Json = dict[str, Any]
@@ -112,12 +112,15 @@ def _describe(exc: httpx.HTTPError) -> str:
 
 @attrs.define(eq=False, kw_only=True)
 class Leg:
-    """One gen stream: its open response and its reservation, both closed by `close`."""
+    """One gen stream: its open response and its reservation, both closed by `close`. A leg
+    made with `opener` instead of a response is posted by its first read (within its first
+    token's deadline), so that the client's stream may start before it (`GenRelay.lead`)."""
 
-    response: httpx.Response
+    response: httpx.Response | None
     lease: Lease
     posted: float
     first_token_timeout: float | None
+    opener: Callable[[], Awaitable[httpx.Response]] | None = None
     splitter: SseSplitter = attrs.Factory(SseSplitter)
     last_token: float | None = None
     done: bool = False  # its [DONE] came
@@ -137,8 +140,12 @@ class Leg:
         return (math.inf if limit is None else start + limit), phase
 
     async def read(self) -> bytes:
-        """The next bytes. Raises StopAsyncIteration at the end, httpx.HTTPError on a break."""
+        """The next bytes. Raises StopAsyncIteration at the end, httpx.HTTPError on a break,
+        what `opener` raises (UpstreamError) when it is posted here."""
         if self._chunks is None:
+            if self.response is None:
+                assert self.opener is not None, "a leg without a response has an opener"
+                self.response = await self.opener()
             self._chunks = self.response.aiter_raw()
         return await self._chunks.__anext__()
 
@@ -151,7 +158,8 @@ class Leg:
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
             if self._chunks is not None:
                 await self._chunks.aclose()  # type: ignore[attr-defined]
-            await self.response.aclose()
+            if self.response is not None:
+                await self.response.aclose()
         await self.lease.release(success=success)
 
 
@@ -201,6 +209,9 @@ class GenRelay:
         Raises:
             AnswerFailed: the answer cannot be completed (the leg is already cut).
         """
+        if self._pending:  # what `lead` gave: out before the first leg is even posted
+            out, self._pending = self._pending, []
+            return out
         if not self._complete and self._failed is None:
             try:
                 try:
@@ -216,6 +227,13 @@ class GenRelay:
             raise self._failed
         return None if self._complete else []
 
+    def lead(self, events: list[Json]) -> None:
+        """The client's first events, from ctx's answer (`Ledger.lead_with`): they are its
+        first token, out before the first leg's."""
+        self._pending += events
+        self._seen_token = True
+        self.on_first_token()
+
     async def aclose(self) -> None:
         await self.leg.close(success=self._complete)
         if not self._complete:  # the client left: ctx's KV may be waiting for a gen that left too
@@ -224,7 +242,7 @@ class GenRelay:
     async def _abandon(self) -> None:
         """While no token came on the first leg, gen may not have taken ctx's KV (it may still
         wait for blocks): ctx is told to free it now (a release after gen took it is a no-op)."""
-        if not self._abandoned and self.ledger.leg == 0 and not self.ledger.token_ids:
+        if not self._abandoned and self.ledger.leg == 0 and not self.ledger.gen_tokens:
             self._abandoned = True
             await self.resumer.abandoned(self)
 
@@ -258,6 +276,13 @@ class GenRelay:
                 server=leg.server,
                 kind=FailureKind.UNREACHABLE,
             ) from None
+        except UpstreamRejected as exc:  # a leg posted by its first read: gen's own 4xx
+            await leg.close(success=False)
+            raise AnswerFailed(exc, exc.json_body()) from None
+        except UpstreamError as exc:  # (the same, refused or 5xx: another gen may answer)
+            unreachable = isinstance(exc, UpstreamUnreachable)
+            kind = FailureKind.UNREACHABLE if unreachable else FailureKind.FAILED
+            raise LegFailure(str(exc), server=leg.server, kind=kind) from None
         if scope.cancelled_caught:
             if trio.current_time() >= self.deadline:
                 await leg.close(success=False)
@@ -287,7 +312,7 @@ class GenRelay:
                         kind=FailureKind.FAILED,
                     )
                 return
-            before = len(self.ledger.token_ids)
+            before = self.ledger.gen_tokens
             try:
                 self._pending += self.ledger.gen_event(data)
             except StreamError as exc:
@@ -297,7 +322,7 @@ class GenRelay:
                     kind=FailureKind.FAILED,
                     event=exc.body,
                 ) from None
-            if len(self.ledger.token_ids) > before:
+            if self.ledger.gen_tokens > before:
                 leg.last_token = trio.current_time()
                 if not self._seen_token:
                     self._seen_token = True
