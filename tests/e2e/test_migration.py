@@ -9,6 +9,7 @@ Tests run in file order: the one that kills a gen comes last.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import signal
@@ -70,6 +71,16 @@ class Cluster:
         server = self.procs.start(["coordinator", "--config", str(path)], port, f"{name}.log")
         wait_healthy(server.url, server.proc, server.log_path, 60)
         return server
+
+    @contextlib.contextmanager
+    def other_coordinator(self, name: str, **extra: Any) -> Iterator[Server]:
+        """A coordinator of the test's own over the module's workers, stopped after it."""
+        server = self.start_coordinator(name, **extra)
+        try:
+            yield server
+        finally:
+            self.procs.started.remove(server)
+            stop(server.proc)
 
 
 @pytest.fixture(scope="module")
@@ -201,10 +212,14 @@ async def test_without_migrations_a_stall_ends_the_stream_with_a_clean_error(
     """``max_migrations: 0``: a stream whose gen stalls ends with an OpenAI error event and
     [DONE] at the inter-token deadline, as a failure did before migrations existed."""
     stalled = cluster.gens[0]
-    coordinator = cluster.start_coordinator(
+    with cluster.other_coordinator(
         "no-migrations", max_migrations=0, inter_token_timeout=1.0,
         generation_servers={"urls": [stalled.url]},
-    )  # fmt: skip
+    ) as coordinator:  # fmt: skip
+        await _stall_without_migrations(coordinator, stalled)
+
+
+async def _stall_without_migrations(coordinator: Server, stalled: Server) -> None:
     async with httpx.AsyncClient(timeout=60) as client:
         aborted_before = await counter(client, stalled, "trtdisagg_requests_total", ABORTED)
         out = Streamed()
@@ -223,8 +238,6 @@ async def test_without_migrations_a_stall_ends_the_stream_with_a_clean_error(
         await wait_idle(client, stalled, 10)
         aborted = await counter(client, stalled, "trtdisagg_requests_total", ABORTED)
         assert aborted == aborted_before + 1  # the cut leg, aborted when gen woke up
-    cluster.procs.started.remove(coordinator)
-    stop(coordinator.proc)
 
 
 async def test_a_gen_stopped_for_10s_costs_no_stream_more_than_the_deadline_and_one_retry(
@@ -293,15 +306,12 @@ async def test_a_stream_s_first_token_is_ctx_s_out_before_gen_answers(
     """A stream's first token goes out as soon as ctx answers: with its gen stopped the client
     has that token, and only it; once the gen runs again the stream completes, token for token
     and character for character the undisturbed run."""
-    held = cluster.gens[0]
-    coordinator = cluster.start_coordinator(
+    held, reference, out = cluster.gens[0], undisturbed[0], Streamed()
+    with cluster.other_coordinator(
         "lead", health_check_interval=3600, gen_first_token_timeout=60,
         generation_servers={"urls": [held.url]},
-    )  # fmt: skip
-    reference = undisturbed[0]
-    try:
+    ) as coordinator:  # fmt: skip
         async with httpx.AsyncClient(timeout=60) as client:
-            out = Streamed()
             held.proc.send_signal(signal.SIGSTOP)
             try:
                 async with trio.open_nursery() as nursery:
@@ -312,10 +322,7 @@ async def test_a_stream_s_first_token_is_ctx_s_out_before_gen_answers(
                     held.proc.send_signal(signal.SIGCONT)
             finally:
                 held.proc.send_signal(signal.SIGCONT)
-            assert_whole(out, reference)
-    finally:
-        cluster.procs.started.remove(coordinator)
-        stop(coordinator.proc)
+    assert_whole(out, reference)
 
 
 async def test_a_first_leg_silent_after_ctx_s_token_went_out_is_resumed_whole(
@@ -325,12 +332,11 @@ async def test_a_first_leg_silent_after_ctx_s_token_went_out_is_resumed_whole(
     gen_first_token_timeout: the answer resumes on the other gen from the prompt and that token,
     whole; ctx frees the KV that no gen took, and the silent gen its blocks once it runs."""
     silent, other = cluster.gens
-    coordinator = cluster.start_coordinator(  # round robin: its first gen is the first listed
+    released = "trtdisagg_kv_sends_released_total"
+    with cluster.other_coordinator(  # round robin: its first gen is the first listed
         "lead-resumed", health_check_interval=3600, gen_first_token_timeout=RETRY_S,
         generation_servers={"urls": [silent.url, other.url], "router": {"type": "round_robin"}},
-    )  # fmt: skip
-    released = "trtdisagg_kv_sends_released_total"
-    try:
+    ) as coordinator:  # fmt: skip
         async with httpx.AsyncClient(timeout=60) as client:
             released_before = await counter(client, cluster.ctx, released, "")
             out = Streamed()
@@ -346,9 +352,6 @@ async def test_a_first_leg_silent_after_ctx_s_token_went_out_is_resumed_whole(
             assert await counter(client, cluster.ctx, released, "") == released_before + 1
             await wait_idle(client, cluster.ctx, 10)
             await wait_idle(client, silent, 10)
-    finally:
-        cluster.procs.started.remove(coordinator)
-        stop(coordinator.proc)
 
 
 async def test_kill_9_of_a_gen_while_8_streams_decode_loses_and_repeats_no_token(
