@@ -210,7 +210,7 @@ def test_ctx_s_first_token_leads_and_gen_s_repeat_of_it_is_cut() -> None:
                     ctx_usage=usage(5, 1), prompt_token_ids=[1, 2, 3, 4, 5])  # fmt: skip
     answer = {**CTX_HEAD, "choices": [{"index": 0, "text": " a", "finish_reason": None,
               "logprobs": completion_logprobs([" a"], [0])}]}  # fmt: skip
-    (lead,) = ledger.lead_with(answer, 10)
+    (lead,) = ledger.lead_with(answer, [10])
     assert lead == {**CTX_HEAD, "prompt_token_ids": [1, 2, 3, 4, 5], "choices": [{
         "index": 0, "text": " a", "token_ids": [10], "finish_reason": None,
         "logprobs": completion_logprobs([" a"], [0])}]}  # fmt: skip
@@ -235,7 +235,7 @@ def test_in_chat_the_lead_is_a_role_chunk_then_the_token_and_gen_s_repeats_vanis
     answer = {"id": "chatcmpl-ctx", "object": "chat.completion", "created": 3, "model": "tiny",
               "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
                            "logprobs": None, "finish_reason": None}]}  # fmt: skip
-    role, token = ledger.lead_with(answer, 7)
+    role, token = ledger.lead_with(answer, [7])
     head = {**CHAT_HEAD, "id": "chatcmpl-ctx", "created": 3}
     empty = {"index": 0, "logprobs": None, "finish_reason": None}
     assert role == {**head, "choices": [{**empty, "delta": {"role": "assistant", "content": ""}}]}
@@ -255,11 +255,11 @@ def test_in_chat_the_lead_is_a_role_chunk_then_the_token_and_gen_s_repeats_vanis
 
 def test_text_ctx_held_back_or_gen_split_differently_is_cut_once() -> None:
     held = Ledger(ask=ask())  # ctx's token ends in part of a character: no text yet
-    held.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": ""}]}, 200)
+    held.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": ""}]}, [200])
     assert held.gen_event(chunk("", [200])) == []
     assert choices(held.gen_event(chunk("\u00e9", [201])))[0]["text"] == "\u00e9"
     split = Ledger(ask=ask())
-    split.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": "ab"}]}, 5)
+    split.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": "ab"}]}, [5])
     assert split.gen_event(chunk("a", [5])) == []  # gen gave part of it with the token
     assert choices(split.gen_event(chunk("bc", [6])))[0]["text"] == "c"
     assert split.text == "abc"
@@ -273,15 +273,41 @@ def test_a_first_leg_that_does_not_repeat_ctx_s_token_is_an_error(
     gen_text: str, gen_ids: list[int], error: str
 ) -> None:
     ledger = Ledger(ask=ask())
-    ledger.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": " a"}]}, 10)
+    ledger.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": " a"}]}, [10])
     with pytest.raises(StreamError, match=error.replace("[", r"\[").replace("]", r"\]")):
         ledger.gen_event(chunk(gen_text, gen_ids))
 
 
 def test_a_continuation_after_the_lead_starts_after_ctx_s_token() -> None:
     ledger = Ledger(ask=ask(return_token_ids=True))
-    ledger.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": " a"}]}, 10)
+    ledger.lead_with({**CTX_HEAD, "choices": [{"index": 0, "text": " a"}]}, [10])
     ledger.start_continuation(None)  # the first leg failed before it repeated the token
     (out,) = ledger.gen_event(chunk(" b", [11], head=OTHER_HEAD))
     assert out["choices"][0]["text"] == " b" and out["choices"][0]["token_ids"] == [11]
     assert ledger.token_ids == [10, 11] and ledger.gen_tokens == 1
+
+
+def test_each_choice_leads_with_its_own_first_token() -> None:
+    ledger = Ledger(ask=ask(chat=True, return_token_ids=True), num_choices=2,
+                    prompt_token_ids=[1, 2])  # fmt: skip
+    wholes = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None}
+              for i, text in enumerate(["Hi", "Yo"])]  # fmt: skip
+    answer = {"id": "chatcmpl-ctx", "created": 3, "model": "tiny", "choices": wholes}
+    events = ledger.lead_with(answer, [7, 9])
+    assert [(e["choices"][0]["index"], e["choices"][0]["delta"]) for e in events] == [
+        (0, {"role": "assistant", "content": ""}), (0, {"content": "Hi"}),
+        (1, {"role": "assistant", "content": ""}), (1, {"content": "Yo"}),
+    ]  # fmt: skip
+    assert events[0]["prompt_token_ids"] == [1, 2]
+    assert all("prompt_token_ids" not in e for e in events[1:])
+    assert [e["choices"][0]["token_ids"] for e in events] == [[], [7], [], [9]]
+
+    def delta(index: int, content: str, ids: list[int]) -> dict[str, Any]:
+        choice = {"index": index, "logprobs": None, "finish_reason": None, "token_ids": ids,
+                  "delta": {"content": content}}  # fmt: skip
+        return {**CHAT_HEAD, "choices": [choice]}
+
+    (out,) = ledger.gen_event(delta(1, "Yo!", [9, 4]))  # choice 1's repeat, joined
+    assert out["choices"][0]["delta"] == {"content": "!"} and out["choices"][0]["token_ids"] == [4]
+    assert ledger.gen_event(delta(0, "Hi", [7])) == []
+    assert [c.text for c in ledger.choices] == ["Hi", "Yo!"]

@@ -12,7 +12,7 @@ from trtdisagg.coordinator.split import (
     AttemptIds,
     ClientAsk,
     UpstreamProtocolError,
-    ahead_token,
+    ahead_tokens,
     answer_as_sse,
     client_disagg_request_id,
     ctx_answer,
@@ -210,7 +210,7 @@ def test_phase_clock() -> None:
 
 def test_a_stream_of_one_choice_leads_with_ctx_s_first_token() -> None:
     ctx = parse_ctx_response(ctx_body(), server="http://ctx")
-    assert ahead_token(CLIENT, ClientAsk.of(CLIENT, chat=False), ctx) == 42
+    assert ahead_tokens(CLIENT, ClientAsk.of(CLIENT, chat=False), ctx) == [42]
     chat_client = {
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
         "tools": [{"type": "function"}], "tool_choice": "none",
@@ -219,7 +219,7 @@ def test_a_stream_of_one_choice_leads_with_ctx_s_first_token() -> None:
     chat_ctx["choices"][0]["message"] = {"role": "assistant", "content": " the"}
     del chat_ctx["choices"][0]["text"]
     chat = parse_ctx_response(chat_ctx, server="http://ctx")
-    assert ahead_token(chat_client, ClientAsk.of(chat_client, chat=True), chat) == 42
+    assert ahead_tokens(chat_client, ClientAsk.of(chat_client, chat=True), chat) == [42]
 
 
 @pytest.mark.parametrize(
@@ -228,8 +228,8 @@ def test_a_stream_of_one_choice_leads_with_ctx_s_first_token() -> None:
         {"stream": False},  # a whole answer: nothing to stream early
         {"echo": True},  # the echo goes first
         {"prompt_logprobs": 1},
-        {"n": 2},  # more choices: a failed leg could not be resumed
-        {"best_of": 3},
+        {"n": 2},  # ctx answered one choice
+        {"best_of": 3},  # candidates ranked at the end
         {"stream_options": {"continuous_usage_stats": True}},
         {"tools": [{"type": "function"}]},  # tool-call parsing may hold the text
         {"disaggregated_params": {"request_type": "context_only"}},
@@ -238,7 +238,7 @@ def test_a_stream_of_one_choice_leads_with_ctx_s_first_token() -> None:
 def test_what_keeps_the_first_token_for_gen_s_leg(change: dict[str, Any]) -> None:
     body = {**CLIENT, **change}
     ctx = parse_ctx_response(ctx_body(), server="http://ctx")
-    assert ahead_token(body, ClientAsk.of(body, chat=False), ctx) is None
+    assert ahead_tokens(body, ClientAsk.of(body, chat=False), ctx) is None
 
 
 def test_no_lead_from_a_ctx_answer_without_one_token_and_its_text() -> None:
@@ -248,6 +248,16 @@ def test_no_lead_from_a_ctx_answer_without_one_token_and_its_text() -> None:
     no_text = ctx_body()
     del no_text["choices"][0]["text"]
     for answer in (two, no_text):
-        assert ahead_token(CLIENT, client_ask, parse_ctx_response(answer, server="x")) is None
+        assert ahead_tokens(CLIENT, client_ask, parse_ctx_response(answer, server="x")) is None
     chat_ask = ClientAsk.of({**CLIENT, "messages": []}, chat=True)  # a text, not a message
-    assert ahead_token(CLIENT, chat_ask, parse_ctx_response(ctx_body(), server="x")) is None
+    assert ahead_tokens(CLIENT, chat_ask, parse_ctx_response(ctx_body(), server="x")) is None
+
+
+def test_each_of_n_choices_leads_with_its_first_token() -> None:
+    body = {**CLIENT, "n": 2}
+    answer = ctx_body()
+    answer["choices"].append({"index": 1, "text": " a", "finish_reason": None})
+    answer["choices"][0]["disaggregated_params"]["first_gen_tokens_by_choice"] = [42, 7]
+    ctx = parse_ctx_response(answer, server="http://ctx")
+    assert ahead_tokens(body, ClientAsk.of(body, chat=False), ctx) == [42, 7]
+    assert ahead_tokens({**body, "best_of": 2}, ClientAsk.of(body, chat=False), ctx) == [42, 7]

@@ -35,7 +35,7 @@ from trtdisagg.coordinator.resume import (
     LegFailure,
     RequestTimeout,
 )
-from trtdisagg.coordinator.split import AttemptIds, CtxResult, ahead_token, gen_stream_request
+from trtdisagg.coordinator.split import AttemptIds, CtxResult, ahead_tokens, gen_stream_request
 from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected, UpstreamUnreachable
 
 if TYPE_CHECKING:
@@ -72,9 +72,11 @@ class GenLegs:
     async def first(self, body: Json, lease: Lease, *, first_token_timeout: float | None) -> Reply:
         """Open the first leg and hand it to a relay: a stream reply, or the whole answer.
 
-        A stream that may start with ctx's first token (`split.ahead_token`) starts with it at
-        once, and its relay posts the leg: a leg that fails then is the relay's to resume, as
-        one that fails after its first token.
+        A stream that may start with ctx's first tokens (`split.ahead_tokens`) starts with
+        them. One of one choice starts at once, and its relay posts the leg: a leg that fails
+        then is the relay's to resume, as one that fails after its first token. One of several
+        choices, which the relay cannot resume, starts once gen's stream is open (a failure
+        before is the service's to retry, as ever).
 
         Raises:
             what opening raises (UpstreamError, DeadlineMissed: the service retries);
@@ -82,8 +84,8 @@ class GenLegs:
         """
         call, service, ctx = self.call, self.service, self.ctx
         call.clock.gen_start = trio.current_time()
-        ahead = ahead_token(call.raw, call.ask, ctx) if ctx is not None else None
-        if ahead is not None:  # posted by the relay's first read, after ctx's token went out
+        ahead = ahead_tokens(call.raw, call.ask, ctx) if ctx is not None else None
+        if ahead is not None and len(ahead) == 1:  # posted by the relay's first read
             opener = functools.partial(self._post, lease, gen_stream_request(body))
             leg = Leg(response=None, opener=opener, lease=lease, posted=call.clock.gen_start,
                       first_token_timeout=first_token_timeout)  # fmt: skip

@@ -158,36 +158,36 @@ class Ledger:
         choice.replay = replay
         choice.ahead_ids, choice.ahead_text = [], ""  # a continuation starts after them
 
-    def lead_with(self, answer: Json, token: int) -> list[Json]:
-        """ctx's first token as the first events of an answer of one choice, streamed before
-        its first leg is even posted: gen's leg repeats the token (and its text and logprobs),
-        and that is cut from its events (`_cut_ahead`). `answer` is ctx's whole answer
-        (`ahead_token` checked it)."""
+    def lead_with(self, answer: Json, tokens: Sequence[int]) -> list[Json]:
+        """ctx's first tokens (one per choice) as the answer's first events, streamed before
+        gen's leg sends anything: that leg repeats them (with their text and logprobs), and
+        that is cut from its events (`_cut_ahead`). `answer` is ctx's whole answer, checked by
+        `split.ahead_tokens`."""
         chat = self.ask.chat
-        whole = answer["choices"][0]
-        text = whole["message"]["content"] if chat else whole["text"]
         self.head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
         self.head["object"] = "chat.completion.chunk" if chat else "text_completion"
-        state = self.choices[0]
-        state.ahead_ids, state.ahead_text = [token], text
-        state.token_ids.append(token)
-        if text:
-            state.texts.append(text)
-        state.opened = True
-        choice: Json = {"index": 0, "logprobs": self._logprobs_of(whole.get("logprobs"), 1, state)}
-        choice["finish_reason"] = None
-        choices = [choice]
-        if chat:  # the role in a chunk of its own, as a worker sends it
-            role = {"index": 0, "logprobs": None, "finish_reason": None,
-                    "delta": {"role": "assistant", "content": ""}}  # fmt: skip
-            choices.insert(0, role)
-            choice["delta"] = {"content": text}
-        else:
-            choice["text"] = text
-        if self.ask.return_token_ids:
-            for one in choices:
-                one["token_ids"] = [token] if one is choice else []
-        events = [{**self.head, "choices": [one]} for one in choices]
+        events: list[Json] = []
+        for state, whole, token in zip(self.choices, answer["choices"], tokens, strict=True):
+            text = whole["message"]["content"] if chat else whole["text"]
+            state.ahead_ids, state.ahead_text = [token], text
+            state.token_ids.append(token)
+            if text:
+                state.texts.append(text)
+            state.opened = True
+            logprobs = self._logprobs_of(whole.get("logprobs"), 1, state)
+            choice: Json = {"index": state.index, "logprobs": logprobs, "finish_reason": None}
+            choices = [choice]
+            if chat:  # the role in a chunk of its own, as a worker sends it
+                role = {"index": state.index, "logprobs": None, "finish_reason": None,
+                        "delta": {"role": "assistant", "content": ""}}  # fmt: skip
+                choices.insert(0, role)
+                choice["delta"] = {"content": text}
+            else:
+                choice["text"] = text
+            if self.ask.return_token_ids:
+                for one in choices:
+                    one["token_ids"] = [token] if one is choice else []
+            events += [{**self.head, "choices": [one]} for one in choices]
         if self.ask.return_token_ids and self.prompt_token_ids is not None:
             events[0]["prompt_token_ids"] = self.prompt_token_ids  # in the first, as a worker's
             self._prompt_ids_sent = True

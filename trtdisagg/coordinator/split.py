@@ -162,39 +162,42 @@ def parse_ctx_response(data: object, *, server: str) -> CtxResult:
     )
 
 
-def ahead_token(body: Json, ask: ClientAsk, ctx: CtxResult) -> int | None:
-    """ctx's first token when the client's stream may start with it, before the gen leg is
-    posted (`Ledger.lead_with`), else None.
+def ahead_tokens(body: Json, ask: ClientAsk, ctx: CtxResult) -> list[int] | None:
+    """ctx's first tokens, one per choice, when the client's stream may start with them before
+    gen sends anything (`Ledger.lead_with`), else None.
 
-    The client then has its first token as soon as ctx answers, not after gen admitted the
-    request and received the KV. Only for a streamed answer of one choice (which the relay may
-    resume on another gen if its leg fails, now that the client has a token) whose first
-    chunk is that token alone: no echo, no prompt logprobs, no per-chunk usage, no tool-call
-    parsing, no ``best_of`` candidates, and not a client that drives the split itself.
+    The client then has its first token when ctx answers, not after gen admitted the request
+    and received the KV. Only for a streamed answer whose first chunks are those tokens alone:
+    no echo, no prompt logprobs, no per-chunk usage, no tool-call parsing, no ``best_of``
+    candidates, and not a client that drives the split itself.
     """
     if not ask.stream or ask.sent_disaggregated_params:
         return None
     if body.get("echo") or body.get("prompt_logprobs") is not None:
         return None
-    if body.get("n", 1) not in (None, 1) or body.get("best_of", 1) not in (None, 1):
+    n, best_of = body.get("n") or 1, body.get("best_of")
+    if isinstance(best_of, int) and best_of > n:  # candidates ranked, sent whole at the end
         return None
     if (body.get("stream_options") or {}).get("continuous_usage_stats"):
         return None
     if body.get("tools") and body.get("tool_choice") != "none":
         return None
-    firsts = ctx.params.get("first_gen_tokens")
     choices = ctx.body.get("choices")
-    if not isinstance(firsts, list) or len(firsts) != 1 or not isinstance(firsts[0], int):
+    if not isinstance(choices, list) or len(choices) != n:
         return None
-    if not isinstance(choices, list) or len(choices) != 1:
+    key = "first_gen_tokens_by_choice" if len(choices) > 1 else "first_gen_tokens"
+    firsts = ctx.params.get(key)
+    if not isinstance(firsts, list) or len(firsts) != len(choices):
         return None
-    whole = choices[0]
-    if ask.chat:
-        message = whole.get("message")
-        text = message.get("content") if isinstance(message, dict) else None
-    else:
-        text = whole.get("text")
-    return firsts[0] if isinstance(text, str) else None
+    for whole, token in zip(choices, firsts, strict=True):
+        if ask.chat:
+            message = whole.get("message")
+            text = message.get("content") if isinstance(message, dict) else None
+        else:
+            text = whole.get("text")
+        if not isinstance(text, str) or not isinstance(token, int):
+            return None
+    return firsts
 
 
 def gen_request(body: Json, ctx: CtxResult) -> Json:
