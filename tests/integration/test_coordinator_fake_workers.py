@@ -739,6 +739,21 @@ async def test_perf_metrics_merge_coordinator_and_worker_phases(
     assert "gen_first_token_s" in events[-2]["perf_metrics"] and events[-1] == "[DONE]"
 
 
+async def test_a_stream_led_by_ctx_s_token_times_the_hand_over_to_gen_s_first_token(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """The client's first token is ctx's, out before gen sends anything; the phase breakdown
+    still times gen's first token (its repeat of ctx's), not the lead."""
+    c = await start_cluster(nursery, gen_knobs={"token_delay": 0.2})
+    body = _body(return_perf_metrics=True, stream=True, max_tokens=3)
+    async with client.stream("POST", c.url + "/v1/completions", json=body) as r:
+        events = [e async for e in _events(r)]
+    tokens = [t for e in events[:-2] for t in e["choices"][0]["token_ids"]]
+    assert tokens == _expected(body["prompt"], 3)  # ctx's token once, then gen's
+    perf = events[-2]["perf_metrics"]
+    assert perf["gen_first_token_s"] >= 0.2, perf  # gen waited before each token
+
+
 async def test_32_concurrent_requests_equal_aggregated(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:

@@ -114,6 +114,7 @@ class GenLegs:
             max_migrations=service.config.max_migrations,
             resumer=self,
             on_first_token=self._first_token,
+            on_gen_token=self._gen_token,
         )
         if ahead is not None:
             assert ctx is not None
@@ -134,11 +135,16 @@ class GenLegs:
                 ledger.prompt_token_ids = list(ctx.prompt_token_ids)
 
     def _first_token(self) -> None:
-        """The answer's first token was relayed (on whichever leg)."""
+        """The answer's first token went out (ctx's, when the stream led with it)."""
         call = self.call
-        call.clock.gen_first_token = now = trio.current_time()
         if call.ask.stream:  # a whole answer's is observed when it is complete
+            now = trio.current_time()
             self.service.metrics.time_to_first_token.observe(now - call.clock.arrival)
+
+    def _gen_token(self) -> None:
+        """gen's first token came, on whichever leg: the end of the hand-over phase
+        (`perf.PhaseClock`), even when the client had ctx's token before."""
+        self.call.clock.gen_first_token = trio.current_time()
 
     async def _finish(self, status: str) -> None:
         await trio.lowlevel.checkpoint()

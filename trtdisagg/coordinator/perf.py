@@ -6,8 +6,9 @@ workers report under ``perf_metrics``::
     coordinator_queue_s   arrival → first leg posted (tokenizing, routing)
     ctx_s                 ctx leg round trip (prefill + first token)
     kv_transfer_s / _bytes  gen's own report of the KV transfer, when it gives one
-    gen_first_token_s     gen leg posted → its first token, as relayed here (gen's own
-                          first_token_s when no token came through the coordinator)
+    gen_first_token_s     gen leg posted → its first token (gen's repeat of ctx's when the
+                          client had that from ctx's answer; gen's own first_token_s when
+                          no token came through the coordinator)
     decode_s              gen first token → last token
     e2e_s                 arrival → answer complete
     ctx, gen              the workers' own perf_metrics, as they sent them

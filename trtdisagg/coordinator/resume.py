@@ -190,12 +190,14 @@ class GenRelay:
     inter_token_timeout: float | None
     max_migrations: int
     resumer: Resumer
-    on_first_token: Callable[[], None]
+    on_first_token: Callable[[], None]  # the client's first token went out
+    on_gen_token: Callable[[], None] = lambda: None  # gen's first token came (on any leg)
     migrations: int = 0
     _pending: list[Json] = attrs.Factory(list)
     _complete: bool = False
     _failed: AnswerFailed | None = None
     _seen_token: bool = False
+    _gen_spoke: bool = False
     _abandoned: bool = False  # ctx was told no gen takes its KV
 
     @property
@@ -324,6 +326,9 @@ class GenRelay:
                 ) from None
             if self.ledger.gen_tokens > before:
                 leg.last_token = trio.current_time()
+                if not self._gen_spoke:  # (ctx's token repeated, when the stream led with it)
+                    self._gen_spoke = True
+                    self.on_gen_token()
                 if not self._seen_token:
                     self._seen_token = True
                     self.on_first_token()
