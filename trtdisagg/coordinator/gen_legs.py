@@ -29,14 +29,14 @@ from trtdisagg.coordinator.resume import (
     AnswerFailed,
     CannotResume,
     DeadlineMissed,
-    FailureKind,
     GenRelay,
     Leg,
     LegFailure,
     RequestTimeout,
+    leg_failure,
 )
 from trtdisagg.coordinator.split import AttemptIds, CtxResult, ahead_tokens, gen_stream_request
-from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected, UpstreamUnreachable
+from trtdisagg.coordinator.upstream import UpstreamError, UpstreamRejected
 
 if TYPE_CHECKING:
     from trtdisagg.coordinator.placement import Lease
@@ -235,11 +235,7 @@ class GenLegs:
             raise
         except UpstreamError as exc:
             await lease.release(success=False)
-            if isinstance(exc, LegFailure):
-                raise
-            unreachable = isinstance(exc, UpstreamUnreachable)
-            kind = FailureKind.UNREACHABLE if unreachable else FailureKind.FAILED
-            raise LegFailure(str(exc), server=exc.server, kind=kind) from None
+            raise leg_failure(exc) from None
         except BaseException:
             await lease.release(success=False)
             raise

@@ -82,6 +82,15 @@ class LegFailure(UpstreamError):
         return ApiError(self.status, str(self)).to_json()
 
 
+def leg_failure(exc: UpstreamError) -> LegFailure:
+    """A leg's post that failed (refused, unreachable, 5xx), as a failure of that leg: another
+    gen may answer."""
+    if isinstance(exc, LegFailure):
+        return exc
+    kind = FailureKind.UNREACHABLE if isinstance(exc, UpstreamUnreachable) else FailureKind.FAILED
+    return LegFailure(str(exc), server=exc.server, kind=kind)
+
+
 class DeadlineMissed(LegFailure):
     """A leg (or ctx's) missed a phase deadline; the worker left rotation (HTTP 504)."""
 
@@ -282,9 +291,7 @@ class GenRelay:
             await leg.close(success=False)
             raise AnswerFailed(exc, exc.json_body()) from None
         except UpstreamError as exc:  # (the same, refused or 5xx: another gen may answer)
-            unreachable = isinstance(exc, UpstreamUnreachable)
-            kind = FailureKind.UNREACHABLE if unreachable else FailureKind.FAILED
-            raise LegFailure(str(exc), server=leg.server, kind=kind) from None
+            raise leg_failure(exc) from None
         if scope.cancelled_caught:
             if trio.current_time() >= self.deadline:
                 await leg.close(success=False)
