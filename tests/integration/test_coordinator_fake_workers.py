@@ -752,6 +752,10 @@ async def test_a_stream_led_by_ctx_s_token_times_the_hand_over_to_gen_s_first_to
     assert tokens == _expected(body["prompt"], 3)  # ctx's token once, then gen's
     perf = events[-2]["perf_metrics"]
     assert perf["gen_first_token_s"] >= 0.2, perf  # gen waited before each token
+    echoed = await client.post(c.url + "/v1/completions", json=_body(stream=True, echo=True))
+    assert echoed.status_code == 200  # a stream, without a lead: the echo goes first
+    metrics = (await client.get(c.url + "/metrics")).text
+    assert "trtdisagg_coordinator_streams_led_total 1.0" in metrics
 
 
 async def test_32_concurrent_requests_equal_aggregated(

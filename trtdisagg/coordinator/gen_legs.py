@@ -119,6 +119,7 @@ class GenLegs:
         if ahead is not None:
             assert ctx is not None
             self.relay.lead(ledger.lead_with(ctx.body, ahead))
+            service.metrics.streams_led.inc()
         if call.ask.stream:
             return StreamReply(body=RelayBody(relay=self.relay, finish=self._finish))
         return JsonReply(body=await self._collect(self.relay))

@@ -53,6 +53,7 @@ class CoordinatorMetrics:
     """``{phase, server}``: a worker missed a phase deadline (ctx_first_token, gen_first_token,
     inter_token) and left rotation until its next good health check."""
     migrations: Counter
+    streams_led: Counter
     """``{reason}``: answers resumed on another gen after a leg failed: unreachable (the
     connection broke), failed (an error mid-stream), deadline (it stalled)."""
     event_loop_lag: Histogram
@@ -115,6 +116,10 @@ class CoordinatorMetrics:
             migrations=Counter(
                 p + "coordinator_migrations",
                 "Answers resumed on another generation server", ["reason"], registry=r,
+            ),
+            streams_led=Counter(
+                p + "coordinator_streams_led",
+                "Streams that began with ctx's first tokens, before gen sent any", registry=r,
             ),
             event_loop_lag=event_loop_lag_histogram(r),
         )  # fmt: skip
