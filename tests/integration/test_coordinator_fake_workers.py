@@ -739,12 +739,13 @@ async def test_perf_metrics_merge_coordinator_and_worker_phases(
     assert "gen_first_token_s" in events[-2]["perf_metrics"] and events[-1] == "[DONE]"
 
 
+@pytest.mark.parametrize("style", ["context_first", "generation_first"])
 async def test_a_stream_led_by_ctx_s_token_times_the_hand_over_to_gen_s_first_token(
-    nursery: trio.Nursery, client: httpx.AsyncClient
+    nursery: trio.Nursery, client: httpx.AsyncClient, style: str
 ) -> None:
-    """The client's first token is ctx's, out before gen sends anything; the phase breakdown
-    still times gen's first token (its repeat of ctx's), not the lead."""
-    c = await start_cluster(nursery, gen_knobs={"token_delay": 0.2})
+    """The client's first token is ctx's, out before gen sends anything, under either schedule;
+    the phase breakdown still times gen's first token (its repeat of ctx's), not the lead."""
+    c = await start_cluster(nursery, schedule_style=style, gen_knobs={"token_delay": 0.2})
     body = _body(return_perf_metrics=True, stream=True, max_tokens=3)
     async with client.stream("POST", c.url + "/v1/completions", json=body) as r:
         events = [e async for e in _events(r)]

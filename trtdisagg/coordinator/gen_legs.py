@@ -68,15 +68,17 @@ class GenLegs:
     resume, and the answer's owner then ends these legs."""
     relay: GenRelay | None = None
     _ctx_released: bool = False
+    _led: bool = False  # the stream began with ctx's first tokens (`_lead`)
 
     async def first(self, body: Json, lease: Lease, *, first_token_timeout: float | None) -> Reply:
         """Open the first leg and hand it to a relay: a stream reply, or the whole answer.
 
         A stream that may start with ctx's first tokens (`split.ahead_tokens`) starts with
-        them. One of one choice starts at once, and its relay posts the leg: a leg that fails
-        then is the relay's to resume, as one that fails after its first token. One of several
-        choices, which the relay cannot resume, starts once gen's stream is open (a failure
-        before is the service's to retry, as ever).
+        them (`_lead`). One of one choice starts at once, and its relay posts the leg: a leg
+        that fails then is the relay's to resume, as one that fails after its first token. One
+        of several choices, which the relay cannot resume, starts once gen's stream is open (a
+        failure before is the service's to retry, as ever); so does a generation_first one,
+        whose gen leg is posted before ctx answers.
 
         Raises:
             what opening raises (UpstreamError, DeadlineMissed: the service retries);
@@ -116,10 +118,7 @@ class GenLegs:
             on_first_token=self._first_token,
             on_gen_token=self._gen_token,
         )
-        if ahead is not None:
-            assert ctx is not None
-            self.relay.lead(ledger.lead_with(ctx.body, ahead))
-            service.metrics.streams_led.inc()
+        self._lead()
         if call.ask.stream:
             return StreamReply(body=RelayBody(relay=self.relay, finish=self._finish))
         return JsonReply(body=await self._collect(self.relay))
@@ -134,6 +133,21 @@ class GenLegs:
             ledger.ctx_usage = ctx.usage
             if ledger.prompt_token_ids is None and ctx.prompt_token_ids:
                 ledger.prompt_token_ids = list(ctx.prompt_token_ids)
+        self._lead()
+
+    def _lead(self) -> None:
+        """Begin the stream with ctx's first tokens (`split.ahead_tokens`) once ctx's answer
+        and the relay are both here: under generation_first ctx may answer after gen's stream
+        opened, but before the client's stream starts (the answer waits for ctx's), so before
+        the relay reads anything from gen."""
+        ctx, relay = self.ctx, self.relay
+        if self._led or ctx is None or relay is None:
+            return
+        ahead = ahead_tokens(self.call.raw, self.call.ask, ctx)
+        if ahead is not None:
+            self._led = True
+            relay.lead(relay.ledger.lead_with(ctx.body, ahead))
+            self.service.metrics.streams_led.inc()
 
     def _first_token(self) -> None:
         """The answer's first token went out (ctx's, when the stream led with it)."""
