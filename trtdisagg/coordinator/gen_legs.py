@@ -141,8 +141,8 @@ class GenLegs:
         opened, but before the client's stream starts (the answer waits for ctx's), so before
         the relay reads anything from gen."""
         ctx, relay = self.ctx, self.relay
-        if self._led or ctx is None or relay is None:
-            return
+        if self._led or ctx is None or relay is None or relay.ledger.gen_tokens:
+            return  # (a whole answer's relay reads gen at once: it has no lead)
         ahead = ahead_tokens(self.call.raw, self.call.ask, ctx)
         if ahead is not None:
             self._led = True
