@@ -164,8 +164,9 @@ class Ledger:
         that is cut from its events (`_cut_ahead`). `answer` is ctx's whole answer, checked by
         `split.ahead_tokens`."""
         chat = self.ask.chat
-        self.head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
-        self.head["object"] = "chat.completion.chunk" if chat else "text_completion"
+        chunk = "chat.completion.chunk" if chat else "text_completion"
+        fields = {**answer, "object": chunk}
+        self.head = {k: fields[k] for k in HEAD_FIELDS if k in fields}  # a worker's chunk's order
         events: list[Json] = []
         for state, whole, token in zip(self.choices, answer["choices"], tokens, strict=True):
             text = whole["message"]["content"] if chat else whole["text"]
