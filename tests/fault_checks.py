@@ -44,12 +44,14 @@ class Processes:
         *,
         timeout_s: float = TIMEOUT_S,
         kv_cache_config: dict[str, Any] | None = None,
+        transfer: dict[str, Any] | None = None,
     ) -> Server:
         transfer = {
             "backend": "NIXL",
             "kv_transfer_timeout_ms": int(timeout_s * 1000),
             "nixl_progress_thread": False,
             "peer_probe_ms": PEER_PROBE_MS,
+            **(transfer or {}),
         }
         config = self.tmp / f"{role}-{port}.yaml"
         overrides: dict[str, Any] = {"cache_transceiver_config": transfer}

@@ -1174,7 +1174,7 @@ async def _serve(role: str, cfg: BenchConfig, conn: Connection) -> None:
                 router=router,
                 timeout_s=cfg.timeout_s,
                 wake=waker.set,
-                on_write=lambda b, d, s: side.writes.append((b, d, s)),
+                on_write=lambda b, d, s, _peer: side.writes.append((b, d, s)),
                 tracer=lambda key, stage, at: side.stamps.append((key, stage, at)),
             )
             side = _Side(

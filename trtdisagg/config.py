@@ -112,6 +112,12 @@ class CacheTransceiverConfig:
     # ZeroMQ CURVE on every control socket, keyed by this (trtdisagg/security/). A secret:
     # never in a repr, a log line or /server_info. TRTDISAGG_CLUSTER_SECRET overrides it.
     cluster_secret: str | None = attrs.field(default=None, repr=False, validator=_cluster_secret)
+    # ctx: a KV write under this many GB/s (of those of 4 MiB or more that took 1 ms or more) is
+    # counted in trtdisagg_kv_slow_writes_total and logged: a transport that fell back to TCP,
+    # or a link below its speed (worker/slow_writes.py). None: no floor.
+    kv_transfer_min_gbps: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
 
 
 def _cluster_name(_inst: object, attr: attrs.Attribute[Any], value: str) -> None:

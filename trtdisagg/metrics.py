@@ -55,6 +55,7 @@ class WorkerMetrics:
     prefill_steps: Counter
     prefill_step_device_seconds: Counter
     kv_sends_released: Counter
+    kv_slow_writes: Counter
     faults_injected: Counter
     event_loop_lag: Histogram
 
@@ -134,6 +135,12 @@ class WorkerMetrics:
                 p + "kv_sends_released",
                 "context_only requests whose KV the coordinator released before any gen took "
                 "it (the gen leg was refused, unreachable, or its client left)",
+                registry=r,
+            ),
+            kv_slow_writes=Counter(
+                p + "kv_slow_writes",
+                "ctx: KV writes below cache_transceiver_config.kv_transfer_min_gbps (of those "
+                "large and long enough to judge: worker/slow_writes.py)",
                 registry=r,
             ),
             faults_injected=Counter(

@@ -10,6 +10,7 @@ session or quarantine left, and the next transfer moves exactly the bytes ctx he
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,12 +35,15 @@ from tests.fault_checks import (
 from tests.procs import Server, free_port, metric
 
 pytestmark = pytest.mark.timeout(300)
+MIN_GBPS = 0.1  # ctx's kv_transfer_min_gbps
+SLOW = "trtdisagg_kv_slow_writes_total"
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
     with processes(tmp_path_factory.mktemp("faults")) as procs:
-        ctx = procs.start_worker("ctx", free_port())
+        # the floor: far under what a write to a gen on this host moves, unless it is stalled
+        ctx = procs.start_worker("ctx", free_port(), transfer={"kv_transfer_min_gbps": MIN_GBPS})
         gen = procs.start_worker("gen", free_port())
         wait_all_healthy(ctx, gen)
         yield ctx, gen
@@ -214,6 +218,33 @@ async def test_cancel_during_a_stalled_write_quarantines_until_it_lands(
         assert after == aborted + 1
         assert metric(gen_text, "trtdisagg_kv_quarantine_expired_total") == expired  # ctx answered
         await assert_exact_transfer(client, ctx, gen, rng)
+
+
+async def test_a_kv_write_below_the_bandwidth_floor_is_counted_and_logged(
+    pair: tuple[Server, Server],
+) -> None:
+    """ctx runs with kv_transfer_min_gbps 0.1 (pain point 20: a transport that fell back to TCP
+    said nothing). A 4.1 MiB write moves at several GB/s here and is not counted; the same write
+    held back 500 ms (0.01 GB/s) is counted in trtdisagg_kv_slow_writes_total and logged, with
+    the gen instance it went to, and the transfer itself still succeeds."""
+    ctx, gen = pair
+    rng = random.Random(20)
+    (name,) = re.findall(r"KvCacheTransceiver backend=NIXL .* instance=(\S+)", gen.log())
+    async with httpx.AsyncClient(timeout=60) as client:
+        for stall, slow_writes in ((None, 0), ("stall_transfer:500ms:1", 1)):
+            before = metric((await client.get(ctx.url + "/metrics")).text, SLOW)
+            body = completion([rng.randrange(10, 500) for _ in range(2100)], 2)  # 66 blocks
+            answer = await context_only(client, ctx, body)
+            if stall is not None:
+                await set_faults(client, ctx, stall)
+            r = await client.post(gen.url + "/v1/completions", json=gen_body(answer, body))
+            await set_faults(client, ctx, "none")
+            assert r.status_code == 200, r.text
+            after = metric((await client.get(ctx.url + "/metrics")).text, SLOW)
+            assert after - before == slow_writes, (stall, after - before)
+    warnings = [line for line in ctx.log().splitlines() if "below kv_transfer_min_gbps" in line]
+    assert len(warnings) == 1, warnings
+    assert f"KV writes to gen {name} run below kv_transfer_min_gbps (0.1 GB/s)" in warnings[0]
 
 
 async def test_fault_routes_read_and_replace_the_plan(pair: tuple[Server, Server]) -> None:

@@ -193,7 +193,7 @@ def worker_text(*, total_blocks: int, free: int, reusable: int = 0, waiting: int
     m.preemptions.inc(preempted)
     tally = WriteTally()  # the transfer metrics come from the transceiver's collector
     for seconds in writes:
-        tally.count(1, 1, seconds)
+        tally.count(1, 1, seconds, "gen-0#0")
     idle = TransceiverStatistics(rendezvous=0, senders=0, receivers=0, bad_frames=0)
     m.registry.register(TransferCollector(lambda: idle, tally))
     return m.render().decode()

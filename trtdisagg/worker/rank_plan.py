@@ -115,6 +115,7 @@ class WriteRecord:
     num_bytes: int
     num_descriptors: int
     seconds: float
+    peer: str  # the gen rank written to, "instance#rank"
 
 
 @attrs.frozen(kw_only=True)

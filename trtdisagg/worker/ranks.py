@@ -182,8 +182,10 @@ async def _follow(
                 None,
                 instance_name=instance_name,
                 share_infos=share_infos_with(group),
-                on_write=lambda num_bytes, descriptors, seconds: writes.append(
-                    WriteRecord(num_bytes=num_bytes, num_descriptors=descriptors, seconds=seconds)
+                on_write=lambda num_bytes, descriptors, seconds, peer: writes.append(
+                    WriteRecord(
+                        num_bytes=num_bytes, num_descriptors=descriptors, seconds=seconds, peer=peer
+                    )
                 ),
                 early_failures=False,  # see KvTransceiver.early_failures
             )

@@ -48,12 +48,13 @@ from trtdisagg.transfer.runtime.agents.base import (
     pool_regions,
 )
 from trtdisagg.transfer.runtime.agents.loopback import LoopbackFabric
-from trtdisagg.transfer.runtime.collector import TransferCollector
+from trtdisagg.transfer.runtime.collector import TransferCollector, WriteTally
 from trtdisagg.transfer.runtime.control import ControlRouter, DealerOpener
 from trtdisagg.transfer.runtime.driver import KvTransceiver
 from trtdisagg.transfer.runtime.messenger import open_dealer, open_router
 from trtdisagg.transfer.runtime.staging_area import StagingArea
 from trtdisagg.worker.runner import ModelRunner
+from trtdisagg.worker.slow_writes import SlowWrites
 
 if TYPE_CHECKING:
     from trtdisagg.faults.spec import FaultInjector
@@ -109,14 +110,15 @@ async def build_transceiver(
     instance_name: str | None = None,
     share_infos: Callable[[RankInfo], Awaitable[tuple[RankInfo, ...]]] | None = None,
     faults: FaultInjector | None = None,
-    on_write: Callable[[int, int, float], None] | None = None,
+    on_write: Callable[[int, int, float, str], None] | None = None,
     early_failures: bool = True,
 ) -> KvTransceiver:
     """This rank's transceiver, its transfer metrics registered on `metrics`' registry. A
     multi-rank instance passes its shared `instance_name` and `share_infos`, which swaps
     RankInfos with the other ranks (every rank must call it), and `early_failures` off (see
-    KvTransceiver). `on_write(bytes, descriptors, seconds)` learns of each KV write (a follower
-    rank reports its writes to rank 0 so). `faults` (tests only) wraps the agent and the
+    KvTransceiver). `on_write(bytes, descriptors, seconds, gen rank)` learns of each KV write (a
+    follower rank reports its writes to rank 0 so; rank 0 judges them all against the bandwidth
+    floor, `kv_transfer_min_gbps`). `faults` (tests only) wraps the agent and the
     dealers; `router` comes wrapped from `hold_router`."""
     transfer = config.cache_transceiver_config
     assert transfer.backend is not None
@@ -203,6 +205,7 @@ async def build_transceiver(
         max_sessions_per_peer=transfer.max_sessions_per_peer,
         wake=wake,
         early_failures=early_failures,
+        tally=WriteTally(watch=_bandwidth_floor(transfer.kv_transfer_min_gbps, metrics)),
         on_write=on_write,
         connect=connect,
         staging=StagingArea(stager=stager, clock=time.monotonic) if stager is not None else None,
@@ -213,3 +216,12 @@ async def build_transceiver(
     if metrics is not None:
         metrics.registry.register(TransferCollector(transceiver.statistics, transceiver.tally))
     return transceiver
+
+
+def _bandwidth_floor(
+    min_gbps: float | None, metrics: WorkerMetrics | None
+) -> Callable[[int, float, str], None] | None:
+    """What judges rank 0's KV writes (its own and its followers') against `min_gbps`."""
+    if min_gbps is None or metrics is None:
+        return None
+    return SlowWrites(min_gbps=min_gbps, counter=metrics.kv_slow_writes).observe

@@ -39,9 +39,11 @@ class TransceiverStatistics:
 
 class WriteTally:
     """KV writes that ended well: bytes, descriptors, and a histogram of their seconds (in no
-    registry: the transceiver's collector yields them)."""
+    registry: the transceiver's collector yields them). `watch(bytes, seconds, peer)` also sees
+    each (the worker's bandwidth floor, worker/slow_writes.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: Callable[[int, float, str], None] | None = None) -> None:
+        self._watch = watch
         p = "trtdisagg_"
         self.bytes = Counter(p + "kv_transfer_bytes", "KV bytes moved", registry=None)
         self.descriptors = Counter(p + "kv_transfer_descriptors", "NIXL descriptors submitted",
@@ -49,10 +51,13 @@ class WriteTally:
         self.seconds = Histogram(p + "kv_transfer_seconds", "KV transfer duration per request",
                                  buckets=SECONDS_BUCKETS, registry=None)  # fmt: skip
 
-    def count(self, num_bytes: int, num_descriptors: int, seconds: float) -> None:
+    def count(self, num_bytes: int, num_descriptors: int, seconds: float, peer: str) -> None:
+        """A write of `num_bytes` to gen rank `peer` ("instance#rank") took `seconds`."""
         self.bytes.inc(num_bytes)
         self.descriptors.inc(num_descriptors)
         self.seconds.observe(seconds)
+        if self._watch is not None:
+            self._watch(num_bytes, seconds, peer)
 
 
 # Metrics read from `TransceiverStatistics` at each scrape: (field, name, kind, help).

@@ -78,9 +78,9 @@ class KvTransceiver:
     max_sessions_per_peer: int = 1024  # transfers one gen instance may hold with a ctx rank
     protocol: TransferProtocol = attrs.field(init=False)
     tally: WriteTally = attrs.Factory(WriteTally)  # KV writes (since start), for the metrics
-    # (bytes, descriptors, seconds) of each KV write, instead of `tally` (a follower rank
-    # reports its writes to rank 0, which counts them)
-    on_write: Callable[[int, int, float], None] | None = None
+    # (bytes, descriptors, seconds, gen rank) of each KV write, instead of `tally` (a follower
+    # rank reports its writes to rank 0, which counts them)
+    on_write: Callable[[int, int, float, str], None] | None = None
     _control: ControlPlane = attrs.field(init=False)
     _pump: AgentPump = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
@@ -280,7 +280,10 @@ class KvTransceiver:
             if error is None:
                 self._trace(flight.order.key, "done")
                 fragments, seconds = flight.order.fragments, self.clock() - flight.posted
-                (self.on_write or self.tally.count)(fragments.num_bytes, len(fragments), seconds)
+                peer = "{}#{}".format(*flight.order.peer)
+                (self.on_write or self.tally.count)(
+                    fragments.num_bytes, len(fragments), seconds, peer
+                )
             self._feed(ev.WriteEnded(write_id=write_id, error=error))
         for remote, payload in notifications:
             try:

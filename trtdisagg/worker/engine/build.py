@@ -251,7 +251,9 @@ def count_follower_writes(transceiver: KvTransceiver | None, reports: Sequence[R
         return
     for report in reports:
         for write in report.writes:
-            transceiver.tally.count(write.num_bytes, write.num_descriptors, write.seconds)
+            transceiver.tally.count(
+                write.num_bytes, write.num_descriptors, write.seconds, write.peer
+            )
 
 
 def _to_both(first: ReportSink, second: ReportSink, reports: Sequence[RankReport]) -> None:
