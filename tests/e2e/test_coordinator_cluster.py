@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from tests.instances import running_instances
+from tests.monitoring_pack import unknown_reads
 from tests.procs import REPO, Server, free_port, metric, spawn
 
 pytestmark = pytest.mark.timeout(300)
@@ -300,6 +301,21 @@ def test_openai_client_through_ctx_and_gen_equals_aggregated(
         shared_coordinator.url + "/v1/completions", json=body(prompt), timeout=60
     ).json()
     assert "disaggregated_params" not in raw["choices"][0]
+
+
+def test_the_monitoring_pack_reads_only_what_the_processes_export(
+    workers: dict[str, list[Server]], shared_coordinator: Server
+) -> None:
+    """deploy/monitoring/'s alerts and dashboard panels read metrics and labels that a real
+    coordinator, ctx and gen export after serving a request each way: a renamed metric or label
+    would leave an alert that never fires, or an empty panel."""
+    for stream in (False, True):
+        r = httpx.post(shared_coordinator.url + "/v1/completions",
+                       json=body("Watch this", 6, stream=stream), timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+    servers = [shared_coordinator, workers["ctx"][0], workers["gen"][0]]
+    texts = [httpx.get(server.url + "/metrics", timeout=10).text for server in servers]
+    assert unknown_reads(texts) == []
 
 
 def test_32_concurrent_requests_equal_aggregated(
