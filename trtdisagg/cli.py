@@ -19,6 +19,7 @@ import trio
 
 from trtdisagg.config import ConfigError, Role, load_worker_config
 from trtdisagg.cpu_affinity import CpuAffinityError, pin_engine
+from trtdisagg.open_files import raise_open_file_limit
 from trtdisagg.security.policy import (
     SECURED_LOG,
     UNSECURED_LOOPBACK_LOG,
@@ -141,6 +142,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    raise_open_file_limit()
     try:
         if args.command in ("ctx", "gen"):
             return _run_worker(args)

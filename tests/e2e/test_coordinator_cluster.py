@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -301,6 +302,34 @@ def test_openai_client_through_ctx_and_gen_equals_aggregated(
         shared_coordinator.url + "/v1/completions", json=body(prompt), timeout=60
     ).json()
     assert "disaggregated_params" not in raw["choices"][0]
+
+
+def close_wait(port: int) -> int:
+    """Server-side TCP connections on `port` whose client has closed and the server not yet
+    (state CLOSE_WAIT in /proc/net/tcp*)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                count += int(local.rsplit(":", 1)[1], 16) == port and state == "08"
+    return count
+
+
+def test_a_connection_its_client_closes_is_closed_at_once(
+    workers: dict[str, list[Server]], shared_coordinator: Server
+) -> None:
+    """A client that connects and leaves, before a request or after one, costs the coordinator
+    and a worker no descriptor beyond that moment (hypercorn alone would hold each for its
+    75 s keep-alive: a client opening a connection per request ran a server out of them)."""
+    for server in (shared_coordinator, workers["ctx"][0]):
+        host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
+        for _ in range(10):
+            socket.create_connection((host, port)).close()
+        for _ in range(10):
+            with httpx.Client() as client:  # one connection, closed after its request
+                assert client.get(server.url + "/health").status_code == 200
+        wait_until(lambda port=port: close_wait(port) == 0, 5, f"{server.url}'s sockets closed")
 
 
 def test_the_monitoring_pack_reads_only_what_the_processes_export(

@@ -9,8 +9,13 @@ session or quarantine left, and the next transfer moves exactly the bytes ctx he
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import random
 import re
+import resource
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -308,3 +313,70 @@ async def test_saturated_peers_answer_each_other_s_probes_and_keep_each_other(
         await assert_exact_transfer(client, ctx, gen, rng)
         after = (await client.get(gen.url + "/metrics")).text
         assert metric(after, rendezvous) == metric(before[gen.url], rendezvous)
+
+
+async def test_a_ctx_out_of_file_descriptors_stays_up_and_serves_once_some_close(
+    pair: tuple[Server, Server],
+) -> None:
+    """Pain point 8: a server ran out of file descriptors. ctx's open-file limit is cut to what
+    it holds plus a few, and idle client connections take those: its accepts fail with EMFILE
+    (logged, and retried). A request that comes then waits, ctx stays up, and once the idle
+    connections close the request is answered, and its KV moves to gen byte for byte. The
+    last test of the module: it leaves ctx's limit as it was."""
+    ctx, gen = pair
+    pid, limit = ctx.proc.pid, resource.RLIMIT_NOFILE
+    soft, hard = resource.prlimit(pid, limit)
+    emfile = "accept returned EMFILE"
+    seen = ctx.log().count(emfile)
+    rng = random.Random(8)
+    host, port = "127.0.0.1", int(ctx.url.rsplit(":", 1)[1])
+    async with httpx.AsyncClient(timeout=60) as client:
+        with contextlib.ExitStack() as idle:
+            resource.prlimit(pid, limit, (len(os.listdir(f"/proc/{pid}/fd")) + 4, hard))
+            try:
+                for _ in range(12):  # more than ctx can accept now
+                    idle.enter_context(socket.create_connection((host, port)))
+
+                def exhausted() -> bool:
+                    return ctx.log().count(emfile) > seen
+
+                with trio.fail_after(20):
+                    while not exhausted():  # noqa: ASYNC110
+                        await trio.sleep(0.05)  # polling ctx's log, bounded above
+                body = completion([rng.randrange(10, 500) for _ in range(40)], 4)
+                # Connected (in ctx's accept queue) while ctx cannot accept it.
+                waiting = await trio.open_tcp_stream(host, port)
+                request = json.dumps(
+                    {**body, "disaggregated_params": {"request_type": "context_only"}}
+                ).encode()
+                await waiting.send_all(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: ctx\r\nConnection: close\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(request), request)
+                )
+                idle.close()  # the idle connections end: ctx has descriptors again
+                reply = b""
+                with trio.fail_after(30):
+                    while not _whole(reply):
+                        reply += await waiting.receive_some()
+                await waiting.aclose()
+            finally:
+                resource.prlimit(pid, limit, (soft, hard))
+        assert ctx.alive()
+        head, _, content = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), reply[:300]
+        answer = json.loads(content)
+        r = await client.post(gen.url + "/v1/completions", json=gen_body(answer, body))
+        assert r.status_code == 200, r.text
+        key = str(answer["choices"][0]["disaggregated_params"]["transfer_key"])
+        assert (await digests(client, ctx))[key] == (await digests(client, gen))[key]
+        await assert_exact_transfer(client, ctx, gen, rng)
+
+
+def _whole(reply: bytes) -> bool:
+    """Whether `reply` holds an HTTP response's head and all the body its Content-Length says."""
+    head, sep, body = reply.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    lengths = re.findall(rb"(?im)^content-length:\s*(\d+)\s*$", head)
+    return bool(lengths) and len(body) >= int(lengths[0])

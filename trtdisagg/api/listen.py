@@ -6,9 +6,9 @@ from __future__ import annotations
 import socket
 
 import hypercorn.config
-import hypercorn.trio
 import trio
 
+from trtdisagg.api.hypercorn_serve import serve
 from trtdisagg.errors import StartupError
 
 
@@ -51,4 +51,4 @@ async def serve_http(
     # Longer than any client pool's idle expiry (ours: KEEPALIVE_EXPIRY), so a pooled
     # connection is never reused just as the server closes it.
     config.keep_alive_timeout = 75
-    await hypercorn.trio.serve(app, config, task_status=task_status)  # type: ignore[arg-type]
+    await serve(app, config, task_status=task_status)

@@ -14,9 +14,9 @@ import logging
 import torch
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 from trtdisagg.api.codec import to_json
+from trtdisagg.api.hypercorn_serve import serve as serve_asgi
 from trtdisagg.config import WorkerConfig
 from trtdisagg.loop_lag import watch_loop_lag
 from trtdisagg.membership.records import WorkerRecord, advertised_url
@@ -88,7 +88,7 @@ async def serve_worker(
             else:
                 app = create_app(worker.service)
                 serve_http = functools.partial(
-                    hypercorn_serve, app, hypercorn_config(config.host, config.port)
+                    serve_asgi, app, hypercorn_config(config.host, config.port)
                 )
                 binds = await nursery.start(serve_http)
             pool = worker.executor.scheduler.pool

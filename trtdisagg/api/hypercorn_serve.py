@@ -1,0 +1,38 @@
+"""hypercorn's Trio server, with a connection closed as soon as its client closes it.
+
+hypercorn 0.18's Trio `TCPServer` keeps a connection whose client closed it while it was idle
+(before its first request, or between two) open until `keep_alive_timeout` ends: its idle timer
+lives in the connection's task group and outlives the read loop that saw the end of the stream.
+With our 75 s keep-alive, a client that opens a connection per request (curl, a load balancer's
+TCP probe) holds one descriptor per connection for 75 s after it left, and about 14 such
+connections a second run a process with the usual limit of 1024 descriptors out of them. Here the
+idle timer stops once the client's side has ended, so the connection closes at once; one whose
+request is still being answered closes when that answer ends, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypercorn.config
+import hypercorn.trio
+import hypercorn.trio.run
+import trio
+from hypercorn.trio.tcp_server import TCPServer
+
+
+class _PromptlyClosedTCPServer(TCPServer):
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        await self.idle_task.stop()  # the client is gone: nothing to keep the connection for
+
+
+async def serve(
+    app: Any,
+    config: hypercorn.config.Config,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """`hypercorn.trio.serve`, with connections closed when their clients close them."""
+    hypercorn.trio.run.TCPServer = _PromptlyClosedTCPServer  # type: ignore[misc]
+    await hypercorn.trio.serve(app, config, task_status=task_status)
