@@ -332,6 +332,21 @@ def test_a_connection_its_client_closes_is_closed_at_once(
         wait_until(lambda port=port: close_wait(port) == 0, 5, f"{server.url}'s sockets closed")
 
 
+def test_an_answer_with_connection_close_ends_the_connection(
+    workers: dict[str, list[Server]], shared_coordinator: Server
+) -> None:
+    """A client that asks for `Connection: close` and reads to the end of the stream gets it
+    right after the answer, from the coordinator and from a worker."""
+    for server in (shared_coordinator, workers["ctx"][0]):
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(65536):  # until the server closes (or the 10 s timeout)
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
 def test_the_monitoring_pack_reads_only_what_the_processes_export(
     workers: dict[str, list[Server]], shared_coordinator: Server
 ) -> None:
@@ -457,10 +472,13 @@ def test_client_disconnect_mid_stream_frees_gen_within_a_second(
     with httpx.stream(
         "POST", shared_coordinator.url + "/v1/completions", json=request, timeout=60
     ) as r:
-        # Hold the iterator: a dropped one closes the connection and would hang up early.
+        # Hold the iterator: a dropped one closes the connection and would hang up early. The
+        # first token may be ctx's (the lead), sent before gen has the request: wait for two.
         lines = r.iter_lines()
+        tokens = 0
         for line in lines:
-            if line.startswith("data: {"):
+            tokens += line.startswith("data: {")
+            if tokens == 2:
                 break
         assert running(gen) == 1
     wait_until(lambda: running(gen) == 0, 1.0, "gen running 0")
