@@ -148,13 +148,31 @@ def test_worker_death_5xx_then_503_then_recovery(workers: Workers, tmp_path: Pat
         info = httpx.get(coord.url + "/cluster_info").json()
         assert info["is_ready"] is False
         assert info["unhealthy"] == {"context": [ctx_url], "generation": [gen_url]}
+        assert servers(coord.url) == {  # what an alert on no server in rotation reads
+            (role, state): float(state == "unhealthy")
+            for role in ("context", "generation")
+            for state in ("serving", "unhealthy", "unpaired")
+        }
 
         # Both come back on the same ports: service resumes without a coordinator restart.
         workers.up()
         wait_for(lambda: status(coord.url) == 200, 10, "coordinator /health 200")
         r = httpx.post(coord.url + "/v1/completions", json=short, timeout=30)
         assert r.status_code == 200, r.text
+        assert servers(coord.url)[("generation", "serving")] == 1
         assert coord.alive()
+
+
+def servers(url: str) -> dict[tuple[str, str], float]:
+    """The coordinator's `trtdisagg_coordinator_servers{role, state}`."""
+    text = httpx.get(url + "/metrics").text
+    return {
+        (role, state): metric(
+            text, "trtdisagg_coordinator_servers", f'role="{role}",state="{state}"'
+        )
+        for role in ("context", "generation")
+        for state in ("serving", "unhealthy", "unpaired")
+    }
 
 
 def test_disaggregated_legs_survive_or_fail_cleanly_when_ctx_dies(

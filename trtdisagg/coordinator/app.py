@@ -185,7 +185,7 @@ def create_app(
     @app.get("/metrics")
     @app.get("/prometheus/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), content_type=CONTENT_TYPE)
+        return Response(metrics.render(placement.cluster_info()), content_type=CONTENT_TYPE)
 
     return app
 

@@ -9,11 +9,14 @@ shows the fleet's totals.
 from __future__ import annotations
 
 import os
-from typing import Final
+from collections.abc import Iterator, Mapping
+from typing import Any, Final
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from trtdisagg.metrics import CONTENT_TYPE as CONTENT_TYPE
 from trtdisagg.metrics import event_loop_lag_histogram
@@ -127,10 +130,42 @@ class CoordinatorMetrics:
     def finished(self, status: str) -> None:
         self.requests_total.labels(role=ROLE, status=status).inc()
 
-    def render(self) -> bytes:
+    def render(self, cluster: Mapping[str, Any] | None = None) -> bytes:
+        """The exposition; with `cluster` (`/cluster_info` of the front end that answers), also
+        how many servers of each role it has in rotation, unhealthy, or healthy but unpaired."""
         directory = os.environ.get(MULTIPROCESS_DIR_ENV)
         if directory is None:
-            return generate_latest(self.registry)
-        fleet = CollectorRegistry()
-        MultiProcessCollector(fleet, path=directory)
-        return generate_latest(fleet)
+            text = generate_latest(self.registry)
+        else:
+            fleet = CollectorRegistry()
+            MultiProcessCollector(fleet, path=directory)
+            text = generate_latest(fleet)
+        if cluster is None:
+            return text
+        servers = CollectorRegistry()
+        servers.register(_ServerCounts(cluster))
+        return text + generate_latest(servers)
+
+
+class _ServerCounts(Collector):
+    """`trtdisagg_coordinator_servers{role, state}` from one front end's `/cluster_info`."""
+
+    def __init__(self, cluster: Mapping[str, Any]) -> None:
+        self._cluster = cluster
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "trtdisagg_coordinator_servers",
+            "Workers this front end knows, by role and state: serving (in rotation), unhealthy, "
+            "unpaired (healthy, but no server of the other role can exchange KV with it)",
+            labels=["role", "state"],
+        )
+        lists, unhealthy = self._cluster["server_lists"], self._cluster["unhealthy"]
+        for role in ("context", "generation"):
+            unpaired = sum(
+                1 for s in self._cluster["servers"] if s["role"] == role and s.get("unpaired")
+            )
+            family.add_metric([role, "serving"], len(lists.get(role) or []))
+            family.add_metric([role, "unhealthy"], len(unhealthy.get(role) or []))
+            family.add_metric([role, "unpaired"], unpaired)
+        yield family
