@@ -28,7 +28,7 @@ import pytest
 import trio
 import yaml
 
-from tests.fault_checks import gen_asks_first
+from tests.fault_checks import gen_asks_first, set_faults
 from tests.instances import running_instances
 from tests.oracle import assert_greedy_match, hf_greedy
 from tests.procs import Server, children, free_port, metric, spawn
@@ -69,12 +69,16 @@ class Group:
 
 @contextlib.contextmanager
 def _group(
-    tmp: Path, name: str, spec: TinySpec, instances: dict[str, tuple[str, dict[str, Any]]]
+    tmp: Path,
+    name: str,
+    spec: TinySpec,
+    instances: dict[str, tuple[str, dict[str, Any]]],
+    env: dict[str, str] = HOOKS,
 ) -> Iterator[Group]:
     model = tmp / name
     write_checkpoint(spec, model)
     specs = {key: _instance(role, model, **opts) for key, (role, opts) in instances.items()}
-    with running_instances(tmp, specs, env=HOOKS) as servers:
+    with running_instances(tmp, specs, env=env) as servers:
         yield Group(model=model, servers=servers)
 
 
@@ -90,7 +94,9 @@ def kv2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
         "gen_pp2": ("gen", {"pp": 2}),
         "gen_tp2_nhd": ("gen", {"tp": 2, "layout": "NHD"}),
     }
-    with _group(tmp_path_factory.mktemp("kv2"), "kv2", BASE, instances) as group:
+    # Faults armed, with no rule until a test sets one (rank 0 of each instance).
+    env = {**HOOKS, "TRTDISAGG_FAULTS": "none"}
+    with _group(tmp_path_factory.mktemp("kv2"), "kv2", BASE, instances, env) as group:
         yield group
 
 
@@ -471,3 +477,51 @@ async def test_one_rank_of_a_tp2_ctx_dying_fails_the_waiting_gen_at_once(bounce:
     # The instance stops on its own.
     assert await trio.to_thread.run_sync(ctx.proc.wait, 15) != 0
     assert "rank 1" in ctx.log() and "stopping the instance" in ctx.log()
+
+
+async def test_a_ctx_rank_dying_after_its_peer_rank_wrote_fails_gen_without_decoding(
+    kv2: Group,
+) -> None:
+    """Pain point 3, between two ranks' writes: a TP2 ctx's follower has written its half of a
+    request's KV into gen, and rank 0 dies with its own half held back (a stalled write). gen
+    must not decode from half the KV: its request fails at once (not at the 20 s deadline) and
+    frees its blocks, and gen serves on. The last test of `kv2`: its ctx_tp2 does not come back."""
+    ctx, gen = kv2.servers["ctx_tp2"], kv2.servers["gen_tp1"]
+    prompt = [random.Random(3).randrange(10, 500) for _ in range(40)]
+    stalled = 'action="stall_transfer",message=""'
+    async with httpx.AsyncClient(timeout=60) as client:
+        before = (await client.get(ctx.url + "/metrics")).text
+        moved = metric(before, "trtdisagg_kv_transfer_bytes_total")
+        await set_faults(client, ctx, "stall_transfer:60s:1")  # rank 0's next write
+        r = await client.post(ctx.url + "/v1/completions", json=_body(
+            prompt, disaggregated_params={"request_type": "context_only"}))  # fmt: skip
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        params = {**answer["choices"][0]["disaggregated_params"], "request_type": "generation_only"}
+        gen_body = _body(
+            prompt, prompt_token_ids=answer["prompt_token_ids"], disaggregated_params=params
+        )
+        answers: list[httpx.Response] = []
+        async with trio.open_nursery() as nursery:
+
+            async def ask() -> None:
+                answers.append(await client.post(gen.url + "/v1/completions", json=gen_body))
+
+            nursery.start_soon(ask)
+            with trio.fail_after(20):  # the follower's write ended, rank 0's is held back
+                while True:
+                    text = (await client.get(ctx.url + "/metrics")).text
+                    if (
+                        metric(text, "trtdisagg_faults_injected_total", stalled) == 1
+                        and metric(text, "trtdisagg_kv_transfer_bytes_total") > moved
+                    ):
+                        break  # fmt: skip
+                    await trio.sleep(0.05)  # polling ctx's metrics, bounded above
+            killed = time.monotonic()
+            ctx.proc.send_signal(signal.SIGKILL)
+        elapsed = time.monotonic() - killed
+        (g,) = answers
+        assert g.status_code == 502, g.text
+        assert elapsed < TRANSFER["kv_transfer_timeout_ms"] / 1000 / 2, elapsed
+        await _wait_idle(client, gen)
+        assert await _tokens(client, gen.url, _body(prompt)) != []  # gen serves on
