@@ -250,3 +250,66 @@ async def test_gen_instances_that_come_and_go_leave_ctx_no_sockets_behind() -> N
             await until(lambda: not ctx.agent.remotes, f"gen {i}'s agent unloaded")
             assert not ctx.transceiver.protocol.liveness
         nursery.cancel_scope.cancel()
+
+
+async def test_many_gen_instances_alive_at_once_each_cost_ctx_a_bounded_few_sockets() -> None:
+    """Pain point 8 with many peers alive at once: 24 gen instances meet ctx together and move
+    their KV at the same time, four rounds over. Every transfer lands byte for byte; the open
+    files grow by a few per peer (both ends run in this process), and not with the transfers
+    after the first round; once the gens end, ctx forgets every one and the open files come back
+    to where they were."""
+    fabric = LoopbackFabric()
+    ctx_memory = np.random.default_rng(6).integers(0, 255, NUM_SLOTS * BLOCK_BYTES, np.uint8)
+    peers, rounds = 24, 4
+    async with trio.open_nursery() as nursery:
+        ctx: Side = await nursery.start(_run_side_kw, "ctx", fabric, ctx_memory, _links_only)
+        before = _open_files()
+        gens: list[Side] = []
+        for i in range(peers):
+            memory = np.zeros(NUM_SLOTS * BLOCK_BYTES, np.uint8)
+            gens.append(await nursery.start(_run_side_kw, f"gen{i}", fabric, memory, _links_only))
+        with_gens = _open_files()
+        after_first = 0
+        for round_ in range(rounds):
+            await _transfer_to_all(ctx, gens, first_key=1 + round_ * peers)
+            if round_ == 0:  # once every link is up: a DEALER each way per gen
+                await until(
+                    lambda: (
+                        ctx.transceiver.statistics().connections == peers
+                        and all(g.transceiver.statistics().connections == 1 for g in gens)
+                    ),
+                    "every link up",
+                )
+                after_first = _open_files()
+        # both ends of every link are in this process: sockets, their connections and monitors
+        per_peer = (after_first - with_gens) / peers
+        assert 0 < per_peer <= 12, f"{per_peer:.1f} files opened per gen instance"
+        grown = _open_files() - after_first
+        assert grown <= 2, f"{(rounds - 1) * peers} more transfers opened {grown} files"
+        stats = ctx.transceiver.statistics
+        for gen in gens:
+            await gen.stop()
+        await until(lambda: stats().peers_dead == peers, "ctx forgetting every gen as dead")
+        await until(lambda: _open_files() <= before, "files closed after the gens ended")
+        await until(lambda: not ctx.agent.remotes, "every gen's agent unloaded")
+        nursery.cancel_scope.cancel()
+
+
+async def _transfer_to_all(ctx: Side, gens: list[Side], *, first_key: int) -> None:
+    """One transfer from ctx to each of `gens` at once; each lands exactly and ctx reports all."""
+    for i, gen in enumerate(gens):
+        ctx.transceiver.respond_and_send_async(first_key + i, [SRC], NUM_TOKENS)
+        gen.transceiver.request_and_receive_async(
+            first_key + i, ctx.transceiver.info_endpoint, [DST], NUM_TOKENS
+        )
+    for gen in gens:
+        assert (await outcome_of(gen.transceiver.check_gen_transfer_status)).ok
+        assert gen.blocks(DST) == ctx.blocks(SRC)
+    sent: list[TransferOutcome] = []
+
+    def all_sent() -> bool:
+        sent.extend(ctx.transceiver.check_context_transfer_status())
+        return len(sent) == len(gens)
+
+    await until(all_sent, "ctx's sends reported")
+    assert all(outcome.ok for outcome in sent)
