@@ -321,8 +321,9 @@ async def test_a_ctx_out_of_file_descriptors_stays_up_and_serves_once_some_close
     """Pain point 8: a server ran out of file descriptors. ctx's open-file limit is cut to what
     it holds plus a few, and idle client connections take those: its accepts fail with EMFILE
     (logged, and retried). A request that comes then waits, ctx stays up, and once the idle
-    connections close the request is answered, and its KV moves to gen byte for byte. The
-    last test of the module: it leaves ctx's limit as it was."""
+    connections close the request is answered, and its KV moves to gen byte for byte. The log
+    says so in one line a second, without a traceback. The last test of the module: it leaves
+    ctx's limit as it was."""
     ctx, gen = pair
     pid, limit = ctx.proc.pid, resource.RLIMIT_NOFILE
     soft, hard = resource.prlimit(pid, limit)
@@ -363,6 +364,11 @@ async def test_a_ctx_out_of_file_descriptors_stays_up_and_serves_once_some_close
             finally:
                 resource.prlimit(pid, limit, (soft, hard))
         assert ctx.alive()
+        lines = ctx.log().splitlines()
+        said = [i for i, line in enumerate(lines) if emfile in line][seen:]
+        assert said and all(  # one line a second at most, no traceback after it
+            not lines[i + 1].startswith("Traceback") for i in said if i + 1 < len(lines)
+        ), lines[said[0] : said[0] + 3]
         head, _, content = reply.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), reply[:300]
         answer = json.loads(content)

@@ -9,11 +9,16 @@ connections a second run a process with the usual limit of 1024 descriptors out 
 idle timer stops once the client's side has ended, so the connection closes at once; one whose
 request is still being answered closes when that answer ends, as before. And an answer that ends
 its connection (`Connection: close`) closes it: hypercorn's close ran in a cancelled task and
-stopped before it did.
+stopped before it did. While the process is out of descriptors, trio logs each failed accept
+with its traceback, ten a second: here one line a second says it, and how many it stands for.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 import hypercorn.config
@@ -36,6 +41,32 @@ class _PromptlyClosedTCPServer(TCPServer):
             await super()._close()
 
 
+class AcceptFailuresOnceASecond(logging.Filter):
+    """trio's line for an accept that failed for want of resources (EMFILE, ENFILE, ENOMEM,
+    ENOBUFS): at most one a second, without its traceback, counting the ones it stands for."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._clock = clock
+        self._last = -math.inf
+        self._dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self._clock()
+        if now - self._last < 1.0:
+            self._dropped += 1
+            return False
+        self._last = now
+        record.exc_info, record.exc_text = None, None
+        if self._dropped:
+            record.msg = f"{record.msg} ({self._dropped} more since the last line)"
+            self._dropped = 0
+        return True
+
+
+_ACCEPT_LOG = logging.getLogger("trio.serve_listeners")
+
+
 async def serve(
     app: Any,
     config: hypercorn.config.Config,
@@ -44,4 +75,6 @@ async def serve(
 ) -> None:
     """`hypercorn.trio.serve`, with connections closed when their clients close them."""
     hypercorn.trio.run.TCPServer = _PromptlyClosedTCPServer  # type: ignore[misc]
+    if not any(isinstance(f, AcceptFailuresOnceASecond) for f in _ACCEPT_LOG.filters):
+        _ACCEPT_LOG.addFilter(AcceptFailuresOnceASecond())
     await hypercorn.trio.serve(app, config, task_status=task_status)
