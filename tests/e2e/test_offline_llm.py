@@ -308,6 +308,9 @@ def test_bad_prompts_are_refused_before_anything_runs() -> None:
         llm.chat([[]])
     with pytest.raises(ValueError, match=r"conversations\[0\]\.tools\[0\]"):
         llm.chat([user], tools=[{"type": "function"}])  # no function
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    with pytest.raises(ValueError, match=r"conversations\[0\]\.messages\[0\]\.content\[1\]\.type"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}])
     with pytest.raises(ValueError, match="messages and conversations mixed"):
         llm.chat([user, [user]])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"conversations\[0\]: \d+ prompt tokens \+ max_tokens"):

@@ -58,6 +58,11 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", {"logit_bias": {"5": -100.5}}, "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
     ("/v1/responses", {"input": "x", "store": True}, "store"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]},
+     "messages"),  # a text-only model: an image left out would change the question
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages"),
 ]  # fmt: skip
 NEUTRAL = [
     ("/v1/completions", {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
@@ -66,6 +71,8 @@ NEUTRAL = [
     ("/v1/chat/completions", {"tool_choice": "auto", "response_format": {"type": "text"},
                               "parallel_tool_calls": True, "store": False, "modalities": ["text"],
                               "service_tier": "auto", "metadata": {"a": "b"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "developer", "content": "Be brief."},
+                                           {"role": "user", "content": "Hi"}]}),
 ]  # fmt: skip
 
 

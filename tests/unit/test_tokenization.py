@@ -111,6 +111,27 @@ def test_chat_template(tok: Tokenizer) -> None:
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
 
 
+def test_the_developer_role_is_system_to_a_template_that_does_not_name_it(
+    tok: Tokenizer, tmp_path: Path
+) -> None:
+    sent = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    as_system = [{"role": "system", "content": "Be brief."}, sent[1]]
+    assert tok.apply_chat_template(sent) == tok.apply_chat_template(as_system)
+    assert sent[0]["role"] == "developer"  # the caller's messages are left as they were
+    write_tokenizer_files(tmp_path, VOCAB)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(sent) == "system:Be brief.;user:Hi!;"
+    config["chat_template"] = (
+        "{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}"
+        "{{ m.role }}:{{ m.content }};{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    named = Tokenizer.from_dir(tmp_path).apply_chat_template(sent)
+    assert named == "Ddeveloper:Be brief.;user:Hi!;"  # a template that names it gets it
+
+
 def test_matches_transformers(model_dir: Path, tok: Tokenizer) -> None:
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(model_dir)

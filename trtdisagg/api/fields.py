@@ -236,8 +236,10 @@ CHAT: Final = {
         _rule(
             "messages",
             SUPPORTED,
-            "rendered by the model's chat template: `content` as a string or text parts, "
-            "an assistant's `tool_calls`, a tool message's `tool_call_id`",
+            "rendered by the model's chat template: `content` as a string or text parts "
+            "(other parts, such as images, are a 400), an assistant's `tool_calls`, a tool "
+            "message's `tool_call_id`; `developer` is read as `system` by a template that "
+            "does not name it",
         ),
         _rule("audio", REFUSED, "audio output is not supported", bad={"voice": "alloy"}),
         _rule("function_call", REFUSED, "deprecated by OpenAI: use `tool_choice`", bad="auto"),

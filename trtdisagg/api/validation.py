@@ -10,11 +10,12 @@ length, the vocabulary) are the worker's (`WorkerService`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Final
 
 from trtdisagg.api.errors import bad_request
 from trtdisagg.api.grammars import output_grammar
-from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
+from trtdisagg.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from trtdisagg.api.tool_calls import HERMES
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
@@ -174,6 +175,7 @@ def _validate_chat(req: ChatCompletionRequest) -> None:
         raise bad_request("messages: required field missing", param="messages")
     if not req.messages:
         raise bad_request("messages: must not be empty", param="messages")
+    _validate_content_parts(req.messages)
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= 20:
             raise bad_request(
@@ -188,6 +190,23 @@ def _validate_chat(req: ChatCompletionRequest) -> None:
                 param="tools",
             )
     _validate_tool_choice(req.tool_choice, bool(req.tools))
+
+
+def _validate_content_parts(messages: Sequence[ChatMessage]) -> None:
+    """Text parts only: the models served read text, and an image or audio part left out of
+    the prompt would get an answer to a question the client did not ask."""
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            where = f"messages[{i}].content[{j}]"
+            if part.type != "text":
+                raise bad_request(
+                    f"{where}.type: this model reads text only: expected 'text', got {part.type!r}",
+                    param="messages",
+                )
+            if part.text is None:
+                raise bad_request(f"{where}.text: required field missing", param="messages")
 
 
 def _validate_tool_choice(choice: str | dict[str, Any] | None, has_tools: bool) -> None:

@@ -6,6 +6,11 @@ like transformers', so prompts and ids agree with `AutoTokenizer` on the same fi
 
 Chat prompts already contain the BOS text when the template writes it: encode them with
 `add_special_tokens=False`, as transformers' `apply_chat_template(tokenize=True)` does.
+
+OpenAI's `developer` role (its newer name for the instructions `system` gave) reaches a template
+that never names it as `system`: most templates know only system, user, assistant and tool, and
+either refuse another role or render it as a turn the model was not trained on. A template that
+names `developer` gets it as sent.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class Tokenizer:
         self._add_eos: bool | None = config.get("add_eos_token")
         self.chat_template: str | None = _pick_template(config.get("chat_template"))
         self._template: jinja2.Template | None = None
+        self._renames_developer = "developer" not in (self.chat_template or "")
         if self.chat_template is not None:
             # Compiled once, here: a broken template fails at start-up, not on a request.
             try:
@@ -137,7 +143,11 @@ class Tokenizer:
         """
         if self._template is None:
             raise TokenizerError("the tokenizer has no chat_template")
-        rendered = [m if isinstance(m, Mapping) else attrs.asdict(m) for m in messages]
+        rendered = [dict(m) if isinstance(m, Mapping) else attrs.asdict(m) for m in messages]
+        if self._renames_developer:
+            for message in rendered:
+                if message.get("role") == "developer":
+                    message["role"] = "system"
         try:
             return self._template.render(
                 messages=rendered,
