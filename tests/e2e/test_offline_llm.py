@@ -97,6 +97,18 @@ def test_offline_greedy_tokens_equal_the_workers(worker: Server, llm: LLM, tmp_p
     (again,) = llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, logprobs=1))
     assert again.token_ids == outputs[1].token_ids[:4]
     assert again.logprobs is not None and all(lp is not None for lp in again.logprobs)
+    # vLLM's text controls: the stop string kept, special tokens' text kept
+    text = outputs[0].text
+    stop = next(text[i : i + 2] for i in range(3, 9) if "\ufffd" not in text[i : i + 2])
+    end = text.find(stop)
+    ask = {"max_tokens": MAX_TOKENS[0], "temperature": 0.0, "stop": [stop]}
+    (cut,) = llm.generate(PROMPTS[0], SamplingParams(**ask))
+    (kept,) = llm.generate(PROMPTS[0], SamplingParams(**ask, include_stop_str_in_output=True))
+    assert (cut.text, kept.text) == (text[:end], text[: end + len(stop)])
+    assert cut.finish_reason == kept.finish_reason == "stop"
+    special = {"max_tokens": 2, "temperature": 0.0, "logit_bias": {5: 100.0}}  # <|assistant|>
+    (kept,) = llm.generate(PROMPTS[0], SamplingParams(**special, skip_special_tokens=False))
+    assert kept.text == "<|assistant|>" * 2
 
 
 def test_chat_prompts_and_greedy_replies_equal_the_chat_route_s(worker: Server, llm: LLM) -> None:

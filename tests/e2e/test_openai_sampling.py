@@ -159,3 +159,42 @@ def test_each_control_gives_the_same_tokens_split_or_not(
     if temperature > 0 or "min_p" not in controls.get("extra_body", {}):  # min_p: greedy's own
         plain = _complete(worker, temperature=temperature, seed=seed)
         assert _complete(worker, temperature=temperature, seed=seed, **controls) != plain
+
+
+# ---- vLLM's text extensions ----
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(cluster: Cluster) -> None:
+    """The text ends after the stop string that ended it, streamed or not; without the flag,
+    before it."""
+    for client in both(cluster):
+        ask: dict[str, Any] = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 24,
+                               "temperature": 0}  # fmt: skip
+        full = client.completions.create(**ask, extra_body={"ignore_eos": True}).choices[0].text
+        stop = next(full[i : i + 3] for i in range(4, 12) if "\ufffd" not in full[i : i + 3])
+        end = full.find(stop)
+        include = {"include_stop_str_in_output": True}
+        kept = client.completions.create(**ask, stop=[stop, "never said"], extra_body=include)
+        assert kept.choices[0].text == full[: end + len(stop)], (full, stop)
+        assert kept.choices[0].finish_reason == "stop"
+        streamed = client.completions.create(**ask, stop=[stop], extra_body=include, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == full[: end + len(stop)]
+        cut = client.completions.create(**ask, stop=[stop])
+        assert cut.choices[0].text == full[:end]
+
+
+def test_skip_special_tokens_false_keeps_their_text(cluster: Cluster) -> None:
+    """`tiny`'s token 5 is `<|assistant|>`, a special token: dropped from the text unless the
+    request keeps it, streamed or not, in both routes."""
+    bias = {"5": 100}
+    for client in both(cluster):
+        ask: dict[str, Any] = {"model": "tiny", "max_tokens": 3, "temperature": 0,
+                               "logit_bias": bias}  # fmt: skip
+        plain = client.completions.create(prompt=PROMPTS[2], **ask)
+        assert plain.choices[0].text == ""
+        keep = {"skip_special_tokens": False}
+        kept = client.completions.create(prompt=PROMPTS[2], extra_body=keep, **ask)
+        assert kept.choices[0].text == "<|assistant|>" * 3
+        chat = client.chat.completions.create(messages=CHAT, extra_body=keep, stream=True, **ask)
+        text = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+        assert text == "<|assistant|>" * 3

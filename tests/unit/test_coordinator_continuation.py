@@ -56,11 +56,12 @@ def detokenizer() -> IncrementalDetokenizer:
 
 
 def worker_run(
-    tokens: Sequence[int], stops: tuple[str, ...], max_tokens: int
+    tokens: Sequence[int], stops: tuple[str, ...], max_tokens: int, include: bool = False
 ) -> tuple[list[int], list[str], str | None]:
     """What one worker streams for `tokens` (sampled in this order): tokens and text per chunk,
-    and the finish reason, by the rules of `Executor._after_token`."""
-    detok, stop = detokenizer(), StopStrings(stops=stops)
+    and the finish reason, by the rules of `Executor._after_token` (`include`: the request's
+    `include_stop_str_in_output`)."""
+    detok, stop = detokenizer(), StopStrings(stops=stops, include=include)
     sent: list[int] = []
     texts: list[str] = []
     for token in tokens:
@@ -86,14 +87,14 @@ def worker_run(
 
 
 def resumed_run(
-    tokens: Sequence[int], stops: tuple[str, ...], max_tokens: int, cut: int
+    tokens: Sequence[int], stops: tuple[str, ...], max_tokens: int, cut: int, include: bool = False
 ) -> tuple[list[int], str, str | None]:
     """The first leg streams `cut` tokens and dies; the continuation's worker, asked without stop
     strings and for the tokens left, streams the rest; `TextReplay` turns them into text."""
-    sent, texts, reason = worker_run(tokens[:cut], stops, max_tokens)
+    sent, texts, reason = worker_run(tokens[:cut], stops, max_tokens, include)
     if reason is not None:
         return sent, "".join(texts), reason
-    replay = TextReplay.rebuild(detokenizer(), stops, sent, "".join(texts))
+    replay = TextReplay.rebuild(detokenizer(), stops, sent, "".join(texts), include_stop=include)
     assert replay is not None
     rest, _, worker_reason = worker_run(tokens[cut:], (), max_tokens - len(sent))
     out_tokens, text = list(sent), "".join(texts)
@@ -107,8 +108,11 @@ def resumed_run(
     return out_tokens, text, None
 
 
+@pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("stops", [(), ("STOP",), ("STOP", "é"), ("\n",), ("日END",)])
-def test_a_continuation_cut_anywhere_gives_the_uninterrupted_text(stops: tuple[str, ...]) -> None:
+def test_a_continuation_cut_anywhere_gives_the_uninterrupted_text(
+    stops: tuple[str, ...], include: bool
+) -> None:
     rng = random.Random(zlib.crc32("|".join(stops).encode()))
     for _ in range(300):
         length = rng.randint(1, 14)
@@ -116,10 +120,12 @@ def test_a_continuation_cut_anywhere_gives_the_uninterrupted_text(stops: tuple[s
         if rng.random() < 0.3:
             tokens.insert(rng.randrange(len(tokens) + 1), EOS)
         max_tokens = rng.randint(1, len(tokens) + 2)
-        whole_tokens, texts, whole_reason = worker_run(tokens, stops, max_tokens)
+        whole_tokens, texts, whole_reason = worker_run(tokens, stops, max_tokens, include)
         whole_text = "".join(texts)
+        if include and whole_reason == "stop" and tokens[len(whole_tokens) - 1] != EOS:
+            assert whole_text.endswith(stops), (tokens, stops)  # the stop string kept
         for cut in range(1, len(whole_tokens) + 1):
-            got = resumed_run(tokens, stops, max_tokens, cut)
+            got = resumed_run(tokens, stops, max_tokens, cut, include)
             assert got == (whole_tokens, whole_text, whole_reason), (tokens, stops, cut)
 
 
@@ -137,6 +143,18 @@ def test_held_back_text_comes_out_after_the_cut() -> None:
     assert replay is not None
     assert replay.step([7], None) == ("é", None, 1)
     assert replay.step([8], "length") == (" sat", "length", 1)
+
+
+def test_stop_strings_end_at_the_earliest_match_before_or_after_it() -> None:
+    for include in (False, True):
+        stops = StopStrings(stops=("cd", "bc", "b"), include=include)
+        assert stops.feed("a b") == ("a b" if include else "a ") and stops.stopped
+        assert stops.feed("c") == ""  # nothing after a match
+        stops = StopStrings(stops=("bc", "cd"), include=include)
+        assert stops.feed("a b") == "a "  # "b" may begin "bc": held back
+        assert stops.feed("cd") == ("bc" if include else "") and stops.stopped  # "bc" is first
+    first_listed = StopStrings(stops=("b", "bc"), include=True)
+    assert first_listed.feed("abc") == "ab"  # two at one place: the first listed
 
 
 def test_a_replay_that_disagrees_with_the_relayed_text_is_refused() -> None:

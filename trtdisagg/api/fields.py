@@ -140,6 +140,17 @@ def _sampling_rules() -> list[FieldRule]:
         _rule("min_tokens", SUPPORTED, "extension: end-of-sequence is suppressed before this many"),
         _rule("ignore_eos", SUPPORTED, "extension: generate past end-of-sequence"),
         _rule(
+            "include_stop_str_in_output",
+            SUPPORTED,
+            "extension (vLLM's): the text ends with the stop string that ended it, not before it",
+        ),
+        _rule(
+            "skip_special_tokens",
+            SUPPORTED,
+            "extension (vLLM's): false keeps special tokens' text (`<|eot_id|>`, ...) in the "
+            "output; the token that ends the choice adds none",
+        ),
+        _rule(
             "stop_token_ids",
             SUPPORTED,
             "extension: token ids that end the choice; each must be in the vocabulary",

@@ -155,6 +155,8 @@ class _SamplingFields:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     n: int = 1
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None

@@ -134,10 +134,13 @@ class TextReplay:
         stops: tuple[str, ...],
         sent: Sequence[int],
         sent_text: str,
+        *,
+        include_stop: bool = False,
     ) -> TextReplay | None:
         """Replay `sent` as the dead leg's worker did; None when the text it gives is not the
-        text relayed (another tokenizer): the continuation then cannot be vouched for here."""
-        replay = cls(detokenizer=detokenizer, stops=StopStrings(stops=stops))
+        text relayed (another tokenizer): the continuation then cannot be vouched for here.
+        `include_stop`: the request's `include_stop_str_in_output`."""
+        replay = cls(detokenizer=detokenizer, stops=StopStrings(stops=stops, include=include_stop))
         text = "".join(replay.stops.feed(replay.detokenizer.add(t)) for t in sent)
         return replay if text == sent_text and not replay.stops.stopped else None
 

@@ -283,11 +283,16 @@ class GenLegs:
         tokenizer = await self.service.prompts.tokenizer(info.model_path if info else None)
         if tokenizer is None:
             return None
-        stops = stop_strings(self.call.raw)
+        raw = self.call.raw
+        stops = stop_strings(raw)
         sent, text = list(ledger.token_ids), ledger.text
+        # The worker's text rules for this request (`SamplingParams`), applied here from now on
+        include = raw.get("include_stop_str_in_output") is True
+        skip = raw.get("skip_special_tokens") is not False
 
         def rebuild() -> TextReplay | None:
-            return TextReplay.rebuild(tokenizer.incremental_detokenizer(), stops, sent, text)
+            detokenizer = tokenizer.incremental_detokenizer(skip_special_tokens=skip)
+            return TextReplay.rebuild(detokenizer, stops, sent, text, include_stop=include)
 
         if len(sent) > INLINE_REPLAY_TOKENS:
             replay = await trio.to_thread.run_sync(rebuild)

@@ -123,6 +123,8 @@ class SamplingParams:
     # top-N logprobs of each prompt token (given the tokens before it), computed by prefill;
     # None: none (completions' `echo` with `logprobs`)
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False  # the text ends with the stop string it met
+    skip_special_tokens: bool = True  # False: special tokens' text stays in the output
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens < 1:

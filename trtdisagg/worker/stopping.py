@@ -1,7 +1,8 @@
 """Stop-string detection over streamed text.
 
 Text that could still grow into a stop string is held back, so a streaming client never sees
-the beginning of a stop string that later matches; the final text ends just before the match.
+the beginning of a stop string that later matches; the final text ends just before the match, or
+just after it with `include` (vLLM's `include_stop_str_in_output`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import attrs
 @attrs.define(eq=False, kw_only=True)
 class StopStrings:
     stops: tuple[str, ...]
+    include: bool = False  # a match's text ends with the stop string, not before it
     _pending: str = attrs.field(default="", alias="pending")
     stopped: bool = False
 
@@ -22,11 +24,13 @@ class StopStrings:
         if not self.stops:
             return delta
         text = self._pending + delta
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+        if found:
             self.stopped = True
             self._pending = ""
-            return text[:cut]
+            # The earliest match; of several there, the first listed (as vLLM's check goes).
+            cut, stop = min(found, key=lambda match: match[0])
+            return text[: cut + len(stop)] if self.include else text[:cut]
         hold = self._longest_partial(text)
         self._pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold]

@@ -149,8 +149,10 @@ class Executor:
             after_first_token=source is not None,
         )
         state = OutputState(
-            detokenizer=self.tokenizer.incremental_detokenizer(),
-            stops=StopStrings(stops=params.stop),
+            detokenizer=self.tokenizer.incremental_detokenizer(
+                skip_special_tokens=params.skip_special_tokens
+            ),
+            stops=StopStrings(stops=params.stop, include=params.include_stop_str_in_output),
         )
         return Live(
             request=request,

@@ -398,6 +398,8 @@ class WorkerService:
                 stop=tuple(s for s in stops if s),
                 stop_token_ids=frozenset(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
                 logprobs=logprobs,
                 min_tokens=req.min_tokens,
                 min_p=req.min_p or 0.0,
