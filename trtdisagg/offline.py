@@ -41,6 +41,7 @@ from trtdisagg.worker.engine.wakeup import Wakeup
 from trtdisagg.worker.grammar import GrammarCompiler, GrammarError, GrammarTemplate
 from trtdisagg.worker.request import Request, SamplingParams
 from trtdisagg.worker.runner import ModelRunner, build_runner
+from trtdisagg.worker.token_bans import bad_word_ids
 from trtdisagg.worker.token_logprobs import TokenLogprobs
 from trtdisagg.worker.tokenization import Tokenizer, TokenizerError
 
@@ -302,6 +303,7 @@ class LLM:
                 f"{where}: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                 f"the model's context of {self.max_seq_len} tokens"
             )
+        params = self._with_bans(where, params)
         group = []
         for i in range(n):
             self._next_id += 1
@@ -319,6 +321,23 @@ class LLM:
         except CapacityError as exc:
             raise ValueError(f"{where}: {exc}") from None
         return group
+
+    def _with_bans(self, where: str, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad words' token sequences (`token_bans.bad_word_ids`), each of
+        those and its allowed tokens checked against the logits."""
+        width = self.executor.vocab_size
+        words = bad_word_ids(params.bad_words, self._encode_plain)
+        outside = [t for t in params.allowed_token_ids or () if t >= width]
+        outside += [t for ids in words for t in ids if t >= width]
+        if outside:
+            raise ValueError(
+                f"{where}: token id {min(outside)} of allowed_token_ids or bad_words outside "
+                f"the logits [0, {width})"
+            )
+        return attrs.evolve(params, bad_word_ids=words) if words else params
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _collect(self, text: str | None, handles: Sequence[RequestHandle]) -> RequestOutput:
         """One prompt's output: its samples' tokens, and the first sample's timings."""

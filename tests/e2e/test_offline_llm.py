@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import httpx
 import pytest
 
@@ -52,8 +53,11 @@ def llm() -> LLM:
     return LLM(config.pop("model"), **config)
 
 
-def http_tokens(url: str, prompt: str | list[int], max_tokens: int, *, stream: bool) -> Any:
+def http_tokens(
+    url: str, prompt: str | list[int], max_tokens: int, *, stream: bool, **extra: Any
+) -> Any:
     body = {
+        **extra,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -109,6 +113,26 @@ def test_offline_greedy_tokens_equal_the_workers(worker: Server, llm: LLM, tmp_p
     special = {"max_tokens": 2, "temperature": 0.0, "logit_bias": {5: 100.0}}  # <|assistant|>
     (kept,) = llm.generate(PROMPTS[0], SamplingParams(**special, skip_special_tokens=False))
     assert kept.text == "<|assistant|>" * 2
+
+
+def test_token_bans_act_as_on_the_worker(worker: Server, llm: LLM) -> None:
+    """vLLM's allowed_token_ids and bad_words: the same tokens as the worker's HTTP route; a
+    token outside the logits is refused, naming the field."""
+    from trtdisagg import SamplingParams
+
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    free = llm.generate(PROMPTS[0], greedy)[0].token_ids
+    controls = {
+        "allowed_token_ids": sorted({free[2], free[5], 7}),
+        "bad_words": [llm.tokenizer.decode(free[:2])],
+    }
+    for name, value in controls.items():
+        (out,) = llm.generate(PROMPTS[0], attrs.evolve(greedy, **{name: value}))
+        assert out.token_ids != free
+        tokens, _, _ = http_tokens(worker.url, PROMPTS[0], 8, stream=False, **{name: value})
+        assert list(out.token_ids) == tokens, name
+    with pytest.raises(ValueError, match="allowed_token_ids or bad_words"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, allowed_token_ids=[10**6]))
 
 
 def test_chat_prompts_and_greedy_replies_equal_the_chat_route_s(worker: Server, llm: LLM) -> None:

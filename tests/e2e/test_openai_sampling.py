@@ -1,4 +1,5 @@
-"""The sampling controls (`logit_bias`, presence, frequency and repetition penalties, `min_p`)
+"""The sampling controls (`logit_bias`, presence, frequency and repetition penalties, `min_p`,
+vLLM's `allowed_token_ids` and `bad_words`)
 through the official `openai` client, against the worker alone and through the coordinator
 (`tests/openai_cluster.py`, shared with the other modules that only send it requests): each changes
 the output the way it should, and the worker and the ctx → gen split give the same tokens, greedy
@@ -7,6 +8,7 @@ and seeded.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -16,6 +18,8 @@ import pytest
 
 from tests.edges import Cluster
 from tests.openai_cluster import CHAT, IDS, PROMPTS, both, tokens_of
+from trtdisagg.model.loader import resolve_model
+from trtdisagg.worker.tokenization import Tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -198,3 +202,44 @@ def test_skip_special_tokens_false_keeps_their_text(cluster: Cluster) -> None:
         chat = client.chat.completions.create(messages=CHAT, extra_body=keep, stream=True, **ask)
         text = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
         assert text == "<|assistant|>" * 3
+
+
+# ---- vLLM's token bans ----
+
+
+def test_allowed_token_ids_keep_every_token_in_the_set(cluster: Cluster) -> None:
+    """Greedy and seeded, each route, worker and split alike: every token is one of the set,
+    and the set is not one the free run keeps to."""
+    worker, coordinator = both(cluster)
+    free = _complete(worker, temperature=0.0)
+    allowed = sorted({free[3], free[7], TOKEN})
+    assert not set(free) <= set(allowed)
+    extra = {"extra_body": {"allowed_token_ids": allowed}}
+    for temperature, seed in ((0.0, None), (1.0, 5)):
+        for route in (_complete, _chat):
+            got = route(worker, temperature=temperature, seed=seed, **extra)
+            assert set(got) <= set(allowed), got
+            assert route(coordinator, temperature=temperature, seed=seed, **extra) == got
+
+
+def test_bad_words_leave_the_free_run_where_a_word_would_end(cluster: Cluster) -> None:
+    """A word the free greedy run spells with its first two tokens, sent as text: worker and
+    split leave the run at its second token (on gen: right after ctx's first) and never spell
+    it; a word of one token never appears."""
+    tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
+    worker, coordinator = both(cluster)
+    free = _complete(worker, temperature=0.0)
+    word = tokenizer.decode(free[:2])
+    spellings = {tuple(tokenizer.encode(w, add_special_tokens=False))
+                 for w in (word.lstrip(), " " + word.lstrip())}  # fmt: skip
+    assert tuple(free[:2]) in spellings, (word, spellings)  # the test needs a clean word
+    for client in (worker, coordinator):
+        got = _complete(client, temperature=0.0, extra_body={"bad_words": [word]})
+        assert got[0] == free[0] and got[1] != free[1]
+        assert all((a, b) != tuple(free[:2]) for a, b in itertools.pairwise(got))
+    single = tokenizer.decode([TOKEN])
+    for client in (worker, coordinator):
+        nudged = {"logit_bias": NUDGE}
+        assert TOKEN in _complete(client, temperature=0.0, **nudged)
+        banned = _complete(client, temperature=0.0, extra_body={"bad_words": [single]}, **nudged)
+        assert TOKEN not in banned

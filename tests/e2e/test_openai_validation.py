@@ -40,6 +40,11 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"logit_bias": {"512": 1}}, "logit_bias"),  # tiny has 512 ids
     ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"05": 1}}, "logit_bias"),
+    ("/v1/completions", {"allowed_token_ids": [3, 512]}, "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ("/v1/completions", {"bad_words": ["fine", " "]}, "bad_words"),
+    ("/v1/chat/completions", {"bad_words": ["w"] * 129}, "bad_words"),
     ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"frequency_penalty": -2.01}, "frequency_penalty"),
     ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),

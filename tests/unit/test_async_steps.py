@@ -14,6 +14,7 @@ before step N's tokens are processed.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from pathlib import Path
@@ -308,4 +309,24 @@ async def test_rows_that_need_their_token_on_the_host_step_synchronously(
     last_with_0 = max(i for i, step in enumerate(spy.steps) if 0 in step)
     assert spy.late_rows_by_step[: last_with_0 + 1] == [0] * (last_with_0 + 1)
     assert sum(spy.late_rows_by_step[last_with_0 + 1 :]) > 0
+    assert_idle(executor)
+
+
+async def test_a_bad_word_of_two_tokens_is_banned_under_asynchronous_steps(model: Model) -> None:
+    """The second token of a bad word is banned right after the first, which must be on the host
+    when the next step samples: such a request steps synchronously. Its tokens follow the free
+    run's up to the word's first token, then leave it, equal to the synchronous loop's, and
+    never spell the word."""
+    (free,), _, _ = await generate(model.runner, model.tokenizer, [ASKS[1]], overlap=True)
+    run = tokens(free)
+    at = 2
+    word = (run[at], run[at + 1])
+    ask = Ask(prompt=ASKS[1].prompt, sampling=attrs.evolve(ASKS[1].sampling, bad_word_ids=[word]))
+    (ours,), spy, executor = await generate(model.runner, model.tokenizer, [ask], overlap=True)
+    (sync,), _, _ = await generate(model.runner, model.tokenizer, [ask], overlap=False)
+    got = tokens(ours)
+    assert got == tokens(sync)
+    assert got[: at + 1] == run[: at + 1] and got[at + 1] != run[at + 1]
+    assert all((a, b) != word for a, b in itertools.pairwise(got))
+    assert spy.late_rows == 0
     assert_idle(executor)

@@ -24,6 +24,7 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.worker.scheduler",
     "trtdisagg.worker.step_plan",
     "trtdisagg.worker.in_flight",
+    "trtdisagg.worker.token_bans",
     "trtdisagg.faults.spec",
     "trtdisagg.faults.agent",
     "trtdisagg.transfer.errors",

@@ -156,6 +156,22 @@ def _sampling_rules() -> list[FieldRule]:
             "extension: token ids that end the choice; each must be in the vocabulary",
         ),
         _rule(
+            "allowed_token_ids",
+            SUPPORTED,
+            "extension (vLLM's): a non-empty list of token ids in the vocabulary; every other "
+            "token is masked before sampling (and before logprobs, as a grammar's mask is)",
+            bad=[],
+        ),
+        _rule(
+            "bad_words",
+            SUPPORTED,
+            "extension (vLLM's): up to 128 words kept out of the output as the tokenizer "
+            "spells them, at the text's start and after a space: where the output ends with "
+            "all but a spelling's last token, that token is masked (other spellings get "
+            "through, as in vLLM)",
+            bad=[" "],
+        ),
+        _rule(
             "response_format",
             SUPPORTED,
             "`text`, `json_object` (any JSON object) or `json_schema` (`{name, schema, "

@@ -157,6 +157,8 @@ class _SamplingFields:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     n: int = 1
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None

@@ -34,6 +34,8 @@ MAX_STOP_STRING_CHARS: Final = 256
 """Bounds on ``stop``: each new piece of a choice's text is matched against every stop string,
 holding back the longest start of one (`worker.stopping`), work that grows with their number
 times their length, for every choice and token, on the loop that serves every request."""
+MAX_BAD_WORDS: Final = 128
+"""vLLM's bound on ``bad_words``: each is checked against the output before every token."""
 
 
 def validate_request(req: AnyRequest) -> None:
@@ -107,6 +109,7 @@ def _validate_sampling(req: AnyRequest) -> None:
             f"stop_token_ids: token ids are non-negative, got {bad_stop}", param="stop_token_ids"
         )
     _validate_controls(req)
+    _validate_bans(req)
     logit_bias_of(req)
 
 
@@ -138,6 +141,33 @@ def _validate_controls(req: AnyRequest) -> None:
         )
     if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
         raise bad_request(f"min_p: must be in [0, 1], got {req.min_p}", param="min_p")
+
+
+def _validate_bans(req: AnyRequest) -> None:
+    """vLLM's `allowed_token_ids` and `bad_words`; the vocabulary is the worker's to check."""
+    allowed = req.allowed_token_ids
+    if allowed is not None and not allowed:
+        raise bad_request(
+            "allowed_token_ids: must not be empty (leave it out to allow any token)",
+            param="allowed_token_ids",
+        )
+    bad = next((t for t in allowed or () if t < 0), None)
+    if bad is not None:
+        raise bad_request(
+            f"allowed_token_ids: token ids are non-negative, got {bad}", param="allowed_token_ids"
+        )
+    words = req.bad_words or []
+    if len(words) > MAX_BAD_WORDS:
+        raise bad_request(
+            f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}", param="bad_words"
+        )
+    for i, word in enumerate(words):
+        if not word.strip() or len(word) > MAX_STOP_STRING_CHARS:
+            raise bad_request(
+                f"bad_words[{i}]: a word is 1 to {MAX_STOP_STRING_CHARS} characters, not blank, "
+                f"got {word!r}",
+                param="bad_words",
+            )
 
 
 def logit_bias_of(req: AnyRequest) -> dict[int, float]:

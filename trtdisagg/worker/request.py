@@ -86,6 +86,14 @@ def _int_frozenset(values: Iterable[int]) -> frozenset[int]:
     return frozenset(values)
 
 
+def _optional_int_frozenset(values: Iterable[int] | None) -> frozenset[int] | None:
+    return None if values is None else frozenset(values)
+
+
+def _id_sequences(values: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(token) for token in ids) for ids in values)
+
+
 def _bias_pairs(
     values: Mapping[int, float] | Iterable[tuple[int, float]],
 ) -> tuple[tuple[int, float], ...]:
@@ -125,6 +133,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False  # the text ends with the stop string it met
     skip_special_tokens: bool = True  # False: special tokens' text stays in the output
+    # vLLM's: only these tokens may be sampled; None: any token
+    allowed_token_ids: frozenset[int] | None = attrs.field(
+        default=None, converter=_optional_int_frozenset
+    )
+    # vLLM's: words the output never contains. The engine reads `bad_word_ids`, their token
+    # sequences, which whoever holds the tokenizer fills in (`token_bans.bad_word_ids`).
+    bad_words: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    bad_word_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_id_sequences)
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -168,6 +184,19 @@ class SamplingParams:
                     f"logit_bias: token {token} with bias {bias}: tokens are non-negative, "
                     "biases in [-100, 100]"
                 )
+        self._check_bans()
+
+    def _check_bans(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None and not allowed:
+            raise ValueError("allowed_token_ids must not be empty (leave it out to allow any)")
+        if allowed is not None and min(allowed) < 0:
+            raise ValueError(f"allowed_token_ids must be non-negative, got {min(allowed)}")
+        if any(not word.strip() for word in self.bad_words):
+            raise ValueError("bad_words must not contain an empty or blank string")
+        for ids in self.bad_word_ids:
+            if not ids or min(ids) < 0:
+                raise ValueError(f"bad_word_ids: each must be non-empty token ids, got {ids}")
 
     @property
     def penalized(self) -> bool:
@@ -177,6 +206,12 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def bans_after_tokens(self) -> bool:
+        """Whether a bad word of several tokens bans its last one after the others, so sampling
+        needs the request's output so far."""
+        return any(len(ids) > 1 for ids in self.bad_word_ids)
 
 
 @attrs.define(eq=False, kw_only=True)

@@ -48,6 +48,7 @@ import torch
 from trtdisagg.worker import sampling_batch
 from trtdisagg.worker.request import Request, SamplingParams
 from trtdisagg.worker.sampling_batch import is_greedy
+from trtdisagg.worker.token_bans import allowed_mask
 from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 
@@ -71,9 +72,10 @@ class TokenHistory:
 class SampleSpec:
     """How one request picks its next token.
 
-    `allowed` is the structured-output mask for this step, computed on the host: int32 words on
-    the CPU, bit i of word i // 32 set when token i is allowed (llguidance's layout); tokens past
-    its last word are not allowed. `history` is required when a penalty acts.
+    `allowed` is the mask of tokens it may sample (a request's `allowed_token_ids`, and for this
+    step its grammar's), computed on the host: int32 words on the CPU, bit i of word i // 32 set
+    when token i is allowed (llguidance's layout); tokens past its last word are not allowed.
+    `suppress` holds tokens it may not sample now. `history` is required when a penalty acts.
     """
 
     params: SamplingParams
@@ -128,7 +130,12 @@ def new_spec(
     if params.penalized:
         history = TokenHistory(prompt=request.prompt_token_ids, output=request.output_token_ids)
     suppress = frozenset() if params.ignore_eos or params.min_tokens == 0 else eos_token_ids
-    return SampleSpec(params=params, generator=generator, suppress=suppress, history=history)
+    allowed = None
+    if params.allowed_token_ids is not None:
+        allowed = torch.from_numpy(allowed_mask(params.allowed_token_ids, width))
+    return SampleSpec(
+        params=params, generator=generator, suppress=suppress, history=history, allowed=allowed
+    )
 
 
 def skip_sample(generator: torch.Generator, params: SamplingParams, width: int) -> None:

@@ -20,6 +20,7 @@ import numpy.typing as npt
 import torch
 
 from trtdisagg.worker.request import MIN_TEMPERATURE, SamplingParams
+from trtdisagg.worker.token_bans import BITS
 
 if TYPE_CHECKING:
     from trtdisagg.worker.sampling import SampleSpec
@@ -30,7 +31,6 @@ TOP_P_OFF: Final = 2.0
 rounding can never drop a token of it (1.0 could, once the sum rounds up to 1 early)."""
 TINY: Final = torch.finfo(torch.float32).tiny
 """Exponential draws are clamped to this: log(0) would make a masked token's -inf logit NaN."""
-BITS: Final = 32  # tokens per word of an allowed-token mask
 
 IntArray = npt.NDArray[np.int64]
 

@@ -23,9 +23,9 @@ for it is dropped, and its blocks are freed only once step N+1 finished (`in_fli
 step's inputs are taken from its plan before it launches (`driver.inputs`), and the scheduler
 hears of the launch before anything runs concurrently, so requests and blocks still change only
 on the Trio thread. One hook, `synchronous`, marks requests that need their previous token on
-the host before their next step samples (a grammar's mask, penalties' token counts): a step
-holding one is finished before the next is scheduled. A multi-rank driver does not overlap:
-every step is finished before the next is scheduled.
+the host before their next step samples (a grammar's mask, penalties' token counts, bad
+words' bans): a step holding one is finished before the next is scheduled. A multi-rank driver
+does not overlap: every step is finished before the next is scheduled.
 
 Polling comes before receiving so that blocks a finished transfer frees serve the gen requests
 waiting for blocks in the same round. What differs between one rank and many is the driver's
@@ -63,6 +63,7 @@ from trtdisagg.worker.launched import StepOutput
 from trtdisagg.worker.request import FinishReason, Request
 from trtdisagg.worker.sampling import SampleSpec
 from trtdisagg.worker.scheduler import Scheduler, StepPlan
+from trtdisagg.worker.token_bans import banned_next, intersect
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,9 @@ class InFlight:
 
 def needs_last_token(live: Live) -> bool:
     """Whether `live` needs its previous token on the host before its next step samples: its
-    grammar's mask, or its penalties' token counts, are made from it."""
-    return live.grammar is not None or live.request.sampling.penalized
+    grammar's mask, its penalties' token counts, or its bad words' bans are made from it."""
+    sampling = live.request.sampling
+    return live.grammar is not None or sampling.penalized or sampling.bans_after_tokens
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -402,18 +404,28 @@ def _prefill_tokens(plan: StepPlan) -> int:
     )
 
 
-def _current_spec(live: Live, num_outputs: int, allowed: torch.Tensor | None) -> SampleSpec:
+def _current_spec(live: Live, num_outputs: int, grammar: torch.Tensor | None) -> SampleSpec:
     """How `live` samples its next token: once it has `min_tokens` outputs, EOS is no longer
-    suppressed; `allowed` is its grammar's bitmask for this token."""
+    suppressed; the tokens that would complete a bad word are; `grammar` is its grammar's
+    bitmask for this token, met with its `allowed_token_ids`."""
     spec = live.spec
-    if spec.suppress and num_outputs >= live.request.sampling.min_tokens:
+    params = live.request.sampling
+    if spec.suppress and num_outputs >= params.min_tokens:
         live.spec = spec = attrs.evolve(spec, suppress=frozenset())
-    if allowed is None:
+    suppress = spec.suppress
+    if params.bad_word_ids:
+        suppress = suppress | banned_next(params.bad_word_ids, live.request.output_token_ids)
+    allowed = spec.allowed
+    if grammar is not None:
+        both = grammar if allowed is None else intersect(allowed.numpy(), grammar.numpy())
+        allowed = torch.as_tensor(both)
+    if allowed is not None and suppress and not allows_other_than(allowed.numpy(), suppress):
+        # What the grammar or allowed_token_ids allow, min_tokens or bad_words hold back: the
+        # former win (a row with no token left would sample garbage).
+        suppress = frozenset()
+    if allowed is spec.allowed and suppress is spec.suppress:
         return spec
-    if spec.suppress and not allows_other_than(allowed.numpy(), spec.suppress):
-        # The grammar allows only the end, which min_tokens holds back: the grammar wins.
-        return attrs.evolve(spec, allowed=allowed, suppress=frozenset())
-    return attrs.evolve(spec, allowed=allowed)
+    return attrs.evolve(spec, allowed=allowed, suppress=suppress)
 
 
 def grammar_masks(choices: Sequence[Live]) -> dict[int, torch.Tensor]:

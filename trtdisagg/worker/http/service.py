@@ -39,6 +39,7 @@ from trtdisagg.worker.http.engine import Engine
 from trtdisagg.worker.http.gen_source import generation_source
 from trtdisagg.worker.http.jobs import ChoiceRun, CtxEndpoint, Job
 from trtdisagg.worker.request import MIN_TEMPERATURE, Request, RequestType, SamplingParams
+from trtdisagg.worker.token_bans import bad_word_ids
 from trtdisagg.worker.tokenization import Tokenizer
 
 if TYPE_CHECKING:
@@ -385,6 +386,23 @@ class WorkerService:
                 f"logit_bias: token id {bad_bias} outside the vocabulary [0, {logits_width})",
                 param="logit_bias",
             )
+        bad_allowed = next(
+            (t for t in sorted(req.allowed_token_ids or ()) if t >= logits_width), None
+        )
+        if bad_allowed is not None:
+            raise bad_request(
+                f"allowed_token_ids: token id {bad_allowed} outside the vocabulary "
+                f"[0, {logits_width})",
+                param="allowed_token_ids",
+            )
+        bad_words = tuple(req.bad_words or ())
+        bad_ids = bad_word_ids(bad_words, self._encode_plain)
+        outside = next((t for ids in bad_ids for t in ids if t >= logits_width), None)
+        if outside is not None:
+            raise bad_request(
+                f"bad_words: a word spells token {outside}, outside the logits [0, {logits_width})",
+                param="bad_words",
+            )
         stop = req.stop
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
@@ -400,6 +418,9 @@ class WorkerService:
                 ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=bad_words,
+                bad_word_ids=bad_ids,
                 logprobs=logprobs,
                 min_tokens=req.min_tokens,
                 min_p=req.min_p or 0.0,
@@ -411,6 +432,9 @@ class WorkerService:
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
