@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import trio
 
-from trtdisagg.api.chat import chat_messages, chat_tools
+from trtdisagg.api.chat import ChatRender
 from trtdisagg.api.codec import parse_request
 from trtdisagg.api.errors import ApiError
 from trtdisagg.api.fanout import choice_seed
@@ -164,27 +164,35 @@ class LLM:
         n: int = 1,
         structured_outputs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to each conversation (one list of messages, or a list of them),
         rendered with the model's chat template as `/v1/chat/completions` renders `messages`
-        (with `tools`, OpenAI tool objects, given to the template). Each output's `prompt` is
-        the rendered text. `sampling_params`, `n` and `structured_outputs` as for `generate`.
+        (with `tools`, OpenAI tool objects, and `chat_template_kwargs` given to the template;
+        `continue_final_message` ends the prompt inside the last, assistant, message). Each
+        output's `prompt` is the rendered text. `sampling_params`, `n` and
+        `structured_outputs` as for `generate`.
 
         Raises:
             ValueError: a malformed message or tool (named as `conversations[i].messages[j]`),
                 no chat template, or any reason `generate` gives.
         """
         conversations = _as_conversations(messages)
-        rendered = [
-            self._render(i, conversation, add_generation_prompt, tools)
-            for i, conversation in enumerate(conversations)
-        ]
-        encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in rendered]
-        for i, ids in enumerate(encoded):
+        controls: dict[str, Any] = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "chat_template_kwargs": chat_template_kwargs,
+            "tools": tools,
+        }
+        prompts = [self._render(i, c, controls) for i, c in enumerate(conversations)]
+        for i, (_, ids) in enumerate(prompts):
             self._check_ids(f"conversations[{i}]", ids)
         grammar = self._grammar(structured_outputs)
-        return self._generate("conversations", list(rendered), encoded, sampling_params, n, grammar)
+        texts = [text for text, _ in prompts]
+        encoded = [ids for _, ids in prompts]
+        return self._generate("conversations", texts, encoded, sampling_params, n, grammar)
 
     def _generate(
         self,
@@ -258,27 +266,18 @@ class LLM:
             raise ValueError(f"{wanted.field}: {exc}") from None
 
     def _render(
-        self,
-        index: int,
-        conversation: Conversation,
-        add_generation_prompt: bool,
-        tools: Sequence[Mapping[str, Any]] | None,
-    ) -> str:
-        """One conversation as the chat route reads and renders it."""
+        self, index: int, conversation: Conversation, controls: Mapping[str, Any]
+    ) -> tuple[str, list[int]]:
+        """One conversation as the chat route reads, renders and encodes it (`controls`: the
+        chat request's other fields)."""
         where = f"conversations[{index}]"
-        body: dict[str, Any] = {"messages": conversation}
-        if tools is not None:
-            body["tools"] = tools
+        body = {"messages": conversation, **{k: v for k, v in controls.items() if v is not None}}
         try:
             req = parse_request(body, ChatCompletionRequest)
         except ApiError as exc:
             raise ValueError(f"{where}.{exc.message}") from None
         try:
-            return self.tokenizer.apply_chat_template(
-                chat_messages(req.messages or []),
-                add_generation_prompt=add_generation_prompt,
-                tools=chat_tools(req),
-            )
+            return self.tokenizer.chat_prompt(ChatRender.of(req))
         except TokenizerError as exc:
             raise ValueError(f"{where}: {exc}") from None
 

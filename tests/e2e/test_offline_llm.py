@@ -178,6 +178,17 @@ def test_chat_prompts_and_greedy_replies_equal_the_chat_route_s(worker: Server, 
     r = httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert list(with_tools.prompt_token_ids) == r.json()["prompt_token_ids"]
+    # vLLM's continue_final_message: the prompt ends inside the assistant's message, as
+    # transformers renders it; with add_generation_prompt as well, a ValueError naming it.
+    going = [*CONVERSATIONS[0], {"role": "assistant", "content": "Well,"}]
+    (more,) = llm.chat(going, params, add_generation_prompt=False, continue_final_message=True)
+    assert more.prompt == hf.apply_chat_template(
+        going, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
+    with pytest.raises(ValueError, match=r"conversations\[0\]\.continue_final_message"):
+        llm.chat(going, params, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"conversations\[0\]\.chat_template_kwargs"):
+        llm.chat(going, params, chat_template_kwargs={"tools": []})
 
 
 def test_n_seeded_samples_equal_the_route_s_choices(worker: Server, llm: LLM) -> None:

@@ -380,6 +380,32 @@ def test_tools_and_tool_turns_reach_the_chat_template(cluster: Cluster, http: ht
     assert results[:2] == results[2:]  # split or not
 
 
+def test_chat_rendering_controls_shape_the_prompt(cluster: Cluster, http: httpx.Client) -> None:
+    """vLLM's `continue_final_message` (the prompt ends inside the assistant's message, whose
+    reply goes on from it, the same tokens as a completion of that prompt), `add_special_tokens`
+    (the tokenizer's BOS before the template's) and `chat_template_kwargs` (accepted; `tiny`'s
+    template reads none), split or not."""
+    info = http.get(cluster.ctx.url + "/server_info").json()
+    tokenizer = Tokenizer.from_dir(Path(info["model_path"]))
+    messages = [*CHAT, {"role": "assistant", "content": "Two plus two is"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    continued = tokenizer.encode(rendered[: rendered.rindex(" is") + 3], add_special_tokens=False)
+    plain = tokenizer.encode(tokenizer.apply_chat_template(CHAT), add_special_tokens=False)
+    goes_on = {**IDS, "continue_final_message": True, "add_generation_prompt": False}
+    with_bos = {**IDS, "add_special_tokens": True, "chat_template_kwargs": {"enable_thinking": 0}}
+    results = []
+    for client in both(cluster):
+        ask: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+        answer = client.chat.completions.create(messages=messages, extra_body=goes_on, **ask)
+        assert answer.prompt_token_ids == continued  # type: ignore[attr-defined]
+        results.append(list(answer.choices[0].token_ids))  # type: ignore[attr-defined]
+        same = client.completions.create(prompt=continued, extra_body=IDS, **ask)
+        assert tokens_of(same)[0] == results[-1]
+        answer = client.chat.completions.create(messages=CHAT, extra_body=with_bos, **ask)
+        assert answer.prompt_token_ids == [tokenizer.bos_token_id, *plain]  # type: ignore[attr-defined]
+    assert results[0] == results[1]
+
+
 # ---- /v1/responses ----
 
 

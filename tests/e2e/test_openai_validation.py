@@ -59,6 +59,12 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {
         "type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"continue_final_message": True, "add_generation_prompt": False},
+     "continue_final_message"),  # the last message is the user's
+    ("/v1/chat/completions", {"chat_template_kwargs": {"add_generation_prompt": False}},
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {"store": True}, "store"),
     ("/v1/chat/completions", {"logit_bias": {"5": -100.5}}, "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),

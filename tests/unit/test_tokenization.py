@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trtdisagg.api.chat import ChatRender
 from trtdisagg.model.tiny import TinySpec, write_checkpoint
 from trtdisagg.model.tiny_tokenizer import build_tokenizer, write_tokenizer_files
 from trtdisagg.worker.tokenization import (
@@ -149,6 +150,49 @@ def test_matches_transformers(model_dir: Path, tok: Tokenizer) -> None:
             messages, tokenize=False, add_generation_prompt=generation
         )
         assert tok.apply_chat_template(messages, add_generation_prompt=generation) == expected
+
+
+def test_continue_final_message_and_template_kwargs_render_as_transformers_does(
+    model_dir: Path, tok: Tokenizer, tmp_path: Path
+) -> None:
+    """The prompt ends inside the last message (its trailing spaces kept only where the
+    template keeps them), and template kwargs reach the template, as transformers renders
+    them; the request's own variables win over kwargs of the same name."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    for reply in ("The answer is", "The answer is ", "  4 and 4"):
+        messages = [{"role": "user", "content": "What is 2+2?"},
+                    {"role": "assistant", "content": reply}]  # fmt: skip
+        chat = ChatRender(messages=messages, tools=None, add_generation_prompt=False,
+                          continue_final_message=True)  # fmt: skip
+        text, ids = tok.chat_prompt(chat)
+        assert text == hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+        )
+        assert text.rstrip().endswith(reply.strip())  # no end of turn after it
+        assert ids == tok.encode(text, add_special_tokens=False)
+    with_bos = tok.chat_prompt(attrs.evolve(chat, add_special_tokens=True))[1]
+    assert with_bos == [tok.bos_token_id, *ids]  # the template wrote one BOS, encoding another
+    empty = attrs.evolve(chat, messages=[*messages[:1], {"role": "assistant", "content": " "}])
+    with pytest.raises(TokenizerError, match="continue_final_message"):
+        tok.chat_prompt(empty)
+    write_tokenizer_files(tmp_path, VOCAB)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+        "{% for m in messages %}{{ m.content }};{% endfor %}{{ bos_token }}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    own, hf_own = Tokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    plain = ChatRender(messages=[{"role": "user", "content": "Hi"}], tools=None)
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        text, _ = own.chat_prompt(attrs.evolve(plain, template_kwargs=kwargs))
+        assert text == hf_own.apply_chat_template(plain.messages, tokenize=False, **kwargs)
+    assert own.chat_prompt(attrs.evolve(plain, template_kwargs={"enable_thinking": False}))[0] == (
+        f"/no_think Hi;{own.bos_token or ''}"
+    )
+    clashing = attrs.evolve(plain, template_kwargs={"bos_token": "X", "messages": []})
+    assert own.chat_prompt(clashing)[0] == own.chat_prompt(plain)[0]
 
 
 TOOLS = [

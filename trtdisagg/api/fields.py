@@ -338,6 +338,34 @@ CHAT: Final = {
             SUPPORTED,
             "extension: the template's assistant header (default true)",
         ),
+        _rule(
+            "continue_final_message",
+            SUPPORTED,
+            "extension (vLLM's): the prompt ends inside the last message, the assistant's, and "
+            "the reply goes on with it; needs `add_generation_prompt: false`",
+            refusal={"continue_final_message": True},
+        ),
+        _rule(
+            "chat_template_kwargs",
+            SUPPORTED,
+            "extension (vLLM's): more variables for the chat template (`enable_thinking`, ...); "
+            "not one the request sets itself (`messages`, `tools`, `add_generation_prompt`, "
+            "`bos_token`, `eos_token`)",
+            bad={"messages": []},
+        ),
+        _rule(
+            "add_special_tokens",
+            SUPPORTED,
+            "extension (vLLM's): the tokenizer's own special tokens (a BOS) added to the "
+            "rendered prompt; default false, as the template writes them",
+        ),
+        _rule(
+            "chat_template",
+            REFUSED,
+            "a request's own template is not taken: the model's renders every chat (vLLM "
+            "also refuses it unless started to trust them)",
+            bad="{{ messages }}",
+        ),
         *_sampling_rules(),
     ]
 }

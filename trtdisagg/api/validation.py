@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Final
 
+from trtdisagg.api.chat import TEMPLATE_VARIABLES
 from trtdisagg.api.errors import bad_request
 from trtdisagg.api.grammars import output_grammar
 from trtdisagg.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -206,6 +207,7 @@ def _validate_chat(req: ChatCompletionRequest) -> None:
     if not req.messages:
         raise bad_request("messages: must not be empty", param="messages")
     _validate_content_parts(req.messages)
+    _validate_rendering(req)
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= 20:
             raise bad_request(
@@ -220,6 +222,30 @@ def _validate_chat(req: ChatCompletionRequest) -> None:
                 param="tools",
             )
     _validate_tool_choice(req.tool_choice, bool(req.tools))
+
+
+def _validate_rendering(req: ChatCompletionRequest) -> None:
+    """vLLM's chat rendering controls (`api/chat.py`)."""
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message: needs add_generation_prompt: false (an assistant turn "
+                "cannot both start and go on)",
+                param="continue_final_message",
+            )
+        last = req.messages[-1] if req.messages else None
+        if last is None or last.role != "assistant":
+            raise bad_request(
+                "continue_final_message: the last message must be the assistant's, got "
+                f"{last.role if last else None!r}",
+                param="continue_final_message",
+            )
+    clash = sorted(TEMPLATE_VARIABLES & set(req.chat_template_kwargs or {}))
+    if clash:
+        raise bad_request(
+            f"chat_template_kwargs: {clash[0]!r} is set by the request itself",
+            param="chat_template_kwargs",
+        )
 
 
 def _validate_content_parts(messages: Sequence[ChatMessage]) -> None:

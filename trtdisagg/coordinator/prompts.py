@@ -4,8 +4,8 @@ Routing by cached prefix needs the prompt's tokens exactly as the workers will s
 coordinator loads the same tokenizer (`trtdisagg.worker.tokenization.Tokenizer.from_dir` on the
 ``model_path`` a worker reports in ``/server_info``) and tokenizes the way the worker does
 (`WorkerService._prompt_ids`): completions ``encode(prompt)``; chat
-``encode(apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)``
-with the messages and tools of `api/chat.py`.
+``Tokenizer.chat_prompt(ChatRender.of(request))``, which renders and encodes the messages and
+tools of `api/chat.py` under the request's rendering controls.
 
 When the tokenizer cannot be loaded (the model directory is not on this machine, or the worker
 package is not installed here) text prompts get no token ids: `kv_cache_aware` then routes by load
@@ -26,7 +26,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from trtdisagg.api.chat import chat_messages, chat_tools
+from trtdisagg.api.chat import ChatRender
 from trtdisagg.api.codec import single_prompt
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -116,12 +116,8 @@ def _encode(tokenizer: Any, req: AnyRequest) -> list[int] | None:
             prompt = single_prompt(req)
             assert isinstance(prompt, str)
             return list(tokenizer.encode(prompt))
-        text = tokenizer.apply_chat_template(
-            chat_messages(req.messages or []),
-            add_generation_prompt=req.add_generation_prompt,
-            tools=chat_tools(req),
-        )
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        _, ids = tokenizer.chat_prompt(ChatRender.of(req))
+        return list(ids)
     except Exception as exc:  # the worker will reject the same prompt with a 400 naming it
         log.debug("coordinator could not tokenize a prompt: %s", exc)
         return None

@@ -26,6 +26,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _RustTokenizer
 
+from trtdisagg.api.chat import ChatRender, continued
+
 
 class TokenizerError(ValueError):
     """The tokenizer files are missing or invalid, or a chat template failed to render."""
@@ -128,15 +130,37 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def chat_prompt(self, chat: ChatRender) -> tuple[str, list[int]]:
+        """A chat request's prompt, as text and as token ids (`api/chat.py`).
+
+        Raises:
+            TokenizerError: no chat template, the template failed, or the last message, to be
+                continued, is not in its text.
+        """
+        text = self.apply_chat_template(
+            chat.messages,
+            add_generation_prompt=chat.add_generation_prompt,
+            tools=chat.tools,
+            template_kwargs=chat.template_kwargs,
+        )
+        if chat.continue_final_message:
+            try:
+                text = continued(text, chat.messages[-1]["content"] or "")
+            except ValueError as exc:
+                raise TokenizerError(str(exc)) from None
+        return text, self.encode(text, add_special_tokens=chat.add_special_tokens)
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any] | Any],
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render the chat template over `messages` (dicts, or attrs instances); `tools` is the
-        template's `tools` variable (OpenAI's tool objects), None when there are none.
+        template's `tools` variable (OpenAI's tool objects), None when there are none;
+        `template_kwargs` are more variables (none of `chat.TEMPLATE_VARIABLES`).
 
         Raises:
             TokenizerError: no chat template, or the template failed (e.g. `raise_exception`).
@@ -149,13 +173,14 @@ class Tokenizer:
                 if message.get("role") == "developer":
                     message["role"] = "system"
         try:
-            return self._template.render(
-                messages=rendered,
-                tools=None if tools is None else list(tools),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            own = {
+                "messages": rendered,
+                "tools": None if tools is None else list(tools),
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "",
+                "eos_token": self.eos_token or "",
+            }
+            return self._template.render({**(template_kwargs or {}), **own})
         except jinja2.TemplateError as error:
             raise TokenizerError(f"chat template: {error}") from None
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from trtdisagg.api.chat import chat_messages, chat_tools
+from trtdisagg.api.chat import ChatRender
 from trtdisagg.api.errors import ApiError, bad_request
 from trtdisagg.api.fanout import ChoicePlan, plan_choices
 from trtdisagg.api.grammars import output_grammar
@@ -331,14 +331,10 @@ class WorkerService:
 
     def _chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(
-                chat_messages(req.messages or []),
-                add_generation_prompt=req.add_generation_prompt,
-                tools=chat_tools(req),
-            )
+            _, ids = self.tokenizer.chat_prompt(ChatRender.of(req))
         except Exception as exc:  # a template's raise_exception() names the problem
             raise bad_request(f"messages: {exc}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     def _echo(self, plan: ChoicePlan, prompts: dict[int, list[int]]) -> str:
         """The prompt text `echo` prepends: the client's string, or its tokens decoded."""
