@@ -29,6 +29,7 @@ from trtdisagg.api.errors import ApiError
 from trtdisagg.api.fanout import choice_seed
 from trtdisagg.api.grammars import output_grammar
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
+from trtdisagg.api.validation import kept_prompt
 from trtdisagg.config import ConfigError, WorkerConfig, structure
 from trtdisagg.cpu_affinity import CpuAffinityError, pin_engine
 from trtdisagg.errors import CapacityError
@@ -297,6 +298,13 @@ class LLM:
 
     def _group(self, where: str, ids: list[int], params: SamplingParams, n: int) -> list[Request]:
         """One prompt's `n` requests (one per sample), checked to fit."""
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep > self.max_seq_len:
+            raise ValueError(
+                f"{where}: truncate_prompt_tokens {keep} is more than the model's context of "
+                f"{self.max_seq_len} tokens"
+            )
+        ids = kept_prompt(ids, keep, self.max_seq_len)
         if len(ids) + params.max_tokens > self.max_seq_len:
             raise ValueError(
                 f"{where}: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "

@@ -115,9 +115,9 @@ def test_offline_greedy_tokens_equal_the_workers(worker: Server, llm: LLM, tmp_p
     assert kept.text == "<|assistant|>" * 2
 
 
-def test_token_bans_act_as_on_the_worker(worker: Server, llm: LLM) -> None:
-    """vLLM's allowed_token_ids and bad_words: the same tokens as the worker's HTTP route; a
-    token outside the logits is refused, naming the field."""
+def test_vllm_prompt_and_token_controls_act_as_on_the_worker(worker: Server, llm: LLM) -> None:
+    """vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens: the same tokens as the
+    worker's HTTP route; a token outside the logits is refused, naming the field."""
     from trtdisagg import SamplingParams
 
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -125,6 +125,7 @@ def test_token_bans_act_as_on_the_worker(worker: Server, llm: LLM) -> None:
     controls = {
         "allowed_token_ids": sorted({free[2], free[5], 7}),
         "bad_words": [llm.tokenizer.decode(free[:2])],
+        "truncate_prompt_tokens": 2,
     }
     for name, value in controls.items():
         (out,) = llm.generate(PROMPTS[0], attrs.evolve(greedy, **{name: value}))

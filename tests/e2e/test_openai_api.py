@@ -406,6 +406,32 @@ def test_chat_rendering_controls_shape_the_prompt(cluster: Cluster, http: httpx.
     assert results[0] == results[1]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_s_end(cluster: Cluster) -> None:
+    """vLLM's `truncate_prompt_tokens`: the model reads the prompt's last k tokens (the same
+    tokens as a completion of just those), chat and completions, split or not; `echo` gives
+    the text it read."""
+    worker, _ = both(cluster)
+    ask: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+    whole = worker.completions.create(prompt=PROMPTS[1], extra_body=IDS, **ask)
+    ids = whole.prompt_token_ids  # type: ignore[attr-defined]
+    chat = worker.chat.completions.create(messages=CHAT, extra_body=IDS, **ask)
+    chat_ids = chat.prompt_token_ids  # type: ignore[attr-defined]
+    short = {**IDS, "truncate_prompt_tokens": 3}
+    results = []
+    for client in both(cluster):
+        cut = client.completions.create(prompt=PROMPTS[1], extra_body=short, **ask)
+        assert cut.prompt_token_ids == ids[-3:]  # type: ignore[attr-defined]
+        same = client.completions.create(prompt=ids[-3:], extra_body=IDS, **ask)
+        assert tokens_of(cut) == tokens_of(same)
+        echoed = client.completions.create(prompt=PROMPTS[1], echo=True, extra_body=short, **ask)
+        read = client.completions.create(prompt=ids[-3:], echo=True, **ask)
+        assert echoed.choices[0].text == read.choices[0].text
+        answer = client.chat.completions.create(messages=CHAT, extra_body=short, **ask)
+        assert answer.prompt_token_ids == chat_ids[-3:]  # type: ignore[attr-defined]
+        results.append((tokens_of(cut), list(answer.choices[0].token_ids)))  # type: ignore[attr-defined]
+    assert results[0] == results[1]
+
+
 # ---- /v1/responses ----
 
 

@@ -167,7 +167,7 @@ BODY: dict[str, Any] = {
     "temperature": 0.8, "stop": ["STOP"], "echo": True, "n": 1, "best_of": 1,
     "stream": False, "return_token_ids": False, "logprobs": 2,
     "disaggregated_params": {"request_type": "generation_only"},
-    "stream_options": {"continuous_usage_stats": True},
+    "stream_options": {"continuous_usage_stats": True}, "truncate_prompt_tokens": 2,
 }  # fmt: skip
 
 
@@ -181,7 +181,7 @@ def test_continuation_request_asks_for_what_is_left() -> None:
     assert out["seed"] == continuation_seed(7, 3) != 7
     assert out["stream"] is True and out["return_token_ids"] is True
     assert out["stream_options"] == {"include_usage": True}
-    for gone in ("stop", "echo", "best_of", "disaggregated_params"):
+    for gone in ("stop", "echo", "best_of", "disaggregated_params", "truncate_prompt_tokens"):
         assert gone not in out
     assert out["logprobs"] == 2 and out["temperature"] == 0.8 and out["prompt"] == "hi"
     assert BODY["max_tokens"] == 10 and "stop" in BODY  # the client's body is not changed

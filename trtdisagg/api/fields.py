@@ -151,9 +151,22 @@ def _sampling_rules() -> list[FieldRule]:
             "output; the token that ends the choice adds none",
         ),
         _rule(
+            "spaces_between_special_tokens",
+            IGNORED,
+            "extension (vLLM's): for slow (Python) tokenizers only; the fast tokenizers read "
+            "here decode special tokens without it, as vLLM's fast path does",
+        ),
+        _rule(
             "stop_token_ids",
             SUPPORTED,
             "extension: token ids that end the choice; each must be in the vocabulary",
+        ),
+        _rule(
+            "truncate_prompt_tokens",
+            SUPPORTED,
+            "extension (vLLM's): the model reads only the prompt's last k tokens (-1: the "
+            "model's context); more than the context is a 400; `echo` gives what it read",
+            bad=0,
         ),
         _rule(
             "allowed_token_ids",

@@ -111,6 +111,12 @@ def _validate_sampling(req: AnyRequest) -> None:
         )
     _validate_controls(req)
     _validate_bans(req)
+    keep = req.truncate_prompt_tokens
+    if keep is not None and keep != -1 and keep < 1:
+        raise bad_request(
+            f"truncate_prompt_tokens: -1 (the model's context) or at least 1, got {keep}",
+            param="truncate_prompt_tokens",
+        )
     logit_bias_of(req)
 
 
@@ -142,6 +148,13 @@ def _validate_controls(req: AnyRequest) -> None:
         )
     if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
         raise bad_request(f"min_p: must be in [0, 1], got {req.min_p}", param="min_p")
+
+
+def kept_prompt(ids: list[int], keep: int | None, context: int | None) -> list[int]:
+    """The prompt tokens the model reads under `truncate_prompt_tokens` `keep` (vLLM's): the
+    last `keep`, or with -1 the last `context` (the model's; None: all)."""
+    count = context if keep == -1 else keep
+    return ids if count is None else ids[-count:]
 
 
 def _validate_bans(req: AnyRequest) -> None:

@@ -29,6 +29,7 @@ import trio
 from trtdisagg.api.chat import ChatRender
 from trtdisagg.api.codec import single_prompt
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
+from trtdisagg.api.validation import kept_prompt
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,10 @@ def _encode(tokenizer: Any, req: AnyRequest) -> list[int] | None:
         if isinstance(req, CompletionRequest):
             prompt = single_prompt(req)
             assert isinstance(prompt, str)
-            return list(tokenizer.encode(prompt))
-        _, ids = tokenizer.chat_prompt(ChatRender.of(req))
-        return list(ids)
+            ids = list(tokenizer.encode(prompt))
+        else:
+            _, ids = tokenizer.chat_prompt(ChatRender.of(req))
+        return kept_prompt(list(ids), req.truncate_prompt_tokens, None)
     except Exception as exc:  # the worker will reject the same prompt with a 400 naming it
         log.debug("coordinator could not tokenize a prompt: %s", exc)
         return None

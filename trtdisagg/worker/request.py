@@ -141,6 +141,9 @@ class SamplingParams:
     # sequences, which whoever holds the tokenizer fills in (`token_bans.bad_word_ids`).
     bad_words: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     bad_word_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_id_sequences)
+    # vLLM's: the model reads the prompt's last k tokens (-1: its context). The HTTP front and
+    # `LLM` cut the prompt; the engine gets the cut prompt.
+    truncate_prompt_tokens: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -187,6 +190,9 @@ class SamplingParams:
         self._check_bans()
 
     def _check_bans(self) -> None:
+        keep = self.truncate_prompt_tokens
+        if keep is not None and keep != -1 and keep < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
         allowed = self.allowed_token_ids
         if allowed is not None and not allowed:
             raise ValueError("allowed_token_ids must not be empty (leave it out to allow any)")

@@ -27,7 +27,7 @@ from trtdisagg.api.protocol import (
     KvRelease,
 )
 from trtdisagg.api.tool_calls import ToolCallFormat, parses_tool_calls, tool_call_format
-from trtdisagg.api.validation import is_batched, logit_bias_of, num_candidates
+from trtdisagg.api.validation import is_batched, kept_prompt, logit_bias_of, num_candidates
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.ids import new_transfer_key
@@ -284,7 +284,7 @@ class WorkerService:
                             plan=plan,
                             handle=handle,
                             engine=self.engine,
-                            echo=self._echo(plan, prompts) if echo else None,
+                            echo=self._echo(req, plan, prompts) if echo else None,
                             interval=self.config.stream_interval,
                         )
                     )
@@ -316,6 +316,15 @@ class WorkerService:
             ids = self._chat_prompt_ids(req)
         if not ids:
             raise bad_request(f"{where}: must not be empty", param="prompt")
+        keep = req.truncate_prompt_tokens
+        if keep is not None:
+            if keep > self.max_seq_len:
+                raise bad_request(
+                    f"truncate_prompt_tokens: {keep} is more than this model's context of "
+                    f"{self.max_seq_len} tokens",
+                    param="truncate_prompt_tokens",
+                )
+            ids = kept_prompt(ids, keep, self.max_seq_len)
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -336,9 +345,10 @@ class WorkerService:
             raise bad_request(f"messages: {exc}", param="messages") from None
         return ids
 
-    def _echo(self, plan: ChoicePlan, prompts: dict[int, list[int]]) -> str:
-        """The prompt text `echo` prepends: the client's string, or its tokens decoded."""
-        if isinstance(plan.prompt, str):
+    def _echo(self, req: AnyRequest, plan: ChoicePlan, prompts: dict[int, list[int]]) -> str:
+        """The prompt text `echo` prepends: the client's string, or the tokens the model read
+        (its token ids, or what is left of a string after `truncate_prompt_tokens`) decoded."""
+        if isinstance(plan.prompt, str) and req.truncate_prompt_tokens is None:
             return plan.prompt
         return self.tokenizer.decode(prompts[plan.prompt_index], skip_special_tokens=False)
 
@@ -417,6 +427,7 @@ class WorkerService:
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=bad_words,
                 bad_word_ids=bad_ids,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
                 logprobs=logprobs,
                 min_tokens=req.min_tokens,
                 min_p=req.min_p or 0.0,
