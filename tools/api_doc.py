@@ -14,7 +14,8 @@ import re
 import sys
 from pathlib import Path
 
-from trtdisagg.api.fields import CHAT, COMPLETIONS, RESPONSES, FieldRule, render_table
+from trtdisagg.api.fields import CHAT, COMPLETIONS, FieldRule, render_table
+from trtdisagg.api.responses_fields import RESPONSES
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "API.md"
 TABLES: dict[str, dict[str, FieldRule]] = {

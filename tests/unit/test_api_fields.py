@@ -14,10 +14,11 @@ from openai.types.responses import response_create_params
 
 from trtdisagg.api.codec import parse_json, parse_request
 from trtdisagg.api.errors import ApiError
-from trtdisagg.api.fields import CHAT, COMPLETIONS, RESPONSES, FieldRule, Support, json_equal
+from trtdisagg.api.fields import CHAT, COMPLETIONS, FieldRule, Support, json_equal
 from trtdisagg.api.http import is_json_type
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
 from trtdisagg.api.responses_api import ResponsesRequest
+from trtdisagg.api.responses_fields import RESPONSES
 
 # tools/ is a directory of scripts, not a package (as in test_bench_tools.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))

@@ -49,6 +49,7 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.api.grammars",
     "trtdisagg.api.tool_calls",
     "trtdisagg.api.responses_api",
+    "trtdisagg.api.responses_fields",
     "trtdisagg.api.responses_events",
     "trtdisagg.api.sse",
     "trtdisagg.api.unknown_fields",

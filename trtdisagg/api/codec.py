@@ -15,7 +15,7 @@ import attrs
 import cattrs
 
 from trtdisagg.api.errors import ApiError, bad_request
-from trtdisagg.api.fields import CHAT, COMPLETIONS, RESPONSES, FieldRule, check_fields
+from trtdisagg.api.fields import CHAT, COMPLETIONS, FieldRule, check_fields
 from trtdisagg.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -29,6 +29,7 @@ from trtdisagg.api.responses_api import (
     chat_body,
     responses_input,
 )
+from trtdisagg.api.responses_fields import RESPONSES
 from trtdisagg.api.unknown_fields import UnknownFields
 from trtdisagg.api.validation import single_prompt, validate_request
 

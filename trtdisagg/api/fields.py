@@ -1,7 +1,8 @@
 """Every OpenAI request field of the three generation routes: how it acts here, or its 400.
 
-One rule per field of `/v1/completions`, `/v1/chat/completions` and `/v1/responses` (every field
-of the `openai` package's request types, plus this server's extensions). `check_fields` enforces
+One rule per field of `/v1/completions` and `/v1/chat/completions` here, of `/v1/responses` in
+`responses_fields.py` (every field of the `openai` package's request types, plus this server's
+and other servers' extensions). `check_fields` enforces
 the rules that depend on one field alone: a `neutral` field is accepted only at the value that
 changes nothing (a penalty of 0), a `refused` one only when absent or null, each otherwise a 400
 naming it. `partial` fields, whose limits depend on other fields (`best_of` against `n`), are
@@ -55,7 +56,7 @@ SUPPORTED, PARTIAL, NEUTRAL, IGNORED, REFUSED = (
 TOOL: Final = {"type": "function", "function": {"name": "get_weather"}}
 
 
-def _rule(
+def rule(
     name: str,
     support: Support,
     how: str,
@@ -72,110 +73,110 @@ def _rule(
 def _sampling_rules() -> list[FieldRule]:
     """Fields both completions and chat share (OpenAI's and this server's extensions)."""
     return [
-        _rule(
+        rule(
             "frequency_penalty",
             SUPPORTED,
             "-2 to 2: each output token's logit loses this × its count in the output so far "
             "(see Sampling controls)",
             bad=2.5,
         ),
-        _rule(
+        rule(
             "logit_bias",
             SUPPORTED,
             "token id (a decimal string, in the vocabulary) → bias in [-100, 100], added to "
             "that token's logit",
             bad={"5": 101},
         ),
-        _rule(
+        rule(
             "n",
             SUPPORTED,
             "1 to 128 choices per prompt (n × prompts ≤ 128); a prompt is prefilled once (and, "
             "through the coordinator, sent from ctx to gen once) and forked n ways (see Choices)",
         ),
-        _rule(
+        rule(
             "presence_penalty",
             SUPPORTED,
             "-2 to 2: a token already in the output loses this from its logit",
             bad=-2.5,
         ),
-        _rule(
+        rule(
             "seed",
             SUPPORTED,
             "an int64; choice i of a prompt samples with `choice_seed(seed, i)` (see Seeds)",
         ),
-        _rule(
+        rule(
             "stop",
             SUPPORTED,
             "a string or a list of up to 16 strings, each up to 256 characters; the text ends "
             "before the stop string",
         ),
-        _rule(
+        rule(
             "stream", SUPPORTED, "SSE chunks, choices interleaved as they produce tokens; `[DONE]`"
         ),
-        _rule(
+        rule(
             "stream_options",
             SUPPORTED,
             "`include_usage` (one usage chunk at the end), `continuous_usage_stats` (usage so "
             "far in every chunk); only with `stream: true`",
             refusal={"stream_options": {"include_usage": True}},
         ),
-        _rule("temperature", SUPPORTED, "0 to 100; below 1e-5 samples greedily"),
-        _rule("top_p", SUPPORTED, "in (0, 1]"),
-        _rule("user", IGNORED, "an end-user identifier; nothing here uses it"),
+        rule("temperature", SUPPORTED, "0 to 100; below 1e-5 samples greedily"),
+        rule("top_p", SUPPORTED, "in (0, 1]"),
+        rule("user", IGNORED, "an end-user identifier; nothing here uses it"),
         # ---- extensions (vLLM's and TensorRT-LLM's names) ----
-        _rule("top_k", SUPPORTED, "extension: -1 or 0 off, else the k most likely tokens"),
-        _rule(
+        rule("top_k", SUPPORTED, "extension: -1 or 0 off, else the k most likely tokens"),
+        rule(
             "min_p",
             SUPPORTED,
             "extension: 0 to 1; drops tokens less likely than min_p × the most likely one",
             bad=1.5,
         ),
-        _rule(
+        rule(
             "repetition_penalty",
             SUPPORTED,
             "extension: above 0 (1: off); a token of the prompt or output has a positive logit "
             "divided by it, a negative one multiplied",
             bad=0,
         ),
-        _rule("min_tokens", SUPPORTED, "extension: end-of-sequence is suppressed before this many"),
-        _rule("ignore_eos", SUPPORTED, "extension: generate past end-of-sequence"),
-        _rule(
+        rule("min_tokens", SUPPORTED, "extension: end-of-sequence is suppressed before this many"),
+        rule("ignore_eos", SUPPORTED, "extension: generate past end-of-sequence"),
+        rule(
             "include_stop_str_in_output",
             SUPPORTED,
             "extension (vLLM's): the text ends with the stop string that ended it, not before it",
         ),
-        _rule(
+        rule(
             "skip_special_tokens",
             SUPPORTED,
             "extension (vLLM's): false keeps special tokens' text (`<|eot_id|>`, ...) in the "
             "output; the token that ends the choice adds none",
         ),
-        _rule(
+        rule(
             "spaces_between_special_tokens",
             IGNORED,
             "extension (vLLM's): for slow (Python) tokenizers only; the fast tokenizers read "
             "here decode special tokens without it, as vLLM's fast path does",
         ),
-        _rule(
+        rule(
             "stop_token_ids",
             SUPPORTED,
             "extension: token ids that end the choice; each must be in the vocabulary",
         ),
-        _rule(
+        rule(
             "truncate_prompt_tokens",
             SUPPORTED,
             "extension (vLLM's): the model reads only the prompt's last k tokens (-1: the "
             "model's context); more than the context is a 400; `echo` gives what it read",
             bad=0,
         ),
-        _rule(
+        rule(
             "allowed_token_ids",
             SUPPORTED,
             "extension (vLLM's): a non-empty list of token ids in the vocabulary; every other "
             "token is masked before sampling (and before logprobs, as a grammar's mask is)",
             bad=[],
         ),
-        _rule(
+        rule(
             "bad_words",
             SUPPORTED,
             "extension (vLLM's): up to 128 words kept out of the output as the tokenizer "
@@ -184,7 +185,7 @@ def _sampling_rules() -> list[FieldRule]:
             "through, as in vLLM)",
             bad=[" "],
         ),
-        _rule(
+        rule(
             "response_format",
             SUPPORTED,
             "`text`, `json_object` (any JSON object) or `json_schema` (`{name, schema, "
@@ -192,31 +193,31 @@ def _sampling_rules() -> list[FieldRule]:
             "cannot compile is a 400 naming it",
             refusal={"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
         ),
-        _rule(
+        rule(
             "structured_outputs",
             SUPPORTED,
             "extension (vLLM's): one of `json` (a schema), `regex`, `choice` (strings), "
             "`grammar` (Lark or GBNF)",
             refusal={"structured_outputs": {"regex": "a", "choice": ["b"]}},
         ),
-        _rule("guided_json", SUPPORTED, "extension (vLLM's): as `structured_outputs.json`"),
-        _rule("guided_regex", SUPPORTED, "extension (vLLM's): as `structured_outputs.regex`"),
-        _rule("guided_choice", SUPPORTED, "extension (vLLM's): as `structured_outputs.choice`"),
-        _rule("guided_grammar", SUPPORTED, "extension (vLLM's): as `structured_outputs.grammar`"),
-        _rule(
+        rule("guided_json", SUPPORTED, "extension (vLLM's): as `structured_outputs.json`"),
+        rule("guided_regex", SUPPORTED, "extension (vLLM's): as `structured_outputs.regex`"),
+        rule("guided_choice", SUPPORTED, "extension (vLLM's): as `structured_outputs.choice`"),
+        rule("guided_grammar", SUPPORTED, "extension (vLLM's): as `structured_outputs.grammar`"),
+        rule(
             "return_token_ids",
             SUPPORTED,
             "extension: `prompt_token_ids` and each choice's `token_ids` in the answer",
         ),
-        _rule("return_perf_metrics", SUPPORTED, "extension: per-phase timings in `perf_metrics`"),
-        _rule(
+        rule("return_perf_metrics", SUPPORTED, "extension: per-phase timings in `perf_metrics`"),
+        rule(
             "disaggregated_params",
             SUPPORTED,
             "extension: the ctx ↔ gen hand-over (DESIGN.md §2; see Disaggregated parameters); "
             "a context_only or generation_only request has one prompt (its n choices share it)",
         ),
-        _rule("conversation_id", SUPPORTED, "extension: routing affinity (`conversation` router)"),
-        _rule(
+        rule("conversation_id", SUPPORTED, "extension: routing affinity (`conversation` router)"),
+        rule(
             "prompt_token_ids",
             SUPPORTED,
             "extension: the prompt already tokenized (the coordinator sets it for gen)",
@@ -227,14 +228,14 @@ def _sampling_rules() -> list[FieldRule]:
 COMPLETIONS: Final = {
     rule.name: rule
     for rule in [
-        _rule("model", SUPPORTED, "the served model's name (else 404), or absent"),
-        _rule(
+        rule("model", SUPPORTED, "the served model's name (else 404), or absent"),
+        rule(
             "prompt",
             SUPPORTED,
             "a string, a token list, a list of strings or a list of token lists; prompt p's "
             "choice i has index p × n + i",
         ),
-        _rule(
+        rule(
             "best_of",
             SUPPORTED,
             "`n` to 128 (best_of × prompts ≤ 128): each prompt generates best_of candidates "
@@ -242,29 +243,27 @@ COMPLETIONS: Final = {
             "a stream sends them at the end, each whole in one chunk",
             refusal={"best_of": 129},
         ),
-        _rule(
+        rule(
             "echo",
             SUPPORTED,
             "each choice's text starts with its prompt (streamed first); with `logprobs`, the "
             "prompt's tokens lead `logprobs` (the first with a null logprob), computed by the "
             "prefill that runs anyway (see Echo)",
         ),
-        _rule(
+        rule(
             "logprobs",
             SUPPORTED,
             "0 to 20: each token's logprob; `top_logprobs` has that many most likely tokens "
             "plus the sampled one (0: the sampled one alone)",
         ),
-        _rule(
+        rule(
             "max_tokens",
             SUPPORTED,
             "default 16; below 2**31, and prompt + max_tokens within the model's context "
             "(else a 400 naming it)",
             bad=2**31,
         ),
-        _rule(
-            "suffix", NEUTRAL, "empty only: insertion is not supported", neutral=("",), bad="end"
-        ),
+        rule("suffix", NEUTRAL, "empty only: insertion is not supported", neutral=("",), bad="end"),
         *_sampling_rules(),
     ]
 }
@@ -272,8 +271,8 @@ COMPLETIONS: Final = {
 CHAT: Final = {
     rule.name: rule
     for rule in [
-        _rule("model", SUPPORTED, "the served model's name (else 404), or absent"),
-        _rule(
+        rule("model", SUPPORTED, "the served model's name (else 404), or absent"),
+        rule(
             "messages",
             SUPPORTED,
             "rendered by the model's chat template: `content` as a string or text parts "
@@ -281,47 +280,45 @@ CHAT: Final = {
             "message's `tool_call_id`; `developer` is read as `system` by a template that "
             "does not name it",
         ),
-        _rule("audio", REFUSED, "audio output is not supported", bad={"voice": "alloy"}),
-        _rule("function_call", REFUSED, "deprecated by OpenAI: use `tool_choice`", bad="auto"),
-        _rule("functions", REFUSED, "deprecated by OpenAI: use `tools`", bad=[{"name": "f"}]),
-        _rule("logprobs", SUPPORTED, "with `top_logprobs`: one `logprobs.content` entry per token"),
-        _rule("max_completion_tokens", SUPPORTED, "as `max_tokens`, which it overrides", bad=2**31),
-        _rule(
+        rule("audio", REFUSED, "audio output is not supported", bad={"voice": "alloy"}),
+        rule("function_call", REFUSED, "deprecated by OpenAI: use `tool_choice`", bad="auto"),
+        rule("functions", REFUSED, "deprecated by OpenAI: use `tools`", bad=[{"name": "f"}]),
+        rule("logprobs", SUPPORTED, "with `top_logprobs`: one `logprobs.content` entry per token"),
+        rule("max_completion_tokens", SUPPORTED, "as `max_tokens`, which it overrides", bad=2**31),
+        rule(
             "max_tokens",
             SUPPORTED,
             "default: the room left in the context; below 2**31, and prompt + max_tokens "
             "within the model's context (else a 400 naming it)",
             bad=2**31,
         ),
-        _rule("metadata", IGNORED, "kept only with `store`, which is off"),
-        _rule("modalities", NEUTRAL, '`["text"]` only', neutral=(["text"],), bad=["text", "audio"]),
-        _rule("moderation", REFUSED, "moderation is not supported", bad={"model": "m"}),
-        _rule(
+        rule("metadata", IGNORED, "kept only with `store`, which is off"),
+        rule("modalities", NEUTRAL, '`["text"]` only', neutral=(["text"],), bad=["text", "audio"]),
+        rule("moderation", REFUSED, "moderation is not supported", bad={"model": "m"}),
+        rule(
             "parallel_tool_calls",
             SUPPORTED,
             "with `tool_choice: required`, false forces exactly one call (true: one or more)",
         ),
-        _rule(
-            "prediction", REFUSED, "predicted outputs are not supported", bad={"type": "content"}
-        ),
-        _rule(
+        rule("prediction", REFUSED, "predicted outputs are not supported", bad={"type": "content"}),
+        rule(
             "prompt_cache_key", IGNORED, "a cache hint: prefixes are found by the KV-aware router"
         ),
-        _rule("prompt_cache_options", IGNORED, "a cache hint: the prefix cache keeps what fits"),
-        _rule("prompt_cache_retention", IGNORED, "a cache hint: the prefix cache keeps what fits"),
-        _rule("reasoning_effort", REFUSED, "not a reasoning model", bad="low"),
-        _rule("safety_identifier", IGNORED, "an end-user identifier; nothing here uses it"),
-        _rule(
+        rule("prompt_cache_options", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        rule("prompt_cache_retention", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        rule("reasoning_effort", REFUSED, "not a reasoning model", bad="low"),
+        rule("safety_identifier", IGNORED, "an end-user identifier; nothing here uses it"),
+        rule(
             "service_tier",
             NEUTRAL,
             "`auto` or `default` only",
             neutral=("auto", "default"),
             bad="priority",
         ),
-        _rule(
+        rule(
             "store", NEUTRAL, "false only: completions are not stored", neutral=(False,), bad=True
         ),
-        _rule(
+        rule(
             "tool_choice",
             SUPPORTED,
             "`none` (the template gets no tools), `auto` (calls the output makes are parsed), "
@@ -331,34 +328,34 @@ CHAT: Final = {
                 "tool_choice": {"type": "function", "function": {"name": "other"}},
             },
         ),
-        _rule(
+        rule(
             "tools",
             SUPPORTED,
             "function tools reach the chat template as `tools`; calls in the answer are "
             "`tool_calls` (`finish_reason: tool_calls`); another tool type is a 400",
             refusal={"tools": [{"type": "custom", "function": {"name": "x"}}]},
         ),
-        _rule(
+        rule(
             "top_logprobs",
             SUPPORTED,
             "0 to 20 most likely tokens per entry; needs `logprobs: true`",
             refusal={"top_logprobs": 2},
         ),
-        _rule("verbosity", REFUSED, "not supported", bad="low"),
-        _rule("web_search_options", REFUSED, "web search is not supported", bad={}),
-        _rule(
+        rule("verbosity", REFUSED, "not supported", bad="low"),
+        rule("web_search_options", REFUSED, "web search is not supported", bad={}),
+        rule(
             "add_generation_prompt",
             SUPPORTED,
             "extension: the template's assistant header (default true)",
         ),
-        _rule(
+        rule(
             "continue_final_message",
             SUPPORTED,
             "extension (vLLM's): the prompt ends inside the last message, the assistant's, and "
             "the reply goes on with it; needs `add_generation_prompt: false`",
             refusal={"continue_final_message": True},
         ),
-        _rule(
+        rule(
             "chat_template_kwargs",
             SUPPORTED,
             "extension (vLLM's): more variables for the chat template (`enable_thinking`, ...); "
@@ -366,13 +363,13 @@ CHAT: Final = {
             "`bos_token`, `eos_token`)",
             bad={"messages": []},
         ),
-        _rule(
+        rule(
             "add_special_tokens",
             SUPPORTED,
             "extension (vLLM's): the tokenizer's own special tokens (a BOS) added to the "
             "rendered prompt; default false, as the template writes them",
         ),
-        _rule(
+        rule(
             "chat_template",
             REFUSED,
             "a request's own template is not taken: the model's renders every chat (vLLM "
@@ -380,91 +377,6 @@ CHAT: Final = {
             bad="{{ messages }}",
         ),
         *_sampling_rules(),
-    ]
-}
-
-RESPONSES: Final = {
-    rule.name: rule
-    for rule in [
-        _rule("model", SUPPORTED, "the served model's name (else 404), or absent"),
-        _rule(
-            "input",
-            SUPPORTED,
-            "a string, or a list of messages (`role` user, assistant, system or developer; "
-            "`content` a string or `input_text`/`output_text` parts); other items are a 400",
-        ),
-        _rule("instructions", SUPPORTED, "a system message before the input"),
-        _rule(
-            "max_output_tokens",
-            SUPPORTED,
-            "as chat's `max_tokens`; the response is `incomplete` when it is reached",
-            bad=2**31,
-        ),
-        _rule("temperature", SUPPORTED, "as in chat"),
-        _rule("top_p", SUPPORTED, "as in chat"),
-        _rule(
-            "stream",
-            SUPPORTED,
-            "`response.created`, `response.in_progress`, `response.output_item.added`, "
-            "`response.content_part.added`, `response.output_text.delta`…, "
-            "`response.output_text.done`, `response.content_part.done`, "
-            "`response.output_item.done`, `response.completed`",
-        ),
-        _rule("stream_options", IGNORED, "no obfuscation padding is added to deltas"),
-        _rule("access_programs", REFUSED, "not supported", bad={"cyber": "standard"}),
-        _rule("background", NEUTRAL, "false only", neutral=(False,), bad=True),
-        _rule("background_options", REFUSED, "background responses are not supported", bad={}),
-        _rule("context_management", REFUSED, "not supported", bad=[]),
-        _rule("conversation", REFUSED, "responses are not stored", bad="conv_1"),
-        _rule("image", REFUSED, "not supported", bad={}),
-        _rule(
-            "include", NEUTRAL, "empty only", neutral=([],), bad=["message.output_text.logprobs"]
-        ),
-        _rule("max_tool_calls", REFUSED, "tools are not supported here", bad=1),
-        _rule("metadata", IGNORED, "echoed in the response"),
-        _rule("moderation", REFUSED, "moderation is not supported", bad={"model": "m"}),
-        _rule("parallel_tool_calls", NEUTRAL, "true only", neutral=(True,), bad=False),
-        _rule("previous_response_id", REFUSED, "responses are not stored", bad="resp_1"),
-        _rule("prompt", REFUSED, "prompt templates are not supported", bad={"id": "p"}),
-        _rule(
-            "prompt_cache_key", IGNORED, "a cache hint: prefixes are found by the KV-aware router"
-        ),
-        _rule("prompt_cache_options", IGNORED, "a cache hint: the prefix cache keeps what fits"),
-        _rule("prompt_cache_retention", IGNORED, "a cache hint: the prefix cache keeps what fits"),
-        _rule("reasoning", REFUSED, "not a reasoning model", bad={"effort": "low"}),
-        _rule("safety_identifier", IGNORED, "an end-user identifier; nothing here uses it"),
-        _rule(
-            "service_tier",
-            NEUTRAL,
-            "`auto` or `default` only",
-            neutral=("auto", "default"),
-            bad="priority",
-        ),
-        _rule(
-            "store",
-            NEUTRAL,
-            "false only: responses are not stored (OpenAI's default, true, is a 400)",
-            neutral=(False,),
-            bad=True,
-        ),
-        _rule(
-            "text",
-            SUPPORTED,
-            "`format`: `text`, `json_object` or `json_schema` (`name`, `schema`, `strict`), "
-            "enforced as chat's `response_format` (see Structured output)",
-            refusal={"input": "x", "text": {"format": {"type": "yaml"}}},
-        ),
-        _rule(
-            "tool_choice",
-            NEUTRAL,
-            "`none` or `auto` only",
-            neutral=("none", "auto"),
-            bad="required",
-        ),
-        _rule("tools", NEUTRAL, "empty only", neutral=([],), bad=[TOOL]),
-        _rule("top_logprobs", NEUTRAL, "0 only", neutral=(0,), bad=2),
-        _rule("truncation", NEUTRAL, "`disabled` only", neutral=("disabled",), bad="auto"),
-        _rule("user", IGNORED, "an end-user identifier; nothing here uses it"),
     ]
 }
 

@@ -4,7 +4,8 @@ A Responses request becomes a chat completion body: `instructions` a system mess
 user message (a string) or the listed messages (`developer` taken as `system`), and
 `max_output_tokens` chat's `max_tokens`. Worker and coordinator serve that body on their chat
 path, so the split, the routing and the validation are chat's; `responses_events` turns the chat
-answer back into a Response. Fields outside the text subset are refused in `fields.RESPONSES`.
+answer back into a Response. Fields outside the text subset are refused by
+`responses_fields.RESPONSES`.
 """
 
 from __future__ import annotations

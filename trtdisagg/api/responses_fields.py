@@ -1,0 +1,94 @@
+"""Every request field of `/v1/responses` (the `openai` package's request type): how it acts
+here, or its 400, in the rules of `fields.py`. Served as the chat request it becomes
+(`responses_api.py`), so sampling fields act as in chat; the rest of the Responses API (stored
+responses, tools, background runs) is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from trtdisagg.api.fields import IGNORED, NEUTRAL, REFUSED, SUPPORTED, TOOL, rule
+
+RESPONSES: Final = {
+    rule.name: rule
+    for rule in [
+        rule("model", SUPPORTED, "the served model's name (else 404), or absent"),
+        rule(
+            "input",
+            SUPPORTED,
+            "a string, or a list of messages (`role` user, assistant, system or developer; "
+            "`content` a string or `input_text`/`output_text` parts); other items are a 400",
+        ),
+        rule("instructions", SUPPORTED, "a system message before the input"),
+        rule(
+            "max_output_tokens",
+            SUPPORTED,
+            "as chat's `max_tokens`; the response is `incomplete` when it is reached",
+            bad=2**31,
+        ),
+        rule("temperature", SUPPORTED, "as in chat"),
+        rule("top_p", SUPPORTED, "as in chat"),
+        rule(
+            "stream",
+            SUPPORTED,
+            "`response.created`, `response.in_progress`, `response.output_item.added`, "
+            "`response.content_part.added`, `response.output_text.delta`…, "
+            "`response.output_text.done`, `response.content_part.done`, "
+            "`response.output_item.done`, `response.completed`",
+        ),
+        rule("stream_options", IGNORED, "no obfuscation padding is added to deltas"),
+        rule("access_programs", REFUSED, "not supported", bad={"cyber": "standard"}),
+        rule("background", NEUTRAL, "false only", neutral=(False,), bad=True),
+        rule("background_options", REFUSED, "background responses are not supported", bad={}),
+        rule("context_management", REFUSED, "not supported", bad=[]),
+        rule("conversation", REFUSED, "responses are not stored", bad="conv_1"),
+        rule("image", REFUSED, "not supported", bad={}),
+        rule("include", NEUTRAL, "empty only", neutral=([],), bad=["message.output_text.logprobs"]),
+        rule("max_tool_calls", REFUSED, "tools are not supported here", bad=1),
+        rule("metadata", IGNORED, "echoed in the response"),
+        rule("moderation", REFUSED, "moderation is not supported", bad={"model": "m"}),
+        rule("parallel_tool_calls", NEUTRAL, "true only", neutral=(True,), bad=False),
+        rule("previous_response_id", REFUSED, "responses are not stored", bad="resp_1"),
+        rule("prompt", REFUSED, "prompt templates are not supported", bad={"id": "p"}),
+        rule(
+            "prompt_cache_key", IGNORED, "a cache hint: prefixes are found by the KV-aware router"
+        ),
+        rule("prompt_cache_options", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        rule("prompt_cache_retention", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        rule("reasoning", REFUSED, "not a reasoning model", bad={"effort": "low"}),
+        rule("safety_identifier", IGNORED, "an end-user identifier; nothing here uses it"),
+        rule(
+            "service_tier",
+            NEUTRAL,
+            "`auto` or `default` only",
+            neutral=("auto", "default"),
+            bad="priority",
+        ),
+        rule(
+            "store",
+            NEUTRAL,
+            "false only: responses are not stored (OpenAI's default, true, is a 400)",
+            neutral=(False,),
+            bad=True,
+        ),
+        rule(
+            "text",
+            SUPPORTED,
+            "`format`: `text`, `json_object` or `json_schema` (`name`, `schema`, `strict`), "
+            "enforced as chat's `response_format` (see Structured output)",
+            refusal={"input": "x", "text": {"format": {"type": "yaml"}}},
+        ),
+        rule(
+            "tool_choice",
+            NEUTRAL,
+            "`none` or `auto` only",
+            neutral=("none", "auto"),
+            bad="required",
+        ),
+        rule("tools", NEUTRAL, "empty only", neutral=([],), bad=[TOOL]),
+        rule("top_logprobs", NEUTRAL, "0 only", neutral=(0,), bad=2),
+        rule("truncation", NEUTRAL, "`disabled` only", neutral=("disabled",), bad="auto"),
+        rule("user", IGNORED, "an end-user identifier; nothing here uses it"),
+    ]
+}
