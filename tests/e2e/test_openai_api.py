@@ -529,3 +529,45 @@ def test_leaving_a_stream_of_several_choices_frees_everything(
         wait_idle(http, worker, timeout=30)
     if target == "coordinator":  # the client's request is counted once, however many choices
         wait_until(lambda: counts() == (before + 1, 0), 10, "the request counted as aborted")
+
+
+# ---- /tokenize and /detokenize ----
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_tokenize_counts_what_the_generation_routes_prefill(
+    cluster: Cluster, http: httpx.Client, target: str
+) -> None:
+    """vLLM's routes: a prompt's and a conversation's tokens are those a completion and a chat
+    request of the same fields prefill (the coordinator asks a worker); detokenize gives the
+    text back; a bad body is a 400 naming its field, another model a 404."""
+    url = url_of(cluster, target)
+    answer = http.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1,
+                                                      **IDS}).json()  # fmt: skip
+    r = http.post(url + "/tokenize", json={"model": "tiny", "prompt": PROMPTS[0],
+                                           "return_token_strs": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    told = r.json()
+    assert told["tokens"] == answer["prompt_token_ids"]
+    assert told["count"] == answer["usage"]["prompt_tokens"] and told["max_model_len"] == 4096
+    assert len(told["token_strs"]) == told["count"] and all(told["token_strs"])
+    going = [*CHAT, {"role": "assistant", "content": "It is"}]
+    controls = {"add_generation_prompt": False, "continue_final_message": True}
+    chat = http.post(url + "/v1/chat/completions", json={"messages": going, "max_tokens": 1,
+                                                         **controls, **IDS}).json()  # fmt: skip
+    r = http.post(url + "/tokenize", json={"messages": going, **controls})
+    assert r.json()["tokens"] == chat["prompt_token_ids"] and r.json()["token_strs"] is None
+    r = http.post(url + "/detokenize", json={"tokens": told["tokens"]})
+    assert r.status_code == 200 and r.json()["prompt"].endswith(PROMPTS[0]), r.text
+    for path, body, field in (
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ("/tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+        ("/detokenize", {"tokens": [1, 512]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ):
+        r = http.post(url + path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, body, r.text)
+    r = http.post(url + "/tokenize", json={"model": "other", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text

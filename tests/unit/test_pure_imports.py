@@ -50,6 +50,7 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.api.tool_calls",
     "trtdisagg.api.responses_api",
     "trtdisagg.api.responses_fields",
+    "trtdisagg.api.tokenize",
     "trtdisagg.api.responses_events",
     "trtdisagg.api.sse",
     "trtdisagg.api.unknown_fields",

@@ -45,6 +45,7 @@ from trtdisagg.api.responses_api import (
 )
 from trtdisagg.api.responses_events import ResponseHead, ResponsesStream, response_body
 from trtdisagg.api.streaming import ResponsesBody
+from trtdisagg.coordinator.forward import forward
 from trtdisagg.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
 from trtdisagg.coordinator.placement import CoordinatorUnavailable, Placement
 from trtdisagg.coordinator.relay import ReplyBody
@@ -120,6 +121,15 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         return await serve(CHAT_COMPLETIONS)
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        return json_response(await forward(service, "/tokenize", await json_body(), forwarded()))
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        answer = await forward(service, "/detokenize", await json_body(), forwarded())
+        return json_response(answer)
 
     @app.post("/v1/responses")
     async def responses() -> Response:

@@ -127,6 +127,10 @@ class Tokenizer:
             ids.append(eos_id)
         return ids
 
+    def token_strings(self, ids: Sequence[int]) -> list[str | None]:
+        """Each id as the vocabulary writes it (byte-level: `Ġthe`); None for an unknown id."""
+        return [self._tokenizer.id_to_token(i) for i in ids]
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 

@@ -35,6 +35,7 @@ from trtdisagg.api.protocol import (
 from trtdisagg.api.responses_api import ResponsesRequest, as_responses_error, chat_body
 from trtdisagg.api.responses_events import ResponseHead, ResponsesStream, response_body
 from trtdisagg.api.streaming import ResponsesBody
+from trtdisagg.api.tokenize import detokenize, model_of, tokenize
 from trtdisagg.metrics import CONTENT_TYPE
 from trtdisagg.worker.http.service import WorkerService
 
@@ -147,6 +148,21 @@ def create_app(service: WorkerService) -> QuartTrio:
         if model_id != service.served_model_name:
             raise model_not_found(model_id, service.served_model_name)
         return json_response(model_card())
+
+    def served(body: object) -> object:
+        model = model_of(body)
+        if model is not None and model != service.served_model_name:
+            raise model_not_found(model, service.served_model_name)
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize_route() -> Response:
+        body = served(await json_body())
+        return json_response(tokenize(body, service.tokenizer, max_model_len=service.max_seq_len))
+
+    @app.post("/detokenize")
+    async def detokenize_route() -> Response:
+        return json_response(detokenize(served(await json_body()), service.tokenizer))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
