@@ -571,3 +571,28 @@ def test_tokenize_counts_what_the_generation_routes_prefill(
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, body, r.text)
     r = http.post(url + "/tokenize", json={"model": "other", "prompt": "a"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+
+
+# ---- cache_salt ----
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_cache_salt_shares_cached_prompts_only_under_the_same_salt(
+    cluster: Cluster, http: httpx.Client, target: str
+) -> None:
+    """vLLM's cache_salt: a prompt served before is a prefix-cache hit again unsalted, and
+    under a salt only for that salt, split or not (the ctx worker's count, as usage reports)."""
+    prompt = f"{target}: " + " ".join(f"salted word {i}" for i in range(60))
+
+    def cached(salt: str | None) -> int:
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = http.post(url_of(cluster, target) + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached(None) == 0 and cached(None) > 0
+    assert cached("tenant-a") == 0 and cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+    assert cached(None) > 0 and cached("tenant-a") > 0

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from trtdisagg.kv.block_pool import BlockPool, BlockTable, KvEvent, KvEventKind
-from trtdisagg.kv.hashing import block_hashes
+from trtdisagg.kv.hashing import block_hashes, salt_root
 
 T = 4
 
@@ -128,6 +128,30 @@ def test_release_is_idempotent_and_ends_the_table() -> None:
         pool.grow(a, T)
     with pytest.raises(ValueError, match="released"):
         pool.commit(a, [1] * T, T)
+
+
+def test_a_salted_prefix_is_reused_only_under_its_salt() -> None:
+    """A table rooted at a salt (`Request.root`) finds only blocks committed under the same
+    root; its forks keep the root, so their blocks chain on alike."""
+    pool = make_pool(32)
+    prefix = list(range(100, 100 + 3 * T))
+    salted = pool.open_table([*prefix, 1, 2], root=salt_root("a"))
+    assert pool.grow(salted, 3 * T + 2)
+    pool.commit(salted, [*prefix, 1, 2], 3 * T + 2)
+    assert pool.lookup_prefix([*prefix, 7]) == 0  # unsalted: nothing
+    assert pool.lookup_prefix([*prefix, 7], root=salt_root("b")) == 0
+    assert pool.lookup_prefix([*prefix, 7], root=salt_root("a")) == 3 * T
+    again = pool.open_table([*prefix, 7], root=salt_root("a"))
+    assert again.block_ids == salted.block_ids[:3]
+    fork = pool.fork(salted)
+    longer = [*prefix, 1, 2, 3, 4, 5, 6]
+    assert pool.grow(fork, len(longer))
+    pool.unshare(fork, 3 * T)
+    pool.commit(fork, longer, len(longer))
+    assert pool.lookup_prefix([*longer, 9], root=salt_root("a")) == 4 * T
+    for table in (salted, again, fork):
+        pool.release(table)
+    pool.check_invariants([])
 
 
 def test_prefix_reuse() -> None:

@@ -14,6 +14,7 @@ from trtdisagg.kv.hashing import (
     block_hashes,
     hash_block,
     reusable_block_hashes,
+    salt_root,
 )
 
 tokens = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=64)
@@ -88,6 +89,22 @@ def test_reusable_block_hashes_leaves_the_last_token() -> None:
     assert reusable_block_hashes(list(range(8)), 4) == block_hashes(list(range(4)), 4)
     assert reusable_block_hashes(list(range(9)), 4) == block_hashes(list(range(8)), 4)
     assert reusable_block_hashes([], 4) == []
+
+
+def test_a_salted_chain_is_rooted_at_the_documented_salt_hash() -> None:
+    """vLLM's cache_salt: the first block's parent is the salt's own hash, so salted chains
+    share nothing with unsalted ones nor with other salts; an unsalted chain is as pinned."""
+    prompt = list(range(9))
+    digest = hashlib.blake2b(b"tenant-a", digest_size=8, person=b"trtdisagg-salt").digest()
+    root = int.from_bytes(digest, "little") & (2**63 - 1)
+    assert salt_root("tenant-a") == root and salt_root(None) is None
+    salted = reusable_block_hashes(prompt, 4, salt="tenant-a")
+    assert salted == block_hashes(prompt[:8], 4, parent=root)
+    assert salted[0] == reference_hash(root, prompt[:4])
+    plain = reusable_block_hashes(prompt, 4)
+    other = reusable_block_hashes(prompt, 4, salt="tenant-b")
+    assert not {*salted} & {*plain} and not {*salted} & {*other}
+    assert reusable_block_hashes(prompt, 4, salt=None) == plain
 
 
 def test_rejects_bad_input() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from trtdisagg.coordinator.config import RouterConfig, RouterType
@@ -155,6 +156,19 @@ def test_kv_aware_prefers_cached_prefix() -> None:
     sel = router.select(req(1, prompt))
     assert sel.server == B
     assert sel.matched_tokens == 12
+
+
+def test_kv_aware_matches_a_salted_prompt_only_against_its_salt() -> None:
+    """vLLM's cache_salt: a server holding a prompt under one salt is no hit for the same prompt
+    unsalted or under another salt, and is one under the same salt."""
+    router = make(KvCacheAwareRouter, A, B)
+    prompt = list(range(1, 18))
+    router.apply_kv_events(B, _stored(reusable_block_hashes(prompt, 4, salt="t1")))
+    salted = attrs.evolve(req(1, prompt), cache_salt="t1")
+    assert (router.select(salted).server, router.select(salted).matched_tokens) == (B, 16)
+    for i, other in enumerate((None, "t2")):
+        sel = router.select(attrs.evolve(req(10 + i, prompt), cache_salt=other))
+        assert sel.matched_tokens == 0
 
 
 def test_kv_aware_matching_stops_at_first_miss() -> None:

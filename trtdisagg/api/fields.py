@@ -163,6 +163,14 @@ def _sampling_rules() -> list[FieldRule]:
             "extension: token ids that end the choice; each must be in the vocabulary",
         ),
         rule(
+            "cache_salt",
+            SUPPORTED,
+            "extension (vLLM's): 1 to 1024 characters; the request shares cached prompt KV only "
+            "with requests of the same salt (unsalted ones with each other), so that a tenant "
+            "cannot learn another's prompts from cache-hit timings; the KV-aware router too",
+            bad="",
+        ),
+        rule(
             "truncate_prompt_tokens",
             SUPPORTED,
             "extension (vLLM's): the model reads only the prompt's last k tokens (-1: the "

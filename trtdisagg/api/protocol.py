@@ -159,6 +159,7 @@ class _SamplingFields:
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
     bad_words: list[str] | None = None
     n: int = 1
     logit_bias: dict[str, float] | None = None

@@ -35,6 +35,7 @@ MAX_STOP_STRING_CHARS: Final = 256
 """Bounds on ``stop``: each new piece of a choice's text is matched against every stop string,
 holding back the longest start of one (`worker.stopping`), work that grows with their number
 times their length, for every choice and token, on the loop that serves every request."""
+MAX_CACHE_SALT_CHARS: Final = 1024
 MAX_BAD_WORDS: Final = 128
 """vLLM's bound on ``bad_words``: each is checked against the output before every token."""
 
@@ -111,6 +112,11 @@ def _validate_sampling(req: AnyRequest) -> None:
         )
     _validate_controls(req)
     _validate_bans(req)
+    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad_request(
+            f"cache_salt: 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(req.cache_salt)}",
+            param="cache_salt",
+        )
     keep = req.truncate_prompt_tokens
     if keep is not None and keep != -1 and keep < 1:
         raise bad_request(

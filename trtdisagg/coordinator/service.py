@@ -207,6 +207,7 @@ class DisaggService:
             prompt_token_ids=tuple(tokens) if tokens is not None else None,
             prompt_text=prompt_text(req),
             conversation_id=req.conversation_id,
+            cache_salt=req.cache_salt,
         )
 
     async def _with_retries(self, call: _Call) -> Reply:

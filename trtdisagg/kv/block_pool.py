@@ -76,6 +76,7 @@ class BlockTable:
     num_cached_tokens: int = 0
     # Chained hashes of the leading blocks that are full and computed; commit() extends it.
     _hashes: list[int] = attrs.field(factory=list, alias="hashes")
+    _root: int | None = attrs.field(default=None, alias="root")  # its chain's (`salt_root`)
     _num_committed_blocks: int = attrs.field(default=0, alias="num_committed_blocks")
     _released: bool = attrs.field(default=False, alias="released")
 
@@ -157,37 +158,40 @@ class BlockPool:
 
     # ---- prefix cache ----
 
-    def lookup_prefix(self, token_ids: Sequence[int]) -> int:
+    def lookup_prefix(self, token_ids: Sequence[int], *, root: int | None = None) -> int:
         """How many tokens a new request would reuse from the prefix cache; no side effects.
 
         Only full blocks count, and never the whole sequence: at least one token is left to
         compute, because its logits give the next token.
         """
-        return len(self._match_prefix(token_ids)) * self._tokens_per_block
+        return len(self._match_prefix(token_ids, root)) * self._tokens_per_block
 
-    def open_table(self, token_ids: Sequence[int], *, reuse: bool = True) -> BlockTable:
+    def open_table(
+        self, token_ids: Sequence[int], *, reuse: bool = True, root: int | None = None
+    ) -> BlockTable:
         """A new table holding the cached prefix of ``token_ids`` (if ``reuse``); no new blocks.
 
         Takes one reference on each reused block. Call ``grow`` for the rest, and ``release``
         when done (also when ``grow`` fails).
         """
-        matched = self._match_prefix(token_ids) if reuse else []
+        matched = self._match_prefix(token_ids, root) if reuse else []
         for _, block in matched:
             self._take_ref(block)
         return BlockTable(
             block_ids=[block for _, block in matched],
             num_cached_tokens=len(matched) * self._tokens_per_block,
             hashes=[h for h, _ in matched],
+            root=root,
             num_committed_blocks=len(matched),
         )
 
-    def _match_prefix(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    def _match_prefix(self, token_ids: Sequence[int], root: int | None) -> list[tuple[int, int]]:
         """(hash, block) of the leading cached full blocks, stopping at the first miss."""
         if not self._reuse or not self._cached:
             return []
         t = self._tokens_per_block
         matched: list[tuple[int, int]] = []
-        parent: int | None = None
+        parent = root
         for i in range((len(token_ids) - 1) // t):
             parent = hash_block(parent, token_ids[i * t : (i + 1) * t])
             block = self._cached.get(parent)
@@ -238,6 +242,7 @@ class BlockPool:
             block_ids=list(table.block_ids),
             num_cached_tokens=table.num_cached_tokens,
             hashes=list(table._hashes),
+            root=table._root,
             num_committed_blocks=table._num_committed_blocks,
         )
 
@@ -288,7 +293,7 @@ class BlockPool:
         table._num_committed_blocks = num_full
         if not self._reuse:
             return
-        parent = table._hashes[-1] if table._hashes else None
+        parent = table._hashes[-1] if table._hashes else table._root
         run: list[int] = []  # newly stored hashes that chain onto run_parent
         run_parent = parent
         for i in range(first, num_full):

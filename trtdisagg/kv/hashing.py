@@ -18,6 +18,12 @@ worker. They must therefore be stable across processes, machines and Python vers
 
 Only full blocks are hashed: a partial block's KV is still growing and cannot be shared.
 
+A request's ``cache_salt`` (vLLM's) roots its chain elsewhere: its first block is hashed with
+``salt_root(salt)`` as parent, the BLAKE2b digest of the salt's UTF-8 bytes with
+``person=b"trtdisagg-salt"``, read as above. Its blocks then match only requests of the same
+salt: one tenant cannot find out, by timing, what another's prompts held. Unsalted chains are
+unchanged.
+
 Pure: no I/O, no torch.
 """
 
@@ -31,6 +37,7 @@ from typing import Final
 HASH_ALGORITHM: Final = "blake2b-63-chained-v1"
 
 _PERSON: Final = b"trtdisagg-kv-v1"
+_SALT_PERSON: Final = b"trtdisagg-salt"
 _MASK_63: Final = (1 << 63) - 1
 _NO_PARENT: Final = b"\x00"
 _HAS_PARENT: Final = b"\x01"
@@ -64,6 +71,14 @@ def hash_block(parent: int | None, tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little") & _MASK_63
 
 
+def salt_root(salt: str | None) -> int | None:
+    """The parent of a salted chain's first block; None (no parent) without a salt."""
+    if salt is None:
+        return None
+    digest = hashlib.blake2b(salt.encode(), digest_size=8, person=_SALT_PERSON).digest()
+    return int.from_bytes(digest, "little") & _MASK_63
+
+
 def block_hashes(
     token_ids: Sequence[int], tokens_per_block: int, *, parent: int | None = None
 ) -> list[int]:
@@ -90,12 +105,15 @@ def block_hashes(
     return hashes
 
 
-def reusable_block_hashes(prompt_token_ids: Sequence[int], tokens_per_block: int) -> list[int]:
-    """Hashes of the blocks a new request with this prompt could take from a prefix cache.
+def reusable_block_hashes(
+    prompt_token_ids: Sequence[int], tokens_per_block: int, *, salt: str | None = None
+) -> list[int]:
+    """Hashes of the blocks a new request with this prompt (and `salt`, its ``cache_salt``)
+    could take from a prefix cache.
 
     A worker always computes at least the prompt's last token itself (its logits give the first
     output token), so only the full blocks of ``prompt[:-1]`` can be reused. This is what the
     block pool matches in ``lookup_prefix``, and what a KV-aware router should match against a
     worker's stored hashes.
     """
-    return block_hashes(prompt_token_ids[:-1], tokens_per_block)
+    return block_hashes(prompt_token_ids[:-1], tokens_per_block, parent=salt_root(salt))

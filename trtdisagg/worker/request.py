@@ -237,6 +237,9 @@ class Request:
     # Prompt tokens reused from the prefix cache at the last admission (usage.cached_tokens).
     num_cached_tokens: int = 0
     block_table: BlockTable | None = None
+    # Where its blocks' hash chain starts (`kv.hashing.salt_root` of its `cache_salt`): it
+    # shares cached prefixes only with requests of the same root.
+    root: int | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     # Tokens that a step in flight samples, not known on the host yet (asynchronous steps): the

@@ -125,7 +125,7 @@ class Scheduler:
         self._check_new(request)
         if self._waiting or self._num_slots_taken() >= self._max_batch_size:
             return False
-        table = self._pool.open_table(request.prompt_token_ids, reuse=False)
+        table = self._pool.open_table(request.prompt_token_ids, reuse=False, root=request.root)
         if not self._pool.grow(table, request.num_prompt_tokens):
             self._pool.release(table)
             return False
@@ -274,7 +274,7 @@ class Scheduler:
                 return  # preempted with a token in flight: it recomputes once the token is here
             # Prompt logprobs come from computing every prompt token: no prefix-cache hits.
             reuse = request.sampling.prompt_logprobs is None
-            table = self._pool.open_table(request.all_token_ids, reuse=reuse)
+            table = self._pool.open_table(request.all_token_ids, reuse=reuse, root=request.root)
             num_computed = table.num_cached_tokens
             chunk = step.room(request, request.num_tokens - num_computed)
             if chunk < 1 or not self._pool.grow(table, num_computed + chunk):

@@ -52,6 +52,8 @@ class RouteRequest:
     prompt_text: str | None = None
     """The prompt text (chat: the messages' text), used when token ids are unknown."""
     conversation_id: str | None = None
+    cache_salt: str | None = None
+    """Its prefix cache's salt (`kv.hashing.salt_root`): it matches only blocks of that salt."""
 
     @property
     def weight(self) -> int:

@@ -30,7 +30,6 @@ from typing import ClassVar
 
 from trtdisagg.coordinator.config import RouterConfig, RouterType
 from trtdisagg.coordinator.routers.base import Router, RouteRequest, Selection, ServerView
-from trtdisagg.coordinator.routers.kv_aware import BlockHasher
 from trtdisagg.kv.hashing import block_hashes
 
 DEFAULT_TOKENS_PER_BLOCK = 128
@@ -40,11 +39,8 @@ CHARS_PER_TOKEN = 4
 class ConversationRouter(Router):
     type: ClassVar[RouterType] = RouterType.CONVERSATION
 
-    def __init__(
-        self, config: RouterConfig, *, role: str, hasher: BlockHasher = block_hashes
-    ) -> None:
+    def __init__(self, config: RouterConfig, *, role: str) -> None:
         super().__init__(config, role=role)
-        self._hasher = hasher
         self._prefixes: OrderedDict[int, str] = OrderedDict()
 
     @property
@@ -62,10 +58,10 @@ class ConversationRouter(Router):
 
     def prompt_hashes(self, request: RouteRequest) -> list[int]:
         if request.prompt_token_ids is not None:
-            return self._hasher(request.prompt_token_ids, self._tokens_per_block)
+            return block_hashes(request.prompt_token_ids, self._tokens_per_block)
         if request.prompt_text is not None:
             points = [ord(c) for c in request.prompt_text]
-            return self._hasher(points, self._tokens_per_block * CHARS_PER_TOKEN)
+            return block_hashes(points, self._tokens_per_block * CHARS_PER_TOKEN)
         return []
 
     def _choose(self, candidates: list[ServerView], request: RouteRequest) -> Selection:

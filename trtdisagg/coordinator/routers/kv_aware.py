@@ -3,7 +3,8 @@
 Each server's set of cached block hashes is rebuilt from the events its shell drains from the
 worker (``stored`` adds hashes, ``removed`` discards them). For a request, the router computes
 the chained hashes of the prompt's reusable blocks (`trtdisagg.kv.hashing.reusable_block_hashes`,
-the same function the workers' block pool uses) and scores every candidate::
+the same function the workers' block pool uses, rooted at the request's `cache_salt`) and scores
+every candidate::
 
     score = matched_tokens / padded_prompt_tokens - active_requests / max_batch_size
 
@@ -17,7 +18,7 @@ match is 0 and the score is minus the load: least-loaded, round robin among equa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 from trtdisagg.coordinator.config import RouterConfig, RouterType
@@ -32,8 +33,6 @@ from trtdisagg.kv.hashing import reusable_block_hashes
 
 DEFAULT_MAX_BATCH_SIZE = 64
 DEFAULT_TOKENS_PER_BLOCK = 32
-
-BlockHasher = Callable[[Sequence[int], int], list[int]]
 
 
 def leading_matches(hashes: Sequence[int], cached: set[int]) -> int:
@@ -50,15 +49,8 @@ class KvCacheAwareRouter(Router):
     type: ClassVar[RouterType] = RouterType.KV_CACHE_AWARE
     needs_kv_events: ClassVar[bool] = True
 
-    def __init__(
-        self,
-        config: RouterConfig,
-        *,
-        role: str,
-        hasher: BlockHasher = reusable_block_hashes,
-    ) -> None:
+    def __init__(self, config: RouterConfig, *, role: str) -> None:
         super().__init__(config, role=role)
-        self._hasher = hasher
         self._cached: dict[str, set[int]] = {}
 
     @property
@@ -100,7 +92,9 @@ class KvCacheAwareRouter(Router):
             if tokens:
                 tokens_per_block = self._tokens_per_block(server)
                 if tokens_per_block not in hashes_by_block_size:
-                    hashes_by_block_size[tokens_per_block] = self._hasher(tokens, tokens_per_block)
+                    hashes_by_block_size[tokens_per_block] = reusable_block_hashes(
+                        tokens, tokens_per_block, salt=request.cache_salt
+                    )
                 hashes = hashes_by_block_size[tokens_per_block]
                 matched = self.matched_tokens(server, tokens, hashes)
                 blocks = -(-len(tokens) // tokens_per_block)

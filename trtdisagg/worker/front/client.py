@@ -126,6 +126,7 @@ class RemoteEngine:
             samplings=tuple(c.sampling for c in choices),
             request_type=leader.request_type,
             arrival_time=leader.arrival_time,
+            root=leader.root,
             source=source,
             transfer_key=transfer_key,
             grammar=grammar.grammar if grammar is not None else None,

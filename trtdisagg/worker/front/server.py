@@ -241,6 +241,7 @@ class EngineServer:
                 sampling=sampling,
                 request_type=group.request_type,
                 arrival_time=group.arrival_time,
+                root=group.root,
             )
             for request_id, sampling in zip(group.request_ids, group.samplings, strict=True)
         ]

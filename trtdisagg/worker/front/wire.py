@@ -68,6 +68,7 @@ class SubmitGroup:
     samplings: tuple[SamplingParams, ...]  # one per choice (their seeds differ)
     request_type: RequestType
     arrival_time: float  # time.monotonic(): one clock for every process of the machine
+    root: int | None = None  # `Request.root`
     source: GenerationSource | None = None
     transfer_key: int | None = None
     grammar: OutputGrammar | None = None

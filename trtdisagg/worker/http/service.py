@@ -31,7 +31,7 @@ from trtdisagg.api.validation import is_batched, kept_prompt, logit_bias_of, num
 from trtdisagg.config import WorkerConfig
 from trtdisagg.errors import CapacityError, WorkerStopped
 from trtdisagg.ids import new_transfer_key
-from trtdisagg.kv.hashing import HASH_ALGORITHM
+from trtdisagg.kv.hashing import HASH_ALGORITHM, salt_root
 from trtdisagg.worker.engine.live import GenerationSource
 from trtdisagg.worker.grammar import GrammarCompiler, GrammarError, GrammarTemplate
 from trtdisagg.worker.http import responses
@@ -272,6 +272,7 @@ class WorkerService:
                         sampling=attrs.evolve(sampling[index], seed=plan.seed),
                         request_type=kind,
                         arrival_time=time.monotonic(),
+                        root=salt_root(req.cache_salt),
                     )
                     for plan in group
                 ]
