@@ -70,6 +70,26 @@ def rule(
     return FieldRule(name=name, support=support, how=how, neutral=neutral, refusal=refusal)
 
 
+def hint_rules() -> list[FieldRule]:
+    """Fields chat and Responses share that hint at caching, identify the end user, or ask
+    for a service tier."""
+    return [
+        rule(
+            "prompt_cache_key", IGNORED, "a cache hint: prefixes are found by the KV-aware router"
+        ),
+        rule("prompt_cache_options", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        rule("prompt_cache_retention", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        rule("safety_identifier", IGNORED, "an end-user identifier; nothing here uses it"),
+        rule(
+            "service_tier",
+            NEUTRAL,
+            "`auto` or `default` only",
+            neutral=("auto", "default"),
+            bad="priority",
+        ),
+    ]
+
+
 def _sampling_rules() -> list[FieldRule]:
     """Fields both completions and chat share (OpenAI's and this server's extensions)."""
     return [
@@ -309,20 +329,8 @@ CHAT: Final = {
             "with `tool_choice: required`, false forces exactly one call (true: one or more)",
         ),
         rule("prediction", REFUSED, "predicted outputs are not supported", bad={"type": "content"}),
-        rule(
-            "prompt_cache_key", IGNORED, "a cache hint: prefixes are found by the KV-aware router"
-        ),
-        rule("prompt_cache_options", IGNORED, "a cache hint: the prefix cache keeps what fits"),
-        rule("prompt_cache_retention", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        *hint_rules(),
         rule("reasoning_effort", REFUSED, "not a reasoning model", bad="low"),
-        rule("safety_identifier", IGNORED, "an end-user identifier; nothing here uses it"),
-        rule(
-            "service_tier",
-            NEUTRAL,
-            "`auto` or `default` only",
-            neutral=("auto", "default"),
-            bad="priority",
-        ),
         rule(
             "store", NEUTRAL, "false only: completions are not stored", neutral=(False,), bad=True
         ),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from trtdisagg.api.fields import IGNORED, NEUTRAL, REFUSED, SUPPORTED, TOOL, rule
+from trtdisagg.api.fields import IGNORED, NEUTRAL, REFUSED, SUPPORTED, TOOL, hint_rules, rule
 
 RESPONSES: Final = {
     rule.name: rule
@@ -51,20 +51,8 @@ RESPONSES: Final = {
         rule("parallel_tool_calls", NEUTRAL, "true only", neutral=(True,), bad=False),
         rule("previous_response_id", REFUSED, "responses are not stored", bad="resp_1"),
         rule("prompt", REFUSED, "prompt templates are not supported", bad={"id": "p"}),
-        rule(
-            "prompt_cache_key", IGNORED, "a cache hint: prefixes are found by the KV-aware router"
-        ),
-        rule("prompt_cache_options", IGNORED, "a cache hint: the prefix cache keeps what fits"),
-        rule("prompt_cache_retention", IGNORED, "a cache hint: the prefix cache keeps what fits"),
+        *hint_rules(),
         rule("reasoning", REFUSED, "not a reasoning model", bad={"effort": "low"}),
-        rule("safety_identifier", IGNORED, "an end-user identifier; nothing here uses it"),
-        rule(
-            "service_tier",
-            NEUTRAL,
-            "`auto` or `default` only",
-            neutral=("auto", "default"),
-            bad="priority",
-        ),
         rule(
             "store",
             NEUTRAL,
