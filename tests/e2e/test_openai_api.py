@@ -227,6 +227,32 @@ def test_completion_logprobs_are_whole_through_the_split(
         assert set(top_a) == set(top_s) and token in top_s and len(top_s) <= 4
 
 
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(cluster: Cluster) -> None:
+    """vLLM's `return_tokens_as_token_ids`: completions' tokens and top keys, chat's tokens,
+    streamed or not, worker and split (ctx's first token included) alike."""
+    as_ids = {**IDS, "return_tokens_as_token_ids": True}
+    for client in both(cluster):
+        answer = client.completions.create(
+            model="tiny", prompt=PROMPTS[1], max_tokens=5, logprobs=2, extra_body=as_ids
+        )
+        logprobs = answer.choices[0].logprobs
+        assert logprobs is not None and logprobs.top_logprobs is not None
+        ids = answer.choices[0].token_ids  # type: ignore[attr-defined]
+        assert logprobs.tokens == [f"token_id:{t}" for t in ids]
+        assert all(key.startswith("token_id:") for top in logprobs.top_logprobs for key in top)
+        stream = client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=2,
+            extra_body=as_ids, stream=True,
+        )  # fmt: skip
+        entries, ids = [], []
+        for chunk in stream:
+            for choice in chunk.choices:
+                ids += choice.token_ids or []  # type: ignore[attr-defined]
+                entries += choice.logprobs.content or [] if choice.logprobs else []
+        assert [e.token for e in entries] == [f"token_id:{t}" for t in ids]
+        assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
+
+
 def test_logprobs_0_give_the_sampled_token_alone(cluster: Cluster) -> None:
     for client in both(cluster):
         answer = client.completions.create(

@@ -40,6 +40,7 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"logit_bias": {"512": 1}}, "logit_bias"),  # tiny has 512 ids
     ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"05": 1}}, "logit_bias"),
+    ("/v1/completions", {"priority": 1}, "priority"),
     ("/v1/completions", {"truncate_prompt_tokens": 4097}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ("/v1/completions", {"allowed_token_ids": [3, 512]}, "allowed_token_ids"),

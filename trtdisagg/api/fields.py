@@ -183,6 +183,19 @@ def _sampling_rules() -> list[FieldRule]:
             "extension: token ids that end the choice; each must be in the vocabulary",
         ),
         rule(
+            "return_tokens_as_token_ids",
+            SUPPORTED,
+            "extension (vLLM's): each token of the logprobs is `token_id:N`, exact where a "
+            "token's text is not (a piece of a character)",
+        ),
+        rule(
+            "priority",
+            NEUTRAL,
+            "extension (vLLM's): 0 only; requests are scheduled first come, first served",
+            neutral=(0,),
+            bad=1,
+        ),
+        rule(
             "cache_salt",
             SUPPORTED,
             "extension (vLLM's): 1 to 1024 characters; the request shares cached prompt KV only "

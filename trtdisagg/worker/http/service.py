@@ -209,7 +209,7 @@ class WorkerService:
             req=req,
             runs=runs,
             meta=meta,
-            text_of=self.token_text,
+            text_of=_token_id_text if req.return_tokens_as_token_ids else self.token_text,
             ctx=CtxEndpoint(info_endpoint=self.ctx_info_endpoint, instance=self.ctx_instance),
             transfer_key=key,
             disagg_request_id=disagg_id,
@@ -446,6 +446,12 @@ class WorkerService:
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _token_id_text(token: int) -> str:
+    """A logprobs entry's token under `return_tokens_as_token_ids` (vLLM's): its id, exactly,
+    where its text may not decode alone."""
+    return f"token_id:{token}"
 
 
 def _temperature(asked: float | None) -> float:
