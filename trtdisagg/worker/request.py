@@ -137,8 +137,9 @@ class SamplingParams:
     allowed_token_ids: frozenset[int] | None = attrs.field(
         default=None, converter=_optional_int_frozenset
     )
-    # vLLM's: words the output never contains. The engine reads `bad_word_ids`, their token
-    # sequences, which whoever holds the tokenizer fills in (`token_bans.bad_word_ids`).
+    # vLLM's: words kept out of the output as the tokenizer spells them. The engine reads
+    # `bad_word_ids`, their token sequences, which whoever holds the tokenizer fills in
+    # (`token_bans.bad_word_ids`).
     bad_words: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     bad_word_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_id_sequences)
     # vLLM's: the model reads the prompt's last k tokens (-1: its context). The HTTP front and
