@@ -253,6 +253,19 @@ def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(cluster: Clu
         assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
 
 
+def test_a_request_id_names_the_answer(cluster: Cluster) -> None:
+    """vLLM's `request_id`: the answer's id is `cmpl-`/`chatcmpl-` and it, every chunk of a
+    stream too, worker and split alike."""
+    for client in both(cluster):
+        ask: dict[str, Any] = {"model": "tiny", "max_tokens": 3}
+        whole = client.completions.create(prompt="Hi", extra_body={"request_id": "job-7"}, **ask)
+        assert whole.id == "cmpl-job-7"
+        stream = client.chat.completions.create(
+            messages=CHAT, extra_body={"request_id": "job-8"}, stream=True, **ask
+        )
+        assert {chunk.id for chunk in stream} == {"chatcmpl-job-8"}
+
+
 def test_logprobs_0_give_the_sampled_token_alone(cluster: Cluster) -> None:
     for client in both(cluster):
         answer = client.completions.create(

@@ -189,6 +189,13 @@ def _sampling_rules() -> list[FieldRule]:
             "token's text is not (a piece of a character)",
         ),
         rule(
+            "request_id",
+            SUPPORTED,
+            "extension (vLLM's): 1 to 128 printable ASCII characters; the answer's `id` is "
+            "`cmpl-` or `chatcmpl-` and it, split or not",
+            bad="a b",
+        ),
+        rule(
             "priority",
             NEUTRAL,
             "extension (vLLM's): 0 only; requests are scheduled first come, first served",

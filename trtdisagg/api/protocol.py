@@ -178,6 +178,7 @@ class _SamplingFields:
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    request_id: str | None = None
     return_perf_metrics: bool = False
     disaggregated_params: DisaggregatedParams | None = None
     conversation_id: str | None = None

@@ -10,6 +10,7 @@ length, the vocabulary) are the worker's (`WorkerService`).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -36,6 +37,8 @@ MAX_STOP_STRING_CHARS: Final = 256
 holding back the longest start of one (`worker.stopping`), work that grows with their number
 times their length, for every choice and token, on the loop that serves every request."""
 MAX_CACHE_SALT_CHARS: Final = 1024
+# A client's request_id becomes the answer's id, a log field and an SSE frame's text as it is.
+_PRINTABLE_ID: Final = re.compile(r"[!-~]{1,128}")
 MAX_BAD_WORDS: Final = 128
 """vLLM's bound on ``bad_words``: each is checked against the output before every token."""
 
@@ -116,6 +119,11 @@ def _validate_sampling(req: AnyRequest) -> None:
         raise bad_request(
             f"cache_salt: 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(req.cache_salt)}",
             param="cache_salt",
+        )
+    if req.request_id is not None and not _PRINTABLE_ID.fullmatch(req.request_id):
+        raise bad_request(
+            "request_id: 1 to 128 printable ASCII characters, without spaces",
+            param="request_id",
         )
     keep = req.truncate_prompt_tokens
     if keep is not None and keep != -1 and keep < 1:

@@ -199,7 +199,8 @@ class WorkerService:
         )
         chat = isinstance(req, ChatCompletionRequest)
         meta = responses.ResponseMeta(
-            response_id=("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+            response_id=("chatcmpl-" if chat else "cmpl-")
+            + (req.request_id or secrets.token_hex(12)),
             created=int(time.time()),
             model=self.served_model_name,
             chat=chat,
