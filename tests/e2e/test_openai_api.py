@@ -524,6 +524,33 @@ def test_responses_stream(cluster: Cluster, target: str) -> None:
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_responses_logprobs_are_chat_s_whole_and_streamed(cluster: Cluster) -> None:
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the text part holds
+    each output token's logprob and alternatives, the chat route's for the same request; a
+    stream's deltas carry them too, and its done event all of them; split or not."""
+    ask: dict[str, Any] = {"model": "tiny", "input": "Once upon a time", "max_output_tokens": 5,
+                           "temperature": 0, "include": ["message.output_text.logprobs"],
+                           "top_logprobs": 2}  # fmt: skip
+    chat = both(cluster)[0].chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    wanted = [(e.token, len(e.top_logprobs)) for e in chat.choices[0].logprobs.content]
+    for client in both(cluster):
+        whole = client.responses.create(**ask)
+        part = whole.output[0].content[0]  # type: ignore[union-attr]
+        assert [(e.token, len(e.top_logprobs)) for e in part.logprobs] == wanted
+        events = list(client.responses.create(**ask, stream=True))
+        streamed = [e for ev in events if ev.type == "response.output_text.delta"
+                    for e in ev.logprobs]  # fmt: skip
+        assert [e.token for e in streamed] == [token for token, _ in wanted]
+        done = next(e for e in events if e.type == "response.output_text.done")
+        assert [e.token for e in done.logprobs] == [token for token, _ in wanted]
+    plain = both(cluster)[0].responses.create(**{**ask, "include": []})
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_responses_refuse_what_they_do_not_support(cluster: Cluster, target: str) -> None:
     client = api(url_of(cluster, target))

@@ -33,6 +33,11 @@ class ResponsesRequest:
     stream: bool = False
     metadata: dict[str, Any] | None = None
     text: dict[str, Any] | None = None  # {"format": ...}: chat's response_format, flattened
+    include: list[str] | None = None  # only LOGPROBS: the output text's token logprobs
+    top_logprobs: int | None = None  # alternatives per token, with LOGPROBS included
+
+
+LOGPROBS: Final = "message.output_text.logprobs"
 
 
 def responses_input(
@@ -74,6 +79,15 @@ def chat_body(req: ResponsesRequest) -> dict[str, Any]:
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}  # response.completed carries usage
+    other = next((item for item in req.include or () if item != LOGPROBS), None)
+    if other is not None:
+        raise bad_request(f"include: only {LOGPROBS!r} is served, got {other!r}", param="include")
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= 20:
+        raise bad_request(f"top_logprobs: must be in [0, 20], got {top}", param="top_logprobs")
+    if LOGPROBS in (req.include or ()):
+        body["logprobs"] = True
+        body["top_logprobs"] = top or 0
     response_format = _response_format((req.text or {}).get("format"))
     if response_format is not None:
         body["response_format"] = response_format

@@ -72,8 +72,16 @@ def _response(head: ResponseHead, *, status: str, output: list[Json], usage: Jso
     }
 
 
-def _part(text: str) -> Json:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list[Json] | None = None) -> Json:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _logprobs(choice: Json) -> list[Json]:
+    """A chat choice's (or chunk's) token logprobs, in the shape Responses gives them: chat's
+    `logprobs.content` entries are already `{token, logprob, bytes, top_logprobs}`."""
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    return [entry for entry in content or [] if isinstance(entry, dict)]
 
 
 def _message(head: ResponseHead, *, status: str, parts: list[Json]) -> Json:
@@ -113,7 +121,7 @@ def response_body(head: ResponseHead, chat: Json) -> Json:
     choice = (chat.get("choices") or [{}])[0]
     text = (choice.get("message") or {}).get("content") or ""
     status = _status(choice.get("finish_reason"))
-    output = [_message(head, status=status, parts=[_part(text)])]
+    output = [_message(head, status=status, parts=[_part(text, _logprobs(choice))])]
     return _response(head, status=status, output=output, usage=response_usage(chat.get("usage")))
 
 
@@ -124,6 +132,7 @@ class ResponsesStream:
     head: ResponseHead
     _sequence: int = 0
     _texts: list[str] = attrs.Factory(list)
+    _logprobs: list[Json] = attrs.Factory(list)
     _finish_reason: str | None = None
     _usage: Json | None = None
 
@@ -153,16 +162,18 @@ class ResponsesStream:
         events: list[Json] = []
         for choice in chunk.get("choices") or []:
             text = (choice.get("delta") or {}).get("content")
-            if text:
-                self._texts.append(text)
+            logprobs = _logprobs(choice)
+            self._logprobs += logprobs
+            if text or logprobs:  # a token may add logprobs before its text shows
+                self._texts.append(text or "")
                 events.append(
                     self._event(
                         "response.output_text.delta",
                         item_id=self.head.message_id,
                         output_index=0,
                         content_index=0,
-                        delta=text,
-                        logprobs=[],
+                        delta=text or "",
+                        logprobs=logprobs,
                     )
                 )
             if choice.get("finish_reason") is not None:
@@ -173,11 +184,12 @@ class ResponsesStream:
         text = "".join(self._texts)
         status = _status(self._finish_reason)
         ids = {"item_id": self.head.message_id, "output_index": 0, "content_index": 0}
-        item = _message(self.head, status=status, parts=[_part(text)])
+        part = _part(text, self._logprobs)
+        item = _message(self.head, status=status, parts=[part])
         done = _response(self.head, status=status, output=[item], usage=response_usage(self._usage))
         return [
-            self._event("response.output_text.done", **ids, text=text, logprobs=[]),
-            self._event("response.content_part.done", **ids, part=_part(text)),
+            self._event("response.output_text.done", **ids, text=text, logprobs=self._logprobs),
+            self._event("response.content_part.done", **ids, part=part),
             self._event("response.output_item.done", output_index=0, item=item),
             self._event(f"response.{status}", response=done),
         ]

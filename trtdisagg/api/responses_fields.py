@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import Final
 
-from trtdisagg.api.fields import IGNORED, NEUTRAL, REFUSED, SUPPORTED, TOOL, hint_rules, rule
+from trtdisagg.api.fields import (
+    IGNORED,
+    NEUTRAL,
+    PARTIAL,
+    REFUSED,
+    SUPPORTED,
+    TOOL,
+    hint_rules,
+    rule,
+)
 
 RESPONSES: Final = {
     rule.name: rule
@@ -44,7 +53,13 @@ RESPONSES: Final = {
         rule("context_management", REFUSED, "not supported", bad=[]),
         rule("conversation", REFUSED, "responses are not stored", bad="conv_1"),
         rule("image", REFUSED, "not supported", bad={}),
-        rule("include", NEUTRAL, "empty only", neutral=([],), bad=["message.output_text.logprobs"]),
+        rule(
+            "include",
+            PARTIAL,
+            "`message.output_text.logprobs` only: each output token's logprob, and "
+            "`top_logprobs` alternatives, in the text part and its stream's deltas",
+            bad=["reasoning.encrypted_content"],
+        ),
         rule("max_tool_calls", REFUSED, "tools are not supported here", bad=1),
         rule("metadata", IGNORED, "echoed in the response"),
         rule("moderation", REFUSED, "moderation is not supported", bad={"model": "m"}),
@@ -75,7 +90,12 @@ RESPONSES: Final = {
             bad="required",
         ),
         rule("tools", NEUTRAL, "empty only", neutral=([],), bad=[TOOL]),
-        rule("top_logprobs", NEUTRAL, "0 only", neutral=(0,), bad=2),
+        rule(
+            "top_logprobs",
+            SUPPORTED,
+            "0 to 20 alternatives per token, with `message.output_text.logprobs` included",
+            refusal={"input": "x", "top_logprobs": 21},
+        ),
         rule("truncation", NEUTRAL, "`disabled` only", neutral=("disabled",), bad="auto"),
         rule("user", IGNORED, "an end-user identifier; nothing here uses it"),
     ]
