@@ -3,12 +3,11 @@ transfer waits and releases each write that ended (docs/LIFECYCLE.md, "Who notic
 ended").
 
 A quick post runs on the Trio thread, but only while no blocking call runs: the lock is then free
-or held by the pump for microseconds, and the loop never waits on a blocking call. A Trio task
-cannot poll the agent often enough (epoll's timeout is whole milliseconds), hence the thread, which
-parks on a `threading.Event` while nothing is awaited. A post that blocks runs on that thread,
-which polls its write at once: from a worker thread, the write would go unpolled during the hops to
-the Trio thread and on to the pump (each waiting for the GIL), and over TCP an unpolled write does
-not move.
+or held by the pump for microseconds. A Trio task cannot poll the agent often enough (epoll's
+timeout is whole milliseconds), hence the thread, parked on a `threading.Event` while nothing is
+awaited. A post that blocks runs on that thread, which polls its write at once: from a worker
+thread, the write would go unpolled during the hops to the Trio thread and the pump (each waiting
+for the GIL), and over TCP an unpolled write does not move.
 """
 
 from __future__ import annotations
@@ -34,10 +33,9 @@ Notifications = list[tuple[str, bytes]]
 Ended = list[tuple[int, XferStatus]]
 Posted = list[tuple[int, str | None]]  # a write posted, or why its post failed
 
-# The pump's period while a transfer waits. Over TCP (peers on other hosts) UCX moves bytes
-# only while both ends progress it: the receiver's polls drain its socket, so a slow period caps
-# the write's rate (docs/BENCHMARKS.md, between hosts). The pump polls only while a write or a
-# notification is awaited, and each poll takes microseconds.
+# The pump's period while a write or a notification is awaited (each poll takes microseconds).
+# Over TCP UCX moves bytes only while both ends progress it, so a slow period caps the write's
+# rate (docs/BENCHMARKS.md, between hosts).
 PUMP_INTERVAL_S = 50e-6
 _PR_SET_TIMERSLACK = 29
 
@@ -118,7 +116,12 @@ class AgentPump:
                     self._wakeup.clear()  # under the lock: a post made now sets it again
                     continue
             posted = [(write_id, self._submit(write_id, submit)) for write_id, submit in posts]
-            got, ended = self._poll(notices)
+            try:  # every transfer of the worker waits on this thread: nothing may end it
+                got, ended = self._poll(notices)
+            except Exception:
+                log.exception("polling the transfer agent; polling again in 1 s")
+                got, ended = [], []
+                time.sleep(1.0)
             if posted or got or ended:
                 with contextlib.suppress(trio.RunFinishedError):  # (stopped first, normally)
                     token.run_sync_soon(self._delivered, posted, got, ended)
@@ -142,8 +145,8 @@ class AgentPump:
             for write_id, handle in self._writes.items():
                 try:
                     state = agent.poll(handle)
-                except TransferLayerError as exc:
-                    log.warning("polling write %d: %s", write_id, exc)
+                except Exception as exc:  # (an agent's own error, or what its backend raised)
+                    log.warning("polling write %d: %r", write_id, exc)
                     state = XferStatus.ERROR
                 if state is not XferStatus.PENDING:
                     ended.append((write_id, state))

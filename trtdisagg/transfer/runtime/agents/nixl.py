@@ -139,7 +139,10 @@ class NixlAgent(AgentBase):
     def poll(self, handle: XferHandle) -> XferStatus:
         if handle == _DONE:
             return XferStatus.DONE
-        return _STATES[self._agent.check_xfer_state(self._handles[handle])]
+        try:  # NIXL_ERR_REMOTE_DISCONNECT when the peer died mid-write, among others
+            return _STATES[self._agent.check_xfer_state(self._handles[handle])]
+        except Exception as exc:
+            raise AgentError(f"{self._name}: polling a write failed: {exc!r}") from exc
 
     def release(self, handle: XferHandle) -> None:
         nixl_handle = self._handles.pop(handle, None)
