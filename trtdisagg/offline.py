@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -333,7 +334,9 @@ class LLM:
         """`params` with its bad words' token sequences (`token_bans.bad_word_ids`), each of
         those and its allowed tokens checked against the logits."""
         width = self.executor.vocab_size
-        words = bad_word_ids(params.bad_words, self._encode_plain)
+        words = bad_word_ids(
+            params.bad_words, partial(self.tokenizer.encode, add_special_tokens=False)
+        )
         outside = [t for t in params.allowed_token_ids or () if t >= width]
         outside += [t for ids in words for t in ids if t >= width]
         if outside:
@@ -342,9 +345,6 @@ class LLM:
                 f"the logits [0, {width})"
             )
         return attrs.evolve(params, bad_word_ids=words) if words else params
-
-    def _encode_plain(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _collect(self, text: str | None, handles: Sequence[RequestHandle]) -> RequestOutput:
         """One prompt's output: its samples' tokens, and the first sample's timings."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -404,7 +405,7 @@ class WorkerService:
                 param="allowed_token_ids",
             )
         bad_words = tuple(req.bad_words or ())
-        bad_ids = bad_word_ids(bad_words, self._encode_plain)
+        bad_ids = bad_word_ids(bad_words, partial(self.tokenizer.encode, add_special_tokens=False))
         outside = next((t for ids in bad_ids for t in ids if t >= logits_width), None)
         if outside is not None:
             raise bad_request(
@@ -441,9 +442,6 @@ class WorkerService:
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-
-    def _encode_plain(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
