@@ -2,11 +2,13 @@
 (`tests/openai_cluster.py`: a ctx and a gen worker behind a coordinator, on `tiny`, shared with the
 other modules that only send it requests): the workers' counters prove one prefill and one transfer;
 the choices agree split or not, greedy and seeded; `best_of` keeps the best candidates; `echo` with
-`logprobs` gives the prompt's logprobs, computed by the prefill on ctx when split.
+`logprobs`, and vLLM's `prompt_logprobs`, give the prompt's logprobs, computed by the prefill on
+ctx when split.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -20,6 +22,7 @@ import torch
 
 from tests.edges import Cluster, metrics_of, wait_until
 from tests.openai_cluster import (
+    CHAT,
     IDS,
     LOGPROB_TOLERANCE,
     PROMPTS,
@@ -198,6 +201,88 @@ def test_echo_with_logprobs_streams_the_prompt_with_the_first_token(
         assert expected is not None and expected.token_logprobs is not None
         assert streamed[0] is None and _close(streamed, list(expected.token_logprobs))
         assert "".join(c["text"] for c in chunks) == whole.choices[0].text
+
+
+def _assert_scores(scores: Any, prompt: list[int], echoed: Any, top: int) -> None:
+    """vLLM's prompt_logprobs of `prompt` against the echo of the same prompt with logprobs:
+    the same logprob and text for each token, the `top` best ranked 1.. in order, the token's
+    own rank consistent with them."""
+    assert echoed.token_logprobs is not None and echoed.tokens is not None
+    assert isinstance(scores, list) and len(scores) == len(prompt) and scores[0] is None
+    for i, (token, entry) in enumerate(zip(prompt[1:], scores[1:], strict=True), start=1):
+        own = entry[str(token)]
+        assert abs(own["logprob"] - echoed.token_logprobs[i]) < LOGPROB_TOLERANCE
+        assert own["decoded_token"] == echoed.tokens[i]
+        best = sorted((e for k, e in entry.items() if k != str(token) or e["rank"] <= top),
+                      key=lambda e: e["rank"])  # fmt: skip
+        assert [e["rank"] for e in best] == list(range(1, top + 1))
+        assert all(a["logprob"] >= b["logprob"] for a, b in itertools.pairwise(best))
+        assert len(entry) == top + (own["rank"] > top)  # the token once, in the top or after it
+        assert own["rank"] >= 1 and (own["rank"] > top) == (own["logprob"] < best[-1]["logprob"])
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_prompt_logprobs_are_vllm_s_split_or_not(
+    cluster: Cluster, generation_first: Server, n: int
+) -> None:
+    """Each choice's prompt_logprobs: computed by ctx's prefill, carried to gen, and equal to
+    the prompt's echoed logprobs, worker alone, split context-first and generation-first."""
+    ask = {"model": "tiny", "prompt": PROMPTS[1], "n": n, "max_tokens": 3, "temperature": 0,
+           "extra_body": {**IDS, "prompt_logprobs": 2}}  # fmt: skip
+    echo = api(cluster.ctx.url).completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=1, temperature=0, echo=True, logprobs=2
+    )
+    echoed = echo.choices[0].logprobs
+    for client in (*both(cluster), api(generation_first.url)):
+        answer = client.completions.create(**ask)
+        prompt = list(answer.prompt_token_ids)  # type: ignore[attr-defined]
+        assert len(answer.choices) == n
+        for choice in answer.choices:
+            _assert_scores(getattr(choice, "prompt_logprobs", None), prompt, echoed, 2)
+            assert choice.logprobs is None  # not asked for
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_prompt_logprobs_of_chat_and_of_streams(
+    cluster: Cluster, http: httpx.Client, target: str
+) -> None:
+    """Chat's at the answer's top, whole and streamed once; completions' streamed in each
+    choice's first chunk; each equal to the whole answer's, and to the worker alone's."""
+    url = url_of(cluster, target)
+    chat = {"model": "tiny", "messages": CHAT, "max_tokens": 3, "temperature": 0,
+            "prompt_logprobs": 1}  # fmt: skip
+    whole = http.post(url + "/v1/chat/completions", json=chat).json()
+    alone = http.post(cluster.ctx.url + "/v1/chat/completions", json=chat).json()
+    scores = whole["prompt_logprobs"]
+    assert len(scores) == whole["usage"]["prompt_tokens"] and scores[0] is None
+    assert _same_scores(scores, alone["prompt_logprobs"])
+    events = sse(http, url + "/v1/chat/completions", {**chat, "n": 2, "stream": True})
+    streamed = [
+        e["prompt_logprobs"] for e in events if isinstance(e, dict) and "prompt_logprobs" in e
+    ]
+    assert len(streamed) == 1 and _same_scores(streamed[0], scores)
+    plain = {"model": "tiny", "prompt": PROMPTS[0], "n": 2, "max_tokens": 3, "temperature": 0,
+             "prompt_logprobs": 2}  # fmt: skip
+    whole = http.post(url + "/v1/completions", json=plain).json()
+    events = sse(http, url + "/v1/completions", {**plain, "stream": True})
+    for index, chunks in by_choice(events).items():
+        assert _same_scores(
+            chunks[0]["prompt_logprobs"], whole["choices"][index]["prompt_logprobs"]
+        )
+        assert all("prompt_logprobs" not in c for c in chunks[1:])
+
+
+def _same_scores(a: list[Any], b: list[Any]) -> bool:
+    """Two prompt_logprobs lists alike: the same tokens and ranks, logprobs within rounding."""
+    return len(a) == len(b) and all(
+        (x is None and y is None)
+        or (
+            x is not None and y is not None and x.keys() == y.keys()
+            and all(x[k]["rank"] == y[k]["rank"] for k in x)
+            and all(abs(x[k]["logprob"] - y[k]["logprob"]) < LOGPROB_TOLERANCE for k in x)
+        )
+        for x, y in zip(a, b, strict=True)
+    )  # fmt: skip
 
 
 def test_best_of_answers_the_best_candidates(cluster: Cluster) -> None:

@@ -18,6 +18,7 @@ from trtdisagg.api.sse import DONE, SseSplitter, parse_event
 from trtdisagg.coordinator.choices import ChoiceSseMerger, merge_answers
 from trtdisagg.coordinator.split import ClientAsk
 from trtdisagg.worker.http import responses
+from trtdisagg.worker.http.prompt_scores import LOWEST_LOGPROB, prompt_scores, with_top
 from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 META = responses.ResponseMeta(
@@ -181,7 +182,7 @@ def test_continuous_usage_and_echo_in_a_completion_stream() -> None:
 
 
 def test_an_echo_with_logprobs_goes_out_with_the_first_output() -> None:
-    assembler = _assembler(META, echo="Hello", echo_logprobs=True, logprobs=True)
+    assembler = _assembler(META, echo="Hello", echo_logprobs=True, echo_top=1, logprobs=True)
     assert assembler.opening() == []  # the prompt's logprobs come with the first output
     prompt = (TokenLogprobs(logprob=-1.0, top=((7, -0.5),)), TokenLogprobs(logprob=-2.0, top=()))
     first = assembler.output(1, text="x", token_ids=[9], finish_reason=None, tokens=tokens(0, 3, 1),
@@ -196,6 +197,63 @@ def test_an_echo_with_logprobs_goes_out_with_the_first_output() -> None:
     later = assembler.output(1, text="y", token_ids=[8], finish_reason="stop",
                              tokens=tokens(0, 3, 2), logprobs=[None])  # fmt: skip
     assert later["choices"][0]["text"] == "y"  # the echo went out once
+
+
+# vLLM's prompt_logprobs of prompt [1, 2, 3]: token 2 is the most likely after 1, token 3 the
+# third after [1, 2] (ranked below 7 and 8)
+SCORED = (
+    TokenLogprobs(logprob=-0.5, top=((2, -0.5), (6, -1.5)), rank=1),
+    TokenLogprobs(logprob=-3.0, top=((7, -0.25), (8, -1.0)), rank=3),
+)
+SCORES = [
+    None,
+    {"2": {"logprob": -0.5, "rank": 1, "decoded_token": "<2>"},
+     "6": {"logprob": -1.5, "rank": 2, "decoded_token": "<6>"}},
+    {"3": {"logprob": -3.0, "rank": 3, "decoded_token": "<3>"},
+     "7": {"logprob": -0.25, "rank": 1, "decoded_token": "<7>"},
+     "8": {"logprob": -1.0, "rank": 2, "decoded_token": "<8>"}},
+]  # fmt: skip
+
+
+def test_prompt_logprobs_are_vllm_s_map_per_token() -> None:
+    assert prompt_scores([1, 2, 3], SCORED, 2, text_of) == SCORES
+    one = prompt_scores([1, 2, 3], SCORED, 1, text_of)
+    assert [list(entry) for entry in one[1:]] == [["2"], ["3", "7"]]  # the token, then the top
+    assert prompt_scores([1, 2, 3], None, 2, text_of) == [None, None, None]  # none computed
+    masked = TokenLogprobs(logprob=float("-inf"), top=(), rank=5)
+    assert prompt_scores([1, 9], [masked], 0, text_of)[1]["9"]["logprob"] == LOWEST_LOGPROB
+    assert [len(lp.top) for lp in with_top(SCORED, 1) or ()] == [1, 1]  # echo's count
+
+
+@pytest.mark.parametrize("meta", [META, CHAT_META], ids=["completions", "chat"])
+def test_prompt_logprobs_stream_with_the_first_output(meta: responses.ResponseMeta) -> None:
+    """Completions: in each choice's first chunk with an output (each choice has a prompt);
+    chat: once, at the top of the answer's first such chunk. A first output whose text is held
+    back still goes out with them, and the plain fast path never drops them."""
+    assembler = _assembler(meta, prompt_scores=2)
+    assembler.opening()
+    kw: Any = dict(text="", token_ids=[9], logprobs=[None], finish_reason=None,
+                   tokens=tokens(0, 3, 1), prompt_logprobs=SCORED)  # fmt: skip
+    first = json.loads(assembler.output_event(0, **kw)[6:])  # type: ignore[index]
+    where = first if meta.chat else first["choices"][0]
+    assert where["prompt_logprobs"] == SCORES
+    second = assembler.output(1, **kw)
+    if meta.chat:
+        assert second is None  # the answer's went out; this chunk shows nothing else
+    else:
+        assert second["choices"][0]["prompt_logprobs"] == SCORES
+    later = assembler.output(0, **{**kw, "text": "x", "prompt_logprobs": None})
+    assert "prompt_logprobs" not in later and "prompt_logprobs" not in later["choices"][0]
+
+
+def test_whole_answers_carry_prompt_logprobs_per_choice_or_at_the_top() -> None:
+    choice = responses.ChoiceResult(index=0, text="x", token_ids=[9], logprobs=None,
+                                    finish_reason="stop", prompt_logprobs=SCORES)  # fmt: skip
+    usage = responses.total_usage([tokens(0, 3, 1)])
+    plain = responses.whole_body(META, choices=[choice], usage=usage, prompt_token_ids=None)
+    assert plain["choices"][0]["prompt_logprobs"] == SCORES and "prompt_logprobs" not in plain
+    chat = responses.whole_body(CHAT_META, choices=[choice], usage=usage, prompt_token_ids=None)
+    assert chat["prompt_logprobs"] == SCORES and "prompt_logprobs" not in chat["choices"][0]
 
 
 TEXTS = ("hi", "", 'q"uo\\te', "line\nbreak\ttab\x01", "h\u00e9 \u4e16\u754c \U0001f600", "\ud800")

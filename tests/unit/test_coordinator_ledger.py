@@ -124,6 +124,35 @@ def test_a_chat_continuation_drops_its_role_chunk_and_counts_usage() -> None:
     assert whole["choices"][0]["finish_reason"] == "stop"
 
 
+SCORES = [None, {"5": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]  # prompt_logprobs
+
+
+def test_prompt_logprobs_pass_through_and_stay_in_the_whole_answer() -> None:
+    """vLLM's prompt_logprobs: completions' in the choice, chat's at the top, from the first
+    leg's first chunk, which goes out for them even when its text is held back."""
+    ledger = Ledger(ask=ask())
+    assert ledger.gen_event(chunk("", [11], prompt_logprobs=SCORES)) == []  # chat's place
+    ledger = Ledger(ask=ask())
+    held = chunk("", [11])
+    held["choices"][0]["prompt_logprobs"] = SCORES
+    (out,) = ledger.gen_event(held)
+    assert out["choices"][0]["prompt_logprobs"] == SCORES
+    ledger.start_continuation(None)
+    again = chunk(" a", [12], finish="stop")
+    again["choices"][0]["prompt_logprobs"] = [None, None, None]  # a continuation's own prompt
+    (out,) = ledger.gen_event(again)
+    assert "prompt_logprobs" not in out["choices"][0]
+    assert ledger.whole()["choices"][0]["prompt_logprobs"] == SCORES
+
+    chat = Ledger(ask=ask(chat=True, stream=False))
+    role = {**CHAT_HEAD, "prompt_logprobs": SCORES, "choices": [{"index": 0, "logprobs": None,
+            "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}]}  # fmt: skip
+    (out,) = chat.gen_event(role)
+    assert out["prompt_logprobs"] == SCORES
+    whole = chat.whole()
+    assert whole["prompt_logprobs"] == SCORES and "prompt_logprobs" not in whole["choices"][0]
+
+
 def test_a_stop_string_found_by_the_coordinator_ends_the_answer() -> None:
     class StopAtSecond:
         def step(self, ids: Any, finish: str | None) -> tuple[str, str | None, int]:

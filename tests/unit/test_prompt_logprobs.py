@@ -1,7 +1,8 @@
-"""Prompt logprobs (completions' echo with logprobs) against Hugging Face transformers.
+"""Prompt logprobs (completions' echo with logprobs, vLLM's `prompt_logprobs`) against Hugging
+Face transformers.
 
 A real executor loop (tiny model, CPU) computes them while it prefills, in chunks smaller than
-the prompt, next to a request that does not ask; each prompt token's logprob and top tokens
+the prompt, next to a request that does not ask; each prompt token's logprob, rank and top tokens
 equal those of transformers' forward over the whole prompt, and a request with `n` choices gets
 the same ones for every choice.
 """
@@ -75,6 +76,11 @@ async def test_prompt_logprobs_match_transformers(
     for position, entry in enumerate(computed, start=1):
         expected = reference[position - 1]  # the position before predicts this token
         assert entry.logprob == pytest.approx(float(expected[PROMPT[position]]), abs=1e-4)
+        value = float(expected[PROMPT[position]])
+        # vLLM's rank: the tokens at least as likely, itself counted (ties within rounding)
+        assert entry.rank is not None
+        assert int((expected > value + 1e-4).sum()) + 1 <= entry.rank
+        assert entry.rank <= int((expected >= value - 1e-4).sum())
         values, ids = torch.topk(expected, TOP)
         assert [t for t, _ in entry.top] == ids.tolist()
         assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)

@@ -38,6 +38,8 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.worker.engine.ports",
     "trtdisagg.worker.engine.forks",
     "trtdisagg.worker.http.handoff",
+    "trtdisagg.worker.http.prompt_scores",
+    "trtdisagg.worker.http.plain_chunk",
     "trtdisagg.coordinator.cluster",
     "trtdisagg.coordinator.routers",
     "trtdisagg.coordinator.ledger",

@@ -218,6 +218,15 @@ def _sampling_rules() -> list[FieldRule]:
             bad=0,
         ),
         rule(
+            "prompt_logprobs",
+            SUPPORTED,
+            "extension (vLLM's): 0 to 20; `prompt_logprobs` in the answer (each choice's, or "
+            "chat's at the top): null for the first prompt token, then a map from token id to "
+            "`{logprob, rank, decoded_token}` for the prompt token and the n most likely at its "
+            "place; streamed too, in the first chunk with an output (vLLM refuses a stream)",
+            bad=-1,
+        ),
+        rule(
             "allowed_token_ids",
             SUPPORTED,
             "extension (vLLM's): a non-empty list of token ids in the vocabulary; every other "

@@ -37,6 +37,7 @@ class FirstTokenLogprobs:
     token_id: int
     logprob: float
     top_logprobs: list[TopLogprob] = attrs.Factory(list)
+    rank: int | None = None  # a prompt token's (`prompt_logprobs`)
 
 
 @attrs.frozen(kw_only=True)
@@ -64,8 +65,8 @@ class DisaggregatedParams:
     # One entry per choice's first token when the request asks for logprobs: gen emits them
     # with ctx's tokens, so the answer has one logprobs entry per token.
     first_gen_logprobs: list[FirstTokenLogprobs] | None = None
-    # Completions' echo with logprobs: ctx's logprobs of prompt tokens 1, 2, ... (token 0 has
-    # none), computed by its prefill; gen puts them before its own.
+    # Completions' echo with logprobs, or `prompt_logprobs`: ctx's logprobs of prompt tokens 1,
+    # 2, ... (token 0 has none), computed by its prefill; gen answers with them.
     prompt_logprobs: list[FirstTokenLogprobs] | None = None
 
 
@@ -159,6 +160,7 @@ class _SamplingFields:
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and top n
     cache_salt: str | None = None
     bad_words: list[str] | None = None
     n: int = 1

@@ -125,6 +125,13 @@ def _validate_sampling(req: AnyRequest) -> None:
             "request_id: 1 to 128 printable ASCII characters, without spaces",
             param="request_id",
         )
+    scores = req.prompt_logprobs
+    if scores is not None and not 0 <= scores <= 20:
+        raise bad_request(
+            f"prompt_logprobs: must be in [0, 20] (-1, the whole vocabulary, is not served), "
+            f"got {scores}",
+            param="prompt_logprobs",
+        )
     keep = req.truncate_prompt_tokens
     if keep is not None and keep != -1 and keep < 1:
         raise bad_request(

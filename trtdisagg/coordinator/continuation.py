@@ -13,8 +13,9 @@ What carries over, and how (`continuation_request`):
   (completions without ``max_tokens`` get the worker's default of 16, less what was sent), so
   the answer ends where an undisturbed run would (``length`` included: prompt + tokens is the
   same total against the model's context);
-* ``echo``, ``n`` and ``best_of`` are gone (an answer of one choice is resumed), and so is
-  ``truncate_prompt_tokens`` (the prompt sent is the one ctx kept), ``stream`` and
+* ``echo``, ``n`` and ``best_of`` are gone (an answer of one choice is resumed), and so are
+  ``truncate_prompt_tokens`` (the prompt sent is the one ctx kept) and ``prompt_logprobs`` (the
+  first leg sent the prompt's), ``stream`` and
   ``return_token_ids`` are on, ``stream_options`` asks for the usage chunk only (the ledger
   counts usage itself);
 * stop strings: text already relayed may end in the first part of a stop string, which the dead
@@ -80,7 +81,13 @@ def continuation_request(
     `stops_here`: the coordinator finds stop strings itself (`TextReplay`), so gen gets none.
     """
     out = copy.copy(body)
-    dropped = ("disaggregated_params", "best_of", "echo", "truncate_prompt_tokens")
+    dropped = (
+        "disaggregated_params",
+        "best_of",
+        "echo",
+        "truncate_prompt_tokens",
+        "prompt_logprobs",
+    )
     for key in (*dropped, *(("stop",) if stops_here else ())):
         out.pop(key, None)
     count = len(sent)

@@ -84,6 +84,7 @@ class ChoiceLedger:
     # which repeats them: what of them it has not repeated yet, to be cut from its events
     ahead_ids: list[int] = attrs.Factory(list)
     ahead_text: str = ""
+    prompt_logprobs: list[Any] | None = None  # completions: vLLM's, from the first leg
 
     @property
     def text(self) -> str:
@@ -105,6 +106,7 @@ class Ledger:
     gen_perf: Json | None = None
     gen_tokens: int = 0  # tokens gen's legs sent (the ones cut as already relayed too)
     usage: Json | None = None  # the client's usage, once gen's usage chunk came
+    prompt_logprobs: list[Any] | None = None  # chat: vLLM's, from the first leg
     choices: list[ChoiceLedger] = attrs.field(
         default=attrs.Factory(
             lambda self: [ChoiceLedger(index=i) for i in range(self.num_choices)], takes_self=True
@@ -233,6 +235,7 @@ class Ledger:
             out.pop("disaggregated_params", None)
             choice.pop("disaggregated_params", None)
         self._prompt_ids(out)
+        scored = self._prompt_scores(out, choice, state)
         raw_ids = choice.pop("token_ids", None) or []
         ids = [t for t in raw_ids if isinstance(t, int)]
         self.gen_tokens += len(ids)
@@ -283,6 +286,7 @@ class Ledger:
             or finish is not None
             or (delta is not None and "role" in delta)
             or "prompt_token_ids" in out
+            or scored
         )
         if not shows:
             return []
@@ -299,6 +303,22 @@ class Ledger:
         if self.ask.return_token_ids and not self._prompt_ids_sent:
             self._prompt_ids_sent = True
             out["prompt_token_ids"] = self.prompt_token_ids if self.leg else given
+
+    def _prompt_scores(self, out: Json, choice: Json, state: ChoiceLedger) -> bool:
+        """Keep vLLM's `prompt_logprobs` for the whole answer (completions: the choice's; chat:
+        the answer's); whether this event carries them. A continuation's are not the prompt's."""
+        where = out if self.ask.chat else choice
+        scores = where.get("prompt_logprobs")
+        if not isinstance(scores, list):
+            return False
+        if self.leg:
+            del where["prompt_logprobs"]
+            return False
+        if self.ask.chat:
+            self.prompt_logprobs = scores
+        else:
+            state.prompt_logprobs = scores
+        return True
 
     def _logprobs_of(
         self, logprobs: object, kept: int, state: ChoiceLedger, *, skip: int = 0
@@ -390,6 +410,8 @@ class Ledger:
         }
         if self.ask.return_token_ids and self.prompt_token_ids is not None:
             body["prompt_token_ids"] = list(self.prompt_token_ids)
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs
         if self.perf is not None:
             body["perf_metrics"] = self.perf(self.gen_perf)
         return body
@@ -411,6 +433,8 @@ class Ledger:
             choice["message"] = message
         else:
             choice["text"] = text
+            if state.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = state.prompt_logprobs
         if self.ask.return_token_ids:
             choice["token_ids"] = list(state.token_ids)
         return choice

@@ -267,11 +267,11 @@ class DisaggService:
                 ):
                     self.metrics.local_prefill.inc()
                     return await self._gen_leg(call, local_request(call.raw), gen, ctx=None)
-            # generation_first: ctx's first token comes with the KV, without its logprobs, so
-            # a request that asks for logprobs is served context-first (ctx's answer has them).
-            if (
-                self.config.schedule_style is ScheduleStyle.GENERATION_FIRST
-                and not call.ask.logprobs
+            # generation_first: ctx's first token comes with the KV, without its logprobs or
+            # the prompt's, so a request that asks for either is served context-first (ctx's
+            # answer has them).
+            if self.config.schedule_style is ScheduleStyle.GENERATION_FIRST and not (
+                call.ask.logprobs or call.ask.prompt_logprobs
             ):
                 gen = gen or await self.lease(call, GEN, disagg_id)
                 return await self._generation_first(call, ids, gen)

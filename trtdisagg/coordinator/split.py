@@ -55,6 +55,7 @@ class ClientAsk:
     # the answer has a logprobs entry per token, ctx's first one too (best_of > n ranks its
     # candidates by them)
     logprobs: bool = False
+    prompt_logprobs: bool = False  # vLLM's: ctx computes them, and its answer carries them
 
     @classmethod
     def of(cls, body: Json, *, chat: bool) -> ClientAsk:
@@ -70,6 +71,7 @@ class ClientAsk:
             return_perf_metrics=bool(body.get("return_perf_metrics")),
             sent_disaggregated_params=body.get("disaggregated_params") is not None,
             logprobs=(logprobs is True if chat else logprobs not in (None, False)) or ranks,
+            prompt_logprobs=body.get("prompt_logprobs") is not None,
         )
 
 
@@ -324,7 +326,10 @@ def answer_as_sse(answer: Json, ask: ClientAsk) -> list[bytes]:
                     {"index": i, **call} for i, call in enumerate(message["tool_calls"])
                 ]
             choice["delta"] = delta
-        events.append(sse_event({**head, "choices": [choice]}))
+        event: Json = {**head, "choices": [choice]}
+        if not events and "prompt_logprobs" in answer:  # chat's, the answer's
+            event["prompt_logprobs"] = answer["prompt_logprobs"]
+        events.append(sse_event(event))
     extra: Json = {k: answer[k] for k in ("perf_metrics",) if k in answer}
     if ask.include_usage and "usage" in answer:
         events.append(sse_event({**head, "choices": [], "usage": answer["usage"], **extra}))

@@ -217,11 +217,13 @@ def prompt_token_logprobs(
     rows: torch.Tensor, targets: Sequence[int], top_n: int
 ) -> list[TokenLogprobs]:
     """rows: float32 [K, V], the logits of K positions; targets: the prompt token each position
-    is followed by. Each target's logprob, with the `top_n` most likely tokens, in one host
-    sync for the K of them."""
+    is followed by. Each target's logprob and rank, with the `top_n` most likely tokens, in one
+    host sync for the K of them."""
     logp = torch.log_softmax(rows.float(), dim=-1)
     index = torch.tensor(list(targets), device=rows.device).unsqueeze(1)
-    values = logp.gather(1, index).squeeze(1).tolist()
+    chosen = logp.gather(1, index)
+    ranks = (logp >= chosen).sum(dim=-1).tolist()
+    values = chosen.squeeze(1).tolist()
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
     if top_n > 0:
         top_values, top_ids = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
@@ -229,4 +231,6 @@ def prompt_token_logprobs(
             tuple(zip(ids, vals, strict=True))
             for ids, vals in zip(top_ids.tolist(), top_values.tolist(), strict=True)
         ]
-    return [TokenLogprobs(logprob=v, top=t) for v, t in zip(values, tops, strict=True)]
+    return [
+        TokenLogprobs(logprob=v, top=t, rank=r) for v, t, r in zip(values, tops, ranks, strict=True)
+    ]

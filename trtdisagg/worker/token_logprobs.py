@@ -13,3 +13,6 @@ import attrs
 class TokenLogprobs:
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+    # How many tokens are at least as likely (1: the most likely), as vLLM counts it; prompt
+    # tokens only (vLLM's `prompt_logprobs` shows it)
+    rank: int | None = None

@@ -116,14 +116,20 @@ def decode_submit(payload: object) -> SubmitGroup:
 
 
 def _logprobs_out(lp: TokenLogprobs | None) -> list[Any] | None:
-    return None if lp is None else [lp.logprob, lp.top]
+    if lp is None:
+        return None
+    return [lp.logprob, lp.top] if lp.rank is None else [lp.logprob, lp.top, lp.rank]
 
 
 def _logprobs_in(item: Any) -> TokenLogprobs | None:
     if item is None:
         return None
-    logprob, top = item
-    return TokenLogprobs(logprob=float(logprob), top=tuple((int(t), float(v)) for t, v in top))
+    logprob, top, *rank = item
+    return TokenLogprobs(
+        logprob=float(logprob),
+        top=tuple((int(t), float(v)) for t, v in top),
+        rank=int(rank[0]) if rank else None,
+    )
 
 
 def encode_output(request_id: int, output: RequestOutput) -> list[Any]:

@@ -155,4 +155,9 @@ def _checked_logprobs(
                 f"vocabulary ({vocab_size}) with a logprob <= 0",
                 param="disaggregated_params",
             )
-    return TokenLogprobs(logprob=entry.logprob, top=top)
+    if entry.rank is not None and not 1 <= entry.rank <= vocab_size:
+        raise bad_request(
+            f"{where}.rank: {entry.rank} is not a rank in a vocabulary of {vocab_size}",
+            param="disaggregated_params",
+        )
+    return TokenLogprobs(logprob=entry.logprob, top=top, rank=entry.rank)

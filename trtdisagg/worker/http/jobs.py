@@ -26,6 +26,7 @@ from trtdisagg.worker.engine.outputs import RequestOutput
 from trtdisagg.worker.http import responses
 from trtdisagg.worker.http.engine import Engine
 from trtdisagg.worker.http.handoff import ctx_state
+from trtdisagg.worker.http.prompt_scores import prompt_scores, with_top
 from trtdisagg.worker.request import RequestType
 from trtdisagg.worker.token_logprobs import TokenLogprobs
 
@@ -151,6 +152,12 @@ class Job:
     def wants_logprobs(self) -> bool:
         return self.runs[0].handle.request.sampling.logprobs is not None
 
+    @property
+    def _echo_logprobs(self) -> int | None:
+        """Completions' echo with logprobs: the echoed prompt's alternatives; else None."""
+        req = self.req
+        return req.logprobs if isinstance(req, CompletionRequest) and req.echo else None
+
     def drop(self) -> None:
         for run in self.runs:
             run.drop()
@@ -232,12 +239,20 @@ class Job:
         text = (run.echo or "") + "".join(o.text for o in outputs)
         # echo with logprobs: the echoed prompt's tokens come first, the first one without
         # a logprob (nothing precedes it), as OpenAI answers.
-        prompt = outputs[0].prompt_logprobs if run.echo is not None else None
+        computed = outputs[0].prompt_logprobs
+        echo_top = self._echo_logprobs
+        prompt = (
+            with_top(computed, echo_top) if run.echo is not None and echo_top is not None else None
+        )
         shown_ids: list[int] = token_ids
         shown: list[TokenLogprobs | None] = logprobs
         if prompt is not None:
             shown_ids = [*run.handle.request.prompt_token_ids, *token_ids]
             shown = [*responses.echoed_logprobs(len(shown_ids) - len(token_ids), prompt), *logprobs]
+        scores = None
+        if self.req.prompt_logprobs is not None:  # vLLM's
+            ids = run.handle.request.prompt_token_ids
+            scores = prompt_scores(ids, computed, self.req.prompt_logprobs, self.text_of)
         finish = last.finish_reason.value if last.finish_reason else None
         calls: tuple[ToolCall, ...] = ()
         if self.tools is not None:
@@ -253,6 +268,7 @@ class Job:
             logprobs=self._logprobs(shown_ids, shown),
             finish_reason=finish,
             prompt_token_ids=None if self.single_prompt else run.handle.request.prompt_token_ids,
+            prompt_logprobs=scores,
         )
 
     def _context_body(self, choices: Sequence[tuple[ChoiceRun, list[RequestOutput]]]) -> Json:
@@ -273,7 +289,7 @@ class Job:
         if len(choices) > 1:
             params["first_gen_tokens_by_choice"] = firsts
         prompt = choices[0][1][0].prompt_logprobs
-        if prompt is not None:  # echo with logprobs: gen emits them before its own
+        if prompt is not None:  # echo with logprobs, or prompt_logprobs: gen answers with them
             params["prompt_logprobs"] = [
                 first_token_logprobs(token, lp)
                 for token, lp in zip(request.prompt_token_ids[1:], prompt, strict=True)
@@ -288,7 +304,8 @@ class Job:
         results = [
             attrs.evolve(self._result(run, outputs), finish_reason=None) for run, outputs in choices
         ]
-        results[0] = attrs.evolve(results[0], extra={"disaggregated_params": params})
+        extra = {**(results[0].extra or {}), "disaggregated_params": params}
+        results[0] = attrs.evolve(results[0], extra=extra)
         last = choices[0][1][-1]
         return responses.whole_body(
             self.meta,
@@ -334,7 +351,9 @@ class Job:
             continuous_usage=options is not None and options.continuous_usage_stats,
             logprobs=self.wants_logprobs,
             prompt_ids_in_first_chunk=self.req.return_token_ids,
-            echo_logprobs=self.runs[0].handle.request.sampling.prompt_logprobs is not None,
+            echo_logprobs=self._echo_logprobs is not None,
+            echo_top=self._echo_logprobs or 0,
+            prompt_scores=self.req.prompt_logprobs,
         )
         merger = OutputMerger(
             assembler=assembler,
@@ -430,12 +449,16 @@ class OutputMerger:
 
 
 def first_token_logprobs(token: int, logprobs: TokenLogprobs) -> Json:
-    """`disaggregated_params.first_gen_logprobs[0]`: ctx's first token's logprobs, by id."""
-    return {
+    """A token's logprobs as `disaggregated_params` carries them (`first_gen_logprobs`,
+    `prompt_logprobs`), by id."""
+    entry: Json = {
         "token_id": token,
         "logprob": _finite(logprobs.logprob),
         "top_logprobs": [{"token_id": t, "logprob": _finite(v)} for t, v in logprobs.top],
     }
+    if logprobs.rank is not None:
+        entry["rank"] = logprobs.rank
+    return entry
 
 
 def _finite(value: float) -> float:

@@ -9,9 +9,7 @@ choices it has (as OpenAI does), and every choice's completion tokens.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
-from json.encoder import encode_basestring_ascii
 from typing import Any
 
 import attrs
@@ -19,6 +17,8 @@ import attrs
 from trtdisagg.api.codec import sse_event
 from trtdisagg.api.protocol import PerfMetrics, Usage, prune
 from trtdisagg.api.tool_calls import ToolCall, ToolCallParser, tool_call_deltas
+from trtdisagg.worker.http.plain_chunk import PlainChunk
+from trtdisagg.worker.http.prompt_scores import prompt_scores, with_top
 from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 TokenText = Callable[[int], str]
@@ -143,6 +143,7 @@ class ChoiceResult:
     prompt_token_ids: Sequence[int] | None = None  # per choice: a batch of prompts
     extra: Json | None = None
     tool_calls: Sequence[ToolCall] = ()  # chat: calls found in the text (then not in `text`)
+    prompt_logprobs: list[Json | None] | None = None  # vLLM's (`prompt_scores.py`)
 
 
 def _choice(meta: ResponseMeta, result: ChoiceResult) -> Json:
@@ -159,6 +160,8 @@ def _choice(meta: ResponseMeta, result: ChoiceResult) -> Json:
         choice["message"] = message
     else:
         choice["text"] = result.text
+        if result.prompt_logprobs is not None:  # (chat's are the answer's)
+            choice["prompt_logprobs"] = result.prompt_logprobs
     if meta.return_token_ids:
         choice["token_ids"] = list(result.token_ids)
         if result.prompt_token_ids is not None:
@@ -186,6 +189,9 @@ def whole_body(
     }
     if prompt_token_ids is not None:
         body["prompt_token_ids"] = list(prompt_token_ids)
+    scored = next((c.prompt_logprobs for c in choices if c.prompt_logprobs is not None), None)
+    if meta.chat and scored is not None:  # one prompt
+        body["prompt_logprobs"] = scored
     if perf is not None:
         body["perf_metrics"] = perf_json(perf)
     return body
@@ -239,7 +245,9 @@ def whole_as_chunks(meta: ResponseMeta, body: Json, *, include_usage: bool) -> l
     chunks: list[Json] = []
     for whole in body["choices"]:
         choice = {
-            k: whole[k] for k in ("index", "logprobs", "finish_reason", "token_ids") if k in whole
+            k: whole[k]
+            for k in ("index", "logprobs", "finish_reason", "token_ids", "prompt_logprobs")
+            if k in whole
         }
         if meta.chat:
             choice["delta"] = {"role": "assistant", **whole["message"]}
@@ -264,44 +272,6 @@ def usage_chunk(meta: ResponseMeta, usage: Usage, perf: PerfMetrics | None) -> J
     return body
 
 
-@attrs.frozen(kw_only=True)
-class PlainChunk:
-    """A streamed choice's plain chunk as its SSE event: the choice already started, and no
-    logprobs, tool calls, echo or per-chunk usage. Only its text, token ids and finish reason
-    vary, so the rest is rendered once per choice; the bytes are those `sse_event` makes of
-    `chunk_body`'s dict (the same keys in the same order, strings escaped as `json.dumps`
-    escapes them), one format call instead of a dict walked by the JSON encoder per token."""
-
-    head: str  # up to the finish reason's value
-    text_key: str  # between the finish reason and the text
-    text_end: str  # closes chat's delta
-    with_ids: bool
-
-    @classmethod
-    def of(cls, meta: ResponseMeta, index: int) -> PlainChunk:
-        # json.dumps escapes every non-ASCII character, so the whole event is ASCII.
-        head = (
-            f'data: {{"id":{json.dumps(meta.response_id)},'
-            f'"object":{json.dumps("chat.completion.chunk" if meta.chat else "text_completion")},'
-            f'"created":{json.dumps(meta.created)},"model":{json.dumps(meta.model)},'
-            f'"choices":[{{"index":{json.dumps(index)},"logprobs":null,"finish_reason":'
-        )
-        return cls(
-            head=head,
-            text_key=',"delta":{"content":' if meta.chat else ',"text":',
-            text_end="}" if meta.chat else "",
-            with_ids=meta.return_token_ids,
-        )
-
-    def event(self, text: str, token_ids: Sequence[int], finish_reason: str | None) -> bytes:
-        finish = "null" if finish_reason is None else encode_basestring_ascii(finish_reason)
-        ids = f',"token_ids":[{",".join(map(str, token_ids))}]' if self.with_ids else ""
-        return (
-            self.head + finish + self.text_key + encode_basestring_ascii(text) + self.text_end
-            + ids + "}]}\n\n"
-        ).encode("ascii")  # fmt: skip
-
-
 @attrs.define(eq=False, kw_only=True)
 class ChoiceStream:
     """A streamed choice's progress."""
@@ -314,6 +284,7 @@ class ChoiceStream:
     tools: ToolCallParser | None = None  # chat with tools: finds the calls in the text
     text_offset: int = 0  # characters of token text sent so far (logprobs' text_offset)
     started: bool = False  # its first chunk (role, prompt ids) is out
+    scored: bool = False  # its prompt's `prompt_logprobs` went out
     finished: bool = False
     plain: PlainChunk | None = None  # its plain chunk's parts, once one is sent
 
@@ -332,6 +303,8 @@ class StreamAssembler:
     # completions with `echo` and `logprobs`: each choice's echo waits for its first output,
     # which brings the prompt's logprobs, and goes out in one chunk with it
     echo_logprobs: bool = False
+    echo_top: int = 0  # the echoed prompt's alternatives (`logprobs`)
+    prompt_scores: int | None = None  # vLLM's `prompt_logprobs`: this many alternatives
 
     def opening(self) -> list[Json]:
         """Chat: each choice's role chunk; completions with `echo`: each prompt's text."""
@@ -360,12 +333,14 @@ class StreamAssembler:
         choice.tokens = tokens
         carries_tokens = bool(token_ids) and (self.meta.return_token_ids or self.logprobs)
         shown_ids, shown = list(token_ids), list(logprobs)
+        scores = self._scores(choice, prompt_logprobs)
         if choice.echo is not None and not choice.echoed:  # with the prompt's logprobs
             choice.echoed = True
             text = choice.echo + text
             prompt_ids = list(choice.prompt_token_ids)
             shown_ids = prompt_ids + shown_ids
-            shown = [*echoed_logprobs(len(prompt_ids), prompt_logprobs), *shown]
+            echoed = with_top(prompt_logprobs, self.echo_top)
+            shown = [*echoed_logprobs(len(prompt_ids), echoed), *shown]
         calls: list[Json] = []
         if choice.tools is not None:  # the text outside calls, and the calls it completed
             done_before = choice.tools.num_calls
@@ -377,14 +352,30 @@ class StreamAssembler:
                     finish_reason = "tool_calls"
             text = parsed.content
             calls = tool_call_deltas(parsed.calls, done_before)
-        if not text and not carries_tokens and not calls and finish_reason is None:
+        shows = text or carries_tokens or calls or finish_reason is not None
+        if not shows and scores is None:
             return None
         lp = self._logprobs(choice, shown_ids, shown)
         if finish_reason is not None:
             choice.finished = True
-        return self._chunk(
+        chunk = self._chunk(
             choice, text=text, token_ids=token_ids, lp=lp, finish_reason=finish_reason, calls=calls
         )
+        if scores is not None:
+            (chunk if self.meta.chat else chunk["choices"][0])["prompt_logprobs"] = scores
+        return chunk
+
+    def _scores(
+        self, choice: ChoiceStream, prompt_logprobs: Sequence[TokenLogprobs] | None
+    ) -> list[Json | None] | None:
+        """`prompt_logprobs` when this output brings them and they are still to go out: each
+        choice's (completions: a prompt each), or the answer's once (chat)."""
+        if self.prompt_scores is None or prompt_logprobs is None or choice.scored:
+            return None
+        for other in self.choices if self.meta.chat else (choice,):
+            other.scored = True
+        ids = choice.prompt_token_ids
+        return prompt_scores(ids, prompt_logprobs, self.prompt_scores, self.text_of)
 
     def output_event(
         self,
@@ -406,6 +397,7 @@ class StreamAssembler:
             and (choice.echo is None or choice.echoed)
             and not self.continuous_usage
             and all(lp is None for lp in logprobs)
+            and prompt_logprobs is None
         )
         if not plain:
             chunk = self.output(

@@ -358,7 +358,7 @@ class WorkerService:
     def _sampling(self, req: AnyRequest, prompt_len: int) -> SamplingParams:
         room = self.max_seq_len - prompt_len
         field = "max_tokens"
-        prompt_logprobs: int | None = None
+        prompt_logprobs = req.prompt_logprobs  # vLLM's; or echo's (below), whichever is more
         if isinstance(req, ChatCompletionRequest):
             if req.max_completion_tokens is not None:
                 field = "max_completion_tokens"
@@ -369,8 +369,8 @@ class WorkerService:
             asked = req.max_tokens
             logprobs = req.logprobs
             max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if asked is None else asked
-            if req.echo:  # the echoed prompt comes with its logprobs, computed by prefill
-                prompt_logprobs = logprobs
+            if req.echo and logprobs is not None:  # the echoed prompt's, computed by prefill
+                prompt_logprobs = max(logprobs, prompt_logprobs or 0)
             if num_candidates(req) > req.n and logprobs is None:
                 logprobs = 0  # best_of ranks candidates by their tokens' logprobs
         if max_tokens > room:
