@@ -3,7 +3,7 @@
 other modules that only send it requests): the workers' counters prove one prefill and one transfer;
 the choices agree split or not, greedy and seeded; `best_of` keeps the best candidates; `echo` with
 `logprobs`, and vLLM's `prompt_logprobs`, give the prompt's logprobs, computed by the prefill on
-ctx when split.
+ctx when split, and `max_tokens: 0` with `echo` scores the prompt alone.
 """
 
 from __future__ import annotations
@@ -201,6 +201,38 @@ def test_echo_with_logprobs_streams_the_prompt_with_the_first_token(
         assert expected is not None and expected.token_logprobs is not None
         assert streamed[0] is None and _close(streamed, list(expected.token_logprobs))
         assert "".join(c["text"] for c in chunks) == whole.choices[0].text
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(
+    cluster: Cluster, http: httpx.Client, target: str
+) -> None:
+    """Teacher-forced scoring (`max_tokens: 0, echo: true`): the prompt's text and logprobs,
+    no token generated or counted, whole and streamed; the logprobs are those the same prompt
+    gets echoed before a generated token."""
+    ask = {"model": "tiny", "prompt": PROMPTS[1], "echo": True, "logprobs": 2, "temperature": 0}
+    client = api(url_of(cluster, target))
+    scored = client.completions.create(**ask, max_tokens=0)
+    generated = client.completions.create(**ask, max_tokens=1)
+    (choice,) = scored.choices
+    assert choice.text == PROMPTS[1] and choice.finish_reason == "length"
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    assert generated.usage is not None
+    assert scored.usage.prompt_tokens == generated.usage.prompt_tokens
+    expected = generated.choices[0].logprobs
+    assert choice.logprobs is not None and expected is not None and expected.tokens is not None
+    assert choice.logprobs.tokens == expected.tokens[:-1]  # all but the generated token
+    assert _close(
+        list(choice.logprobs.token_logprobs or []), list(expected.token_logprobs or [])[:-1]
+    )
+    body = {**ask, "max_tokens": 0, "stream": True, "stream_options": {"include_usage": True}}
+    events = sse(http, url_of(cluster, target) + "/v1/completions", body)
+    usage = assert_stream_shape(events, 1)
+    assert usage["completion_tokens"] == 0
+    chunks = by_choice(events)[0]
+    assert "".join(c["text"] for c in chunks) == PROMPTS[1]
+    streamed = [v for c in chunks if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+    assert _close(streamed, list(choice.logprobs.token_logprobs or []))
 
 
 def _assert_scores(scores: Any, prompt: list[int], echoed: Any, top: int) -> None:

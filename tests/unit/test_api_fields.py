@@ -104,7 +104,10 @@ def test_supported_fields_with_refusal_examples_are_limits() -> None:
         ("completions", {"n": 3, "prompt": ["a"] * 43}, "n"),
         ("completions", {"prompt": ["a", ""]}, "prompt"),
         ("completions", {"prompt": [[1], []]}, "prompt"),
-        ("completions", {"max_tokens": 0}, "max_tokens"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        ("completions", {"max_tokens": 0, "echo": False}, "max_tokens"),
+        ("completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
+        ("chat", {"prompt_logprobs": 21}, "prompt_logprobs"),
         ("completions", {"best_of": 1, "n": 2}, "best_of"),
         ("completions", {"seed": -(2**63) - 1}, "seed"),
         ("completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
@@ -169,6 +172,8 @@ def test_accepted_edges() -> None:
     parse_request({"prompt": "a", "stop": ["x" * 256] * 16}, CompletionRequest)
     streamed = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
     parse_request({"prompt": "a", "max_tokens": 2**31 - 1, **streamed}, CompletionRequest)
+    parse_request({"prompt": "a", "max_tokens": 0, "echo": True, **streamed}, CompletionRequest)
+    parse_request({"prompt": "a", "prompt_logprobs": 0, **streamed}, CompletionRequest)
     chat = {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 0}
     parse_request({**chat, "tool_choice": "none", "tools": []}, ChatCompletionRequest)
     controls = {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 1e-3,

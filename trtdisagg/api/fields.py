@@ -317,7 +317,8 @@ COMPLETIONS: Final = {
             "max_tokens",
             SUPPORTED,
             "default 16; below 2**31, and prompt + max_tokens within the model's context "
-            "(else a 400 naming it)",
+            "(else a 400 naming it); 0 with `echo` scores the prompt: its text and (with "
+            "`logprobs`) its logprobs, nothing generated",
             bad=2**31,
         ),
         rule("suffix", NEUTRAL, "empty only: insertion is not supported", neutral=("",), bad="end"),

@@ -88,8 +88,12 @@ def _validate_sampling(req: AnyRequest) -> None:
     if isinstance(req, ChatCompletionRequest):
         limits.append(("max_completion_tokens", req.max_completion_tokens))
     for name, value in limits:
+        if value == 0 and isinstance(req, CompletionRequest) and req.echo:
+            continue  # the prompt scored, nothing generated
         if value is not None and not 1 <= value < MAX_TOKENS_LIMIT:
-            raise bad_request(f"{name}: must be in [1, 2**31), got {value}", param=name)
+            completion = isinstance(req, CompletionRequest)
+            scoring = " (0 only with echo: the prompt scored)" if value == 0 and completion else ""
+            raise bad_request(f"{name}: must be in [1, 2**31){scoring}, got {value}", param=name)
     if req.temperature is not None and not 0.0 <= req.temperature <= 100.0:
         raise bad_request(
             f"temperature: must be in [0, 100], got {req.temperature}", param="temperature"

@@ -44,6 +44,9 @@ class ChoiceRun:
     echo: str | None = None  # completions with `echo`: the prompt text
     # After the first, read outputs of at least this many tokens (config `stream_interval`).
     interval: int = 1
+    # Completions' echo with max_tokens 0: the prompt is scored, and the one token its prefill
+    # samples is not answered (its outputs come without it)
+    scoring: bool = False
     done: bool = False  # its last output (or ctx's context_done) arrived
     _started: bool = attrs.field(default=False, alias="started")  # the first output was read
     _closed: bool = attrs.field(default=False, alias="closed")
@@ -71,6 +74,8 @@ class ChoiceRun:
         self._started = True
         if output.finish_reason is not None or output.context_done:
             self.done = True
+        if self.scoring:
+            output = attrs.evolve(output, token_ids=(), text="", logprobs=(), num_output_tokens=0)
         return output
 
     async def _fill(self, output: RequestOutput) -> RequestOutput:

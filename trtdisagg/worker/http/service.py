@@ -261,6 +261,7 @@ class WorkerService:
         prefill (or KV transfer) serves them, and they fork at their first tokens. All or none
         are queued."""
         echo = isinstance(req, CompletionRequest) and req.echo
+        scoring = echo and req.max_tokens == 0  # the prompt alone is answered
         by_prompt: dict[int, list[ChoicePlan]] = {}
         for plan in plans:
             by_prompt.setdefault(plan.prompt_index, []).append(plan)
@@ -289,6 +290,7 @@ class WorkerService:
                             engine=self.engine,
                             echo=self._echo(req, plan, prompts) if echo else None,
                             interval=self.config.stream_interval,
+                            scoring=scoring,
                         )
                     )
         except (CapacityError, WorkerStopped) as exc:
@@ -369,6 +371,7 @@ class WorkerService:
             asked = req.max_tokens
             logprobs = req.logprobs
             max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if asked is None else asked
+            max_tokens = max_tokens or 1  # echo's scoring: the token sampled is not answered
             if req.echo and logprobs is not None:  # the echoed prompt's, computed by prefill
                 prompt_logprobs = max(logprobs, prompt_logprobs or 0)
             if num_candidates(req) > req.n and logprobs is None:
