@@ -364,6 +364,34 @@ def test_echo(cluster: Cluster, http: httpx.Client, target: str) -> None:
         assert "".join(c["text"] for c in chunks) == echoed.choices[index].text
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_chat_echo_starts_the_reply_with_the_assistant_s_last_message(
+    cluster: Cluster, http: httpx.Client, target: str
+) -> None:
+    """vLLM's chat `echo`: with the assistant's message last (continued), the reply's content
+    starts with it, whole and streamed; with the user's last, it changes nothing."""
+    client = api(url_of(cluster, target))
+    going = [*CHAT, {"role": "assistant", "content": "Two plus two is"}]
+    ask: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+    goes_on = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(messages=going, extra_body=goes_on, **ask)
+    echoed = client.chat.completions.create(
+        messages=going, extra_body={**goes_on, "echo": True}, **ask
+    )
+    reply = plain.choices[0].message.content or ""
+    assert echoed.choices[0].message.content == "Two plus two is" + reply
+    assert echoed.usage is not None and plain.usage is not None
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens  # the echo is not
+    body = {"messages": going, **goes_on, "echo": True, "stream": True, **ask}
+    chunks = by_choice(sse(http, url_of(cluster, target) + "/v1/chat/completions", body))[0]
+    assert chunks[0]["delta"]["content"] == "Two plus two is"
+    streamed = "".join(c["delta"].get("content") or "" for c in chunks)
+    assert streamed == echoed.choices[0].message.content
+    asked = client.chat.completions.create(messages=CHAT, extra_body={"echo": True}, **ask)
+    alone = client.chat.completions.create(messages=CHAT, **ask)
+    assert asked.choices[0].message.content == alone.choices[0].message.content
+
+
 # ---- usage in every chunk ----
 
 

@@ -402,6 +402,12 @@ CHAT: Final = {
             refusal={"continue_final_message": True},
         ),
         rule(
+            "echo",
+            SUPPORTED,
+            "extension (vLLM's): when the last message is the assistant's, the answer's content "
+            "starts with it (with `continue_final_message`: the whole reply); else no change",
+        ),
+        rule(
             "chat_template_kwargs",
             SUPPORTED,
             "extension (vLLM's): more variables for the chat template (`enable_thinking`, ...); "

@@ -262,6 +262,7 @@ class WorkerService:
         are queued."""
         echo = isinstance(req, CompletionRequest) and req.echo
         scoring = echo and req.max_tokens == 0  # the prompt alone is answered
+        chat_echo = _chat_echo(req)
         by_prompt: dict[int, list[ChoicePlan]] = {}
         for plan in plans:
             by_prompt.setdefault(plan.prompt_index, []).append(plan)
@@ -288,7 +289,7 @@ class WorkerService:
                             plan=plan,
                             handle=handle,
                             engine=self.engine,
-                            echo=self._echo(req, plan, prompts) if echo else None,
+                            echo=self._echo(req, plan, prompts) if echo else chat_echo,
                             interval=self.config.stream_interval,
                             scoring=scoring,
                         )
@@ -454,6 +455,15 @@ def _token_id_text(token: int) -> str:
     """A logprobs entry's token under `return_tokens_as_token_ids` (vLLM's): its id, exactly,
     where its text may not decode alone."""
     return f"token_id:{token}"
+
+
+def _chat_echo(req: AnyRequest) -> str | None:
+    """vLLM's chat `echo`: the answer starts with the conversation's last message when that is
+    the assistant's (a reply the model goes on with); else None."""
+    if not isinstance(req, ChatCompletionRequest) or not req.echo or not req.messages:
+        return None
+    last = req.messages[-1]
+    return last.text() if last.role == "assistant" else None
 
 
 def _temperature(asked: float | None) -> float:
