@@ -14,7 +14,8 @@ import re
 import sys
 from pathlib import Path
 
-from trtdisagg.api.fields import CHAT, COMPLETIONS, FieldRule, render_table
+from trtdisagg.api.fields import CHAT, COMPLETIONS, render_table
+from trtdisagg.api.fields_base import FieldRule
 from trtdisagg.api.responses_fields import RESPONSES
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "API.md"

@@ -496,7 +496,29 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_end(cluster: Cluster) -> None
         answer = client.chat.completions.create(messages=CHAT, extra_body=short, **ask)
         assert answer.prompt_token_ids == chat_ids[-3:]  # type: ignore[attr-defined]
         results.append((tokens_of(cut), list(answer.choices[0].token_ids)))  # type: ignore[attr-defined]
+        right = {**short, "truncation_side": "right"}  # vLLM's: the first k instead
+        cut = client.completions.create(prompt=PROMPTS[1], extra_body=right, **ask)
+        assert cut.prompt_token_ids == ids[:3]  # type: ignore[attr-defined]
+        answer = client.chat.completions.create(messages=CHAT, extra_body=right, **ask)
+        assert answer.prompt_token_ids == chat_ids[:3]  # type: ignore[attr-defined]
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_stream_interval_gathers_tokens_into_chunks(
+    cluster: Cluster, http: httpx.Client, target: str
+) -> None:
+    """vLLM's per-request `stream_interval`: after the first, each chunk carries at least that
+    many tokens (the last may carry fewer); the text is the same."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 11, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}  # fmt: skip
+    url = url_of(cluster, target) + "/v1/completions"
+    one = by_choice(sse(http, url, body))[0]
+    four = by_choice(sse(http, url, {**body, "stream_interval": 4}))[0]
+    sizes = [len(c["token_ids"]) for c in four if c["token_ids"]]
+    assert sum(sizes) == 11 and all(size >= 4 for size in sizes[1:-1]), sizes
+    assert len(sizes) <= 4 < len([c for c in one if c["token_ids"]])
+    assert "".join(c["text"] for c in four) == "".join(c["text"] for c in one)
 
 
 # ---- /v1/responses ----

@@ -14,7 +14,8 @@ from openai.types.responses import response_create_params
 
 from trtdisagg.api.codec import parse_json, parse_request
 from trtdisagg.api.errors import ApiError
-from trtdisagg.api.fields import CHAT, COMPLETIONS, FieldRule, Support, json_equal
+from trtdisagg.api.fields import CHAT, COMPLETIONS, json_equal
+from trtdisagg.api.fields_base import FieldRule, Support
 from trtdisagg.api.http import is_json_type
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
 from trtdisagg.api.responses_api import ResponsesRequest

@@ -45,6 +45,8 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.coordinator.ledger",
     "trtdisagg.coordinator.continuation",
     "trtdisagg.api.fields",
+    "trtdisagg.api.fields_base",
+    "trtdisagg.api.vllm_fields",
     "trtdisagg.api.validation",
     "trtdisagg.api.fanout",
     "trtdisagg.api.chat",

@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trtdisagg.api.chat import ChatRender
+from trtdisagg.api.codec import parse_request
+from trtdisagg.api.protocol import ChatCompletionRequest
 from trtdisagg.model.tiny import TinySpec, write_checkpoint
 from trtdisagg.model.tiny_tokenizer import build_tokenizer, write_tokenizer_files
 from trtdisagg.worker.tokenization import (
@@ -193,6 +195,17 @@ def test_continue_final_message_and_template_kwargs_render_as_transformers_does(
     )
     clashing = attrs.evolve(plain, template_kwargs={"bos_token": "X", "messages": []})
     assert own.chat_prompt(clashing)[0] == own.chat_prompt(plain)[0]
+    # vLLM's `documents` reach the template as its variable of that name
+    config["chat_template"] = (
+        "{% for d in documents %}[{{ d.title }}] {% endfor %}{{ messages[-1].content }}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    rag = Tokenizer.from_dir(tmp_path)
+    body = {"messages": [{"role": "user", "content": "Hi"}],
+            "documents": [{"title": "a", "text": "x"}, {"title": "b", "text": "y"}],
+            "chat_template_kwargs": {"documents": []}}  # fmt: skip
+    req = parse_request(body, ChatCompletionRequest)
+    assert rag.chat_prompt(ChatRender.of(req))[0] == "[a] [b] Hi"  # the field over the kwargs
 
 
 TOOLS = [

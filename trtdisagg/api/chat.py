@@ -46,7 +46,10 @@ class ChatRender:
             messages=chat_messages(req.messages or []),
             tools=chat_tools(req),
             add_generation_prompt=req.add_generation_prompt,
-            template_kwargs=dict(req.chat_template_kwargs or {}),
+            template_kwargs={
+                **(req.chat_template_kwargs or {}),
+                **({"documents": req.documents} if req.documents is not None else {}),
+            },
             continue_final_message=req.continue_final_message,
             add_special_tokens=req.add_special_tokens,
         )

@@ -15,7 +15,8 @@ import attrs
 import cattrs
 
 from trtdisagg.api.errors import ApiError, bad_request
-from trtdisagg.api.fields import CHAT, COMPLETIONS, FieldRule, check_fields
+from trtdisagg.api.fields import CHAT, COMPLETIONS, check_fields
+from trtdisagg.api.fields_base import FieldRule
 from trtdisagg.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,

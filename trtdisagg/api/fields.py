@@ -1,13 +1,14 @@
 """Every OpenAI request field of the three generation routes: how it acts here, or its 400.
 
-One rule per field of `/v1/completions` and `/v1/chat/completions` here, of `/v1/responses` in
-`responses_fields.py` (every field of the `openai` package's request types, plus this server's
-and other servers' extensions). `check_fields` enforces
-the rules that depend on one field alone: a `neutral` field is accepted only at the value that
-changes nothing (a penalty of 0), a `refused` one only when absent or null, each otherwise a 400
-naming it. `partial` fields, whose limits depend on other fields (`best_of` against `n`), are
-checked in `validation.py`. docs/API.md's tables are `render_table()`'s output, and a test holds
-them equal, so the document cannot drift from the code.
+One rule per field of `/v1/completions` and `/v1/chat/completions` here (vLLM's extensions beyond
+sampling in `vllm_fields.py`), of `/v1/responses` in `responses_fields.py`: every field of the
+`openai` package's request types, plus this server's and other servers' extensions.
+`check_fields` enforces the rules that depend on one field alone: a `neutral` field is accepted
+only at the value that changes nothing (a penalty of 0), a `refused` one only when absent or
+null, each otherwise a 400 naming it. `partial` fields, whose limits depend on other fields
+(`best_of` against `n`), are checked in `validation.py`. docs/API.md's tables are
+`render_table()`'s output, and a test holds them equal, so the document cannot drift from the
+code.
 
 Every field of the request types acts today; a new field the engine implements becomes
 `supported` here once it acts.
@@ -15,59 +16,23 @@ Every field of the request types acts today; a new field the engine implements b
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Mapping
 from typing import Any, Final
 
-import attrs
-
 from trtdisagg.api.errors import bad_request
-
-
-class Support(enum.Enum):
-    SUPPORTED = "supported"
-    PARTIAL = "partial"  # some values act; the others get a 400 naming the field
-    NEUTRAL = "neutral only"  # only the value that changes nothing; any other is a 400
-    IGNORED = "ignored"  # accepted: by its nature it changes nothing in an answer here
-    REFUSED = "400"  # any value but null is a 400 naming the field
-
-
-@attrs.frozen(kw_only=True)
-class FieldRule:
-    name: str
-    support: Support
-    how: str
-    """docs/API.md's text: what the field does here, or why it is refused."""
-    neutral: tuple[Any, ...] = ()
-    """NEUTRAL: the accepted values (null always is)."""
-    refusal: Mapping[str, Any] | None = None
-    """Body fields that get a 400 naming this field (the validation tests send them)."""
-
-
-SUPPORTED, PARTIAL, NEUTRAL, IGNORED, REFUSED = (
-    Support.SUPPORTED,
-    Support.PARTIAL,
-    Support.NEUTRAL,
-    Support.IGNORED,
-    Support.REFUSED,
+from trtdisagg.api.fields_base import (
+    IGNORED,
+    NEUTRAL,
+    REFUSED,
+    SUPPORTED,
+    FieldRule,
+    Support,
+    rule,
 )
+from trtdisagg.api.vllm_fields import vllm_rules
 
 TOOL: Final = {"type": "function", "function": {"name": "get_weather"}}
-
-
-def rule(
-    name: str,
-    support: Support,
-    how: str,
-    *,
-    neutral: tuple[Any, ...] = (),
-    bad: Any = None,
-    refusal: Mapping[str, Any] | None = None,
-) -> FieldRule:
-    if refusal is None and bad is not None:
-        refusal = {name: bad}
-    return FieldRule(name=name, support=support, how=how, neutral=neutral, refusal=refusal)
 
 
 def hint_rules() -> list[FieldRule]:
@@ -323,6 +288,7 @@ COMPLETIONS: Final = {
         ),
         rule("suffix", NEUTRAL, "empty only: insertion is not supported", neutral=("",), bad="end"),
         *_sampling_rules(),
+        *vllm_rules(chat=False),
     ]
 }
 
@@ -429,6 +395,7 @@ CHAT: Final = {
             bad="{{ messages }}",
         ),
         *_sampling_rules(),
+        *vllm_rules(chat=True),
     ]
 }
 

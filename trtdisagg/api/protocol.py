@@ -160,6 +160,8 @@ class _SamplingFields:
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None  # vLLM's: left (keeps the end) or right
+    stream_interval: int | None = None  # vLLM's: tokens a stream's chunk carries at least
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and top n
     cache_salt: str | None = None
     bad_words: list[str] | None = None
@@ -205,6 +207,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False  # vLLM's: the answer starts with a last assistant message
+    documents: list[dict[str, Any]] | None = None  # vLLM's: the template's `documents`
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None

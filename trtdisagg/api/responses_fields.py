@@ -8,16 +8,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from trtdisagg.api.fields import (
-    IGNORED,
-    NEUTRAL,
-    PARTIAL,
-    REFUSED,
-    SUPPORTED,
-    TOOL,
-    hint_rules,
-    rule,
-)
+from trtdisagg.api.fields import TOOL, hint_rules
+from trtdisagg.api.fields_base import IGNORED, NEUTRAL, PARTIAL, REFUSED, SUPPORTED, rule
 
 RESPONSES: Final = {
     rule.name: rule

@@ -136,6 +136,14 @@ def _validate_sampling(req: AnyRequest) -> None:
             f"got {scores}",
             param="prompt_logprobs",
         )
+    if req.truncation_side not in (None, "left", "right"):
+        raise bad_request(
+            f"truncation_side: left or right, got {req.truncation_side!r}", param="truncation_side"
+        )
+    if req.stream_interval is not None and req.stream_interval < 1:
+        raise bad_request(
+            f"stream_interval: at least 1, got {req.stream_interval}", param="stream_interval"
+        )
     keep = req.truncate_prompt_tokens
     if keep is not None and keep != -1 and keep < 1:
         raise bad_request(
@@ -175,11 +183,16 @@ def _validate_controls(req: AnyRequest) -> None:
         raise bad_request(f"min_p: must be in [0, 1], got {req.min_p}", param="min_p")
 
 
-def kept_prompt(ids: list[int], keep: int | None, context: int | None) -> list[int]:
+def kept_prompt(
+    ids: list[int], keep: int | None, context: int | None, side: str | None = None
+) -> list[int]:
     """The prompt tokens the model reads under `truncate_prompt_tokens` `keep` (vLLM's): the
-    last `keep`, or with -1 the last `context` (the model's; None: all)."""
+    last `keep`, or with -1 the last `context` (the model's; None: all); the first ones instead
+    when `truncation_side` is right."""
     count = context if keep == -1 else keep
-    return ids if count is None else ids[-count:]
+    if count is None:
+        return ids
+    return ids[:count] if side == "right" else ids[-count:]
 
 
 def _validate_bans(req: AnyRequest) -> None:

@@ -119,7 +119,7 @@ def _encode(tokenizer: Any, req: AnyRequest) -> list[int] | None:
             ids = list(tokenizer.encode(prompt))
         else:
             _, ids = tokenizer.chat_prompt(ChatRender.of(req))
-        return kept_prompt(list(ids), req.truncate_prompt_tokens, None)
+        return kept_prompt(list(ids), req.truncate_prompt_tokens, None, req.truncation_side)
     except Exception as exc:  # the worker will reject the same prompt with a 400 naming it
         log.debug("coordinator could not tokenize a prompt: %s", exc)
         return None

@@ -290,7 +290,7 @@ class WorkerService:
                             handle=handle,
                             engine=self.engine,
                             echo=self._echo(req, plan, prompts) if echo else chat_echo,
-                            interval=self.config.stream_interval,
+                            interval=max(self.config.stream_interval, req.stream_interval or 1),
                             scoring=scoring,
                         )
                     )
@@ -330,7 +330,7 @@ class WorkerService:
                     f"{self.max_seq_len} tokens",
                     param="truncate_prompt_tokens",
                 )
-            ids = kept_prompt(ids, keep, self.max_seq_len)
+            ids = kept_prompt(ids, keep, self.max_seq_len, req.truncation_side)
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
