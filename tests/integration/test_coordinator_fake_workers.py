@@ -999,6 +999,24 @@ async def test_a_retry_left_only_the_gen_that_failed_goes_back_to_it_not_across(
     assert len(c.ctx[0].worker.releases) == 1  # the first attempt's KV, which no gen took
 
 
+async def test_vllm_s_session_id_keeps_a_session_on_one_server(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """The conversation router reads vLLM's `session_id` as a `conversation_id`."""
+    c = await start_groups(nursery, a_gens=1, ctx_router="conversation")
+    ctx_urls = [f.url for f in c.ctx]
+    for home in (0, 1):
+        session = next(
+            f"s-{i}"
+            for i in itertools.count()
+            if rendezvous_choice(f"s-{i}", ctx_urls) == ctx_urls[home]
+        )
+        for _ in range(3):
+            r = await client.post(c.url + "/v1/completions", json=_body(session_id=session))
+            assert r.status_code == 200, r.text
+        assert c.ctx[home].worker.requests == {"context_only": 3}
+
+
 async def test_bad_input_and_routes(nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
     c = await start_cluster(nursery, api_key="sesame")
     auth = {"Authorization": "Bearer sesame"}

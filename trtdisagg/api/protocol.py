@@ -186,6 +186,7 @@ class _SamplingFields:
     return_perf_metrics: bool = False
     disaggregated_params: DisaggregatedParams | None = None
     conversation_id: str | None = None
+    session_id: str | None = None  # vLLM's name for the same affinity
     # Coordinator-internal: the prompt already tokenised by ctx, so gen need not re-tokenise.
     prompt_token_ids: list[int] | None = None
 

@@ -31,6 +31,12 @@ def vllm_rules(*, chat: bool) -> list[FieldRule]:
             bad=0,
         ),
         rule(
+            "session_id",
+            SUPPORTED,
+            "extension (vLLM's): a session's requests go to one server, as `conversation_id`'s "
+            "do (which wins when both are given)",
+        ),
+        rule(
             "use_beam_search",
             NEUTRAL,
             "extension (vLLM's): false only; beam search is not served (`best_of` ranks "

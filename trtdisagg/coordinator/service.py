@@ -206,7 +206,7 @@ class DisaggService:
             key=0,
             prompt_token_ids=tuple(tokens) if tokens is not None else None,
             prompt_text=prompt_text(req),
-            conversation_id=req.conversation_id,
+            conversation_id=req.conversation_id or req.session_id,
             cache_salt=req.cache_salt,
         )
 
