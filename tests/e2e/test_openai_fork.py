@@ -203,15 +203,16 @@ def test_echo_with_logprobs_streams_the_prompt_with_the_first_token(
         assert "".join(c["text"] for c in chunks) == whole.choices[0].text
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", [*TARGETS, "generation_first"])
 def test_echo_with_max_tokens_0_scores_the_prompt_alone(
-    cluster: Cluster, http: httpx.Client, target: str
+    cluster: Cluster, http: httpx.Client, generation_first: Server, target: str
 ) -> None:
     """Teacher-forced scoring (`max_tokens: 0, echo: true`): the prompt's text and logprobs,
     no token generated or counted, whole and streamed; the logprobs are those the same prompt
     gets echoed before a generated token."""
     ask = {"model": "tiny", "prompt": PROMPTS[1], "echo": True, "logprobs": 2, "temperature": 0}
-    client = api(url_of(cluster, target))
+    url = generation_first.url if target == "generation_first" else url_of(cluster, target)
+    client = api(url)
     scored = client.completions.create(**ask, max_tokens=0)
     generated = client.completions.create(**ask, max_tokens=1)
     (choice,) = scored.choices
@@ -226,13 +227,16 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(
         list(choice.logprobs.token_logprobs or []), list(expected.token_logprobs or [])[:-1]
     )
     body = {**ask, "max_tokens": 0, "stream": True, "stream_options": {"include_usage": True}}
-    events = sse(http, url_of(cluster, target) + "/v1/completions", body)
+    events = sse(http, url + "/v1/completions", body)
     usage = assert_stream_shape(events, 1)
     assert usage["completion_tokens"] == 0
     chunks = by_choice(events)[0]
     assert "".join(c["text"] for c in chunks) == PROMPTS[1]
     streamed = [v for c in chunks if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
     assert _close(streamed, list(choice.logprobs.token_logprobs or []))
+    bare = client.completions.create(model="tiny", prompt=PROMPTS[1], echo=True, max_tokens=0)
+    assert bare.choices[0].text == PROMPTS[1] and bare.choices[0].logprobs is None
+    assert bare.usage is not None and bare.usage.completion_tokens == 0  # (generation_first too)
 
 
 def _assert_scores(scores: Any, prompt: list[int], echoed: Any, top: int) -> None:
