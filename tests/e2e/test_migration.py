@@ -354,6 +354,53 @@ async def test_a_first_leg_silent_after_ctx_s_token_went_out_is_resumed_whole(
             await wait_idle(client, silent, 10)
 
 
+async def test_a_whole_answer_of_two_choices_whose_gen_stalls_starts_again_elsewhere(
+    cluster: Cluster,
+) -> None:
+    """Choices are not resumed one by one, but a whole (non-streamed) answer has told the
+    client nothing: when its gen stalls mid-answer, the coordinator serves it again from the
+    prompt on the other gen, and the client gets the answer an undisturbed run gives (seeded),
+    not a 503."""
+    stalled = cluster.gens[0]
+    request = {**body(2, n=2, temperature=1.0, seed=7), "stream": False}
+    async with httpx.AsyncClient(timeout=60) as client:
+        reference = await client.post(cluster.coordinator.url + "/v1/completions", json=request)
+        assert reference.status_code == 200, reference.text
+        with cluster.other_coordinator(  # round robin: its first gen is the first listed
+            "whole-retried", health_check_interval=3600, inter_token_timeout=1.0,
+            generation_servers={"urls": [g.url for g in cluster.gens],
+                                "router": {"type": "round_robin"}},
+        ) as coordinator:  # fmt: skip
+            answer: list[httpx.Response] = []
+
+            async def ask() -> None:
+                answer.append(await client.post(coordinator.url + "/v1/completions", json=request))
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(ask)
+                    await wait_metrics(
+                        client, stalled,
+                        lambda t: metric(t, "trtdisagg_requests_running") == 2,
+                        "both choices decoding on the first gen", 30,
+                    )  # fmt: skip
+                    steps = await counter(client, stalled, "trtdisagg_steps_total", "")
+                    await wait_metrics(
+                        client, stalled, lambda t: metric(t, "trtdisagg_steps_total") >= steps + 10,
+                        "ten more decode steps", 30,
+                    )  # fmt: skip
+                    stalled.proc.send_signal(signal.SIGSTOP)
+            finally:
+                stalled.proc.send_signal(signal.SIGCONT)
+            (got,) = answer
+            assert got.status_code == 200, got.text
+            texts = [c["text"] for c in got.json()["choices"]]
+            assert texts == [c["text"] for c in reference.json()["choices"]]
+            retries = await counter(client, coordinator, "trtdisagg_coordinator_retries_total", "")
+            assert retries == 1
+        await wait_idle(client, stalled, 10)
+
+
 async def test_kill_9_of_a_gen_while_8_streams_decode_loses_and_repeats_no_token(
     cluster: Cluster, undisturbed: list[Streamed]
 ) -> None:

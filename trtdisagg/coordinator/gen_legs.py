@@ -227,7 +227,10 @@ class GenLegs:
         call, service, ledger = self.call, self.service, relay.ledger
         if ledger.num_choices > 1:
             # Each choice would continue from its own tokens: n requests of their own, no
-            # longer one prefill; the answer fails instead.
+            # longer one prefill. A whole answer has told the client nothing yet, so it starts
+            # again on another pair (the service's retry); a stream fails instead.
+            if not call.ask.stream:
+                raise AnswerFailed(failure, failure.client_event())
             raise CannotResume(f"an answer of {ledger.num_choices} choices is not resumed")
         service.metrics.migrations.labels(reason=failure.kind.value).inc()
         call.exclude[GEN] = failure.server
