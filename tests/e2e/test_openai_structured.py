@@ -154,6 +154,49 @@ def test_streamed_tool_calls_have_openai_s_deltas(cluster: Cluster, target: str)
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
 
 
+RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # flat
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_responses_call_functions_and_read_their_output(cluster: Cluster, target: str) -> None:
+    """An agent's loop over /v1/responses: a forced call comes back as a `function_call` item
+    (streamed: added, arguments delta and done, item done), and the next turn, sending that
+    call and the function's output back as items, reads as chat's tool turns do."""
+    client = api(url_of(cluster, target))
+    question = {"role": "user", "content": "Weather in Oslo?"}
+    ask: dict[str, Any] = {"model": "tiny", "input": [question], "tools": RESPONSES_TOOLS,
+                           "tool_choice": "required", "parallel_tool_calls": False,
+                           "max_output_tokens": 100, "temperature": 0}  # fmt: skip
+    first = client.responses.create(**ask)
+    assert first.status == "completed" and [item.type for item in first.output] == ["function_call"]
+    call = first.output[0]
+    assert call.type == "function_call" and call.name in {"get_weather", "get_time"}
+    jsonschema.validate(json.loads(call.arguments), RESPONSES_TOOLS[0]["parameters"])
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds
+    items = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, getattr(i, "name", None), getattr(i, "arguments", None)) for i in items] == [
+        ("function_call", call.name, call.arguments)
+    ]
+    answer = "rain, 4 degrees"
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": answer}
+    turn = [question, call.model_dump(exclude_none=True), output]
+    second = client.responses.create(
+        model="tiny", input=turn, tools=RESPONSES_TOOLS, max_output_tokens=6, temperature=0
+    )
+    calls = [{"id": call.call_id, "type": "function",
+              "function": {"name": call.name, "arguments": call.arguments}}]  # fmt: skip
+    chat = client.chat.completions.create(
+        model="tiny", tools=TOOLS, max_tokens=6, temperature=0,
+        messages=[question, {"role": "assistant", "content": None, "tool_calls": calls},
+                  {"role": "tool", "tool_call_id": call.call_id, "content": answer}],
+    )  # fmt: skip
+    assert second.usage is not None and chat.usage is not None
+    assert second.usage.input_tokens == chat.usage.prompt_tokens  # the same prompt
+    assert second.output_text == (chat.choices[0].message.content or "")
+
+
 def test_auto_parses_the_calls_the_output_makes(cluster: Cluster, http: httpx.Client) -> None:
     """`auto`: calls in the output become tool_calls, the text before them the content (the
     output is pinned by a regex here, as a model trained for tools would write it)."""

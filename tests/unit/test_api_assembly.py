@@ -10,6 +10,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from trtdisagg.api.codec import SSE_DONE, parse_request, sse_event
+from trtdisagg.api.errors import ApiError
 from trtdisagg.api.fanout import choice_seed, plan_choices, prompt_body
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest
 from trtdisagg.api.responses_api import ResponsesRequest, chat_body, responses_rejection
@@ -427,8 +428,8 @@ def test_responses_errors_name_the_responses_fields() -> None:
     }  # fmt: skip
 
 
-HEAD = ResponseHead.new(created_at=9, model="tiny", instructions="x", max_output_tokens=4,
-                        temperature=None, top_p=None, metadata={"k": "v"})  # fmt: skip
+ASKED = ResponsesRequest(input="hi", instructions="x", max_output_tokens=4, metadata={"k": "v"})
+HEAD = ResponseHead.of(ASKED, created_at=9, model="tiny")
 CHAT_USAGE = {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
               "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
 EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
@@ -466,6 +467,83 @@ def test_a_response_stream_has_openai_s_events() -> None:
     assert parsed[6].text == "Bonjour"  # type: ignore[union-attr]
     completed = parsed[-1].response  # type: ignore[union-attr]
     assert completed.output_text == "Bonjour" and completed.usage.output_tokens == 4
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+           "parameters": CITY}  # fmt: skip
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+
+
+def test_responses_function_tools_and_items_become_chat_s() -> None:
+    """Flat function tools, tool_choice, and an agent's turn (its call, the function's output)
+    as chat's tools and messages."""
+    asked = ResponsesRequest(
+        input=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+             "arguments": '{"city": "Bergen"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "rain"},
+            {"type": "function_call_output", "call_id": "call_2",
+             "output": [{"type": "input_text", "text": "sun"}]},
+        ],
+        tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    body = chat_body(asked)
+    assert body["tools"] == [{"type": "function", "function": {
+        k: WEATHER[k] for k in ("name", "description", "parameters")}}]  # fmt: skip
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert body["parallel_tool_calls"] is False
+    user, calls, rain, sun = body["messages"]
+    assert user == {"role": "user", "content": "Weather in Oslo?"}
+    assert calls["role"] == "assistant" and calls["content"] is None
+    assert [c["id"] for c in calls["tool_calls"]] == ["call_1", "call_2"]  # one turn
+    assert rain == {"role": "tool", "tool_call_id": "call_1", "content": "rain"}
+    assert sun["content"] == "sun"
+    parse_request(body, ChatCompletionRequest)  # chat takes it as it is
+    for bad in ({"type": "web_search"}, {"type": "function"}):
+        with pytest.raises(ApiError, match="tools"):
+            chat_body(ResponsesRequest(input="x", tools=[bad]))
+    for item in ({"type": "reasoning"}, {"type": "function_call", "call_id": "c", "name": "f"}):
+        with pytest.raises(ApiError, match=r"input\[0\]"):
+            chat_body(ResponsesRequest(input=[item]))
+
+
+@pytest.mark.parametrize("text", ["", "Let me look."])
+def test_a_response_with_calls_has_function_call_items(text: str) -> None:
+    head = ResponseHead.of(ResponsesRequest(input="x", tools=[WEATHER]), created_at=9, model="m")
+    chat = {"choices": [{"index": 0, "message": {"role": "assistant", "content": text or None,
+                         "tool_calls": [CALL]}, "finish_reason": "tool_calls"}],
+            "usage": CHAT_USAGE}  # fmt: skip
+    parsed = Response.model_validate(response_body(head, chat))
+    kinds = [item.type for item in parsed.output]
+    assert kinds == (["message", "function_call"] if text else ["function_call"])
+    call = parsed.output[-1]
+    assert call.type == "function_call" and call.call_id == "call_1"
+    assert call.name == "get_weather" and call.arguments == '{"city": "Oslo"}'
+    assert parsed.status == "completed" and parsed.tools[0].type == "function"
+
+    stream = ResponsesStream(head=head)
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    events = stream.start() + stream.feed(role)
+    if text:
+        events += stream.feed({"choices": [{"index": 0, "delta": {"content": text}}]})
+    events += stream.feed({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **CALL}]},
+                                        "finish_reason": "tool_calls"}]})  # fmt: skip
+    events += stream.feed({"choices": [], "usage": CHAT_USAGE}) + stream.finish()
+    checked = [EVENTS.validate_python(e) for e in events]
+    types = [e.type for e in checked]
+    assert types.count("response.output_item.added") == (2 if text else 1)  # no empty message
+    assert "response.function_call_arguments.delta" in types
+    done = next(e for e in checked if e.type == "response.function_call_arguments.done")
+    assert done.arguments == '{"city": "Oslo"}'  # type: ignore[union-attr]
+    assert [e.sequence_number for e in checked] == list(range(len(checked)))
+    final = checked[-1].response  # type: ignore[union-attr]
+    assert [item.type for item in final.output] == kinds
 
 
 def test_a_failed_response_stream() -> None:

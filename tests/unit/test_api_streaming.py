@@ -11,6 +11,7 @@ import attrs
 import trio
 
 from trtdisagg.api.codec import SSE_DONE, sse_event
+from trtdisagg.api.responses_api import ResponsesRequest
 from trtdisagg.api.responses_events import ResponseHead, ResponsesStream
 from trtdisagg.api.streaming import MergedBody, ResponsesBody
 
@@ -132,8 +133,7 @@ async def test_a_failing_source_is_reported_and_the_others_go_on() -> None:
 
 
 async def test_responses_body_tells_a_chat_stream_as_events() -> None:
-    head = ResponseHead.new(created_at=1, model="tiny", instructions=None, max_output_tokens=None,
-                            temperature=None, top_p=None, metadata=None)  # fmt: skip
+    head = ResponseHead.of(ResponsesRequest(input="hi"), created_at=1, model="tiny")
     chunks = [
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
         {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": "stop"}]},

@@ -1,11 +1,14 @@
-"""`POST /v1/responses` (the text subset), asked as a chat completion. Pure functions.
+"""`POST /v1/responses` (text and function tools), asked as a chat completion. Pure functions.
 
 A Responses request becomes a chat completion body: `instructions` a system message, `input` a
-user message (a string) or the listed messages (`developer` taken as `system`), and
-`max_output_tokens` chat's `max_tokens`. Worker and coordinator serve that body on their chat
-path, so the split, the routing and the validation are chat's; `responses_events` turns the chat
-answer back into a Response. Fields outside the text subset are refused by
-`responses_fields.RESPONSES`.
+user message (a string) or the listed items (`developer` messages taken as `system`), and
+`max_output_tokens` chat's `max_tokens`. Function tools become chat's tools (Responses writes
+them flat, `{type, name, parameters}`), a `function_call` item an assistant message's tool call
+and a `function_call_output` item a tool message, so that an agent's loop (call, run the
+function, send its output back) reads as the chat template expects. Worker and coordinator serve
+that body on their chat path, so the split, the routing and the validation are chat's;
+`responses_events` turns the chat answer back into a Response. Fields beyond these are refused
+by `responses_fields.RESPONSES`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class ResponsesRequest:
     text: dict[str, Any] | None = None  # {"format": ...}: chat's response_format, flattened
     include: list[str] | None = None  # only LOGPROBS: the output text's token logprobs
     top_logprobs: int | None = None  # alternatives per token, with LOGPROBS included
+    tools: list[dict[str, Any]] | None = None  # function tools, flat
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 LOGPROBS: Final = "message.output_text.logprobs"
@@ -58,7 +64,7 @@ def chat_body(req: ResponsesRequest) -> dict[str, Any]:
     """The chat completion body that asks what `req` asks."""
     if req.input is None:
         raise bad_request("input: required field missing", param="input")
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     if req.instructions is not None:
         messages.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
@@ -66,8 +72,15 @@ def chat_body(req: ResponsesRequest) -> dict[str, Any]:
     else:
         if not req.input:
             raise bad_request("input: must not be empty", param="input")
-        messages.extend(_message(item, i) for i, item in enumerate(req.input))
+        for i, item in enumerate(req.input):
+            _add_item(messages, item, i)
     body: dict[str, Any] = {"messages": messages}
+    if req.tools:
+        body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    if req.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = req.parallel_tool_calls
     if req.model is not None:
         body["model"] = req.model
     if req.max_output_tokens is not None:
@@ -106,36 +119,89 @@ def _response_format(value: object) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def _message(item: dict[str, Any], i: int) -> dict[str, str]:
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    """A Responses function tool (flat) as chat's (`{type, function: {...}}`)."""
+    if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise bad_request(
+            f"tools[{i}]: only function tools with a `name` are served, got type "
+            f"{tool.get('type')!r}",
+            param="tools",
+        )
+    function = {
+        k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None
+    }
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice  # none, auto, required: chat's own
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise bad_request(
+            "tool_choice: `none`, `auto`, `required` or {type: function, name}",
+            param="tool_choice",
+        )
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], i: int) -> None:
+    """One input item as chat messages: a message, a function call (joined to the assistant
+    turn before it, as chat carries a turn's calls) or a function's output (a tool message)."""
     where = f"input[{i}]"
     kind = item.get("type", "message")
-    if kind != "message":
-        raise bad_request(
-            f"{where}.type: only messages are supported (tools are not), got {kind!r}",
-            param="input",
-        )
+    if kind == "message":
+        messages.append(_message(item, where))
+        return
+    if kind == "function_call":
+        call = _fields(item, where, ("call_id", "name", "arguments"))
+        function = {"name": call["name"], "arguments": call["arguments"]}
+        tool_call = {"id": call["call_id"], "type": "function", "function": function}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(tool_call)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
+        return
+    if kind == "function_call_output":
+        call_id = _fields(item, where, ("call_id",))["call_id"]
+        output = _text(item.get("output"), f"{where}.output")
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        return
+    raise bad_request(
+        f"{where}.type: messages, function_call and function_call_output items are served, "
+        f"got {kind!r}",
+        param="input",
+    )
+
+
+def _fields(item: dict[str, Any], where: str, names: tuple[str, ...]) -> dict[str, str]:
+    missing = next((name for name in names if not isinstance(item.get(name), str)), None)
+    if missing is not None:
+        raise bad_request(f"{where}.{missing}: a string is required", param="input")
+    return {name: item[name] for name in names}
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
     if not isinstance(role, str) or role not in ROLES:
         raise bad_request(
             f"{where}.role: expected one of {sorted(ROLES)}, got {role!r}", param="input"
         )
-    return {"role": ROLES[role], "content": _text(item.get("content"), where)}
+    return {"role": ROLES[role], "content": _text(item.get("content"), f"{where}.content")}
 
 
 def _text(content: object, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(
-            f"{where}.content: expected a string or an array of text parts", param="input"
-        )
+        raise bad_request(f"{where}: expected a string or an array of text parts", param="input")
     texts: list[str] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         text = part.get("text") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS or not isinstance(text, str):
             raise bad_request(
-                f"{where}.content[{j}]: only text parts ({', '.join(TEXT_PARTS)}) with a string "
+                f"{where}[{j}]: only text parts ({', '.join(TEXT_PARTS)}) with a string "
                 f"`text` are supported, got type {kind!r}",
                 param="input",
             )

@@ -7,6 +7,12 @@ its `sequence_number`: `response.created`, `response.in_progress`, `response.out
 `response.output_text.done`, `response.content_part.done`, `response.output_item.done` and
 `response.completed` (`response.incomplete` when `max_output_tokens` ended the text, as
 OpenAI does). Shapes follow the `openai` package's `openai.types.responses` models.
+
+A chat tool call becomes a `function_call` output item (its `call_id` the chat call's id),
+streamed as `response.output_item.added`, `response.function_call_arguments.delta`, then at the
+end `response.function_call_arguments.done` and `response.output_item.done`. With tools the
+message item opens at the first text, so an answer that only calls has no empty message;
+output indices follow the order items open in.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import secrets
 from typing import Any
 
 import attrs
+
+from trtdisagg.api.responses_api import ResponsesRequest
 
 Json = dict[str, Any]
 
@@ -33,15 +41,25 @@ class ResponseHead:
     temperature: float | None
     top_p: float | None
     metadata: dict[str, Any] | None
+    tools: list[Json] = attrs.Factory(list)  # as asked (flat function tools)
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
 
     @classmethod
-    def new(cls, *, created_at: int, model: str, **fields: Any) -> ResponseHead:
+    def of(cls, asked: ResponsesRequest, *, created_at: int, model: str) -> ResponseHead:
         return cls(
             response_id="resp_" + secrets.token_hex(12),
             message_id="msg_" + secrets.token_hex(12),
             created_at=created_at,
             model=model,
-            **fields,
+            instructions=asked.instructions,
+            max_output_tokens=asked.max_output_tokens,
+            temperature=asked.temperature,
+            top_p=asked.top_p,
+            metadata=asked.metadata,
+            tools=list(asked.tools or ()),
+            tool_choice=asked.tool_choice if asked.tool_choice is not None else "auto",
+            parallel_tool_calls=asked.parallel_tool_calls is not False,
         )
 
 
@@ -57,14 +75,14 @@ def _response(head: ResponseHead, *, status: str, output: list[Json], usage: Jso
         "max_output_tokens": head.max_output_tokens,
         "model": head.model,
         "output": output,
-        "parallel_tool_calls": True,
+        "parallel_tool_calls": head.parallel_tool_calls,
         "previous_response_id": None,
         "reasoning": None,
         "store": False,
         "temperature": head.temperature,
         "text": {"format": {"type": "text"}},
-        "tool_choice": "auto",
-        "tools": [],
+        "tool_choice": head.tool_choice,
+        "tools": head.tools,
         "top_p": head.top_p,
         "truncation": "disabled",
         "usage": usage,
@@ -116,13 +134,34 @@ def _status(finish_reason: object) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
+def _function_call(call: Json, status: str) -> Json:
+    """A chat tool call (`{id, type, function: {name, arguments}}`) as an output item."""
+    function = call.get("function") or {}
+    return {
+        "type": "function_call",
+        "id": "fc_" + secrets.token_hex(12),
+        "call_id": str(call.get("id") or ""),
+        "name": str(function.get("name") or ""),
+        "arguments": str(function.get("arguments") or ""),
+        "status": status,
+    }
+
+
 def response_body(head: ResponseHead, chat: Json) -> Json:
     """The Response for a whole (non-streaming) chat answer of one choice."""
     choice = (chat.get("choices") or [{}])[0]
-    text = (choice.get("message") or {}).get("content") or ""
+    message = choice.get("message") or {}
+    text = message.get("content") or ""
     status = _status(choice.get("finish_reason"))
-    output = [_message(head, status=status, parts=[_part(text, _logprobs(choice))])]
-    return _response(head, status=status, output=output, usage=response_usage(chat.get("usage")))
+    calls = [_function_call(c, "completed") for c in message.get("tool_calls") or ()]
+    output = (
+        []
+        if calls and not text
+        else [_message(head, status=status, parts=[_part(text, _logprobs(choice))])]
+    )
+    return _response(
+        head, status=status, output=output + calls, usage=response_usage(chat.get("usage"))
+    )
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -135,6 +174,9 @@ class ResponsesStream:
     _logprobs: list[Json] = attrs.Factory(list)
     _finish_reason: str | None = None
     _usage: Json | None = None
+    _items: int = 0  # output items opened
+    _message_index: int | None = None  # the message's output index, once open
+    _calls: dict[int, tuple[int, Json]] = attrs.Factory(dict)  # chat index -> (output index, item)
 
     def _event(self, kind: str, **fields: Any) -> Json:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -143,13 +185,22 @@ class ResponsesStream:
 
     def start(self) -> list[Json]:
         created = _response(self.head, status="in_progress", output=[], usage=None)
-        ids = {"item_id": self.head.message_id, "output_index": 0, "content_index": 0}
-        return [
+        events = [
             self._event("response.created", response=created),
             self._event("response.in_progress", response=created),
+        ]
+        if not self.head.tools:  # (with tools, the message opens at its first text)
+            events += self._open_message()
+        return events
+
+    def _open_message(self) -> list[Json]:
+        index = self._message_index = self._items
+        self._items += 1
+        ids = {"item_id": self.head.message_id, "output_index": index, "content_index": 0}
+        return [
             self._event(
                 "response.output_item.added",
-                output_index=0,
+                output_index=index,
                 item=_message(self.head, status="in_progress", parts=[]),
             ),
             self._event("response.content_part.added", **ids, part=_part("")),
@@ -161,38 +212,87 @@ class ResponsesStream:
             self._usage = chunk["usage"]
         events: list[Json] = []
         for choice in chunk.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content")
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
             logprobs = _logprobs(choice)
             self._logprobs += logprobs
             if text or logprobs:  # a token may add logprobs before its text shows
+                if self._message_index is None:
+                    events += self._open_message()
                 self._texts.append(text or "")
                 events.append(
                     self._event(
                         "response.output_text.delta",
                         item_id=self.head.message_id,
-                        output_index=0,
+                        output_index=self._message_index,
                         content_index=0,
                         delta=text or "",
                         logprobs=logprobs,
                     )
                 )
+            for call in delta.get("tool_calls") or ():
+                if isinstance(call, dict):
+                    events += self._call_delta(call)
             if choice.get("finish_reason") is not None:
                 self._finish_reason = choice["finish_reason"]
+        return events
+
+    def _call_delta(self, call: Json) -> list[Json]:
+        """A streamed chat tool call (whole, or a piece of its arguments after its first)."""
+        events: list[Json] = []
+        index = call.get("index", len(self._calls))
+        if index not in self._calls:
+            item = _function_call(call, "in_progress")
+            pieces, item["arguments"] = item["arguments"], ""
+            self._calls[index] = (self._items, item)
+            self._items += 1
+            events.append(self._event(
+                "response.output_item.added", output_index=self._items - 1, item=dict(item)
+            ))  # fmt: skip
+        else:
+            pieces = str((call.get("function") or {}).get("arguments") or "")
+        output_index, item = self._calls[index]
+        if pieces:
+            item["arguments"] += pieces
+            events.append(self._event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"], output_index=output_index, delta=pieces,
+            ))  # fmt: skip
         return events
 
     def finish(self) -> list[Json]:
         text = "".join(self._texts)
         status = _status(self._finish_reason)
-        ids = {"item_id": self.head.message_id, "output_index": 0, "content_index": 0}
-        part = _part(text, self._logprobs)
-        item = _message(self.head, status=status, parts=[part])
-        done = _response(self.head, status=status, output=[item], usage=response_usage(self._usage))
-        return [
-            self._event("response.output_text.done", **ids, text=text, logprobs=self._logprobs),
-            self._event("response.content_part.done", **ids, part=part),
-            self._event("response.output_item.done", output_index=0, item=item),
-            self._event(f"response.{status}", response=done),
-        ]
+        events: list[Json] = []
+        if self._message_index is None and not self._calls:  # an empty answer: its message
+            events += self._open_message()
+        output: list[tuple[int, Json]] = []
+        if self._message_index is not None:
+            ids = {"item_id": self.head.message_id, "output_index": self._message_index,
+                   "content_index": 0}  # fmt: skip
+            part = _part(text, self._logprobs)
+            item = _message(self.head, status=status, parts=[part])
+            events += [
+                self._event("response.output_text.done", **ids, text=text, logprobs=self._logprobs),
+                self._event("response.content_part.done", **ids, part=part),
+                self._event(
+                    "response.output_item.done", output_index=ids["output_index"], item=item
+                ),
+            ]
+            output.append((self._message_index, item))
+        for output_index, call in self._calls.values():
+            call["status"] = "completed"
+            events += [
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=call["id"], output_index=output_index, arguments=call["arguments"],
+                ),
+                self._event("response.output_item.done", output_index=output_index, item=call),
+            ]  # fmt: skip
+            output.append((output_index, call))
+        items = [item for _, item in sorted(output, key=lambda pair: pair[0])]
+        done = _response(self.head, status=status, output=items, usage=response_usage(self._usage))
+        return [*events, self._event(f"response.{status}", response=done)]
 
     def failed(self, error: Json) -> list[Json]:
         """The chat stream ended with an OpenAI error body: an `error` event, then

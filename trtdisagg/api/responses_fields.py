@@ -1,14 +1,14 @@
 """Every request field of `/v1/responses` (the `openai` package's request type): how it acts
 here, or its 400, in the rules of `fields.py`. Served as the chat request it becomes
-(`responses_api.py`), so sampling fields act as in chat; the rest of the Responses API (stored
-responses, tools, background runs) is refused by name.
+(`responses_api.py`), so sampling fields and function tools act as in chat; the rest of the
+Responses API (stored responses, hosted tools, background runs) is refused by name.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from trtdisagg.api.fields import TOOL, hint_rules
+from trtdisagg.api.fields import hint_rules
 from trtdisagg.api.fields_base import IGNORED, NEUTRAL, PARTIAL, REFUSED, SUPPORTED, rule
 
 RESPONSES: Final = {
@@ -18,8 +18,10 @@ RESPONSES: Final = {
         rule(
             "input",
             SUPPORTED,
-            "a string, or a list of messages (`role` user, assistant, system or developer; "
-            "`content` a string or `input_text`/`output_text` parts); other items are a 400",
+            "a string, or a list of items: messages (`role` user, assistant, system or "
+            "developer; `content` a string or `input_text`/`output_text` parts), "
+            "`function_call` (an assistant's call) and `function_call_output` (its result); "
+            "other items are a 400",
         ),
         rule("instructions", SUPPORTED, "a system message before the input"),
         rule(
@@ -52,10 +54,10 @@ RESPONSES: Final = {
             "`top_logprobs` alternatives, in the text part and its stream's deltas",
             bad=["reasoning.encrypted_content"],
         ),
-        rule("max_tool_calls", REFUSED, "tools are not supported here", bad=1),
+        rule("max_tool_calls", REFUSED, "a cap on tool calls is not served", bad=1),
         rule("metadata", IGNORED, "echoed in the response"),
         rule("moderation", REFUSED, "moderation is not supported", bad={"model": "m"}),
-        rule("parallel_tool_calls", NEUTRAL, "true only", neutral=(True,), bad=False),
+        rule("parallel_tool_calls", SUPPORTED, "as chat's"),
         rule("previous_response_id", REFUSED, "responses are not stored", bad="resp_1"),
         rule("prompt", REFUSED, "prompt templates are not supported", bad={"id": "p"}),
         *hint_rules(),
@@ -76,12 +78,18 @@ RESPONSES: Final = {
         ),
         rule(
             "tool_choice",
-            NEUTRAL,
-            "`none` or `auto` only",
-            neutral=("none", "auto"),
-            bad="required",
+            SUPPORTED,
+            "`none`, `auto`, `required` or `{type: function, name}`, as chat's",
+            refusal={"input": "x", "tool_choice": {"type": "file_search"}},
         ),
-        rule("tools", NEUTRAL, "empty only", neutral=([],), bad=[TOOL]),
+        rule(
+            "tools",
+            SUPPORTED,
+            "function tools (`{type: function, name, description, parameters}`), as chat's: "
+            "the answer's calls are `function_call` output items (streamed as "
+            "`response.function_call_arguments.delta` and `.done`); other tool types are a 400",
+            refusal={"input": "x", "tools": [{"type": "web_search"}]},
+        ),
         rule(
             "top_logprobs",
             SUPPORTED,

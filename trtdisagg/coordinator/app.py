@@ -142,15 +142,8 @@ def create_app(
             except UpstreamRejected as exc:
                 return json_response(responses_rejection(exc.json_body()), exc.status)
         info = placement.model_info()
-        head = ResponseHead.new(
-            created_at=int(time.time()),
-            model=asked.model or (info.model if info is not None else None) or "",
-            instructions=asked.instructions,
-            max_output_tokens=asked.max_output_tokens,
-            temperature=asked.temperature,
-            top_p=asked.top_p,
-            metadata=asked.metadata,
-        )
+        model = asked.model or (info.model if info is not None else None) or ""
+        head = ResponseHead.of(asked, created_at=int(time.time()), model=model)
         if isinstance(reply, JsonReply):
             return json_response(response_body(head, reply.body), reply.status)
         return sse(ResponsesBody(inner=reply.body, stream=ResponsesStream(head=head)))

@@ -181,15 +181,7 @@ def create_app(service: WorkerService) -> QuartTrio:
             req = parse_request(chat_body(asked), ChatCompletionRequest)
             job = await service.start(req)
         close_with_exchange(job)  # its requests end with the exchange, answered or not
-        head = ResponseHead.new(
-            created_at=int(time.time()),
-            model=service.served_model_name,
-            instructions=asked.instructions,
-            max_output_tokens=asked.max_output_tokens,
-            temperature=asked.temperature,
-            top_p=asked.top_p,
-            metadata=asked.metadata,
-        )
+        head = ResponseHead.of(asked, created_at=int(time.time()), model=service.served_model_name)
         if req.stream:
             return _sse(ResponsesBody(inner=job.stream_body(), stream=ResponsesStream(head=head)))
         with as_responses_error():
