@@ -1,10 +1,10 @@
 """vLLM's request extensions beyond the ones the sampling rules list, each with its rule. Pure.
 
-A client moving from vLLM sends these. Before they had rules they were unknown fields, ignored
-with a log line, so a request for beam search was answered by sampling without a word to the
-client. Now each one acts, or is accepted at the value that changes nothing and is otherwise a
-400 naming it, or is refused, or is listed as ignored because by its nature it changes nothing
-here (`fields_base.Support`).
+A client moving from vLLM sends these. An unknown field is ignored (with a log line), which for
+these would change the answer without a word to the client: beam search answered by sampling.
+So each one acts, or is accepted at the value that changes nothing and is otherwise a 400 naming
+it, or is refused, or is listed as ignored because by its nature it changes nothing here
+(`fields_base.Support`).
 """
 
 from __future__ import annotations
