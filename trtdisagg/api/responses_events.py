@@ -240,7 +240,9 @@ class ResponsesStream:
     def _call_delta(self, call: Json) -> list[Json]:
         """A streamed chat tool call (whole, or a piece of its arguments after its first)."""
         events: list[Json] = []
-        index = call.get("index", len(self._calls))
+        index = call.get("index")
+        if not isinstance(index, int):
+            index = len(self._calls)
         if index not in self._calls:
             item = _function_call(call, "in_progress")
             pieces, item["arguments"] = item["arguments"], ""
