@@ -227,6 +227,40 @@ def test_completion_logprobs_are_whole_through_the_split(
         assert set(top_a) == set(top_s) and token in top_s and len(top_s) <= 4
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_logprob_token_ids_score_the_named_tokens_at_every_token(
+    cluster: Cluster, target: str
+) -> None:
+    """vLLM's `logprob_token_ids`: each token's alternatives are the named tokens' logprobs,
+    in their order (the sampled token's own is kept beside them in completions), through the
+    split too; the same values as a plain top-k request finds for those tokens."""
+    client = api(url_of(cluster, target))
+    ask: dict[str, Any] = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4,
+                           "temperature": 0}  # fmt: skip
+    by_id = {"return_tokens_as_token_ids": True}
+    plain = client.completions.create(**ask, logprobs=5, extra_body=by_id)
+    assert plain.choices[0].logprobs is not None and plain.choices[0].logprobs.top_logprobs
+    first = plain.choices[0].logprobs.top_logprobs[0]
+    ids = [int(key.split(":")[1]) for key in first][:4][::-1]  # not the top-k's order
+    named = client.completions.create(
+        **ask, logprobs=0, extra_body={**by_id, "logprob_token_ids": ids}
+    )
+    got = named.choices[0].logprobs
+    assert got is not None and got.top_logprobs is not None and got.tokens is not None
+    assert got.tokens == plain.choices[0].logprobs.tokens  # the same greedy tokens
+    for token, entry in zip(got.tokens, got.top_logprobs, strict=True):
+        assert set(entry) == {f"token_id:{i}" for i in ids} | {token}
+    for i in ids:
+        assert abs(got.top_logprobs[0][f"token_id:{i}"] - first[f"token_id:{i}"]) < 1e-4
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+        extra_body={**by_id, "logprob_token_ids": ids},
+    )  # fmt: skip
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    for entry in chat.choices[0].logprobs.content:
+        assert [alt.token for alt in entry.top_logprobs] == [f"token_id:{i}" for i in ids]
+
+
 def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(cluster: Cluster) -> None:
     """vLLM's `return_tokens_as_token_ids`: completions' tokens and top keys, chat's tokens,
     streamed or not, worker and split (ctx's first token included) alike."""

@@ -108,6 +108,10 @@ def test_supported_fields_with_refusal_examples_are_limits() -> None:
         ("completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
         ("completions", {"max_tokens": 0, "echo": False}, "max_tokens"),
         ("completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
+        ("completions", {"logprob_token_ids": [1]}, "logprob_token_ids"),  # without logprobs
+        ("chat", {"logprob_token_ids": [1], "logprobs": False}, "logprob_token_ids"),
+        ("completions", {"logprob_token_ids": list(range(21)), "logprobs": 0},
+         "logprob_token_ids"),
         ("chat", {"prompt_logprobs": 21}, "prompt_logprobs"),
         ("completions", {"best_of": 1, "n": 2}, "best_of"),
         ("completions", {"seed": -(2**63) - 1}, "seed"),

@@ -286,6 +286,24 @@ def test_logprobs_are_the_model_s_whatever_the_controls() -> None:
     assert logprobs.logprob == pytest.approx(float(torch.log_softmax(logits[0, [0, 2]], 0)[0]))
 
 
+def test_named_logprob_ids_replace_a_row_s_most_likely_alternatives() -> None:
+    """vLLM's `logprob_token_ids`: a row that names tokens gets their logprobs, in its order,
+    beside rows of the same step that ask for the most likely ones, or for none."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    raw = torch.log_softmax(logits, dim=-1)
+    named = Row(params=_greedy(logprobs=0, logprob_token_ids=(7, 3, 41)))
+    tops = Row(params=_greedy(logprobs=5))
+    tokens, (mine, theirs, none) = batched(logits, [named, tops, Row(params=_greedy())])
+    assert mine is not None and theirs is not None and none is None
+    assert [t for t, _ in mine.top] == [7, 3, 41]
+    assert [v for _, v in mine.top] == pytest.approx(raw[0, [7, 3, 41]].tolist(), abs=1e-6)
+    assert mine.logprob == pytest.approx(float(raw[0, tokens[0]]), abs=1e-6)
+    values, ids = raw[1].topk(5)  # the neighbour's are its own most likely
+    assert theirs.top == tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        _greedy(logprob_token_ids=(1,))  # without logprobs
+
+
 def test_rows_pick_which_logits_each_spec_samples() -> None:
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
     rows = [Row(params=SamplingParams(max_tokens=4, seed=s, logprobs=2)) for s in (5, 6)]

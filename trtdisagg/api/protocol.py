@@ -159,6 +159,7 @@ class _SamplingFields:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
+    logprob_token_ids: list[int] | None = None  # vLLM's: the logprobs' alternatives
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None  # vLLM's: left (keeps the end) or right
     stream_interval: int | None = None  # vLLM's: tokens a stream's chunk carries at least

@@ -136,6 +136,7 @@ def _validate_sampling(req: AnyRequest) -> None:
             f"got {scores}",
             param="prompt_logprobs",
         )
+    _validate_named_logprobs(req)
     if req.truncation_side not in (None, "left", "right"):
         raise bad_request(
             f"truncation_side: left or right, got {req.truncation_side!r}", param="truncation_side"
@@ -193,6 +194,22 @@ def kept_prompt(
     if count is None:
         return ids
     return ids[:count] if side == "right" else ids[-count:]
+
+
+def _validate_named_logprobs(req: AnyRequest) -> None:
+    """vLLM's `logprob_token_ids`: 1 to 20 ids, with logprobs asked for."""
+    named = req.logprob_token_ids
+    if named is None:
+        return
+    if not 0 < len(named) <= 20 or min(named) < 0:
+        raise bad_request(
+            f"logprob_token_ids: 1 to 20 non-negative token ids, got {len(named)} ids",
+            param="logprob_token_ids",
+        )
+    asked = req.logprobs is True if isinstance(req, ChatCompletionRequest) else req.logprobs
+    if asked is None or asked is False:
+        needs = "logprobs: true" if isinstance(req, ChatCompletionRequest) else "logprobs"
+        raise bad_request(f"logprob_token_ids: needs {needs}", param="logprob_token_ids")
 
 
 def _validate_bans(req: AnyRequest) -> None:

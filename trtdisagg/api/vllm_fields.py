@@ -53,10 +53,11 @@ def vllm_rules(*, chat: bool) -> list[FieldRule]:
         ),
         rule(
             "logprob_token_ids",
-            REFUSED,
-            "extension (vLLM's): the logprobs of chosen tokens at each position are not served; "
-            "`logprobs` gives the most likely ones",
-            bad=[1],
+            SUPPORTED,
+            "extension (vLLM's): 1 to 20 token ids; with `logprobs` (chat: `logprobs: true`) "
+            "each output token's alternatives are these tokens' logprobs, in this order, "
+            "instead of the most likely (a classifier's labels, scored at every token)",
+            bad=[],
         ),
         rule(
             "logits_processors",

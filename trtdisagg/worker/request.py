@@ -90,6 +90,10 @@ def _optional_int_frozenset(values: Iterable[int] | None) -> frozenset[int] | No
     return None if values is None else frozenset(values)
 
 
+def _optional_int_tuple(values: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if values is None else tuple(int(v) for v in values)
+
+
 def _id_sequences(values: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(token) for token in ids) for ids in values)
 
@@ -122,6 +126,11 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_int_frozenset)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per output token; None: none
+    # vLLM's: with `logprobs`, these tokens' logprobs are each token's alternatives instead of
+    # the N most likely
+    logprob_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_optional_int_tuple
+    )
     min_tokens: int = 0
     min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one; 0: off
     presence_penalty: float = 0.0  # minus this from a logit whose token is in the output
@@ -157,6 +166,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        named = self.logprob_token_ids
+        if named is not None and (self.logprobs is None or not named or min(named) < 0):
+            raise ValueError(
+                f"logprob_token_ids must be non-negative token ids, with logprobs, got {named}"
+            )
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:

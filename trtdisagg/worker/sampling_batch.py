@@ -54,6 +54,7 @@ class HostRows:
     frequency: list[float] = attrs.Factory(list)
     presence: list[float] = attrs.Factory(list)
     top_logprobs: list[int] = attrs.Factory(list)  # -1: no logprobs
+    named: list[tuple[int, IntArray]] = attrs.Factory(list)  # rows naming their alternatives
     suppress: list[IntArray] = attrs.Factory(list)  # flat indices
     bias_index: list[IntArray] = attrs.Factory(list)
     bias_value: list[npt.NDArray[np.float32]] = attrs.Factory(list)
@@ -84,6 +85,10 @@ class HostRows:
         self.frequency.append(params.frequency_penalty)
         self.presence.append(params.presence_penalty)
         n = params.logprobs
+        named = params.logprob_token_ids if n is not None else None
+        if named:
+            self.named.append((row, _in_vocab(named, width, "logprob_token_ids")))
+            n = len(named)
         self.top_logprobs.append(-1 if n is None else min(n, width))
         base = row * width
         if spec.suppress:
@@ -245,7 +250,8 @@ def sample_rows(
     if host.any_penalty:
         x = penalize(x, dev, with_prompt=bool(host.prompt_index))
     tokens = choose(x, host, dev, generator)
-    return pack(tokens, logprobs, host.max_logprobs), host.top_logprobs
+    named = _named(host, logprobs.device) if logprobs is not None and host.named else None
+    return pack(tokens, logprobs, host.max_logprobs, named), host.top_logprobs
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -354,16 +360,34 @@ def noise(
     return drawn.clamp_(min=TINY)
 
 
-def pack(tokens: torch.Tensor, logprobs: torch.Tensor | None, top: int) -> torch.Tensor:
+def pack(
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor | None,
+    top: int,
+    named: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The tokens alone ([S] int64), or with logprobs as one [S, 2 + 2·top] float64 tensor:
-    token, its logprob, the top ids, their logprobs (token ids are exact in float64)."""
+    token, its logprob, the top ids, their logprobs (token ids are exact in float64). `named`
+    [S, top]: ids a row names as its alternatives (`logprob_token_ids`), -1 where its most
+    likely ones stand."""
     if logprobs is None:
         return tokens
     parts = [tokens.unsqueeze(1).double(), logprobs.gather(1, tokens.unsqueeze(1)).double()]
     if top > 0:
         values, ids = logprobs.topk(top, dim=-1)
+        if named is not None:
+            ids = torch.where(named >= 0, named, ids)
+            values = logprobs.gather(1, ids)
         parts += [ids.double(), values.double()]
     return torch.cat(parts, dim=1)
+
+
+def _named(host: HostRows, device: torch.device) -> torch.Tensor:
+    """`pack`'s `named`: one host-to-device copy, for a step where some row names its ids."""
+    named = np.full((host.num_rows, host.max_logprobs), -1, np.int64)
+    for row, ids in host.named:
+        named[row, : ids.size] = ids
+    return torch.from_numpy(named).to(device)
 
 
 def _in_vocab(tokens: Sequence[int] | IntArray, width: int, what: str) -> IntArray:

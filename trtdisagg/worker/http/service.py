@@ -399,15 +399,13 @@ class WorkerService:
                 f"logit_bias: token id {bad_bias} outside the vocabulary [0, {logits_width})",
                 param="logit_bias",
             )
-        bad_allowed = next(
-            (t for t in sorted(req.allowed_token_ids or ()) if t >= logits_width), None
-        )
-        if bad_allowed is not None:
-            raise bad_request(
-                f"allowed_token_ids: token id {bad_allowed} outside the vocabulary "
-                f"[0, {logits_width})",
-                param="allowed_token_ids",
-            )
+        for field in ("allowed_token_ids", "logprob_token_ids"):
+            outside = next((t for t in getattr(req, field) or () if t >= logits_width), None)
+            if outside is not None:
+                raise bad_request(
+                    f"{field}: token id {outside} outside the vocabulary [0, {logits_width})",
+                    param=field,
+                )
         bad_words = tuple(req.bad_words or ())
         bad_ids = bad_word_ids(bad_words, partial(self.tokenizer.encode, add_special_tokens=False))
         outside = next((t for ids in bad_ids for t in ids if t >= logits_width), None)
@@ -432,6 +430,7 @@ class WorkerService:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 allowed_token_ids=req.allowed_token_ids,
+                logprob_token_ids=req.logprob_token_ids,
                 bad_words=bad_words,
                 bad_word_ids=bad_ids,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
