@@ -1,6 +1,7 @@
-"""The sampler on CUDA (run on the device machine): no host sync before the result is asked for,
-seeded rows independent of the batch at Llama-3's vocabulary, gen continuing ctx's random stream,
-greedy rows equal to the argmax, and draws that follow the reference distribution.
+"""The sampler on CUDA (run on the device machine): no host sync before the result is asked for
+(named logprob alternatives included), seeded rows independent of the batch at Llama-3's
+vocabulary, gen continuing ctx's random stream, greedy rows equal to the argmax, and draws that
+follow the reference distribution.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ pytestmark = [
 ]
 
 VOCAB = 128256
+NAMED = (5, 3000, 17)  # `logprob_token_ids`, inside every row's mask
 
 
 def _device() -> torch.device:
@@ -53,6 +55,7 @@ def _mixed_specs(n: int, device: torch.device) -> list[SampleSpec]:
             repetition_penalty=(1.0, 1.1)[i % 2],
             logit_bias={7: 5.0, 99: -100.0} if i % 5 == 0 else {},
             logprobs=(None, 0, 5)[i % 3],
+            logprob_token_ids=NAMED if i % 6 == 1 else None,  # (rows with logprobs 0)
         )
         prompt, output = list(range(i, i + 300)), [3, 3, 9, i]
         specs.append(
@@ -85,6 +88,8 @@ def test_launch_never_syncs_and_result_syncs_once(batch: int) -> None:
     assert len(tokens) == batch and all(0 <= t < VOCAB for t in tokens)
     for spec, lp in zip(specs, logprobs, strict=True):
         assert (lp is None) == (spec.params.logprobs is None)
+        if spec.params.logprob_token_ids is not None:
+            assert lp is not None and [t for t, _ in lp.top] == list(NAMED)
 
 
 def test_a_seeded_row_samples_the_same_alone_and_in_a_batch_of_64() -> None:

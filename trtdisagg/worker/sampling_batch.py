@@ -155,6 +155,7 @@ class DeviceRows:
     output_index: torch.Tensor
     prompt_index: torch.Tensor
     allowed: torch.Tensor  # [S, W] mask words, -1 (all allowed) for rows without a mask
+    named: torch.Tensor  # [S, T] alternatives a row names, -1 for its most likely; T 0: none
 
 
 def upload(host: HostRows, rows: Sequence[int] | None, device: torch.device) -> DeviceRows:
@@ -168,6 +169,9 @@ def upload(host: HostRows, rows: Sequence[int] | None, device: torch.device) -> 
     for row, mask in host.allowed:
         allowed[row, : mask.size] = mask
         allowed[row, mask.size :] = 0
+    named = np.full((s, host.max_logprobs if host.named else 0), -1, np.int64)
+    for row, ids in host.named:
+        named[row, : ids.size] = ids
     ints = [
         np.asarray(rows if rows is not None else [], np.int64),
         np.asarray(host.unseeded if host.seeded else [], np.int64),
@@ -178,6 +182,7 @@ def upload(host: HostRows, rows: Sequence[int] | None, device: torch.device) -> 
         _cat(host.output_index),
         _cat(host.prompt_index),
         allowed.reshape(-1),
+        named.reshape(-1),
     ]
     floats = [
         np.asarray(values, np.float32)
@@ -191,9 +196,8 @@ def upload(host: HostRows, rows: Sequence[int] | None, device: torch.device) -> 
         )
     ]
     floats.append(_cat(host.bias_value, np.float32))
-    row_ids, unseeded, greedy, top_k, suppress, bias_index, output_index, prompt_index, words = (
-        _send(ints, device)
-    )
+    (row_ids, unseeded, greedy, top_k, suppress, bias_index, output_index, prompt_index, words,
+     named_ids) = _send(ints, device)  # fmt: skip
     temperature, top_p, min_p, repetition, frequency, presence, bias_value = _send(floats, device)
     return DeviceRows(
         rows=row_ids if rows is not None else None,
@@ -212,6 +216,7 @@ def upload(host: HostRows, rows: Sequence[int] | None, device: torch.device) -> 
         output_index=output_index,
         prompt_index=prompt_index,
         allowed=words.view(s, num_words),
+        named=named_ids.view(named.shape),
     )
 
 
@@ -250,7 +255,7 @@ def sample_rows(
     if host.any_penalty:
         x = penalize(x, dev, with_prompt=bool(host.prompt_index))
     tokens = choose(x, host, dev, generator)
-    named = _named(host, logprobs.device) if logprobs is not None and host.named else None
+    named = dev.named if host.named else None
     return pack(tokens, logprobs, host.max_logprobs, named), host.top_logprobs
 
 
@@ -380,14 +385,6 @@ def pack(
             values = logprobs.gather(1, ids)
         parts += [ids.double(), values.double()]
     return torch.cat(parts, dim=1)
-
-
-def _named(host: HostRows, device: torch.device) -> torch.Tensor:
-    """`pack`'s `named`: one host-to-device copy, for a step where some row names its ids."""
-    named = np.full((host.num_rows, host.max_logprobs), -1, np.int64)
-    for row, ids in host.named:
-        named[row, : ids.size] = ids
-    return torch.from_numpy(named).to(device)
 
 
 def _in_vocab(tokens: Sequence[int] | IntArray, width: int, what: str) -> IntArray:
