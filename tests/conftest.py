@@ -4,6 +4,9 @@ Without a CUDA device, the Triton kernels can only run under Triton's interprete
 switched on before anything imports triton (transformers does, so this cannot wait for the tests
 that use the kernels). Child processes inherit it; on CPU nothing else runs Triton.
 
+A failing test's report ends with the last lines of each server log written to while it ran: a
+server that died or misbehaved says why only there, and CI keeps no files.
+
 Under pytest-xdist (`make test` runs `--dist loadfile --no-loadscope-reorder`), each module is one
 unit of work, handed out in collection order: modules with a `slow` test come first, so that the
 longest units do not start last and leave one worker idle; the integration modules, which mostly
@@ -13,13 +16,44 @@ wait, are spread among the unit modules, which keep a core busy.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.procs import STARTED
+
+LOG_TAIL_LINES = 40
+_test_started = pytest.StashKey[float]()
+
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_test_started] = time.time()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    started = item.stash.get(_test_started, None)
+    if report.failed and started is not None:
+        for server in STARTED:
+            try:
+                if server.log_path.stat().st_mtime < started:
+                    continue
+                lines = server.log().splitlines()[-LOG_TAIL_LINES:]
+            except OSError:
+                continue  # its temporary directory is gone
+            state = "running" if server.alive() else f"exited {server.proc.returncode}"
+            title = f"log of {server.log_path.name} ({server.url or 'no url'}, {state})"
+            report.sections.append((title, "\n".join(lines)))
+    return report
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

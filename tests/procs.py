@@ -20,7 +20,7 @@ import attrs
 import httpx
 import yaml
 
-from trtdisagg.free_ports import free_port
+from trtdisagg import free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,6 +32,9 @@ class Server:
     log_path: Path
     port: int
 
+    def __attrs_post_init__(self) -> None:
+        STARTED.append(self)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -39,15 +42,64 @@ class Server:
         return self.proc.poll() is None
 
 
+# Every server a test process started, so that a failing test's report shows what they logged.
+STARTED: list[Server] = []
+
+
+def free_port() -> int:
+    """A free port that no other xdist worker hands out: each worker takes only the ports that
+    are its own index modulo the number of workers. free_ports.free_port never gives one port
+    twice, but only within one process, and a port handed out is free only until its server
+    binds it: a second worker could otherwise give the same one to a server that starts
+    meanwhile, which then fails to bind while the first one answers its health checks."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    while True:
+        port = free_ports.free_port()
+        if port % workers == index:
+            return port
+
+
+def _listening_sockets(pid: int, port: int) -> set[str]:
+    """The sockets listening on TCP `port` in process `pid`'s network namespace, as its fd
+    links name them (`socket:[inode]`)."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    found.add(f"socket:[{fields[9]}]")
+    return found
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` or one of its descendants holds a socket listening on `port`."""
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        wanted = _listening_sockets(current, port)
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{current}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) in wanted:
+                        return True
+        pending.extend(children(current))
+    return False
+
+
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
+    """Wait until `proc` answers /health at `url`. Another process that answers there does not
+    count: the port was taken meanwhile, and `proc` fails to bind it."""
     deadline = time.monotonic() + timeout
+    port = int(url.rsplit(":", 1)[1])
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 tail = log_path.read_text(errors="replace")[-4000:]
                 raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{tail}")
             try:
-                if client.get(url + "/health").status_code == 200:
+                if client.get(url + "/health").status_code == 200 and listens_on(proc.pid, port):
                     return
             except httpx.TransportError:
                 pass
