@@ -401,6 +401,90 @@ async def test_a_whole_answer_of_two_choices_whose_gen_stalls_starts_again_elsew
         await wait_idle(client, stalled, 10)
 
 
+async def read_choices(
+    client: httpx.AsyncClient, url: str, request: dict[str, Any], outs: list[Streamed]
+) -> None:
+    """Like `read_stream`, with each choice's tokens, text and finish in `outs[index]`."""
+    async with client.stream("POST", url + "/v1/completions", json=request) as r:
+        for out in outs:
+            out.status = r.status_code
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            assert not outs[0].done, "an event after [DONE]"
+            if line == "data: [DONE]":
+                for out in outs:
+                    out.done = True
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                outs[0].errors.append(event["error"])
+                continue
+            for choice in event["choices"]:
+                out = outs[choice["index"]]
+                out.tokens += choice.get("token_ids") or []
+                out.text += choice.get("text") or ""
+                if choice.get("finish_reason") is not None:
+                    out.finishes.append(choice["finish_reason"])
+
+
+async def test_a_stream_of_two_choices_whose_gen_stalls_goes_on_choice_by_choice(
+    cluster: Cluster, undisturbed: list[Streamed]
+) -> None:
+    """A streamed answer of two choices whose gen stalls mid-answer: each choice goes on from
+    its own tokens on a continuation of its own on the other gen, and the client's stream
+    completes without an error, each choice token for token and character for character the
+    undisturbed greedy run (greedy: both choices are that run)."""
+    stalled, reference = cluster.gens[0], undisturbed[3]
+    request = body(3, n=2)
+    outs = [Streamed(), Streamed()]
+    with cluster.other_coordinator(  # round robin: its first gen is the first listed
+        "choices-resumed", health_check_interval=3600, inter_token_timeout=1.0,
+        generation_servers={"urls": [g.url for g in cluster.gens],
+                            "router": {"type": "round_robin"}},
+    ) as coordinator:  # fmt: skip
+        async with httpx.AsyncClient(timeout=60) as client:
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read_choices, client, coordinator.url, request, outs)
+                    await wait_tokens(outs, 10)
+                    stalled.proc.send_signal(signal.SIGSTOP)
+                    cut = [len(out.tokens) for out in outs]
+            finally:
+                stalled.proc.send_signal(signal.SIGCONT)
+            name = "trtdisagg_coordinator_migrations_total"
+            assert await counter(client, coordinator, name, 'reason="deadline"') == 2
+            await wait_idle(client, stalled, 10)
+    assert all(count < MAX_TOKENS for count in cut), cut  # the cut came mid-answer
+    for out in outs:
+        assert_whole(out, reference)
+
+
+async def test_each_choice_s_first_token_is_ctx_s_out_before_gen_answers(
+    cluster: Cluster, undisturbed: list[Streamed]
+) -> None:
+    """A stream of two choices starts with ctx's first token of each, with its gen stopped;
+    once the gen runs again both choices complete as the undisturbed greedy run."""
+    held, reference = cluster.gens[0], undisturbed[4]
+    outs = [Streamed(), Streamed()]
+    with cluster.other_coordinator(
+        "lead-choices", health_check_interval=3600, gen_first_token_timeout=60,
+        generation_servers={"urls": [held.url]},
+    ) as coordinator:  # fmt: skip
+        async with httpx.AsyncClient(timeout=60) as client:
+            held.proc.send_signal(signal.SIGSTOP)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read_choices, client, coordinator.url, body(4, n=2), outs)
+                    await wait_tokens(outs, 1)
+                    assert [out.tokens for out in outs] == [reference.tokens[:1]] * 2
+                    held.proc.send_signal(signal.SIGCONT)
+            finally:
+                held.proc.send_signal(signal.SIGCONT)
+    for out in outs:
+        assert_whole(out, reference)
+
+
 async def test_kill_9_of_a_gen_while_8_streams_decode_loses_and_repeats_no_token(
     cluster: Cluster, undisturbed: list[Streamed]
 ) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from trtdisagg.api.fanout import choice_seed
 from trtdisagg.coordinator.continuation import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     TextReplay,
@@ -189,6 +190,24 @@ def test_continuation_request_asks_for_what_is_left() -> None:
         BODY, chat=False, prompt_token_ids=[5], sent=[], stops_here=False, max_seq_len=None
     )
     assert kept["stop"] == ["STOP"] and kept["seed"] == 7 and kept["max_tokens"] == 10
+
+
+def test_a_choice_s_continuation_samples_from_that_choice_s_seed() -> None:
+    """Choice i of an answer samples with choice_seed(seed, i): its continuation goes on from
+    that seed, and one before its first token draws exactly as the undisturbed choice did."""
+    request = {**BODY, "n": 3}
+
+    def seed(choice: int, sent: list[int]) -> int:
+        return int(
+            continuation_request(
+                request, chat=False, prompt_token_ids=[5], sent=sent, stops_here=False,
+                max_seq_len=None, choice=choice,
+            )["seed"]
+        )  # fmt: skip
+
+    assert [seed(i, []) for i in range(3)] == [choice_seed(7, i) for i in range(3)]
+    assert seed(2, [8, 9]) == continuation_seed(choice_seed(7, 2), 2)
+    assert len({seed(i, [8, 9]) for i in range(3)}) == 3  # no two choices draw alike
 
 
 def test_continuation_request_defaults_and_chat_limits() -> None:

@@ -226,6 +226,34 @@ def test_an_answer_of_several_choices_keeps_each_apart() -> None:
     assert second["message"] == {"role": "assistant", "content": None, "tool_calls": [made]}
 
 
+def test_each_choice_continues_on_a_leg_of_its_own() -> None:
+    """After the leg of two choices died, each continues on a leg whose events say index 0:
+    they are told as that choice's, each after its own tokens, and the usage counts the prompt
+    once and every token of both."""
+
+    def event(index: int, text: str, ids: list[int], finish: str | None = None) -> Any:
+        return {**OTHER_HEAD, "choices": [{"index": index, "logprobs": None, "text": text,
+                                           "finish_reason": finish, "token_ids": ids}]}  # fmt: skip
+
+    ledger = Ledger(ask=ask(return_token_ids=True, include_usage=True), num_choices=2,
+                    ctx_usage=usage(5, 1), prompt_token_ids=[1, 2, 3, 4, 5])  # fmt: skip
+    ledger.gen_event({**event(0, " a", [10]), **HEAD})
+    ledger.gen_event({**event(1, " b", [20]), **HEAD})
+    ledger.gen_event({**event(1, " c", [21]), **HEAD})
+    ledger.start_continuation(None, 1)
+    ledger.start_continuation(None, 0)
+    (one,) = ledger.gen_event(event(0, " d", [22], "length"), 1)
+    assert one["choices"][0]["index"] == 1 and one["id"] == "cmpl-a"
+    assert ledger.gen_event(tail(1, prompt=7, head=OTHER_HEAD), 1) == []  # choice 0 runs on
+    (zero,) = ledger.gen_event(event(0, " e", [11], "length"), 0)
+    assert zero["choices"][0]["index"] == 0
+    (closing,) = ledger.gen_event(tail(1, prompt=6, head=OTHER_HEAD), 0)
+    assert closing["usage"] == usage(5, 5)
+    first, second = ledger.whole()["choices"]
+    assert (first["token_ids"], first["text"]) == ([10, 11], " a e")
+    assert (second["token_ids"], second["text"]) == ([20, 21, 22], " b c d")
+
+
 CTX_HEAD = {"id": "cmpl-ctx", "object": "text_completion", "created": 3, "model": "tiny"}
 
 

@@ -62,6 +62,14 @@ async def _ended() -> AsyncIterator[Any]:
     yield
 
 
+async def _entered(stack: contextlib.AsyncExitStack, source: Any) -> Any:
+    """What to iterate of `source`: a `ResponseBody` is entered first (its exit on `stack`)."""
+    if isinstance(source, ResponseBody):
+        body: Any = source  # (quart types its __aexit__'s arguments as never None)
+        return await stack.enter_async_context(body)
+    return source
+
+
 async def _close(source: Any) -> None:
     with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
         await source.aclose()
@@ -86,16 +94,17 @@ class MergedBody(ResponseBody, Generic[T]):
     async def __aenter__(self) -> MergedBody[T]:
         self._started = True
         self._pending.extend(self.merger.opening())
-        if len(self.sources) == 1:
-            self._direct = self.sources[0].__aiter__()
-            return self
         stack = contextlib.AsyncExitStack()
+        self._stack = stack
+        if len(self.sources) == 1:
+            self._direct = (await _entered(stack, self.sources[0])).__aiter__()
+            return self
         nursery = await stack.enter_async_context(trio.open_nursery())
         send, self._receive = trio.open_memory_channel[tuple[int, Any]](0)
         async with send:
             for index, source in enumerate(self.sources):
                 nursery.start_soon(self._pump, index, source, send.clone())
-        self._stack, self._cancel = stack, nursery.cancel_scope
+        self._cancel = nursery.cancel_scope
         return self
 
     async def __aexit__(
@@ -105,10 +114,10 @@ class MergedBody(ResponseBody, Generic[T]):
         tb: TracebackType | None,
     ) -> None:
         try:
-            if self._stack is not None:
-                assert self._cancel is not None and self._receive is not None
+            if self._cancel is not None and self._receive is not None:
                 self._cancel.cancel()
                 self._receive.close()
+            if self._stack is not None:
                 await self._stack.__aexit__(exc_type, exc, tb)
         finally:
             await self.aclose()
@@ -167,9 +176,9 @@ class MergedBody(ResponseBody, Generic[T]):
     async def _pump(
         self, index: int, source: Any, send: trio.MemorySendChannel[tuple[int, Any]]
     ) -> None:
-        async with send:
+        async with send, contextlib.AsyncExitStack() as stack:
             try:
-                async for item in source:
+                async for item in await _entered(stack, source):
                     await send.send((index, item))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the body stopped reading

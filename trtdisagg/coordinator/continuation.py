@@ -13,10 +13,10 @@ What carries over, and how (`continuation_request`):
   (completions without ``max_tokens`` get the worker's default of 16, less what was sent), so
   the answer ends where an undisturbed run would (``length`` included: prompt + tokens is the
   same total against the model's context);
-* ``echo``, ``n`` and ``best_of`` are gone (an answer of one choice is resumed), and so are
-  ``truncate_prompt_tokens`` (the prompt sent is the one ctx kept) and ``prompt_logprobs`` (the
-  first leg sent the prompt's), ``stream`` and
-  ``return_token_ids`` are on, ``stream_options`` asks for the usage chunk only (the ledger
+* ``echo``, ``n`` and ``best_of`` are gone (each choice is resumed on a request of its own),
+  and so are ``truncate_prompt_tokens`` (the prompt sent is the one ctx kept) and
+  ``prompt_logprobs`` (the first leg sent the prompt's), ``stream`` and ``return_token_ids``
+  are on, ``stream_options`` asks for the usage chunk only (the ledger
   counts usage itself);
 * stop strings: text already relayed may end in the first part of a stop string, which the dead
   leg's worker held back. When the coordinator has the tokenizer it rebuilds that worker's
@@ -31,7 +31,9 @@ What carries over, and how (`continuation_request`):
   continuation therefore draws with `continuation_seed(seed, k)`: each token is still a sample
   from the right distribution and the same failure point gives the same answer, but it is not
   the token sequence the undisturbed run would have drawn. Greedy sampling draws nothing and
-  is exact.
+  is exact. Choice i of an answer of several samples with `fanout.choice_seed(seed, i)`, its
+  continuation from that seed likewise (one that resumes before the choice's first token draws
+  it as the undisturbed run did).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any, Final, Protocol
 
 import attrs
 
+from trtdisagg.api.fanout import choice_seed
 from trtdisagg.worker.stopping import StopStrings
 
 Json = dict[str, Any]
@@ -75,8 +78,10 @@ def continuation_request(
     sent: Sequence[int],
     stops_here: bool,
     max_seq_len: int | None,
+    choice: int = 0,
 ) -> Json:
-    """The aggregated request that continues `body` (one choice's) after the tokens `sent`.
+    """The aggregated request that continues choice `choice` of `body`'s answer after the
+    tokens `sent`.
 
     `stops_here`: the coordinator finds stop strings itself (`TextReplay`), so gen gets none.
     """
@@ -112,8 +117,9 @@ def continuation_request(
     if isinstance(min_tokens, int):
         out["min_tokens"] = max(0, min_tokens - count)
     seed = out.get("seed")
-    if isinstance(seed, int) and count:
-        out["seed"] = continuation_seed(seed, count)
+    if isinstance(seed, int):
+        seed = choice_seed(seed, choice)
+        out["seed"] = continuation_seed(seed, count) if count else seed
     return out
 
 

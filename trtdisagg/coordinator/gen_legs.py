@@ -1,7 +1,7 @@
 """The gen side of one prompt's answer (its `n` choices): its first leg opened within its
 deadline and read through a `GenRelay` (relayed as a stream, or assembled into a whole answer),
 and the continuations that resume it on another gen when a leg dies or stalls (`GenLegs` is the
-relay's `Resumer`; only an answer of one choice is resumed).
+relay's `Resumer`: a continuation resumes one choice).
 
 Failures before the first leg's stream is open (gen refused, unreachable, or silent past its
 first-token deadline) go back to the service's retries, as any failed attempt. Once it is open,
@@ -21,7 +21,7 @@ import trio
 
 from trtdisagg.coordinator.cluster import ServerRole
 from trtdisagg.coordinator.continuation import TextReplay, continuation_request, stop_strings
-from trtdisagg.coordinator.ledger import Ledger
+from trtdisagg.coordinator.ledger import ChoiceLedger, Ledger
 from trtdisagg.coordinator.relay import RelayBody
 from trtdisagg.coordinator.replies import JsonReply, Reply, StreamReply
 from trtdisagg.coordinator.resume import (
@@ -53,8 +53,8 @@ INLINE_REPLAY_TOKENS: Final = 256
 
 @attrs.define(eq=False, kw_only=True)
 class GenLegs:
-    """One answer's gen legs: the first, and the continuations (`resume.Resumer`; an answer of
-    one choice only)."""
+    """One answer's gen legs: the first, and the continuations (`resume.Resumer`), each of
+    one choice."""
 
     service: DisaggService
     call: _Call
@@ -74,11 +74,11 @@ class GenLegs:
         """Open the first leg and hand it to a relay: a stream reply, or the whole answer.
 
         A stream that may start with ctx's first tokens (`split.ahead_tokens`) starts with
-        them (`_lead`). One of one choice starts at once, and its relay posts the leg: a leg
-        that fails then is the relay's to resume, as one that fails after its first token. One
-        of several choices, which the relay cannot resume, starts once gen's stream is open (a
-        failure before is the service's to retry, as ever); so does a generation_first one,
-        whose gen leg is posted before ctx answers.
+        them (`_lead`), at once, and its relay posts the leg: a leg that fails then is the
+        relay's to resume, as one that fails after its first token (choice by choice, for an
+        answer of several). Any other answer starts once gen's stream is open (a failure
+        before is the service's to retry, as ever); so does a generation_first one, whose gen
+        leg is posted before ctx answers.
 
         Raises:
             what opening raises (UpstreamError, DeadlineMissed: the service retries);
@@ -87,7 +87,7 @@ class GenLegs:
         call, service, ctx = self.call, self.service, self.ctx
         call.clock.gen_start = trio.current_time()
         ahead = ahead_tokens(call.raw, call.ask, ctx) if ctx is not None else None
-        if ahead is not None and len(ahead) == 1:  # posted by the relay's first read
+        if ahead is not None:  # posted by the relay's first read
             opener = functools.partial(self._post, lease, gen_stream_request(body))
             leg = Leg(response=None, opener=opener, lease=lease, posted=call.clock.gen_start,
                       first_token_timeout=first_token_timeout)  # fmt: skip
@@ -222,29 +222,33 @@ class GenLegs:
             await self.ctx_answered.wait()
 
     async def resume(self, relay: GenRelay, failure: LegFailure) -> Leg:
-        """A continuation on another gen: an aggregated request for prompt + tokens sent."""
+        """A continuation of the relay's choice on another gen: an aggregated request for
+        prompt + that choice's tokens sent."""
         await self._ctx_answer()
         call, service, ledger = self.call, self.service, relay.ledger
-        if ledger.num_choices > 1:
-            # Each choice would continue from its own tokens: n requests of their own, no
-            # longer one prefill. A whole answer has told the client nothing yet, so it starts
-            # again on another pair (the service's retry); a stream fails instead.
+        if relay.choice is None and ledger.num_choices > 1:
+            # Each choice continues from its own tokens, on a relay of its own (the stream's
+            # `ChoiceRelays`). A whole answer has none: it has told the client nothing yet, so
+            # it starts again on another pair (the service's retry), one prefill for all.
             if not call.ask.stream:
                 raise AnswerFailed(failure, failure.client_event())
-            raise CannotResume(f"an answer of {ledger.num_choices} choices is not resumed")
+            raise CannotResume(f"an answer of {ledger.num_choices} choices has no relay each")
+        index = relay.choice or 0
+        choice = ledger.choices[index]
         service.metrics.migrations.labels(reason=failure.kind.value).inc()
         call.exclude[GEN] = failure.server
         prompt = ledger.prompt_token_ids or await self._prompt_ids()
-        replay = ledger.replay or await self._replay(ledger)
+        replay = choice.replay or await self._replay(choice)
         lease = await service.lease(call, GEN, service.ids.next_id())
         info = service.placement.server_info(lease.server)
         body = continuation_request(
             call.raw,
             chat=call.endpoint.chat,
             prompt_token_ids=prompt,
-            sent=ledger.token_ids,
+            sent=choice.token_ids,
             stops_here=replay is not None,
             max_seq_len=info.max_seq_len if info is not None else None,
+            choice=index,
         )
         try:
             leg = await self._open(lease, body, service.config.gen_first_token_timeout)
@@ -257,12 +261,13 @@ class GenLegs:
         except BaseException:
             await lease.release(success=False)
             raise
-        ledger.start_continuation(replay)
+        ledger.start_continuation(replay, index)
         log.warning(
-            "%s; resuming the answer on %s after %d tokens (migration %d of %d)",
+            "%s; resuming %s on %s after %d tokens (migration %d of %d)",
             failure,
+            "the answer" if ledger.num_choices == 1 else f"choice {index}",
             lease.server,
-            len(ledger.token_ids),
+            len(choice.token_ids),
             relay.migrations,
             relay.max_migrations,
         )
@@ -280,15 +285,15 @@ class GenLegs:
             )
         return ids
 
-    async def _replay(self, ledger: Ledger) -> TextReplay | None:
-        """The dead leg's text state, when the coordinator has the tokenizer."""
+    async def _replay(self, choice: ChoiceLedger) -> TextReplay | None:
+        """The dead leg's text state of `choice`, when the coordinator has the tokenizer."""
         info = self.service.placement.model_info()
         tokenizer = await self.service.prompts.tokenizer(info.model_path if info else None)
         if tokenizer is None:
             return None
         raw = self.call.raw
         stops = stop_strings(raw)
-        sent, text = list(ledger.token_ids), ledger.text
+        sent, text = list(choice.token_ids), choice.text
         # The worker's text rules for this request (`SamplingParams`), applied here from now on
         include = raw.get("include_stop_str_in_output") is True
         skip = raw.get("skip_special_tokens") is not False

@@ -22,8 +22,9 @@ Per event of gen's stream, `Ledger.gen_event` returns what the client gets:
   asked for perf metrics).
 
 A gen leg answers every choice of its prompt (`n`, forked from one prefill): each has its own
-`ChoiceLedger`, and the answer is complete once each choice is. Only an answer of one choice is
-resumed on another gen (its tokens so far are one sequence to continue from).
+`ChoiceLedger`, and the answer is complete once each choice is. A continuation carries one
+choice (its tokens so far are one sequence to continue from): its events, whose index is 0,
+are that choice's (`gen_event(data, choice=i)`).
 
 An error event raises `StreamError`: the caller decides between a continuation and the end.
 """
@@ -151,11 +152,11 @@ class Ledger:
 
     # ---- legs ----
 
-    def start_continuation(self, replay: TextSource | None) -> None:
-        """The next events come from a continuation leg (`continuation.continuation_request`);
-        only an answer of one choice has them."""
+    def start_continuation(self, replay: TextSource | None, choice_index: int = 0) -> None:
+        """Choice `choice_index`'s next events come from a continuation leg of its own
+        (`continuation.continuation_request`)."""
         self.leg += 1
-        choice = self.choices[0]
+        choice = self.choices[choice_index]
         choice.leg_chars = choice.logprob_chars
         choice.replay = replay
         choice.ahead_ids, choice.ahead_text = [], ""  # a continuation starts after them
@@ -198,8 +199,9 @@ class Ledger:
 
     # ---- events ----
 
-    def gen_event(self, data: object) -> list[Json]:
-        """The client's events for one event of gen's stream.
+    def gen_event(self, data: object, choice: int | None = None) -> list[Json]:
+        """The client's events for one event of gen's stream: of a leg of every choice, or
+        (`choice`) of that choice's continuation.
 
         Raises:
             StreamError: the event is an error.
@@ -211,16 +213,16 @@ class Ledger:
         choices = data.get("choices")
         if not choices:
             return self._tail_event(data)
-        choice = choices[0]
-        if not isinstance(choice, dict):
+        one = choices[0]
+        if not isinstance(one, dict):
             return []
-        index = choice.get("index", 0)
+        index = one.get("index", 0) if choice is None else choice
         if not isinstance(index, int) or not 0 <= index < self.num_choices:
             return []
         state = self.choices[index]
         if state.finish_reason is not None:
             return []
-        return self._choice_event(data, choice, state)
+        return self._choice_event(data, {**one, "index": index}, state)
 
     def _head_of(self, data: Json) -> Json:
         if self.head is None:

@@ -6,19 +6,24 @@ when the stream ends, when the client disconnects (Trio cancels the sending task
 HTTP layer drops a body it never started (see `api/http.py: ClosingQuartTrio`).
 
 Deadlines are enforced per read (`resume.GenRelay`: a cancel scope around each upstream read,
-never across a ``yield``). An answer that cannot be completed (no continuation left, the request
-deadline) ends the stream with an OpenAI error event and ``[DONE]``: the status line was sent
-long ago.
+never across a ``yield``). A relayed stream is a quart `ResponseBody`: entering it opens the
+nursery where its choices' own relays are read once a leg of several choices failed
+(`choice_relays.py`); exiting cancels them and closes it. An answer that cannot be completed
+(no continuation left, the request deadline) ends the stream with an OpenAI error event and
+``[DONE]``: the status line was sent long ago.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import TracebackType
 from typing import Final, Protocol
 
 import attrs
 import trio
+from quart.wrappers.response import ResponseBody
 
 from trtdisagg.api.codec import SSE_DONE, sse_event
 from trtdisagg.coordinator.resume import AnswerFailed, GenRelay
@@ -69,8 +74,8 @@ class StaticBody:
 
 
 @attrs.define(eq=False, kw_only=True)
-class RelayBody:
-    """A choice's gen stream as the client's events (`GenRelay`: its legs, deadlines and
+class RelayBody(ResponseBody):
+    """An answer's gen stream as the client's events (`GenRelay`: its legs, deadlines and
     continuations), passed on as they come."""
 
     relay: GenRelay
@@ -78,7 +83,27 @@ class RelayBody:
     _ended: str | None = None
     """Outcome once the answer is over (ok | error); None while it runs."""
     _tail: list[bytes] = attrs.Factory(list)
+    _stack: contextlib.AsyncExitStack | None = None
     _closed: bool = False
+
+    async def __aenter__(self) -> RelayBody:
+        stack = contextlib.AsyncExitStack()
+        self.relay.nursery = await stack.enter_async_context(trio.open_nursery())
+        self._stack = stack
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self.aclose()
+        finally:
+            if self._stack is not None:
+                stack, self._stack = self._stack, None
+                await stack.__aexit__(exc_type, exc, tb)
 
     def __aiter__(self) -> RelayBody:
         return self

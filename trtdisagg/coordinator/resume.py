@@ -17,6 +17,12 @@ worker does so when it wakes up), and its reservation is released. The `Resumer`
 counts and reports the failure (a worker that did not answer leaves rotation until its next good
 health check) and opens a continuation, up to ``max_migrations`` per answer; when none is left the
 answer ends with `AnswerFailed`. A leg that breaks after the answer's last token completes it.
+
+A leg carries every choice of the answer (`n`), but a continuation carries one: when a streamed
+answer of several choices loses its leg, each unfinished choice goes on in a relay of its own
+(`GenRelay.choice`, sharing the answer's ledger), read by a task of its own in the stream's
+nursery (`ChoiceRelays`), and their events go out in the order they come. Each has its own
+``max_migrations``. A whole answer has told the client nothing: it is served again instead.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import trio
 
 from trtdisagg.api.errors import ApiError
 from trtdisagg.api.sse import DONE, SseSplitter, parse_event
+from trtdisagg.coordinator.choice_relays import ChoiceRelays
 from trtdisagg.coordinator.ledger import Ledger, StreamError
 from trtdisagg.coordinator.placement import CoordinatorUnavailable, Lease
 from trtdisagg.coordinator.routers import NoServerAvailable
@@ -182,7 +189,7 @@ class Resumer(Protocol):
         ...
 
     async def resume(self, relay: GenRelay, failure: LegFailure) -> Leg:
-        """Open the continuation of `relay`'s answer on another gen.
+        """Open the continuation of `relay`'s answer (of its `choice`) on another gen.
 
         Raises:
             LegFailure (try again, if the budget allows), or any other error: the answer fails.
@@ -202,6 +209,14 @@ class GenRelay:
     on_first_token: Callable[[], None]  # the client's first token went out
     on_gen_token: Callable[[], None] = lambda: None  # gen's first token came (on any leg)
     migrations: int = 0
+    choice: int | None = None
+    """The one choice its legs carry, once each choice has legs of its own; None: all."""
+    nursery: trio.Nursery | None = None
+    """Where each choice's relay is read once a leg of several choices failed (a stream's);
+    without one, such an answer is resumed whole (`Resumer.resume`)."""
+    _choices: ChoiceRelays | None = None
+    _resuming: LegFailure | None = attrs.field(default=None, alias="resuming")
+    """A choice's relay starts by resuming its choice after this failure of the shared leg."""
     _pending: list[Json] = attrs.Factory(list)
     _complete: bool = False
     _failed: AnswerFailed | None = None
@@ -213,6 +228,19 @@ class GenRelay:
     def complete(self) -> bool:
         return self._complete
 
+    @property
+    def _finish_reason(self) -> str | None:
+        """Its choice's (or, for a relay of every choice, the answer's) finish reason."""
+        if self.choice is None:
+            return self.ledger.finish_reason
+        return self.ledger.choices[self.choice].finish_reason
+
+    @property
+    def _finished_here(self) -> bool:
+        if self.choice is None:
+            return self.ledger.finished_here
+        return self.ledger.choices[self.choice].finished_here
+
     async def next_events(self) -> list[Json] | None:
         """The client's next events ([] when what came shows nothing yet), or None once the
         answer is complete.
@@ -223,10 +251,20 @@ class GenRelay:
         if self._pending:  # what `lead` gave: out before the first leg is even posted
             out, self._pending = self._pending, []
             return out
+        if self._choices is not None:
+            events = await self._choices.next_events()
+            if events is None:  # every choice is complete
+                self._complete = True
+                return self.ledger.closing() or None
+            return events
         if not self._complete and self._failed is None:
             try:
                 try:
-                    await self._step()
+                    if self._resuming is not None:
+                        failure, self._resuming = self._resuming, None
+                        await self._resume(failure)
+                    else:
+                        await self._step()
                 except LegFailure as failure:
                     await self._recover(failure)
             except AnswerFailed as failed:
@@ -247,6 +285,8 @@ class GenRelay:
 
     async def aclose(self) -> None:
         await self.leg.close(success=self._complete)
+        if self._choices is not None:
+            await self._choices.aclose()
         if not self._complete:  # the client left: ctx's KV may be waiting for a gen that left too
             await self._abandon()
 
@@ -261,7 +301,7 @@ class GenRelay:
         leg = self.leg
         chunk = await self._read()
         if chunk is None:
-            if self.ledger.finish_reason is None:
+            if self._finish_reason is None:
                 raise LegFailure(
                     f"generation server {leg.server} stream failed: it ended before the answer",
                     server=leg.server,
@@ -270,7 +310,7 @@ class GenRelay:
             await self._finish()
             return
         self._accept(chunk)
-        if self.ledger.finished_here:
+        if self._finished_here:
             await self._finish()
 
     async def _read(self) -> bytes | None:
@@ -314,7 +354,7 @@ class GenRelay:
             data = parse_event(event)
             if data is DONE:
                 leg.done = True
-                if self.ledger.finish_reason is None:
+                if self._finish_reason is None:
                     raise LegFailure(
                         f"generation server {leg.server} stream failed: [DONE] before the answer",
                         server=leg.server,
@@ -323,7 +363,7 @@ class GenRelay:
                 return
             before = self.ledger.gen_tokens
             try:
-                self._pending += self.ledger.gen_event(data)
+                self._pending += self.ledger.gen_event(data, self.choice)
             except StreamError as exc:
                 raise LegFailure(
                     f"generation server {leg.server} failed mid-stream: {exc}",
@@ -339,11 +379,12 @@ class GenRelay:
                 if not self._seen_token:
                     self._seen_token = True
                     self.on_first_token()
-            if self.ledger.finished_here:
+            if self._finished_here:
                 return
 
     async def _finish(self) -> None:
-        self._pending += self.ledger.closing()
+        if self.ledger.finish_reason is not None:  # (a choice's relay: every choice is done)
+            self._pending += self.ledger.closing()
         self._complete = True
         await self.leg.close(success=True)
 
@@ -352,10 +393,48 @@ class GenRelay:
         self.resumer.missed(failure)
         await self.leg.close(success=False)
         await self._abandon()
-        if self.ledger.finish_reason is not None:  # the answer was whole when the leg broke
-            self._pending += self.ledger.closing()
+        if self._finish_reason is not None:  # the answer was whole when the leg broke
+            if self.ledger.finish_reason is not None:
+                self._pending += self.ledger.closing()
             self._complete = True
             return
+        if self.choice is None and self.ledger.num_choices > 1 and self.nursery is not None:
+            self._choices = ChoiceRelays.start(self._choice_relays(failure), self.nursery)
+            return
+        await self._resume(failure)
+
+    def _choice_relays(self, failure: LegFailure) -> list[GenRelay]:
+        """A relay for each unfinished choice, to resume it after `failure` of this leg."""
+        return [
+            GenRelay(
+                ledger=self.ledger,
+                leg=self.leg,
+                deadline=self.deadline,
+                inter_token_timeout=self.inter_token_timeout,
+                max_migrations=self.max_migrations,
+                resumer=self.resumer,
+                on_first_token=self._choice_first_token,
+                on_gen_token=self._choice_gen_token,
+                migrations=self.migrations,
+                choice=state.index,
+                resuming=failure,
+            )
+            for state in self.ledger.choices
+            if state.finish_reason is None
+        ]
+
+    def _choice_first_token(self) -> None:  # the answer's first token, whichever choice's
+        if not self._seen_token:
+            self._seen_token = True
+            self.on_first_token()
+
+    def _choice_gen_token(self) -> None:
+        if not self._gen_spoke:
+            self._gen_spoke = True
+            self.on_gen_token()
+
+    async def _resume(self, failure: LegFailure) -> None:
+        """Open a continuation in place of the failed leg, or raise AnswerFailed."""
         while True:
             if self.migrations >= self.max_migrations:
                 raise AnswerFailed(failure, failure.client_event())
