@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
+from trtdisagg.api.reasoning import ReasoningSplitter
 from trtdisagg.coordinator.ledger import Ledger, StreamError
 from trtdisagg.coordinator.split import ClientAsk
 
@@ -252,6 +254,42 @@ def test_each_choice_continues_on_a_leg_of_its_own() -> None:
     first, second = ledger.whole()["choices"]
     assert (first["token_ids"], first["text"]) == ([10, 11], " a e")
     assert (second["token_ids"], second["text"]) == ([20, 21, 22], " b c d")
+
+
+class _Texts:
+    """A continuation's text source that gives each token's text as written (tags and all)."""
+
+    def __init__(self, texts: dict[int, str]) -> None:
+        self.texts = texts
+
+    def step(self, ids: Sequence[int], finish: str | None) -> tuple[str, str | None, int]:
+        return "".join(self.texts[t] for t in ids), finish, len(ids)
+
+
+@pytest.mark.parametrize("include", [True, False])
+def test_a_rebuilt_continuation_tells_thinking_apart_where_the_first_leg_left_it(
+    include: bool,
+) -> None:
+    """The coordinator rebuilds a continuation's text (it has the tokenizer): a reasoning
+    model's is told apart here, from the thinking state the relayed text left (a `</think>`
+    split across two chunks included), dropped when the client asked for no thinking."""
+    texts = {1: " so", 2: " four</", 3: "think>", 4: "4"}
+    ledger = Ledger(ask=ask(chat=True, include_reasoning=include))
+    head = {**CHAT_HEAD, "choices": []}
+    ledger.gen_event({**head, "choices": [{"index": 0, "finish_reason": None, "token_ids": [9],
+                      "delta": {"role": "assistant", "reasoning_content": "Hmm"}}]})  # fmt: skip
+    ledger.start_continuation(_Texts(texts), 0, ReasoningSplitter(thinking=True))
+    deltas = []
+    for token, finish in ((1, None), (2, None), (3, None), (4, "length")):
+        event = {**head, "choices": [{"index": 0, "finish_reason": finish, "token_ids": [token],
+                                      "delta": {"content": "worker's own"}}]}  # fmt: skip
+        deltas += [e["choices"][0]["delta"] for e in ledger.gen_event(event)]
+    thought = "".join(d.get("reasoning_content", "") for d in deltas)
+    assert thought == (" so four" if include else "")
+    assert "".join(d.get("content", "") for d in deltas) == "4"
+    (choice,) = ledger.whole()["choices"]
+    assert choice["message"]["content"] == "4"
+    assert choice["message"]["reasoning_content"] == ("Hmm so four" if include else "Hmm")
 
 
 CTX_HEAD = {"id": "cmpl-ctx", "object": "text_completion", "created": 3, "model": "tiny"}

@@ -44,6 +44,8 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.coordinator.routers",
     "trtdisagg.coordinator.ledger",
     "trtdisagg.coordinator.continuation",
+    "trtdisagg.coordinator.whole_answer",
+    "trtdisagg.api.reasoning",
     "trtdisagg.api.fields",
     "trtdisagg.api.fields_base",
     "trtdisagg.api.vllm_fields",

@@ -215,6 +215,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM's: false drops a reasoning model's thinking
 
 
 AnyRequest = CompletionRequest | ChatCompletionRequest

@@ -120,11 +120,10 @@ def vllm_rules(*, chat: bool) -> list[FieldRule]:
             ),
             rule(
                 "include_reasoning",
-                NEUTRAL,
-                "extension (vLLM's): true only; a reasoning model's thinking stays in `content` "
-                "(no reasoning parser)",
-                neutral=(True,),
-                bad=False,
+                SUPPORTED,
+                "extension (vLLM's): false drops a reasoning model's thinking from the answer "
+                "(see Reasoning)",
+                bad="no",
             ),
             rule(
                 "mm_processor_kwargs",

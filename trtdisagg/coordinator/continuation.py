@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
 import attrs
@@ -151,13 +151,17 @@ class TextReplay:
         sent_text: str,
         *,
         include_stop: bool = False,
+        relayed: Callable[[str], bool] | None = None,
     ) -> TextReplay | None:
         """Replay `sent` as the dead leg's worker did; None when the text it gives is not the
         text relayed (another tokenizer): the continuation then cannot be vouched for here.
-        `include_stop`: the request's `include_stop_str_in_output`."""
+        `include_stop`: the request's `include_stop_str_in_output`. `relayed`: whether the
+        text replayed is what was relayed, when that is not plain equality with `sent_text`
+        (a reasoning model's answer, relayed apart from its thinking)."""
         replay = cls(detokenizer=detokenizer, stops=StopStrings(stops=stops, include=include_stop))
         text = "".join(replay.stops.feed(replay.detokenizer.add(t)) for t in sent)
-        return replay if text == sent_text and not replay.stops.stopped else None
+        same = relayed(text) if relayed is not None else text == sent_text
+        return replay if same and not replay.stops.stopped else None
 
     def step(self, ids: Sequence[int], finish: str | None) -> tuple[str, str | None, int]:
         """One chunk of the continuation: its tokens `ids` and the worker's `finish` reason →

@@ -13,12 +13,14 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import httpx
 import trio
 
+from trtdisagg.api.reasoning import ReasoningSplitter, thinks_after
 from trtdisagg.coordinator.cluster import ServerRole
 from trtdisagg.coordinator.continuation import TextReplay, continuation_request, stop_strings
 from trtdisagg.coordinator.ledger import ChoiceLedger, Ledger
@@ -108,6 +110,8 @@ class GenLegs:
             prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None,
             num_choices=call.req.n,
         )
+        if ctx is not None:
+            ledger.heard_ctx(ctx.body)
         self.relay = GenRelay(
             ledger=ledger,
             leg=leg,
@@ -131,6 +135,7 @@ class GenLegs:
         if self.relay is not None:
             ledger = self.relay.ledger
             ledger.ctx_usage = ctx.usage
+            ledger.heard_ctx(ctx.body)
             if ledger.prompt_token_ids is None and ctx.prompt_token_ids:
                 ledger.prompt_token_ids = list(ctx.prompt_token_ids)
         self._lead()
@@ -238,7 +243,9 @@ class GenLegs:
         service.metrics.migrations.labels(reason=failure.kind.value).inc()
         call.exclude[GEN] = failure.server
         prompt = ledger.prompt_token_ids or await self._prompt_ids()
-        replay = choice.replay or await self._replay(choice)
+        replay, splitter = choice.replay, choice.splitter
+        if replay is None:
+            replay, splitter = await self._replay(choice, prompt)
         lease = await service.lease(call, GEN, service.ids.next_id())
         info = service.placement.server_info(lease.server)
         body = continuation_request(
@@ -261,7 +268,7 @@ class GenLegs:
         except BaseException:
             await lease.release(success=False)
             raise
-        ledger.start_continuation(replay, index)
+        ledger.start_continuation(replay, index, splitter)
         log.warning(
             "%s; resuming %s on %s after %d tokens (migration %d of %d)",
             failure,
@@ -285,22 +292,36 @@ class GenLegs:
             )
         return ids
 
-    async def _replay(self, choice: ChoiceLedger) -> TextReplay | None:
-        """The dead leg's text state of `choice`, when the coordinator has the tokenizer."""
+    async def _replay(
+        self, choice: ChoiceLedger, prompt: Sequence[int]
+    ) -> tuple[TextReplay | None, ReasoningSplitter | None]:
+        """The dead leg's text state of `choice`, when the coordinator has the tokenizer; and
+        for a reasoning model's chat answer, where its thinking stands (`api/reasoning.py`)."""
         info = self.service.placement.model_info()
         tokenizer = await self.service.prompts.tokenizer(info.model_path if info else None)
         if tokenizer is None:
-            return None
-        raw = self.call.raw
-        stops = stop_strings(raw)
-        sent, text = list(choice.token_ids), choice.text
+            return None, None
+        call = self.call
+        stops = stop_strings(call.raw)
+        sent, text, reasoning = list(choice.token_ids), choice.text, choice.reasoning
         # The worker's text rules for this request (`SamplingParams`), applied here from now on
-        include = raw.get("include_stop_str_in_output") is True
-        skip = raw.get("skip_special_tokens") is not False
+        include = call.raw.get("include_stop_str_in_output") is True
+        skip = call.raw.get("skip_special_tokens") is not False
+        tags = tokenizer.think_tokens if call.endpoint.chat else None
+        splitter = None if tags is None else ReasoningSplitter(thinks_after(prompt, tags))
+
+        def relayed(replayed: str) -> bool:  # told apart as the worker told it
+            if splitter is None:
+                return replayed == text
+            split = splitter.feed(replayed)
+            told = split.reasoning == reasoning or not call.ask.include_reasoning
+            return split.content == text and told
 
         def rebuild() -> TextReplay | None:
             detokenizer = tokenizer.incremental_detokenizer(skip_special_tokens=skip)
-            return TextReplay.rebuild(detokenizer, stops, sent, text, include_stop=include)
+            return TextReplay.rebuild(
+                detokenizer, stops, sent, text, include_stop=include, relayed=relayed
+            )
 
         if len(sent) > INLINE_REPLAY_TOKENS:
             replay = await trio.to_thread.run_sync(rebuild)
@@ -308,4 +329,5 @@ class GenLegs:
             replay = rebuild()
         if replay is None:
             log.warning("the text relayed is not what this tokenizer gives: gen's text is used")
-        return replay
+            return None, None
+        return replay, splitter

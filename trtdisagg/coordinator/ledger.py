@@ -36,13 +36,14 @@ from typing import Any, Final, Protocol
 
 import attrs
 
+from trtdisagg.api.reasoning import ReasoningSplitter
 from trtdisagg.coordinator.split import ClientAsk, merge_usage
+from trtdisagg.coordinator.whole_answer import whole_body
 from trtdisagg.errors import TrtDisaggError
 
 Json = dict[str, Any]
 
 HEAD_FIELDS: Final = ("id", "object", "created", "model")
-COMPLETION_LOGPROB_LISTS: Final = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
 class StreamError(TrtDisaggError):
@@ -85,11 +86,21 @@ class ChoiceLedger:
     # which repeats them: what of them it has not repeated yet, to be cut from its events
     ahead_ids: list[int] = attrs.Factory(list)
     ahead_text: str = ""
+    ahead_reasoning: str = ""
+    # chat, a reasoning model (`api/reasoning.py`): its thinking was told apart (by the worker,
+    # or here for a continuation whose text the coordinator rebuilds: `splitter`)
+    tells_reasoning: bool = False
+    reasonings: list[str] = attrs.Factory(list)  # the thinking relayed, in pieces
+    splitter: ReasoningSplitter | None = None
     prompt_logprobs: list[Any] | None = None  # completions: vLLM's, from the first leg
 
     @property
     def text(self) -> str:
         return "".join(self.texts)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasonings)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -152,14 +163,20 @@ class Ledger:
 
     # ---- legs ----
 
-    def start_continuation(self, replay: TextSource | None, choice_index: int = 0) -> None:
+    def start_continuation(
+        self,
+        replay: TextSource | None,
+        choice_index: int = 0,
+        splitter: ReasoningSplitter | None = None,
+    ) -> None:
         """Choice `choice_index`'s next events come from a continuation leg of its own
-        (`continuation.continuation_request`)."""
+        (`continuation.continuation_request`); with `replay`, their text is rebuilt here, and
+        `splitter` tells its thinking apart from where the relayed text left it."""
         self.leg += 1
         choice = self.choices[choice_index]
         choice.leg_chars = choice.logprob_chars
-        choice.replay = replay
-        choice.ahead_ids, choice.ahead_text = [], ""  # a continuation starts after them
+        choice.replay, choice.splitter = replay, splitter
+        choice.ahead_ids, choice.ahead_text, choice.ahead_reasoning = [], "", ""
 
     def lead_with(self, answer: Json, tokens: Sequence[int]) -> list[Json]:
         """ctx's first tokens (one per choice) as the answer's first events, streamed before
@@ -173,10 +190,15 @@ class Ledger:
         events: list[Json] = []
         for state, whole, token in zip(self.choices, answer["choices"], tokens, strict=True):
             text = whole["message"]["content"] if chat else whole["text"]
-            state.ahead_ids, state.ahead_text = [token], text
+            reasoning = whole["message"].get("reasoning_content") if chat else None
+            state.tells_reasoning = chat and "reasoning_content" in whole["message"]
+            reasoning = reasoning if isinstance(reasoning, str) else ""
+            state.ahead_ids, state.ahead_text, state.ahead_reasoning = [token], text, reasoning
             state.token_ids.append(token)
             if text:
                 state.texts.append(text)
+            if reasoning:
+                state.reasonings.append(reasoning)
             state.opened = True
             logprobs = self._logprobs_of(whole.get("logprobs"), 1, state)
             choice: Json = {"index": state.index, "logprobs": logprobs, "finish_reason": None}
@@ -186,6 +208,8 @@ class Ledger:
                         "delta": {"role": "assistant", "content": ""}}  # fmt: skip
                 choices.insert(0, role)
                 choice["delta"] = {"content": text}
+                if reasoning:
+                    choice["delta"]["reasoning_content"] = reasoning
             else:
                 choice["text"] = text
             if self.ask.return_token_ids:
@@ -196,6 +220,16 @@ class Ledger:
             events[0]["prompt_token_ids"] = self.prompt_token_ids  # in the first, as a worker's
             self._prompt_ids_sent = True
         return events
+
+    def heard_ctx(self, answer: Json) -> None:
+        """ctx's whole answer: a reasoning model's tells its thinking apart (its messages
+        carry `reasoning_content`), and so does the client's answer, thinking or not."""
+        choices = answer.get("choices")
+        if not self.ask.chat or not isinstance(choices, list):
+            return
+        for state, whole in zip(self.choices, choices, strict=False):
+            message = whole.get("message") if isinstance(whole, dict) else None
+            state.tells_reasoning |= isinstance(message, dict) and "reasoning_content" in message
 
     # ---- events ----
 
@@ -244,19 +278,25 @@ class Ledger:
         worker_finish = choice.get("finish_reason")
         delta = dict(choice.get("delta") or {}) if self.ask.chat else None
         worker_text = (delta or {}).get("content") if self.ask.chat else choice.get("text")
+        told = (delta or {}).pop("reasoning_content", None)
+        reasoning = told if isinstance(told, str) else ""
+        state.tells_reasoning |= bool(reasoning)
         skip = 0
-        if state.ahead_ids or state.ahead_text:
-            ids, worker_text, skip = _cut_ahead(state, ids, worker_text or "")
+        if state.ahead_ids or state.ahead_text or state.ahead_reasoning:
+            ids, worker_text, reasoning, skip = _cut_ahead(state, ids, worker_text or "", reasoning)
         if state.replay is None:
             text, finish, kept = worker_text or "", worker_finish, len(ids)
         else:
             text, finish, kept = state.replay.step(ids, worker_finish)
             state.finished_here = kept < len(ids) or (finish is not None and worker_finish is None)
+            text, reasoning = self._told_apart(state, text, finish)
         ids = ids[:kept]
         if not state.token_ids and not ids:
             state.opening_text += text
         elif text:
             state.texts.append(text)
+        if reasoning:
+            state.reasonings.append(reasoning)
         state.token_ids += ids
         logprobs = self._logprobs_of(choice.get("logprobs"), kept, state, skip=skip)
         choice["logprobs"] = logprobs
@@ -267,10 +307,12 @@ class Ledger:
         if delta is not None:
             if state.opened:
                 delta.pop("role", None)  # a continuation's role chunk: the client has it
-            if text or not calls:
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text or not (calls or reasoning):
                 delta["content"] = text
             else:
-                delta.pop("content", None)  # a chunk of calls alone, as the worker sends it
+                delta.pop("content", None)  # calls or thinking alone, as the worker sends them
             choice["delta"] = delta
             if isinstance(calls, list):
                 state.tool_calls += [c for c in calls if isinstance(c, dict)]
@@ -283,6 +325,7 @@ class Ledger:
         out["choices"] = [choice]
         shows = (
             bool(text)
+            or bool(reasoning)
             or bool(calls)
             or (bool(ids) and (self.ask.return_token_ids or self.ask.logprobs))
             or finish is not None
@@ -294,6 +337,16 @@ class Ledger:
             return []
         state.opened = True
         return [out]
+
+    def _told_apart(self, state: ChoiceLedger, text: str, finish: str | None) -> tuple[str, str]:
+        """A rebuilt continuation text's answer and thinking parts (the thinking dropped when
+        the client asked for none); without a splitter, all of it is answer."""
+        if state.splitter is None:
+            return text, ""
+        split = state.splitter.feed(text)
+        if finish is not None:
+            split = split + state.splitter.finish()
+        return split.content, split.reasoning if self.ask.include_reasoning else ""
 
     def _prompt_ids(self, out: Json) -> None:
         """Keep the first leg's prompt ids; show them once, where the client asked for them."""
@@ -403,75 +456,35 @@ class Ledger:
 
     def whole(self) -> Json:
         """The client's non-streaming answer, in the shape of a worker's whole answer."""
-        head = dict(self.head or {})
-        head["object"] = "chat.completion" if self.ask.chat else "text_completion"
-        body: Json = {
-            **head,
-            "choices": [self._whole_choice(state) for state in self.choices],
-            "usage": self.usage or self.counted_usage(),
-        }
-        if self.ask.return_token_ids and self.prompt_token_ids is not None:
-            body["prompt_token_ids"] = list(self.prompt_token_ids)
-        if self.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self.prompt_logprobs
-        if self.perf is not None:
-            body["perf_metrics"] = self.perf(self.gen_perf)
-        return body
-
-    def _whole_choice(self, state: ChoiceLedger) -> Json:
-        choice: Json = {
-            "index": state.index,
-            "logprobs": self._merged_logprobs(state),
-            "finish_reason": state.finish_reason,
-        }
-        text = state.opening_text + state.text
-        if self.ask.chat:
-            message: Json = {"role": "assistant", "content": text}
-            if state.tool_calls:
-                message["content"] = text or None
-                message["tool_calls"] = [
-                    {k: v for k, v in call.items() if k != "index"} for call in state.tool_calls
-                ]
-            choice["message"] = message
-        else:
-            choice["text"] = text
-            if state.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = state.prompt_logprobs
-        if self.ask.return_token_ids:
-            choice["token_ids"] = list(state.token_ids)
-        return choice
-
-    def _merged_logprobs(self, state: ChoiceLedger) -> Json | None:
-        if not state.logprobs:
-            return None
-        if self.ask.chat:
-            return {"content": [e for lp in state.logprobs for e in lp.get("content") or ()]}
-        return {
-            key: [v for lp in state.logprobs for v in lp.get(key) or ()]
-            for key in COMPLETION_LOGPROB_LISTS
-        }
+        return whole_body(self)
 
 
-def _cut_ahead(state: ChoiceLedger, ids: list[int], text: str) -> tuple[list[int], str, int]:
+def _cut_ahead(
+    state: ChoiceLedger, ids: list[int], text: str, reasoning: str
+) -> tuple[list[int], str, str, int]:
     """A first-leg event without what the client already has from ctx's answer (its first
-    token, that token's text): the ids and text left, and how many ids were cut. gen repeats
-    ctx's token first, with the same text (the same detokenizer and stop strings run on both),
-    possibly joined with later tokens in one event.
+    token, that token's text and thinking): the ids, text and thinking left, and how many ids
+    were cut. gen repeats ctx's token first, with the same text (the same detokenizer, stop
+    strings and reasoning parser run on both), possibly joined with later tokens in one event.
 
     Raises:
-        StreamError: gen's first token or text is not ctx's.
+        StreamError: gen's first token, text or thinking is not ctx's.
     """
     cut = min(len(ids), len(state.ahead_ids))
     if ids[:cut] != state.ahead_ids[:cut]:
         message = f"gen's first token {ids[:cut]} is not ctx's {state.ahead_ids[:cut]}"
         raise StreamError({"error": {"message": message, "code": 502}})
     del state.ahead_ids[:cut]
-    ahead = state.ahead_text
+    text, state.ahead_text = _cut_text(text, state.ahead_text, "text")
+    reasoning, state.ahead_reasoning = _cut_text(reasoning, state.ahead_reasoning, "thinking")
+    return ids[cut:], text, reasoning, cut
+
+
+def _cut_text(text: str, ahead: str, what: str) -> tuple[str, str]:
+    """`text` without the part of `ahead` it repeats, and what of `ahead` is left to come."""
     if text.startswith(ahead):
-        text, state.ahead_text = text[len(ahead) :], ""
-    elif ahead.startswith(text):
-        text, state.ahead_text = "", ahead[len(text) :]
-    else:
-        message = f"gen's first text {text!r} is not ctx's {ahead!r}"
-        raise StreamError({"error": {"message": message, "code": 502}})
-    return ids[cut:], text, cut
+        return text[len(ahead) :], ""
+    if ahead.startswith(text):
+        return "", ahead[len(text) :]
+    message = f"gen's first {what} {text!r} is not ctx's {ahead!r}"
+    raise StreamError({"error": {"message": message, "code": 502}})

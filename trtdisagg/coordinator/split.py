@@ -56,6 +56,7 @@ class ClientAsk:
     # candidates by them)
     logprobs: bool = False
     prompt_logprobs: bool = False  # vLLM's: ctx computes them, and its answer carries them
+    include_reasoning: bool = True  # vLLM's: false drops a reasoning model's thinking
 
     @classmethod
     def of(cls, body: Json, *, chat: bool) -> ClientAsk:
@@ -72,6 +73,7 @@ class ClientAsk:
             sent_disaggregated_params=body.get("disaggregated_params") is not None,
             logprobs=(logprobs is True if chat else logprobs not in (None, False)) or ranks,
             prompt_logprobs=body.get("prompt_logprobs") is not None,
+            include_reasoning=body.get("include_reasoning") is not False,
         )
 
 

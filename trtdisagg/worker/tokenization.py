@@ -27,6 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _RustTokenizer
 
 from trtdisagg.api.chat import ChatRender, continued
+from trtdisagg.api.reasoning import THINK_END, THINK_START, ThinkTokens
 
 
 class TokenizerError(ValueError):
@@ -80,6 +81,7 @@ class Tokenizer:
         self.chat_template: str | None = _pick_template(config.get("chat_template"))
         self._template: jinja2.Template | None = None
         self._renames_developer = "developer" not in (self.chat_template or "")
+        self.think_tokens = self._think_tokens()
         if self.chat_template is not None:
             # Compiled once, here: a broken template fails at start-up, not on a request.
             try:
@@ -115,6 +117,18 @@ class Tokenizer:
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
+
+    def _think_tokens(self) -> ThinkTokens | None:
+        """A reasoning model's `<think>` and `</think>` (`api/reasoning.py`): when its chat
+        template writes them, each is one token, and decoding keeps them in the text."""
+        if THINK_END not in (self.chat_template or ""):
+            return None
+        start, end = self._id_of(THINK_START), self._id_of(THINK_END)
+        if start is None or end is None:
+            return None
+        if self.decode([start]) != THINK_START or self.decode([end]) != THINK_END:
+            return None
+        return ThinkTokens(start=start, end=end)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if not add_special_tokens or (self._add_bos is None and self._add_eos is None):

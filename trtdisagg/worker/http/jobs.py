@@ -19,6 +19,7 @@ from trtdisagg.api.codec import SSE_DONE, sse_event
 from trtdisagg.api.errors import ApiError
 from trtdisagg.api.fanout import ChoicePlan
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
+from trtdisagg.api.reasoning import ReasoningSplitter, ThinkTokens, thinks_after
 from trtdisagg.api.streaming import MergedBody
 from trtdisagg.api.tool_calls import ToolCall, ToolCallFormat, ToolCallParser, parse_tool_calls
 from trtdisagg.worker.engine.live import RequestHandle
@@ -147,6 +148,8 @@ class Job:
     single_prompt: bool = True  # else each choice carries its own prompt ids
     # chat with tools (not `none`): the text is searched for calls in this format
     tools: ToolCallFormat | None = None
+    # chat, a reasoning model: its thinking goes apart from its answer (api/reasoning.py)
+    reasoning: ThinkTokens | None = None
     keep: int | None = None  # best_of > n: the n best candidates of each prompt are answered
 
     @property
@@ -158,10 +161,19 @@ class Job:
         return self.runs[0].handle.request.sampling.logprobs is not None
 
     @property
+    def _include_reasoning(self) -> bool:
+        return not isinstance(self.req, ChatCompletionRequest) or self.req.include_reasoning
+
+    @property
     def _echo_logprobs(self) -> int | None:
         """Completions' echo with logprobs: the echoed prompt's alternatives; else None."""
         req = self.req
         return req.logprobs if isinstance(req, CompletionRequest) and req.echo else None
+
+    def _splitter(self, run: ChoiceRun) -> ReasoningSplitter | None:
+        if self.reasoning is None:
+            return None
+        return ReasoningSplitter(thinks_after(run.handle.request.prompt_token_ids, self.reasoning))
 
     def drop(self) -> None:
         for run in self.runs:
@@ -241,7 +253,12 @@ class Job:
         last = outputs[-1]
         token_ids = [t for o in outputs for t in o.token_ids]
         logprobs = [lp for o in outputs for lp in o.logprobs]
-        text = (run.echo or "") + "".join(o.text for o in outputs)
+        text = "".join(o.text for o in outputs)
+        reasoning = None
+        if (splitter := self._splitter(run)) is not None:
+            split = splitter.feed(text) + splitter.finish()
+            text, reasoning = split.content, split.reasoning if self._include_reasoning else None
+        text = (run.echo or "") + text
         # echo with logprobs: the echoed prompt's tokens come first, the first one without
         # a logprob (nothing precedes it), as OpenAI answers.
         computed = outputs[0].prompt_logprobs
@@ -270,6 +287,7 @@ class Job:
             text=text,
             token_ids=token_ids,
             tool_calls=calls,
+            reasoning=reasoning,
             logprobs=self._logprobs(shown_ids, shown),
             finish_reason=finish,
             prompt_token_ids=None if self.single_prompt else run.handle.request.prompt_token_ids,
@@ -348,6 +366,7 @@ class Job:
                     ),
                     echo=run.echo,
                     tools=ToolCallParser(format=self.tools) if self.tools is not None else None,
+                    reasoning=self._splitter(run),
                 )
                 for run in self.runs
             ],
@@ -359,6 +378,7 @@ class Job:
             echo_logprobs=self._echo_logprobs is not None,
             echo_top=self._echo_logprobs or 0,
             prompt_scores=self.req.prompt_logprobs,
+            include_reasoning=self._include_reasoning,
         )
         merger = OutputMerger(
             assembler=assembler,

@@ -16,6 +16,7 @@ import attrs
 
 from trtdisagg.api.codec import sse_event
 from trtdisagg.api.protocol import PerfMetrics, Usage, prune
+from trtdisagg.api.reasoning import ReasoningSplitter
 from trtdisagg.api.tool_calls import ToolCall, ToolCallParser, tool_call_deltas
 from trtdisagg.worker.http.plain_chunk import PlainChunk
 from trtdisagg.worker.http.prompt_scores import prompt_scores, with_top
@@ -143,6 +144,7 @@ class ChoiceResult:
     prompt_token_ids: Sequence[int] | None = None  # per choice: a batch of prompts
     extra: Json | None = None
     tool_calls: Sequence[ToolCall] = ()  # chat: calls found in the text (then not in `text`)
+    reasoning: str | None = None  # chat, a reasoning model: its thinking (then not in `text`)
     prompt_logprobs: list[Json | None] | None = None  # vLLM's (`prompt_scores.py`)
 
 
@@ -157,6 +159,8 @@ def _choice(meta: ResponseMeta, result: ChoiceResult) -> Json:
         if result.tool_calls:
             message["content"] = result.text or None
             message["tool_calls"] = [call.as_json() for call in result.tool_calls]
+        if result.reasoning is not None:
+            message["reasoning_content"] = result.reasoning or None
         choice["message"] = message
     else:
         choice["text"] = result.text
@@ -217,13 +221,16 @@ def chunk_body(
     role: bool = False,
     extra: Json | None = None,
     calls: Sequence[Json] = (),
+    reasoning: str = "",
 ) -> Json:
     choice: Json = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     if meta.chat:
         delta: Json = {}
         if role:
             delta["role"] = "assistant"
-        if text is not None and (text or not calls):
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if text is not None and (text or not (calls or reasoning)):
             delta["content"] = text
         if calls:
             delta["tool_calls"] = list(calls)
@@ -282,6 +289,7 @@ class ChoiceStream:
     echo: str | None = None  # completions with `echo`: the prompt text, sent first
     echoed: bool = False  # the echo went out (with the first output, when it has logprobs)
     tools: ToolCallParser | None = None  # chat with tools: finds the calls in the text
+    reasoning: ReasoningSplitter | None = None  # a reasoning model: tells its thinking apart
     text_offset: int = 0  # characters of token text sent so far (logprobs' text_offset)
     started: bool = False  # its first chunk (role, prompt ids) is out
     scored: bool = False  # its prompt's `prompt_logprobs` went out
@@ -305,6 +313,7 @@ class StreamAssembler:
     echo_logprobs: bool = False
     echo_top: int = 0  # the echoed prompt's alternatives (`logprobs`)
     prompt_scores: int | None = None  # vLLM's `prompt_logprobs`: this many alternatives
+    include_reasoning: bool = True  # (vLLM's) false: thinking is told apart, and dropped
 
     def opening(self) -> list[Json]:
         """Chat: each choice's role chunk; completions with `echo`: each prompt's text."""
@@ -341,6 +350,12 @@ class StreamAssembler:
             shown_ids = prompt_ids + shown_ids
             echoed = with_top(prompt_logprobs, self.echo_top)
             shown = [*echoed_logprobs(len(prompt_ids), echoed), *shown]
+        reasoning = ""
+        if choice.reasoning is not None:  # its thinking apart; calls are read in the rest
+            split = choice.reasoning.feed(text)
+            if finish_reason is not None:
+                split = split + choice.reasoning.finish()
+            text, reasoning = split.content, split.reasoning if self.include_reasoning else ""
         calls: list[Json] = []
         if choice.tools is not None:  # the text outside calls, and the calls it completed
             done_before = choice.tools.num_calls
@@ -352,15 +367,16 @@ class StreamAssembler:
                     finish_reason = "tool_calls"
             text = parsed.content
             calls = tool_call_deltas(parsed.calls, done_before)
-        shows = text or carries_tokens or calls or finish_reason is not None
+        shows = text or reasoning or carries_tokens or calls or finish_reason is not None
         if not shows and scores is None:
             return None
         lp = self._logprobs(choice, shown_ids, shown)
         if finish_reason is not None:
             choice.finished = True
         chunk = self._chunk(
-            choice, text=text, token_ids=token_ids, lp=lp, finish_reason=finish_reason, calls=calls
-        )
+            choice, text=text, token_ids=token_ids, lp=lp, finish_reason=finish_reason,
+            calls=calls, reasoning=reasoning,
+        )  # fmt: skip
         if scores is not None:
             (chunk if self.meta.chat else chunk["choices"][0])["prompt_logprobs"] = scores
         return chunk
@@ -394,6 +410,7 @@ class StreamAssembler:
         plain = (
             choice.started
             and choice.tools is None
+            and choice.reasoning is None
             and (choice.echo is None or choice.echoed)
             and not self.continuous_usage
             and all(lp is None for lp in logprobs)
@@ -450,6 +467,7 @@ class StreamAssembler:
         lp: Json | None,
         finish_reason: str | None = None,
         calls: Sequence[Json] = (),
+        reasoning: str = "",
     ) -> Json:
         first = not choice.started
         choice.started = True
@@ -468,4 +486,5 @@ class StreamAssembler:
             role=first and self.meta.chat,
             extra=extra,
             calls=calls,
+            reasoning=reasoning,
         )

@@ -222,6 +222,7 @@ class WorkerService:
                 if isinstance(req, ChatCompletionRequest) and parses_tool_calls(req)
                 else None
             ),
+            reasoning=self.tokenizer.think_tokens if chat else None,
         )
 
     async def _grammar(self, req: AnyRequest) -> GrammarTemplate | None:
