@@ -307,7 +307,7 @@ class GenLegs:
         # The worker's text rules for this request (`SamplingParams`), applied here from now on
         include = call.raw.get("include_stop_str_in_output") is True
         skip = call.raw.get("skip_special_tokens") is not False
-        tags = tokenizer.think_tokens if call.endpoint.chat else None
+        tags = tokenizer.think_tokens if choice.tells_reasoning else None
         splitter = None if tags is None else ReasoningSplitter(thinks_after(prompt, tags))
 
         def relayed(replayed: str) -> bool:  # told apart as the worker told it

@@ -257,7 +257,7 @@ class Job:
         reasoning = None
         if (splitter := self._splitter(run)) is not None:
             split = splitter.feed(text) + splitter.finish()
-            text, reasoning = split.content, split.reasoning if self._include_reasoning else None
+            text, reasoning = split.content, split.reasoning if self._include_reasoning else ""
         text = (run.echo or "") + text
         # echo with logprobs: the echoed prompt's tokens come first, the first one without
         # a logprob (nothing precedes it), as OpenAI answers.

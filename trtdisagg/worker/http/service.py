@@ -222,7 +222,8 @@ class WorkerService:
                 if isinstance(req, ChatCompletionRequest) and parses_tool_calls(req)
                 else None
             ),
-            reasoning=self.tokenizer.think_tokens if chat else None,
+            # an answer held to a grammar is the answer alone: none of it is thinking
+            reasoning=self.tokenizer.think_tokens if chat and grammar is None else None,
         )
 
     async def _grammar(self, req: AnyRequest) -> GrammarTemplate | None:
