@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 import httpx
+import openai
 import pytest
 import trio
 import yaml
@@ -210,3 +211,16 @@ def test_an_answer_held_to_a_grammar_is_the_answer_alone(
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     assert "reasoning_content" not in message and message["content"].startswith("{")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_responses_api_answers_with_a_reasoning_item_first(
+    cluster: Cluster, target: str
+) -> None:
+    client = openai.OpenAI(base_url=url_of(cluster, target) + "/v1", api_key="unused")
+    asked: Any = {"model": "tiny", "input": THINKING, "max_output_tokens": 8, "temperature": 0}
+    thought = client.responses.create(**asked).output[0]
+    assert thought.type == "reasoning" and thought.content
+    events = list(client.responses.create(**asked, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == thought.content[0].text

@@ -546,6 +546,37 @@ def test_a_response_with_calls_has_function_call_items(text: str) -> None:
     assert [item.type for item in final.output] == kinds
 
 
+def test_a_reasoning_model_s_thinking_is_a_reasoning_item_first() -> None:
+    """chat's `reasoning_content` (docs/API.md, Reasoning) as a `reasoning` item ahead of the
+    message, whole and streamed."""
+    message = {"role": "assistant", "content": "4", "reasoning_content": "two and two"}
+    chat = {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": CHAT_USAGE}  # fmt: skip
+    parsed = Response.model_validate(response_body(HEAD, chat))
+    thought, answer = parsed.output
+    assert answer.type == "message"
+    assert thought.type == "reasoning" and thought.content is not None
+    assert [c.text for c in thought.content] == ["two and two"] and parsed.output_text == "4"
+
+    stream = ResponsesStream(head=HEAD)
+    events = stream.start()
+    for delta in ({"role": "assistant", "content": ""}, {"reasoning_content": "two "},
+                  {"reasoning_content": "and two"}, {"content": "4"}):  # fmt: skip
+        events += stream.feed({"choices": [{"index": 0, "delta": delta}]})
+    events += stream.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    events += stream.finish()
+    checked = [EVENTS.validate_python(e) for e in events]
+    types = [e.type for e in checked]
+    assert types[2:5] == ["response.output_item.added", "response.reasoning_text.delta",
+                          "response.reasoning_text.delta"]  # fmt: skip
+    assert types.index("response.reasoning_text.done") < types.index("response.output_text.done")
+    done = next(e for e in checked if e.type == "response.reasoning_text.done")
+    assert done.text == "two and two"  # type: ignore[union-attr]
+    final = checked[-1].response  # type: ignore[union-attr]
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output_text == "4"
+
+
 def test_a_failed_response_stream() -> None:
     stream = ResponsesStream(head=HEAD)
     error = {"error": {"message": "boom", "type": "server_error", "code": 500}}

@@ -46,6 +46,7 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.coordinator.continuation",
     "trtdisagg.coordinator.whole_answer",
     "trtdisagg.api.reasoning",
+    "trtdisagg.api.responses_items",
     "trtdisagg.api.fields",
     "trtdisagg.api.fields_base",
     "trtdisagg.api.vllm_fields",

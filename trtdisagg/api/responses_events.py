@@ -10,9 +10,12 @@ OpenAI does). Shapes follow the `openai` package's `openai.types.responses` mode
 
 A chat tool call becomes a `function_call` output item (its `call_id` the chat call's id),
 streamed as `response.output_item.added`, `response.function_call_arguments.delta`, then at the
-end `response.function_call_arguments.done` and `response.output_item.done`. With tools the
-message item opens at the first text, so an answer that only calls has no empty message;
-output indices follow the order items open in.
+end `response.function_call_arguments.done` and `response.output_item.done`. A reasoning
+model's thinking (chat's `reasoning_content`) becomes a `reasoning` item, streamed as
+`response.output_item.added`, `response.reasoning_text.delta`, then `response.reasoning_text.done`
+and `response.output_item.done`. The message item opens at the first text, so an answer that
+only calls has no empty message and one that thinks first has its thinking first; output
+indices follow the order items open in (items are in the items module).
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ from typing import Any
 import attrs
 
 from trtdisagg.api.responses_api import ResponsesRequest
+from trtdisagg.api.responses_items import (
+    chat_logprobs,
+    function_call_item,
+    message_item,
+    reasoning_item,
+    response_usage,
+    status_of,
+    text_part,
+)
 
 Json = dict[str, Any]
 
@@ -34,6 +46,7 @@ class ResponseHead:
 
     response_id: str
     message_id: str
+    reasoning_id: str
     created_at: int
     model: str
     instructions: str | None
@@ -50,6 +63,7 @@ class ResponseHead:
         return cls(
             response_id="resp_" + secrets.token_hex(12),
             message_id="msg_" + secrets.token_hex(12),
+            reasoning_id="rs_" + secrets.token_hex(12),
             created_at=created_at,
             model=model,
             instructions=asked.instructions,
@@ -90,75 +104,20 @@ def _response(head: ResponseHead, *, status: str, output: list[Json], usage: Jso
     }
 
 
-def _part(text: str, logprobs: list[Json] | None = None) -> Json:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-
-def _logprobs(choice: Json) -> list[Json]:
-    """A chat choice's (or chunk's) token logprobs, in the shape Responses gives them: chat's
-    `logprobs.content` entries are already `{token, logprob, bytes, top_logprobs}`."""
-    logprobs = choice.get("logprobs")
-    content = logprobs.get("content") if isinstance(logprobs, dict) else None
-    return [entry for entry in content or [] if isinstance(entry, dict)]
-
-
-def _message(head: ResponseHead, *, status: str, parts: list[Json]) -> Json:
-    return {
-        "type": "message",
-        "id": head.message_id,
-        "status": status,
-        "role": "assistant",
-        "content": parts,
-    }
-
-
-def response_usage(chat_usage: Json | None) -> Json | None:
-    if not isinstance(chat_usage, dict):
-        return None
-    prompt = int(chat_usage.get("prompt_tokens") or 0)
-    completion = int(chat_usage.get("completion_tokens") or 0)
-    details = chat_usage.get("prompt_tokens_details") or {}
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {
-            "cached_tokens": int(details.get("cached_tokens") or 0),
-            "cache_write_tokens": 0,
-        },
-        "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + completion,
-    }
-
-
-def _status(finish_reason: object) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
-
-
-def _function_call(call: Json, status: str) -> Json:
-    """A chat tool call (`{id, type, function: {name, arguments}}`) as an output item."""
-    function = call.get("function") or {}
-    return {
-        "type": "function_call",
-        "id": "fc_" + secrets.token_hex(12),
-        "call_id": str(call.get("id") or ""),
-        "name": str(function.get("name") or ""),
-        "arguments": str(function.get("arguments") or ""),
-        "status": status,
-    }
-
-
 def response_body(head: ResponseHead, chat: Json) -> Json:
     """The Response for a whole (non-streaming) chat answer of one choice."""
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     text = message.get("content") or ""
-    status = _status(choice.get("finish_reason"))
-    calls = [_function_call(c, "completed") for c in message.get("tool_calls") or ()]
+    status = status_of(choice.get("finish_reason"))
+    calls = [function_call_item(c, "completed") for c in message.get("tool_calls") or ()]
+    thought = message.get("reasoning_content")
     output = (
-        []
-        if calls and not text
-        else [_message(head, status=status, parts=[_part(text, _logprobs(choice))])]
+        [reasoning_item(head.reasoning_id, status="completed", text=thought)] if thought else []
     )
+    if text or not calls:
+        part = text_part(text, chat_logprobs(choice))
+        output.append(message_item(head.message_id, status=status, parts=[part]))
     return _response(
         head, status=status, output=output + calls, usage=response_usage(chat.get("usage"))
     )
@@ -176,6 +135,8 @@ class ResponsesStream:
     _usage: Json | None = None
     _items: int = 0  # output items opened
     _message_index: int | None = None  # the message's output index, once open
+    _reasoning_index: int | None = None  # the thinking's output index, once open
+    _thoughts: list[str] = attrs.Factory(list)
     _calls: dict[int, tuple[int, Json]] = attrs.Factory(dict)  # chat index -> (output index, item)
 
     def _event(self, kind: str, **fields: Any) -> Json:
@@ -185,13 +146,10 @@ class ResponsesStream:
 
     def start(self) -> list[Json]:
         created = _response(self.head, status="in_progress", output=[], usage=None)
-        events = [
+        return [
             self._event("response.created", response=created),
             self._event("response.in_progress", response=created),
         ]
-        if not self.head.tools:  # (with tools, the message opens at its first text)
-            events += self._open_message()
-        return events
 
     def _open_message(self) -> list[Json]:
         index = self._message_index = self._items
@@ -201,9 +159,9 @@ class ResponsesStream:
             self._event(
                 "response.output_item.added",
                 output_index=index,
-                item=_message(self.head, status="in_progress", parts=[]),
+                item=message_item(self.head.message_id, status="in_progress", parts=[]),
             ),
-            self._event("response.content_part.added", **ids, part=_part("")),
+            self._event("response.content_part.added", **ids, part=text_part("")),
         ]
 
     def feed(self, chunk: Json) -> list[Json]:
@@ -213,8 +171,11 @@ class ResponsesStream:
         events: list[Json] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            thought = delta.get("reasoning_content")
+            if thought:
+                events += self._thinking(str(thought))
             text = delta.get("content")
-            logprobs = _logprobs(choice)
+            logprobs = chat_logprobs(choice)
             self._logprobs += logprobs
             if text or logprobs:  # a token may add logprobs before its text shows
                 if self._message_index is None:
@@ -237,6 +198,22 @@ class ResponsesStream:
                 self._finish_reason = choice["finish_reason"]
         return events
 
+    def _thinking(self, thought: str) -> list[Json]:
+        events: list[Json] = []
+        if self._reasoning_index is None:
+            self._reasoning_index = self._items
+            self._items += 1
+            item = reasoning_item(self.head.reasoning_id, status="in_progress", text=None)
+            events.append(self._event(
+                "response.output_item.added", output_index=self._reasoning_index, item=item
+            ))  # fmt: skip
+        self._thoughts.append(thought)
+        events.append(self._event(
+            "response.reasoning_text.delta", item_id=self.head.reasoning_id,
+            output_index=self._reasoning_index, content_index=0, delta=thought,
+        ))  # fmt: skip
+        return events
+
     def _call_delta(self, call: Json) -> list[Json]:
         """A streamed chat tool call (whole, or a piece of its arguments after its first)."""
         events: list[Json] = []
@@ -244,7 +221,7 @@ class ResponsesStream:
         if not isinstance(index, int):
             index = len(self._calls)
         if index not in self._calls:
-            item = _function_call(call, "in_progress")
+            item = function_call_item(call, "in_progress")
             pieces, item["arguments"] = item["arguments"], ""
             self._calls[index] = (self._items, item)
             self._items += 1
@@ -264,16 +241,27 @@ class ResponsesStream:
 
     def finish(self) -> list[Json]:
         text = "".join(self._texts)
-        status = _status(self._finish_reason)
+        status = status_of(self._finish_reason)
         events: list[Json] = []
         if self._message_index is None and not self._calls:  # an empty answer: its message
             events += self._open_message()
         output: list[tuple[int, Json]] = []
+        if self._reasoning_index is not None:
+            thought = "".join(self._thoughts)
+            ids = {"item_id": self.head.reasoning_id, "output_index": self._reasoning_index}
+            item = reasoning_item(self.head.reasoning_id, status="completed", text=thought)
+            events += [
+                self._event("response.reasoning_text.done", **ids, content_index=0, text=thought),
+                self._event(
+                    "response.output_item.done", output_index=ids["output_index"], item=item
+                ),
+            ]
+            output.append((self._reasoning_index, item))
         if self._message_index is not None:
             ids = {"item_id": self.head.message_id, "output_index": self._message_index,
                    "content_index": 0}  # fmt: skip
-            part = _part(text, self._logprobs)
-            item = _message(self.head, status=status, parts=[part])
+            part = text_part(text, self._logprobs)
+            item = message_item(self.head.message_id, status=status, parts=[part])
             events += [
                 self._event("response.output_text.done", **ids, text=text, logprobs=self._logprobs),
                 self._event("response.content_part.done", **ids, part=part),
