@@ -222,6 +222,10 @@ def plan_cluster(data: object, *, source: str, root: Path) -> tuple[ClusterPlan,
             where = f"$.{role}[{i}]"
             worker = _entry(item, where=where, source=source, root=root)
             worker.setdefault("host", host)
+            if data.get("ctx"):  # split serving: a worker without a KV transceiver cannot take part
+                transceiver = dict(worker.get("cache_transceiver_config") or {})
+                transceiver.setdefault("backend", "NIXL")
+                worker["cache_transceiver_config"] = transceiver
             if "port" not in worker:
                 worker["port"] = _next_free_port(
                     str(worker["host"]), coord_port, used, where, source

@@ -1,4 +1,5 @@
-"""`up` with etcd: the plan wires every process to the same cluster (no url lists)."""
+"""`up`'s plan: with etcd it wires every process to the same cluster (no url lists); a split
+cluster's workers exchange KV."""
 
 from __future__ import annotations
 
@@ -46,3 +47,20 @@ def test_an_embedded_etcd_starts_first() -> None:
 def test_bad_membership_keys_are_named(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=r"^up\.yaml: " + message):
         plan_cluster({**SPEC, **changes}, source="up.yaml", root=Path("."))
+
+
+def test_a_split_cluster_s_workers_get_a_kv_transceiver_unless_theirs_is_set() -> None:
+    """A ctx and gen pair exchanges KV, so a worker that names no transceiver gets NIXL (else
+    every split request would be a 400); one served aggregated alone (no ctx) gets none."""
+    spec = {**SPEC, "gen": [{"port": 9002, "cache_transceiver_config": {"backend": "LOOPBACK"}}]}
+    _, files = plan_cluster(spec, source="up.yaml", root=Path("."))
+    assert files[Path("logs") / "ctx-0.yaml"]["cache_transceiver_config"] == {"backend": "NIXL"}
+    assert files[Path("logs") / "gen-0.yaml"]["cache_transceiver_config"] == {"backend": "LOOPBACK"}
+    alone = {
+        "log_dir": "logs",
+        "ctx": [],
+        "gen": [{"port": 9002}],
+        "coordinator": {"conditional_disagg_config": {"max_local_prefill_length": 0}},
+    }
+    _, files = plan_cluster(alone, source="up.yaml", root=Path("."))
+    assert "cache_transceiver_config" not in files[Path("logs") / "gen-0.yaml"]
