@@ -219,8 +219,14 @@ def test_the_responses_api_answers_with_a_reasoning_item_first(
 ) -> None:
     client = openai.OpenAI(base_url=url_of(cluster, target) + "/v1", api_key="unused")
     asked: Any = {"model": "tiny", "input": THINKING, "max_output_tokens": 8, "temperature": 0}
-    thought = client.responses.create(**asked).output[0]
+    first = client.responses.create(**asked)
+    thought = first.output[0]
     assert thought.type == "reasoning" and thought.content
     events = list(client.responses.create(**asked, stream=True))
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
     assert "".join(deltas) == thought.content[0].text
+    # An agent's next turn sends the answer's items back, the reasoning item among them.
+    items = [item.model_dump(exclude_none=True) for item in first.output]
+    turn = [*THINKING[:1], *items, {"role": "user", "content": "And then?"}]
+    again = client.responses.create(**{**asked, "input": turn})
+    assert again.status in ("completed", "incomplete") and again.output

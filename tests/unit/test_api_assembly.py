@@ -9,6 +9,7 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
+from trtdisagg.api.chat import chat_messages
 from trtdisagg.api.codec import SSE_DONE, parse_request, sse_event
 from trtdisagg.api.errors import ApiError
 from trtdisagg.api.fanout import choice_seed, plan_choices, prompt_body
@@ -508,7 +509,10 @@ def test_responses_function_tools_and_items_become_chat_s() -> None:
     for bad in ({"type": "web_search"}, {"type": "function"}):
         with pytest.raises(ApiError, match="tools"):
             chat_body(ResponsesRequest(input="x", tools=[bad]))
-    for item in ({"type": "reasoning"}, {"type": "function_call", "call_id": "c", "name": "f"}):
+    for item in (
+        {"type": "item_reference", "id": "x"},
+        {"type": "function_call", "call_id": "c", "name": "f"},
+    ):
         with pytest.raises(ApiError, match=r"input\[0\]"):
             chat_body(ResponsesRequest(input=[item]))
 
@@ -575,6 +579,37 @@ def test_a_reasoning_model_s_thinking_is_a_reasoning_item_first() -> None:
     final = checked[-1].response  # type: ignore[union-attr]
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output_text == "4"
+
+
+def test_a_reasoning_item_sent_back_is_the_thinking_of_the_turn_it_opens() -> None:
+    """An agent's loop sends the last answer's items back: its reasoning item and its call
+    (or its message) make one assistant turn, thinking and all, as a reasoning model's
+    template reads it."""
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "weather, so call"}]}  # fmt: skip
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Oslo"}'}  # fmt: skip
+    answer = {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Rain."}]}  # fmt: skip
+    opaque = {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "x"}
+    asked = ResponsesRequest(
+        input=[{"role": "user", "content": "Oslo?"}, thought, call,
+               {"type": "function_call_output", "call_id": "call_1", "output": "rain"},
+               {**thought, "content": [{"type": "reasoning_text", "text": "say it"}]}, answer,
+               opaque, {"role": "user", "content": "Thanks"}],
+        tools=[WEATHER],
+    )  # fmt: skip
+    body = chat_body(asked)
+    user, calling, tool, answering, thanks = body["messages"]
+    assert (user["role"], tool["role"]) == ("user", "tool")
+    assert calling["reasoning_content"] == "weather, so call"
+    assert [c["id"] for c in calling["tool_calls"]] == ["call_1"]
+    assert answering == {"role": "assistant", "content": "Rain.", "reasoning_content": "say it"}
+    assert thanks == {"role": "user", "content": "Thanks"}  # nothing to read: no turn
+    parsed = parse_request(body, ChatCompletionRequest)
+    assert chat_messages(parsed.messages or [])[3]["reasoning_content"] == "say it"
+    with pytest.raises(ApiError, match=r"input\[0\]\.content\[0\]\.text"):
+        chat_body(ResponsesRequest(input=[{"type": "reasoning", "content": [{"type": "x"}]}]))
 
 
 def test_a_failed_response_stream() -> None:

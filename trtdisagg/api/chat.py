@@ -3,7 +3,8 @@
 Workers render these to tokenize a chat request; the coordinator renders the same to know the
 prompt's tokens for routing, so both must come from here. A message keeps `tool_calls` (an
 assistant's earlier calls, `function.arguments` as the JSON text OpenAI sends) and
-`tool_call_id` (a tool result); the template decides how they read. Tools reach the template as
+`tool_call_id` (a tool result) and `reasoning_content` (an assistant's earlier thinking); the
+template decides how they read. Tools reach the template as
 its `tools` variable unless `tool_choice` is `none`.
 
 vLLM's rendering controls travel with them (`ChatRender`): `chat_template_kwargs` (more template
@@ -93,6 +94,8 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[Json]:
             ]
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            item["reasoning_content"] = message.reasoning_content
         rendered.append(item)
     return rendered
 

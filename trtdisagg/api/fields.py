@@ -300,9 +300,9 @@ CHAT: Final = {
             "messages",
             SUPPORTED,
             "rendered by the model's chat template: `content` as a string or text parts "
-            "(other parts, such as images, are a 400), an assistant's `tool_calls`, a tool "
-            "message's `tool_call_id`; `developer` is read as `system` by a template that "
-            "does not name it",
+            "(other parts, such as images, are a 400), an assistant's `tool_calls` and "
+            "`reasoning_content`, a tool message's `tool_call_id`; `developer` is read as "
+            "`system` by a template that does not name it",
         ),
         rule("audio", REFUSED, "audio output is not supported", bad={"voice": "alloy"}),
         rule("function_call", REFUSED, "deprecated by OpenAI: use `tool_choice`", bad="auto"),

@@ -133,6 +133,9 @@ class ChatMessage:
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # an assistant's earlier thinking (a reasoning model's answer gave it apart); its chat
+    # template decides whether it reads it (Qwen3's keeps it for the current tool-calling turn)
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:

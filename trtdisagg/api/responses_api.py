@@ -5,7 +5,9 @@ user message (a string) or the listed items (`developer` messages taken as `syst
 `max_output_tokens` chat's `max_tokens`. Function tools become chat's tools (Responses writes
 them flat, `{type, name, parameters}`), a `function_call` item an assistant message's tool call
 and a `function_call_output` item a tool message, so that an agent's loop (call, run the
-function, send its output back) reads as the chat template expects. Worker and coordinator serve
+function, send its output back) reads as the chat template expects. A `reasoning` item (a
+reasoning model's thinking, sent back) becomes the `reasoning_content` of the assistant turn
+it opens. Worker and coordinator serve
 that body on their chat path, so the split, the routing and the validation are chat's;
 `responses_events` turns the chat answer back into a Response. Fields beyond these are refused
 by `responses_fields.RESPONSES`.
@@ -150,7 +152,17 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], i: int) -> N
     where = f"input[{i}]"
     kind = item.get("type", "message")
     if kind == "message":
-        messages.append(_message(item, where))
+        message = _message(item, where)
+        last = messages[-1] if messages else None
+        if message["role"] == "assistant" and last is not None and _thought_alone(last):
+            last["content"] = message["content"]  # the answer of the turn that thought first
+        else:
+            messages.append(message)
+        return
+    if kind == "reasoning":  # a reasoning model's thinking: the next assistant turn's
+        thought = _reasoning_text(item, where)
+        if thought:
+            messages.append({"role": "assistant", "content": None, "reasoning_content": thought})
         return
     if kind == "function_call":
         call = _fields(item, where, ("call_id", "name", "arguments"))
@@ -168,10 +180,38 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], i: int) -> N
         messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         return
     raise bad_request(
-        f"{where}.type: messages, function_call and function_call_output items are served, "
-        f"got {kind!r}",
+        f"{where}.type: messages, reasoning, function_call and function_call_output items are "
+        f"served, got {kind!r}",
         param="input",
     )
+
+
+def _thought_alone(message: dict[str, Any]) -> bool:
+    """An assistant turn that so far holds only a reasoning item's thinking."""
+    return (
+        message["role"] == "assistant"
+        and "reasoning_content" in message
+        and message["content"] is None
+        and "tool_calls" not in message
+    )
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's thinking: its `reasoning_text` content, else its summary's text (an
+    item with neither, such as one carrying only `encrypted_content`, reads as none)."""
+    texts: list[str] = []
+    for field in ("content", "summary"):
+        parts = item.get(field) or []
+        if not isinstance(parts, list):
+            raise bad_request(f"{where}.{field}: expected an array of text parts", param="input")
+        for j, part in enumerate(parts):
+            text = part.get("text") if isinstance(part, dict) else None
+            if not isinstance(text, str):
+                raise bad_request(f"{where}.{field}[{j}].text: a string is required", param="input")
+            texts.append(text)
+        if texts:
+            break
+    return "".join(texts)
 
 
 def _fields(item: dict[str, Any], where: str, names: tuple[str, ...]) -> dict[str, str]:
