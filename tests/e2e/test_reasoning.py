@@ -27,11 +27,12 @@ from tests.fault_checks import processes, wait_all_healthy
 from tests.openai_cluster import TARGETS, sse
 from tests.procs import Server, free_port, metric, worker_config
 from tests.think_model import write_think_model
-from trtdisagg.api.reasoning import ReasoningSplitter, Split
+from trtdisagg.api.reasoning import ReasoningSplitter, Split, ThinkTokens, count_thinking
 
 pytestmark = pytest.mark.timeout(300)
 
 END = 473  # `</think>` in tests/think_model.py's vocabulary
+TAGS = ThinkTokens(start=472, end=END)
 MIGRATED_TOKENS = 600  # a second or more of decoding on a CPU: the stall lands mid-answer
 THINKING = [
     {"role": "user", "content": "What is two plus two?"},
@@ -123,8 +124,13 @@ def test_thinking_and_answer_come_apart_whole_and_streamed(
     expected = splitter.feed(written(http, cluster, answer, **bias)) + splitter.finish()
     assert expected.reasoning if not bias else expected.content  # the case this tests
     assert Split(message["reasoning_content"] or "", message["content"]) == expected
-    events = sse(http, url, chat(stream=True, **bias))
+    thought, _ = count_thinking(answer["choices"][0]["token_ids"], True, TAGS)
+    assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
+    usage = {"stream_options": {"include_usage": True}}
+    events = sse(http, url, chat(stream=True, **bias, **usage))
     assert streamed(events) == (expected.reasoning, expected.content)
+    details = events[-2]["usage"]["completion_tokens_details"]  # (the prompt is cached now)
+    assert details == answer["usage"]["completion_tokens_details"]
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -222,6 +228,7 @@ def test_the_responses_api_answers_with_a_reasoning_item_first(
     first = client.responses.create(**asked)
     thought = first.output[0]
     assert thought.type == "reasoning" and thought.content
+    assert first.usage is not None and first.usage.output_tokens_details.reasoning_tokens > 0
     events = list(client.responses.create(**asked, stream=True))
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
     assert "".join(deltas) == thought.content[0].text

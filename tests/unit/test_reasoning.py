@@ -8,7 +8,13 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trtdisagg.api.reasoning import ReasoningSplitter, Split, ThinkTokens, thinks_after
+from trtdisagg.api.reasoning import (
+    ReasoningSplitter,
+    Split,
+    ThinkTokens,
+    count_thinking,
+    thinks_after,
+)
 
 TAGS = ThinkTokens(start=7, end=8)
 
@@ -23,6 +29,13 @@ def test_the_prompt_s_last_tag_says_where_the_output_starts() -> None:
     assert not thinks_after([1, 7, 3, 8, 4], TAGS)  # it was closed (thinking switched off)
     assert not thinks_after([1, 2, 3], TAGS)  # no tag: the model may open it itself
     assert thinks_after([7, 8, 7], TAGS)
+
+
+def test_thinking_tokens_are_counted_tags_included() -> None:
+    assert count_thinking([1, 2, 8, 3, 4], True, TAGS) == (3, False)  # 1, 2 and </think>
+    assert count_thinking([1, 7, 2, 8, 3], False, TAGS) == (3, False)  # <think> 2 </think>
+    assert count_thinking([1, 7, 2], False, TAGS) == (2, True)
+    assert count_thinking([8, 8], False, TAGS) == (0, False)  # an end tag outside is text
 
 
 def test_thinking_then_answer() -> None:

@@ -235,14 +235,20 @@ class Usage:
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = attrs.Factory(PromptTokensDetails)
+    # A reasoning model's thinking among the completion tokens (`completion_tokens_details`);
+    # None for a model that does not think.
+    reasoning_tokens: int | None = None
 
     @classmethod
-    def of(cls, prompt: int, completion: int, cached: int = 0) -> Usage:
+    def of(
+        cls, prompt: int, completion: int, cached: int = 0, *, reasoning: int | None = None
+    ) -> Usage:
         return cls(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            reasoning_tokens=reasoning,
         )
 
 

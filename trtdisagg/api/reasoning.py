@@ -50,6 +50,17 @@ def thinks_after(token_ids: Sequence[int], tags: ThinkTokens) -> bool:
     return False
 
 
+def count_thinking(token_ids: Sequence[int], thinking: bool, tags: ThinkTokens) -> tuple[int, bool]:
+    """How many of `token_ids` are thinking (the tags included: OpenAI's `reasoning_tokens`),
+    starting `thinking` or not; and whether the thinking is open after them."""
+    count = 0
+    for token in token_ids:
+        if thinking or token == tags.start:
+            count += 1
+            thinking = token != tags.end
+    return count, thinking
+
+
 @attrs.frozen
 class Split:
     reasoning: str = ""

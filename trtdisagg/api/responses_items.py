@@ -48,7 +48,7 @@ def response_usage(chat_usage: Json | None) -> Json | None:
             "cache_write_tokens": 0,
         },
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(chat_usage)},
         "total_tokens": prompt + completion,
     }
 
@@ -76,3 +76,9 @@ def reasoning_item(item_id: str, *, status: str, text: str | None) -> Json:
     content = [] if text is None else [{"type": "reasoning_text", "text": text}]
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
             "status": status}  # fmt: skip
+
+
+def _reasoning_tokens(chat_usage: Json) -> int:
+    details = chat_usage.get("completion_tokens_details")
+    count = details.get("reasoning_tokens") if isinstance(details, dict) else None
+    return count if isinstance(count, int) else 0

@@ -251,7 +251,8 @@ def gen_first_request(
 
 
 def merge_usage(ctx_usage: Json | None, gen_usage: Json | None) -> Json | None:
-    """Prompt and cached tokens from ctx, completion tokens from gen."""
+    """Prompt and cached tokens from ctx, completion tokens (and their details: a reasoning
+    model's `reasoning_tokens`) from gen."""
     if gen_usage is None:
         return ctx_usage
     if ctx_usage is None:
@@ -260,12 +261,15 @@ def merge_usage(ctx_usage: Json | None, gen_usage: Json | None) -> Json | None:
     completion = int(gen_usage.get("completion_tokens", 0))
     details = ctx_usage.get("prompt_tokens_details") or {}
     cached = int(details.get("cached_tokens", 0) or 0)
-    return {
+    merged: Json = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if isinstance(gen_usage.get("completion_tokens_details"), dict):
+        merged["completion_tokens_details"] = gen_usage["completion_tokens_details"]
+    return merged
 
 
 def _strip(body: Json, ask: ClientAsk) -> bool:

@@ -1,4 +1,5 @@
-"""What a ctx worker tells gen about itself in `disaggregated_params.opaque_state` (pure).
+"""What a ctx worker tells gen in `disaggregated_params` beyond ids (pure): its instance in
+`opaque_state`, and its first tokens' logprobs by id.
 
 A control endpoint alone does not name a ctx instance: a ctx restarted on a reused port would be
 taken for its old self, whose registration of gen died with it, and every transfer would time
@@ -9,6 +10,11 @@ gen then trusts its cache, as before.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
+
+from trtdisagg.worker.token_logprobs import TokenLogprobs
 
 PREFIX = "trtdisagg-ctx:"
 
@@ -23,3 +29,21 @@ def ctx_instance_of(state: str | None) -> str | None:
     if state is None or not state.startswith(PREFIX) or len(state) == len(PREFIX):
         return None
     return state[len(PREFIX) :]
+
+
+def first_token_logprobs(token: int, logprobs: TokenLogprobs) -> dict[str, Any]:
+    """A token's logprobs as `disaggregated_params` carries them (`first_gen_logprobs`,
+    `prompt_logprobs`), by id."""
+    entry: dict[str, Any] = {
+        "token_id": token,
+        "logprob": _finite(logprobs.logprob),
+        "top_logprobs": [{"token_id": t, "logprob": _finite(v)} for t, v in logprobs.top],
+    }
+    if logprobs.rank is not None:
+        entry["rank"] = logprobs.rank
+    return entry
+
+
+def _finite(value: float) -> float:
+    # -inf (a token masked out) is not JSON; the lowest float is as good for every use here.
+    return value if math.isfinite(value) else -3.4e38

@@ -8,7 +8,6 @@ them), `stream_body()` for SSE, the choices interleaved as they produce tokens (
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,14 +18,14 @@ from trtdisagg.api.codec import SSE_DONE, sse_event
 from trtdisagg.api.errors import ApiError
 from trtdisagg.api.fanout import ChoicePlan
 from trtdisagg.api.protocol import ChatCompletionRequest, CompletionRequest, PerfMetrics
-from trtdisagg.api.reasoning import ReasoningSplitter, ThinkTokens, thinks_after
+from trtdisagg.api.reasoning import ReasoningSplitter, ThinkTokens, count_thinking, thinks_after
 from trtdisagg.api.streaming import MergedBody
 from trtdisagg.api.tool_calls import ToolCall, ToolCallFormat, ToolCallParser, parse_tool_calls
 from trtdisagg.worker.engine.live import RequestHandle
 from trtdisagg.worker.engine.outputs import RequestOutput
 from trtdisagg.worker.http import responses
 from trtdisagg.worker.http.engine import Engine
-from trtdisagg.worker.http.handoff import ctx_state
+from trtdisagg.worker.http.handoff import ctx_state, first_token_logprobs
 from trtdisagg.worker.http.prompt_scores import prompt_scores, with_top
 from trtdisagg.worker.request import RequestType
 from trtdisagg.worker.token_logprobs import TokenLogprobs
@@ -49,6 +48,11 @@ class ChoiceRun:
     # samples is not answered (its outputs come without it)
     scoring: bool = False
     done: bool = False  # its last output (or ctx's context_done) arrived
+    # A reasoning model's (api/reasoning.py): whether its output is in the thinking now, and
+    # how many of its tokens were thinking (usage's `reasoning_tokens`); set by its Job.
+    think_tags: ThinkTokens | None = None
+    thinking: bool = False
+    thought_tokens: int = 0
     _started: bool = attrs.field(default=False, alias="started")  # the first output was read
     _closed: bool = attrs.field(default=False, alias="closed")
     _held: RequestOutput | None = attrs.field(default=None, alias="held")  # read, not sent yet
@@ -77,6 +81,11 @@ class ChoiceRun:
             self.done = True
         if self.scoring:
             output = attrs.evolve(output, token_ids=(), text="", logprobs=(), num_output_tokens=0)
+        if self.think_tags is not None:
+            thought, self.thinking = count_thinking(
+                output.token_ids, self.thinking, self.think_tags
+            )
+            self.thought_tokens += thought
         return output
 
     async def _fill(self, output: RequestOutput) -> RequestOutput:
@@ -125,6 +134,7 @@ class ChoiceRun:
             prompt_tokens=output.num_prompt_tokens,
             cached_tokens=output.num_cached_tokens,
             completion_tokens=output.num_output_tokens,
+            reasoning_tokens=self.thought_tokens if self.think_tags is not None else None,
         )
 
 
@@ -151,6 +161,14 @@ class Job:
     # chat, a reasoning model: its thinking goes apart from its answer (api/reasoning.py)
     reasoning: ThinkTokens | None = None
     keep: int | None = None  # best_of > n: the n best candidates of each prompt are answered
+
+    def __attrs_post_init__(self) -> None:
+        tags = self.reasoning
+        if tags is None:
+            return
+        for run in self.runs:
+            run.think_tags = tags
+            run.thinking = thinks_after(run.handle.request.prompt_token_ids, tags)
 
     @property
     def request_id(self) -> int:
@@ -471,21 +489,3 @@ class OutputMerger:
             return [SSE_DONE]
         perf = self._perf if self.with_perf else None
         return [sse_event(chunk) for chunk in self.assembler.closing(perf)] + [SSE_DONE]
-
-
-def first_token_logprobs(token: int, logprobs: TokenLogprobs) -> Json:
-    """A token's logprobs as `disaggregated_params` carries them (`first_gen_logprobs`,
-    `prompt_logprobs`), by id."""
-    entry: Json = {
-        "token_id": token,
-        "logprob": _finite(logprobs.logprob),
-        "top_logprobs": [{"token_id": t, "logprob": _finite(v)} for t, v in logprobs.top],
-    }
-    if logprobs.rank is not None:
-        entry["rank"] = logprobs.rank
-    return entry
-
-
-def _finite(value: float) -> float:
-    # -inf (a token masked out) is not JSON; the lowest float is as good for every use here.
-    return value if math.isfinite(value) else -3.4e38

@@ -43,6 +43,7 @@ class ChoiceTokens:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    reasoning_tokens: int | None = None  # of them, thinking (a reasoning model's; else None)
 
 
 def total_usage(choices: Sequence[ChoiceTokens]) -> Usage:
@@ -50,20 +51,25 @@ def total_usage(choices: Sequence[ChoiceTokens]) -> Usage:
     prompts: dict[int, ChoiceTokens] = {}
     for choice in choices:
         prompts.setdefault(choice.prompt_index, choice)
+    thought = [c.reasoning_tokens for c in choices if c.reasoning_tokens is not None]
     return Usage.of(
         sum(c.prompt_tokens for c in prompts.values()),
         sum(c.completion_tokens for c in choices),
         sum(c.cached_tokens for c in prompts.values()),
+        reasoning=sum(thought) if thought else None,
     )
 
 
 def usage_json(usage: Usage) -> Json:
-    return {
+    out: Json = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
     }
+    if usage.reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    return out
 
 
 def perf_json(perf: PerfMetrics | None) -> Json | None:
