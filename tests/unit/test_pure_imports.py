@@ -47,7 +47,6 @@ PURE_MODULES: tuple[str, ...] = (
     "trtdisagg.coordinator.whole_answer",
     "trtdisagg.api.reasoning",
     "trtdisagg.api.responses_items",
-    "trtdisagg.worker.http.handoff",
     "trtdisagg.api.fields",
     "trtdisagg.api.fields_base",
     "trtdisagg.api.vllm_fields",
